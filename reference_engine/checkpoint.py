@@ -1,0 +1,360 @@
+"""Read and write Hugging Face checkpoint layouts; make tiny random checkpoints.
+
+Layouts read:
+- `config.json` with `model_type` qwen3, qwen3_5 (multimodal wrapper, `text_config` nested,
+  tensors under `model.language_model.`, `mtp.*` and `model.visual.*` ignored) or
+  qwen3_5_text (text-only, tensors under `model.`);
+- `model.safetensors`, or shards listed in `model.safetensors.index.json`;
+- tied (`tie_word_embeddings`, no `lm_head.weight` needed) or untied embeddings.
+
+Command line:
+    python -m reference_engine.checkpoint make-tiny --arch {qwen3,qwen3_5} --out DIR
+        [--seed N] [--layers N] [--hidden N] [--vocab N] [--multimodal-wrapper]
+        [--tie-word-embeddings] [--shards N] [--dtype float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import TargetConfig
+from .errors import CheckpointError, ConfigError, ReferenceEngineError
+from .models import CausalLM, build_target, expected_shapes
+from .models.layers import RotaryEmbedding
+from .tokenizer import EOS_TOKEN, build_tiny_tokenizer, save_tokenizer
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+WRAPPER_PREFIX = "model.language_model."
+IGNORED_PREFIXES = ("mtp.", "model.visual.")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype '{name}', expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# ----------------------------------------------------------------------------- reading
+def read_config(path: str | Path) -> dict[str, Any]:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (is this a model directory?)")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+
+
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file that holds it."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise CheckpointError(f"{index} lists shard {file.name}, which is missing")
+        return files
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _canonical_name(name: str) -> str | None:
+    """Checkpoint name -> our parameter name, or None for tensors we ignore."""
+    if name.startswith(IGNORED_PREFIXES):
+        return None
+    if name.startswith(WRAPPER_PREFIX):
+        return "model." + name[len(WRAPPER_PREFIX) :]
+    return name
+
+
+def read_tensors(
+    path: str | Path,
+    expected: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ignorable: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """Read exactly the expected tensors, checking names and shapes before any load.
+
+    Names in `ignorable` are skipped when the config does not expect them (for example
+    `lm_head.weight` stored beside tied embeddings)."""
+    files = tensor_files(path)
+    by_canonical: dict[str, str] = {}
+    unexpected = []
+    for name in files:
+        canonical = _canonical_name(name)
+        if canonical is None or (canonical in ignorable and canonical not in expected):
+            continue
+        if canonical not in expected:
+            unexpected.append(name)
+        by_canonical[canonical] = name
+    missing = [name for name in expected if name not in by_canonical]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
+    if unexpected:
+        shown = ", ".join(unexpected[:5])
+        raise CheckpointError(f"{path}: unexpected tensor(s) {shown} for this config")
+
+    tensors: dict[str, torch.Tensor] = {}
+    handles: dict[Path, Any] = {}
+    try:
+        for canonical, shape in expected.items():
+            name = by_canonical[canonical]
+            file = files[name]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            handle = handles[file]
+            found = tuple(handle.get_slice(name).get_shape())
+            if found != shape:
+                raise CheckpointError(
+                    f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}"
+                )
+            tensors[canonical] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    finally:
+        handles.clear()
+    return tensors
+
+
+def load_target(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
+    """Load a Qwen3 / Qwen3.5 target from a Hugging Face model directory."""
+    config = TargetConfig.from_hf(read_config(path))
+    expected = expected_shapes(config)
+    tensors = read_tensors(path, expected, dtype, device, ignorable=("lm_head.weight",))
+    with torch.device("meta"):
+        model = build_target(config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device)
+    model.source_path = Path(path)
+    return model.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- writing
+def write_safetensors(
+    out_dir: Path, tensors: dict[str, torch.Tensor], shards: int = 1
+) -> None:
+    """Write one `model.safetensors`, or `shards` files plus the index, as HF does."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    if shards <= 1:
+        save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    per_shard = math.ceil(len(names) / shards)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i * per_shard : (i + 1) * per_shard]}
+        save_file(part, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def random_weights(
+    shapes: dict[str, tuple[int, ...]], seed: int, norm_offset: bool
+) -> dict[str, torch.Tensor]:
+    """Random weights scaled so that tiny models give varied, non-degenerate logits."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+    out = {}
+    for name, shape in shapes.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("A_log"):
+            out[name] = torch.empty(shape).uniform_(0.0, 2.5, generator=gen)
+        elif name.endswith("dt_bias"):
+            out[name] = 1.0 + normal(shape, 0.1)
+        elif name.endswith("conv1d.weight"):
+            out[name] = normal(shape, 0.5)
+        elif len(shape) == 1:  # norm weights
+            offset_norm = norm_offset and not name.endswith("linear_attn.norm.weight")
+            out[name] = normal(shape, 0.1) + (0.0 if offset_norm else 1.0)
+        elif name.endswith("embed_tokens.weight"):
+            out[name] = normal(shape, 1.0)
+        elif leaf == "weight":
+            out[name] = normal(shape, shape[-1] ** -0.5)
+        else:  # biases
+            out[name] = normal(shape, 0.1)
+    return out
+
+
+def tiny_target_config(
+    arch: str, layers: int, hidden: int, vocab: int, tie: bool, eos_id: int
+) -> dict[str, Any]:
+    """A config.json dict in the real Hugging Face format for a tiny target."""
+    if hidden % 32:
+        raise ConfigError(f"--hidden must be a multiple of 32 for tiny models, got {hidden}")
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": tie,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+    }
+    if arch == "qwen3":
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **common,
+            "num_attention_heads": hidden // 16,
+            "num_key_value_heads": max(1, hidden // 32),
+            "head_dim": 16,
+            "rope_theta": 10000.0,
+            "rope_scaling": None,
+            "use_sliding_window": False,
+            "torch_dtype": "float32",
+        }
+    if arch == "qwen3_5":
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            **common,
+            "num_attention_heads": max(2, hidden // 32),
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "layer_types": [
+                "full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(layers)
+            ],
+            "linear_num_key_heads": max(1, hidden // 32),
+            "linear_num_value_heads": 2 * max(1, hidden // 32),
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+            "torch_dtype": "float32",
+        }
+    raise ConfigError(f"unknown --arch '{arch}', expected qwen3 or qwen3_5")
+
+
+def wrap_multimodal(text_config: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3.5 multimodal wrapper config around a text config."""
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text_config,
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32},
+        "tie_word_embeddings": text_config["tie_word_embeddings"],
+    }
+
+
+def make_tiny_target(
+    out: str | Path,
+    arch: str = "qwen3",
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 64,
+    vocab: int = 512,
+    tie_word_embeddings: bool = False,
+    multimodal_wrapper: bool = False,
+    shards: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a tiny random target with a tiny tokenizer, in the real on-disk format."""
+    out = Path(out)
+    if multimodal_wrapper and arch != "qwen3_5":
+        raise ConfigError("--multimodal-wrapper applies to --arch qwen3_5 only")
+    if layers <= 0 or vocab <= 0:
+        raise ConfigError(f"--layers and --vocab must be positive, got {layers} and {vocab}")
+    tokenizer = build_tiny_tokenizer(vocab)
+    raw = tiny_target_config(
+        arch, layers, hidden, vocab, tie_word_embeddings, tokenizer.token_to_id(EOS_TOKEN)
+    )
+    config = TargetConfig.from_hf(raw)
+    tensors = random_weights(expected_shapes(config), seed, config.norm_offset)
+    if multimodal_wrapper:
+        gen = torch.Generator().manual_seed(seed + 1)
+        tensors = {
+            (WRAPPER_PREFIX + n[len("model.") :] if n.startswith("model.") else n): t
+            for n, t in tensors.items()
+        }
+        # present in real checkpoints, ignored by text-only loading
+        tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=gen)
+        tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen)
+        raw = wrap_multimodal(raw)
+    write_safetensors(out, {n: t.to(dtype) for n, t in tensors.items()}, shards)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    save_tokenizer(tokenizer, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m reference_engine.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
+    tiny.add_argument("--arch", required=True, choices=["qwen3", "qwen3_5"])
+    tiny.add_argument("--out", required=True, help="output directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--hidden", type=int, default=64)
+    tiny.add_argument("--vocab", type=int, default=512)
+    tiny.add_argument("--multimodal-wrapper", action="store_true",
+                      help="Qwen3.5 only: write the multimodal wrapper layout")
+    tiny.add_argument("--tie-word-embeddings", action="store_true")
+    tiny.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
+    tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        out = make_tiny_target(
+            args.out,
+            arch=args.arch,
+            seed=args.seed,
+            layers=args.layers,
+            hidden=args.hidden,
+            vocab=args.vocab,
+            tie_word_embeddings=args.tie_word_embeddings,
+            multimodal_wrapper=args.multimodal_wrapper,
+            shards=args.shards,
+            dtype=parse_dtype(args.dtype),
+        )
+    except ReferenceEngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One request on one slot: prefill and plain greedy decode.
+
+The speculative path (spec.py) reuses `prefill` and `stop_position` so that both paths
+end an output at exactly the same token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .models import CausalLM
+from .request import SamplingParams, validate_prompt
+from .sampling import greedy
+from .state import TargetState
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop id, included in output_ids) or "length"
+    acceptance_lengths: list[int] = field(default_factory=list)  # speculative only
+
+
+def context_length(model: CausalLM, max_model_len: int | None = None) -> int:
+    limit = model.config.max_position_embeddings
+    return limit if max_model_len is None else min(limit, max_model_len)
+
+
+def stop_ids(model: CausalLM, params: SamplingParams) -> frozenset[int]:
+    eos = () if params.ignore_eos else model.config.eos_token_ids
+    return frozenset((*eos, *params.stop_token_ids))
+
+
+def stop_position(tokens: list[int], stops: frozenset[int]) -> int | None:
+    """Index of the first stop token in `tokens`, or None."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return i
+    return None
+
+
+def new_state(model: CausalLM, max_len: int, num_slots: int = 1) -> TargetState:
+    weight = model.model.embed_tokens.weight
+    return TargetState(model.config, num_slots, max_len, weight.dtype, weight.device)
+
+
+@torch.inference_mode()
+def prefill(
+    model: CausalLM,
+    state: TargetState,
+    slot: int,
+    prompt_ids: list[int],
+    capture_layers: tuple[int, ...] = (),
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the prompt into a fresh slot. Returns (last-position logits [vocab], features
+    [len(prompt), n * hidden] or None). Long prompts run in chunks of `chunk_size`."""
+    device = state.device
+    state.reset(slot)
+    slots = torch.tensor([slot], device=device)
+    chunk = chunk_size or len(prompt_ids)
+    features = []
+    logits = None
+    for start in range(0, len(prompt_ids), chunk):
+        ids = prompt_ids[start : start + chunk]
+        end = start + len(ids)
+        out = model(
+            torch.tensor([ids], device=device),
+            torch.arange(start, end, device=device)[None],
+            slots,
+            state,
+            kv_len=end,
+            capture_layers=capture_layers,
+            last_only=True,
+        )
+        logits = out.logits[0, -1]
+        if out.features is not None:
+            features.append(out.features[0])
+        state.lengths[slot] = end
+    return logits, (torch.cat(features) if features else None)
+
+
+@torch.inference_mode()
+def decode_step(model: CausalLM, state: TargetState, slot: int, token: int) -> torch.Tensor:
+    """Append one token to the slot; returns the next-token logits [vocab]."""
+    device = state.device
+    pos = state.lengths[slot]
+    out = model(
+        torch.tensor([[token]], device=device),
+        torch.tensor([[pos]], device=device),
+        torch.tensor([slot], device=device),
+        state,
+        kv_len=pos + 1,
+    )
+    state.lengths[slot] = pos + 1
+    return out.logits[0, -1]
+
+
+def generate_plain(
+    model: CausalLM,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    max_model_len: int | None = None,
+    chunk_size: int | None = None,
+) -> GenerationResult:
+    """Plain greedy decode: argmax, lowest id on a tie; stop on EOS, stop ids, max_tokens.
+
+    The stop token, when one ends the output, is the last entry of `output_ids`.
+    """
+    if not params.greedy:
+        raise NotImplementedError("plain decode at temperature > 0 arrives with sampling")
+    context = context_length(model, max_model_len)
+    validate_prompt(prompt_ids, model.config.vocab_size, context, params.max_tokens)
+    stops = stop_ids(model, params)
+    state = new_state(model, len(prompt_ids) + params.max_tokens)
+    logits, _ = prefill(model, state, 0, prompt_ids, chunk_size=chunk_size)
+    output: list[int] = []
+    while True:
+        token = int(greedy(logits))  # the one host sync per step
+        output.append(token)
+        if token in stops:
+            return GenerationResult(output, FINISH_STOP)
+        if len(output) == params.max_tokens:
+            return GenerationResult(output, FINISH_LENGTH)
+        logits = decode_step(model, state, 0, token)

@@ -1,0 +1,108 @@
+"""Generate for one prompt from the command line.
+
+    python -m reference_engine.generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3)
+        --max-tokens N [--dtype float64|float32|bfloat16] [--device cpu|cuda]
+        [--stop-ids 5,6] [--ignore-eos] [--json]
+
+With --json it prints one JSON object: output_ids, text, finish_reason, prompt_ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from .checkpoint import DTYPES, load_target, parse_dtype
+from .decode import generate_plain
+from .errors import ReferenceEngineError, RequestError
+from .request import SamplingParams
+from .tokenizer import load_tokenizer
+
+
+def parse_id_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        raise RequestError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    model: str
+    prompt: str | None
+    prompt_ids: str | None
+    max_tokens: int
+    dtype: str
+    device: str
+    stop_ids: str
+    ignore_eos: bool
+    max_model_len: int | None
+    json: bool
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog="python -m reference_engine.generate")
+        p.add_argument("--model", required=True, help="target model directory (HF layout)")
+        prompt = p.add_mutually_exclusive_group(required=True)
+        prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
+        prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+        p.add_argument("--max-tokens", type=int, required=True)
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--stop-ids", default="", help="extra stop token ids, comma-separated")
+        p.add_argument("--ignore-eos", action="store_true")
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        return p
+
+    @classmethod
+    def parse(cls, argv: list[str] | None) -> GenerateArgs:
+        return cls(**vars(cls.parser().parse_args(argv)))
+
+
+def run(args: GenerateArgs) -> dict:
+    model = load_target(args.model, dtype=parse_dtype(args.dtype), device=args.device)
+    tokenizer = None
+    if args.prompt is not None:
+        tokenizer = load_tokenizer(args.model)
+        prompt_ids = tokenizer.encode(args.prompt).ids
+    else:
+        prompt_ids = parse_id_list(args.prompt_ids, "--prompt-ids")
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        stop_token_ids=tuple(parse_id_list(args.stop_ids, "--stop-ids")),
+        ignore_eos=args.ignore_eos,
+    )
+    result = generate_plain(model, prompt_ids, params, max_model_len=args.max_model_len)
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(args.model)
+        except ReferenceEngineError:
+            tokenizer = None
+    text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
+    return {
+        "prompt_ids": prompt_ids,
+        "output_ids": result.output_ids,
+        "text": text,
+        "finish_reason": result.finish_reason,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = GenerateArgs.parse(argv)
+    try:
+        out = run(args)
+    except ReferenceEngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"] if out["text"] is not None else " ".join(map(str, out["output_ids"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The decoder-only skeleton both target families share: embed, layers, final norm, lm_head,
+with optional capture of chosen layers' outputs (the DFlash context features)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TargetConfig
+from .layers import ForwardContext, RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [batch, T, vocab] (T = 1 when only the last position was asked for)
+    features: torch.Tensor | None  # [batch, T, len(capture_layers) * hidden] or None
+
+
+class Backbone(nn.Module):
+    """Holds the parameters under the checkpoint's `model.` names."""
+
+    def __init__(self, config: TargetConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: TargetConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, layers)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states -> logits over the vocabulary."""
+        return F.linear(hidden, self.lm_head_weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [batch, T]
+        positions: torch.Tensor,  # [batch, T]
+        slots: torch.Tensor,  # [batch]
+        state,  # TargetState
+        kv_len: int,
+        capture_layers: tuple[int, ...] = (),
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        """Run T new tokens per row and update the rows' slot state in place.
+
+        `kv_len` bounds the attention rows read (host int, at least max(positions) + 1);
+        the caller knows it, so no value is read back from the device here.
+        """
+        x = self.embed(input_ids)
+        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, ctx, i)
+            if i in capture_layers:
+                captured.append(x)
+        features = torch.cat(captured, dim=-1) if captured else None
+        if last_only:
+            x = x[:, -1:]
+        return ForwardOutput(self.project_logits(self.model.norm(x)), features)

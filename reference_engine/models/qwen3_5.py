@@ -1,0 +1,139 @@
+"""Qwen3.5 hybrid text model: Gated DeltaNet layers and gated full-attention layers.
+
+Layer i is a Gated DeltaNet ("linear_attention") or a gated attention layer
+("full_attention") as `layer_types` says. Norms multiply by (1 + w). For text, MRoPE's three
+position rows are equal, so the attention layers use plain RoPE on the rotary part.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import LINEAR_ATTENTION, TargetConfig
+from .base import CausalLM
+from .layers import MLP, ForwardContext, GatedRMSNorm, RMSNorm, SelfAttention, accumulation_dtype
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_recurrence(
+    q: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised and scaled, state dtype
+    k: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised, state dtype
+    v: torch.Tensor,  # [batch, T, v_heads, v_dim], state dtype
+    g: torch.Tensor,  # [batch, T, v_heads] log decay (<= 0)
+    beta: torch.Tensor,  # [batch, T, v_heads] write strength in (0, 1)
+    state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
+    states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, one token at a time, per value head:
+
+        S <- S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S <- S + k_t (x) delta;  o_t = S^T q_t
+
+    Returns (outputs [batch, T, v_heads, v_dim], final state). When `states_out` is given,
+    the state after every token is written into it (the `per_token` commit strategy).
+    """
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t, :, None, None].exp()
+        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+        if states_out is not None:
+            states_out[:, t] = state
+    return torch.stack(outputs, dim=1), state
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.k_dim = config.linear_key_head_dim
+        self.v_dim = config.linear_value_head_dim
+        self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
+        self.conv_dim = config.conv_dim
+        self.kernel = config.linear_conv_kernel_dim
+        h = config.hidden_size
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def causal_conv(self, mixed: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        """Depthwise causal conv1d + SiLU, continuing from the slot's conv state.
+
+        mixed: [batch, conv_dim, T] -> [batch, conv_dim, T]. The conv state holds the last
+        kernel-1 inputs; a fresh slot holds zeros, which equals left zero-padding.
+        """
+        conv_state = ctx.state.conv[layer]
+        full = torch.cat([conv_state[ctx.slots], mixed], dim=-1)
+        conv_state[ctx.slots] = full[..., full.shape[-1] - (self.kernel - 1) :]
+        return F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        batch, T, _ = x.shape
+        acc = accumulation_dtype(x.dtype)
+        mixed = self.causal_conv(self.in_proj_qkv(x).transpose(1, 2), ctx, layer)
+        q, k, v = mixed.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q = l2_normalize(q.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
+        k = l2_normalize(k.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
+        v = v.reshape(batch, T, self.num_v_heads, self.v_dim).to(acc)
+        # value heads 2i and 2i+1 (for a ratio of 2) share key head i
+        ratio = self.num_v_heads // self.num_k_heads
+        q = q.repeat_interleave(ratio, dim=2) * self.k_dim**-0.5
+        k = k.repeat_interleave(ratio, dim=2)
+        beta = torch.sigmoid(self.in_proj_b(x)).to(acc)
+        a = self.in_proj_a(x).to(acc)
+        g = -self.A_log.to(acc).exp() * F.softplus(a + self.dt_bias.to(acc))
+
+        recurrent = ctx.state.recurrent[layer]
+        out, final = gated_delta_recurrence(q, k, v, g, beta, recurrent[ctx.slots])
+        recurrent[ctx.slots] = final
+
+        z = self.in_proj_z(x).reshape(batch, T, self.num_v_heads, self.v_dim)
+        out = self.norm(out.to(x.dtype), z)
+        return self.out_proj(out.reshape(batch, T, self.value_dim))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: TargetConfig, layer: int) -> None:
+        super().__init__()
+        self.is_linear = config.layer_types[layer] == LINEAR_ATTENTION
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = SelfAttention(
+                config.hidden_size,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                config.head_dim,
+                config.rms_norm_eps,
+                norm_offset=True,
+                gated=True,
+                bias=config.attention_bias,
+            )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        x = x + mixer(self.input_layernorm(x), ctx, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def build_qwen3_5(config: TargetConfig) -> CausalLM:
+    layers = [Qwen3_5DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+    return CausalLM(config, layers)

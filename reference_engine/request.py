@@ -1,0 +1,58 @@
+"""What a caller asks for: prompt checks and sampling parameters, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. temperature 0 means greedy (lowest id wins a tie)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise RequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be positive, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int,
+                    max_tokens: int) -> None:
+    """Reject prompts the model cannot run: empty, out-of-vocabulary, or past the context."""
+    if len(prompt_ids) == 0:
+        raise RequestError("the prompt is empty: at least one token is needed")
+    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise RequestError(
+            f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})"
+        )
+    if len(prompt_ids) >= context_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but the context holds {context_len}; "
+            "at least one position must be left for output"
+        )
+    if len(prompt_ids) + max_tokens > context_len:
+        raise RequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
+            f"{len(prompt_ids) + max_tokens} exceeds the context of {context_len} tokens"
+        )

@@ -1,0 +1,114 @@
+"""Per-slot model state, preallocated once: attention KV caches, Gated DeltaNet conv and
+recurrent states, and one saved copy of the Gated DeltaNet state per slot.
+
+A request owns one slot. Its committed length lives in `lengths` (host ints, kept by the
+caller that also builds the positions). Attention rows are indexed by position, so rolling
+back is a length change. A Gated DeltaNet state summarises the whole prefix and cannot be
+rolled back by length: `save` copies it aside before tokens that might be rejected, and
+`restore` brings it back; the tokens between the saved point and the target length are
+then run again (the commit strategies build on this).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import TargetConfig
+from .errors import RequestError
+from .models.layers import accumulation_dtype
+
+
+class TargetState:
+    def __init__(
+        self,
+        config: TargetConfig,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.dtype = dtype
+        self.device = torch.device(device)
+        n = config.num_hidden_layers
+        kv_shape = (num_slots, max_len, config.num_key_value_heads, config.head_dim)
+        conv_shape = (num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1)
+        rec_shape = (
+            num_slots,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        )
+        state_dtype = accumulation_dtype(dtype)
+
+        def alloc(kind: str, shape: tuple[int, ...], dt: torch.dtype) -> list:
+            return [
+                torch.zeros(shape, dtype=dt, device=self.device) if kind_i == kind else None
+                for kind_i in self._kinds()
+            ]
+
+        self.k_cache: list[torch.Tensor | None] = alloc("attention", kv_shape, dtype)
+        self.v_cache: list[torch.Tensor | None] = alloc("attention", kv_shape, dtype)
+        self.conv: list[torch.Tensor | None] = alloc("linear", conv_shape, dtype)
+        self.recurrent: list[torch.Tensor | None] = alloc("linear", rec_shape, state_dtype)
+        self.saved_conv: list[torch.Tensor | None] = alloc("linear", conv_shape, dtype)
+        self.saved_recurrent: list[torch.Tensor | None] = alloc("linear", rec_shape, state_dtype)
+        assert len(self.k_cache) == n
+        self.lengths: list[int] = [0] * num_slots
+        self.saved_lengths: list[int | None] = [None] * num_slots
+
+    def _kinds(self) -> list[str]:
+        return [
+            "attention" if i in self.config.attention_layers else "linear"
+            for i in range(self.config.num_hidden_layers)
+        ]
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise RequestError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    def reset(self, slot: int) -> None:
+        """Forget everything held for `slot` (a new request starts from zero state)."""
+        self._check_slot(slot)
+        for tensor in (*self.conv, *self.recurrent):
+            if tensor is not None:
+                tensor[slot].zero_()
+        self.lengths[slot] = 0
+        self.saved_lengths[slot] = None
+
+    def save(self, slot: int) -> None:
+        """Copy the slot's Gated DeltaNet state aside, tagged with the current length."""
+        self._check_slot(slot)
+        for live, saved in zip(
+            (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
+        ):
+            if live is not None:
+                saved[slot].copy_(live[slot])
+        self.saved_lengths[slot] = self.lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Bring the slot back to `length` committed tokens.
+
+        Dense targets: any length up to the current one. Hybrid targets: only the saved
+        length (the caller replays tokens from there to reach a later one).
+        """
+        self._check_slot(slot)
+        if not 0 <= length <= self.lengths[slot]:
+            raise RequestError(
+                f"cannot roll slot {slot} back to length {length}: it holds "
+                f"{self.lengths[slot]} tokens"
+            )
+        if self.config.is_hybrid and length != self.lengths[slot]:
+            if self.saved_lengths[slot] != length:
+                raise RequestError(
+                    f"hybrid state of slot {slot} can roll back only to its saved length "
+                    f"{self.saved_lengths[slot]}, not {length}"
+                )
+            for live, saved in zip(
+                (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
+            ):
+                if live is not None:
+                    live[slot].copy_(saved[slot])
+        self.lengths[slot] = length

@@ -7,10 +7,16 @@ Layouts read:
 - `model.safetensors`, or shards listed in `model.safetensors.index.json`;
 - tied (`tie_word_embeddings`, no `lm_head.weight` needed) or untied embeddings.
 
+DFlash drafts (z-lab layout): `architectures: ["DFlashDraftModel"]`, tensors `layers.*`,
+`fc`, `hidden_norm`, `norm` (a leading `model.` is accepted too); the draft borrows the
+target's `embed_tokens` and `lm_head`.
+
 Command line:
     python -m reference_engine.checkpoint make-tiny --arch {qwen3,qwen3_5} --out DIR
         [--seed N] [--layers N] [--hidden N] [--vocab N] [--multimodal-wrapper]
         [--tie-word-embeddings] [--shards N] [--dtype float32|bfloat16]
+    python -m reference_engine.checkpoint make-tiny --arch dflash --target DIR --out DIR
+        [--block-size N] [--layers N] [--seed N]
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import TargetConfig
+from .config import DraftConfig, TargetConfig
 from .errors import CheckpointError, ConfigError, ReferenceEngineError
 from .models import CausalLM, build_target, expected_shapes
+from .models.dflash import DFlashDraft, draft_expected_shapes
 from .models.layers import RotaryEmbedding
-from .tokenizer import EOS_TOKEN, build_tiny_tokenizer, save_tokenizer
+from .tokenizer import EOS_TOKEN, MASK_TOKEN, build_tiny_tokenizer, load_tokenizer, save_tokenizer
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 WRAPPER_PREFIX = "model.language_model."
@@ -76,12 +83,14 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _canonical_name(name: str) -> str | None:
+def _canonical_name(name: str, strip_model_prefix: bool = False) -> str | None:
     """Checkpoint name -> our parameter name, or None for tensors we ignore."""
     if name.startswith(IGNORED_PREFIXES):
         return None
     if name.startswith(WRAPPER_PREFIX):
         return "model." + name[len(WRAPPER_PREFIX) :]
+    if strip_model_prefix and name.startswith("model."):
+        return name[len("model.") :]
     return name
 
 
@@ -91,6 +100,7 @@ def read_tensors(
     dtype: torch.dtype,
     device: torch.device | str,
     ignorable: tuple[str, ...] = (),
+    strip_model_prefix: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read exactly the expected tensors, checking names and shapes before any load.
 
@@ -100,7 +110,7 @@ def read_tensors(
     by_canonical: dict[str, str] = {}
     unexpected = []
     for name in files:
-        canonical = _canonical_name(name)
+        canonical = _canonical_name(name, strip_model_prefix)
         if canonical is None or (canonical in ignorable and canonical not in expected):
             continue
         if canonical not in expected:
@@ -149,6 +159,30 @@ def load_target(
     model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device)
     model.source_path = Path(path)
     return model.eval().requires_grad_(False)
+
+
+def load_draft(
+    path: str | Path,
+    target: CausalLM,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> DFlashDraft:
+    """Load a z-lab DFlash draft and check it against its target (dtype/device default to
+    the target's)."""
+    weight = target.model.embed_tokens.weight
+    dtype = dtype or weight.dtype
+    device = device or weight.device
+    config = DraftConfig.from_hf(read_config(path))
+    config.check_target(target.config)
+    tensors = read_tensors(
+        path, draft_expected_shapes(config), dtype, device, strip_model_prefix=True
+    )
+    with torch.device("meta"):
+        draft = DFlashDraft(config)
+    draft.load_state_dict(tensors, strict=True, assign=True)
+    draft.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    draft.source_path = Path(path)
+    return draft.eval().requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -315,15 +349,79 @@ def make_tiny_target(
     return out
 
 
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """`count` distinct target layers spread over 0..N-2 (tiny targets are too shallow for
+    the published 1..N-3 spread to stay distinct)."""
+    top = max(num_target_layers - 2, 0)
+    ids = sorted({round(i * top / max(count - 1, 1)) for i in range(count)})
+    return ids
+
+
+def make_tiny_draft(
+    out: str | Path,
+    target: str | Path,
+    block_size: int = 8,
+    layers: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a tiny random DFlash draft matching the target in `target`."""
+    out = Path(out)
+    if block_size < 2:
+        raise ConfigError(f"--block-size must be >= 2, got {block_size}")
+    if layers <= 0:
+        raise ConfigError(f"--layers must be positive, got {layers}")
+    target_config = TargetConfig.from_hf(read_config(target))
+    try:
+        mask = load_tokenizer(target).token_to_id(MASK_TOKEN)
+    except CheckpointError:
+        mask = None
+    if mask is None:
+        mask = target_config.vocab_size - 1
+    hidden = target_config.hidden_size
+    head_dim = 16 if hidden % 16 == 0 else hidden
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": target_config.vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // head_dim,
+        "num_key_value_heads": max(1, hidden // head_dim // 2),
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "block_size": block_size,
+        "num_target_layers": target_config.num_hidden_layers,
+        "dflash_config": {
+            "target_layer_ids": spread_layer_ids(target_config.num_hidden_layers, 2),
+            "mask_token_id": mask,
+        },
+        "torch_dtype": "float32",
+    }
+    config = DraftConfig.from_hf(raw)
+    tensors = random_weights(draft_expected_shapes(config), seed, norm_offset=False)
+    write_safetensors(out, {n: t.to(dtype) for n, t in tensors.items()})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out
+
+
 # ----------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m reference_engine.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
-    tiny.add_argument("--arch", required=True, choices=["qwen3", "qwen3_5"])
+    tiny.add_argument("--arch", required=True, choices=["qwen3", "qwen3_5", "dflash"])
     tiny.add_argument("--out", required=True, help="output directory")
+    tiny.add_argument("--target", help="dflash only: the target model directory to match")
+    tiny.add_argument("--block-size", type=int, default=8, help="dflash only")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--layers", type=int, default=None,
+                      help="decoder layers (default 4 for targets, 2 for drafts)")
     tiny.add_argument("--hidden", type=int, default=64)
     tiny.add_argument("--vocab", type=int, default=512)
     tiny.add_argument("--multimodal-wrapper", action="store_true",
@@ -335,13 +433,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
+        if args.arch == "dflash":
+            if not args.target:
+                parser.error("--arch dflash needs --target DIR")
+            out = make_tiny_draft(
+                args.out,
+                args.target,
+                block_size=args.block_size,
+                layers=args.layers or 2,
+                seed=args.seed,
+                dtype=parse_dtype(args.dtype),
+            )
+            print(out)
+            return 0
         out = make_tiny_target(
             args.out,
             arch=args.arch,
             seed=args.seed,
-            layers=args.layers,
+            layers=args.layers or 4,
             hidden=args.hidden,
             vocab=args.vocab,
             tie_word_embeddings=args.tie_word_embeddings,

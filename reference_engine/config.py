@@ -254,3 +254,150 @@ class TargetConfig:
             eos_token_ids=_eos_ids(raw, outer),
             **linear,
         )
+
+
+def published_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's fallback when a draft names no target layers: spread evenly over 1..N-3
+    (one draft layer: the middle layer). Python's round() as published."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(
+        round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)
+    )
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A z-lab DFlash draft (`architectures: ["DFlashDraftModel"]`): Qwen3-style layers that
+    attend over projected target features plus the noise block."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        where = "DFlash draft config"
+        if self.block_size < 2:
+            raise ConfigError(f"{where}: block_size must be >= 2, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{where}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if not self.target_layer_ids:
+            raise ConfigError(f"{where}: target_layer_ids is empty")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"{where}: layer_types has {len(self.layer_types)} entries, expected "
+                f"num_hidden_layers = {self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ConfigError(
+                    f"{where}: layer_types[{i}] = '{kind}' is not full_attention or "
+                    "sliding_attention"
+                )
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"{where}: mask_token_id {self.mask_token_id} outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> DraftConfig:
+        where = "DFlash draft config"
+        if "DFlashDraftModel" not in (raw.get("architectures") or []):
+            raise ConfigError(
+                f"not a DFlash draft: architectures {raw.get('architectures')!r} does not "
+                "name DFlashDraftModel"
+            )
+        dflash = raw.get("dflash_config") or {}
+        num_layers = _positive_int(raw, "num_hidden_layers", where)
+        hidden = _positive_int(raw, "hidden_size", where)
+        heads = _positive_int(raw, "num_attention_heads", where)
+        num_target = _positive_int(raw, "num_target_layers", where)
+        ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        ids = tuple(ids) if ids else published_target_layer_ids(num_target, num_layers)
+        mask = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if mask is None:
+            raise ConfigError(f"{where}: no mask_token_id (in dflash_config or top level)")
+        sliding_window = raw.get("sliding_window")
+        layer_types = raw.get("layer_types") or [FULL_ATTENTION] * num_layers
+        softcap = raw.get("final_logit_softcapping")
+        return cls(
+            vocab_size=_positive_int(raw, "vocab_size", where),
+            hidden_size=hidden,
+            intermediate_size=_positive_int(raw, "intermediate_size", where),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=_positive_int(raw, "num_key_value_heads", where, default=heads),
+            head_dim=_positive_int(raw, "head_dim", where, default=hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw, where),
+            max_position_embeddings=_positive_int(
+                raw, "max_position_embeddings", where, default=32768
+            ),
+            block_size=_positive_int(dflash, "block_size", where, default=raw.get("block_size", 16)),
+            num_target_layers=num_target,
+            target_layer_ids=ids,
+            mask_token_id=int(mask),
+            layer_types=tuple(layer_types),
+            sliding_window=sliding_window if SLIDING_ATTENTION in layer_types else None,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            input_embedding_scale=float(
+                dflash.get("input_embedding_scale", raw.get("input_embedding_scale", 1.0))
+            ),
+            output_multiplier=float(
+                dflash.get("output_multiplier", raw.get("output_multiplier", 1.0))
+            ),
+            final_logit_softcapping=float(softcap) if softcap else None,
+        )
+
+    def check_target(self, target: TargetConfig) -> None:
+        """Reject a draft/target pair that cannot work together."""
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(
+                f"draft hidden_size {self.hidden_size} does not match the target's "
+                f"{target.hidden_size}"
+            )
+        if self.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"draft vocab_size {self.vocab_size} does not match the target's "
+                f"{target.vocab_size}"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise ConfigError(
+                f"draft target_layer_ids {list(self.target_layer_ids)} out of range for a "
+                f"{target.num_hidden_layers}-layer target"
+            )
+        if self.num_target_layers != target.num_hidden_layers:
+            raise ConfigError(
+                f"draft was built for a {self.num_target_layers}-layer target (num_target_layers)"
+                f", the target has {target.num_hidden_layers} layers"
+            )

@@ -12,7 +12,7 @@ import torch
 
 from .models import CausalLM
 from .request import SamplingParams, validate_prompt
-from .sampling import greedy
+from .sampling import greedy, probabilities, sample
 from .state import TargetState
 
 FINISH_STOP = "stop"
@@ -101,19 +101,29 @@ def decode_step(model: CausalLM, state: TargetState, slot: int, token: int) -> t
     return out.logits[0, -1]
 
 
+def first_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """The next token from one position's logits [vocab]: greedy, or sampled."""
+    if params.greedy:
+        return int(greedy(logits))
+    probs = probabilities(logits, params.temperature, params.top_k, params.top_p)
+    return int(sample(probs, generator))
+
+
 def generate_plain(
     model: CausalLM,
     prompt_ids: list[int],
     params: SamplingParams,
     max_model_len: int | None = None,
     chunk_size: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> GenerationResult:
-    """Plain greedy decode: argmax, lowest id on a tie; stop on EOS, stop ids, max_tokens.
+    """Plain decode, one token per forward: greedy (argmax, lowest id on a tie) at
+    temperature 0, else sampling with `generator`. Stops on EOS, stop ids, max_tokens.
 
     The stop token, when one ends the output, is the last entry of `output_ids`.
     """
-    if not params.greedy:
-        raise NotImplementedError("plain decode at temperature > 0 arrives with sampling")
     context = context_length(model, max_model_len)
     validate_prompt(prompt_ids, model.config.vocab_size, context, params.max_tokens)
     stops = stop_ids(model, params)
@@ -121,7 +131,7 @@ def generate_plain(
     logits, _ = prefill(model, state, 0, prompt_ids, chunk_size=chunk_size)
     output: list[int] = []
     while True:
-        token = int(greedy(logits))  # the one host sync per step
+        token = first_token(logits, params, generator)  # the one host sync per step
         output.append(token)
         if token in stops:
             return GenerationResult(output, FINISH_STOP)

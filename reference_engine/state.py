@@ -26,7 +26,11 @@ class TargetState:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        verify_len: int = 0,
+        commit_strategy: str | None = None,
     ) -> None:
+        """`verify_len` and `commit_strategy` size the buffers a speculative verify keeps
+        for the `per_token` and `recompute` commit strategies (hybrid targets only)."""
         self.config = config
         self.num_slots = num_slots
         self.max_len = max_len
@@ -58,6 +62,52 @@ class TargetState:
         assert len(self.k_cache) == n
         self.lengths: list[int] = [0] * num_slots
         self.saved_lengths: list[int | None] = [None] * num_slots
+
+        # What a verify pass keeps for the commit strategies; see commit.py.
+        none = [None] * n
+        self.verify_conv, self.verify_states = none, none
+        self.verify_q, self.verify_k, self.verify_v = none, none, none
+        self.verify_g, self.verify_beta = none, none
+        if config.is_hybrid and commit_strategy in ("per_token", "recompute") and verify_len:
+            K, T = config.linear_conv_kernel_dim, verify_len
+            hv, dk, dv = rec_shape[1:]
+            self.verify_conv = alloc("linear", (num_slots, config.conv_dim, K - 1 + T), dtype)
+            if commit_strategy == "per_token":
+                self.verify_states = alloc("linear", (num_slots, T, hv, dk, dv), state_dtype)
+            else:
+                self.verify_q = alloc("linear", (num_slots, T, hv, dk), state_dtype)
+                self.verify_k = alloc("linear", (num_slots, T, hv, dk), state_dtype)
+                self.verify_v = alloc("linear", (num_slots, T, hv, dv), state_dtype)
+                self.verify_g = alloc("linear", (num_slots, T, hv), state_dtype)
+                self.verify_beta = alloc("linear", (num_slots, T, hv), state_dtype)
+
+    def record_verify_inputs(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # [batch]
+        full: torch.Tensor,  # [batch, conv_dim, kernel-1+T] conv state followed by inputs
+        q: torch.Tensor,  # [batch, T, v_heads, k_dim]
+        k: torch.Tensor,  # [batch, T, v_heads, k_dim]
+        v: torch.Tensor,  # [batch, T, v_heads, v_dim]
+        g: torch.Tensor,  # [batch, T, v_heads]
+        beta: torch.Tensor,  # [batch, T, v_heads]
+    ) -> None:
+        """Keep a verify pass's Gated DeltaNet inputs (those the strategy needs)."""
+        if self.verify_conv[layer] is None:
+            raise RuntimeError("verify recording needs a state built with a commit strategy")
+        self.verify_conv[layer][slots, :, : full.shape[-1]] = full
+        if self.verify_q[layer] is not None:
+            T = q.shape[1]
+            self.verify_q[layer][slots, :T] = q
+            self.verify_k[layer][slots, :T] = k
+            self.verify_v[layer][slots, :T] = v
+            self.verify_g[layer][slots, :T] = g
+            self.verify_beta[layer][slots, :T] = beta
+
+    def record_verify_states(
+        self, layer: int, slots: torch.Tensor, states: torch.Tensor  # [batch, T, h, dk, dv]
+    ) -> None:
+        self.verify_states[layer][slots, : states.shape[1]] = states
 
     def _kinds(self) -> list[str]:
         return [
@@ -106,9 +156,13 @@ class TargetState:
                     f"hybrid state of slot {slot} can roll back only to its saved length "
                     f"{self.saved_lengths[slot]}, not {length}"
                 )
-            for live, saved in zip(
-                (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
-            ):
-                if live is not None:
-                    live[slot].copy_(saved[slot])
+            self.restore_saved(slot)
         self.lengths[slot] = length
+
+    def restore_saved(self, slot: int) -> None:
+        """Copy the saved Gated DeltaNet state back into the live one (lengths untouched)."""
+        for live, saved in zip(
+            (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
+        ):
+            if live is not None:
+                live[slot].copy_(saved[slot])

@@ -60,14 +60,21 @@ class CausalLM(nn.Module):
         kv_len: int,
         capture_layers: tuple[int, ...] = (),
         last_only: bool = False,
+        valid_len: torch.Tensor | None = None,  # [batch]
+        record: str | None = None,
     ) -> ForwardOutput:
         """Run T new tokens per row and update the rows' slot state in place.
 
         `kv_len` bounds the attention rows read (host int, at least max(positions) + 1);
-        the caller knows it, so no value is read back from the device here.
+        the caller knows it, so no value is read back from the device here. `valid_len`
+        marks trailing padding per row: padded tokens leave the Gated DeltaNet state alone
+        (their attention rows land past the committed length and are never read).
+        `record` ("per_token" or "recompute") keeps what that commit strategy needs.
         """
         x = self.embed(input_ids)
-        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype)
+        ctx = ForwardContext(
+            state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record
+        )
         captured = []
         for i, layer in enumerate(self.model.layers):
             x = layer(x, ctx, i)

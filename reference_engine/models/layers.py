@@ -99,21 +99,25 @@ def cached_attention(
     kv_len: int,
     scale: float,
     sliding_window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Write k/v at their positions, then attend causally over the first kv_len cache rows.
+    """Write k/v at their positions, then attend over the first kv_len cache rows.
 
     The cache is indexed by position, so rolling a request back needs no copy: a later
     write overwrites the rejected rows, and the position mask never lets a query see a row
-    past its own position. Returns [batch, T, heads, head_dim].
+    past its own position (causal) or past the last position of its row (non-causal: the
+    DFlash draft's block sees itself whole). Returns [batch, T, heads, head_dim].
     """
     k_cache[slots[:, None], positions] = k
     v_cache[slots[:, None], positions] = v
     keys = k_cache[slots, :kv_len]  # [batch, kv_len, kv_heads, head_dim]
     values = v_cache[slots, :kv_len]
-    key_pos = torch.arange(kv_len, device=q.device)
-    allowed = key_pos[None, None, :] <= positions[:, :, None]  # [batch, T, kv_len]
+    key_pos = torch.arange(kv_len, device=q.device)[None, None, :]
+    query_pos = positions[:, :, None]
+    visible_to = query_pos if causal else positions[:, -1:, None]
+    allowed = key_pos <= visible_to  # [batch, T, kv_len]
     if sliding_window is not None:
-        allowed &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
+        allowed &= (query_pos - key_pos < sliding_window) & (key_pos - query_pos < sliding_window)
     return attend(q, keys, values, allowed, scale)
 
 
@@ -154,11 +158,13 @@ class SelfAttention(nn.Module):
         gated: bool,
         bias: bool = False,
         sliding_window: int | None = None,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.gated = gated
         self.sliding_window = sliding_window
+        self.causal = causal
         q_out = num_heads * head_dim * (2 if gated else 1)
         self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -190,10 +196,21 @@ class SelfAttention(nn.Module):
             ctx.kv_len,
             self.head_dim**-0.5,
             self.sliding_window,
+            self.causal,
         ).reshape(batch, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def write_kv(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> None:
+        """Write this layer's keys and values for x at ctx.positions, attending to nothing
+        (the DFlash draft's context rows, computed from target features)."""
+        batch, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, T, self.num_kv_heads, self.head_dim)
+        rows = ctx.slots[:, None]
+        ctx.state.k_cache[layer][rows, ctx.positions] = ctx.rotary.apply(k, ctx.cos, ctx.sin)
+        ctx.state.v_cache[layer][rows, ctx.positions] = v
 
 
 class ForwardContext:
@@ -207,8 +224,12 @@ class ForwardContext:
         kv_len: int,
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
+        valid_len: torch.Tensor | None = None,  # [batch] real tokens per row, None: all T
+        record: str | None = None,  # keep verify inputs/states for a commit strategy
     ) -> None:
         self.state = state
+        self.valid_len = valid_len
+        self.record = record
         self.slots = slots
         self.positions = positions
         self.kv_len = kv_len

@@ -27,25 +27,45 @@ def gated_delta_recurrence(
     g: torch.Tensor,  # [batch, T, v_heads] log decay (<= 0)
     beta: torch.Tensor,  # [batch, T, v_heads] write strength in (0, 1)
     state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
+    valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
     states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, one token at a time, per value head:
 
         S <- S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S <- S + k_t (x) delta;  o_t = S^T q_t
 
-    Returns (outputs [batch, T, v_heads, v_dim], final state). When `states_out` is given,
-    the state after every token is written into it (the `per_token` commit strategy).
+    Returns (outputs [batch, T, v_heads, v_dim], final state). Tokens at t >= valid_len of
+    their row leave the state unchanged (padding in a batch of unequal rows). When
+    `states_out` is given, the state after every token is written into it (the `per_token`
+    commit strategy).
     """
     outputs = []
     for t in range(q.shape[1]):
-        state = state * g[:, t, :, None, None].exp()
-        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        decayed = state * g[:, t, :, None, None].exp()
+        kv_mem = torch.einsum("bhkv,bhk->bhv", decayed, k[:, t])
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+        updated = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", updated, q[:, t]))
+        if valid_len is None:
+            state = updated
+        else:
+            state = torch.where((t < valid_len)[:, None, None, None], updated, state)
         if states_out is not None:
             states_out[:, t] = state
     return torch.stack(outputs, dim=1), state
+
+
+def conv_state_after(full: torch.Tensor, kernel: int, processed: torch.Tensor | None) -> torch.Tensor:
+    """The conv state (last kernel-1 inputs) after `processed` tokens of each row.
+
+    full: [batch, conv_dim, kernel-1+T], the previous conv state followed by T new inputs;
+    processed: [batch] or None (all T). Returns [batch, conv_dim, kernel-1].
+    """
+    width = kernel - 1
+    if processed is None:
+        return full[..., full.shape[-1] - width :]
+    offsets = processed[:, None, None] + torch.arange(width, device=full.device)
+    return full.gather(-1, offsets.expand(-1, full.shape[1], -1))
 
 
 class GatedDeltaNet(nn.Module):
@@ -71,21 +91,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
-    def causal_conv(self, mixed: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        """Depthwise causal conv1d + SiLU, continuing from the slot's conv state.
-
-        mixed: [batch, conv_dim, T] -> [batch, conv_dim, T]. The conv state holds the last
-        kernel-1 inputs; a fresh slot holds zeros, which equals left zero-padding.
-        """
-        conv_state = ctx.state.conv[layer]
-        full = torch.cat([conv_state[ctx.slots], mixed], dim=-1)
-        conv_state[ctx.slots] = full[..., full.shape[-1] - (self.kernel - 1) :]
-        return F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim))
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         batch, T, _ = x.shape
         acc = accumulation_dtype(x.dtype)
-        mixed = self.causal_conv(self.in_proj_qkv(x).transpose(1, 2), ctx, layer)
+        state = ctx.state
+        # Depthwise causal conv1d + SiLU, continuing from the slot's conv state (the last
+        # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
+        full = torch.cat([state.conv[layer][ctx.slots], self.in_proj_qkv(x).transpose(1, 2)], -1)
+        state.conv[layer][ctx.slots] = conv_state_after(full, self.kernel, ctx.valid_len)
+        mixed = F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim))
+
         q, k, v = mixed.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], -1)
         q = l2_normalize(q.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
         k = l2_normalize(k.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
@@ -98,9 +113,19 @@ class GatedDeltaNet(nn.Module):
         a = self.in_proj_a(x).to(acc)
         g = -self.A_log.to(acc).exp() * F.softplus(a + self.dt_bias.to(acc))
 
-        recurrent = ctx.state.recurrent[layer]
-        out, final = gated_delta_recurrence(q, k, v, g, beta, recurrent[ctx.slots])
+        states_out = None
+        if ctx.record is not None:
+            state.record_verify_inputs(layer, ctx.slots, full, q, k, v, g, beta)
+            if ctx.record == "per_token":
+                states_out = torch.empty((batch, T, *state.recurrent[layer].shape[1:]),
+                                         dtype=acc, device=x.device)
+        recurrent = state.recurrent[layer]
+        out, final = gated_delta_recurrence(
+            q, k, v, g, beta, recurrent[ctx.slots], ctx.valid_len, states_out
+        )
         recurrent[ctx.slots] = final
+        if states_out is not None:
+            state.record_verify_states(layer, ctx.slots, states_out)
 
         z = self.in_proj_z(x).reshape(batch, T, self.num_v_heads, self.v_dim)
         out = self.norm(out.to(x.dtype), z)

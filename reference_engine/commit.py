@@ -1,0 +1,91 @@
+"""Commit strategies: bring a hybrid target's Gated DeltaNet state to the accepted boundary.
+
+A verify pass runs the whole block (anchor + B-1 draft tokens) through the target, so every
+Gated DeltaNet layer's conv and recurrent state has absorbed all B tokens. After acceptance
+only the anchor and the a accepted tokens (`processed` = a + 1) may remain. Attention rows
+need nothing: the committed length moves back and the next writes overwrite the rest.
+
+- `replay`: restore the state saved before verify, then run the processed tokens through
+  the target again (a second, shorter forward; its logits are discarded).
+- `per_token`: verify keeps the recurrent state after every position; commit picks the one
+  after the last processed token. Costs memory (B states per layer), no compute.
+- `recompute`: verify keeps each layer's recurrence inputs (q, k, v, g, beta after the
+  conv); commit runs the recurrence again from the saved state over the processed tokens
+  only. Costs the recurrence, not the projections.
+
+For `per_token` and `recompute` the conv state is read off the verify's conv input: the
+last kernel-1 inputs up to the processed boundary. All of this is per row: rows of one
+batch may process different counts, and no value is read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError
+from .models import CausalLM
+from .models.qwen3_5 import conv_state_after, gated_delta_recurrence
+from .state import TargetState
+
+COMMIT_STRATEGIES = ("replay", "per_token", "recompute")
+
+
+def check_strategy(name: str) -> str:
+    if name not in COMMIT_STRATEGIES:
+        raise ConfigError(
+            f"unknown commit strategy '{name}', expected one of {', '.join(COMMIT_STRATEGIES)}"
+        )
+    return name
+
+
+def needs_snapshot(strategy: str) -> bool:
+    """Whether the state must be saved before verify (per_token keeps its own)."""
+    return strategy in ("replay", "recompute")
+
+
+def verify_record(strategy: str, model: CausalLM) -> str | None:
+    """What the verify forward must keep for this strategy (None: nothing)."""
+    if not model.config.is_hybrid or strategy == "replay":
+        return None
+    return strategy
+
+
+def commit_hybrid(
+    strategy: str,
+    model: CausalLM,
+    state: TargetState,
+    slot_ids: list[int],
+    block_tokens: torch.Tensor,  # [batch, T] the verified block
+    positions: torch.Tensor,  # [batch, T]
+    processed: torch.Tensor,  # [batch] tokens of the block to keep (accepted + anchor)
+    kv_len: int,
+) -> None:
+    """Set every Gated DeltaNet layer of the rows' slots to the state after `processed`
+    tokens of the block. Host-side lengths are the caller's to update."""
+    if not model.config.is_hybrid:
+        return
+    slots = torch.tensor(slot_ids, device=block_tokens.device)
+    if strategy == "replay":
+        for slot in slot_ids:
+            state.restore_saved(slot)
+        model(block_tokens, positions, slots, state, kv_len, valid_len=processed)
+        return
+    T = block_tokens.shape[1]
+    kernel = model.config.linear_conv_kernel_dim
+    for layer in model.config.linear_layers:
+        full = state.verify_conv[layer][slots, :, : kernel - 1 + T]
+        state.conv[layer][slots] = conv_state_after(full, kernel, processed)
+        if strategy == "per_token":
+            rows = torch.arange(slots.shape[0], device=slots.device)
+            final = state.verify_states[layer][slots][rows, processed - 1]
+        else:
+            _, final = gated_delta_recurrence(
+                state.verify_q[layer][slots, :T],
+                state.verify_k[layer][slots, :T],
+                state.verify_v[layer][slots, :T],
+                state.verify_g[layer][slots, :T],
+                state.verify_beta[layer][slots, :T],
+                state.saved_recurrent[layer][slots],
+                valid_len=processed,
+            )
+        state.recurrent[layer][slots] = final

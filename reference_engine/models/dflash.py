@@ -1,0 +1,127 @@
+"""The DFlash block-diffusion draft (z-lab `DFlashDraftModel`).
+
+Context: the target's outputs at `target_layer_ids` for every committed position,
+concatenated ([n * hidden]), projected by `fc` and normed by `hidden_norm`. Each draft
+layer turns that one projected context into its own keys/values at the context's true
+positions; those rows are cached per slot and written once, when positions commit.
+
+Block: the anchor (last committed token) followed by B-1 mask tokens, embedded with the
+target's `embed_tokens` (times `input_embedding_scale`) at positions start..start+B-1.
+Queries come from the block only; keys/values are [context ; block]; full-attention layers
+are non-causal (the block sees itself whole), sliding layers causal inside a window.
+Block slot j (1..B-1) proposes the token at position start+j, through the target's lm_head
+(times `output_multiplier`, then optional tanh soft-capping).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import SLIDING_ATTENTION, DraftConfig
+from .layers import MLP, ForwardContext, RMSNorm, RotaryEmbedding, SelfAttention
+
+
+class DraftState:
+    """Per-slot context keys/values of every draft layer, preallocated.
+
+    Rows past a slot's committed length hold stale block keys; the block pass overwrites
+    its own rows and never reads past its last position.
+    """
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_slots, max_len, config.num_key_value_heads, config.head_dim)
+        self.device = torch.device(device)
+        self.max_len = max_len
+        self.k_cache = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        self.v_cache = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        self.lengths = [0] * num_slots  # committed context rows per slot
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DraftConfig, layer: int) -> None:
+        super().__init__()
+        sliding = config.layer_types[layer] == SLIDING_ATTENTION
+        self.self_attn = SelfAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.rms_norm_eps,
+            norm_offset=False,
+            gated=False,
+            bias=config.attention_bias,
+            sliding_window=config.sliding_window if sliding else None,
+            causal=sliding,
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList([DraftLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def append_context(
+        self,
+        features: torch.Tensor,  # [batch, T, n * hidden] target features of committed positions
+        positions: torch.Tensor,  # [batch, T]
+        slots: torch.Tensor,  # [batch]
+        state: DraftState,
+    ) -> None:
+        """Write the context keys/values of newly committed positions for every layer."""
+        context = self.hidden_norm(self.fc(features))
+        ctx = ForwardContext(state, slots, positions, 0, self.rotary, context.dtype)
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.write_kv(context, ctx, i)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [batch, B, hidden] embedded anchor + mask tokens
+        positions: torch.Tensor,  # [batch, B]
+        slots: torch.Tensor,  # [batch]
+        state: DraftState,
+        kv_len: int,
+    ) -> torch.Tensor:
+        """Returns the final-normed hidden states of the block, [batch, B, hidden]."""
+        x = block_embeds
+        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, i)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the target's lm_head: [..., hidden] -> [..., vocab]."""
+        logits = torch.nn.functional.linear(hidden, lm_head_weight) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def draft_expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = DFlashDraft(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}

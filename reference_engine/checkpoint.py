@@ -320,17 +320,20 @@ def make_tiny_target(
     multimodal_wrapper: bool = False,
     shards: int = 1,
     dtype: torch.dtype = torch.float32,
+    with_tokenizer: bool = True,
 ) -> Path:
-    """Write a tiny random target with a tiny tokenizer, in the real on-disk format."""
+    """Write a tiny random target with a tiny tokenizer, in the real on-disk format.
+
+    `with_tokenizer=False` allows vocabularies too small for a byte-level BPE (statistical
+    tests want a handful of tokens); token-id prompts still work."""
     out = Path(out)
     if multimodal_wrapper and arch != "qwen3_5":
         raise ConfigError("--multimodal-wrapper applies to --arch qwen3_5 only")
     if layers <= 0 or vocab <= 0:
         raise ConfigError(f"--layers and --vocab must be positive, got {layers} and {vocab}")
-    tokenizer = build_tiny_tokenizer(vocab)
-    raw = tiny_target_config(
-        arch, layers, hidden, vocab, tie_word_embeddings, tokenizer.token_to_id(EOS_TOKEN)
-    )
+    tokenizer = build_tiny_tokenizer(vocab) if with_tokenizer else None
+    eos_id = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else vocab - 2
+    raw = tiny_target_config(arch, layers, hidden, vocab, tie_word_embeddings, eos_id)
     config = TargetConfig.from_hf(raw)
     tensors = random_weights(expected_shapes(config), seed, config.norm_offset)
     if multimodal_wrapper:
@@ -345,7 +348,8 @@ def make_tiny_target(
         raw = wrap_multimodal(raw)
     write_safetensors(out, {n: t.to(dtype) for n, t in tensors.items()}, shards)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    save_tokenizer(tokenizer, out)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
     return out
 
 

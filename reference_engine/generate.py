@@ -2,9 +2,14 @@
 
     python -m reference_engine.generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3)
         --max-tokens N [--dtype float64|float32|bfloat16] [--device cpu|cuda]
-        [--stop-ids 5,6] [--ignore-eos] [--json]
+        [--stop-ids 5,6] [--ignore-eos] [--temperature T --top-p P --top-k K --seed S]
+        [--draft DIR [--block-size N] [--commit-strategy replay|per_token|recompute]]
+        [--json]
 
-With --json it prints one JSON object: output_ids, text, finish_reason, prompt_ids.
+Without --draft: plain decode. With --draft: DFlash speculative decoding, lossless.
+With --json it prints one JSON object: prompt_ids, output_ids, text, finish_reason, and
+with a draft also acceptance_lengths (one int per step: the tokens that step committed,
+accepted + bonus, cut at a stop; the first token, from prefill, not counted).
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ import json
 import sys
 from dataclasses import dataclass
 
-from .checkpoint import DTYPES, load_target, parse_dtype
+import torch
+
+from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
+from .commit import COMMIT_STRATEGIES
 from .decode import generate_plain
 from .errors import ReferenceEngineError, RequestError
 from .request import SamplingParams
+from .spec import SpecOptions, generate_speculative
 from .tokenizer import load_tokenizer
 
 
@@ -39,6 +48,13 @@ class GenerateArgs:
     stop_ids: str
     ignore_eos: bool
     max_model_len: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    draft: str | None
+    block_size: int | None
+    commit_strategy: str
     json: bool
 
     @classmethod
@@ -54,6 +70,15 @@ class GenerateArgs:
         p.add_argument("--stop-ids", default="", help="extra stop token ids, comma-separated")
         p.add_argument("--ignore-eos", action="store_true")
         p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+        p.add_argument("--seed", type=int, default=0, help="sampling seed")
+        p.add_argument("--draft", help="DFlash draft directory: speculative decoding")
+        p.add_argument("--block-size", type=int, default=None,
+                       help="tokens per draft block, anchor included (default: the draft's)")
+        p.add_argument("--commit-strategy", default="replay",
+                       help=f"hybrid targets: one of {', '.join(COMMIT_STRATEGIES)}")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         return p
 
@@ -72,10 +97,25 @@ def run(args: GenerateArgs) -> dict:
         prompt_ids = parse_id_list(args.prompt_ids, "--prompt-ids")
     params = SamplingParams(
         max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         stop_token_ids=tuple(parse_id_list(args.stop_ids, "--stop-ids")),
         ignore_eos=args.ignore_eos,
+        seed=args.seed,
     )
-    result = generate_plain(model, prompt_ids, params, max_model_len=args.max_model_len)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    extra = {}
+    if args.draft is None:
+        result = generate_plain(model, prompt_ids, params, max_model_len=args.max_model_len,
+                                generator=generator)
+    else:
+        draft = load_draft(args.draft, model)
+        options = SpecOptions(args.block_size or draft.config.block_size, args.commit_strategy)
+        result = generate_speculative(model, draft, prompt_ids, params, options,
+                                      generator=generator, max_model_len=args.max_model_len)
+        extra = {"acceptance_lengths": result.acceptance_lengths,
+                 "block_size": options.block_size, "commit_strategy": options.commit_strategy}
     if tokenizer is None:
         try:
             tokenizer = load_tokenizer(args.model)
@@ -87,6 +127,7 @@ def run(args: GenerateArgs) -> dict:
         "output_ids": result.output_ids,
         "text": text,
         "finish_reason": result.finish_reason,
+        **extra,
     }
 
 

@@ -39,15 +39,30 @@ from .sampling import accept_greedy, accept_sampled, greedy, probabilities, samp
 from .state import TargetState
 
 
+# Deliberate faults, for testing only: each gate is shown to catch one of them. Never set
+# outside tests; an engine with a fault is wrong by construction.
+FAULTS = {
+    "skip_state_rollback": "hybrid: keep the Gated DeltaNet state of the whole verified block",
+    "skip_length_rollback": "keep every verified position as committed, rejected ones too",
+    "feature_off_by_one": "feed the draft each committed position's features one row late",
+    "wrong_bonus_position": "take the bonus from the target's choice one slot too far",
+    "never_accept_full_block": "reject the last draft token even when it matches",
+    "bonus_ignores_residual": "sampling: draw a rejected slot's replacement from p, not p - q",
+}
+
+
 @dataclass(frozen=True)
 class SpecOptions:
     block_size: int
     commit_strategy: str = "replay"
+    fault: str | None = None  # testing only: one of FAULTS
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ConfigError(f"block size must be >= 2, got {self.block_size}")
         check_strategy(self.commit_strategy)
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ConfigError(f"unknown fault '{self.fault}', expected one of {', '.join(FAULTS)}")
 
     def check_draft(self, draft: DraftConfig) -> None:
         if self.block_size > draft.block_size:
@@ -62,6 +77,7 @@ class StepStats:
     proposed: int  # draft tokens in the block (B - 1, fewer for a short final block)
     accepted: int  # a
     acceptance_length: int  # tokens this step committed: a + 1, cut at a stop or max_tokens
+    drafted: tuple[int, ...] = ()  # the proposed draft tokens
 
 
 @dataclass
@@ -174,22 +190,35 @@ def generate_speculative(
             state.save(slot)
         out = target(block, positions, slots, state, kv_len,
                      capture_layers=dcfg.target_layer_ids, record=record)
+        fault = options.fault
         if params.greedy:
-            accepted, bonus = accept_greedy(proposals, greedy(out.logits))
+            target_tokens = greedy(out.logits)  # [1, n + 1]
+            accepted, bonus = accept_greedy(proposals, target_tokens)
+            if fault == "never_accept_full_block":
+                accepted = accepted.clamp(max=n - 1)
+                bonus = target_tokens.gather(1, accepted[:, None])[:, 0]
+            if fault == "wrong_bonus_position":
+                bonus = target_tokens[:, (accepted + 1).clamp(max=n)][0]
         else:
             target_probs = probabilities(out.logits, params.temperature, params.top_k,
                                          params.top_p)
             accepted, bonus = accept_sampled(proposals, draft_probs, target_probs, generator)
-        a = int(accepted[0])  # the one host sync of the step
-        committed = proposals[0, :a].tolist() + [int(bonus[0])]
+            if fault == "bonus_ignores_residual":
+                bonus = sample(target_probs[:, accepted[0]], generator)
+        # the one host sync of the step
+        a, bonus_token, *drafted = torch.cat([accepted, bonus, proposals[0]]).tolist()
+        committed = drafted[:a] + [bonus_token]
 
         # commit: target state to the accepted boundary, draft context extended
-        processed = a + 1
-        commit_hybrid(strategy, target, state, [slot], block, positions,
-                      accepted + 1, kv_len)
+        processed = n + 1 if fault == "skip_length_rollback" else a + 1
+        if fault != "skip_state_rollback":
+            commit_hybrid(strategy, target, state, [slot], block, positions,
+                          torch.full_like(accepted, processed), kv_len)
         state.lengths[slot] = start + processed
-        draft.append_context(out.features[:, :processed], positions[:, :processed], slots,
-                             dstate)
+        features = out.features[:, :processed]
+        if fault == "feature_off_by_one":
+            features = features.roll(1, dims=1)
+        draft.append_context(features, positions[:, :processed], slots, dstate)
         dstate.lengths[slot] = start + processed
         if on_commit is not None:
             on_commit(state, start + processed)
@@ -200,7 +229,7 @@ def generate_speculative(
         committed = committed[: params.max_tokens - len(output)]
         output.extend(committed)
         result.acceptance_lengths.append(len(committed))
-        result.steps.append(StepStats(n, a, len(committed)))
+        result.steps.append(StepStats(n, a, len(committed), tuple(drafted)))
         if cut is not None and len(committed) == cut + 1:
             result.finish_reason = FINISH_STOP
             return result

@@ -1,0 +1,162 @@
+"""The gates' checks, as functions: each raises AssertionError with a readable diagnosis.
+
+Gate tests call them on a correct engine; the planted-fault tests call the same functions
+on an engine with a deliberate fault and assert that they raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from reference_engine.decode import GenerationResult, generate_plain, new_state, prefill
+from reference_engine.models import CausalLM
+from reference_engine.models.dflash import DFlashDraft
+from reference_engine.request import SamplingParams
+from reference_engine.spec import OracleProposer, SpecOptions, SpecResult, generate_speculative
+from reference_engine.state import TargetState
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    target: CausalLM
+    draft: DFlashDraft
+    prompts: tuple[tuple[int, ...], ...]
+
+
+def top2_margin(target: CausalLM, ids: list[int]) -> float:
+    """The target's top-1 minus top-2 logit for the token after `ids` (a tie is ~0)."""
+    state = new_state(target, len(ids) + 1)
+    logits, _ = prefill(target, state, 0, ids)
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def divergence(
+    target: CausalLM, prompt: Sequence[int], expected: list[int], got: list[int]
+) -> str:
+    i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    if i is None:
+        return f"lengths differ: plain {len(expected)} tokens, speculative {len(got)}"
+    margin = top2_margin(target, list(prompt) + expected[:i])
+    return (
+        f"first divergence at output position {i}: plain {expected[i]}, speculative {got[i]} "
+        f"(target top-2 logit margin there {margin:.3g}; a tie is ~0, a bug is not)"
+    )
+
+
+def assert_lossless(
+    pair: Pair,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    options: SpecOptions,
+    schedule: Sequence[int] | None = None,
+    reference: GenerationResult | None = None,
+    continuation: Sequence[int] | None = None,
+) -> SpecResult:
+    """Speculative output (real draft, or the oracle following `schedule` over
+    `continuation`, by default the reference output) equals plain greedy decode token for
+    token, with the same finish reason."""
+    target = pair.target
+    ref = reference or generate_plain(target, list(prompt), params)
+    oracle = None
+    if schedule is not None:
+        truth = ref.output_ids if continuation is None else continuation
+        oracle = OracleProposer(truth, schedule, target.config.vocab_size)
+    got = generate_speculative(target, pair.draft, list(prompt), params, options, oracle=oracle)
+    if got.output_ids != ref.output_ids or got.finish_reason != ref.finish_reason:
+        raise AssertionError(
+            f"{pair.name}, B={options.block_size}, {options.commit_strategy}, prompt of "
+            f"{len(prompt)} tokens: speculative output != plain greedy; "
+            + divergence(target, prompt, ref.output_ids, got.output_ids)
+        )
+    return got
+
+
+def assert_forced_acceptance(
+    pair: Pair, prompt: Sequence[int], options: SpecOptions, schedule: Sequence[int]
+) -> SpecResult:
+    """With the oracle forcing `schedule`, output is lossless and the recorded acceptance
+    lengths are exactly schedule + 1 (max_tokens chosen so no step is cut)."""
+    max_tokens = 1 + sum(k + 1 for k in schedule)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    got = assert_lossless(pair, prompt, params, options, schedule)
+    expected = [k + 1 for k in schedule]
+    if got.acceptance_lengths != expected:
+        raise AssertionError(
+            f"acceptance lengths {got.acceptance_lengths} != scheduled {expected}"
+        )
+    return got
+
+
+# ------------------------------------------------------------------ state equality
+StateSnapshot = dict[str, torch.Tensor]
+
+
+def snapshot(state: TargetState, length: int, slot: int = 0) -> StateSnapshot:
+    """The slot's state that determines everything after `length` committed tokens."""
+    out: StateSnapshot = {}
+    for i in range(state.config.num_hidden_layers):
+        if state.k_cache[i] is not None:
+            out[f"layer{i}.k"] = state.k_cache[i][slot, :length].clone()
+            out[f"layer{i}.v"] = state.v_cache[i][slot, :length].clone()
+        if state.conv[i] is not None:
+            out[f"layer{i}.conv"] = state.conv[i][slot].clone()
+            out[f"layer{i}.recurrent"] = state.recurrent[i][slot].clone()
+    return out
+
+
+def plain_states(
+    target: CausalLM, prompt: Sequence[int], output: list[int]
+) -> dict[int, StateSnapshot]:
+    """Plain decode's state at every committed length, prompt included."""
+    from reference_engine.decode import decode_step
+
+    state = new_state(target, len(prompt) + len(output))
+    prefill(target, state, 0, list(prompt))
+    states = {len(prompt): snapshot(state, len(prompt))}
+    for token in output[:-1]:
+        decode_step(target, state, 0, token)
+        states[state.lengths[0]] = snapshot(state, state.lengths[0])
+    return states
+
+
+def speculative_states(
+    pair: Pair, prompt: Sequence[int], params: SamplingParams, options: SpecOptions,
+    schedule: Sequence[int] | None, reference: GenerationResult,
+) -> dict[int, StateSnapshot]:
+    states: dict[int, StateSnapshot] = {}
+
+    def record(state: TargetState, length: int) -> None:
+        states[length] = snapshot(state, length)
+
+    oracle = None
+    if schedule is not None:
+        oracle = OracleProposer(reference.output_ids, schedule, pair.target.config.vocab_size)
+    generate_speculative(pair.target, pair.draft, list(prompt), params, options,
+                         oracle=oracle, on_commit=record)
+    return states
+
+
+def assert_states_close(
+    expected: dict[int, StateSnapshot], got: dict[int, StateSnapshot], atol: float, what: str
+) -> int:
+    """Every committed length in `got` has a state within atol of `expected`'s; returns
+    how many lengths were compared."""
+    if not got:
+        raise AssertionError(f"{what}: no commit was observed")
+    for length, snap in got.items():
+        if length not in expected:
+            raise AssertionError(f"{what}: committed length {length} never reached by the reference")
+        for name, tensor in snap.items():
+            ref = expected[length][name]
+            err = (tensor.double() - ref.double()).abs().max().item() if tensor.numel() else 0.0
+            if not err <= atol:
+                raise AssertionError(
+                    f"{what}: at committed length {length}, {name} differs by {err:.3g} "
+                    f"(tolerance {atol:g})"
+                )
+    return len(got)

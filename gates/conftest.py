@@ -1,0 +1,79 @@
+"""Fixtures for the gates: the draft/target pairs under test.
+
+By default: a tiny dense (Qwen3) pair and a tiny hybrid (Qwen3.5) pair, written by our own
+code in the real on-disk formats, loaded in float64 on the CPU. With --target-model and
+--draft-model (see gates/options.py) the same gates run on a user's own checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft, parse_dtype
+from reference_engine.tokenizer import load_tokenizer
+
+from .checks import Pair
+
+TINY_PAIRS = ("dense", "hybrid")
+TINY_BLOCK_SIZE = 16
+USER_PROMPTS = (
+    "def fibonacci(n):",
+    "Tom has 3 apples and buys 5 more. How many apples does he have now?",
+    "Explain what a key-value cache is in one paragraph.",
+)
+
+
+def tiny_prompts(vocab: int, lengths: tuple[int, ...] = (1, 17, 300)) -> tuple[tuple[int, ...], ...]:
+    rng = random.Random(1234)
+    return tuple(tuple(rng.randrange(vocab - 16) for _ in range(n)) for n in lengths)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "pair_name" in metafunc.fixturenames:
+        user = metafunc.config.getoption("--target-model")
+        names = ["user"] if user else list(TINY_PAIRS)
+        metafunc.parametrize("pair_name", names, scope="session")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    out = {}
+    for name, arch in (("dense", "qwen3"), ("hybrid", "qwen3_5")):
+        target = tiny_checkpoint(arch)
+        draft = make_tiny_draft(tmp_path_factory.mktemp(f"draft_{name}"), target,
+                                block_size=TINY_BLOCK_SIZE, layers=2, seed=7)
+        out[name] = (target, draft)
+    return out
+
+
+_loaded: dict[str, Pair] = {}
+
+
+@pytest.fixture(scope="session")
+def pair(pair_name: str, request: pytest.FixtureRequest, tiny_pair_dirs) -> Pair:
+    if pair_name in _loaded:
+        return _loaded[pair_name]
+    if pair_name == "user":
+        config = request.config
+        target_dir = config.getoption("--target-model")
+        draft_dir = config.getoption("--draft-model")
+        if not draft_dir:
+            pytest.fail("--target-model needs --draft-model (or DFLASH_GATE_DRAFT)")
+        dtype = parse_dtype(config.getoption("--gate-dtype") or "bfloat16")
+        device = config.getoption("--gate-device")
+        target = load_target(target_dir, dtype=dtype, device=device)
+        draft = load_draft(draft_dir, target)
+        tokenizer = load_tokenizer(target_dir)
+        prompts = tuple(tuple(tokenizer.encode(text).ids) for text in USER_PROMPTS)
+        loaded = Pair(f"user pair ({Path(target_dir).name})", target, draft, prompts)
+    else:
+        target_dir, draft_dir = tiny_pair_dirs[pair_name]
+        target = load_target(target_dir, dtype=torch.float64)
+        draft = load_draft(draft_dir, target)
+        loaded = Pair(pair_name, target, draft, tiny_prompts(target.config.vocab_size))
+    _loaded[pair_name] = loaded
+    return loaded

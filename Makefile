@@ -9,6 +9,8 @@ PYTEST_ARGS ?=
 setup:
 	$(PYTHON) -m pip install "$(TORCH)"
 	$(PYTHON) -m pip install -e ".[dev]"
+	# z-lab's reference loop, an independent oracle for the gates (its pins are not ours)
+	$(PYTHON) -m pip install --no-deps dflash==0.1.0
 
 test:
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

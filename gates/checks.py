@@ -66,7 +66,14 @@ def assert_lossless(
     if schedule is not None:
         truth = ref.output_ids if continuation is None else continuation
         oracle = OracleProposer(truth, schedule, target.config.vocab_size)
-    got = generate_speculative(target, pair.draft, list(prompt), params, options, oracle=oracle)
+    try:
+        got = generate_speculative(target, pair.draft, list(prompt), params, options,
+                                   oracle=oracle)
+    except (RuntimeError, IndexError) as exc:
+        raise AssertionError(
+            f"{pair.name}, B={options.block_size}, {options.commit_strategy}: speculative "
+            f"output != plain greedy: the speculative run failed ({type(exc).__name__}: {exc})"
+        ) from exc
     if got.output_ids != ref.output_ids or got.finish_reason != ref.finish_reason:
         raise AssertionError(
             f"{pair.name}, B={options.block_size}, {options.commit_strategy}, prompt of "

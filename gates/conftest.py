@@ -13,13 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft, parse_dtype
+from reference_engine.checkpoint import (
+    load_draft,
+    load_target,
+    make_tiny_draft,
+    make_tiny_target,
+    parse_dtype,
+)
 from reference_engine.tokenizer import load_tokenizer
 
 from .checks import Pair
 
 TINY_PAIRS = ("dense", "hybrid")
 TINY_BLOCK_SIZE = 16
+SMALL_VOCAB = 16  # the sampling gate's target: few enough outcomes to count
 USER_PROMPTS = (
     "def fibonacci(n):",
     "Tom has 3 apples and buys 5 more. How many apples does he have now?",
@@ -77,3 +84,13 @@ def pair(pair_name: str, request: pytest.FixtureRequest, tiny_pair_dirs) -> Pair
         loaded = Pair(pair_name, target, draft, tiny_prompts(target.config.vocab_size))
     _loaded[pair_name] = loaded
     return loaded
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    target_dir = make_tiny_target(tmp_path_factory.mktemp("smallvocab"), arch="qwen3", seed=3,
+                                  vocab=SMALL_VOCAB, with_tokenizer=False)
+    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("smallvocab_draft"), target_dir,
+                                block_size=4, seed=5)
+    target = load_target(target_dir, dtype=torch.float64)
+    return target, load_draft(draft_dir, target)

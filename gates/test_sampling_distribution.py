@@ -25,7 +25,7 @@ from reference_engine.request import SamplingParams
 from reference_engine.sampling import accept_sampled, probabilities
 from reference_engine.spec import SpecOptions, generate_speculative
 
-VOCAB = 16
+from .conftest import SMALL_VOCAB as VOCAB
 TEMPERATURE = 1.0
 TOP_K = 6
 
@@ -54,16 +54,6 @@ def test_acceptance_rule_converges_to_the_target_distribution() -> None:
     assert distances[0] > distances[1] > distances[2]
     assert distances[2] < 0.01
     assert tv(empirical_first_token(p, q, 100000, seed=2), perturbed) > 5 * distances[2]
-
-
-@pytest.fixture(scope="module")
-def small_vocab_pair(tmp_path_factory):
-    target_dir = make_tiny_target(tmp_path_factory.mktemp("smallvocab"), arch="qwen3", seed=3,
-                                  vocab=VOCAB, with_tokenizer=False)
-    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("smallvocab_draft"), target_dir,
-                                block_size=4, seed=5)
-    target = load_target(target_dir, dtype=torch.float64)
-    return target, load_draft(draft_dir, target)
 
 
 def exact_joint(target, prompt: list[int]) -> dict[tuple[int, int], float]:

@@ -44,7 +44,7 @@ from .state import TargetState
 FAULTS = {
     "skip_state_rollback": "hybrid: keep the Gated DeltaNet state of the whole verified block",
     "skip_length_rollback": "keep every verified position as committed, rejected ones too",
-    "feature_off_by_one": "feed the draft each committed position's features one row late",
+    "feature_off_by_one": "feed the draft, for each committed position, the next one's features",
     "wrong_bonus_position": "take the bonus from the target's choice one slot too far",
     "never_accept_full_block": "reject the last draft token even when it matches",
     "bonus_ignores_residual": "sampling: draw a rejected slot's replacement from p, not p - q",
@@ -216,8 +216,9 @@ def generate_speculative(
                           torch.full_like(accepted, processed), kv_len)
         state.lengths[slot] = start + processed
         features = out.features[:, :processed]
-        if fault == "feature_off_by_one":
-            features = features.roll(1, dims=1)
+        if fault == "feature_off_by_one":  # each position gets the next position's row
+            late = (torch.arange(processed, device=device) + 1).clamp(max=n)
+            features = out.features[:, late]
         draft.append_context(features, positions[:, :processed], slots, dstate)
         dstate.lengths[slot] = start + processed
         if on_commit is not None:

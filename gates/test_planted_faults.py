@@ -1,0 +1,96 @@
+"""Each gate is seen to fail: run the gates' own checks on an engine with a deliberate
+fault (SpecOptions.fault, testing only) and assert that they catch it."""
+
+from __future__ import annotations
+
+import pytest
+
+from reference_engine.decode import generate_plain
+from reference_engine.request import SamplingParams
+from reference_engine.spec import FAULTS, SpecOptions
+
+from .checks import (
+    Pair,
+    assert_forced_acceptance,
+    assert_lossless,
+    assert_states_close,
+    plain_states,
+    speculative_states,
+)
+
+MIXED = [7, 0, 3, 1, 5, 2]
+
+
+def lossless_catches(pair: Pair, fault: str, strategy: str = "replay") -> str:
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with pytest.raises(AssertionError, match="speculative output != plain greedy") as caught:
+        for prompt in pair.prompts:
+            for schedule in (None, MIXED):
+                assert_lossless(pair, prompt, params, SpecOptions(8, strategy, fault), schedule)
+    return str(caught.value)
+
+
+def test_every_fault_is_caught_by_some_gate_test() -> None:
+    caught_here = {"skip_state_rollback", "skip_length_rollback", "wrong_bonus_position",
+                   "never_accept_full_block", "feature_off_by_one", "bonus_ignores_residual"}
+    assert caught_here == set(FAULTS)
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_lossless_gate_catches_a_skipped_recurrent_state_rollback(pair: Pair,
+                                                                  strategy: str) -> None:
+    if not pair.target.config.is_hybrid:
+        pytest.skip("dense targets have no recurrent state")
+    message = lossless_catches(pair, "skip_state_rollback", strategy)
+    assert "first divergence at output position" in message
+
+
+def test_lossless_gate_catches_a_skipped_length_rollback(pair: Pair) -> None:
+    lossless_catches(pair, "skip_length_rollback")
+
+
+def test_lossless_gate_catches_a_wrong_bonus_position(pair: Pair) -> None:
+    lossless_catches(pair, "wrong_bonus_position")
+
+
+def test_forced_acceptance_gate_catches_a_lossless_but_wrong_acceptance(pair: Pair) -> None:
+    # output stays correct (the target supplies the token), only the acceptance is wrong
+    options = SpecOptions(8, fault="never_accept_full_block")
+    with pytest.raises(AssertionError, match="acceptance lengths"):
+        assert_forced_acceptance(pair, pair.prompts[1], options, list(range(8)))
+
+
+def test_state_equality_gate_catches_a_skipped_recurrent_state_rollback(pair: Pair) -> None:
+    if not pair.target.config.is_hybrid:
+        pytest.skip("dense targets have no recurrent state")
+    prompt = pair.prompts[1]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = generate_plain(pair.target, list(prompt), params)
+    longer = generate_plain(pair.target, list(prompt),
+                            SamplingParams(max_tokens=40, ignore_eos=True)).output_ids
+    expected = plain_states(pair.target, prompt, longer)
+    options = SpecOptions(8, "per_token", fault="skip_state_rollback")
+    # a fault that corrupts the state also derails the output, so the first commits are
+    # where the state check must already fire
+    got = speculative_states(pair, prompt, params, options, [0, 3, 1], ref)
+    first = dict(sorted(got.items())[:1])
+    with pytest.raises(AssertionError, match="recurrent|conv"):
+        assert_states_close(expected, first, 1e-9, "faulty engine")
+
+
+def test_zlab_gate_catches_context_features_off_by_one(tiny_pair_dirs) -> None:
+    zlab = pytest.importorskip("gates.test_zlab_reference")
+    target_dir, draft_dir = tiny_pair_dirs["dense"]
+    prompt = [17, 3, 99, 250, 41, 8, 77, 120, 3, 64, 200, 13]
+    with pytest.raises(AssertionError, match="drafted tokens differ"):
+        zlab.assert_matches_zlab(target_dir, draft_dir, prompt, 8, fault="feature_off_by_one")
+
+
+def test_sampling_gate_catches_a_replacement_drawn_without_the_residual(
+    small_vocab_pair,
+) -> None:
+    from .test_sampling_distribution import assert_engine_sampling_lossless
+
+    target, draft = small_vocab_pair
+    with pytest.raises(AssertionError, match="joint distribution|no convergence"):
+        assert_engine_sampling_lossless(target, draft, fault="bonus_ignores_residual")

@@ -18,6 +18,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # top logprobs per output token (plain decode reports them)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already seen (plain decode)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -30,6 +32,15 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not self.repetition_penalty > 0:
+            raise RequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise RequestError(f"stop_token_ids must be non-negative integers, got {bad}")
 
     @property
     def greedy(self) -> bool:

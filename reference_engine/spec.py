@@ -48,6 +48,8 @@ FAULTS = {
     "wrong_bonus_position": "take the bonus from the target's choice one slot too far",
     "never_accept_full_block": "reject the last draft token even when it matches",
     "bonus_ignores_residual": "sampling: draw a rejected slot's replacement from p, not p - q",
+    "commit_wrong_slot": "engine: commit each row's state into the next row's slot",
+    "padding_leak": "engine: let padded block tokens update the Gated DeltaNet state",
 }
 
 

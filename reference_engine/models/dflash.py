@@ -104,10 +104,12 @@ class DFlashDraft(nn.Module):
         slots: torch.Tensor,  # [batch]
         state: DraftState,
         kv_len: int,
+        valid_len: torch.Tensor | None = None,  # [batch] real block tokens per row
     ) -> torch.Tensor:
-        """Returns the final-normed hidden states of the block, [batch, B, hidden]."""
+        """Returns the final-normed hidden states of the block, [batch, B, hidden]. Rows
+        with a shorter block (`valid_len`) never see their padding."""
         x = block_embeds
-        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype)
+        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype, valid_len)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
         return self.norm(x)

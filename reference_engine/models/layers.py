@@ -100,13 +100,15 @@ def cached_attention(
     scale: float,
     sliding_window: int | None = None,
     causal: bool = True,
+    valid_len: torch.Tensor | None = None,  # [batch] real tokens per row (rest: padding)
 ) -> torch.Tensor:
     """Write k/v at their positions, then attend over the first kv_len cache rows.
 
     The cache is indexed by position, so rolling a request back needs no copy: a later
     write overwrites the rejected rows, and the position mask never lets a query see a row
     past its own position (causal) or past the last position of its row (non-causal: the
-    DFlash draft's block sees itself whole). Returns [batch, T, heads, head_dim].
+    DFlash draft's block sees itself whole, up to its last real token when `valid_len`
+    marks trailing padding). Returns [batch, T, heads, head_dim].
     """
     k_cache[slots[:, None], positions] = k
     v_cache[slots[:, None], positions] = v
@@ -114,7 +116,12 @@ def cached_attention(
     values = v_cache[slots, :kv_len]
     key_pos = torch.arange(kv_len, device=q.device)[None, None, :]
     query_pos = positions[:, :, None]
-    visible_to = query_pos if causal else positions[:, -1:, None]
+    if causal:
+        visible_to = query_pos
+    elif valid_len is None:
+        visible_to = positions[:, -1:, None]
+    else:
+        visible_to = (positions[:, 0] + valid_len - 1)[:, None, None]
     allowed = key_pos <= visible_to  # [batch, T, kv_len]
     if sliding_window is not None:
         allowed &= (query_pos - key_pos < sliding_window) & (key_pos - query_pos < sliding_window)
@@ -197,6 +204,7 @@ class SelfAttention(nn.Module):
             self.head_dim**-0.5,
             self.sliding_window,
             self.causal,
+            ctx.valid_len,
         ).reshape(batch, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

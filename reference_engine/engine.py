@@ -1,0 +1,314 @@
+"""The continuous-batching engine: many requests, one step loop, plain or DFlash decoding.
+
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=8, block_size=16))
+    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=64))
+    while engine.has_unfinished():
+        for out in engine.step():        # each request's newly committed tokens
+            ...
+
+A step: schedule (admit waiting requests into free slots), prefill (one chunk per new
+request), decode (one batched forward for plain requests), speculate (one batched draft
+forward and one batched verify forward for speculative requests; each row accepts and
+commits its own count). Slots and state are preallocated; nothing grows during a run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .commit import check_strategy
+from .decode import context_length, stop_ids
+from .errors import ConfigError, RequestError
+from .models import CausalLM
+from .models.dflash import DFlashDraft, DraftState
+from .request import SamplingParams, validate_prompt
+from .sequence import (
+    FALLBACK_LOGPROBS,
+    FALLBACK_LOW_ACCEPTANCE,
+    FALLBACK_SAMPLING,
+    Phase,
+    Sequence,
+)
+from .spec import FAULTS
+from .speculate import speculate
+from .stats import PhaseTimer, SpecCounters
+from .state import TargetState
+from .token_choice import choose_tokens
+
+ADMISSION_POLICIES = ("wait", "reject")
+
+
+class EngineFullError(RequestError):
+    """No room for a request (admission policy `reject`, or the waiting queue is full)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # slots, preallocated
+    max_model_len: int | None = None  # default: the target's max_position_embeddings
+    block_size: int | None = None  # DFlash block size; None with a draft: the draft's
+    commit_strategy: str = "replay"
+    prefill_chunk: int = 512
+    admission: str = "wait"  # "wait": queue; "reject": refuse when no slot is free
+    max_waiting: int = 1024
+    # fallback to plain decode when a request's mean acceptance length stays below this
+    # after `fallback_after_steps` steps; None disables it (the default, as in the gates)
+    fallback_min_acceptance: float | None = None
+    fallback_after_steps: int = 8
+    fault: str | None = None  # testing only, see spec.FAULTS
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.prefill_chunk <= 0:
+            raise ConfigError(f"prefill_chunk must be positive, got {self.prefill_chunk}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ConfigError(
+                f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
+        if self.block_size is not None and self.block_size < 2:
+            raise ConfigError(f"block size must be >= 2, got {self.block_size}")
+        check_strategy(self.commit_strategy)
+        if self.fallback_after_steps <= 0:
+            raise ConfigError(
+                f"fallback_after_steps must be positive, got {self.fallback_after_steps}"
+            )
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ConfigError(f"unknown fault '{self.fault}', expected one of {', '.join(FAULTS)}")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for one request: its newly committed tokens."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    time_s: float  # time.monotonic() when the tokens were committed
+    new_logprobs: list[dict[int, float]] | None = None
+
+
+class Engine:
+    def __init__(
+        self, target: CausalLM, draft: DFlashDraft | None = None, config: EngineConfig | None = None
+    ) -> None:
+        config = config or EngineConfig()
+        self.target, self.draft, self.config = target, draft, config
+        weight = target.model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.context_len = context_length(target, config.max_model_len)
+        self.block_size = 0
+        if draft is not None:
+            draft.config.check_target(target.config)
+            self.block_size = config.block_size or draft.config.block_size
+            if self.block_size > draft.config.block_size:
+                raise ConfigError(
+                    f"block size {self.block_size} is larger than the draft supports "
+                    f"({draft.config.block_size})"
+                )
+        room = self.context_len + self.block_size  # a verify may run past the last token
+        self.state = TargetState(target.config, config.max_num_seqs, room, self.dtype,
+                                 self.device, self.block_size, config.commit_strategy)
+        self.draft_state = (
+            DraftState(draft.config, config.max_num_seqs, room, self.dtype, self.device)
+            if draft is not None else None
+        )
+        self.free_slots = list(range(config.max_num_seqs))
+        self.waiting: deque[Sequence] = deque()
+        self.active: dict[str, Sequence] = {}  # with a slot
+        self.known: dict[str, Sequence] = {}  # every live request (waiting or active)
+        self.finished: dict[str, Sequence] = {}  # done, until the caller collects them
+        self.timer = PhaseTimer(self.device)
+        self.spec_totals = SpecCounters()
+        self.fallbacks: dict[str, int] = {}
+        self.finished_requests = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        oracle: object | None = None,
+    ) -> None:
+        """Queue a request. Raises RequestError on bad input (other requests unaffected)
+        and EngineFullError when the admission policy refuses it."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.known or request_id in self.finished:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        validate_prompt(prompt_ids, self.target.config.vocab_size, self.context_len,
+                        params.max_tokens)
+        if self.config.admission == "reject" and not self.free_slots:
+            raise EngineFullError(
+                f"no free slot for request {request_id!r}: all {self.config.max_num_seqs} "
+                "are busy (admission policy 'reject')"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineFullError(
+                f"waiting queue full ({self.config.max_waiting} requests); retry later"
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            stops=stop_ids(self.target, params),
+            arrival_s=time.monotonic(),
+            speculative=self.draft is not None,
+            oracle=oracle,
+        )
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else torch.seed()
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if seq.speculative:
+            if params.logprobs is not None:
+                self._fall_back(seq, FALLBACK_LOGPROBS)
+            elif params.repetition_penalty != 1.0:
+                self._fall_back(seq, FALLBACK_SAMPLING)
+        self.known[request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its slot is free for the next step."""
+        seq = self.known.pop(request_id, None)
+        if seq is None:
+            raise RequestError(f"unknown request id {request_id!r}")
+        if seq.phase is Phase.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self._release(seq)
+        seq.phase, seq.finish_reason = Phase.FINISHED, "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def get(self, request_id: str) -> Sequence:
+        if request_id in self.known:
+            return self.known[request_id]
+        if request_id in self.finished:
+            return self.finished[request_id]
+        raise RequestError(f"unknown request id {request_id!r}")
+
+    def collect(self, request_id: str) -> Sequence:
+        """Hand over a finished request and forget it."""
+        if request_id not in self.finished:
+            raise RequestError(f"request {request_id!r} is not finished")
+        return self.finished.pop(request_id)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        with self.timer.phase("schedule"):
+            self._admit()
+        with self.timer.phase("prefill"):
+            self._prefill(outputs)
+        running = [s for s in self.active.values() if s.phase is Phase.RUNNING]
+        plain = [s for s in running if not s.speculative]
+        spec = [s for s in running if s.speculative]
+        if plain:
+            with self.timer.phase("decode"):
+                self._decode(plain, outputs)
+        if spec:
+            speculate(self, spec, outputs)
+        for seq in list(self.active.values()):
+            if seq.finish_reason is not None:
+                self._finish(seq)
+        self.timer.flush()
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            seq.phase = Phase.PREFILL
+            self.state.reset(seq.slot)
+            self.active[seq.request_id] = seq
+
+    def _prefill(self, outputs: list[StepOutput]) -> None:
+        for seq in [s for s in self.active.values() if s.phase is Phase.PREFILL]:
+            start = seq.prefilled
+            ids = seq.prompt_ids[start : start + self.config.prefill_chunk]
+            end = start + len(ids)
+            slots = torch.tensor([seq.slot], device=self.device)
+            positions = torch.arange(start, end, device=self.device)[None]
+            capture = self.draft.config.target_layer_ids if seq.speculative else ()
+            out = self.target(torch.tensor([ids], device=self.device), positions, slots,
+                              self.state, kv_len=end, capture_layers=capture, last_only=True)
+            if seq.speculative:
+                self.draft.append_context(out.features, positions, slots, self.draft_state)
+            seq.prefilled = end
+            self.state.lengths[seq.slot] = end
+            if end == len(seq.prompt_ids):
+                with self.timer.phase("sample"):
+                    tokens, logprobs = choose_tokens(out.logits[:, -1], [seq])
+                seq.phase = Phase.RUNNING
+                seq.first_token_s = time.monotonic()
+                self._emit(seq, tokens[0], outputs, logprobs[0])
+
+    def _decode(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
+        """One token for each plain request, in one forward."""
+        lengths = [s.committed_length for s in seqs]
+        out = self.target(
+            torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device),
+            torch.tensor([[n] for n in lengths], device=self.device),
+            torch.tensor([s.slot for s in seqs], device=self.device),
+            self.state,
+            kv_len=max(lengths) + 1,
+        )
+        for seq, n in zip(seqs, lengths):
+            self.state.lengths[seq.slot] = n + 1
+        with self.timer.phase("sample"):
+            tokens, logprobs = choose_tokens(out.logits[:, -1], seqs)
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            self._emit(seq, token, outputs, lp)
+
+    # ------------------------------------------------------------------ helpers
+    def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput],
+              logprobs: list[dict[int, float]] | None = None) -> None:
+        kept = seq.append(tokens)
+        if logprobs is not None:
+            logprobs = logprobs[: len(kept)]
+            seq.logprobs.extend(logprobs)
+        outputs.append(StepOutput(seq.request_id, kept, seq.finish_reason is not None,
+                                  seq.finish_reason, time.monotonic(), logprobs))
+
+    def _fall_back(self, seq: Sequence, reason: str) -> None:
+        seq.speculative = False
+        seq.fallback_reason = reason
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def check_low_acceptance(self, seq: Sequence) -> None:
+        threshold = self.config.fallback_min_acceptance
+        if threshold is None or seq.spec.steps < self.config.fallback_after_steps:
+            return
+        if seq.spec.mean_acceptance_length < threshold:
+            self._fall_back(seq, FALLBACK_LOW_ACCEPTANCE)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None and self.active.pop(seq.request_id, None) is not None:
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+
+    def _finish(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.phase = Phase.FINISHED
+        seq.finished_s = time.monotonic()
+        self.finished_requests += 1
+        self.known.pop(seq.request_id, None)
+        self.finished[seq.request_id] = seq
+
+    def stats(self) -> dict:
+        """Engine-wide statistics (see stats.py for the definitions)."""
+        return {
+            "requests_finished": self.finished_requests,
+            "running": len(self.active),
+            "waiting": len(self.waiting),
+            "spec": self.spec_totals.as_dict(),
+            "fallbacks": dict(self.fallbacks),
+            "phases": self.timer.as_dict(),
+        }

@@ -1,0 +1,69 @@
+"""One request inside the engine: its prompt, progress, output, slot and statistics."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .request import SamplingParams
+from .stats import SpecCounters
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # admitted to the queue, no slot yet
+    PREFILL = "prefill"  # has a slot, prompt partly run
+    RUNNING = "running"  # decoding (plain or speculative)
+    FINISHED = "finished"
+
+
+# why a request left the speculative path
+FALLBACK_LOGPROBS = "logprobs"
+FALLBACK_SAMPLING = "sampling_option"
+FALLBACK_LOW_ACCEPTANCE = "low_acceptance"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: frozenset[int]
+    arrival_s: float
+    speculative: bool
+    oracle: object | None = None  # OracleProposer, testing and benchmarks only
+    generator: torch.Generator | None = None
+    phase: Phase = Phase.WAITING
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens run through the target so far
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    fallback_reason: str | None = None
+    spec: SpecCounters = field(default_factory=SpecCounters)
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def committed_length(self) -> int:
+        """Tokens the target has run: the prompt and all outputs but the pending anchor."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    def append(self, tokens: list[int]) -> list[int]:
+        """Append newly committed tokens, cut at the first stop and at max_tokens; returns
+        the tokens kept and sets finish_reason when the request is done."""
+        kept = []
+        for token in tokens[: self.remaining]:
+            kept.append(token)
+            if token in self.stops:
+                self.finish_reason = "stop"
+                break
+        self.output_ids.extend(kept)
+        if self.finish_reason is None and self.remaining == 0:
+            self.finish_reason = "length"
+        return kept

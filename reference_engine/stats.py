@@ -1,0 +1,100 @@
+"""Engine statistics: speculative counters per request and engine-wide, and a phase timer.
+
+Definitions (DESIGN.md): a step proposes B-1 draft tokens (fewer in a short final block);
+`accepted` counts draft tokens equal to the target's choices; the acceptance length of a
+step is the tokens it committed, accepted + bonus, so mean acceptance length includes the
+bonus token. accepted_per_position[k] counts steps whose draft token k+1 was accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("prefill", "draft", "verify", "commit", "sample", "schedule", "decode")
+
+
+@dataclass
+class SpecCounters:
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    acceptance_lengths: Counter = field(default_factory=Counter)  # length -> steps
+    accepted_per_position: Counter = field(default_factory=Counter)  # 1-based position -> steps
+
+    def record(self, proposed: int, accepted: int, acceptance_length: int) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.acceptance_lengths[acceptance_length] += 1
+        for k in range(1, accepted + 1):
+            self.accepted_per_position[k] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Committed tokens per step, bonus included (0 before any step)."""
+        if not self.steps:
+            return 0.0
+        return sum(k * v for k, v in self.acceptance_lengths.items()) / self.steps
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_length_histogram": dict(sorted(self.acceptance_lengths.items())),
+            "accepted_per_position": dict(sorted(self.accepted_per_position.items())),
+        }
+
+
+class PhaseTimer:
+    """Wall time per phase with a monotonic clock; on CUDA also device time per phase from
+    CUDA events, read once per step by `flush()` (no sync inside a phase)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host_s: Counter = Counter()
+        self.device_s: Counter = Counter()
+        self.calls: Counter = Counter()
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def phase(self, name: str):
+        start_event = end_event = None
+        if self.cuda:
+            start_event = torch.cuda.Event(enable_timing=True)
+            end_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host_s[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+            if self.cuda:
+                end_event.record()
+                self._pending.append((name, start_event, end_event))
+
+    def flush(self) -> None:
+        """Collect pending CUDA event times (call once per step, after its sync)."""
+        if not self._pending:
+            return
+        self._pending[-1][2].synchronize()
+        for name, start, end in self._pending:
+            self.device_s[name] += start.elapsed_time(end) / 1000.0
+        self._pending.clear()
+
+    def as_dict(self) -> dict:
+        out = {f"host_s_{k}": v for k, v in sorted(self.host_s.items())}
+        out.update({f"device_s_{k}": v for k, v in sorted(self.device_s.items())})
+        return out

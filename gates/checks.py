@@ -167,3 +167,58 @@ def assert_states_close(
                     f"(tolerance {atol:g})"
                 )
     return len(got)
+
+
+# ------------------------------------------------------------------ the batched engine
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    arrival_step: int  # the engine step before which it is added
+    schedule: tuple[int, ...] | None = None  # oracle acceptance schedule, or the real draft
+
+
+def run_engine(engine, requests: Sequence[EngineRequest], references: dict[str, list[int]],
+               abort: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Feed requests at their arrival steps, stream until done; returns each request's
+    streamed tokens. `abort` maps request id -> the step at which it is aborted."""
+    from reference_engine.spec import OracleProposer
+
+    pending = sorted(requests, key=lambda r: r.arrival_step)
+    streamed: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    abort = dict(abort or {})
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0].arrival_step <= step:
+            r = pending.pop(0)
+            oracle = None
+            if r.schedule is not None:
+                oracle = OracleProposer(references[r.request_id], r.schedule,
+                                        engine.target.config.vocab_size)
+            engine.add_request(r.request_id, list(r.prompt), r.params, oracle=oracle)
+        for request_id, at in list(abort.items()):
+            if at == step:
+                engine.abort(request_id)
+                del abort[request_id]
+        for out in engine.step():
+            streamed[out.request_id].extend(out.new_token_ids)
+        step += 1
+        if step > 100000:
+            raise AssertionError("engine made no progress in 100000 steps")
+    return streamed
+
+
+def assert_batch_equivalent(streamed: dict[str, list[int]], references: dict[str, list[int]],
+                            what: str, skip: Sequence[str] = ()) -> None:
+    for request_id, expected in references.items():
+        if request_id in skip:
+            continue
+        got = streamed[request_id]
+        if got != expected:
+            i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b),
+                     min(len(got), len(expected)))
+            raise AssertionError(
+                f"{what}: request {request_id} differs from plain greedy alone at output "
+                f"position {i}: expected {expected[i:i + 3]}..., got {got[i:i + 3]}..."
+            )

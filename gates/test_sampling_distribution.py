@@ -16,16 +16,15 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-import pytest
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft, make_tiny_target
 from reference_engine.decode import new_state, prefill
 from reference_engine.request import SamplingParams
 from reference_engine.sampling import accept_sampled, probabilities
 from reference_engine.spec import SpecOptions, generate_speculative
 
 from .conftest import SMALL_VOCAB as VOCAB
+
 TEMPERATURE = 1.0
 TOP_K = 6
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import DraftConfig, TargetConfig
@@ -79,8 +79,14 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     single = path / SINGLE_FILE
     if not single.is_file():
         raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+    return {name: single for name in open_safetensors(single).keys()}
+
+
+def open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
 
 
 def _canonical_name(name: str, strip_model_prefix: bool = False) -> str | None:
@@ -131,9 +137,14 @@ def read_tensors(
             name = by_canonical[canonical]
             file = files[name]
             if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
+                handles[file] = open_safetensors(file)
             handle = handles[file]
-            found = tuple(handle.get_slice(name).get_shape())
+            try:
+                found = tuple(handle.get_slice(name).get_shape())
+            except SafetensorError:
+                raise CheckpointError(
+                    f"{path}: the index maps {name} to {file.name}, which does not contain it"
+                ) from None
             if found != shape:
                 raise CheckpointError(
                     f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}"
@@ -212,6 +223,7 @@ def random_weights(
     shapes: dict[str, tuple[int, ...]], seed: int, norm_offset: bool
 ) -> dict[str, torch.Tensor]:
     """Random weights scaled so that tiny models give varied, non-degenerate logits."""
+    tied = "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes
     gen = torch.Generator().manual_seed(seed)
 
     def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
@@ -230,7 +242,9 @@ def random_weights(
             offset_norm = norm_offset and not name.endswith("linear_attn.norm.weight")
             out[name] = normal(shape, 0.1) + (0.0 if offset_norm else 1.0)
         elif name.endswith("embed_tokens.weight"):
-            out[name] = normal(shape, 1.0)
+            # tied embeddings double as the lm_head: unit scale would make the fed token's
+            # own logit dominate and greedy output repeat one token forever
+            out[name] = normal(shape, shape[-1] ** -0.5 if tied else 1.0)
         elif leaf == "weight":
             out[name] = normal(shape, shape[-1] ** -0.5)
         else:  # biases

@@ -23,6 +23,7 @@ import torch
 from .commit import check_strategy
 from .decode import context_length, stop_ids
 from .errors import ConfigError, RequestError
+from .faults import FAULTS
 from .models import CausalLM
 from .models.dflash import DFlashDraft, DraftState
 from .request import SamplingParams, validate_prompt
@@ -33,10 +34,9 @@ from .sequence import (
     Phase,
     Sequence,
 )
-from .spec import FAULTS
 from .speculate import speculate
-from .stats import PhaseTimer, SpecCounters
 from .state import TargetState
+from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
 
 ADMISSION_POLICIES = ("wait", "reject")
@@ -127,6 +127,9 @@ class Engine:
         self.spec_totals = SpecCounters()
         self.fallbacks: dict[str, int] = {}
         self.finished_requests = 0
+        # called as observer(seq, state, length) after each speculative commit
+        # (the state-equality gates); None in normal use
+        self.commit_observer = None
 
     # ------------------------------------------------------------------ lifecycle
     def add_request(
@@ -135,6 +138,7 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         oracle: object | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         """Queue a request. Raises RequestError on bad input (other requests unaffected)
         and EngineFullError when the admission policy refuses it."""
@@ -163,8 +167,10 @@ class Engine:
             oracle=oracle,
         )
         if not params.greedy:
-            seed = params.seed if params.seed is not None else torch.seed()
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+            if generator is None:
+                seed = params.seed if params.seed is not None else torch.seed()
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+            seq.generator = generator
         if seq.speculative:
             if params.logprobs is not None:
                 self._fall_back(seq, FALLBACK_LOGPROBS)
@@ -207,7 +213,8 @@ class Engine:
             self._admit()
         with self.timer.phase("prefill"):
             self._prefill(outputs)
-        running = [s for s in self.active.values() if s.phase is Phase.RUNNING]
+        running = [s for s in self.active.values()
+                   if s.phase is Phase.RUNNING and s.finish_reason is None]
         plain = [s for s in running if not s.speculative]
         spec = [s for s in running if s.speculative]
         if plain:
@@ -252,7 +259,7 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
         """One token for each plain request, in one forward."""
-        lengths = [s.committed_length for s in seqs]
+        lengths = [self.state.lengths[s.slot] for s in seqs]
         out = self.target(
             torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device),
             torch.tensor([[n] for n in lengths], device=self.device),

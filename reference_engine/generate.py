@@ -87,7 +87,17 @@ class GenerateArgs:
         return cls(**vars(cls.parser().parse_args(argv)))
 
 
+def check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RequestError(f"unknown --device {name!r}, expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RequestError(f"--device {name} asked for, but no CUDA device is available here")
+
+
 def run(args: GenerateArgs) -> dict:
+    check_device(args.device)
     model = load_target(args.model, dtype=parse_dtype(args.dtype), device=args.device)
     tokenizer = None
     if args.prompt is not None:

@@ -11,6 +11,16 @@ from .request import SamplingParams
 from .stats import SpecCounters
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One speculative step of one request."""
+
+    proposed: int  # draft tokens in the block (B - 1, fewer for a short final block)
+    accepted: int  # a
+    acceptance_length: int  # tokens this step committed: a + 1, cut at a stop or max_tokens
+    drafted: tuple[int, ...] = ()  # the proposed draft tokens
+
+
 class Phase(enum.Enum):
     WAITING = "waiting"  # admitted to the queue, no slot yet
     PREFILL = "prefill"  # has a slot, prompt partly run
@@ -42,13 +52,9 @@ class Sequence:
     finish_reason: str | None = None
     fallback_reason: str | None = None
     spec: SpecCounters = field(default_factory=SpecCounters)
+    steps: list[StepRecord] = field(default_factory=list)
     first_token_s: float | None = None
     finished_s: float | None = None
-
-    @property
-    def committed_length(self) -> int:
-        """Tokens the target has run: the prompt and all outputs but the pending anchor."""
-        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
 
     @property
     def remaining(self) -> int:
@@ -67,3 +73,8 @@ class Sequence:
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = "length"
         return kept
+
+    def record_step(self, proposed: int, accepted: int, committed: int,
+                    drafted: list[int]) -> None:
+        self.spec.record(proposed, accepted, committed)
+        self.steps.append(StepRecord(proposed, accepted, committed, tuple(drafted)))

@@ -30,9 +30,11 @@ def speculate(engine: Engine, seqs: list[Sequence], outputs: list[StepOutput]) -
     b = len(seqs)
     n = [min(B - 1, s.remaining) for s in seqs]
     N = max(n)
-    starts = [s.committed_length for s in seqs]  # positions of the anchors
+    starts = [state.lengths[s.slot] for s in seqs]  # positions of the anchors
     slot_ids = [s.slot for s in seqs]
     slots = torch.tensor(slot_ids, device=device)
+    if fault == "shared_positions":
+        starts = [starts[0]] * b
     positions = torch.tensor(starts, device=device)[:, None] + torch.arange(N + 1, device=device)
     n_t = torch.tensor(n, device=device)
     valid = n_t + 1
@@ -61,16 +63,17 @@ def speculate(engine: Engine, seqs: list[Sequence], outputs: list[StepOutput]) -
         if target.config.is_hybrid and needs_snapshot(strategy):
             for slot in slot_ids:
                 state.save(slot)
-        leak = fault == "padding_leak"
         out = target(block, positions, slots, state, kv_len,
                      capture_layers=dcfg.target_layer_ids,
-                     valid_len=None if leak else valid, record=verify_record(strategy, target))
+                     valid_len=valid, record=verify_record(strategy, target))
 
     with timer.phase("sample"):
         target_tokens = greedy(out.logits)  # [b, N + 1]
-        accepted, bonus = accept_greedy(proposals, target_tokens)
-        accepted = torch.minimum(accepted, n_t)  # padding is never accepted
-        bonus = target_tokens.gather(1, accepted[:, None])[:, 0]
+        accepted, _ = accept_greedy(proposals, target_tokens)
+        cap = n_t - 1 if fault == "never_accept_full_block" else n_t
+        accepted = torch.minimum(accepted, cap)  # padding is never accepted
+        bonus_at = (accepted + 1).clamp(max=n_t) if fault == "wrong_bonus_position" else accepted
+        bonus = target_tokens.gather(1, bonus_at[:, None])[:, 0]
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 p = seq.params
@@ -78,26 +81,42 @@ def speculate(engine: Engine, seqs: list[Sequence], outputs: list[StepOutput]) -
                                              p.top_p)
                 a_i, bonus_i = accept_sampled(proposals[i : i + 1, : n[i]], draft_probs[i][None],
                                               target_probs[None], seq.generator)
+                if fault == "bonus_ignores_residual":
+                    bonus_i = sample(target_probs[a_i], seq.generator)
                 accepted[i], bonus[i] = a_i[0], bonus_i[0]
         # the one host transfer of the step
         flat = torch.cat([accepted, bonus, proposals.flatten()]).tolist()
         acc_list, bonus_list = flat[:b], flat[b : 2 * b]
-        drafted = [flat[2 * b + i * N : 2 * b + (i + 1) * N] for i in range(b)]
+        drafted = [flat[2 * b + i * N : 2 * b + i * N + n[i]] for i in range(b)]
 
     with timer.phase("commit"):
-        processed = accepted + 1
-        commit_slots = slot_ids[1:] + slot_ids[:1] if fault == "commit_wrong_slot" else slot_ids
-        commit_hybrid(strategy, target, state, commit_slots, block, positions, processed, kv_len)
-        width = max(acc_list) + 1
-        draft.append_context(out.features[:, :width], positions[:, :width], slots, dstate)
+        processed = n_t + 1 if fault == "skip_length_rollback" else accepted + 1
+        kept = [n_i + 1 for n_i in n] if fault == "skip_length_rollback" else \
+            [a + 1 for a in acc_list]
+        if fault != "skip_state_rollback":
+            commit_slots = slot_ids[1:] + slot_ids[:1] if fault == "commit_wrong_slot" \
+                else slot_ids
+            commit_hybrid(strategy, target, state, commit_slots, block, positions, processed,
+                          kv_len)
+        width = max(kept)
+        rows = torch.arange(width, device=device)
+        if fault == "feature_off_by_one":  # each position gets the next position's row
+            rows = torch.minimum(rows + 1, n_t[:, None])
+            features = out.features.gather(
+                1, rows[..., None].expand(-1, -1, out.features.shape[-1]))
+        else:
+            features = out.features[:, :width]
+        draft.append_context(features, positions[:, :width], slots, dstate)
 
     for i, seq in enumerate(seqs):
         a = acc_list[i]
-        state.lengths[seq.slot] = starts[i] + a + 1
-        dstate.lengths[seq.slot] = starts[i] + a + 1
+        state.lengths[seq.slot] = starts[i] + kept[i]
+        dstate.lengths[seq.slot] = starts[i] + kept[i]
+        if engine.commit_observer is not None:
+            engine.commit_observer(seq, state, starts[i] + kept[i])
         before = len(seq.output_ids)
         engine._emit(seq, drafted[i][:a] + [bonus_list[i]], outputs)
         committed = len(seq.output_ids) - before
-        seq.spec.record(n[i], a, committed)
+        seq.record_step(n[i], a, committed, drafted[i])
         engine.spec_totals.record(n[i], a, committed)
         engine.check_low_acceptance(seq)

@@ -41,7 +41,7 @@ def choose_tokens(
             rows.append((sample(probs, seq.generator), row))
     tokens = torch.stack([t for t, _ in rows]).tolist()  # the host transfer
     logprobs: list[list[dict[int, float]] | None] = []
-    for (token, row), seq, tok in zip(rows, seqs, tokens):
+    for (_, row), seq, tok in zip(rows, seqs, tokens):
         k = seq.params.logprobs
         if k is None:
             logprobs.append(None)

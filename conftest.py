@@ -1,0 +1,141 @@
+"""Shared pytest fixtures for tests/ and gates/: tiny checkpoints built once per session,
+and the `gpu` marker that skips CUDA-only tests on machines without a GPU.
+
+Use the factory for any variant:
+
+    def test_something(tiny_checkpoint):
+        path = tiny_checkpoint("qwen3_5", hidden=96, layers=5, tie_word_embeddings=True)
+
+Each distinct set of options is written once per session and shared, so a test must
+never modify the directory it gets; copy it first (`copy_checkpoint`) to corrupt it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from reference_engine.checkpoint import make_tiny_target
+
+# --target-model / --draft-model / --gate-device / --gate-dtype for the gates
+pytest_plugins = ("gates.options",)
+
+TinyCheckpoint = Callable[..., Path]
+
+_TINY_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(make_tiny_target).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
+
+# options that point the gates at a user's own checkpoints (see gates/options.py)
+pytest_plugins = ["gates.options"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
+    # thread hand-off makes a 64-wide matmul take milliseconds instead of microseconds.
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="marked gpu: torch.cuda.is_available() is False here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def _checkpoint_name(arch: str, options: dict[str, Any]) -> str:
+    parts = [arch]
+    for key, value in sorted(options.items()):
+        if isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        parts.append(f"{key}-{value}")
+    return "_".join(parts)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    """`tiny_checkpoint(arch, **options) -> Path`: a tiny HF-layout checkpoint with a tokenizer,
+    written by `make_tiny_target` on first use and cached by (arch, options) for the session.
+
+    Options are `make_tiny_target`'s: seed, layers, hidden, vocab, tie_word_embeddings,
+    multimodal_wrapper, shards, dtype (torch.float32 or torch.bfloat16 on disk), with_tokenizer."""
+    built: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def make(arch: str = "qwen3", **options: Any) -> Path:
+        unknown = sorted(set(options) - set(_TINY_DEFAULTS))
+        if unknown:
+            raise TypeError(f"tiny_checkpoint: unknown option(s) {unknown}")
+        # spelled-out defaults share the checkpoint of the bare call
+        full = {**_TINY_DEFAULTS, **options, "arch": arch}
+        key = tuple(sorted(full.items(), key=lambda item: item[0]))
+        if key not in built:
+            changed = {k: v for k, v in options.items() if v != _TINY_DEFAULTS[k]}
+            out = tmp_path_factory.mktemp(_checkpoint_name(arch, changed), numbered=True)
+            built[key] = make_tiny_target(out, arch=arch, **options)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
+    """Dense Qwen3, untied embeddings, 4 layers, hidden 64, vocab 512."""
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tied_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen3", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
+    """The same weights as `qwen3_checkpoint`, in 3 shards with an index."""
+    return tiny_checkpoint("qwen3", shards=3)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
+    """Hybrid Qwen3.5, text-only layout (qwen3_5_text), untied, 4 layers (2 linear, 2 full)."""
+    return tiny_checkpoint("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_tied_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
+    return tiny_checkpoint("qwen3_5", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_wrapper_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
+    """The same weights as `qwen3_5_checkpoint` in the multimodal wrapper layout
+    (model_type qwen3_5, tensors under model.language_model., plus mtp.* and model.visual.*)."""
+    return tiny_checkpoint("qwen3_5", multimodal_wrapper=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_sharded_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
+    """The same weights as `qwen3_5_checkpoint`, in 3 shards with an index."""
+    return tiny_checkpoint("qwen3_5", shards=3)
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
+    """`copy_checkpoint(src) -> Path`: a private copy of a shared checkpoint, free to corrupt."""
+
+    def copy(src: Path) -> Path:
+        dst = tmp_path / src.name
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

@@ -164,12 +164,30 @@ def load_target(
     config = TargetConfig.from_hf(read_config(path))
     expected = expected_shapes(config)
     tensors = read_tensors(path, expected, dtype, device, ignorable=("lm_head.weight",))
+    model = assemble_target(config, tensors, device)
+    model.source_path = Path(path)
+    return model
+
+
+def assemble_target(
+    config: TargetConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
+) -> CausalLM:
+    """A target model around already-placed tensors (no copy, no random init)."""
     with torch.device("meta"):
         model = build_target(config)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device)
-    model.source_path = Path(path)
     return model.eval().requires_grad_(False)
+
+
+def assemble_draft(
+    config: DraftConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
+) -> DFlashDraft:
+    with torch.device("meta"):
+        draft = DFlashDraft(config)
+    draft.load_state_dict(tensors, strict=True, assign=True)
+    draft.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    return draft.eval().requires_grad_(False)
 
 
 def load_draft(
@@ -188,12 +206,9 @@ def load_draft(
     tensors = read_tensors(
         path, draft_expected_shapes(config), dtype, device, strip_model_prefix=True
     )
-    with torch.device("meta"):
-        draft = DFlashDraft(config)
-    draft.load_state_dict(tensors, strict=True, assign=True)
-    draft.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    draft = assemble_draft(config, tensors, device)
     draft.source_path = Path(path)
-    return draft.eval().requires_grad_(False)
+    return draft
 
 
 # ----------------------------------------------------------------------------- writing
@@ -220,20 +235,25 @@ def write_safetensors(
 
 
 def random_weights(
-    shapes: dict[str, tuple[int, ...]], seed: int, norm_offset: bool
+    shapes: dict[str, tuple[int, ...]],
+    seed: int,
+    norm_offset: bool,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """Random weights scaled so that tiny models give varied, non-degenerate logits."""
+    """Random weights scaled so that models give varied, non-degenerate logits. Drawn in
+    float32 on `device` (real-shaped models straight on the GPU), then cast to `dtype`."""
     tied = "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
 
     out = {}
     for name, shape in shapes.items():
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("A_log"):
-            out[name] = torch.empty(shape).uniform_(0.0, 2.5, generator=gen)
+            out[name] = torch.empty(shape, device=device).uniform_(0.0, 2.5, generator=gen)
         elif name.endswith("dt_bias"):
             out[name] = 1.0 + normal(shape, 0.1)
         elif name.endswith("conv1d.weight"):
@@ -249,6 +269,7 @@ def random_weights(
             out[name] = normal(shape, shape[-1] ** -0.5)
         else:  # biases
             out[name] = normal(shape, 0.1)
+        out[name] = out[name].to(dtype)
     return out
 
 

@@ -75,6 +75,22 @@ class OracleProposer:
         self.schedule = list(schedule)
         self.vocab_size = vocab_size
 
+    @classmethod
+    def for_mean_acceptance(cls, continuation: Sequence[int], mean_length: float,
+                            block_size: int, vocab_size: int) -> OracleProposer:
+        """A schedule whose mean acceptance length (bonus included) is `mean_length`: the
+        accepted counts floor(m) and floor(m) + 1 interleaved evenly, m = mean_length - 1."""
+        if not 1.0 <= mean_length <= block_size:
+            raise ConfigError(
+                f"oracle acceptance length must be in [1, {block_size}] for block size "
+                f"{block_size}, got {mean_length}"
+            )
+        m = mean_length - 1
+        low, frac = int(m), m - int(m)
+        period = 20
+        schedule = [low + int((k + 1) * frac + 1e-9) - int(k * frac + 1e-9) for k in range(period)]
+        return cls(continuation, schedule, vocab_size)
+
     def propose(self, step: int, generated: int, n: int) -> list[int]:
         """Draft tokens for block slots 1..n when `generated` tokens are out (the anchor is
         continuation[generated - 1])."""

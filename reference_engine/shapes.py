@@ -1,0 +1,86 @@
+"""Named real model shapes with random weights, for benchmarks on machines without the
+real checkpoints: `random_pair("qwen3-8b", "cuda", torch.bfloat16)`.
+
+The sizes follow the published configs of the named models (Qwen3-8B; Qwen3.5-4B's text
+model) and a 5-layer block-16 DFlash draft shaped like z-lab's. Weights are random: a
+random draft is accepted about never, so benchmarks pair these with the oracle proposer
+at a chosen acceptance length. Speed depends on shapes, not on weight values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .checkpoint import assemble_draft, assemble_target, random_weights
+from .config import DraftConfig, TargetConfig, published_target_layer_ids
+from .errors import ConfigError
+from .models import CausalLM, expected_shapes
+from .models.dflash import DFlashDraft, draft_expected_shapes
+
+TARGET_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "eos_token_id": 151645,
+    },
+    "qwen3.5-4b": {
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 2560,
+        "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144, "tie_word_embeddings": True,
+        "eos_token_id": 248044,
+    },
+}
+DRAFT_HEADS = {"qwen3-8b": (32, 8, 128, 12288), "qwen3.5-4b": (32, 8, 128, 9216)}
+
+
+def draft_raw(shape: str, block_size: int, layers: int) -> dict[str, Any]:
+    target = TARGET_SHAPES[shape]
+    heads, kv_heads, head_dim, intermediate = DRAFT_HEADS[shape]
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "vocab_size": target["vocab_size"], "hidden_size": target["hidden_size"],
+        "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": target["max_position_embeddings"], "block_size": block_size,
+        "num_target_layers": target["num_hidden_layers"],
+        "dflash_config": {
+            "target_layer_ids": list(published_target_layer_ids(target["num_hidden_layers"],
+                                                                layers)),
+            "mask_token_id": target["vocab_size"] - 1,
+        },
+    }
+
+
+def random_pair(
+    shape: str,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    block_size: int = 16,
+    draft_layers: int = 5,
+) -> tuple[CausalLM, DFlashDraft]:
+    if shape not in TARGET_SHAPES:
+        raise ConfigError(f"unknown shape '{shape}', expected one of {', '.join(TARGET_SHAPES)}")
+    tconfig = TargetConfig.from_hf(TARGET_SHAPES[shape])
+    target = assemble_target(
+        tconfig,
+        random_weights(expected_shapes(tconfig), seed, tconfig.norm_offset, device, dtype),
+        device,
+    )
+    dconfig = DraftConfig.from_hf(draft_raw(shape, block_size, draft_layers))
+    draft = assemble_draft(
+        dconfig,
+        random_weights(draft_expected_shapes(dconfig), seed + 1, False, device, dtype),
+        device,
+    )
+    return target, draft

@@ -1,0 +1,8 @@
+"""Engine-level benchmark: plain vs DFlash. See reference_engine/bench.py for options."""
+
+import sys
+
+from reference_engine.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())

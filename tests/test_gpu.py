@@ -1,0 +1,54 @@
+"""CUDA runs of the engine (skipped without a GPU): lossless speculative decoding on the
+device in float64, batched, and a bfloat16 real-shaped smoke run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.commit import COMMIT_STRATEGIES
+from reference_engine.decode import generate_plain
+from reference_engine.engine import Engine, EngineConfig
+from reference_engine.request import SamplingParams
+from reference_engine.spec import OracleProposer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("strategy", COMMIT_STRATEGIES)
+def test_batched_dflash_on_cuda_equals_plain_greedy(tiny_checkpoint, tmp_path, arch: str,
+                                                    strategy: str) -> None:
+    target_dir = tiny_checkpoint(arch)
+    draft_dir = make_tiny_draft(tmp_path / "draft", target_dir, block_size=8)
+    target = load_target(target_dir, dtype=torch.float64, device="cuda")
+    draft = load_draft(draft_dir, target)
+    rng = random.Random(0)
+    requests = [([rng.randrange(400) for _ in range(rng.randint(1, 90))],
+                 SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True))
+                for _ in range(12)]
+    refs = [generate_plain(target, p, sp).output_ids for p, sp in requests]
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=8, commit_strategy=strategy))
+    for i, ((prompt, params), ref) in enumerate(zip(requests, refs)):
+        schedule = [rng.randrange(8) for _ in range(5)]
+        engine.add_request(str(i), prompt, params,
+                           oracle=OracleProposer(ref, schedule, 512) if i % 2 else None)
+    while engine.has_unfinished():
+        engine.step()
+    for i, ref in enumerate(refs):
+        assert engine.collect(str(i)).output_ids == ref
+    assert engine.stats()["phases"]["device_s_verify"] > 0
+
+
+def test_real_shaped_bfloat16_pair_runs_on_cuda() -> None:
+    from reference_engine.shapes import random_pair
+
+    target, draft = random_pair("qwen3.5-4b", "cuda", torch.bfloat16)
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=2, max_model_len=256))
+    engine.add_request("a", list(range(100, 164)), SamplingParams(max_tokens=32, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.collect("a").output_ids) == 32

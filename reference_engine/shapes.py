@@ -39,6 +39,11 @@ TARGET_SHAPES: dict[str, dict[str, Any]] = {
         "eos_token_id": 248044,
     },
 }
+# Random logits of unit scale are nearly tied everywhere: in bfloat16 the verify and decode
+# kernels then pick different tokens within a step, and the oracle's precomputed greedy
+# continuation is lost. Scaling the final norm makes the logits decisive (top-2 margins far
+# above bfloat16 rounding) without touching the residual stream.
+LOGIT_GAIN = 24.0
 DRAFT_HEADS = {"qwen3-8b": (32, 8, 128, 12288), "qwen3.5-4b": (32, 8, 128, 9216)}
 
 
@@ -72,11 +77,12 @@ def random_pair(
     if shape not in TARGET_SHAPES:
         raise ConfigError(f"unknown shape '{shape}', expected one of {', '.join(TARGET_SHAPES)}")
     tconfig = TargetConfig.from_hf(TARGET_SHAPES[shape])
-    target = assemble_target(
-        tconfig,
-        random_weights(expected_shapes(tconfig), seed, tconfig.norm_offset, device, dtype),
-        device,
-    )
+    tensors = random_weights(expected_shapes(tconfig), seed, tconfig.norm_offset, device, dtype)
+    norm = tensors["model.norm.weight"]
+    tensors["model.norm.weight"] = (
+        (1 + norm.float()) * LOGIT_GAIN - 1 if tconfig.norm_offset else norm.float() * LOGIT_GAIN
+    ).to(dtype)
+    target = assemble_target(tconfig, tensors, device)
     dconfig = DraftConfig.from_hf(draft_raw(shape, block_size, draft_layers))
     draft = assemble_draft(
         dconfig,

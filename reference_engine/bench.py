@@ -3,7 +3,7 @@
     python scripts/bench_engine.py (--model DIR --draft DIR | --random-shape qwen3-8b)
         [--oracle-acceptance X] [--concurrency 1,4,8,16] [--out FILE.csv] ...
 
-For each concurrency c the engine gets `--num-prompts` requests (default 2c, at least 4)
+For each concurrency c the engine gets `--num-prompts` requests (default c)
 of `--input-len` random prompt tokens and `--output-len` output tokens (EOS ignored), all
 queued at once, with c slots. Plain and DFlash runs alternate, `--repeats` times each
 after one warm-up pair; the table and CSV give medians over the repeats.
@@ -13,9 +13,12 @@ included); mean_acceptance_length = committed tokens per DFlash step, bonus incl
 ms_<phase> = milliseconds spent in that phase over the whole run (CUDA-event time on a
 GPU, monotonic host time on a CPU), phases as in stats.PHASES.
 
-With --oracle-acceptance X the draft still runs, but its proposals are replaced so that
-each step accepts a scheduled count with mean acceptance length X, using the plain run's
-outputs as the continuation (random weights are accepted about never).
+With --oracle-acceptance X the draft still runs, but its proposals are replaced by the
+plain run's outputs and each step accepts a scheduled count, mean acceptance length X
+(forced: random bfloat16 weights do not reproduce a plain continuation under the verify
+kernels, see spec.OracleProposer; random weights are otherwise accepted about never).
+The output of forced runs is not lossless; the gates check losslessness, this measures
+cost.
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
         oracle = None
         if draft is not None and continuations is not None:
             oracle = OracleProposer.for_mean_acceptance(continuations[i],
-                                                        args.oracle_acceptance, block, vocab)
+                                                        args.oracle_acceptance, block, vocab,
+                                                        forced=True)
         engine.add_request(str(i), prompt, params, oracle=oracle)
     steps = 0
     while engine.has_unfinished():
@@ -168,7 +172,7 @@ def benchmark(args: BenchArgs) -> list[dict]:
           f"{args.random_shape or args.model}", flush=True)
     rows = []
     for c in args.concurrency:
-        count = args.num_prompts or max(4, 2 * c)
+        count = args.num_prompts or c
         prompts = make_prompts(target.config.vocab_size, count, args.input_len, args.seed + c)
         warm = run_once(target, None, prompts[:c], args, c, None)  # compile caches, allocator
         run_once(target, draft, prompts[:c], args, c,
@@ -181,7 +185,8 @@ def benchmark(args: BenchArgs) -> list[dict]:
             spec_rows.append(run_once(target, draft, prompts, args, c, continuations)["row"])
             print(f"  c={c} repeat {r + 1}/{args.repeats}: plain "
                   f"{plain_rows[-1]['output_tokens_per_s']:.1f} tok/s, dflash "
-                  f"{spec_rows[-1]['output_tokens_per_s']:.1f} tok/s", flush=True)
+                  f"{spec_rows[-1]['output_tokens_per_s']:.1f} tok/s, acceptance length "
+                  f"{spec_rows[-1]['mean_acceptance_length']:.2f}", flush=True)
         rows += [median_row(plain_rows), median_row(spec_rows)]
     return rows
 

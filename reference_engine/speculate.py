@@ -72,6 +72,9 @@ def speculate(engine: Engine, seqs: list[Sequence], outputs: list[StepOutput]) -
         accepted, _ = accept_greedy(proposals, target_tokens)
         cap = n_t - 1 if fault == "never_accept_full_block" else n_t
         accepted = torch.minimum(accepted, cap)  # padding is never accepted
+        for i, seq in enumerate(seqs):
+            if seq.oracle is not None and seq.oracle.forced:  # benchmarks only
+                accepted[i] = seq.oracle.scheduled(seq.spec.steps, n[i])
         bonus_at = (accepted + 1).clamp(max=n_t) if fault == "wrong_bonus_position" else accepted
         bonus = target_tokens.gather(1, bonus_at[:, None])[:, 0]
         for i, seq in enumerate(seqs):

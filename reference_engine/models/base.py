@@ -75,12 +75,14 @@ class CausalLM(nn.Module):
         ctx = ForwardContext(
             state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record
         )
-        captured = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, ctx, i)
             if i in capture_layers:
-                captured.append(x)
-        features = torch.cat(captured, dim=-1) if captured else None
+                captured[i] = x
+        # in the order the draft lists them, repeats included (the published spread of
+        # target layers repeats a layer when the target is shallow)
+        features = torch.cat([captured[i] for i in capture_layers], -1) if captured else None
         if last_only:
             x = x[:, -1:]
         return ForwardOutput(self.project_logits(self.model.norm(x)), features)

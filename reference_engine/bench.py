@@ -188,7 +188,16 @@ def benchmark(args: BenchArgs) -> list[dict]:
                   f"{spec_rows[-1]['output_tokens_per_s']:.1f} tok/s, acceptance length "
                   f"{spec_rows[-1]['mean_acceptance_length']:.2f}", flush=True)
         rows += [median_row(plain_rows), median_row(spec_rows)]
+        if args.out:  # after every concurrency, so an interrupted run keeps what it measured
+            write_csv(args.out, rows)
     return rows
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -209,9 +218,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_table(rows)
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
         print(f"wrote {args.out}")
     return 0

@@ -27,6 +27,28 @@ class Pair:
     prompts: tuple[tuple[int, ...], ...]
 
 
+def require_block(pair: Pair, block_size: int) -> None:
+    """Skip a block size the pair's draft was not built for (a user's checkpoints)."""
+    import pytest
+
+    if block_size > pair.draft.config.block_size:
+        pytest.skip(f"{pair.name}: the draft supports block sizes up to "
+                    f"{pair.draft.config.block_size}")
+
+
+def state_tolerance(pair: Pair) -> float:
+    """Absolute state tolerance per dtype; bfloat16 state is not compared (verify and
+    decode kernels round differently there: the lossless gate and its margins judge it)."""
+    import pytest
+
+    dtype = pair.target.model.embed_tokens.weight.dtype
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype == torch.float32:
+        return 1e-3
+    pytest.skip(f"state equality is checked in float64 and float32, not {dtype}")
+
+
 def top2_margin(target: CausalLM, ids: list[int]) -> float:
     """The target's top-1 minus top-2 logit for the token after `ids` (a tie is ~0)."""
     state = new_state(target, len(ids) + 1)

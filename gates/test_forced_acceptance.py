@@ -10,7 +10,7 @@ import pytest
 from reference_engine.commit import COMMIT_STRATEGIES
 from reference_engine.spec import SpecOptions
 
-from .checks import Pair, assert_forced_acceptance
+from .checks import Pair, assert_forced_acceptance, require_block
 
 
 @pytest.mark.parametrize("strategy", COMMIT_STRATEGIES)
@@ -18,6 +18,7 @@ from .checks import Pair, assert_forced_acceptance
 def test_every_acceptance_length_occurs_and_matches_the_schedule(
     pair: Pair, block_size: int, strategy: str
 ) -> None:
+    require_block(pair, block_size)
     schedule = list(range(block_size))  # accepted draft tokens 0 .. B-1
     random.Random(block_size).shuffle(schedule)
     got = assert_forced_acceptance(pair, pair.prompts[1], SpecOptions(block_size, strategy),

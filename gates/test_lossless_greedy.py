@@ -16,7 +16,7 @@ from reference_engine.decode import generate_plain
 from reference_engine.request import SamplingParams
 from reference_engine.spec import SpecOptions
 
-from .checks import Pair, assert_lossless
+from .checks import Pair, assert_lossless, require_block
 
 BLOCK_SIZES = (2, 4, 8, 16)
 
@@ -26,6 +26,7 @@ BLOCK_SIZES = (2, 4, 8, 16)
 def test_speculative_equals_plain_greedy_over_the_grid(
     pair: Pair, block_size: int, strategy: str
 ) -> None:
+    require_block(pair, block_size)
     options = SpecOptions(block_size, strategy)
     # max_tokens lands inside a block: not a multiple of any acceptance pattern's span
     params = SamplingParams(max_tokens=2 * block_size + block_size // 2 + 1, ignore_eos=True)
@@ -43,6 +44,7 @@ def test_stop_inside_an_accepted_span_ends_where_plain_decode_ends(
     pair: Pair, strategy: str, stop_kind: str
 ) -> None:
     block_size = 8
+    require_block(pair, block_size)
     prompt = list(pair.prompts[1])
     free = generate_plain(pair.target, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
     # a token whose first occurrence is well inside the output

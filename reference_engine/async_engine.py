@@ -1,0 +1,144 @@
+"""The engine on its own thread, for the server: the asyncio side submits and aborts
+requests and reads each request's step outputs from an asyncio queue.
+
+The Engine is not thread-safe, so every call into it happens on the engine thread: the
+event loop posts commands to a queue that the thread drains between steps, and the thread
+posts outputs back with `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .engine import Engine, StepOutput
+from .errors import ReferenceEngineError
+from .request import SamplingParams
+from .sequence import Sequence
+
+
+@dataclass
+class Finished:
+    """The last item on a request's queue: the whole sequence (for usage and statistics)."""
+
+    sequence: Sequence | None
+    error: Exception | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: Engine,
+        on_step: Callable[[Engine, list[StepOutput]], None] | None = None,
+        on_finish: Callable[[Sequence], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        # called on the engine thread after every step and every finished request (metrics)
+        self.on_step, self.on_finish = on_step, on_finish
+        self.commands: queue.Queue = queue.Queue()
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.running = True
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ asyncio side
+    async def submit(self, request_id: str, prompt_ids: list[int],
+                     params: SamplingParams) -> asyncio.Queue:
+        """Queue a request; raises its RequestError/EngineFullError here, in the caller."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        done: asyncio.Future = loop.create_future()
+        self.commands.put(("add", request_id, prompt_ids, params, loop, out, done))
+        self.wake.set()
+        await done  # raises the engine's error, if any
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+        self.wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and stop the thread."""
+        self.commands.put(("stop",))
+        self.wake.set()
+        self.thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _post(self, request_id: str, item: object) -> None:
+        target = self.streams.get(request_id)
+        if target is not None:
+            loop, out = target
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+    def _finish(self, request_id: str, sequence: Sequence | None, error=None) -> None:
+        self._post(request_id, Finished(sequence, error))
+        self.streams.pop(request_id, None)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                _, request_id, prompt_ids, params, loop, out, done = command
+                try:
+                    self.engine.add_request(request_id, prompt_ids, params)
+                except ReferenceEngineError as exc:
+                    loop.call_soon_threadsafe(_set_exception, done, exc)
+                    continue
+                self.streams[request_id] = (loop, out)
+                loop.call_soon_threadsafe(_set_result, done, None)
+            elif kind == "abort":
+                request_id = command[1]
+                try:
+                    self.engine.abort(request_id)
+                except ReferenceEngineError:
+                    pass  # already finished
+                self._finish(request_id, None)
+            elif kind == "stop":
+                for request_id in list(self.engine.known):
+                    self.engine.abort(request_id)
+                    self._finish(request_id, None)
+                self.running = False
+
+    def _loop(self) -> None:
+        while self.running:
+            self._drain_commands()
+            if not self.running:
+                break
+            if not self.engine.has_unfinished():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # an engine bug: fail every request, keep serving
+                for request_id in list(self.engine.known):
+                    self.engine.abort(request_id)
+                    self._finish(request_id, None, exc)
+                continue
+            for out in outputs:
+                self._post(out.request_id, out)
+                if out.finished:
+                    sequence = self.engine.collect(out.request_id)
+                    if self.on_finish is not None:
+                        self.on_finish(sequence)
+                    self._finish(out.request_id, sequence)
+            if self.on_step is not None:
+                self.on_step(self.engine, outputs)
+
+
+def _set_result(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: Exception) -> None:
+    if not future.done():
+        future.set_exception(exc)

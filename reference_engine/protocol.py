@@ -1,0 +1,237 @@
+"""OpenAI-compatible request parsing and response bodies (completions and chat).
+
+Parsing never trusts the body: every field is type-checked here and a bad one raises
+`ProtocolError` naming the field, which the server turns into HTTP 400 with an
+OpenAI-style error body. Unknown fields are ignored, as OpenAI clients send extras.
+
+Extensions, documented in the README:
+- `token_ids` in every choice and stream chunk: the generated token ids (vLLM's
+  `return_token_ids` output, always on), so clients compare tokens, not text;
+- `prompt` may be a list of token ids;
+- `stop_token_ids`, `top_k`, `ignore_eos` (as vLLM);
+- `spec_decode` beside `usage`: steps, proposed, accepted, acceptance_lengths of the request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ReferenceEngineError
+from .request import SamplingParams
+
+
+class ProtocolError(ReferenceEngineError):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int = 400) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _number(body: dict, name: str, default: float | None, lo: float | None = None,
+            hi: float | None = None) -> float | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"'{name}' must be a number, got {value!r}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ProtocolError(f"'{name}' must be in [{lo}, {hi}], got {value}", name)
+    return value
+
+
+def _integer(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"'{name}' must be an integer, got {value!r}", name)
+    return value
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ProtocolError("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stop) > 4:
+        raise ProtocolError("'stop' takes at most 4 strings", "stop")
+    return tuple(stop)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    logprobs: int | None  # top logprobs asked for (None: none)
+    chat: bool
+
+
+def parse_request(body: Any, served_name: str, tokenize, chat: bool,
+                  apply_chat_template=None) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != served_name:
+        raise ProtocolError(f"model '{model}' does not exist; this server serves "
+                            f"'{served_name}'", "model", 404, "not_found_error")
+    n = _integer(body, "n", 1)
+    if n != 1:
+        raise ProtocolError(f"only n=1 is supported, got {n}", "n")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages
+        ):
+            raise ProtocolError("'messages' must be a non-empty list of {role, content} "
+                                "objects with string content", "messages")
+        prompt_ids = tokenize(apply_chat_template(messages))
+        logprobs = None
+        if body.get("logprobs"):
+            logprobs = _integer(body, "top_logprobs", 0)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt_ids = tokenize(prompt)
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            prompt_ids = list(prompt)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            raise ProtocolError("batched prompts are not supported: send one prompt per "
+                                "request", "prompt")
+        else:
+            raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
+        logprobs = _integer(body, "logprobs", None)
+    if not prompt_ids:
+        raise ProtocolError("the prompt is empty: at least one token is needed", "prompt")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise ProtocolError(f"logprobs must be in [0, 20], got {logprobs}", "logprobs")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ProtocolError("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ProtocolError("'stream_options' must be an object", "stream_options")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
+        raise ProtocolError("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens"
+                          in body else "max_tokens", 16)
+    top_k = _integer(body, "top_k", 0)
+    seed = _integer(body, "seed", None)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0),
+            top_k=0 if top_k == -1 else top_k,
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            seed=seed,
+            logprobs=logprobs,
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        )
+    except ReferenceEngineError as exc:
+        raise ProtocolError(str(exc)) from None
+    return ParsedRequest(prompt_ids, params, _stop_strings(body), stream,
+                         bool(options.get("include_usage")),
+                         bool(options.get("continuous_usage_stats")), logprobs, chat)
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def spec_summary(sequence) -> dict | None:
+    """The request's speculative statistics (None for plain decode)."""
+    if sequence is None or not sequence.steps:
+        return None
+    return {
+        "steps": sequence.spec.steps,
+        "proposed": sequence.spec.proposed,
+        "accepted": sequence.spec.accepted,
+        "acceptance_lengths": [s.acceptance_length for s in sequence.steps],
+        "fallback_reason": sequence.fallback_reason,
+    }
+
+
+def logprobs_body(chat: bool, tokens: list[str], ids: list[int],
+                  entries: list[dict[int, float]], token_text) -> dict:
+    """OpenAI logprobs for the given tokens; each top entry also carries its token id."""
+    if chat:
+        content = []
+        for text, token_id, entry in zip(tokens, ids, entries):
+            content.append({
+                "token": text, "token_id": token_id, "logprob": entry.get(token_id),
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": token_text(t), "token_id": t, "logprob": lp,
+                                  "bytes": list(token_text(t).encode())}
+                                 for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])],
+            })
+        return {"content": content}
+    return {
+        "tokens": tokens,
+        "token_ids": ids,
+        "token_logprobs": [entry.get(t) for t, entry in zip(ids, entries)],
+        "top_logprobs": [{token_text(t): lp for t, lp in
+                          sorted(entry.items(), key=lambda kv: -kv[1])} for entry in entries],
+    }
+
+
+def chunk(request_id: str, model: str, chat: bool, text: str, token_ids: list[int],
+          finish_reason: str | None, logprobs: dict | None = None, role: bool = False) -> dict:
+    created = int(time.time())
+    if chat:
+        delta: dict[str, Any] = {"content": text}
+        if role:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "token_ids": token_ids,
+                  "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [choice]}
+    choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": logprobs,
+              "finish_reason": finish_reason}
+    return {"id": request_id, "object": "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def full_response(request_id: str, model: str, chat: bool, text: str, token_ids: list[int],
+                  finish_reason: str, logprobs: dict | None, usage_body: dict,
+                  spec: dict | None) -> dict:
+    created = int(time.time())
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish_reason}
+        body = {"id": request_id, "object": "chat.completion", "created": created,
+                "model": model, "choices": [choice], "usage": usage_body}
+    else:
+        choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": model, "choices": [choice], "usage": usage_body}
+    if spec is not None:
+        body["spec_decode"] = spec
+    return body

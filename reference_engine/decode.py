@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import RequestError
 from .models import CausalLM
 from .request import SamplingParams, validate_prompt
 from .sampling import greedy, probabilities, sample
@@ -124,6 +125,9 @@ def generate_plain(
 
     The stop token, when one ends the output, is the last entry of `output_ids`.
     """
+    if params.repetition_penalty != 1.0 or params.logprobs is not None:
+        raise RequestError("generate_plain is the bare reference loop: repetition_penalty and "
+                           "logprobs are served by the engine (reference_engine.engine)")
     context = context_length(model, max_model_len)
     validate_prompt(prompt_ids, model.config.vocab_size, context, params.max_tokens)
     stops = stop_ids(model, params)

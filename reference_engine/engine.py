@@ -54,7 +54,7 @@ class EngineConfig:
     commit_strategy: str = "replay"
     prefill_chunk: int = 512
     admission: str = "wait"  # "wait": queue; "reject": refuse when no slot is free
-    max_waiting: int = 1024
+    max_waiting: int = 1024  # queued requests beyond the free slots
     # fallback to plain decode when a request's mean acceptance length stays below this
     # after `fallback_after_steps` steps; None disables it (the default, as in the gates)
     fallback_min_acceptance: float | None = None
@@ -77,6 +77,10 @@ class EngineConfig:
             raise ConfigError(
                 f"fallback_after_steps must be positive, got {self.fallback_after_steps}"
             )
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ConfigError(f"unknown fault '{self.fault}', expected one of {', '.join(FAULTS)}")
 
@@ -148,12 +152,15 @@ class Engine:
             raise RequestError(f"duplicate request id {request_id!r}")
         validate_prompt(prompt_ids, self.target.config.vocab_size, self.context_len,
                         params.max_tokens)
-        if self.config.admission == "reject" and not self.free_slots:
+        if oracle is not None and not params.greedy:
+            raise RequestError("the oracle proposer is greedy-only (temperature 0)")
+        # queued requests take the free slots first, at the next step
+        if self.config.admission == "reject" and len(self.waiting) >= len(self.free_slots):
             raise EngineFullError(
                 f"no free slot for request {request_id!r}: all {self.config.max_num_seqs} "
-                "are busy (admission policy 'reject')"
+                "are busy or promised (admission policy 'reject')"
             )
-        if len(self.waiting) >= self.config.max_waiting:
+        if len(self.waiting) - len(self.free_slots) >= self.config.max_waiting:
             raise EngineFullError(
                 f"waiting queue full ({self.config.max_waiting} requests); retry later"
             )
@@ -168,8 +175,11 @@ class Engine:
         )
         if not params.greedy:
             if generator is None:
-                seed = params.seed if params.seed is not None else torch.seed()
-                generator = torch.Generator(device=self.device).manual_seed(seed)
+                generator = torch.Generator(device=self.device)
+                if params.seed is None:
+                    generator.seed()  # this generator only; the global one stays untouched
+                else:
+                    generator.manual_seed(params.seed)
             seq.generator = generator
         if seq.speculative:
             if params.logprobs is not None:

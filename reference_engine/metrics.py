@@ -113,5 +113,8 @@ class ServerMetrics:
         end = sequence.finished_s or time.monotonic()
         self.e2e.observe(end - sequence.arrival_s)
 
-    def render(self) -> bytes:
+    def render(self, engine: Engine) -> bytes:
+        # gauges are read at scrape time too: an idle engine takes no step to refresh them
+        self.running.set(len(engine.active))
+        self.waiting.set(len(engine.waiting))
         return generate_latest(self.registry)

@@ -88,7 +88,7 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
     model = body.get("model")
     if model is not None and model != served_name:
         raise ProtocolError(f"model '{model}' does not exist; this server serves "
-                            f"'{served_name}'", "model", 404, "not_found_error")
+                            f"'{served_name}'", "model")
     n = _integer(body, "n", 1)
     if n != 1:
         raise ProtocolError(f"only n=1 is supported, got {n}", "n")

@@ -200,7 +200,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.metrics.render(),
+        return PlainTextResponse(server.metrics.render(server.engine),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def generate(request: Request, chat: bool):

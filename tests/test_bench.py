@@ -1,0 +1,151 @@
+"""The engine benchmark (bench.py), run in-process on tiny checkpoints: one CSV row per
+(mode, concurrency) with throughput, acceptance length and per-phase times; the table on
+stdout; random real-shaped pairs; argument errors exit with code 2."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from reference_engine import bench
+from reference_engine.checkpoint import make_tiny_draft
+from reference_engine.stats import PHASES
+
+TinyCheckpoint = Callable[..., Path]
+PHASE_COLUMNS = [f"ms_{phase}" for phase in PHASES]
+TABLE_HEADER = " | ".join(["mode", "concurrency", "output_tokens_per_s",
+                           "mean_acceptance_length", *PHASE_COLUMNS])
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tiny_checkpoint: TinyCheckpoint,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    model = tiny_checkpoint("qwen3")
+    draft = make_tiny_draft(tmp_path_factory.mktemp("bench_draft") / "draft", model, block_size=8)
+    return model, draft
+
+
+@pytest.fixture(scope="module")
+def checkpoint_run(pair_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """One benchmark over the tiny pair: (exit code, stdout, CSV rows)."""
+    model, draft = pair_dirs
+    out = tmp_path_factory.mktemp("bench") / "bench.csv"
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = bench.main([
+            "--model", str(model), "--draft", str(draft), "--oracle-acceptance", "3",
+            "--concurrency", "1,2", "--repeats", "1", "--input-len", "8", "--output-len", "12",
+            "--dtype", "float32", "--device", "cpu", "--out", str(out),
+        ])
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return code, buffer.getvalue(), rows
+
+
+def test_the_benchmark_exits_0_and_writes_one_row_per_mode_and_concurrency(checkpoint_run) -> None:
+    code, stdout, rows = checkpoint_run
+    assert code == 0
+    assert [(r["mode"], int(r["concurrency"])) for r in rows] == [
+        ("plain", 1), ("dflash", 1), ("plain", 2), ("dflash", 2)
+    ]
+    for column in ("output_tokens_per_s", "mean_acceptance_length", *PHASE_COLUMNS):
+        assert column in rows[0], column
+    for row in rows:
+        assert float(row["output_tokens_per_s"]) > 0
+        assert int(row["output_tokens"]) == 12 * int(row["concurrency"])
+        assert all(float(row[c]) >= 0 for c in PHASE_COLUMNS)
+
+
+def test_plain_rows_have_acceptance_length_1_and_no_speculative_phases(checkpoint_run) -> None:
+    _, _, rows = checkpoint_run
+    for row in rows:
+        if row["mode"] != "plain":
+            continue
+        assert float(row["mean_acceptance_length"]) == 1.0
+        assert float(row["ms_decode"]) > 0
+        assert float(row["ms_draft"]) == float(row["ms_verify"]) == float(row["ms_commit"]) == 0
+
+
+def test_dflash_rows_reach_the_oracle_acceptance_length_up_to_the_budget_cut(
+    checkpoint_run,
+) -> None:
+    """Oracle 3 (accept 2 per step): 11 tokens after prefill commit 3 + 3 + 3 + 2, so the
+    mean is 2.75; only the cut last step keeps it below 3."""
+    _, _, rows = checkpoint_run
+    for row in rows:
+        if row["mode"] != "dflash":
+            continue
+        assert 2.3 <= float(row["mean_acceptance_length"]) <= 3.0
+        assert float(row["mean_acceptance_length"]) == pytest.approx(2.75)
+        assert int(row["steps"]) >= 4
+        for phase in ("prefill", "draft", "verify", "commit", "sample", "schedule"):
+            assert float(row[f"ms_{phase}"]) > 0, phase
+        assert float(row["ms_decode"]) == 0
+
+
+def test_the_printed_table_has_the_header_and_one_line_per_row(checkpoint_run) -> None:
+    _, stdout, rows = checkpoint_run
+    lines = stdout.splitlines()
+    assert TABLE_HEADER in lines
+    start = lines.index(TABLE_HEADER)
+    table = lines[start + 1 : start + 1 + len(rows)]
+    assert [line.split(" | ")[:2] for line in table] == [
+        [r["mode"], r["concurrency"]] for r in rows
+    ]
+    assert lines[-1].startswith("wrote ")
+
+
+def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench.main([
+        "--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
+        "--concurrency", "1", "--repeats", "1", "--input-len", "8", "--output-len", "8",
+        "--oracle-acceptance", "4",
+    ])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert TABLE_HEADER in lines
+    start = lines.index(TABLE_HEADER)
+    dflash = lines[start + 2].split(" | ")
+    assert dflash[:2] == ["dflash", "1"]
+    # 7 tokens after prefill: forced 3 + 1, then a block drafting the last 3 (bonus cut)
+    assert float(dflash[3]) == 3.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--concurrency", "1"], "give either --model DIR --draft DIR or --random-shape NAME"),
+        (["--model", "m"], "--model needs --draft"),
+        (["--model", "m", "--draft", "d", "--random-shape", "qwen3-small"], "give either"),
+        (["--random-shape", "qwen3-small", "--concurrency", "1,x"],
+         "--concurrency must be comma-separated integers, got '1,x'"),
+        (["--random-shape", "qwen3-small", "--concurrency", "0"], "must be positive"),
+        (["--random-shape", "qwen3-small", "--repeats", "0"], "must be positive"),
+        (["--random-shape", "no-such-shape"], "invalid choice"),
+    ],
+    ids=["no-model-no-shape", "model-without-draft", "model-and-shape", "concurrency-not-int",
+         "concurrency-zero", "repeats-zero", "unknown-shape"],
+)
+def test_bad_arguments_exit_with_code_2_and_say_why(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_checkpoint_is_one_error_line_with_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = bench.main(["--model", str(tmp_path / "none"), "--draft", str(tmp_path / "none"),
+                       "--device", "cpu", "--concurrency", "1", "--repeats", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no config.json" in err
+    assert len(err.strip().splitlines()) == 1

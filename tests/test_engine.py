@@ -1,0 +1,572 @@
+"""The continuous-batching engine (engine.py): request lifecycle and slots, streamed step
+outputs, chunked prefill, refusal of bad input without harm to other requests, config
+validation, admission, statistics, seeded sampling, logprobs and fallbacks.
+
+Outputs are compared with plain greedy decode of each request alone (`generate_plain`)
+on a tiny float64 Qwen3 target with a tiny random block-8 draft."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.decode import generate_plain
+from reference_engine.engine import Engine, EngineConfig, EngineFullError, StepOutput
+from reference_engine.errors import ConfigError, RequestError
+from reference_engine.models import CausalLM
+from reference_engine.models.dflash import DFlashDraft
+from reference_engine.request import SamplingParams
+from reference_engine.sequence import Phase, Sequence
+from reference_engine.spec import OracleProposer
+from reference_engine.stats import SpecCounters
+
+TinyCheckpoint = Callable[..., Path]
+BLOCK_SIZE = 8
+VOCAB = 512
+PROMPTS = [
+    [17, 301, 5, 88, 260, 42, 7, 199, 33, 410, 2, 95, 61],
+    [400, 3, 77, 120, 9],
+    [250, 251, 13, 480, 66, 1, 305, 222, 18, 90, 400, 21, 7, 7, 350, 11, 64, 128, 256, 31],
+    [8],
+]
+LONG_PROMPT = [(37 * i + 11) % 500 for i in range(37)]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint: TinyCheckpoint) -> CausalLM:
+    return load_target(tiny_checkpoint("qwen3"), dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory,
+          target: CausalLM) -> DFlashDraft:
+    out = tmp_path_factory.mktemp("engine_draft") / "draft"
+    return load_draft(make_tiny_draft(out, tiny_checkpoint("qwen3"), block_size=BLOCK_SIZE),
+                      target)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_checkpoint: TinyCheckpoint,
+           tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, DFlashDraft]:
+    """A Qwen3.5 (Gated DeltaNet + attention) target and its draft."""
+    path = tiny_checkpoint("qwen3_5")
+    target = load_target(path, dtype=torch.float64)
+    out = tmp_path_factory.mktemp("engine_hybrid_draft") / "draft"
+    return target, load_draft(make_tiny_draft(out, path, block_size=BLOCK_SIZE), target)
+
+
+def greedy(max_tokens: int, **options) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **options)
+
+
+def reference(target: CausalLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    return generate_plain(target, prompt, params).output_ids
+
+
+def drain(engine: Engine, limit: int = 500) -> list[StepOutput]:
+    """Step until every request is done; all step outputs in order."""
+    outputs = []
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return outputs
+        outputs += engine.step()
+    raise AssertionError(f"engine still busy after {limit} steps")
+
+
+def by_request(outputs: list[StepOutput]) -> dict[str, list[StepOutput]]:
+    grouped: dict[str, list[StepOutput]] = {}
+    for out in outputs:
+        grouped.setdefault(out.request_id, []).append(out)
+    return grouped
+
+
+def make_engine(target: CausalLM, draft: DFlashDraft | None, **config) -> Engine:
+    if draft is not None:
+        config.setdefault("block_size", BLOCK_SIZE)
+    return Engine(target, draft, EngineConfig(**config))
+
+
+# ----------------------------------------------------------------------------- lifecycle
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+def test_requests_added_at_different_steps_finish_and_give_back_their_slots(
+    target: CausalLM, draft: DFlashDraft, speculative: bool
+) -> None:
+    engine = make_engine(target, draft if speculative else None, max_num_seqs=2)
+    requests = {"a": (PROMPTS[0], greedy(10)), "b": (PROMPTS[1], greedy(6)),
+                "c": (PROMPTS[2], greedy(12)), "d": (PROMPTS[3], greedy(3))}
+    arrivals = {0: ["a"], 1: ["b"], 3: ["c", "d"]}
+    assert not engine.has_unfinished()
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for rid in arrivals.get(step, []):
+            engine.add_request(rid, *requests[rid])
+        if step == 3:  # both slots busy: the newcomers queue
+            assert engine.get("c").phase is Phase.WAITING
+            assert engine.stats()["waiting"] == 2
+        assert engine.has_unfinished()
+        engine.step()
+        stats = engine.stats()
+        assert len(engine.free_slots) + stats["running"] == 2
+        step += 1
+        assert step < 100
+    assert engine.free_slots == [0, 1]
+    stats = engine.stats()
+    assert (stats["requests_finished"], stats["running"], stats["waiting"]) == (4, 0, 0)
+    for rid, (prompt, params) in requests.items():
+        seq = engine.collect(rid)
+        assert isinstance(seq, Sequence)
+        assert seq.phase is Phase.FINISHED and seq.finish_reason == "length"
+        assert seq.output_ids == reference(target, prompt, params), rid
+        with pytest.raises(RequestError, match=f"request '{rid}' is not finished"):
+            engine.collect(rid)
+        with pytest.raises(RequestError, match=f"unknown request id '{rid}'"):
+            engine.get(rid)
+    # a collected id is free again
+    engine.add_request("a", PROMPTS[3], greedy(2))
+    drain(engine)
+    assert engine.collect("a").output_ids == reference(target, PROMPTS[3], greedy(2))
+
+
+def test_abort_frees_the_slot_and_leaves_the_other_requests_alone(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    engine = make_engine(target, draft, max_num_seqs=2)
+    engine.add_request("keep", PROMPTS[0], greedy(14))
+    engine.add_request("drop", PROMPTS[1], greedy(14))
+    engine.add_request("queued", PROMPTS[2], greedy(5))
+    engine.step()
+    engine.step()
+    engine.abort("drop")
+    assert engine.get("queued").phase is Phase.WAITING
+    assert len(engine.free_slots) == 1
+    with pytest.raises(RequestError, match="unknown request id 'drop'"):
+        engine.abort("drop")
+    streamed = by_request(drain(engine))
+    assert "drop" not in streamed
+    for rid, prompt, n in (("keep", PROMPTS[0], 14), ("queued", PROMPTS[2], 5)):
+        assert engine.collect(rid).output_ids == reference(target, prompt, greedy(n))
+    assert engine.free_slots == [0, 1]
+
+
+# ----------------------------------------------------------------------------- streaming
+def test_step_outputs_stream_each_requests_tokens_in_order(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    """Full-block oracle acceptance: steps commit B tokens at once; the stream of each
+    request concatenates to its output, times never go back, and only the last is final."""
+    full = reference(target, PROMPTS[0], greedy(21))
+    engine = make_engine(target, draft, max_num_seqs=3)
+    engine.add_request("oracle", PROMPTS[0], greedy(21),
+                       oracle=OracleProposer(full, [BLOCK_SIZE - 1], VOCAB))
+    engine.add_request("draft", PROMPTS[1], greedy(9))
+    streamed = by_request(drain(engine))
+    for rid, expected in (("oracle", full), ("draft", reference(target, PROMPTS[1], greedy(9)))):
+        outs = streamed[rid]
+        tokens = [t for out in outs for t in out.new_token_ids]
+        assert tokens == engine.collect(rid).output_ids == expected
+        times = [out.time_s for out in outs]
+        assert times == sorted(times)
+        assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+        assert [out.finish_reason for out in outs] == [None] * (len(outs) - 1) + ["length"]
+    sizes = [len(out.new_token_ids) for out in streamed["oracle"]]
+    assert sizes == [1, BLOCK_SIZE, BLOCK_SIZE, 4]  # prefill token, two full blocks, the cut rest
+
+
+def test_a_stop_token_inside_an_accepted_block_ends_the_stream_there(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    full = reference(target, PROMPTS[0], greedy(24))
+    stop = full[10]
+    end = full.index(stop)
+    assert end > 1
+    engine = make_engine(target, draft, max_num_seqs=1)
+    engine.add_request("r", PROMPTS[0], greedy(24, stop_token_ids=(stop,)),
+                       oracle=OracleProposer(full, [BLOCK_SIZE - 1], VOCAB))
+    outs = drain(engine)
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "stop"
+    assert last.new_token_ids[-1] == stop
+    assert [t for out in outs for t in out.new_token_ids] == full[: end + 1]
+    assert engine.collect("r").finish_reason == "stop"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+def test_chunked_prefill_gives_the_plain_decode_output(
+    request: pytest.FixtureRequest, speculative: bool, arch: str
+) -> None:
+    if arch == "qwen3":
+        target, draft = request.getfixturevalue("target"), request.getfixturevalue("draft")
+    else:
+        target, draft = request.getfixturevalue("hybrid")
+    chunk = 8
+    engine = make_engine(target, draft if speculative else None, max_num_seqs=2,
+                         prefill_chunk=chunk)
+    engine.add_request("long", LONG_PROMPT, greedy(12))
+    engine.add_request("short", PROMPTS[2], greedy(12))
+    first_step = {}
+    step = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            first_step.setdefault(out.request_id, step)
+        step += 1
+    # one chunk per step: the first token comes with the last chunk
+    assert first_step == {"long": math.ceil(len(LONG_PROMPT) / chunk) - 1,
+                          "short": math.ceil(len(PROMPTS[2]) / chunk) - 1}
+    assert engine.collect("long").output_ids == reference(target, LONG_PROMPT, greedy(12))
+    assert engine.collect("short").output_ids == reference(target, PROMPTS[2], greedy(12))
+
+
+# ----------------------------------------------------------------------------- bad input
+BAD_REQUESTS = [
+    (lambda e: e.add_request("x", [1, 2], SamplingParams(temperature=-1)),
+     r"temperature must be >= 0, got -1"),
+    (lambda e: e.add_request("x", [1, 2], SamplingParams(top_p=0)),
+     r"top_p must be in \(0, 1\], got 0"),
+    (lambda e: e.add_request("x", [1, 2], SamplingParams(top_k=-1)),
+     r"top_k must be >= 0 \(0 disables it\), got -1"),
+    (lambda e: e.add_request("x", [1, 2], SamplingParams(max_tokens=0)),
+     r"max_tokens must be positive, got 0"),
+    (lambda e: e.add_request("x", [1, 2], {"max_tokens": 4}),
+     r"params must be SamplingParams, got dict"),
+    (lambda e: e.add_request("x", list(range(50)), greedy(20)),
+     r"prompt \(50 tokens\) \+ max_tokens \(20\) = 70 exceeds the context of 64 tokens"),
+    (lambda e: e.add_request("x", list(range(64)), greedy(1)),
+     r"the prompt has 64 tokens but the context holds 64"),
+    (lambda e: e.add_request("x", [], greedy(4)), r"the prompt is empty"),
+    (lambda e: e.add_request("x", [1, 512, 3, 9999], greedy(4)),
+     r"prompt token id\(s\) \[512, 9999\] outside the vocabulary \[0, 512\)"),
+    (lambda e: e.add_request("x", [4, -1], greedy(4)),
+     r"prompt token id\(s\) \[-1\] outside the vocabulary"),
+    (lambda e: e.add_request("good1", [1, 2], greedy(4)), r"duplicate request id 'good1'"),
+    (lambda e: e.abort("nope"), r"unknown request id 'nope'"),
+    (lambda e: e.collect("good1"), r"request 'good1' is not finished"),
+    (lambda e: e.get("nope"), r"unknown request id 'nope'"),
+]
+BAD_IDS = ["temperature", "top_p", "top_k", "max_tokens", "params-type", "past-context",
+           "prompt-fills-context", "empty-prompt", "out-of-vocab", "negative-id", "duplicate-id",
+           "abort-unknown", "collect-unfinished", "get-unknown"]
+
+
+@pytest.mark.parametrize(("bad", "pattern"), BAD_REQUESTS, ids=BAD_IDS)
+def test_a_bad_request_is_refused_by_name_and_the_others_are_unaffected(
+    target: CausalLM, draft: DFlashDraft, bad: Callable[[Engine], object], pattern: str
+) -> None:
+    engine = make_engine(target, draft, max_num_seqs=2, max_model_len=64)
+    good = {"good1": (PROMPTS[0], greedy(10)), "good2": (PROMPTS[1], greedy(8)),
+            "good3": (PROMPTS[3], greedy(6))}
+    for rid, (prompt, params) in good.items():
+        engine.add_request(rid, prompt, params)
+    engine.step()
+    before = (sorted(engine.known), len(engine.waiting), list(engine.free_slots))
+    with pytest.raises(RequestError, match=pattern):
+        bad(engine)
+    assert (sorted(engine.known), len(engine.waiting), list(engine.free_slots)) == before
+    drain(engine)
+    for rid, (prompt, params) in good.items():
+        assert engine.collect(rid).output_ids == reference(target, prompt, params), rid
+
+
+def test_a_finished_but_uncollected_id_is_still_taken(target: CausalLM,
+                                                     draft: DFlashDraft) -> None:
+    engine = make_engine(target, draft, max_num_seqs=2)
+    engine.add_request("short", PROMPTS[1], greedy(1))
+    engine.add_request("other", PROMPTS[0], greedy(6))
+    engine.step()
+    assert engine.get("short").phase is Phase.FINISHED
+    with pytest.raises(RequestError, match="duplicate request id 'short'"):
+        engine.add_request("short", PROMPTS[2], greedy(3))
+    assert engine.collect("short").output_ids == reference(target, PROMPTS[1], greedy(1))
+    engine.add_request("short", PROMPTS[2], greedy(3))  # collected: the id is free
+    drain(engine)
+    assert engine.collect("short").output_ids == reference(target, PROMPTS[2], greedy(3))
+    assert engine.collect("other").output_ids == reference(target, PROMPTS[0], greedy(6))
+
+
+def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    """The oracle proposer is greedy-only (generate_speculative refuses the pair); the
+    engine must refuse it up front rather than fail inside a step shared with others."""
+    engine = make_engine(target, draft, max_num_seqs=2)
+    engine.add_request("good", PROMPTS[0], greedy(8))
+    oracle = OracleProposer(reference(target, PROMPTS[1], greedy(8)), [3], VOCAB)
+    with pytest.raises((RequestError, ConfigError), match="greedy"):
+        engine.add_request("sampled", PROMPTS[1],
+                           SamplingParams(max_tokens=8, temperature=0.8, seed=0), oracle=oracle)
+    drain(engine)
+    assert engine.collect("good").output_ids == reference(target, PROMPTS[0], greedy(8))
+
+
+# ----------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"max_num_seqs": 0}, r"max_num_seqs must be positive, got 0"),
+        ({"prefill_chunk": 0}, r"prefill_chunk must be positive, got 0"),
+        ({"admission": "bogus"}, r"admission must be one of wait, reject, got 'bogus'"),
+        ({"block_size": 1}, r"block size must be >= 2, got 1"),
+        ({"commit_strategy": "eager"},
+         r"unknown commit strategy 'eager', expected one of replay, per_token, recompute"),
+        ({"fault": "bogus"}, r"unknown fault 'bogus', expected one of skip_state_rollback"),
+        ({"fallback_after_steps": 0}, r"fallback_after_steps must be positive, got 0"),
+    ],
+    ids=["max_num_seqs", "prefill_chunk", "admission", "block_size", "commit_strategy", "fault",
+         "fallback_after_steps"],
+)
+def test_engine_config_out_of_range_is_rejected_with_the_value(options: dict,
+                                                               pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        EngineConfig(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [({"max_waiting": -1}, r"max_waiting .*-1"), ({"max_model_len": 0}, r"max_model_len .*0")],
+    ids=["negative-max_waiting", "zero-max_model_len"],
+)
+def test_engine_config_rejects_a_negative_queue_bound_and_an_empty_context(
+    options: dict, pattern: str
+) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        EngineConfig(**options)
+
+
+def test_a_block_size_larger_than_the_draft_supports_is_rejected_at_construction(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    with pytest.raises(ConfigError, match=r"block size 16 is larger than the draft supports \(8\)"):
+        Engine(target, draft, EngineConfig(block_size=16))
+    assert Engine(target, draft, EngineConfig(block_size=4)).block_size == 4
+    assert Engine(target, draft, EngineConfig()).block_size == BLOCK_SIZE
+
+
+# ----------------------------------------------------------------------------- admission
+def test_reject_admission_refuses_a_request_when_every_slot_is_busy(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    engine = make_engine(target, draft, max_num_seqs=2, admission="reject")
+    engine.add_request("a", PROMPTS[0], greedy(6))
+    engine.add_request("b", PROMPTS[1], greedy(9))
+    engine.step()
+    with pytest.raises(EngineFullError, match=r"no free slot for request 'c': all 2 are busy"):
+        engine.add_request("c", PROMPTS[2], greedy(4))
+    drain(engine)
+    assert engine.collect("a").output_ids == reference(target, PROMPTS[0], greedy(6))
+    assert engine.collect("b").output_ids == reference(target, PROMPTS[1], greedy(9))
+    engine.add_request("c", PROMPTS[2], greedy(4))  # slots free again
+    drain(engine)
+    assert engine.collect("c").output_ids == reference(target, PROMPTS[2], greedy(4))
+
+
+def test_reject_admission_counts_requests_already_queued_for_a_slot(target: CausalLM) -> None:
+    """Requests added since the last step hold the free slots they will be admitted to:
+    with admission 'reject' a request beyond max_num_seqs must not end up waiting."""
+    engine = make_engine(target, None, max_num_seqs=2, admission="reject")
+    engine.add_request("a", PROMPTS[0], greedy(4))
+    engine.add_request("b", PROMPTS[1], greedy(4))
+    with pytest.raises(EngineFullError, match="no free slot for request 'c'"):
+        engine.add_request("c", PROMPTS[2], greedy(4))
+
+
+def test_the_waiting_queue_is_bounded_by_max_waiting(target: CausalLM,
+                                                    draft: DFlashDraft) -> None:
+    engine = make_engine(target, draft, max_num_seqs=1, max_waiting=2)
+    engine.add_request("a", PROMPTS[0], greedy(5))
+    engine.step()  # a holds the only slot
+    engine.add_request("b", PROMPTS[1], greedy(5))
+    engine.add_request("c", PROMPTS[2], greedy(5))
+    with pytest.raises(EngineFullError, match=r"waiting queue full \(2 requests\)"):
+        engine.add_request("d", PROMPTS[3], greedy(5))
+    assert engine.stats()["waiting"] == 2
+    drain(engine)
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[2])):
+        assert engine.collect(rid).output_ids == reference(target, prompt, greedy(5))
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_mean_acceptance_length_includes_the_bonus_token() -> None:
+    counters = SpecCounters()
+    assert counters.mean_acceptance_length == 0.0 and counters.acceptance_rate == 0.0
+    counters.record(proposed=7, accepted=3, acceptance_length=4)
+    counters.record(proposed=7, accepted=0, acceptance_length=1)
+    assert counters.mean_acceptance_length == 2.5  # (3 + 1 + 0 + 1) / 2, not 1.5
+    assert counters.acceptance_rate == 3 / 14
+    assert counters.as_dict()["accepted_per_position"] == {1: 1, 2: 1, 3: 1}
+    assert counters.as_dict()["acceptance_length_histogram"] == {1: 1, 4: 1}
+
+
+def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM,
+                                                       draft: DFlashDraft) -> None:
+    """Schedule [3], block 8: every step accepts 3 (fewer only when the budget leaves fewer
+    to draft), so only positions 1..3 are ever accepted."""
+    budgets = {"a": (PROMPTS[0], 14), "b": (PROMPTS[1], 11), "c": (PROMPTS[2], 19)}
+    engine = make_engine(target, draft, max_num_seqs=3)
+    for rid, (prompt, n) in budgets.items():
+        truth = reference(target, prompt, greedy(n))
+        engine.add_request(rid, prompt, greedy(n), oracle=OracleProposer(truth, [3], VOCAB))
+    drain(engine)
+    stats = engine.stats()
+    assert set(stats) == {"requests_finished", "running", "waiting", "spec", "fallbacks", "phases"}
+    spec = stats["spec"]
+    assert set(spec) == {"steps", "proposed", "accepted", "mean_acceptance_length",
+                         "acceptance_rate", "acceptance_length_histogram",
+                         "accepted_per_position"}
+    for phase in ("prefill", "draft", "verify", "commit", "sample", "schedule"):
+        assert stats["phases"][f"host_s_{phase}"] > 0, phase
+    assert stats["fallbacks"] == {}
+
+    seqs = [engine.collect(rid) for rid in budgets]
+    steps = [s for seq in seqs for s in seq.steps]
+    for seq in seqs:
+        assert seq.output_ids == reference(target, seq.prompt_ids, seq.params)
+        produced = 1  # the token from prefill
+        for s in seq.steps:
+            remaining = seq.params.max_tokens - produced
+            assert s.proposed == min(BLOCK_SIZE - 1, remaining)
+            assert s.accepted == min(3, s.proposed)
+            assert s.acceptance_length == min(s.accepted + 1, remaining)
+            produced += s.acceptance_length
+        assert produced == len(seq.output_ids)
+    cut = [s for s in steps if s.accepted < 3]
+    assert 0 < len(cut) < len(steps)  # the budgets do cut some last steps
+
+    expected_positions = {k: sum(1 for s in steps if s.accepted >= k) for k in (1, 2, 3)}
+    assert spec["accepted_per_position"] == expected_positions
+    assert expected_positions[1] == len(steps)  # every step drafts, and accepts, at least one
+    assert spec["steps"] == len(steps)
+    assert spec["proposed"] == sum(s.proposed for s in steps)
+    assert spec["accepted"] == sum(s.accepted for s in steps)
+    assert spec["acceptance_length_histogram"] == dict(
+        sorted(Counter(s.acceptance_length for s in steps).items())
+    )
+    committed = sum(len(seq.output_ids) - 1 for seq in seqs)  # the prefill token is no step's
+    assert spec["mean_acceptance_length"] == pytest.approx(committed / len(steps))
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["proposed"])
+    for seq in seqs:
+        assert seq.spec.steps == len(seq.steps)
+        assert seq.spec.mean_acceptance_length == pytest.approx(
+            (len(seq.output_ids) - 1) / len(seq.steps))
+
+
+# ----------------------------------------------------------------------------- sampling
+def sampled(seed: int, max_tokens: int = 16) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True)
+
+
+def run_alone(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    engine.add_request("r", prompt, params)
+    drain(engine)
+    return engine.collect("r").output_ids
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+def test_seeded_sampling_requests_are_reproducible(target: CausalLM, draft: DFlashDraft,
+                                                   speculative: bool) -> None:
+    d = draft if speculative else None
+    first = run_alone(make_engine(target, d), PROMPTS[0], sampled(1234))
+    again = run_alone(make_engine(target, d), PROMPTS[0], sampled(1234))
+    other = run_alone(make_engine(target, d), PROMPTS[0], sampled(4321))
+    assert first == again
+    assert first != other
+    # a seeded request's tokens do not depend on what it is batched with
+    engine = make_engine(target, d, max_num_seqs=3)
+    engine.add_request("r", PROMPTS[0], sampled(1234))
+    engine.add_request("s", PROMPTS[1], sampled(99))
+    engine.add_request("g", PROMPTS[2], greedy(10))
+    drain(engine)
+    assert engine.collect("r").output_ids == first
+    assert engine.collect("g").output_ids == reference(target, PROMPTS[2], greedy(10))
+
+
+def test_an_unseeded_sampling_request_leaves_the_global_torch_rng_alone(
+    target: CausalLM,
+) -> None:
+    """No hidden global state: drawing a fresh seed must not reseed torch's default
+    generator (torch.seed() does), or code around the engine loses its reproducibility."""
+    engine = make_engine(target, None)
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.8))
+    assert torch.equal(torch.rand(4), expected)
+
+
+# ----------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+def test_logprobs_hold_the_chosen_token_and_the_top_k(target: CausalLM, draft: DFlashDraft,
+                                                      speculative: bool) -> None:
+    engine = make_engine(target, draft if speculative else None, max_num_seqs=2)
+    engine.add_request("lp", PROMPTS[0], greedy(10, logprobs=3))
+    engine.add_request("plain", PROMPTS[1], greedy(10))
+    streamed = by_request(drain(engine))
+    entries = []
+    for out in streamed["lp"]:
+        assert out.new_logprobs is not None
+        assert len(out.new_logprobs) == len(out.new_token_ids)
+        for token, entry in zip(out.new_token_ids, out.new_logprobs):
+            assert token in entry
+            assert len(entry) == 3  # greedy: the chosen token is the top one
+            assert all(v <= 0 for v in entry.values())
+            assert entry[token] == max(entry.values())
+            assert sum(math.exp(v) for v in entry.values()) <= 1 + 1e-12
+        entries += out.new_logprobs
+    assert all(out.new_logprobs is None for out in streamed["plain"])
+    seq = engine.collect("lp")
+    assert seq.logprobs == entries
+    assert seq.output_ids == reference(target, PROMPTS[0], greedy(10))
+    if speculative:
+        assert seq.fallback_reason == "logprobs"
+        assert engine.stats()["fallbacks"] == {"logprobs": 1}
+        assert engine.collect("plain").fallback_reason is None
+
+
+def test_sampled_logprobs_include_the_sampled_token(target: CausalLM) -> None:
+    engine = make_engine(target, None)
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.5, seed=3,
+                                                       logprobs=2, ignore_eos=True))
+    outs = drain(engine)
+    entries = [e for out in outs for e in out.new_logprobs]
+    tokens = [t for out in outs for t in out.new_token_ids]
+    assert len(entries) == len(tokens) == 12
+    for token, entry in zip(tokens, entries):
+        assert token in entry and 2 <= len(entry) <= 3
+        assert all(v <= 0 for v in entry.values())
+
+
+# ----------------------------------------------------------------------------- fallbacks
+def test_repetition_penalty_changes_greedy_output_and_falls_back_from_speculation(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB - 16) for _ in range(rng.randint(3, 16))] for _ in range(6)]
+    outputs = {}
+    for penalty in (1.0, 1.3):
+        engine = make_engine(target, None, max_num_seqs=len(prompts))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy(16, repetition_penalty=penalty))
+        drain(engine)
+        outputs[penalty] = [engine.collect(str(i)).output_ids for i in range(len(prompts))]
+    assert outputs[1.0][0] == reference(target, prompts[0], greedy(16))
+    changed = [i for i in range(len(prompts)) if outputs[1.0][i] != outputs[1.3][i]]
+    assert changed, "repetition_penalty 1.3 changed no greedy output"
+    i = changed[0]
+
+    engine = make_engine(target, draft, max_num_seqs=2)
+    engine.add_request("penalised", prompts[i], greedy(16, repetition_penalty=1.3))
+    engine.add_request("normal", prompts[i], greedy(16))
+    drain(engine)
+    penalised, normal = engine.collect("penalised"), engine.collect("normal")
+    assert penalised.fallback_reason == "sampling_option"
+    assert not penalised.speculative and penalised.steps == []
+    assert penalised.output_ids == outputs[1.3][i]
+    assert normal.fallback_reason is None and normal.steps
+    assert normal.output_ids == outputs[1.0][i]
+    assert engine.stats()["fallbacks"] == {"sampling_option": 1}

@@ -24,3 +24,5 @@ lint:
 tiny:
 	$(PYTHON) -m reference_engine.checkpoint make-tiny --arch qwen3 --out tiny/qwen3
 	$(PYTHON) -m reference_engine.checkpoint make-tiny --arch qwen3_5 --out tiny/qwen3_5
+	$(PYTHON) -m reference_engine.checkpoint make-tiny --arch dflash --target tiny/qwen3_5 \
+		--out tiny/qwen3_5-dflash --block-size 8

@@ -4,7 +4,11 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test gate lint tiny
+BENCH_OUT ?= results/bench-$(shell date +%Y%m%d-%H%M%S)
+BENCH_ACCEPTANCE ?= 4.0
+BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 64 --repeats 3
+
+.PHONY: setup test gate lint tiny bench
 
 setup:
 	$(PYTHON) -m pip install "$(TORCH)"
@@ -26,3 +30,13 @@ tiny:
 	$(PYTHON) -m reference_engine.checkpoint make-tiny --arch qwen3_5 --out tiny/qwen3_5
 	$(PYTHON) -m reference_engine.checkpoint make-tiny --arch dflash --target tiny/qwen3_5 \
 		--out tiny/qwen3_5-dflash --block-size 8
+
+# A/B on our reference server: plain baseline vs DFlash, the tiny pair, whatever device
+# is present. Random tiny weights are accepted about never, so the DFlash server forces a
+# mean acceptance length of BENCH_ACCEPTANCE with the oracle proposer (stated in the report).
+bench: tiny
+	$(PYTHON) -m harness ab \
+		--a-cmd "$(PYTHON) -m reference_engine.serve --model tiny/qwen3_5 --port {port}" \
+		--b-cmd "$(PYTHON) -m reference_engine.serve --model tiny/qwen3_5 --dflash-draft-model-path tiny/qwen3_5-dflash --oracle-acceptance $(BENCH_ACCEPTANCE) --port {port}" \
+		$(BENCH_ARGS) --out $(BENCH_OUT) \
+		--notes "tiny random Qwen3.5 pair; DFlash acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode)"

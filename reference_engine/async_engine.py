@@ -34,8 +34,10 @@ class AsyncEngine:
         engine: Engine,
         on_step: Callable[[Engine, list[StepOutput]], None] | None = None,
         on_finish: Callable[[Sequence], None] | None = None,
+        make_oracle: Callable[[SamplingParams], object | None] | None = None,
     ) -> None:
         self.engine = engine
+        self.make_oracle = make_oracle  # benchmarks only: forced acceptance per request
         # called on the engine thread after every step and every finished request (metrics)
         self.on_step, self.on_finish = on_step, on_finish
         self.commands: queue.Queue = queue.Queue()
@@ -87,8 +89,9 @@ class AsyncEngine:
             kind = command[0]
             if kind == "add":
                 _, request_id, prompt_ids, params, loop, out, done = command
+                oracle = self.make_oracle(params) if self.make_oracle is not None else None
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params)
+                    self.engine.add_request(request_id, prompt_ids, params, oracle=oracle)
                 except ReferenceEngineError as exc:
                     loop.call_soon_threadsafe(_set_exception, done, exc)
                     continue

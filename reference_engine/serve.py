@@ -44,6 +44,7 @@ from .protocol import (
     spec_summary,
     usage,
 )
+from .spec import OracleProposer
 from .tokenizer import CHAT_TEMPLATE, load_tokenizer
 
 
@@ -62,6 +63,7 @@ class ServeArgs:
     port: int
     api_key: str | None
     served_model_name: str | None
+    oracle_acceptance: float | None
     fault: str | None
 
     @classmethod
@@ -81,6 +83,9 @@ class ServeArgs:
         p.add_argument("--port", type=int, default=8000)
         p.add_argument("--api-key", default=None)
         p.add_argument("--served-model-name", default=None)
+        p.add_argument("--oracle-acceptance", type=float, default=None,
+                       help="benchmarks only: force this mean acceptance length on greedy "
+                       "requests (the draft still runs; output is not checked)")
         p.add_argument("--fault", default=None, choices=sorted(FAULTS), help=argparse.SUPPRESS)
         return cls(**vars(p.parse_args(argv)))
 
@@ -109,9 +114,23 @@ class Server:
         self.metrics = ServerMetrics()
         self.runner: AsyncEngine | None = None
         self.counter = 0
+        self.oracle_acceptance = args.oracle_acceptance
+        if self.oracle_acceptance is not None:
+            if draft is None:
+                raise ReferenceEngineError("--oracle-acceptance needs --dflash-draft-model-path")
+            OracleProposer.for_mean_acceptance([], self.oracle_acceptance,
+                                               self.engine.block_size, target.config.vocab_size)
+
+    def make_oracle(self, params) -> OracleProposer | None:
+        if self.oracle_acceptance is None or not params.greedy:
+            return None
+        return OracleProposer.for_mean_acceptance(
+            [], self.oracle_acceptance, self.engine.block_size,
+            self.engine.target.config.vocab_size, forced=True)
 
     def start(self) -> None:
-        self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.metrics.on_finished)
+        self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.metrics.on_finished,
+                                  self.make_oracle)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -327,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     app = create_app(server)
-    print(f"serving {server.name} on http://{args.host}:{args.port} "
-          f"({'DFlash block ' + str(server.engine.block_size) if server.engine.draft else 'plain'})",
-          flush=True)
+    mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"
+    if server.oracle_acceptance is not None:
+        mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
+    print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
     return 0

@@ -109,7 +109,8 @@ class OracleProposer:
         """Draft tokens for block slots 1..n when `generated` tokens are out (the anchor is
         continuation[generated - 1])."""
         truth = self.continuation[generated : generated + n]
-        filler = (truth[-1] if truth else self.continuation[-1]) + 1
+        last = truth[-1] if truth else (self.continuation[-1] if self.continuation else 0)
+        filler = last + 1
         truth += [filler % self.vocab_size] * (n - len(truth))
         k = self.scheduled(step, n)
         if k < n:

@@ -1,0 +1,114 @@
+"""Acceptance metrics from a server: Prometheus counter differences, or per-request data.
+
+Counters are snapshotted right after warm-up and right after the run, and only their
+differences are used (never lifetime totals):
+    acceptance length = 1 + d(accepted) / d(drafts)
+    acceptance rate   = d(accepted) / d(draft tokens)
+    per-position[k]   = d(accepted_per_pos{position=k}) / d(drafts)
+Counter families: ours (`dflash:`), vLLM (`vllm:`), lmdeploy (`lmdeploy:`), all named
+`<prefix>spec_decode_num_{drafts,draft_tokens,accepted_tokens,accepted_tokens_per_pos}`;
+samples of one family are summed over their other labels (model, engine, ...). SGLang
+exposes gauges (`sglang:spec_accept_length`), read as they are after the run, and
+per-request `meta_info` (`spec_verify_ct`, `completion_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Sequence
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from .client import RequestRecord
+
+PREFIXES = ("dflash:", "vllm:", "lmdeploy:")
+FAMILIES = {
+    "drafts": "spec_decode_num_drafts",
+    "draft_tokens": "spec_decode_num_draft_tokens",
+    "accepted": "spec_decode_num_accepted_tokens",
+    "per_pos": "spec_decode_num_accepted_tokens_per_pos",
+}
+SGLANG_GAUGES = {"acceptance_length": "sglang:spec_accept_length",
+                 "acceptance_rate": "sglang:spec_accept_rate"}
+
+Snapshot = dict[str, float]  # "drafts" / "accepted" / "pos:3" / "sglang:..." -> value
+
+
+def parse(text: str) -> Snapshot:
+    """The spec-decode values of one /metrics page, summed over label sets."""
+    snap: Snapshot = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name in SGLANG_GAUGES.values():
+                snap[name] = snap.get(name, 0.0) + sample.value
+                continue
+            for prefix in PREFIXES:
+                if not name.startswith(prefix):
+                    continue
+                base = name[len(prefix):].removesuffix("_total")
+                for key, family_name in FAMILIES.items():
+                    if base != family_name:
+                        continue
+                    if key == "per_pos":
+                        key = f"pos:{int(sample.labels.get('position', 0))}"
+                    snap[key] = snap.get(key, 0.0) + sample.value
+                    snap["prefix:" + prefix] = 1.0
+    return snap
+
+
+def scrape(metrics_url: str, timeout: float = 10.0) -> Snapshot | None:
+    """Snapshot a server's /metrics; None when it has none."""
+    try:
+        response = httpx.get(metrics_url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return parse(response.text)
+
+
+def acceptance_from_counters(before: Snapshot | None, after: Snapshot | None) -> dict:
+    """Acceptance metrics from counter differences (or SGLang gauges after the run)."""
+    if before is None or after is None:
+        return {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if not k.startswith("sglang")}
+    drafts = d.get("drafts", 0.0)
+    if drafts > 0:
+        positions = sorted(int(k[4:]) for k in d if k.startswith("pos:"))
+        return {
+            "acceptance_length": 1.0 + d.get("accepted", 0.0) / drafts,
+            "acceptance_rate": d.get("accepted", 0.0) / d["draft_tokens"]
+            if d.get("draft_tokens") else float("nan"),
+            "acceptance_per_position": [d[f"pos:{k}"] / drafts for k in positions],
+            "acceptance_source": "prometheus",
+        }
+    gauges = {k: after[v] for k, v in SGLANG_GAUGES.items() if v in after}
+    if gauges:
+        return {**gauges, "acceptance_source": "sglang gauges (not differenced)"}
+    return {}
+
+
+def acceptance_from_requests(records: Sequence[RequestRecord]) -> dict:
+    """Acceptance metrics from per-request data: our server's `spec_decode`, or SGLang's
+    `meta_info`. Also the acceptance-length histogram, which counters cannot give."""
+    ours = [r.spec_decode for r in records if r.success and r.spec_decode]
+    if ours:
+        lengths = [n for s in ours for n in s["acceptance_lengths"]]
+        steps = sum(s["steps"] for s in ours)
+        proposed = sum(s["proposed"] for s in ours)
+        return {
+            "acceptance_length": sum(lengths) / steps if steps else float("nan"),
+            "acceptance_rate": sum(s["accepted"] for s in ours) / proposed
+            if proposed else float("nan"),
+            "acceptance_histogram": dict(sorted(Tally(lengths).items())),
+            "acceptance_source": "per-request",
+        }
+    sglang = [r.meta_info for r in records if r.success and r.meta_info
+              and r.meta_info.get("spec_verify_ct")]
+    if sglang:
+        verify = sum(m["spec_verify_ct"] for m in sglang)
+        tokens = sum(m["completion_tokens"] for m in sglang)
+        return {"acceptance_length": tokens / verify, "acceptance_source": "sglang meta_info"}
+    return {}

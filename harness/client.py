@@ -150,6 +150,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index:
     sent = time.perf_counter()
     record = RequestRecord(index=index, send_s=sent - run_start)
     counter = _Counter()
+    done = False
     try:
         async with client.stream("POST", endpoint.url, json=body, headers=endpoint.headers(),
                                  timeout=timeout) as response:
@@ -163,6 +164,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index:
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 try:
                     event = json.loads(data)
@@ -186,6 +188,9 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
     record.output_tokens = sum(record.chunk_tokens)
+    if not done:
+        record.error = f"the stream ended before [DONE] after {record.output_tokens} tokens"
+        return record
     if record.output_tokens == 0:
         record.error = "the stream ended without a token"
         return record

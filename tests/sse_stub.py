@@ -1,0 +1,74 @@
+"""A scripted OpenAI-style SSE server on loopback (a real HTTP server in a thread)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Script:
+    """What the stub answers: chunks of (delay before it in seconds, token ids), plus
+    faults: `malformed_at` (chunk index sent as broken JSON), `hang_s` (sleep before the
+    first byte), `die_at` (close the connection before that chunk)."""
+
+    def __init__(self, chunks, malformed_at=None, hang_s=0.0, die_at=None,
+                 metrics_text: str = "") -> None:
+        self.chunks = chunks
+        self.malformed_at, self.hang_s, self.die_at = malformed_at, hang_s, die_at
+        self.metrics_text = metrics_text
+
+
+def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = (script.metrics_text if self.path == "/metrics" else '{"status":"ok"}')
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            try:
+                self.answer()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client hung up first (a fault test)
+
+        def answer(self) -> None:
+            length = int(self.headers.get("Content-Length", 0))
+            self.rfile.read(length)
+            time.sleep(script.hang_s)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i, (delay, ids) in enumerate(script.chunks):
+                time.sleep(delay)
+                if script.die_at == i:
+                    self.connection.shutdown(2)
+                    return
+                event = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids,
+                                      "finish_reason": None}]}
+                line = "{broken" if script.malformed_at == i else json.dumps(event)
+                self.wfile.write(f"data: {line}\n\n".encode())
+                self.wfile.flush()
+            usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens":
+                                              sum(len(ids) for _, ids in script.chunks)}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.flush()
+            self.close_connection = True
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # the listen backlog: many clients connect at once
+
+    server = Server(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"

@@ -1,0 +1,74 @@
+"""Acceptance metrics from Prometheus counter differences, in each server family's format."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.client import RequestRecord
+from harness.prometheus import acceptance_from_counters, acceptance_from_requests, parse
+
+
+def counters(prefix: str, drafts: float, draft_tokens: float, accepted: float,
+             per_pos: list[float], labels: str) -> str:
+    lines = [
+        f"# TYPE {prefix}spec_decode_num_drafts counter",
+        f"{prefix}spec_decode_num_drafts_total{{{labels}}} {drafts}",
+        f"# TYPE {prefix}spec_decode_num_draft_tokens counter",
+        f"{prefix}spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens}",
+        f"# TYPE {prefix}spec_decode_num_accepted_tokens counter",
+        f"{prefix}spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
+        f"# TYPE {prefix}spec_decode_num_accepted_tokens_per_pos counter",
+    ]
+    lines += [f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{k}"}} '
+              f"{v}" for k, v in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("prefix,labels", [
+    ("vllm:", 'engine="0",model_name="Qwen/Qwen3-8B"'),
+    ("lmdeploy:", 'model_name="qwen"'),
+    ("dflash:", 'server="ref"'),
+])
+def test_differences_give_acceptance_length_rate_and_per_position(prefix, labels) -> None:
+    # lifetime totals before the run must not leak into the result
+    before = parse(counters(prefix, 1000, 15000, 4000, [900, 700, 500], labels))
+    after = parse(counters(prefix, 1100, 16500, 4450, [990, 770, 550], labels))
+    got = acceptance_from_counters(before, after)
+    assert got["acceptance_length"] == pytest.approx(1 + 450 / 100)
+    assert got["acceptance_rate"] == pytest.approx(450 / 1500)
+    # vLLM numbers positions from 0; ours from 1: either way the first is position one
+    assert got["acceptance_per_position"] == pytest.approx([0.9, 0.7, 0.5])
+    assert got["acceptance_source"] == "prometheus"
+
+
+def test_label_sets_are_summed() -> None:
+    text = (counters("vllm:", 10, 100, 30, [8], 'engine="0"')
+            .replace("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n", "")
+            + counters("vllm:", 20, 200, 60, [16], 'engine="1"').split("\n", 1)[1])
+    snap = parse(text)
+    assert snap["drafts"] == 30 and snap["accepted"] == 90
+
+
+def test_sglang_gauges_and_meta_info() -> None:
+    text = ("# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length{model_name=\"m\"} 3.2\n"
+            "# TYPE sglang:spec_accept_rate gauge\nsglang:spec_accept_rate{model_name=\"m\"} 0.4\n")
+    got = acceptance_from_counters(parse(""), parse(text))
+    assert got["acceptance_length"] == pytest.approx(3.2)
+    assert "not differenced" in got["acceptance_source"]
+    records = [RequestRecord(0, 0.0, success=True, meta_info={"spec_verify_ct": 10,
+                                                               "completion_tokens": 35}),
+               RequestRecord(1, 0.0, success=True, meta_info={"spec_verify_ct": 5,
+                                                              "completion_tokens": 10})]
+    assert acceptance_from_requests(records)["acceptance_length"] == pytest.approx(45 / 15)
+
+
+def test_our_per_request_statistics_give_the_histogram() -> None:
+    spec = {"steps": 3, "proposed": 21, "accepted": 6, "acceptance_lengths": [4, 1, 4]}
+    got = acceptance_from_requests([RequestRecord(0, 0.0, success=True, spec_decode=spec)])
+    assert got["acceptance_histogram"] == {1: 1, 4: 2}
+    assert got["acceptance_length"] == pytest.approx(3.0)
+
+
+def test_no_metrics_no_acceptance() -> None:
+    assert acceptance_from_counters(None, None) == {}
+    assert acceptance_from_counters(parse(""), parse("")) == {}

@@ -1,0 +1,67 @@
+"""End to end on the CPU: the A/B harness against two real reference servers (plain and
+DFlash with forced acceptance), the same code as `make bench` with smaller settings."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from reference_engine.checkpoint import make_tiny_draft
+
+from .server_process import REPO
+
+
+@pytest.fixture(scope="module")
+def ab_run(tiny_checkpoint, tmp_path_factory):
+    target = tiny_checkpoint("qwen3_5")
+    draft = make_tiny_draft(tmp_path_factory.mktemp("ab_draft"), target, block_size=8)
+    out = tmp_path_factory.mktemp("ab_out")
+    serve = f"{sys.executable} -m reference_engine.serve --model {target}"
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "ab",
+         "--a-cmd", f"{serve} --port {{port}}",
+         "--b-cmd", f"{serve} --dflash-draft-model-path {draft} --oracle-acceptance 3.5 "
+                    "--port {port}",
+         "--concurrency", "1,3", "--num-prompts", "6", "--output-len", "12", "--repeats", "2",
+         "--builtin", "math", "--notes", "test run", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_all_result_files_are_written(ab_run) -> None:
+    out, stdout = ab_run
+    for name in ("requests.jsonl", "summary.csv", "ab.csv", "meta.json"):
+        assert (out / name).is_file(), name
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert len(rows) == 2 * 2 * 2  # labels x concurrencies x repeats
+    assert all(int(r["completed"]) == 6 and int(r["failed"]) == 0 for r in rows)
+    assert json.loads((out / "meta.json").read_text())["notes"] == "test run"
+    ratios = list(csv.DictReader((out / "ab.csv").open()))
+    assert {r["metric"] for r in ratios} >= {"output_tokens_per_s", "ttft_ms_median"}
+    assert "label | concurrency" in stdout
+
+
+def test_acceptance_from_prometheus_equals_the_servers_own_statistics(ab_run) -> None:
+    out, _ = ab_run
+    requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    for row in csv.DictReader((out / "summary.csv").open()):
+        if row["label"] != "B":
+            assert row["acceptance_length"] == ""
+            continue
+        assert row["acceptance_source"] == "prometheus"
+        mine = [r["spec_decode"] for r in requests if r["label"] == "B"
+                and r["concurrency"] == int(row["concurrency"]) and r["repeat"] == int(row["repeat"])
+                and r["spec_decode"]]
+        steps = sum(s["steps"] for s in mine)
+        accepted = sum(s["accepted"] for s in mine)
+        # the counters were differenced around exactly these requests (warm-up excluded)
+        assert float(row["acceptance_length"]) == pytest.approx(1 + accepted / steps)
+        assert float(row["acceptance_rate"]) == pytest.approx(
+            accepted / sum(s["proposed"] for s in mine))
+        hist = json.loads(row["acceptance_histogram"])
+        assert sum(hist.values()) == steps

@@ -137,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     print_table(summaries)
     try:
-        from reports.__main__ import build
-    except ImportError:
-        build = None
-    if build is not None:
-        print(f"report: {build(out)}")
+        from reports.markdown import build_report
+    except ImportError:  # reports needs pandas and matplotlib; rebuild later with them
+        print("report not built (reports needs pandas and matplotlib): python -m reports "
+              f"{out}")
+    else:
+        print(f"report: {build_report(out)}")
     print(f"results: {out}")
     return 0
 

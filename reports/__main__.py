@@ -1,0 +1,30 @@
+"""`python -m reports DIR`: rebuild DIR/report.md and DIR/plots/*.png from the result files in
+DIR alone, and print the report's path. Exit 2 with one `error:` line when DIR cannot be read."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .markdown import build_report
+from .results import ResultsError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m reports",
+        description="Build report.md and PNG plots from a benchmark results directory.")
+    parser.add_argument("directory", type=Path, help="results directory holding summary.csv")
+    args = parser.parse_args(argv)
+    try:
+        path = build_report(args.directory)
+    except ResultsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,14 +7,16 @@
 
 `--a-cmd`/`--b-cmd` are command templates with `{port}`, e.g.
 "python -m reference_engine.serve --model tiny/qwen3_5 --port {port}".
-Writes DIR/requests.jsonl, DIR/summary.csv (one row per label, concurrency and repeat),
-DIR/meta.json, and for `ab` DIR/ab.csv; then builds DIR/report.md when `reports` is
-importable.
+Writes DIR/requests.jsonl, DIR/summary.csv (one row per label, concurrency and repeat)
+and the same rows as DIR/summary.json, DIR/meta.json, and for `ab` DIR/ab.csv; then
+builds DIR/report.md when `reports` is importable.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import math
 import sys
 from pathlib import Path
@@ -127,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                 servers[side.upper()] = ManagedServer.start(cmd) if cmd else ManagedServer(url)
         write_meta(out, metadata(argv, servers, args.notes))
         summaries = run(args, servers, out)
+        if (out / "summary.csv").exists():  # every row, a resumed run's earlier ones too
+            with (out / "summary.csv").open() as f:
+                rows = list(csv.DictReader(f))
+            (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
         if args.command == "ab":
             ratios(summaries, out / "ab.csv")
     except (WorkloadError, RuntimeError, ValueError) as exc:

@@ -35,7 +35,8 @@ def ab_run(tiny_checkpoint, tmp_path_factory):
 
 def test_all_result_files_are_written(ab_run) -> None:
     out, stdout = ab_run
-    for name in ("requests.jsonl", "summary.csv", "ab.csv", "meta.json"):
+    for name in ("requests.jsonl", "summary.csv", "summary.json", "ab.csv", "meta.json",
+                 "report.md"):
         assert (out / name).is_file(), name
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert len(rows) == 2 * 2 * 2  # labels x concurrencies x repeats
@@ -65,3 +66,16 @@ def test_acceptance_from_prometheus_equals_the_servers_own_statistics(ab_run) ->
             accepted / sum(s["proposed"] for s in mine))
         hist = json.loads(row["acceptance_histogram"])
         assert sum(hist.values()) == steps
+
+
+def test_resume_skips_runs_already_measured(ab_run, tiny_checkpoint) -> None:
+    out, _ = ab_run
+    before = (out / "summary.csv").read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "bench", "--base-url", "http://127.0.0.1:9",
+         "--label", "A", "--concurrency", "1,3", "--num-prompts", "6", "--repeats", "2",
+         "--resume", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    # every (A, c, repeat) is already there: nothing is sent (the URL is dead on purpose)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "summary.csv").read_text() == before

@@ -6,6 +6,14 @@ checkpoints (registered from the repository's root conftest.py).
 
 or DFLASH_GATE_TARGET, DFLASH_GATE_DRAFT, DFLASH_GATE_DEVICE, DFLASH_GATE_DTYPE. Without a
 target the gates build tiny dense and hybrid pairs and run them in float64 on the CPU.
+
+The HTTP equivalence gate compares two running servers:
+
+    pytest gates/test_http_equivalence.py --baseline-url URL --candidate-url URL
+        [--compare-model NAME] [--compare-policy strict|tie-tolerant] [--compare-prompts F]
+
+(or DFLASH_BASELINE_URL, DFLASH_CANDIDATE_URL, ...). Without URLs it starts our own plain
+and DFlash servers on a tiny pair.
 """
 
 from __future__ import annotations
@@ -23,6 +31,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="DFlash draft directory for --target-model (env DFLASH_GATE_DRAFT)")
     group.addoption("--gate-device", default=os.environ.get("DFLASH_GATE_DEVICE", "cpu"),
                     help="device for the gate models (env DFLASH_GATE_DEVICE)")
+    group.addoption("--baseline-url", default=os.environ.get("DFLASH_BASELINE_URL"),
+                    help="HTTP gate: baseline server (DFlash off) (env DFLASH_BASELINE_URL)")
+    group.addoption("--candidate-url", default=os.environ.get("DFLASH_CANDIDATE_URL"),
+                    help="HTTP gate: candidate server (DFlash on) (env DFLASH_CANDIDATE_URL)")
+    group.addoption("--compare-model", default=os.environ.get("DFLASH_COMPARE_MODEL"),
+                    help="HTTP gate: model name to send (env DFLASH_COMPARE_MODEL)")
+    group.addoption("--compare-policy", default=os.environ.get("DFLASH_COMPARE_POLICY",
+                                                               "tie-tolerant"),
+                    help="HTTP gate: strict | tie-tolerant (env DFLASH_COMPARE_POLICY)")
+    group.addoption("--compare-prompts", default=os.environ.get("DFLASH_COMPARE_PROMPTS"),
+                    help="HTTP gate: JSONL prompts (default: built-in sets)")
+    group.addoption("--compare-api-key", default=os.environ.get("DFLASH_COMPARE_API_KEY"))
     group.addoption("--gate-dtype", default=os.environ.get("DFLASH_GATE_DTYPE"),
                     help="float64 | float32 | bfloat16; default float64 for tiny pairs, "
                     "bfloat16 for a user's checkpoints (env DFLASH_GATE_DTYPE)")

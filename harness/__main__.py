@@ -55,9 +55,54 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/run", help="output directory")
 
 
+def _compare_parser(sub) -> None:
+    c = sub.add_parser("compare", help="token-by-token equivalence of two servers")
+    c.add_argument("--baseline", required=True, help="baseline base URL (DFlash off)")
+    c.add_argument("--candidate", required=True, help="candidate base URL (DFlash on)")
+    c.add_argument("--model", default=None)
+    c.add_argument("--api-key", default=None)
+    source = c.add_mutually_exclusive_group()
+    source.add_argument("--prompts", help="JSONL with 'prompt' per line")
+    source.add_argument("--builtin", default=None, help="code, math, chat or mixed")
+    c.add_argument("--num-prompts", type=int, default=None, help="default: the whole set")
+    c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--concurrency", type=int, default=4)
+    c.add_argument("--policy", default="tie-tolerant", choices=["strict", "tie-tolerant"])
+    c.add_argument("--tie-threshold", type=float, default=0.1)
+    c.add_argument("--max-tie-rate", type=float, default=0.05)
+    c.add_argument("--max-divergences", type=int, default=5)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="results/compare")
+
+
+def run_compare(args) -> int:
+    import asyncio
+
+    from .compare import ComparePolicy, compare, write_outputs
+
+    pool = load_jsonl(args.prompts) if args.prompts else builtin(args.builtin or "mixed")
+    prompts = [p for p in pool if p.text is not None or p.token_ids is not None]
+    if args.num_prompts:
+        prompts = take(prompts, args.num_prompts, args.seed)
+    policy = ComparePolicy(args.policy, args.tie_threshold, args.max_tie_rate,
+                           args.max_divergences)
+    baseline = Endpoint(args.baseline, args.model, "completions", args.api_key)
+    candidate = Endpoint(args.candidate, args.model, "completions", args.api_key)
+    results, summary = asyncio.run(compare(baseline, candidate, prompts, args.max_tokens,
+                                           args.concurrency, policy))
+    write_outputs(Path(args.out), results, summary)
+    print(json.dumps(summary, indent=2))
+    first = next((d for r in results for d in r.divergences), None)
+    if first is not None:
+        print(f"first divergence: position {first.position}, baseline {first.baseline_token} "
+              f"vs candidate {first.candidate_token}, margin {first.margin}, {first.kind}")
+    return 0 if summary["verdict"] == "pass" else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness")
     sub = p.add_subparsers(dest="command", required=True)
+    _compare_parser(sub)
     bench = sub.add_parser("bench", help="measure one server")
     bench.add_argument("--base-url", required=True)
     bench.add_argument("--label", default="A")
@@ -118,6 +163,12 @@ def print_table(summaries: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.command == "compare":
+        try:
+            return run_compare(args)
+        except (WorkloadError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     servers: dict[str, ManagedServer] = {}
     try:

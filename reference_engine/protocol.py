@@ -6,7 +6,10 @@ OpenAI-style error body. Unknown fields are ignored, as OpenAI clients send extr
 
 Extensions, documented in the README:
 - `token_ids` in every choice and stream chunk: the generated token ids (vLLM's
-  `return_token_ids` output, always on), so clients compare tokens, not text;
+  `return_token_ids` output, always on), so clients compare tokens, not text; and
+  `prompt_token_ids` in a non-streaming completion's choice;
+- completions `logprobs` also as `top_token_logprobs` (lists of {token_id, logprob}),
+  since different tokens may decode to the same text;
 - `prompt` may be a list of token ids;
 - `stop_token_ids`, `top_k`, `ignore_eos` (as vLLM);
 - `spec_decode` beside `usage`: steps, proposed, accepted, acceptance_lengths of the request.
@@ -198,6 +201,10 @@ def logprobs_body(chat: bool, tokens: list[str], ids: list[int],
         "token_logprobs": [entry.get(t) for t, entry in zip(ids, entries)],
         "top_logprobs": [{token_text(t): lp for t, lp in
                           sorted(entry.items(), key=lambda kv: -kv[1])} for entry in entries],
+        # by id too: different tokens may decode to the same text
+        "top_token_logprobs": [[{"token_id": t, "logprob": lp} for t, lp in
+                                sorted(entry.items(), key=lambda kv: -kv[1])]
+                               for entry in entries],
     }
 
 
@@ -220,7 +227,7 @@ def chunk(request_id: str, model: str, chat: bool, text: str, token_ids: list[in
 
 def full_response(request_id: str, model: str, chat: bool, text: str, token_ids: list[int],
                   finish_reason: str, logprobs: dict | None, usage_body: dict,
-                  spec: dict | None) -> dict:
+                  spec: dict | None, prompt_token_ids: list[int] | None = None) -> dict:
     created = int(time.time())
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -229,7 +236,7 @@ def full_response(request_id: str, model: str, chat: bool, text: str, token_ids:
                 "model": model, "choices": [choice], "usage": usage_body}
     else:
         choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+                  "finish_reason": finish_reason, "prompt_token_ids": prompt_token_ids}
         body = {"id": request_id, "object": "text_completion", "created": created,
                 "model": model, "choices": [choice], "usage": usage_body}
     if spec is not None:

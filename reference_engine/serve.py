@@ -282,7 +282,7 @@ def create_app(server: Server) -> FastAPI:
                                entries, lambda t: server.detokenize([t]))
         return full_response(request_id, server.name, parsed.chat, "".join(pieces), ids,
                              finish or "abort", lp, usage(len(parsed.prompt_ids), len(ids)),
-                             spec_summary(sequence))
+                             spec_summary(sequence), parsed.prompt_ids)
 
     async def stream_events(request_id, parsed, queue, text, request):
         emitted, first, finished = 0, True, False

@@ -1,0 +1,188 @@
+"""Gate: with DFlash on, a server produces exactly what it produces with DFlash off, token
+by token, over HTTP; every divergence is triaged (tie or mismatch) and the comparison
+resumes after it. Runs against any two OpenAI-compatible servers (see gates/options.py);
+by default against our own plain and DFlash servers on a tiny pair."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from harness.client import Endpoint
+from harness.compare import ComparePolicy, compare
+from harness.workloads import builtin, load_jsonl, synthetic
+from reference_engine.checkpoint import make_tiny_draft
+from tests.server_process import ServerProcess
+
+MAX_TOKENS = 24
+
+
+def run_compare(baseline: Endpoint, candidate: Endpoint, prompts, policy: ComparePolicy,
+                concurrency: int = 4):
+    return asyncio.run(compare(baseline, candidate, prompts, MAX_TOKENS, concurrency, policy))
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tiny_checkpoint, tmp_path_factory):
+    target = tiny_checkpoint("qwen3_5")
+    return target, make_tiny_draft(tmp_path_factory.mktemp("http_draft"), target, block_size=8)
+
+
+def prompts_for_us():
+    return [p for p in builtin("mixed") if p.text] + synthetic(6, 20, seed=5)
+
+
+def test_user_servers_are_equivalent(request) -> None:
+    config = request.config
+    base, cand = config.getoption("--baseline-url"), config.getoption("--candidate-url")
+    if not (base and cand):
+        pytest.skip("no --baseline-url/--candidate-url given (the tests below use our servers)")
+    model, key = config.getoption("--compare-model"), config.getoption("--compare-api-key")
+    file = config.getoption("--compare-prompts")
+    prompts = load_jsonl(file) if file else [p for p in builtin("mixed") if p.text]
+    policy = ComparePolicy(config.getoption("--compare-policy"))
+    results, summary = run_compare(Endpoint(base, model, api_key=key),
+                                   Endpoint(cand, model, api_key=key), prompts, policy)
+    first = next((d for r in results for d in r.divergences), None)
+    assert summary["verdict"] == "pass", f"{summary}; first divergence: {first}"
+
+
+@pytest.fixture(scope="module")
+def baseline_server(tiny_dirs):
+    server = ServerProcess("--model", str(tiny_dirs[0]), "--dtype", "float64")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_our_dflash_server_matches_our_plain_server_exactly(baseline_server, tiny_dirs,
+                                                            strategy: str) -> None:
+    candidate = ServerProcess("--model", str(tiny_dirs[0]), "--dflash-draft-model-path",
+                              str(tiny_dirs[1]), "--dtype", "float64", "--commit-strategy",
+                              strategy)
+    try:
+        results, summary = run_compare(Endpoint(baseline_server.url),
+                                       Endpoint(candidate.url), prompts_for_us(),
+                                       ComparePolicy("strict"))
+    finally:
+        candidate.stop()
+    assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
+    assert summary["id_source"] == "token_ids"
+
+
+def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_server,
+                                                                       tiny_dirs) -> None:
+    candidate = ServerProcess("--model", str(tiny_dirs[0]), "--dflash-draft-model-path",
+                              str(tiny_dirs[1]), "--dtype", "float64", "--fault",
+                              "skip_state_rollback")
+    try:
+        results, summary = run_compare(Endpoint(baseline_server.url), Endpoint(candidate.url),
+                                       prompts_for_us(), ComparePolicy())
+    finally:
+        candidate.stop()
+    assert summary["verdict"] == "fail" and summary["mismatches"] > 0
+    first = next(d for r in results for d in r.divergences)
+    assert first.baseline_token != first.candidate_token and first.margin is not None
+
+
+# ------------------------------------------------------------------ tie triage, scripted
+BASE = [11, 12, 13, 14, 15, 16, 17, 18]
+CAND = [11, 12, 99, 14, 15, 77, 17, 18]  # near-tied swap at 2, a real bug at 5
+PROMPT = [100, 101]
+
+
+def scripted_server(sequence: list[int], with_logprobs: bool):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompt = body["prompt"]
+            if isinstance(prompt, str):  # a text prompt: the stub's tokenizer says PROMPT
+                prompt = PROMPT
+            settled = len(prompt) - len(PROMPT)
+            ids = sequence[settled : settled + body["max_tokens"]]
+            choice = {"token_ids": ids, "prompt_token_ids": prompt, "text": ""}
+            if with_logprobs and body.get("logprobs"):
+                tops = []
+                for pos in range(settled, settled + len(ids)):
+                    margin = 0.01 if pos == 2 else 3.0  # position 2: all but tied with 99
+                    tops.append([{"token_id": sequence[pos], "logprob": -0.5},
+                                 {"token_id": CAND[pos] if CAND[pos] != sequence[pos] else 1,
+                                  "logprob": -0.5 - margin}])
+                choice["logprobs"] = {"token_ids": ids, "tokens": [str(t) for t in ids],
+                                      "top_token_logprobs": tops}
+            data = json.dumps({"choices": [choice]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_near_tie_is_a_tie_and_resumption_finds_the_later_mismatch() -> None:
+    base, base_url = scripted_server(BASE, with_logprobs=True)
+    cand, cand_url = scripted_server(CAND, with_logprobs=False)
+    try:
+        from harness.workloads import Prompt
+
+        results, summary = asyncio.run(compare(
+            Endpoint(base_url), Endpoint(cand_url), [Prompt(token_ids=tuple(PROMPT))],
+            len(BASE), 1, ComparePolicy()))
+    finally:
+        base.shutdown()
+        cand.shutdown()
+    kinds = [(d.position, d.kind) for d in results[0].divergences]
+    assert kinds == [(2, "tie"), (5, "mismatch")]
+    assert results[0].divergences[0].margin == pytest.approx(0.01)
+    assert summary["ties"] == 1 and summary["mismatches"] == 1 and summary["verdict"] == "fail"
+    # the same run with only the tie passes tie-tolerant and fails strict
+    only_tie = CAND[:5] + BASE[5:]
+    for policy, expected in (("tie-tolerant", "pass"), ("strict", "fail")):
+        base, base_url = scripted_server(BASE, with_logprobs=True)
+        cand, cand_url = scripted_server(only_tie, with_logprobs=False)
+        try:
+            _, summary = asyncio.run(compare(
+                Endpoint(base_url), Endpoint(cand_url), [Prompt(token_ids=tuple(PROMPT))] * 40,
+                len(BASE), 4, ComparePolicy(policy, max_tie_rate=1.0)))
+        finally:
+            base.shutdown()
+            cand.shutdown()
+        assert summary["verdict"] == expected, (policy, summary)
+
+
+def test_compare_command_exit_codes_and_files(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.server_process import REPO
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    for cand_seq, policy, code in ((BASE, "strict", 0), (CAND, "tie-tolerant", 1)):
+        base, base_url = scripted_server(BASE, with_logprobs=True)
+        cand, cand_url = scripted_server(cand_seq, with_logprobs=False)
+        out = tmp_path / f"out-{code}"
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "harness", "compare", "--baseline", base_url,
+                 "--candidate", cand_url, "--prompts", str(prompts), "--max-tokens", "8",
+                 "--policy", policy, "--out", str(out)],
+                cwd=REPO, capture_output=True, text=True, timeout=120)
+        finally:
+            base.shutdown()
+            cand.shutdown()
+        assert done.returncode == code, done.stdout + done.stderr
+        summary = json.loads((out / "compare_summary.json").read_text())
+        assert {"prompts", "exact", "ties", "mismatches", "verdict"} <= set(summary)
+        assert (out / "compare.jsonl").is_file() and (out / "compare.md").is_file()
+        if code:
+            assert "first divergence: position 2" in done.stdout

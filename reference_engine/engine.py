@@ -26,6 +26,7 @@ from .errors import ConfigError, RequestError
 from .faults import FAULTS
 from .models import CausalLM
 from .models.dflash import DFlashDraft, DraftState
+from .profiling import NvtxRanges
 from .request import SamplingParams, validate_prompt
 from .sequence import (
     FALLBACK_LOGPROBS,
@@ -99,7 +100,11 @@ class StepOutput:
 
 class Engine:
     def __init__(
-        self, target: CausalLM, draft: DFlashDraft | None = None, config: EngineConfig | None = None
+        self,
+        target: CausalLM,
+        draft: DFlashDraft | None = None,
+        config: EngineConfig | None = None,
+        ranges: NvtxRanges | None = None,
     ) -> None:
         config = config or EngineConfig()
         self.target, self.draft, self.config = target, draft, config
@@ -127,7 +132,8 @@ class Engine:
         self.active: dict[str, Sequence] = {}  # with a slot
         self.known: dict[str, Sequence] = {}  # every live request (waiting or active)
         self.finished: dict[str, Sequence] = {}  # done, until the caller collects them
-        self.timer = PhaseTimer(self.device)
+        self.ranges = ranges or NvtxRanges()
+        self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
         self.fallbacks: dict[str, int] = {}
         self.finished_requests = 0
@@ -218,6 +224,10 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
+        with self.ranges.range("step"):
+            return self._step()
+
+    def _step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         with self.timer.phase("schedule"):
             self._admit()

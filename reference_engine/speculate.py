@@ -67,7 +67,7 @@ def speculate(engine: Engine, seqs: list[Sequence], outputs: list[StepOutput]) -
                      capture_layers=dcfg.target_layer_ids,
                      valid_len=valid, record=verify_record(strategy, target))
 
-    with timer.phase("sample"):
+    with timer.phase("accept"):
         target_tokens = greedy(out.logits)  # [b, N + 1]
         accepted, _ = accept_greedy(proposals, target_tokens)
         cap = n_t - 1 if fault == "never_accept_full_block" else n_t

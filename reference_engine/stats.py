@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-PHASES = ("prefill", "draft", "verify", "commit", "sample", "schedule", "decode")
+from .profiling import NvtxRanges
+
+PHASES = ("prefill", "draft", "verify", "accept", "commit", "sample", "schedule", "decode")
 
 
 @dataclass
@@ -59,10 +61,12 @@ class SpecCounters:
 
 class PhaseTimer:
     """Wall time per phase with a monotonic clock; on CUDA also device time per phase from
-    CUDA events, read once per step by `flush()` (no sync inside a phase)."""
+    CUDA events, read once per step by `flush()` (no sync inside a phase). Each phase is
+    also an NVTX range when profiling is on (profiling.NvtxRanges)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ranges: NvtxRanges | None = None) -> None:
         self.cuda = device.type == "cuda"
+        self.ranges = ranges or NvtxRanges()
         self.host_s: Counter = Counter()
         self.device_s: Counter = Counter()
         self.calls: Counter = Counter()
@@ -77,7 +81,8 @@ class PhaseTimer:
             start_event.record()
         t0 = time.perf_counter()
         try:
-            yield
+            with self.ranges.range(name):
+                yield
         finally:
             self.host_s[name] += time.perf_counter() - t0
             self.calls[name] += 1

@@ -173,21 +173,25 @@ def assemble_target(
     config: TargetConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
 ) -> CausalLM:
     """A target model around already-placed tensors (no copy, no random init)."""
-    with torch.device("meta"):
-        model = build_target(config)
-    model.load_state_dict(tensors, strict=True, assign=True)
-    model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device)
-    return model.eval().requires_grad_(False)
+    return _assemble(lambda: build_target(config), tensors,
+                     RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device))
 
 
 def assemble_draft(
     config: DraftConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
 ) -> DFlashDraft:
+    return _assemble(lambda: DFlashDraft(config), tensors,
+                     RotaryEmbedding(config.head_dim, config.rope_theta).to(device))
+
+
+def _assemble(build, tensors: dict[str, torch.Tensor], rotary: RotaryEmbedding):
+    """Build on the meta device, adopt the tensors as parameters, then the RoPE buffers
+    (not in checkpoints) on the tensors' device."""
     with torch.device("meta"):
-        draft = DFlashDraft(config)
-    draft.load_state_dict(tensors, strict=True, assign=True)
-    draft.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
-    return draft.eval().requires_grad_(False)
+        model = build()
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.rotary = rotary
+    return model.eval().requires_grad_(False)
 
 
 def load_draft(

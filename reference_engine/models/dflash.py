@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import SLIDING_ATTENTION, DraftConfig
-from .layers import MLP, ForwardContext, RMSNorm, RotaryEmbedding, SelfAttention
+from ..config import DraftConfig
+from .layers import ForwardContext, RMSNorm, RotaryEmbedding
+from .qwen3 import Qwen3DecoderLayer
 
 
 class DraftState:
@@ -49,36 +50,12 @@ class DraftState:
         self.lengths = [0] * num_slots  # committed context rows per slot
 
 
-class DraftLayer(nn.Module):
-    def __init__(self, config: DraftConfig, layer: int) -> None:
-        super().__init__()
-        sliding = config.layer_types[layer] == SLIDING_ATTENTION
-        self.self_attn = SelfAttention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            config.rms_norm_eps,
-            norm_offset=False,
-            gated=False,
-            bias=config.attention_bias,
-            sliding_window=config.sliding_window if sliding else None,
-            causal=sliding,
-        )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class DFlashDraft(nn.Module):
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList([DraftLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i, bidirectional=True)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

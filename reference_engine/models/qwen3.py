@@ -11,7 +11,11 @@ from .layers import MLP, ForwardContext, RMSNorm, SelfAttention
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig, layer: int) -> None:
+    """A Qwen3 layer. `bidirectional`: full-attention layers see their whole input (the
+    DFlash draft's block); sliding-window layers stay causal either way. The draft config
+    carries the same fields as a Qwen3 target config."""
+
+    def __init__(self, config: TargetConfig, layer: int, bidirectional: bool = False) -> None:
         super().__init__()
         sliding = config.layer_types[layer] == SLIDING_ATTENTION
         self.self_attn = SelfAttention(
@@ -24,6 +28,7 @@ class Qwen3DecoderLayer(nn.Module):
             gated=False,
             bias=config.attention_bias,
             sliding_window=config.sliding_window if sliding else None,
+            causal=sliding or not bidirectional,
         )
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -4,6 +4,7 @@ tiny test checkpoints (a real `tokenizers` model, so that text prompts work end 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -37,14 +38,13 @@ of earlier positions so that each new token attends to them without recomputing.
 """
 
 
-def build_tiny_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE trained on a fixed built-in text: deterministic, no download.
-
-    The special tokens come last, after the learned vocabulary, as in Qwen tokenizers.
-    """
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` tokens trained on `texts` (deterministic for the
+    same texts). The special tokens come last, after the learned vocabulary, as in Qwen
+    tokenizers."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise CheckpointError(
-            f"tiny tokenizer vocab_size {vocab_size} too small: a byte-level BPE needs at least "
+            f"tokenizer vocab_size {vocab_size} too small: a byte-level BPE needs at least "
             f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
         )
     tok = Tokenizer(models.BPE())
@@ -55,9 +55,14 @@ def build_tiny_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_TRAINING_TEXT] * 4, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
+
+
+def build_tiny_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on a fixed built-in text: deterministic, no download."""
+    return train_byte_level_bpe([_TRAINING_TEXT] * 4, vocab_size)
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:

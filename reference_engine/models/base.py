@@ -62,6 +62,7 @@ class CausalLM(nn.Module):
         last_only: bool = False,
         valid_len: torch.Tensor | None = None,  # [batch]
         record: str | None = None,
+        chunked: bool = False,
     ) -> ForwardOutput:
         """Run T new tokens per row and update the rows' slot state in place.
 
@@ -70,10 +71,12 @@ class CausalLM(nn.Module):
         marks trailing padding per row: padded tokens leave the Gated DeltaNet state alone
         (their attention rows land past the committed length and are never read).
         `record` ("per_token" or "recompute") keeps what that commit strategy needs.
+        `chunked` runs Gated DeltaNet layers a chunk at a time (training: differentiable and
+        fast on long rows; the engine steps token by token).
         """
         x = self.embed(input_ids)
         ctx = ForwardContext(
-            state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record
+            state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record, chunked
         )
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):

@@ -234,7 +234,11 @@ class ForwardContext:
         dtype: torch.dtype,
         valid_len: torch.Tensor | None = None,  # [batch] real tokens per row, None: all T
         record: str | None = None,  # keep verify inputs/states for a commit strategy
+        chunked: bool = False,  # Gated DeltaNet a chunk at a time (training; full rows only)
     ) -> None:
+        if chunked and (valid_len is not None or record is not None):
+            raise ValueError("a chunked forward takes full rows and records nothing")
+        self.chunked = chunked
         self.state = state
         self.valid_len = valid_len
         self.record = record

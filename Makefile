@@ -8,7 +8,15 @@ BENCH_OUT ?= results/bench-$(shell date +%Y%m%d-%H%M%S)
 BENCH_ACCEPTANCE ?= 4.0
 BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 64 --repeats 3
 
-.PHONY: setup test gate lint tiny bench
+# make profile: where each step's time goes, plain vs DFlash, under Nsight Systems
+# (scripts/profile.sh); NSYS=none uses the built-in phase timer instead. PROFILE_ARGS is the
+# engine benchmark's workload.
+PROFILE_OUT ?= results/profile-$(shell date +%Y%m%d-%H%M%S)
+PROFILE_CONCURRENCY ?= 1,8
+PROFILE_ARGS ?= --random-shape qwen3.5-small --oracle-acceptance 6.5
+NSYS ?=
+
+.PHONY: setup test gate lint tiny bench profile
 
 setup:
 	$(PYTHON) -m pip install "$(TORCH)"
@@ -40,3 +48,7 @@ bench: tiny
 		--b-cmd "$(PYTHON) -m reference_engine.serve --model tiny/qwen3_5 --dflash-draft-model-path tiny/qwen3_5-dflash --oracle-acceptance $(BENCH_ACCEPTANCE) --port {port}" \
 		$(BENCH_ARGS) --out $(BENCH_OUT) \
 		--notes "tiny random Qwen3.5 pair; DFlash acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode)"
+
+profile:
+	NSYS="$(NSYS)" PYTHON="$(PYTHON)" bash scripts/profile.sh --out "$(PROFILE_OUT)" \
+		--concurrency "$(PROFILE_CONCURRENCY)" $(PROFILE_ARGS)

@@ -1,17 +1,29 @@
 """Engine-level benchmark: plain decode vs DFlash on one checkpoint pair, per concurrency.
 
     python scripts/bench_engine.py (--model DIR --draft DIR | --random-shape qwen3-8b)
-        [--oracle-acceptance X] [--concurrency 1,4,8,16] [--out FILE.csv] ...
+        [--oracle-acceptance X] [--concurrency 1,4,8,16] [--modes plain,dflash]
+        [--profile-capture] [--out FILE.csv] ...
 
 For each concurrency c the engine gets `--num-prompts` requests (default c)
 of `--input-len` random prompt tokens and `--output-len` output tokens (EOS ignored), all
 queued at once, with c slots. Plain and DFlash runs alternate, `--repeats` times each
-after one warm-up pair; the table and CSV give medians over the repeats.
+after one warm-up pair; the table and CSV give medians over the repeats. `--modes dflash`
+(or `plain`) measures one mode only; with --oracle-acceptance the continuations then come
+from the unmeasured plain warm-up run over the same prompts.
 
 Columns: output_tokens_per_s = all output tokens / wall time of the run (prefill
 included); mean_acceptance_length = committed tokens per DFlash step, bonus included;
 ms_<phase> = milliseconds spent in that phase over the whole run (CUDA-event time on a
-GPU, monotonic host time on a CPU), phases as in stats.PHASES.
+GPU, monotonic host time on a CPU: `phase_clock` says which), phases as in stats.PHASES;
+n_<phase> = times the phase ran; ms_step = host wall time inside engine.step() over the
+run and `steps` its count, so ms_step minus the top-level phases is the step's time
+outside every phase (`sample` runs inside `prefill` and `decode`, the others do not nest).
+Each column is a median on its own.
+
+--profile-capture calls cudaProfilerStart after each concurrency's warm-up and
+cudaProfilerStop after its repeats, so `nsys profile --capture-range=cudaProfilerApi
+--capture-range-end=stop` records the measured repeats only (the first concurrency's under
+`stop`: profile one concurrency per process, as scripts/profile.sh does). A no-op on a CPU.
 
 With --oracle-acceptance X the draft still runs, but its proposals are replaced by the
 plain run's outputs and each step accepts a scheduled count, mean acceptance length X
@@ -30,6 +42,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +57,8 @@ from .shapes import TARGET_SHAPES, random_pair
 from .spec import OracleProposer
 from .stats import PHASES
 
+MODES = ("plain", "dflash")
+
 
 @dataclass(frozen=True)
 class BenchArgs:
@@ -51,6 +67,7 @@ class BenchArgs:
     random_shape: str | None
     oracle_acceptance: float | None
     concurrency: tuple[int, ...]
+    modes: tuple[str, ...]
     num_prompts: int | None
     input_len: int
     output_len: int
@@ -60,6 +77,7 @@ class BenchArgs:
     device: str
     repeats: int
     seed: int
+    profile_capture: bool
     out: str | None
 
     @classmethod
@@ -73,6 +91,8 @@ class BenchArgs:
         p.add_argument("--oracle-acceptance", type=float, default=None,
                        help="replace proposals to reach this mean acceptance length")
         p.add_argument("--concurrency", default="1,4,8,16")
+        p.add_argument("--modes", default=",".join(MODES),
+                       help="modes to measure, comma-separated: plain, dflash (default both)")
         p.add_argument("--num-prompts", type=int, default=None)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
@@ -83,6 +103,9 @@ class BenchArgs:
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--profile-capture", action="store_true",
+                       help="cudaProfilerStart/Stop around the measured repeats, for "
+                            "nsys profile --capture-range=cudaProfilerApi")
         p.add_argument("--out", help="CSV file for the per-(mode, concurrency) rows")
         ns = p.parse_args(argv)
         if (ns.random_shape is None) == (ns.model is None):
@@ -95,6 +118,10 @@ class BenchArgs:
             p.error(f"--concurrency must be comma-separated integers, got {ns.concurrency!r}")
         if any(c <= 0 for c in ns.concurrency) or ns.repeats <= 0:
             p.error("--concurrency values and --repeats must be positive")
+        modes = tuple(m.strip() for m in ns.modes.split(","))
+        if not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
+            p.error(f"--modes must be distinct values of {', '.join(MODES)}, got {ns.modes!r}")
+        ns.modes = tuple(m for m in MODES if m in modes)
         return cls(**vars(ns))
 
 
@@ -132,15 +159,18 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
                                                         args.oracle_acceptance, block, vocab,
                                                         forced=True)
         engine.add_request(str(i), prompt, params, oracle=oracle)
-    steps = 0
+    steps, step_s = 0, 0.0
     while engine.has_unfinished():
+        t0 = time.perf_counter()
         engine.step()
+        step_s += time.perf_counter() - t0
         steps += 1
     wall = time.perf_counter() - start
     outputs = [engine.collect(str(i)).output_ids for i in range(len(prompts))]
     stats = engine.stats()
     phases = stats["phases"]
-    kind = "device_s_" if engine.device.type == "cuda" else "host_s_"
+    on_gpu = engine.device.type == "cuda"
+    kind = "device_s_" if on_gpu else "host_s_"
     total = sum(len(o) for o in outputs)
     row = {
         "mode": "plain" if draft is None else "dflash",
@@ -148,6 +178,9 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
         "output_tokens_per_s": total / wall,
         "mean_acceptance_length": stats["spec"]["mean_acceptance_length"] if draft else 1.0,
         **{f"ms_{phase}": 1000 * phases.get(kind + phase, 0.0) for phase in PHASES},
+        "ms_step": 1000 * step_s,
+        **{f"n_{phase}": engine.timer.calls[phase] for phase in PHASES},
+        "phase_clock": "cuda_events" if on_gpu else "host",
         "steps": steps,
         "output_tokens": total,
         "wall_s": wall,
@@ -170,27 +203,65 @@ def benchmark(args: BenchArgs) -> list[dict]:
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
     print(f"# device {device} ({gpu}), dtype {target.model.embed_tokens.weight.dtype}, "
           f"{args.random_shape or args.model}", flush=True)
+    if args.profile_capture and not device.startswith("cuda"):
+        print(f"# --profile-capture: no CUDA device ({device}), so no profiler capture range "
+              "is opened (a no-op here)", flush=True)
+    capture = args.profile_capture and device.startswith("cuda")
     rows = []
     for c in args.concurrency:
         count = args.num_prompts or c
         prompts = make_prompts(target.config.vocab_size, count, args.input_len, args.seed + c)
-        warm = run_once(target, None, prompts[:c], args, c, None)  # compile caches, allocator
-        run_once(target, draft, prompts[:c], args, c,
-                 warm["outputs"] if args.oracle_acceptance else None)
-        plain_rows, spec_rows = [], []
-        for r in range(args.repeats):
-            plain = run_once(target, None, prompts, args, c, None)
-            plain_rows.append(plain["row"])
-            continuations = plain["outputs"] if args.oracle_acceptance else None
-            spec_rows.append(run_once(target, draft, prompts, args, c, continuations)["row"])
-            print(f"  c={c} repeat {r + 1}/{args.repeats}: plain "
-                  f"{plain_rows[-1]['output_tokens_per_s']:.1f} tok/s, dflash "
-                  f"{spec_rows[-1]['output_tokens_per_s']:.1f} tok/s, acceptance length "
-                  f"{spec_rows[-1]['mean_acceptance_length']:.2f}", flush=True)
-        rows += [median_row(plain_rows), median_row(spec_rows)]
+        # unmeasured warm-up (compile caches, allocator); without a measured plain run it
+        # covers every prompt, so that its outputs can be the oracle's continuations
+        oracle = args.oracle_acceptance is not None
+        warm_prompts = prompts if oracle and "plain" not in args.modes else prompts[:c]
+        warm = run_once(target, None, warm_prompts, args, c, None)
+        if "dflash" in args.modes:
+            run_once(target, draft, prompts[:c], args, c, warm["outputs"] if oracle else None)
+        with capture_range(capture):
+            measured = measure(target, draft, prompts, args, c, warm["outputs"])
+        rows += [median_row(runs) for runs in measured.values()]
         if args.out:  # after every concurrency, so an interrupted run keeps what it measured
             write_csv(args.out, rows)
     return rows
+
+
+def measure(target, draft, prompts, args: BenchArgs, concurrency: int,
+            warm_outputs: list[list[int]]) -> dict[str, list[dict]]:
+    """`args.repeats` runs of each mode, alternating; the rows of each mode's runs."""
+    oracle = args.oracle_acceptance is not None
+    measured: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for r in range(args.repeats):
+        continuations = warm_outputs if oracle else None
+        if "plain" in args.modes:
+            plain = run_once(target, None, prompts, args, concurrency, None)
+            measured["plain"].append(plain["row"])
+            continuations = plain["outputs"] if oracle else None
+        if "dflash" in args.modes:
+            spec = run_once(target, draft, prompts, args, concurrency, continuations)
+            measured["dflash"].append(spec["row"])
+        done = [f"{mode} {runs[-1]['output_tokens_per_s']:.1f} tok/s"
+                for mode, runs in measured.items()]
+        if "dflash" in measured:
+            done.append(f"acceptance length {measured['dflash'][-1]['mean_acceptance_length']:.2f}")
+        print(f"  c={concurrency} repeat {r + 1}/{args.repeats}: {', '.join(done)}", flush=True)
+    return measured
+
+
+@contextmanager
+def capture_range(enabled: bool) -> Iterator[None]:
+    """A CUDA profiler capture range (cudaProfilerStart/Stop) around the block, for
+    `nsys profile --capture-range=cudaProfilerApi`; nothing when not enabled."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.synchronize()  # the warm-up's kernels stay out of the capture
+    torch.cuda.profiler.start()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

@@ -1,5 +1,9 @@
 """`python -m reports DIR`: rebuild DIR/report.md and DIR/plots/*.png from the result files in
-DIR alone, and print the report's path. Exit 2 with one `error:` line when DIR cannot be read."""
+DIR alone, and print the report's path. Exit 2 with one `error:` line when DIR cannot be read.
+
+`python -m reports profile DIR`: DIR/profile.md and DIR/plots/phase_breakdown.png from nsys
+stats CSVs or engine benchmark CSVs (reports/profile.py; a results directory that is itself
+named `profile` is reached as `./profile`)."""
 
 from __future__ import annotations
 
@@ -7,11 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import profile
 from .markdown import build_report
 from .results import ResultsError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 and argv[0] == "profile":
+        return profile.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m reports",
         description="Build report.md and PNG plots from a benchmark results directory.")

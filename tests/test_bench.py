@@ -1,6 +1,7 @@
 """The engine benchmark (bench.py), run in-process on tiny checkpoints: one CSV row per
-(mode, concurrency) with throughput, acceptance length and per-phase times; the table on
-stdout; random real-shaped pairs; argument errors exit with code 2."""
+(mode, concurrency) with throughput, acceptance length, per-phase times and the step time
+they add up to; the table on stdout; random real-shaped pairs; one mode alone; the profiler
+capture range a no-op on the CPU; argument errors exit with code 2."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from reference_engine.stats import PHASES
 
 TinyCheckpoint = Callable[..., Path]
 PHASE_COLUMNS = [f"ms_{phase}" for phase in PHASES]
+TOP_LEVEL = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit")  # no sample
 TABLE_HEADER = " | ".join(["mode", "concurrency", "output_tokens_per_s",
                            "mean_acceptance_length", *PHASE_COLUMNS])
 
@@ -88,6 +90,18 @@ def test_dflash_rows_reach_the_oracle_acceptance_length_up_to_the_budget_cut(
         assert float(row["ms_decode"]) == 0
 
 
+def test_step_time_holds_the_top_level_phases_and_counts_every_step(checkpoint_run) -> None:
+    """One repeat on the host clock: ms_step (wall time in engine.step()) contains every
+    top-level phase; `sample` runs inside prefill/decode and is not added again."""
+    _, _, rows = checkpoint_run
+    for row in rows:
+        phases = sum(float(row[f"ms_{p}"]) for p in TOP_LEVEL)
+        assert phases <= float(row["ms_step"]) <= 1000 * float(row["wall_s"])
+        assert row["phase_clock"] == "host"
+        assert int(row["n_schedule"]) == int(row["steps"])
+        assert int(row["n_sample"]) >= int(row["concurrency"])  # at least each prompt's first
+
+
 def test_the_printed_table_has_the_header_and_one_line_per_row(checkpoint_run) -> None:
     _, stdout, rows = checkpoint_run
     lines = stdout.splitlines()
@@ -116,6 +130,25 @@ def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixt
     assert float(dflash[3]) == 3.5
 
 
+def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    out = tmp_path / "dflash.csv"
+    code = bench.main([
+        "--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
+        "--concurrency", "1,2", "--repeats", "1", "--input-len", "8", "--output-len", "8",
+        "--oracle-acceptance", "4", "--modes", "dflash", "--profile-capture", "--out", str(out),
+    ])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "--profile-capture: no CUDA device (cpu)" in stdout and "a no-op here" in stdout
+    assert "plain" not in stdout.split("repeat 1/1:")[1].splitlines()[0]
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("dflash", "1"), ("dflash", "2")]
+    assert all(float(r["mean_acceptance_length"]) == 3.5 for r in rows)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -127,9 +160,12 @@ def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixt
         (["--random-shape", "qwen3-small", "--concurrency", "0"], "must be positive"),
         (["--random-shape", "qwen3-small", "--repeats", "0"], "must be positive"),
         (["--random-shape", "no-such-shape"], "invalid choice"),
+        (["--random-shape", "qwen3-small", "--modes", "plain,fast"],
+         "--modes must be distinct values of plain, dflash, got 'plain,fast'"),
+        (["--random-shape", "qwen3-small", "--modes", "dflash,dflash"], "--modes must be distinct"),
     ],
     ids=["no-model-no-shape", "model-without-draft", "model-and-shape", "concurrency-not-int",
-         "concurrency-zero", "repeats-zero", "unknown-shape"],
+         "concurrency-zero", "repeats-zero", "unknown-shape", "unknown-mode", "repeated-mode"],
 )
 def test_bad_arguments_exit_with_code_2_and_say_why(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]

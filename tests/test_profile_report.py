@@ -1,0 +1,115 @@
+"""`python -m reports profile DIR` (reports/profile.py) and scripts/profile.sh: profile.md
+with plain and DFlash side by side per concurrency, the stacked phase plot, a rebuild that
+gives the same bytes; the script's clear exit 2 without nsys, and its CPU timer path."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reports.__main__ import main
+from reports.profile import build_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
+SCRIPT = ROOT / "scripts" / "profile.sh"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NSYS_FOLDERS = ("/opt/nvidia/nsight-systems/*/bin/nsys",
+                "/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys",
+                "/usr/local/cuda*/bin/nsys", "/usr/local/cuda*/nsight-systems*/bin/nsys")
+TINY_WORKLOAD = ["--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
+                 "--input-len", "8", "--output-len", "8", "--repeats", "1",
+                 "--oracle-acceptance", "4"]
+
+
+@pytest.fixture
+def captures(tmp_path: Path) -> Path:
+    directory = tmp_path / "profile-run"
+    shutil.copytree(FIXTURES, directory)
+    return directory
+
+
+def test_the_cli_builds_profile_md_and_the_plot_from_nsys_csvs(captures: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", str(captures)]) == 0
+    assert capsys.readouterr().out.strip() == str(captures / "profile.md")
+    text = (captures / "profile.md").read_text()
+    assert "Source: Nsight Systems." in text and "## Concurrency 1" in text
+    # baseline and DFlash side by side, per output token (the benchmark CSVs are there)
+    assert "| Phase | plain ms/token | plain % of step | plain GPU ms/token | dflash ms/token |" in text
+    for label in ("plain-c1", "dflash-c1"):
+        assert f"### {label}" in text
+    assert "| **step (total)** |" in text and "| other |" in text
+    assert "sample (inside prefill, decode; not summed)" in text
+    assert "Top 10 kernels by total GPU time" in text
+    assert "](plots/phase_breakdown.png)" in text and "ms per output token" in text
+    assert (captures / "plots" / "phase_breakdown.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_rebuilding_gives_the_same_bytes(captures: Path) -> None:
+    build_profile(captures)
+    first = {p: p.read_bytes() for p in captures.rglob("*") if p.is_file()}
+    build_profile(captures)
+    assert {p: p.read_bytes() for p in captures.rglob("*") if p.is_file()} == first
+
+
+def test_without_token_counts_the_tables_are_in_ms_and_the_plot_per_step(captures: Path) -> None:
+    for label in ("plain-c1", "dflash-c1"):
+        (captures / f"{label}.csv").unlink()
+    text = build_profile(captures).read_text()
+    assert "| Phase | plain ms | plain % of step |" in text
+    assert "ms per engine step" in text
+
+
+def test_a_directory_with_nothing_to_profile_exits_2_with_one_error_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "reports", "profile", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: nothing to profile") and len(done.stderr.splitlines()) == 1
+
+
+def run_script(args: list[str], env: dict[str, str], timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["/bin/bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=timeout)
+
+
+def test_without_nsys_the_script_says_how_to_get_it_and_exits_2(tmp_path: Path) -> None:
+    done = run_script(["--out", str(tmp_path / "out"), *TINY_WORKLOAD],
+                      {"PATH": str(tmp_path / "empty"), "NSYS": str(tmp_path / "nowhere" / "nsys")})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: nsys (Nsight Systems) not found: NSYS=")
+    assert "install Nsight Systems" in done.stderr and "make profile NSYS=none" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(any(glob.glob(p) for p in NSYS_FOLDERS), reason="nsys is installed here")
+def test_with_nsys_nowhere_the_script_lists_where_it_looked(tmp_path: Path) -> None:
+    done = run_script(TINY_WORKLOAD, {"PATH": str(tmp_path / "empty")})
+    assert done.returncode == 2
+    assert "not on PATH, NSYS unset, and none in /opt/nvidia/nsight-systems/*/bin/nsys" in done.stderr
+
+
+def test_workload_arguments_the_script_owns_are_refused(tmp_path: Path) -> None:
+    done = run_script([*TINY_WORKLOAD, "--concurrency", "4"], {"PATH": os.environ["PATH"],
+                                                                "NSYS": "none"})
+    assert done.returncode == 2 and "--concurrency is set by scripts/profile.sh" in done.stderr
+
+
+def test_the_timer_path_needs_no_nsys_and_writes_profile_md(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "NSYS": "none", "PYTHON": sys.executable}
+    done = run_script(["--out", str(out), "--concurrency", "1", *TINY_WORKLOAD], env)
+    assert done.returncode == 0, done.stderr
+    text = (out / "profile.md").read_text()
+    assert "Source: built-in phase timer." in text
+    assert "| Phase | plain ms/token | plain % of step | dflash ms/token | dflash % of step |" in text
+    assert "scripts/bench_engine.py --concurrency 1 --out" in text  # the commands it ran
+    assert (out / "plots" / "phase_breakdown.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "bench.csv").is_file() and (out / "bench.log").is_file()

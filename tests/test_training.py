@@ -18,7 +18,14 @@ from reference_engine.models.dflash import DraftState
 from reference_engine.models.qwen3_5 import chunked_gated_delta, gated_delta_recurrence, l2_normalize
 from reference_engine.request import SamplingParams
 from reference_engine.training.corpus import Corpus, is_heldout
-from reference_engine.training.loops import block_logits, greedy_continue, sequence_forward
+from reference_engine.training.loops import (
+    block_labels,
+    block_logits,
+    block_loss,
+    greedy_continue,
+    sequence_forward,
+    target_views,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,29 +104,55 @@ def test_greedy_continue_equals_plain_greedy_decode(hybrid_pair) -> None:
         assert row == prompt + plain.output_ids
 
 
-def test_block_logits_are_the_drafts_logits_in_the_engine(hybrid_pair) -> None:
+def draft_in_the_engine(target, draft, seq: torch.Tensor, p: int, length: int) -> torch.Tensor:
+    """The draft's logits for the block at anchor p, computed the way the engine does:
+    prefill of the prefix (context features), then one block of `length` tokens."""
+    cfg = draft.config
+    state = new_state(target, len(seq))
+    _, features = prefill(target, state, 0, seq[:p].tolist(), cfg.target_layer_ids)
+    dstate = DraftState(cfg, 1, len(seq), torch.float64)
+    draft.append_context(features[None], torch.arange(p)[None], torch.tensor([0]), dstate)
+    block = torch.tensor([[seq[p].item()] + [cfg.mask_token_id] * (length - 1)])
+    hidden = draft(target.embed(block), torch.arange(p, p + length)[None], torch.tensor([0]),
+                   dstate, p + length)
+    return draft.logits(hidden[:, 1:], target.lm_head_weight)[0]  # [length-1, vocab]
+
+
+def test_block_logits_and_labels_are_what_the_engine_drafts_and_verifies(hybrid_pair) -> None:
     """Training sees what serving sees: context = target features before the anchor, block
-    = anchor + masks at the anchor's positions, labels = the target's greedy choices."""
+    = anchor + masks at the anchor's positions (shorter blocks too), labels = the target's
+    greedy choices."""
     target, draft = hybrid_pair
     B = draft.config.block_size
     seqs = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([[5, 30], [17, 36]])
-    logits, labels = block_logits(draft, target, seqs, anchors, B)
-    cfg = draft.config
+    lengths = torch.tensor([B, 2, 3, B])
+    features, greedy = target_views(target, seqs, draft.config.target_layer_ids, batch=1)
+    logits = block_logits(draft, target, seqs, features, anchors, lengths)
+    labels = block_labels(greedy, anchors, B)
     for i, (row, p) in enumerate([(0, 5), (0, 30), (1, 17), (1, 36)]):
-        prefix = seqs[row, :p].tolist()
-        state = new_state(target, 40)
-        step_logits, features = prefill(target, state, 0, prefix, cfg.target_layer_ids)
-        dstate = DraftState(cfg, 1, 40, torch.float64)
-        draft.append_context(features[None], torch.arange(p)[None], torch.tensor([0]), dstate)
-        block = torch.tensor([[seqs[row, p].item()] + [cfg.mask_token_id] * (B - 1)])
-        hidden = draft(target.embed(block), torch.arange(p, p + B)[None], torch.tensor([0]),
-                       dstate, p + B)
-        ref = draft.logits(hidden[:, 1:], target.lm_head_weight)[0]
-        torch.testing.assert_close(logits[i], ref, rtol=0, atol=1e-9)
+        n = lengths[i].item() - 1
+        ref = draft_in_the_engine(target, draft, seqs[row], p, n + 1)
+        torch.testing.assert_close(logits[i, :n], ref, rtol=0, atol=1e-9)
+        plain = generate_plain(target, seqs[row, : p + 1].tolist(),
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+        assert labels[i, 0].item() == plain.output_ids[0]
         full = target(seqs[row : row + 1], torch.arange(40)[None], torch.tensor([0]),
                       new_state(target, 40), 40).logits[0]
         assert labels[i].tolist() == full[p : p + B - 1].argmax(-1).tolist()
+
+
+def test_block_loss_weights_early_slots_and_ignores_slots_past_a_blocks_length() -> None:
+    labels = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    right = torch.nn.functional.one_hot(labels, 5).double() * 50
+    wrong_last = right.clone()
+    wrong_last[1, 2] = right[1, 2].roll(1)
+    lengths = torch.tensor([4, 3])  # row 1 has slots 1..2 only: its slot 3 does not count
+    assert block_loss(wrong_last, labels, lengths, 2.0) < 1e-12
+    assert block_loss(wrong_last, labels, None, 2.0) > 1.0
+    early, late = right.clone(), right.clone()
+    early[0, 0], late[0, 2] = right[0, 0].roll(1), right[0, 2].roll(1)
+    assert block_loss(early, labels, None, 2.0) > block_loss(late, labels, None, 2.0)
 
 
 def test_the_split_rule_is_by_file_and_fixed() -> None:

@@ -72,9 +72,11 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[int], torch.Tensor],
-             log: Callable[[str], None], what: str, log_every: int = 50) -> list[float]:
-    """AdamW with warm-up and cosine decay, gradient clipping at 1; returns the loss of every
-    step. `loss_at(step)` builds the batch and returns its loss."""
+             log: Callable[[str], None], what: str, log_every: int = 50,
+             validate: Callable[[], float] | None = None, validate_every: int = 100) -> dict:
+    """AdamW with warm-up and cosine decay, gradient clipping at 1. `loss_at(step)` builds
+    the batch and returns its loss. With `validate` (lower is better), the weights at the
+    best validation point are kept. Returns {"losses", "best_step", "best_score"}."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
@@ -82,6 +84,8 @@ def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[i
                              {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
                             fused=params[0].is_cuda)
     losses: list[float] = []
+    best = {"best_step": steps, "best_score": None}
+    best_state = None
     start = time.perf_counter()
     warmup = max(1, min(100, steps // 10))
     for step in range(steps):
@@ -93,11 +97,23 @@ def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[i
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
-        if (step + 1) % log_every == 0 or step + 1 == steps:
+        note = ""
+        if validate is not None and ((step + 1) % validate_every == 0 or step + 1 == steps):
+            with torch.no_grad():
+                score = validate()
+            note = f"  validation {score:.3f}"
+            if best["best_score"] is None or score < best["best_score"]:
+                best = {"best_step": step + 1, "best_score": score}
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if (step + 1) % log_every == 0 or step + 1 == steps or note:
             recent = losses[-log_every:]
-            log(f"{what} step {step + 1}/{steps}  loss {sum(recent) / len(recent):.3f}  "
+            log(f"{what} step {step + 1}/{steps}  loss {sum(recent) / len(recent):.3f}{note}  "
                 f"{time.perf_counter() - start:.0f} s")
-    return losses
+    if best_state is not None:
+        model.load_state_dict(best_state)
+        log(f"{what}: kept the weights of step {best['best_step']} "
+            f"(validation {best['best_score']:.3f})")
+    return {"losses": losses, **best}
 
 
 def lm_loss(target: CausalLM, window: torch.Tensor) -> torch.Tensor:
@@ -127,43 +143,64 @@ def greedy_continue(target: CausalLM, prompts: torch.Tensor, new_tokens: int) ->
     return torch.cat(tokens, 1)
 
 
-def block_logits(draft: DFlashDraft, target: CausalLM, seqs: torch.Tensor,
-                 anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft logits and labels for blocks at `anchors` of `seqs`, as the engine drafts them.
+@torch.no_grad()
+def target_views(target: CausalLM, seqs: torch.Tensor, layers: tuple[int, ...],
+                 batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the draft learns from, for every row of `seqs` [n, T]: the target's features at
+    `layers` [n, T, len(layers) * hidden] and its greedy choice after each position [n, T]."""
+    features, greedy = [], []
+    for begin in range(0, len(seqs), batch):
+        out = sequence_forward(target, seqs[begin : begin + batch], layers)
+        features.append(out.features)
+        greedy.append(out.logits.argmax(-1))
+    return torch.cat(features), torch.cat(greedy)
 
-    seqs: [n, T] token rows; anchors: [n, K] anchor positions (block positions
-    anchor..anchor+B-1 must lie inside T). Returns logits [n*K, B-1, vocab] and labels
-    [n*K, B-1]: block slot j's label is the target's greedy choice after position
-    anchor+j-1, given the row's tokens up to there."""
+
+def block_logits(draft: DFlashDraft, target: CausalLM, seqs: torch.Tensor, features: torch.Tensor,
+                 anchors: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Draft logits for blocks at `anchors` of `seqs`, as the engine drafts them.
+
+    seqs: [n, T] token rows; features: their `target_views` features [n, T, F]; anchors:
+    [n, K] anchor positions (positions anchor..anchor+B-1 inside T); lengths: [n*K] block
+    lengths <= B (shorter blocks see only themselves, as the engine's final blocks and
+    smaller block sizes do), None for all B. Returns [n*K, B-1, vocab]: slot j proposes
+    the token at anchor + j. The context is every position before the anchor."""
     n, T = seqs.shape
     K = anchors.shape[1]
     cfg = draft.config
-    with torch.no_grad():
-        out = sequence_forward(target, seqs, cfg.target_layer_ids)
-        greedy = out.logits.argmax(-1)  # [n, T]: the target's choice for position t + 1
-        features = out.features.repeat_interleave(K, 0)  # [n*K, T, features]
+    B = cfg.block_size
     rows = n * K
     device = seqs.device
     state = DraftState(cfg, rows, T, features.dtype, device)
     slots = torch.arange(rows, device=device)
     # every position's context rows; a block overwrites its own and sees none past itself
-    draft.append_context(features, torch.arange(T, device=device).expand(rows, T), slots, state)
+    draft.append_context(features.repeat_interleave(K, 0),
+                         torch.arange(T, device=device).expand(rows, T), slots, state)
     starts = anchors.flatten()  # [n*K]
-    positions = starts[:, None] + torch.arange(block_size, device=device)  # [n*K, B]
-    seq_rows = torch.arange(n, device=device).repeat_interleave(K)
-    block = torch.full((rows, block_size), cfg.mask_token_id, device=device)
-    block[:, 0] = seqs[seq_rows, starts]
-    hidden = draft(target.embed(block) * cfg.input_embedding_scale, positions, slots, state, T)
-    logits = draft.logits(hidden[:, 1:], target.lm_head_weight)
-    labels = greedy[seq_rows[:, None], positions[:, :-1]]
-    return logits, labels
+    positions = starts[:, None] + torch.arange(B, device=device)  # [n*K, B]
+    block = torch.full((rows, B), cfg.mask_token_id, device=device)
+    block[:, 0] = seqs.repeat_interleave(K, 0)[slots, starts]
+    hidden = draft(target.embed(block) * cfg.input_embedding_scale, positions, slots, state, T,
+                   valid_len=lengths)
+    return draft.logits(hidden[:, 1:], target.lm_head_weight)
 
 
-def block_loss(draft: DFlashDraft, target: CausalLM, seqs: torch.Tensor, anchors: torch.Tensor,
-               block_size: int, position_decay: float) -> torch.Tensor:
-    """Cross-entropy of `block_logits`, block slot j weighted by exp(-(j-1)/decay): early
-    slots matter most, since a rejection ends the accepted run."""
-    logits, labels = block_logits(draft, target, seqs, anchors, block_size)
+def block_labels(greedy: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The target's greedy token for each block slot: slot j of the block at anchor p is
+    the target's choice after position p + j - 1. greedy: [n, T]; returns [n*K, B-1]."""
+    K = anchors.shape[1]
+    positions = anchors.flatten()[:, None] + torch.arange(block_size - 1, device=anchors.device)
+    return greedy.repeat_interleave(K, 0).gather(1, positions)
+
+
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor | None,
+               position_decay: float) -> torch.Tensor:
+    """Cross-entropy per block slot, slot j weighted by exp(-(j-1)/decay) (early slots
+    matter most: a rejection ends the accepted run); slots past a block's length count 0."""
+    rows, slots = labels.shape
     losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-    weights = torch.exp(-torch.arange(block_size - 1, device=seqs.device) / position_decay)
-    return (losses.view(len(labels), -1) * weights).sum() / (weights.sum() * len(labels))
+    index = torch.arange(slots, device=labels.device)
+    weights = torch.exp(-index / position_decay).expand(rows, slots)
+    if lengths is not None:
+        weights = weights * (index < (lengths - 1)[:, None])
+    return (losses.view(rows, slots) * weights).sum() / weights.sum()

@@ -30,7 +30,16 @@ from ..models.dflash import DFlashDraft
 from ..request import SamplingParams
 from ..tokenizer import EOS_TOKEN, MASK_TOKEN, save_tokenizer
 from .corpus import Corpus, random_windows, token_stream, train_tokenizer
-from .loops import block_loss, greedy_continue, init_weights, lm_loss, optimise
+from .loops import (
+    block_labels,
+    block_logits,
+    block_loss,
+    greedy_continue,
+    init_weights,
+    lm_loss,
+    optimise,
+    target_views,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "demo"
 PROMPTS_FILE = "heldout_prompts.jsonl"
@@ -47,18 +56,20 @@ class Recipe:
     hidden_size: int = 256
     target_layers: int = 6  # Gated DeltaNet, Gated DeltaNet, attention, repeated
     draft_layers: int = 3
-    target_layer_ids: tuple[int, ...] = (1, 3, 5)
+    target_layer_ids: tuple[int, ...] = (0, 2, 5)  # low layers help copying, the last predicts
     block_size: int = 16
     seq_len: int = 256
-    target_steps: int = 2000
+    target_steps: int = 800
+    validate_every: int = 100  # held-out loss; the best weights are kept
     target_batch: int = 64
     target_lr: float = 2e-3
     prompt_len: int = 64
     continuations: int = 8192
-    draft_steps: int = 2000
+    draft_steps: int = 3500
     draft_batch: int = 32  # sequences per step
-    anchors_per_seq: int = 8
-    draft_lr: float = 2e-3
+    anchors_per_seq: int = 12
+    train_block_sizes: tuple[int, ...] = (4, 8, 16, 16)  # block lengths drawn per block
+    draft_lr: float = 3e-3
     position_decay: float = 7.0
     eval_prompts: int = 32
     eval_max_tokens: int = 128
@@ -68,7 +79,8 @@ class Recipe:
     def smoke(cls, seed: int = 0) -> Recipe:
         return cls(seed=seed, max_files=40, vocab_size=384, tokenizer_chars=200_000,
                    hidden_size=64, target_layers=3, draft_layers=1, target_layer_ids=(0, 2),
-                   block_size=4, seq_len=48, target_steps=6, target_batch=4, prompt_len=16,
+                   block_size=4, seq_len=48, target_steps=6, validate_every=3,
+                   target_batch=4, prompt_len=16, train_block_sizes=(2, 4),
                    continuations=8, draft_steps=4, draft_batch=4, anchors_per_seq=2,
                    eval_prompts=2, eval_max_tokens=12, eval_block_sizes=(2, 4))
 
@@ -77,8 +89,8 @@ class Recipe:
             raise ValueError("seq_len must hold a prompt and one block")
         if max(self.target_layer_ids) >= self.target_layers:
             raise ValueError(f"target_layer_ids {self.target_layer_ids} outside the target")
-        if max(self.eval_block_sizes) > self.block_size:
-            raise ValueError("evaluation block sizes cannot exceed the draft's block size")
+        if max(self.eval_block_sizes + self.train_block_sizes) > self.block_size:
+            raise ValueError("training and evaluation block sizes cannot exceed block_size")
 
     def target_config(self, eos_id: int) -> dict:
         """config.json of the Qwen3.5 hybrid target (text-only layout)."""
@@ -217,19 +229,18 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
     init_weights(target, recipe.target_layers, recipe.seed)
     target.to(device)
     t1 = time.perf_counter()
-    target_losses = optimise(
+    probe = random_windows(heldout_stream, 64, recipe.seq_len + 1, gen).to(device)
+    target_fit = optimise(
         target, recipe.target_steps, recipe.target_lr,
         lambda step: lm_loss(target, random_windows(stream, recipe.target_batch,
                                                      recipe.seq_len + 1, gen).to(device)),
-        log, "target")
+        log, "target", validate=lambda: lm_loss(target, probe).item(),
+        validate_every=recipe.validate_every)
     target_s = time.perf_counter() - t1
     target.eval().requires_grad_(False)
-    with torch.no_grad():
-        probe = random_windows(heldout_stream, 64, recipe.seq_len + 1, gen).to(device)
-        heldout_loss = lm_loss(target, probe).item()
-    log(f"target: held-out loss {heldout_loss:.3f} nats/token")
 
-    # ---- the target's own greedy continuations of train-stream prompts
+    # ---- the target's own greedy continuations of train-stream prompts, and what the
+    # draft learns from them: the target's features and greedy choices at every position
     t2 = time.perf_counter()
     new_tokens = recipe.seq_len - recipe.prompt_len
     chunks = []
@@ -238,6 +249,7 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
         prompts = random_windows(stream, count, recipe.prompt_len, gen).to(device)
         chunks.append(greedy_continue(target, prompts, new_tokens))
     sequences = torch.cat(chunks)  # [continuations, seq_len]
+    features, greedy = target_views(target, sequences, recipe.target_layer_ids)
     log(f"continuations: {len(sequences)} x {new_tokens} tokens, {time.perf_counter() - t2:.0f} s")
 
     # ---- draft: blocks at anchors inside the continuations, against the frozen target
@@ -246,16 +258,21 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
     init_weights(draft, recipe.draft_layers, recipe.seed + 1)
     draft.to(device)
     t3 = time.perf_counter()
+    block_sizes = torch.tensor(recipe.train_block_sizes)
+    blocks = recipe.draft_batch * recipe.anchors_per_seq
 
     def draft_loss(step: int) -> torch.Tensor:
-        rows = torch.randint(0, len(sequences), (recipe.draft_batch,), generator=gen)
+        rows = torch.randint(0, len(sequences), (recipe.draft_batch,), generator=gen).to(device)
         # anchors from the first generated token on (the first block an engine drafts)
         anchors = torch.randint(recipe.prompt_len, recipe.seq_len - recipe.block_size + 1,
                                 (recipe.draft_batch, recipe.anchors_per_seq), generator=gen)
-        return block_loss(draft, target, sequences[rows.to(device)], anchors.to(device),
-                          recipe.block_size, recipe.position_decay)
+        lengths = block_sizes[torch.randint(0, len(block_sizes), (blocks,), generator=gen)]
+        anchors, lengths = anchors.to(device), lengths.to(device)
+        logits = block_logits(draft, target, sequences[rows], features[rows], anchors, lengths)
+        labels = block_labels(greedy[rows], anchors, recipe.block_size)
+        return block_loss(logits, labels, lengths, recipe.position_decay)
 
-    draft_losses = optimise(draft, recipe.draft_steps, recipe.draft_lr, draft_loss, log, "draft")
+    draft_fit = optimise(draft, recipe.draft_steps, recipe.draft_lr, draft_loss, log, "draft")
     draft_s = time.perf_counter() - t3
 
     # ---- write both in the real on-disk formats (bfloat16), then evaluate what was written
@@ -273,6 +290,8 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
             f.write(json.dumps(row) + "\n")
 
     t4 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = False  # evaluate in true float32
+    torch.backends.cudnn.allow_tf32 = False
     loaded = load_target(target_dir, dtype=torch.float32, device=device)
     acceptance = evaluate(loaded, load_draft(draft_dir, loaded),
                           [p["prompt_ids"] for p in prompts], recipe.eval_block_sizes,
@@ -294,10 +313,10 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
                    "heldout_tokens": len(heldout_stream)},
         "parameters": {"target": params(target),
                        "draft_own": params(draft)},
-        "target": {"final_loss": sum(target_losses[-50:]) / len(target_losses[-50:]),
-                   "heldout_loss": heldout_loss, "seconds": target_s},
-        "draft": {"final_loss": sum(draft_losses[-50:]) / len(draft_losses[-50:]),
-                  "seconds": draft_s},
+        "target": {"final_loss": mean_tail(target_fit["losses"]),
+                   "kept_step": target_fit["best_step"],
+                   "heldout_loss": target_fit["best_score"], "seconds": target_s},
+        "draft": {"final_loss": mean_tail(draft_fit["losses"]), "seconds": draft_s},
         "acceptance": {str(B): row for B, row in acceptance.items()},
         "eval": {"prompts": len(prompts), "max_tokens": recipe.eval_max_tokens,
                  "dtype": "float32", "seconds": time.perf_counter() - t4},
@@ -307,6 +326,10 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
     (out / CARD_FILE).write_text(model_card(results))
     log(f"wrote {out} in {results['total_seconds']:.0f} s")
     return results
+
+
+def mean_tail(losses: list[float], n: int = 50) -> float:
+    return sum(losses[-n:]) / len(losses[-n:])
 
 
 def model_card(r: dict) -> str:
@@ -329,8 +352,10 @@ in the Hugging Face layout the engine loads (`target/`, `draft/`).
   `<|im_start|>`, `<|im_end|>` and the draft's `<|mask|>`, trained on the first
   {rec['tokenizer_chars']:,} characters of the train files.
 - Trained as a causal LM for {rec['target_steps']} steps of {rec['target_batch']} windows of
-  {rec['seq_len']} tokens (AdamW, peak lr {rec['target_lr']}, cosine). Final train loss
-  {r['target']['final_loss']:.3f}, held-out loss {r['target']['heldout_loss']:.3f} nats/token.
+  {rec['seq_len']} tokens (AdamW, peak lr {rec['target_lr']}, cosine), keeping the weights with
+  the lowest held-out loss (checked every {rec['validate_every']} steps): step
+  {r['target']['kept_step']}, held-out loss {r['target']['heldout_loss']:.3f} nats/token (train
+  loss over the last 50 steps {r['target']['final_loss']:.3f}).
 
 ## Draft (`draft/`)
 
@@ -339,7 +364,8 @@ in the Hugging Face layout the engine loads (`target/`, `draft/`).
   {r['parameters']['draft_own']:,} parameters of its own (it borrows the target's embeddings
   and lm_head).
 - Trained against the frozen target for {rec['draft_steps']} steps of {rec['draft_batch']}
-  sequences x {rec['anchors_per_seq']} blocks. Sequences: {rec['continuations']} prompts of
+  sequences x {rec['anchors_per_seq']} blocks, block lengths drawn from
+  {rec['train_block_sizes']}. Sequences: {rec['continuations']} prompts of
   {rec['prompt_len']} train tokens continued by the target's own greedy decoding; each block
   starts at a random generated position, slot j learns the target's greedy token for
   position anchor + j (loss weight exp(-(j-1)/{rec['position_decay']})). Final loss

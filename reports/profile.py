@@ -33,10 +33,12 @@ DEFINITIONS = {
 - **Source**: Nsight Systems, over the measured repeats only (the benchmark opens a CUDA
   profiler capture range after its warm-up). **Total** is host time inside the NVTX range
   `dflash:<phase>`, summed over its instances (`nsys stats` report `nvtx_sum`); **mean** is
-  per instance. **GPU proj** is the GPU time of the work launched inside the range,
-  projected onto it (`nvtx_gpu_proj_sum`). Kernels launch asynchronously: a phase's host
-  time is its launch cost plus any wait, and the first host sync after it (accept's one
-  transfer, sample) waits for the GPU, so read a phase's GPU cost in the GPU column.
+  per instance. **GPU proj** is the range as the GPU sees it: from the start of the first
+  GPU operation launched inside it to the end of the last, idle gaps between them included
+  (`nvtx_gpu_proj_sum`, `Total Proj Time`). Kernels launch asynchronously, so a phase's
+  host time is its launch cost plus any wait (the first host sync after it, accept's one
+  transfer or sample, waits for the GPU); the kernels' own time is in the kernel tables
+  (`cuda_gpu_kern_sum`), and their sum against the step time says how busy the GPU was.
 - **Per token** divides by the output tokens of the captured runs (from the benchmark CSV
   of the same run: tokens of one run x repeats).""",
     "timer": """\
@@ -111,8 +113,7 @@ def render_profile(name: str, profiles: list[PhaseTimes], plot_caption: str,
             lines += [f"### {times.label}", "", detail_table(times), ""]
             kernels = kernel_table(times, top)
             if kernels:
-                lines += [f"Top {top} kernels by total GPU time (`cuda_gpu_kern_sum`):", "",
-                          kernels, ""]
+                lines += [kernel_summary(times, top), "", kernels, ""]
     if commands:
         lines += ["## Commands", "", "```", commands.strip("\n"), "```", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -161,6 +162,14 @@ def detail_table(times: PhaseTimes) -> str:
                fmt(r.total_ms, 2), fmt(r.mean_ms, 3), fmt(r.share_pct, 1)]
         rows.append(row + ([fmt(r.gpu_ms, 2)] if gpu else []))
     return markdown_table(header, rows)
+
+
+def kernel_summary(times: PhaseTimes, top: int) -> str:
+    total = times.kernels["total_ms"].sum()
+    launches = int(times.kernels["instances"].sum())
+    share = fmt(100 * total / times.step_ms, 1) if times.step_ms else "n/a"
+    return (f"All kernels: {fmt(total, 2)} ms of GPU time in {launches} launches, {share}% of "
+            f"the step time. Top {min(len(times.kernels), top)} by total time:")
 
 
 def kernel_table(times: PhaseTimes, top: int) -> str | None:

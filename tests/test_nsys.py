@@ -58,6 +58,14 @@ def test_the_fixtures_hold_a_plain_and_a_dflash_capture() -> None:
     assert capture_labels(FIXTURES) == LABELS
 
 
+def test_a_real_stdout_capture_reads_like_the_files_of_the_same_capture() -> None:
+    captured, files = load_capture(FIXTURES / "stdout", "dflash-c1"), load_capture(FIXTURES, "dflash-c1")
+    assert captured.missing == ()
+    pd.testing.assert_frame_equal(captured.ranges, files.ranges)
+    pd.testing.assert_frame_equal(captured.gpu, files.gpu)
+    pd.testing.assert_frame_equal(captured.kernels, files.kernels)
+
+
 @pytest.mark.parametrize("label", LABELS)
 def test_host_and_gpu_times_per_phase_equal_the_files(label: str) -> None:
     capture = load_capture(FIXTURES, label)
@@ -108,7 +116,7 @@ def test_a_preamble_before_the_header_is_skipped(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(with_preamble.kernels, original.kernels)
 
 
-def test_a_stdout_capture_of_the_three_reports_reads_like_the_files(tmp_path: Path) -> None:
+def test_a_stdout_capture_in_another_report_order_reads_like_the_files(tmp_path: Path) -> None:
     """`nsys stats --report a,b,c --format csv REP > <label>.txt`: one text, each report
     after its `Processing [...]` line, blank lines between."""
     text = GENERATING.format(label="dflash-c1")

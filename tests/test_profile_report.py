@@ -47,7 +47,7 @@ def test_the_cli_builds_profile_md_and_the_plot_from_nsys_csvs(captures: Path,
         assert f"### {label}" in text
     assert "| **step (total)** |" in text and "| other |" in text
     assert "sample (inside prefill, decode; not summed)" in text
-    assert "Top 10 kernels by total GPU time" in text
+    assert "All kernels: " in text and "% of the step time. Top 10 by total time:" in text
     assert "](plots/phase_breakdown.png)" in text and "ms per output token" in text
     assert (captures / "plots" / "phase_breakdown.png").read_bytes()[:8] == PNG_MAGIC
 

@@ -59,7 +59,8 @@ def test_the_fixtures_hold_a_plain_and_a_dflash_capture() -> None:
 
 
 def test_a_real_stdout_capture_reads_like_the_files_of_the_same_capture() -> None:
-    captured, files = load_capture(FIXTURES / "stdout", "dflash-c1"), load_capture(FIXTURES, "dflash-c1")
+    captured = load_capture(FIXTURES / "stdout", "dflash-c1")
+    files = load_capture(FIXTURES / "small", "dflash-c1")
     assert captured.missing == ()
     pd.testing.assert_frame_equal(captured.ranges, files.ranges)
     pd.testing.assert_frame_equal(captured.gpu, files.gpu)

@@ -4,16 +4,21 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
+# the trained demo pair shipped in the package (reference_engine/assets/demo)
+DEMO ?= reference_engine/assets/demo
 BENCH_OUT ?= results/bench-$(shell date +%Y%m%d-%H%M%S)
-BENCH_ACCEPTANCE ?= 4.0
-BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 64 --repeats 3
+BENCH_BLOCK ?= 8
+BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 64 --repeats 3 --dataset $(DEMO)/heldout_prompts.jsonl
+# set to force a mean acceptance length with the oracle proposer (cost only, output unchecked)
+BENCH_ACCEPTANCE ?=
 
 # make profile: where each step's time goes, plain vs DFlash, under Nsight Systems
 # (scripts/profile.sh); NSYS=none uses the built-in phase timer instead. PROFILE_ARGS is the
 # engine benchmark's workload.
 PROFILE_OUT ?= results/profile-$(shell date +%Y%m%d-%H%M%S)
 PROFILE_CONCURRENCY ?= 1,8
-PROFILE_ARGS ?= --random-shape qwen3.5-small --oracle-acceptance 6.5
+PROFILE_ARGS ?= --model $(DEMO)/target --draft $(DEMO)/draft --prompts $(DEMO)/heldout_prompts.jsonl \
+	--commit-strategy per_token --block-size 8 --output-len 128
 NSYS ?=
 
 .PHONY: setup test gate lint tiny bench profile
@@ -39,15 +44,17 @@ tiny:
 	$(PYTHON) -m reference_engine.checkpoint make-tiny --arch dflash --target tiny/qwen3_5 \
 		--out tiny/qwen3_5-dflash --block-size 8
 
-# A/B on our reference server: plain baseline vs DFlash, the tiny pair, whatever device
-# is present. Random tiny weights are accepted about never, so the DFlash server forces a
-# mean acceptance length of BENCH_ACCEPTANCE with the oracle proposer (stated in the report).
-bench: tiny
+# A/B on our reference server: plain baseline vs DFlash, the shipped demo pair (a trained
+# Qwen3.5 hybrid target and its DFlash draft) on its held-out prompts, whatever device is
+# present: real acceptance. BENCH_ACCEPTANCE=X forces X with the oracle proposer instead.
+BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token
+BENCH_NOTES = demo pair (reference_engine/assets/demo) on its held-out prompts, DFlash block size $(BENCH_BLOCK)
+bench:
 	$(PYTHON) -m harness ab \
-		--a-cmd "$(PYTHON) -m reference_engine.serve --model tiny/qwen3_5 --port {port}" \
-		--b-cmd "$(PYTHON) -m reference_engine.serve --model tiny/qwen3_5 --dflash-draft-model-path tiny/qwen3_5-dflash --oracle-acceptance $(BENCH_ACCEPTANCE) --port {port}" \
+		--a-cmd "$(BENCH_SERVE) --port {port}" \
+		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(DEMO)/draft --block-size $(BENCH_BLOCK) $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
 		$(BENCH_ARGS) --out $(BENCH_OUT) \
-		--notes "tiny random Qwen3.5 pair; DFlash acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode)"
+		--notes "$(BENCH_NOTES)$(if $(BENCH_ACCEPTANCE),; acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode),; real acceptance)"
 
 profile:
 	NSYS="$(NSYS)" PYTHON="$(PYTHON)" bash scripts/profile.sh --out "$(PROFILE_OUT)" \

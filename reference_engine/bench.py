@@ -1,11 +1,13 @@
 """Engine-level benchmark: plain decode vs DFlash on one checkpoint pair, per concurrency.
 
-    python scripts/bench_engine.py (--model DIR --draft DIR | --random-shape qwen3-8b)
-        [--oracle-acceptance X] [--concurrency 1,4,8,16] [--modes plain,dflash]
+    python scripts/bench_engine.py [--model DIR --draft DIR | --random-shape qwen3-8b]
+        [--prompts FILE.jsonl] [--oracle-acceptance X] [--concurrency 1,4,8,16] [--modes plain,dflash]
         [--profile-capture] [--out FILE.csv] ...
 
-For each concurrency c the engine gets `--num-prompts` requests (default c)
-of `--input-len` random prompt tokens and `--output-len` output tokens (EOS ignored), all
+Without --model or --random-shape: the shipped demo pair (reference_engine/assets/demo)
+on its held-out prompts. For each concurrency c the engine gets `--num-prompts` requests
+(default c) of `--input-len` random prompt tokens (or the rows of `--prompts`, in order,
+cycled) and `--output-len` output tokens (EOS ignored), all
 queued at once, with c slots. Plain and DFlash runs alternate, `--repeats` times each
 after one warm-up pair; the table and CSV give medians over the repeats. `--modes dflash`
 (or `plain`) measures one mode only; with --oracle-acceptance the continuations then come
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import platform
 import random
 import statistics
@@ -45,17 +48,20 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from .commit import COMMIT_STRATEGIES
+from .demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from .engine import Engine, EngineConfig
 from .errors import ReferenceEngineError
 from .request import SamplingParams
 from .shapes import TARGET_SHAPES, random_pair
 from .spec import OracleProposer
 from .stats import PHASES
+from .tokenizer import load_tokenizer
 
 MODES = ("plain", "dflash")
 
@@ -65,6 +71,7 @@ class BenchArgs:
     model: str | None
     draft: str | None
     random_shape: str | None
+    prompts: str | None
     oracle_acceptance: float | None
     concurrency: tuple[int, ...]
     modes: tuple[str, ...]
@@ -88,6 +95,8 @@ class BenchArgs:
         p.add_argument("--draft", help="DFlash draft directory")
         p.add_argument("--random-shape", choices=sorted(TARGET_SHAPES),
                        help="random-weight target and 5-layer block-16 draft of a real shape")
+        p.add_argument("--prompts", help="JSONL prompts: `prompt_ids` (token ids) or `prompt` "
+                                         "(text, the target's tokenizer) per row")
         p.add_argument("--oracle-acceptance", type=float, default=None,
                        help="replace proposals to reach this mean acceptance length")
         p.add_argument("--concurrency", default="1,4,8,16")
@@ -108,8 +117,11 @@ class BenchArgs:
                             "nsys profile --capture-range=cudaProfilerApi")
         p.add_argument("--out", help="CSV file for the per-(mode, concurrency) rows")
         ns = p.parse_args(argv)
-        if (ns.random_shape is None) == (ns.model is None):
-            p.error("give either --model DIR --draft DIR or --random-shape NAME")
+        if ns.random_shape is not None and ns.model is not None:
+            p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")
+        if ns.random_shape is None and ns.model is None:  # the shipped demo pair
+            ns.model, ns.draft = str(DEMO_TARGET), str(DEMO_DRAFT)
+            ns.prompts = ns.prompts or str(DEMO_PROMPTS)
         if ns.model is not None and ns.draft is None:
             p.error("--model needs --draft")
         try:
@@ -139,12 +151,34 @@ def make_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[in
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
 
 
+def read_prompts(path: str, model_dir: str | None, count: int) -> list[list[int]]:
+    """`count` prompts from a JSONL file (`prompt_ids`, or `prompt` text encoded with the
+    target's tokenizer), in file order, cycled when the file has fewer."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ReferenceEngineError(f"{path}: no prompts")
+    tokenizer = None
+    prompts = []
+    for row in rows:
+        if "prompt_ids" in row:
+            prompts.append(list(row["prompt_ids"]))
+        elif "prompt" in row:
+            if tokenizer is None:
+                if model_dir is None:
+                    raise ReferenceEngineError(f"{path}: text prompts need --model's tokenizer")
+                tokenizer = load_tokenizer(model_dir)
+            prompts.append(tokenizer.encode(row["prompt"]).ids)
+        else:
+            raise ReferenceEngineError(f"{path}: each row needs `prompt_ids` or `prompt`")
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
 def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
              continuations: list[list[int]] | None) -> dict:
     """One run to completion. With `draft` None: plain decode. Returns the row and outputs."""
     config = EngineConfig(max_num_seqs=concurrency, block_size=args.block_size,
                           commit_strategy=args.commit_strategy,
-                          max_model_len=args.input_len + args.output_len)
+                          max_model_len=max(map(len, prompts)) + args.output_len)
     engine = Engine(target, draft, config)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     block = engine.block_size
@@ -210,7 +244,10 @@ def benchmark(args: BenchArgs) -> list[dict]:
     rows = []
     for c in args.concurrency:
         count = args.num_prompts or c
-        prompts = make_prompts(target.config.vocab_size, count, args.input_len, args.seed + c)
+        if args.prompts:
+            prompts = read_prompts(args.prompts, args.model, count)
+        else:
+            prompts = make_prompts(target.config.vocab_size, count, args.input_len, args.seed + c)
         # unmeasured warm-up (compile caches, allocator); without a measured plain run it
         # covers every prompt, so that its outputs can be the oracle's continuations
         oracle = args.oracle_acceptance is not None

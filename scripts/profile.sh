@@ -9,7 +9,8 @@
 #   scripts/profile.sh [--timer] [--out DIR] [--concurrency 1,8] WORKLOAD...
 #
 # WORKLOAD is passed to scripts/bench_engine.py: --random-shape NAME or --model DIR --draft
-# DIR, and --oracle-acceptance, --commit-strategy, --input-len, --output-len, --repeats, ...
+# DIR (none: the shipped demo pair on its held-out prompts), and --oracle-acceptance,
+# --commit-strategy, --input-len, --output-len, --repeats, ...
 # (not --concurrency, --modes, --out or --profile-capture, which this script sets).
 # Environment: NSYS (the nsys to use, or "none"), PYTHON (default python3), PROFILE_OUT and
 # PROFILE_CONCURRENCY (defaults of --out and --concurrency). nsys is looked for in $NSYS,
@@ -105,7 +106,7 @@ for arg in "${workload[@]}"; do
             fail "$arg is set by scripts/profile.sh; give the concurrency list as --concurrency (PROFILE_CONCURRENCY) and the folder as --out (PROFILE_OUT)" ;;
     esac
 done
-((${#workload[@]})) || fail "no workload: give the engine benchmark's arguments, e.g. --random-shape qwen3.5-small --oracle-acceptance 6.5 (make profile passes PROFILE_ARGS)"
+# no workload: the engine benchmark's default, the shipped demo pair on its held-out prompts
 
 [[ ${NSYS:-} == none ]] && timer=1
 if ((!timer)); then

@@ -15,7 +15,10 @@ import pytest
 
 from reference_engine import bench
 from reference_engine.checkpoint import make_tiny_draft
+from reference_engine.demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from reference_engine.errors import ReferenceEngineError
 from reference_engine.stats import PHASES
+from reference_engine.tokenizer import load_tokenizer
 
 TinyCheckpoint = Callable[..., Path]
 PHASE_COLUMNS = [f"ms_{phase}" for phase in PHASES]
@@ -152,7 +155,6 @@ def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--concurrency", "1"], "give either --model DIR --draft DIR or --random-shape NAME"),
         (["--model", "m"], "--model needs --draft"),
         (["--model", "m", "--draft", "d", "--random-shape", "qwen3-small"], "give either"),
         (["--random-shape", "qwen3-small", "--concurrency", "1,x"],
@@ -164,7 +166,7 @@ def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(
          "--modes must be distinct values of plain, dflash, got 'plain,fast'"),
         (["--random-shape", "qwen3-small", "--modes", "dflash,dflash"], "--modes must be distinct"),
     ],
-    ids=["no-model-no-shape", "model-without-draft", "model-and-shape", "concurrency-not-int",
+    ids=["model-without-draft", "model-and-shape", "concurrency-not-int",
          "concurrency-zero", "repeats-zero", "unknown-shape", "unknown-mode", "repeated-mode"],
 )
 def test_bad_arguments_exit_with_code_2_and_say_why(
@@ -185,3 +187,44 @@ def test_a_missing_checkpoint_is_one_error_line_with_code_2(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no config.json" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_without_a_model_the_demo_pair_and_its_held_out_prompts_are_the_default() -> None:
+    args = bench.BenchArgs.parse(["--concurrency", "1"])
+    assert (args.model, args.draft, args.prompts) == (
+        str(DEMO_TARGET), str(DEMO_DRAFT), str(DEMO_PROMPTS))
+
+
+def test_prompts_come_from_a_jsonl_file_as_ids_or_text_in_order_and_cycled(
+        pair_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    model, _ = pair_dirs
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7]}\n\n{"prompt": "def greedy(logits):"}\n')
+    prompts = bench.read_prompts(str(path), str(model), 3)
+    encoded = load_tokenizer(model).encode("def greedy(logits):").ids
+    assert prompts == [[5, 6, 7], encoded, [5, 6, 7]]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "no prompts"), ('{"text": "x"}\n', "needs `prompt_ids` or `prompt`")])
+def test_a_prompts_file_without_usable_rows_is_an_error(tmp_path: Path, text: str,
+                                                       message: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    with pytest.raises(ReferenceEngineError, match=message):
+        bench.read_prompts(str(path), None, 1)
+
+
+def test_the_benchmark_runs_the_given_prompts(pair_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    model, draft = pair_dirs
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]}\n')
+    out = tmp_path / "bench.csv"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = bench.main(["--model", str(model), "--draft", str(draft), "--prompts", str(path),
+                           "--concurrency", "1", "--repeats", "1", "--output-len", "6",
+                           "--device", "cpu", "--out", str(out)])
+    assert code == 0
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["output_tokens"]) for r in rows] == [6, 6]

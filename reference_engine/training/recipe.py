@@ -24,6 +24,7 @@ import torch
 
 from ..checkpoint import load_draft, load_target, write_safetensors
 from ..config import DraftConfig, TargetConfig
+from ..demo import DEMO_DIR, DEMO_PROMPTS, DEMO_RESULTS
 from ..engine import Engine, EngineConfig
 from ..models import build_target
 from ..models.dflash import DFlashDraft
@@ -41,9 +42,8 @@ from .loops import (
     target_views,
 )
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "demo"
-PROMPTS_FILE = "heldout_prompts.jsonl"
-RESULTS_FILE = "training.json"
+PROMPTS_FILE = DEMO_PROMPTS.name
+RESULTS_FILE = DEMO_RESULTS.name
 CARD_FILE = "MODEL_CARD.md"
 
 
@@ -394,7 +394,7 @@ counts committed tokens per step, bonus included.
 def parse(argv: list[str] | None) -> tuple[Recipe, Path, str]:
     p = argparse.ArgumentParser(prog="python scripts/train_demo_pair.py",
                                 description="Train the demo target + DFlash draft pair.")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=DEMO_DIR)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny settings, seconds on a CPU")
     scalar = {"int": int, "float": float}

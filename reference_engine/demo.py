@@ -1,0 +1,19 @@
+"""The demo pair shipped inside the package: a small trained Qwen3.5 hybrid target and its
+DFlash draft (reference_engine/assets/demo, trained by scripts/train_demo_pair.py; see its
+MODEL_CARD.md). The default of `make bench`, `make profile` and the README's quick start."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
+DEMO_TARGET = DEMO_DIR / "target"
+DEMO_DRAFT = DEMO_DIR / "draft"
+DEMO_PROMPTS = DEMO_DIR / "heldout_prompts.jsonl"  # one per held-out file: prompt, prompt_ids
+DEMO_RESULTS = DEMO_DIR / "training.json"
+
+
+def demo_prompts(path: Path = DEMO_PROMPTS) -> list[dict]:
+    """The held-out prompts: dicts with `file`, `prompt` (text) and `prompt_ids`."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import platform
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -25,12 +24,11 @@ import torch
 from ..checkpoint import load_draft, load_target, write_safetensors
 from ..config import DraftConfig, TargetConfig
 from ..demo import DEMO_DIR, DEMO_PROMPTS, DEMO_RESULTS
-from ..engine import Engine, EngineConfig
 from ..models import build_target
 from ..models.dflash import DFlashDraft
-from ..request import SamplingParams
 from ..tokenizer import EOS_TOKEN, MASK_TOKEN, save_tokenizer
 from .corpus import Corpus, random_windows, token_stream, train_tokenizer
+from .evaluation import evaluate, heldout_prompts, mean_tail, model_card
 from .loops import (
     block_labels,
     block_logits,
@@ -42,7 +40,6 @@ from .loops import (
     target_views,
 )
 
-PROMPTS_FILE = DEMO_PROMPTS.name
 RESULTS_FILE = DEMO_RESULTS.name
 CARD_FILE = "MODEL_CARD.md"
 
@@ -154,54 +151,6 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def heldout_prompts(corpus: Corpus, tokenizer, recipe: Recipe) -> list[dict]:
-    """One prompt per held-out file (files in a seeded order): `prompt_len` tokens from a
-    seeded offset, as ids and as decoded text."""
-    rng = random.Random(recipe.seed)
-    files = list(corpus.heldout)
-    rng.shuffle(files)
-    prompts = []
-    for path in files:
-        ids = tokenizer.encode(corpus.text(path)).ids
-        if len(ids) < 2 * recipe.prompt_len:
-            continue
-        start = rng.randrange(len(ids) - recipe.prompt_len)
-        window = ids[start : start + recipe.prompt_len]
-        prompts.append({"file": path, "prompt_ids": window, "prompt": tokenizer.decode(window)})
-        if len(prompts) == recipe.eval_prompts:
-            break
-    return prompts
-
-
-def evaluate(target, draft, prompts: list[list[int]], block_sizes, max_tokens: int) -> dict:
-    """Greedy outputs of plain and DFlash decode on all prompts at once (continuous batch);
-    per block size: mean acceptance length, acceptance rate, and how many requests differ
-    from plain decode."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-    def run(with_draft, block_size=None):
-        engine = Engine(target, with_draft, EngineConfig(
-            max_num_seqs=len(prompts), block_size=block_size, commit_strategy="per_token",
-            max_model_len=max(map(len, prompts)) + max_tokens))
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        while engine.has_unfinished():
-            engine.step()
-        outputs = [engine.collect(str(i)).output_ids for i in range(len(prompts))]
-        return outputs, engine.stats()
-
-    plain, _ = run(None)
-    result = {}
-    for B in block_sizes:
-        outputs, stats = run(draft, B)
-        result[B] = {
-            "mean_acceptance_length": stats["spec"]["mean_acceptance_length"],
-            "acceptance_rate": stats["spec"]["acceptance_rate"],
-            "mismatched_requests": sum(o != p for o, p in zip(outputs, plain)),
-        }
-    return result
-
-
 def train(recipe: Recipe, out: Path, device: str) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(recipe.seed)
@@ -285,7 +234,7 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
                                   for n, t in draft.state_dict().items()})
     (draft_dir / "config.json").write_text(json.dumps(draft_raw, indent=2) + "\n")
     prompts = heldout_prompts(corpus, tokenizer, recipe)
-    with open(out / PROMPTS_FILE, "w") as f:
+    with open(out / DEMO_PROMPTS.name, "w") as f:
         for row in prompts:
             f.write(json.dumps(row) + "\n")
 
@@ -305,7 +254,8 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
 
     results = {
         "recipe": dataclasses.asdict(recipe),
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor(),
+        "device": (torch.cuda.get_device_name() if device.startswith("cuda")
+                   else f"a CPU ({platform.machine()})"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "corpus": {"root": str(corpus.root), "train_files": len(corpus.train),
@@ -326,69 +276,6 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
     (out / CARD_FILE).write_text(model_card(results))
     log(f"wrote {out} in {results['total_seconds']:.0f} s")
     return results
-
-
-def mean_tail(losses: list[float], n: int = 50) -> float:
-    return sum(losses[-n:]) / len(losses[-n:])
-
-
-def model_card(r: dict) -> str:
-    rec, corpus, acc = r["recipe"], r["corpus"], r["acceptance"]
-    rows = "\n".join(
-        f"| {B} | {a['mean_acceptance_length']:.2f} | {a['acceptance_rate']:.3f} | "
-        f"{a['mismatched_requests']} |" for B, a in acc.items())
-    return f"""# Demo pair: a small Qwen3.5 hybrid target and its DFlash draft
-
-Trained by `scripts/train_demo_pair.py` (seed {rec['seed']}) on {r['device']}, Python
-{r['python']}, torch {r['torch']}, in {r['total_seconds']:.0f} s. Both are stored in bfloat16,
-in the Hugging Face layout the engine loads (`target/`, `draft/`).
-
-## Target (`target/`)
-
-- Qwen3.5 text architecture (`Qwen3_5ForCausalLM`): {rec['target_layers']} layers in the
-  pattern Gated DeltaNet, Gated DeltaNet, gated attention; hidden size {rec['hidden_size']},
-  MLP {3 * rec['hidden_size']}, tied embeddings; {r['parameters']['target']:,} parameters.
-- Tokenizer: byte-level BPE, {rec['vocab_size']} tokens including `<|endoftext|>`,
-  `<|im_start|>`, `<|im_end|>` and the draft's `<|mask|>`, trained on the first
-  {rec['tokenizer_chars']:,} characters of the train files.
-- Trained as a causal LM for {rec['target_steps']} steps of {rec['target_batch']} windows of
-  {rec['seq_len']} tokens (AdamW, peak lr {rec['target_lr']}, cosine), keeping the weights with
-  the lowest held-out loss (checked every {rec['validate_every']} steps): step
-  {r['target']['kept_step']}, held-out loss {r['target']['heldout_loss']:.3f} nats/token (train
-  loss over the last 50 steps {r['target']['final_loss']:.3f}).
-
-## Draft (`draft/`)
-
-- DFlash draft (`DFlashDraftModel`): {rec['draft_layers']} layers, block size
-  {rec['block_size']}, context from target layers {rec['target_layer_ids']};
-  {r['parameters']['draft_own']:,} parameters of its own (it borrows the target's embeddings
-  and lm_head).
-- Trained against the frozen target for {rec['draft_steps']} steps of {rec['draft_batch']}
-  sequences x {rec['anchors_per_seq']} blocks, block lengths drawn from
-  {rec['train_block_sizes']}. Sequences: {rec['continuations']} prompts of
-  {rec['prompt_len']} train tokens continued by the target's own greedy decoding; each block
-  starts at a random generated position, slot j learns the target's greedy token for
-  position anchor + j (loss weight exp(-(j-1)/{rec['position_decay']})). Final loss
-  {r['draft']['final_loss']:.3f}.
-
-## Data
-
-The `.py` files of the Python {r['python']} standard library ({corpus['root']}): a file is
-held out when `crc32(relative path) % 10 == 0`. {corpus['train_files']} train files
-({corpus['train_tokens']:,} tokens), {corpus['heldout_files']} held-out files
-({corpus['heldout_tokens']:,} tokens).
-
-## Measured acceptance (held-out, greedy)
-
-{r['eval']['prompts']} prompts of {rec['prompt_len']} tokens from held-out files
-(`{PROMPTS_FILE}`), {r['eval']['max_tokens']} output tokens each, {r['eval']['dtype']}, the
-shipped bfloat16 weights loaded back through the engine's loader. Mean acceptance length
-counts committed tokens per step, bonus included.
-
-| block size | mean acceptance length | acceptance rate | requests differing from plain |
-|---|---|---|---|
-{rows}
-"""
 
 
 def parse(argv: list[str] | None) -> tuple[Recipe, Path, str]:

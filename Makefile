@@ -11,6 +11,8 @@ BENCH_BLOCK ?= 8
 BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 64 --repeats 3 --dataset $(DEMO)/heldout_prompts.jsonl
 # set to force a mean acceptance length with the oracle proposer (cost only, output unchecked)
 BENCH_ACCEPTANCE ?=
+# cuda when torch sees a GPU, else cpu (worked out only when a target uses it)
+BENCH_DEVICE ?= $(shell $(PYTHON) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 # make profile: where each step's time goes, plain vs DFlash, under Nsight Systems
 # (scripts/profile.sh); NSYS=none uses the built-in phase timer instead. PROFILE_ARGS is the
@@ -47,7 +49,8 @@ tiny:
 # A/B on our reference server: plain baseline vs DFlash, the shipped demo pair (a trained
 # Qwen3.5 hybrid target and its DFlash draft) on its held-out prompts, whatever device is
 # present: real acceptance. BENCH_ACCEPTANCE=X forces X with the oracle proposer instead.
-BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token
+BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token \
+	--device $(BENCH_DEVICE) --max-num-seqs 16
 BENCH_NOTES = demo pair (reference_engine/assets/demo) on its held-out prompts, DFlash block size $(BENCH_BLOCK)
 bench:
 	$(PYTHON) -m harness ab \

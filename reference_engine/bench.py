@@ -119,6 +119,8 @@ class BenchArgs:
         ns = p.parse_args(argv)
         if ns.random_shape is not None and ns.model is not None:
             p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")
+        if ns.draft is not None and ns.model is None:
+            p.error("--draft needs --model (the target it drafts for)")
         if ns.random_shape is None and ns.model is None:  # the shipped demo pair
             ns.model, ns.draft = str(DEMO_TARGET), str(DEMO_DRAFT)
             ns.prompts = ns.prompts or str(DEMO_PROMPTS)

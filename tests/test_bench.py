@@ -156,6 +156,7 @@ def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(
     ("argv", "message"),
     [
         (["--model", "m"], "--model needs --draft"),
+        (["--draft", "d"], "--draft needs --model"),
         (["--model", "m", "--draft", "d", "--random-shape", "qwen3-small"], "give either"),
         (["--random-shape", "qwen3-small", "--concurrency", "1,x"],
          "--concurrency must be comma-separated integers, got '1,x'"),
@@ -166,7 +167,7 @@ def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(
          "--modes must be distinct values of plain, dflash, got 'plain,fast'"),
         (["--random-shape", "qwen3-small", "--modes", "dflash,dflash"], "--modes must be distinct"),
     ],
-    ids=["model-without-draft", "model-and-shape", "concurrency-not-int",
+    ids=["model-without-draft", "draft-without-model", "model-and-shape", "concurrency-not-int",
          "concurrency-zero", "repeats-zero", "unknown-shape", "unknown-mode", "repeated-mode"],
 )
 def test_bad_arguments_exit_with_code_2_and_say_why(

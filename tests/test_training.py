@@ -113,8 +113,8 @@ def draft_in_the_engine(target, draft, seq: torch.Tensor, p: int, length: int) -
     dstate = DraftState(cfg, 1, len(seq), torch.float64)
     draft.append_context(features[None], torch.arange(p)[None], torch.tensor([0]), dstate)
     block = torch.tensor([[seq[p].item()] + [cfg.mask_token_id] * (length - 1)])
-    hidden = draft(target.embed(block), torch.arange(p, p + length)[None], torch.tensor([0]),
-                   dstate, p + length)
+    hidden = draft(target.embed(block) * cfg.input_embedding_scale,
+                   torch.arange(p, p + length)[None], torch.tensor([0]), dstate, p + length)
     return draft.logits(hidden[:, 1:], target.lm_head_weight)[0]  # [length-1, vocab]
 
 

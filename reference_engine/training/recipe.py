@@ -82,6 +82,8 @@ class Recipe:
                    eval_prompts=2, eval_max_tokens=12, eval_block_sizes=(2, 4))
 
     def __post_init__(self) -> None:
+        if self.max_files is not None and self.max_files < 2:
+            raise ValueError(f"max_files must be at least 2, got {self.max_files}")
         if self.prompt_len + self.block_size > self.seq_len:
             raise ValueError("seq_len must hold a prompt and one block")
         if max(self.target_layer_ids) >= self.target_layers:
@@ -281,7 +283,10 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
 def parse(argv: list[str] | None) -> tuple[Recipe, Path, str]:
     p = argparse.ArgumentParser(prog="python scripts/train_demo_pair.py",
                                 description="Train the demo target + DFlash draft pair.")
-    p.add_argument("--out", type=Path, default=DEMO_DIR)
+    p.add_argument("--out", type=Path, default=Path("results/demo-pair"),
+                   help=f"output folder (default results/demo-pair; the shipped pair is {DEMO_DIR})")
+    p.add_argument("--max-files", type=int, default=None,
+                   help="use only the first N stdlib files in path order (default: all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny settings, seconds on a CPU")
     scalar = {"int": int, "float": float}

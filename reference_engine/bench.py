@@ -43,7 +43,6 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,7 +55,7 @@ from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from .commit import COMMIT_STRATEGIES
 from .demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from .engine import Engine, EngineConfig
-from .errors import ReferenceEngineError
+from .errors import ReferenceEngineError, exit_with
 from .request import SamplingParams
 from .shapes import TARGET_SHAPES, random_pair
 from .spec import OracleProposer
@@ -156,7 +155,18 @@ def make_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[in
 def read_prompts(path: str, model_dir: str | None, count: int) -> list[list[int]]:
     """`count` prompts from a JSONL file (`prompt_ids`, or `prompt` text encoded with the
     target's tokenizer), in file order, cycled when the file has fewer."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not Path(path).is_file():
+        raise ReferenceEngineError(f"--prompts {path}: no such file")
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ReferenceEngineError(f"{path}:{n}: not valid JSON ({exc})") from None
+        if not isinstance(rows[-1], dict):
+            raise ReferenceEngineError(f"{path}:{n}: each row must be a JSON object")
     if not rows:
         raise ReferenceEngineError(f"{path}: no prompts")
     tokenizer = None
@@ -324,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = benchmark(args)
     except ReferenceEngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_with(exc)
     print_table(rows)
     if args.out:
         print(f"wrote {args.out}")

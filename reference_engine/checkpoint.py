@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import DraftConfig, TargetConfig
-from .errors import CheckpointError, ConfigError, ReferenceEngineError
+from .errors import CheckpointError, ConfigError, ReferenceEngineError, exit_with
 from .models import CausalLM, build_target, expected_shapes
 from .models.dflash import DFlashDraft, draft_expected_shapes
 from .models.layers import RotaryEmbedding
@@ -505,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=parse_dtype(args.dtype),
         )
     except ReferenceEngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_with(exc)
     print(out)
     return 0
 

@@ -24,7 +24,7 @@ import torch
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from .commit import COMMIT_STRATEGIES
 from .decode import generate_plain
-from .errors import ReferenceEngineError, RequestError
+from .errors import ReferenceEngineError, RequestError, exit_with
 from .request import SamplingParams
 from .spec import SpecOptions, generate_speculative
 from .tokenizer import load_tokenizer
@@ -146,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(args)
     except ReferenceEngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_with(exc)
     if args.json:
         print(json.dumps(out))
     else:

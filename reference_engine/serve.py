@@ -30,7 +30,7 @@ from .async_engine import AsyncEngine, Finished
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from .commit import COMMIT_STRATEGIES
 from .engine import Engine, EngineConfig, EngineFullError, StepOutput
-from .errors import ReferenceEngineError
+from .errors import ReferenceEngineError, exit_with
 from .faults import FAULTS
 from .metrics import ServerMetrics
 from .protocol import (
@@ -341,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server(args)
     except ReferenceEngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_with(exc)
     import uvicorn
 
     app = create_app(server)

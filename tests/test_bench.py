@@ -207,7 +207,9 @@ def test_prompts_come_from_a_jsonl_file_as_ids_or_text_in_order_and_cycled(
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("", "no prompts"), ('{"text": "x"}\n', "needs `prompt_ids` or `prompt`")])
+    ("", "no prompts"), ('{"text": "x"}\n', "needs `prompt_ids` or `prompt`"),
+    ('{"prompt_ids": [1]}\n{oops\n', "prompts.jsonl:2: not valid JSON"),
+    ("[1, 2]\n", "prompts.jsonl:1: each row must be a JSON object")])
 def test_a_prompts_file_without_usable_rows_is_an_error(tmp_path: Path, text: str,
                                                        message: str) -> None:
     path = tmp_path / "prompts.jsonl"
@@ -229,3 +231,12 @@ def test_the_benchmark_runs_the_given_prompts(pair_dirs: tuple[Path, Path], tmp_
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["output_tokens"]) for r in rows] == [6, 6]
+
+
+def test_a_missing_prompts_file_is_one_error_line_with_code_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench.main(["--prompts", str(tmp_path / "none.jsonl"), "--device", "cpu",
+                       "--concurrency", "1", "--repeats", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prompts ") and "no such file" in err

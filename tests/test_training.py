@@ -156,7 +156,9 @@ def test_block_loss_weights_early_slots_and_ignores_slots_past_a_blocks_length()
 
 
 def test_the_split_rule_is_by_file_and_fixed() -> None:
-    assert is_heldout("os.py") == is_heldout("os.py")
+    # the rule is pinned: changing it would silently move files between the sets
+    assert is_heldout("email/contentmanager.py")
+    assert not any(is_heldout(p) for p in ("os.py", "typing.py", "json/decoder.py"))
     corpus = Corpus.from_stdlib(max_files=200)
     assert not set(corpus.train) & set(corpus.heldout)
     assert all(is_heldout(p) for p in corpus.heldout)
@@ -194,3 +196,23 @@ def test_recipe_rejects_bad_settings(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 2
     assert "seq_len must hold a prompt and one block" in run.stderr
+
+
+def test_a_corpus_too_small_to_split_is_one_error_line_with_code_2(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_demo_pair.py"), "--smoke",
+         "--max-files", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: ") and "too few Python files" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_chunked_forward_refuses_padding_and_recording() -> None:
+    from reference_engine.models.layers import ForwardContext, RotaryEmbedding
+
+    rotary = RotaryEmbedding(4, 10000.0)
+    positions = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="a chunked forward takes full rows"):
+        ForwardContext(None, torch.tensor([0]), positions, 2, rotary, torch.float32,
+                       valid_len=torch.tensor([1]), chunked=True)

@@ -24,6 +24,7 @@ import torch
 from ..checkpoint import load_draft, load_target, write_safetensors
 from ..config import DraftConfig, TargetConfig
 from ..demo import DEMO_DIR, DEMO_PROMPTS, DEMO_RESULTS
+from ..errors import exit_with
 from ..models import build_target
 from ..models.dflash import DFlashDraft
 from ..tokenizer import EOS_TOKEN, MASK_TOKEN, save_tokenizer
@@ -307,7 +308,10 @@ def parse(argv: list[str] | None) -> tuple[Recipe, Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     recipe, out, device = parse(argv)
-    train(recipe, out, device)
+    try:
+        train(recipe, out, device)
+    except (ValueError, OSError) as exc:  # ReferenceEngineError is a ValueError
+        return exit_with(exc)
     return 0
 
 

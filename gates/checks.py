@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_engine.decode import GenerationResult, generate_plain, new_state, prefill
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
-from reference_engine.request import SamplingParams
-from reference_engine.spec import OracleProposer, SpecOptions, SpecResult, generate_speculative
-from reference_engine.state import TargetState
+from reference_engine.runtime.decode import GenerationResult, generate_plain, new_state, prefill
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.speculative import OracleProposer, SpecOptions, SpecResult, generate_speculative
+from reference_engine.runtime.state import TargetState
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def plain_states(
     target: CausalLM, prompt: Sequence[int], output: list[int]
 ) -> dict[int, StateSnapshot]:
     """Plain decode's state at every committed length, prompt included."""
-    from reference_engine.decode import decode_step
+    from reference_engine.runtime.decode import decode_step
 
     state = new_state(target, len(prompt) + len(output))
     prefill(target, state, 0, list(prompt))
@@ -205,7 +205,7 @@ def run_engine(engine, requests: Sequence[EngineRequest], references: dict[str, 
                abort: dict[str, int] | None = None) -> dict[str, list[int]]:
     """Feed requests at their arrival steps, stream until done; returns each request's
     streamed tokens. `abort` maps request id -> the step at which it is aborted."""
-    from reference_engine.spec import OracleProposer
+    from reference_engine.runtime.speculative import OracleProposer
 
     pending = sorted(requests, key=lambda r: r.arrival_step)
     streamed: dict[str, list[int]] = {r.request_id: [] for r in requests}

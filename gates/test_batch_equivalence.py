@@ -9,13 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from reference_engine.commit import COMMIT_STRATEGIES
-from reference_engine.decode import generate_plain
-from reference_engine.engine import Engine, EngineConfig, EngineFullError
 from reference_engine.errors import RequestError
-from reference_engine.request import SamplingParams
+from reference_engine.runtime.commit import COMMIT_STRATEGIES
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError
+from reference_engine.runtime.request import SamplingParams
 
 from .checks import EngineRequest, Pair, assert_batch_equivalent, run_engine
+from .faults import planted
 
 BLOCK_SIZE = 8
 CONCURRENCY = (1, 4, 8, 16)
@@ -144,7 +145,7 @@ def test_batch_gate_catches_planted_faults(pair: Pair, workload, fault: str) -> 
     if fault == "commit_wrong_slot" and not pair.target.config.is_hybrid:
         pytest.skip("a misplaced commit corrupts Gated DeltaNet state, which dense targets lack")
     requests, references = workload
-    engine = engine_for(pair, 8, "per_token", fault=fault)
-    with pytest.raises(AssertionError, match="differs from plain greedy alone"):
+    engine = engine_for(pair, 8, "per_token")
+    with planted(fault), pytest.raises(AssertionError, match="differs from plain greedy alone"):
         streamed = run_engine(engine, requests["oracle"], references)
         assert_batch_equivalent(streamed, references, fault)

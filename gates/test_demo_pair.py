@@ -14,10 +14,11 @@ import torch
 
 from reference_engine.checkpoint import load_draft, load_target
 from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET, demo_prompts
-from reference_engine.engine import Engine, EngineConfig
-from reference_engine.request import SamplingParams
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.request import SamplingParams
 
 from .checks import divergence
+from .faults import planted
 
 MAX_TOKENS = 128
 # Measured with this file's settings (all 32 held-out prompts x 128 tokens, float32, CPU):
@@ -41,12 +42,13 @@ def run(target, draft, prompts, block_size=None, fault=None) -> tuple[list[list[
     """All prompts through one engine (a continuous batch); outputs and mean acceptance."""
     engine = Engine(target, draft, EngineConfig(
         max_num_seqs=len(prompts), block_size=block_size, commit_strategy="per_token",
-        max_model_len=max(map(len, prompts)) + MAX_TOKENS, fault=fault))
+        max_model_len=max(map(len, prompts)) + MAX_TOKENS))
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    while engine.has_unfinished():
-        engine.step()
+    with planted(fault):
+        while engine.has_unfinished():
+            engine.step()
     outputs = [engine.collect(str(i)).output_ids for i in range(len(prompts))]
     return outputs, engine.stats()["spec"]["mean_acceptance_length"] if draft else 1.0
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from reference_engine.commit import COMMIT_STRATEGIES
-from reference_engine.spec import SpecOptions
+from reference_engine.runtime.commit import COMMIT_STRATEGIES
+from reference_engine.runtime.speculative import SpecOptions
 
 from .checks import Pair, assert_forced_acceptance, require_block
 

@@ -76,9 +76,9 @@ def test_our_dflash_server_matches_our_plain_server_exactly(baseline_server, tin
 
 def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_server,
                                                                        tiny_dirs) -> None:
-    candidate = ServerProcess("--model", str(tiny_dirs[0]), "--dflash-draft-model-path",
-                              str(tiny_dirs[1]), "--dtype", "float64", "--fault",
-                              "skip_state_rollback")
+    candidate = ServerProcess("skip_state_rollback", "--model", str(tiny_dirs[0]),
+                              "--dflash-draft-model-path", str(tiny_dirs[1]), "--dtype", "float64",
+                              module="gates.faulty_serve")
     try:
         results, summary = run_compare(Endpoint(baseline_server.url), Endpoint(candidate.url),
                                        prompts_for_us(), ComparePolicy())

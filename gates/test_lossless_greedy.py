@@ -11,10 +11,10 @@ import dataclasses
 
 import pytest
 
-from reference_engine.commit import COMMIT_STRATEGIES
-from reference_engine.decode import generate_plain
-from reference_engine.request import SamplingParams
-from reference_engine.spec import SpecOptions
+from reference_engine.runtime.commit import COMMIT_STRATEGIES
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.speculative import SpecOptions
 
 from .checks import Pair, assert_lossless, require_block
 

@@ -1,13 +1,13 @@
 """Each gate is seen to fail: run the gates' own checks on an engine with a deliberate
-fault (SpecOptions.fault, testing only) and assert that they catch it."""
+fault planted (gates/faults.py, testing only) and assert that they catch it."""
 
 from __future__ import annotations
 
 import pytest
 
-from reference_engine.decode import generate_plain
-from reference_engine.request import SamplingParams
-from reference_engine.spec import FAULTS, SpecOptions
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.speculative import SpecOptions
 
 from .checks import (
     Pair,
@@ -17,16 +17,18 @@ from .checks import (
     plain_states,
     speculative_states,
 )
+from .faults import FAULTS, planted
 
 MIXED = [7, 0, 3, 1, 5, 2]
 
 
 def lossless_catches(pair: Pair, fault: str, strategy: str = "replay") -> str:
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    with pytest.raises(AssertionError, match="speculative output != plain greedy") as caught:
+    with planted(fault), pytest.raises(AssertionError,
+                                       match="speculative output != plain greedy") as caught:
         for prompt in pair.prompts:
             for schedule in (None, MIXED):
-                assert_lossless(pair, prompt, params, SpecOptions(8, strategy, fault), schedule)
+                assert_lossless(pair, prompt, params, SpecOptions(8, strategy), schedule)
     return str(caught.value)
 
 
@@ -56,9 +58,9 @@ def test_lossless_gate_catches_a_wrong_bonus_position(pair: Pair) -> None:
 
 def test_forced_acceptance_gate_catches_a_lossless_but_wrong_acceptance(pair: Pair) -> None:
     # output stays correct (the target supplies the token), only the acceptance is wrong
-    options = SpecOptions(8, fault="never_accept_full_block")
-    with pytest.raises(AssertionError, match="acceptance lengths"):
-        assert_forced_acceptance(pair, pair.prompts[1], options, list(range(8)))
+    with planted("never_accept_full_block"), pytest.raises(AssertionError,
+                                                          match="acceptance lengths"):
+        assert_forced_acceptance(pair, pair.prompts[1], SpecOptions(8), list(range(8)))
 
 
 def test_state_equality_gate_catches_a_skipped_recurrent_state_rollback(pair: Pair) -> None:
@@ -70,10 +72,10 @@ def test_state_equality_gate_catches_a_skipped_recurrent_state_rollback(pair: Pa
     longer = generate_plain(pair.target, list(prompt),
                             SamplingParams(max_tokens=40, ignore_eos=True)).output_ids
     expected = plain_states(pair.target, prompt, longer)
-    options = SpecOptions(8, "per_token", fault="skip_state_rollback")
     # a fault that corrupts the state also derails the output, so the first commits are
     # where the state check must already fire
-    got = speculative_states(pair, prompt, params, options, [0, 3, 1], ref)
+    with planted("skip_state_rollback"):
+        got = speculative_states(pair, prompt, params, SpecOptions(8, "per_token"), [0, 3, 1], ref)
     first = dict(sorted(got.items())[:1])
     with pytest.raises(AssertionError, match="recurrent|conv"):
         assert_states_close(expected, first, 1e-9, "faulty engine")

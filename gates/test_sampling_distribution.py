@@ -18,12 +18,13 @@ from collections import Counter
 
 import torch
 
-from reference_engine.decode import new_state, prefill
-from reference_engine.request import SamplingParams
-from reference_engine.sampling import accept_sampled, probabilities
-from reference_engine.spec import SpecOptions, generate_speculative
+from reference_engine.runtime.decode import new_state, prefill
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.sampling import accept_sampled, probabilities
+from reference_engine.runtime.speculative import SpecOptions, generate_speculative
 
 from .conftest import SMALL_VOCAB as VOCAB
+from .faults import planted
 
 TEMPERATURE = 1.0
 TOP_K = 6
@@ -76,10 +77,10 @@ def speculative_joint(target, draft, prompt, n_samples: int, seed: int, fault=No
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, ignore_eos=True)
     counts = Counter()
-    for _ in range(n_samples):
-        out = generate_speculative(target, draft, prompt, params, SpecOptions(4, fault=fault),
-                                   generator=gen)
-        counts[tuple(out.output_ids)] += 1
+    with planted(fault):
+        for _ in range(n_samples):
+            out = generate_speculative(target, draft, prompt, params, SpecOptions(4), generator=gen)
+            counts[tuple(out.output_ids)] += 1
     return {k: v / n_samples for k, v in counts.items()}
 
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.request import SamplingParams
-from reference_engine.spec import SpecOptions, generate_speculative
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.speculative import SpecOptions, generate_speculative
+
+from .faults import planted
 
 dflash_model = pytest.importorskip(
     "dflash.model", reason="z-lab's dflash 0.1.0 is not installed (pip install --no-deps "
@@ -57,8 +59,8 @@ def ours(target_dir, draft_dir, prompt, block_size, fault=None):
     target = load_target(target_dir, dtype=torch.float64)
     draft = load_draft(draft_dir, target)
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    result = generate_speculative(target, draft, prompt, params,
-                                  SpecOptions(block_size, fault=fault))
+    with planted(fault):
+        result = generate_speculative(target, draft, prompt, params, SpecOptions(block_size))
     return result.output_ids, result.acceptance_lengths, [list(s.drafted) for s in result.steps]
 
 

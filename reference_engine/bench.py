@@ -52,14 +52,14 @@ from pathlib import Path
 import torch
 
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
-from .commit import COMMIT_STRATEGIES
 from .demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
-from .engine import Engine, EngineConfig
 from .errors import ReferenceEngineError, exit_with
-from .request import SamplingParams
+from .runtime.commit import COMMIT_STRATEGIES
+from .runtime.engine import Engine, EngineConfig
+from .runtime.request import SamplingParams
+from .runtime.speculative import OracleProposer
+from .runtime.stats import PHASES
 from .shapes import TARGET_SHAPES, random_pair
-from .spec import OracleProposer
-from .stats import PHASES
 from .tokenizer import load_tokenizer
 
 MODES = ("plain", "dflash")
@@ -339,3 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         print(f"wrote {args.out}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

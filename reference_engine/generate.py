@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
-from .commit import COMMIT_STRATEGIES
-from .decode import generate_plain
 from .errors import ReferenceEngineError, RequestError, exit_with
-from .request import SamplingParams
-from .spec import SpecOptions, generate_speculative
+from .runtime.commit import COMMIT_STRATEGIES
+from .runtime.decode import generate_plain
+from .runtime.request import SamplingParams
+from .runtime.speculative import SpecOptions, generate_speculative
 from .tokenizer import load_tokenizer
 
 

@@ -17,7 +17,7 @@ from reference_engine import bench
 from reference_engine.checkpoint import make_tiny_draft
 from reference_engine.demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from reference_engine.errors import ReferenceEngineError
-from reference_engine.stats import PHASES
+from reference_engine.runtime.stats import PHASES
 from reference_engine.tokenizer import load_tokenizer
 
 TinyCheckpoint = Callable[..., Path]

@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from reference_engine.checkpoint import INDEX_FILE, SINGLE_FILE, load_target, make_tiny_target
-from reference_engine.decode import new_state
 from reference_engine.errors import CheckpointError, ConfigError
 from reference_engine.models import CausalLM
+from reference_engine.runtime.decode import new_state
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]

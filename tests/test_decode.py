@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
-from reference_engine.decode import (
+from reference_engine.errors import RequestError
+from reference_engine.models import CausalLM
+from reference_engine.runtime.decode import (
     FINISH_LENGTH,
     FINISH_STOP,
     context_length,
@@ -22,10 +24,8 @@ from reference_engine.decode import (
     stop_ids,
     stop_position,
 )
-from reference_engine.errors import RequestError
-from reference_engine.models import CausalLM
-from reference_engine.request import SamplingParams
-from reference_engine.sampling import greedy
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.sampling import greedy
 from reference_engine.tokenizer import EOS_TOKEN, load_tokenizer
 
 PROMPT = [17, 301, 5, 88, 260, 42, 7, 199, 33, 410, 2, 95, 61]

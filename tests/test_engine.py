@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
-from reference_engine.decode import generate_plain
-from reference_engine.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from reference_engine.errors import ConfigError, RequestError
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
-from reference_engine.request import SamplingParams
-from reference_engine.sequence import Phase, Sequence
-from reference_engine.spec import OracleProposer
-from reference_engine.stats import SpecCounters
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.sequence import Phase, Sequence
+from reference_engine.runtime.speculative import OracleProposer
+from reference_engine.runtime.stats import SpecCounters
 
 TinyCheckpoint = Callable[..., Path]
 BLOCK_SIZE = 8
@@ -315,10 +315,9 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
         ({"block_size": 1}, r"block size must be >= 2, got 1"),
         ({"commit_strategy": "eager"},
          r"unknown commit strategy 'eager', expected one of replay, per_token, recompute"),
-        ({"fault": "bogus"}, r"unknown fault 'bogus', expected one of skip_state_rollback"),
         ({"fallback_after_steps": 0}, r"fallback_after_steps must be positive, got 0"),
     ],
-    ids=["max_num_seqs", "prefill_chunk", "admission", "block_size", "commit_strategy", "fault",
+    ids=["max_num_seqs", "prefill_chunk", "admission", "block_size", "commit_strategy",
          "fallback_after_steps"],
 )
 def test_engine_config_out_of_range_is_rejected_with_the_value(options: dict,

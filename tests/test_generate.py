@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
-from reference_engine.decode import generate_plain
 from reference_engine.generate import main
-from reference_engine.request import SamplingParams
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.request import SamplingParams
 from reference_engine.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
-from reference_engine.commit import COMMIT_STRATEGIES
-from reference_engine.decode import generate_plain
-from reference_engine.engine import Engine, EngineConfig
-from reference_engine.request import SamplingParams
-from reference_engine.spec import OracleProposer
+from reference_engine.runtime.commit import COMMIT_STRATEGIES
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.speculative import OracleProposer
 
 pytestmark = pytest.mark.gpu
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
-from reference_engine.decode import decode_step, new_state
-from reference_engine.sampling import greedy
+from reference_engine.runtime.decode import decode_step, new_state
+from reference_engine.runtime.sampling import greedy
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from reference_engine.errors import RequestError
-from reference_engine.request import SamplingParams, validate_prompt
+from reference_engine.runtime.request import SamplingParams, validate_prompt
 
 
 def test_default_sampling_params_are_greedy() -> None:

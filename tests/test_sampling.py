@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_engine.sampling import greedy
+from reference_engine.runtime.sampling import greedy
 
 INF = float("inf")
 

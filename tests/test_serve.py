@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target, make_tiny_draft
-from reference_engine.decode import generate_plain
-from reference_engine.request import SamplingParams
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.request import SamplingParams
 
 from .server_process import REPO, ServerProcess
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_engine.sampling import accept_greedy, accept_sampled, probabilities
+from reference_engine.runtime.sampling import accept_greedy, accept_sampled, probabilities
 
 
 def gen(seed: int = 0) -> torch.Generator:

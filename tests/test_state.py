@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
-from reference_engine.decode import decode_step, new_state, prefill
 from reference_engine.errors import RequestError
 from reference_engine.models import CausalLM
-from reference_engine.state import TargetState
+from reference_engine.runtime.decode import decode_step, new_state, prefill
+from reference_engine.runtime.state import TargetState
 
 PROMPT = [17, 301, 5, 88, 260, 42, 7, 199, 33, 410]
 FIRST = [12, 250, 3, 77, 480, 9, 64, 321]  # decoded, then partly rolled back

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
-from reference_engine.decode import generate_plain, new_state, prefill
+from reference_engine.kernels.reference import gated_delta as gated_delta_recurrence
+from reference_engine.kernels.reference import l2_norm as l2_normalize
 from reference_engine.models.dflash import DraftState
-from reference_engine.models.qwen3_5 import chunked_gated_delta, gated_delta_recurrence, l2_normalize
-from reference_engine.request import SamplingParams
+from reference_engine.models.qwen3_5 import chunked_gated_delta
+from reference_engine.runtime.decode import generate_plain, new_state, prefill
+from reference_engine.runtime.request import SamplingParams
 from reference_engine.training.corpus import Corpus, is_heldout
 from reference_engine.training.loops import (
     block_labels,

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import TargetConfig
+from ..kernels import TORCH, Kernels
 from .layers import ForwardContext, RMSNorm, RotaryEmbedding
 
 
@@ -47,9 +47,9 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def project_logits(self, hidden: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
         """Final-normed hidden states -> logits over the vocabulary."""
-        return F.linear(hidden, self.lm_head_weight)
+        return ops.linear(hidden, self.lm_head_weight)
 
     def forward(
         self,
@@ -63,6 +63,7 @@ class CausalLM(nn.Module):
         valid_len: torch.Tensor | None = None,  # [batch]
         record: str | None = None,
         chunked: bool = False,
+        ops: Kernels = TORCH,
     ) -> ForwardOutput:
         """Run T new tokens per row and update the rows' slot state in place.
 
@@ -72,11 +73,11 @@ class CausalLM(nn.Module):
         (their attention rows land past the committed length and are never read).
         `record` ("per_token" or "recompute") keeps what that commit strategy needs.
         `chunked` runs Gated DeltaNet layers a chunk at a time (training: differentiable and
-        fast on long rows; the engine steps token by token).
+        fast on long rows; the engine steps token by token). `ops`: the kernels (numerics).
         """
         x = self.embed(input_ids)
         ctx = ForwardContext(
-            state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record, chunked
+            state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record, chunked, ops
         )
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
@@ -88,4 +89,4 @@ class CausalLM(nn.Module):
         features = torch.cat([captured[i] for i in capture_layers], -1) if captured else None
         if last_only:
             x = x[:, -1:]
-        return ForwardOutput(self.project_logits(self.model.norm(x)), features)
+        return ForwardOutput(self.project_logits(self.model.norm(x, ops), ops), features)

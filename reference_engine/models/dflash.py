@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..config import DraftConfig
+from ..kernels import TORCH, Kernels
 from .layers import ForwardContext, RMSNorm, RotaryEmbedding
 from .qwen3 import Qwen3DecoderLayer
 
@@ -67,10 +68,11 @@ class DFlashDraft(nn.Module):
         positions: torch.Tensor,  # [batch, T]
         slots: torch.Tensor,  # [batch]
         state: DraftState,
+        ops: Kernels = TORCH,
     ) -> None:
         """Write the context keys/values of newly committed positions for every layer."""
-        context = self.hidden_norm(self.fc(features))
-        ctx = ForwardContext(state, slots, positions, 0, self.rotary, context.dtype)
+        context = self.hidden_norm(ops.linear(features, self.fc.weight), ops)
+        ctx = ForwardContext(state, slots, positions, 0, self.rotary, context.dtype, ops=ops)
         for i, layer in enumerate(self.layers):
             layer.self_attn.write_kv(context, ctx, i)
 
@@ -82,18 +84,21 @@ class DFlashDraft(nn.Module):
         state: DraftState,
         kv_len: int,
         valid_len: torch.Tensor | None = None,  # [batch] real block tokens per row
+        ops: Kernels = TORCH,
     ) -> torch.Tensor:
         """Returns the final-normed hidden states of the block, [batch, B, hidden]. Rows
         with a shorter block (`valid_len`) never see their padding."""
         x = block_embeds
-        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype, valid_len)
+        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype, valid_len,
+                             ops=ops)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
-        return self.norm(x)
+        return self.norm(x, ops)
 
-    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+               ops: Kernels = TORCH) -> torch.Tensor:
         """Draft logits through the target's lm_head: [..., hidden] -> [..., vocab]."""
-        logits = torch.nn.functional.linear(hidden, lm_head_weight) * self.config.output_multiplier
+        logits = ops.linear(hidden, lm_head_weight) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

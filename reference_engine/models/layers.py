@@ -1,19 +1,17 @@
 """Parts shared by every model: RMSNorm, RoPE, the SwiGLU MLP and cached attention.
 
-Precision policy: half-precision models accumulate norms, softmax and recurrent state in
-float32; float32 and float64 models stay in their own dtype (never downcast).
+The arithmetic runs through a kernels table (reference_engine/kernels): the forward context
+carries it (`ctx.ops`); modules called without one use the PyTorch references. Precision
+policy (kernels/reference.py): half-precision models accumulate norms, softmax and recurrent
+state in float32; float32 and float64 models stay in their own dtype.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype reductions run in: float32 for half types, else the dtype itself."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+from ..kernels import TORCH, Kernels
 
 
 class RMSNorm(nn.Module):
@@ -25,13 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = accumulation_dtype(x.dtype)
-        xf = x.to(acc)
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (normed * (1.0 + self.weight.to(acc))).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps, self.offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -42,12 +35,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        acc = accumulation_dtype(x.dtype)
-        xf = x.to(acc)
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * normed.to(x.dtype)
-        return (out * F.silu(z.to(acc))).to(x.dtype)
+    def forward(self, x: torch.Tensor, z: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -57,8 +46,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
+        hidden = ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight))
+        return ops.linear(hidden, self.down_proj.weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -86,65 +76,6 @@ class RotaryEmbedding(nn.Module):
         half = self.rotary_dim // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
-
-
-def cached_attention(
-    q: torch.Tensor,  # [batch, T, heads, head_dim]
-    k: torch.Tensor,  # [batch, T, kv_heads, head_dim]
-    v: torch.Tensor,  # [batch, T, kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [slots, max_len, kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [slots, max_len, kv_heads, head_dim]
-    slots: torch.Tensor,  # [batch]
-    positions: torch.Tensor,  # [batch, T]
-    kv_len: int,
-    scale: float,
-    sliding_window: int | None = None,
-    causal: bool = True,
-    valid_len: torch.Tensor | None = None,  # [batch] real tokens per row (rest: padding)
-) -> torch.Tensor:
-    """Write k/v at their positions, then attend over the first kv_len cache rows.
-
-    The cache is indexed by position, so rolling a request back needs no copy: a later
-    write overwrites the rejected rows, and the position mask never lets a query see a row
-    past its own position (causal) or past the last position of its row (non-causal: the
-    DFlash draft's block sees itself whole, up to its last real token when `valid_len`
-    marks trailing padding). Returns [batch, T, heads, head_dim].
-    """
-    k_cache[slots[:, None], positions] = k
-    v_cache[slots[:, None], positions] = v
-    keys = k_cache[slots, :kv_len]  # [batch, kv_len, kv_heads, head_dim]
-    values = v_cache[slots, :kv_len]
-    key_pos = torch.arange(kv_len, device=q.device)[None, None, :]
-    query_pos = positions[:, :, None]
-    if causal:
-        visible_to = query_pos
-    elif valid_len is None:
-        visible_to = positions[:, -1:, None]
-    else:
-        visible_to = (positions[:, 0] + valid_len - 1)[:, None, None]
-    allowed = key_pos <= visible_to  # [batch, T, kv_len]
-    if sliding_window is not None:
-        allowed &= (query_pos - key_pos < sliding_window) & (key_pos - query_pos < sliding_window)
-    return attend(q, keys, values, allowed, scale)
-
-
-def attend(
-    q: torch.Tensor,  # [batch, T, heads, head_dim]
-    keys: torch.Tensor,  # [batch, S, kv_heads, head_dim]
-    values: torch.Tensor,  # [batch, S, kv_heads, head_dim]
-    allowed: torch.Tensor,  # [batch, T, S] bool
-    scale: float,
-) -> torch.Tensor:
-    """Grouped-query softmax attention under a boolean mask. Returns [batch, T, heads, head_dim]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=allowed[:, None],
-        scale=scale,
-        enable_gqa=q.shape[2] != keys.shape[2],
-    )
-    return out.transpose(1, 2)
 
 
 class SelfAttention(nn.Module):
@@ -181,44 +112,41 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        """Write this step's keys and values at their positions, then attend over the slot's
+        cache. The cache is indexed by position, so rolling a request back needs no copy: a
+        later write overwrites the rejected rows, which no query reads before then."""
         batch, T, _ = x.shape
-        q = self.q_proj(x).view(batch, T, self.num_heads, -1)
+        ops = ctx.ops
+        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias).view(batch, T, self.num_heads, -1)
         gate = None
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(batch, T, -1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(batch, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(batch, T, self.num_kv_heads, self.head_dim)
-        q = ctx.rotary.apply(q, ctx.cos, ctx.sin)
-        k = ctx.rotary.apply(k, ctx.cos, ctx.sin)
-        out = cached_attention(
-            q,
-            k,
-            v,
-            ctx.state.k_cache[layer],
-            ctx.state.v_cache[layer],
-            ctx.slots,
-            ctx.positions,
-            ctx.kv_len,
-            self.head_dim**-0.5,
-            self.sliding_window,
-            self.causal,
-            ctx.valid_len,
-        ).reshape(batch, T, -1)
+        q = ctx.rotary.apply(self.q_norm(q, ops), ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.state.k_cache[layer], ctx.state.v_cache[layer]
+        self._write_kv(x, ctx, k_cache, v_cache)
+        out = ops.attention(q, k_cache, v_cache, ctx.slots, ctx.positions, ctx.kv_len,
+                            self.head_dim**-0.5, self.causal, self.sliding_window,
+                            ctx.valid_len).reshape(batch, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def write_kv(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> None:
         """Write this layer's keys and values for x at ctx.positions, attending to nothing
         (the DFlash draft's context rows, computed from target features)."""
+        self._write_kv(x, ctx, ctx.state.k_cache[layer], ctx.state.v_cache[layer])
+
+    def _write_kv(self, x: torch.Tensor, ctx: ForwardContext, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
         batch, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(batch, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(batch, T, self.num_kv_heads, self.head_dim)
+        ops = ctx.ops
+        k = ops.linear(x, self.k_proj.weight, self.k_proj.bias)
+        k = self.k_norm(k.view(batch, T, self.num_kv_heads, self.head_dim), ops)
+        v = ops.linear(x, self.v_proj.weight, self.v_proj.bias)
         rows = ctx.slots[:, None]
-        ctx.state.k_cache[layer][rows, ctx.positions] = ctx.rotary.apply(k, ctx.cos, ctx.sin)
-        ctx.state.v_cache[layer][rows, ctx.positions] = v
+        k_cache[rows, ctx.positions] = ctx.rotary.apply(k, ctx.cos, ctx.sin)
+        v_cache[rows, ctx.positions] = v.view(batch, T, self.num_kv_heads, self.head_dim)
 
 
 class ForwardContext:
@@ -235,10 +163,12 @@ class ForwardContext:
         valid_len: torch.Tensor | None = None,  # [batch] real tokens per row, None: all T
         record: str | None = None,  # keep verify inputs/states for a commit strategy
         chunked: bool = False,  # Gated DeltaNet a chunk at a time (training; full rows only)
+        ops: Kernels = TORCH,
     ) -> None:
         if chunked and (valid_len is not None or record is not None):
             raise ValueError("a chunked forward takes full rows and records nothing")
         self.chunked = chunked
+        self.ops = ops
         self.state = state
         self.valid_len = valid_len
         self.record = record

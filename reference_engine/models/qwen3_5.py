@@ -12,47 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LINEAR_ATTENTION, TargetConfig
+from ..kernels.reference import accumulation_dtype
 from .base import CausalLM
-from .layers import MLP, ForwardContext, GatedRMSNorm, RMSNorm, SelfAttention, accumulation_dtype
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def gated_delta_recurrence(
-    q: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised and scaled, state dtype
-    k: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised, state dtype
-    v: torch.Tensor,  # [batch, T, v_heads, v_dim], state dtype
-    g: torch.Tensor,  # [batch, T, v_heads] log decay (<= 0)
-    beta: torch.Tensor,  # [batch, T, v_heads] write strength in (0, 1)
-    state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
-    valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
-    states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule, one token at a time, per value head:
-
-        S <- S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S <- S + k_t (x) delta;  o_t = S^T q_t
-
-    Returns (outputs [batch, T, v_heads, v_dim], final state). Tokens at t >= valid_len of
-    their row leave the state unchanged (padding in a batch of unequal rows). When
-    `states_out` is given, the state after every token is written into it (the `per_token`
-    commit strategy).
-    """
-    outputs = []
-    for t in range(q.shape[1]):
-        decayed = state * g[:, t, :, None, None].exp()
-        kv_mem = torch.einsum("bhkv,bhk->bhv", decayed, k[:, t])
-        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        updated = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", updated, q[:, t]))
-        if valid_len is None:
-            state = updated
-        else:
-            state = torch.where((t < valid_len)[:, None, None, None], updated, state)
-        if states_out is not None:
-            states_out[:, t] = state
-    return torch.stack(outputs, dim=1), state
+from .layers import MLP, ForwardContext, GatedRMSNorm, RMSNorm, SelfAttention
 
 
 def chunked_gated_delta(
@@ -64,7 +26,7 @@ def chunked_gated_delta(
     state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same gated delta rule as `gated_delta_recurrence`, a chunk of tokens at a time
+    """The same gated delta rule as `kernels.reference.gated_delta`, a chunk of tokens at a time
     (for training, where the per-token loop is too slow to differentiate through).
 
     Inside a chunk, with S0 the state before it, G_t the cumulative log decay and u_t the
@@ -150,23 +112,24 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         batch, T, _ = x.shape
         acc = accumulation_dtype(x.dtype)
-        state = ctx.state
+        state, ops = ctx.state, ctx.ops
         # Depthwise causal conv1d + SiLU, continuing from the slot's conv state (the last
         # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
-        full = torch.cat([state.conv[layer][ctx.slots], self.in_proj_qkv(x).transpose(1, 2)], -1)
+        projected = ops.linear(x, self.in_proj_qkv.weight).transpose(1, 2)
+        full = torch.cat([state.conv[layer][ctx.slots], projected], -1)
         state.conv[layer][ctx.slots] = conv_state_after(full, self.kernel, ctx.valid_len)
-        mixed = F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim))
+        mixed = ops.causal_conv(full, self.conv1d.weight)
 
         q, k, v = mixed.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q = l2_normalize(q.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
-        k = l2_normalize(k.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
+        q = ops.l2_norm(q.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
+        k = ops.l2_norm(k.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
         v = v.reshape(batch, T, self.num_v_heads, self.v_dim).to(acc)
         # value heads 2i and 2i+1 (for a ratio of 2) share key head i
         ratio = self.num_v_heads // self.num_k_heads
         q = q.repeat_interleave(ratio, dim=2) * self.k_dim**-0.5
         k = k.repeat_interleave(ratio, dim=2)
-        beta = torch.sigmoid(self.in_proj_b(x)).to(acc)
-        a = self.in_proj_a(x).to(acc)
+        beta = torch.sigmoid(ops.linear(x, self.in_proj_b.weight)).to(acc)
+        a = ops.linear(x, self.in_proj_a.weight).to(acc)
         g = -self.A_log.to(acc).exp() * F.softplus(a + self.dt_bias.to(acc))
 
         states_out = None
@@ -179,16 +142,15 @@ class GatedDeltaNet(nn.Module):
         if ctx.chunked:
             out, final = chunked_gated_delta(q, k, v, g, beta, recurrent[ctx.slots])
         else:
-            out, final = gated_delta_recurrence(
-                q, k, v, g, beta, recurrent[ctx.slots], ctx.valid_len, states_out
-            )
+            out, final = ops.gated_delta(q, k, v, g, beta, recurrent[ctx.slots], ctx.valid_len,
+                                         states_out)
         recurrent[ctx.slots] = final
         if states_out is not None:
             state.record_verify_states(layer, ctx.slots, states_out)
 
-        z = self.in_proj_z(x).reshape(batch, T, self.num_v_heads, self.v_dim)
-        out = self.norm(out.to(x.dtype), z)
-        return self.out_proj(out.reshape(batch, T, self.value_dim))
+        z = ops.linear(x, self.in_proj_z.weight).reshape(batch, T, self.num_v_heads, self.v_dim)
+        out = self.norm(out.to(x.dtype), z, ops)
+        return ops.linear(out.reshape(batch, T, self.value_dim), self.out_proj.weight)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -214,8 +176,8 @@ class Qwen3_5DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer(self.input_layernorm(x), ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + mixer(self.input_layernorm(x, ctx.ops), ctx, layer)
+        return x + self.mlp(self.post_attention_layernorm(x, ctx.ops), ctx.ops)
 
 
 def build_qwen3_5(config: TargetConfig) -> CausalLM:

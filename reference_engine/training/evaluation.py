@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from ..demo import DEMO_PROMPTS
-from ..engine import Engine, EngineConfig
-from ..request import SamplingParams
+from ..runtime.engine import Engine, EngineConfig
+from ..runtime.request import SamplingParams
 from .corpus import Corpus
 
 PROMPTS_FILE = DEMO_PROMPTS.name

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..models.base import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
-from ..state import TargetState
+from ..runtime.state import TargetState
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 

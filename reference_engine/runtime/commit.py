@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError
-from .models import CausalLM
-from .models.qwen3_5 import conv_state_after, gated_delta_recurrence
+from ..errors import ConfigError
+from ..kernels import TORCH, Kernels
+from ..models import CausalLM
+from ..models.qwen3_5 import conv_state_after
 from .state import TargetState
 
 COMMIT_STRATEGIES = ("replay", "per_token", "recompute")
@@ -59,6 +60,7 @@ def commit_hybrid(
     positions: torch.Tensor,  # [batch, T]
     processed: torch.Tensor,  # [batch] tokens of the block to keep (accepted + anchor)
     kv_len: int,
+    ops: Kernels = TORCH,
 ) -> None:
     """Set every Gated DeltaNet layer of the rows' slots to the state after `processed`
     tokens of the block. Host-side lengths are the caller's to update."""
@@ -68,7 +70,7 @@ def commit_hybrid(
     if strategy == "replay":
         for slot in slot_ids:
             state.restore_saved(slot)
-        model(block_tokens, positions, slots, state, kv_len, valid_len=processed)
+        model(block_tokens, positions, slots, state, kv_len, valid_len=processed, ops=ops)
         return
     T = block_tokens.shape[1]
     kernel = model.config.linear_conv_kernel_dim
@@ -79,7 +81,7 @@ def commit_hybrid(
             rows = torch.arange(slots.shape[0], device=slots.device)
             final = state.verify_states[layer][slots][rows, processed - 1]
         else:
-            _, final = gated_delta_recurrence(
+            _, final = ops.gated_delta(
                 state.verify_q[layer][slots, :T],
                 state.verify_k[layer][slots, :T],
                 state.verify_v[layer][slots, :T],

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import TargetConfig
-from .errors import RequestError
-from .models.layers import accumulation_dtype
+from ..config import TargetConfig
+from ..errors import RequestError
+from ..kernels.reference import accumulation_dtype
 
 
 class TargetState:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import RequestError
-from .models import CausalLM
+from ..errors import RequestError
+from ..kernels import TORCH, Kernels, select
+from ..models import CausalLM
 from .request import SamplingParams, validate_prompt
 from .sampling import greedy, probabilities, sample
 from .state import TargetState
@@ -58,6 +59,7 @@ def prefill(
     prompt_ids: list[int],
     capture_layers: tuple[int, ...] = (),
     chunk_size: int | None = None,
+    ops: Kernels = TORCH,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the prompt into a fresh slot. Returns (last-position logits [vocab], features
     [len(prompt), n * hidden] or None). Long prompts run in chunks of `chunk_size`."""
@@ -78,6 +80,7 @@ def prefill(
             kv_len=end,
             capture_layers=capture_layers,
             last_only=True,
+            ops=ops,
         )
         logits = out.logits[0, -1]
         if out.features is not None:
@@ -87,7 +90,8 @@ def prefill(
 
 
 @torch.inference_mode()
-def decode_step(model: CausalLM, state: TargetState, slot: int, token: int) -> torch.Tensor:
+def decode_step(model: CausalLM, state: TargetState, slot: int, token: int,
+                ops: Kernels = TORCH) -> torch.Tensor:
     """Append one token to the slot; returns the next-token logits [vocab]."""
     device = state.device
     pos = state.lengths[slot]
@@ -97,6 +101,7 @@ def decode_step(model: CausalLM, state: TargetState, slot: int, token: int) -> t
         torch.tensor([slot], device=device),
         state,
         kv_len=pos + 1,
+        ops=ops,
     )
     state.lengths[slot] = pos + 1
     return out.logits[0, -1]
@@ -119,20 +124,24 @@ def generate_plain(
     max_model_len: int | None = None,
     chunk_size: int | None = None,
     generator: torch.Generator | None = None,
+    numerics: str | None = None,
 ) -> GenerationResult:
     """Plain decode, one token per forward: greedy (argmax, lowest id on a tie) at
     temperature 0, else sampling with `generator`. Stops on EOS, stop ids, max_tokens.
+    `numerics`: the kernels (reference_engine.kernels; None: the device's default).
 
     The stop token, when one ends the output, is the last entry of `output_ids`.
     """
     if params.repetition_penalty != 1.0 or params.logprobs is not None:
         raise RequestError("generate_plain is the bare reference loop: repetition_penalty and "
-                           "logprobs are served by the engine (reference_engine.engine)")
+                           "logprobs are served by the engine (reference_engine.runtime.engine)")
     context = context_length(model, max_model_len)
     validate_prompt(prompt_ids, model.config.vocab_size, context, params.max_tokens)
     stops = stop_ids(model, params)
     state = new_state(model, len(prompt_ids) + params.max_tokens)
-    logits, _ = prefill(model, state, 0, prompt_ids, chunk_size=chunk_size)
+    weight = model.model.embed_tokens.weight
+    ops = select(numerics, weight.device, weight.dtype)
+    logits, _ = prefill(model, state, 0, prompt_ids, chunk_size=chunk_size, ops=ops)
     output: list[int] = []
     while True:
         token = first_token(logits, params, generator)  # the one host sync per step
@@ -141,4 +150,4 @@ def generate_plain(
             return GenerationResult(output, FINISH_STOP)
         if len(output) == params.max_tokens:
             return GenerationResult(output, FINISH_LENGTH)
-        logits = decode_step(model, state, 0, token)
+        logits = decode_step(model, state, 0, token, ops)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError, RequestError
+from ..kernels import NUMERICS, default_numerics, select
+from ..models import CausalLM
+from ..models.dflash import DFlashDraft, DraftState
 from .commit import check_strategy
 from .decode import context_length, stop_ids
-from .errors import ConfigError, RequestError
-from .faults import FAULTS
-from .models import CausalLM
-from .models.dflash import DFlashDraft, DraftState
 from .profiling import NvtxRanges
 from .request import SamplingParams, validate_prompt
 from .sequence import (
@@ -35,7 +35,7 @@ from .sequence import (
     Phase,
     Sequence,
 )
-from .speculate import speculate
+from .speculate import SpeculativeStep, StepCommit
 from .state import TargetState
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
@@ -60,7 +60,9 @@ class EngineConfig:
     # after `fallback_after_steps` steps; None disables it (the default, as in the gates)
     fallback_min_acceptance: float | None = None
     fallback_after_steps: int = 8
-    fault: str | None = None  # testing only, see spec.FAULTS
+    # kernels: "exact" (batch- and verify-invariant, bit-exact DFlash in bf16 on CUDA) or
+    # "fast" (vendor libraries); None: exact on CUDA. On the CPU the PyTorch references run.
+    numerics: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -80,10 +82,11 @@ class EngineConfig:
             )
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.numerics is not None and self.numerics not in NUMERICS:
+            raise ConfigError(
+                f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ConfigError(f"unknown fault '{self.fault}', expected one of {', '.join(FAULTS)}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ class Engine:
         self.target, self.draft, self.config = target, draft, config
         weight = target.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.numerics = config.numerics or default_numerics(self.device)
+        self.ops = select(self.numerics, self.device, self.dtype)
         self.context_len = context_length(target, config.max_model_len)
         self.block_size = 0
         if draft is not None:
@@ -136,6 +141,11 @@ class Engine:
         self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
         self.fallbacks: dict[str, int] = {}
+        self.speculative_step = (
+            SpeculativeStep(target, draft, self.state, self.draft_state, self.block_size,
+                            config.commit_strategy, self.timer, self.ops)
+            if draft is not None else None
+        )
         self.finished_requests = 0
         # called as observer(seq, state, length) after each speculative commit
         # (the state-equality gates); None in normal use
@@ -241,7 +251,8 @@ class Engine:
             with self.timer.phase("decode"):
                 self._decode(plain, outputs)
         if spec:
-            speculate(self, spec, outputs)
+            for seq, commit in zip(spec, self.speculative_step(spec)):
+                self._record_speculative(seq, commit, outputs)
         for seq in list(self.active.values()):
             if seq.finish_reason is not None:
                 self._finish(seq)
@@ -265,9 +276,11 @@ class Engine:
             positions = torch.arange(start, end, device=self.device)[None]
             capture = self.draft.config.target_layer_ids if seq.speculative else ()
             out = self.target(torch.tensor([ids], device=self.device), positions, slots,
-                              self.state, kv_len=end, capture_layers=capture, last_only=True)
+                              self.state, kv_len=end, capture_layers=capture, last_only=True,
+                              ops=self.ops)
             if seq.speculative:
-                self.draft.append_context(out.features, positions, slots, self.draft_state)
+                self.draft.append_context(out.features, positions, slots, self.draft_state,
+                                          self.ops)
             seq.prefilled = end
             self.state.lengths[seq.slot] = end
             if end == len(seq.prompt_ids):
@@ -286,6 +299,7 @@ class Engine:
             torch.tensor([s.slot for s in seqs], device=self.device),
             self.state,
             kv_len=max(lengths) + 1,
+            ops=self.ops,
         )
         for seq, n in zip(seqs, lengths):
             self.state.lengths[seq.slot] = n + 1
@@ -293,6 +307,17 @@ class Engine:
             tokens, logprobs = choose_tokens(out.logits[:, -1], seqs)
         for seq, token, lp in zip(seqs, tokens, logprobs):
             self._emit(seq, token, outputs, lp)
+
+    def _record_speculative(self, seq: Sequence, commit: StepCommit,
+                            outputs: list[StepOutput]) -> None:
+        if self.commit_observer is not None:
+            self.commit_observer(seq, self.state, self.state.lengths[seq.slot])
+        before = len(seq.output_ids)
+        self._emit(seq, commit.tokens, outputs)
+        committed = len(seq.output_ids) - before
+        seq.record_step(commit.proposed, commit.accepted, committed, commit.drafted)
+        self.spec_totals.record(commit.proposed, commit.accepted, committed)
+        self._check_low_acceptance(seq)
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput],
@@ -309,7 +334,7 @@ class Engine:
         seq.fallback_reason = reason
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
-    def check_low_acceptance(self, seq: Sequence) -> None:
+    def _check_low_acceptance(self, seq: Sequence) -> None:
         threshold = self.config.fallback_min_acceptance
         if threshold is None or seq.spec.steps < self.config.fallback_after_steps:
             return

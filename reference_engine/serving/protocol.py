@@ -22,8 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ReferenceEngineError
-from .request import SamplingParams
+from ..errors import ReferenceEngineError
+from ..runtime.request import SamplingParams
 
 
 class ProtocolError(ReferenceEngineError):

@@ -29,7 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .engine import Engine, StepOutput
+from ..runtime.engine import Engine, StepOutput
 
 PREFIX = "dflash"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,

@@ -1,12 +1,9 @@
-"""DFlash speculative decoding for one request: draft -> verify -> accept -> commit.
+"""DFlash speculative decoding for one request (`generate_speculative`), its options, and the
+oracle proposer that forces scheduled acceptance for tests and benchmarks.
 
-Vocabulary (DESIGN.md): the block holds B tokens, the anchor (last committed token, not yet
-run through the target) and B-1 draft tokens. The target verifies the whole block in one
-forward. `accepted` = a is the longest prefix of draft tokens equal to the target's own
-choices (greedy) or kept by speculative sampling; the `bonus` is the target's token after
-that prefix. A step commits a + 1 tokens: its acceptance length (bonus included). The
-target then holds the anchor and the a accepted tokens; the bonus is the next anchor.
-Target features of the processed positions extend the draft's context.
+The step itself (draft -> verify -> accept -> commit, with the vocabulary: block, anchor,
+accepted, bonus, acceptance length) is speculate.py; this module runs the batched engine
+with one slot.
 
 Reference: DFlash (arXiv 2602.06036); z-lab `dflash_generate`, whose per-step acceptance
 lengths (the first token, from prefill, not counted) this module reproduces.
@@ -19,14 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import DraftConfig
+from ..errors import ConfigError
+from ..models import CausalLM
+from ..models.dflash import DFlashDraft
 from .commit import check_strategy
-from .config import DraftConfig
 from .decode import GenerationResult, context_length
 from .engine import Engine, EngineConfig
-from .errors import ConfigError
-from .faults import FAULTS
-from .models import CausalLM
-from .models.dflash import DFlashDraft
 from .request import SamplingParams, validate_prompt
 from .sequence import StepRecord
 from .state import TargetState
@@ -36,14 +32,11 @@ from .state import TargetState
 class SpecOptions:
     block_size: int
     commit_strategy: str = "replay"
-    fault: str | None = None  # testing only: one of FAULTS
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ConfigError(f"block size must be >= 2, got {self.block_size}")
         check_strategy(self.commit_strategy)
-        if self.fault is not None and self.fault not in FAULTS:
-            raise ConfigError(f"unknown fault '{self.fault}', expected one of {', '.join(FAULTS)}")
 
     def check_draft(self, draft: DraftConfig) -> None:
         if self.block_size > draft.block_size:
@@ -128,6 +121,7 @@ def generate_speculative(
     generator: torch.Generator | None = None,
     max_model_len: int | None = None,
     on_commit: Callable[[TargetState, int], None] | None = None,
+    numerics: str | None = None,
 ) -> SpecResult:
     """Speculative decoding of one request, lossless against plain decode: greedy output is
     the same token for token; sampled output has the same distribution. Runs the batched
@@ -148,7 +142,7 @@ def generate_speculative(
         block_size=options.block_size,
         commit_strategy=options.commit_strategy,
         prefill_chunk=len(prompt_ids),
-        fault=options.fault,
+        numerics=numerics,
     )
     engine = Engine(target, draft, config)
     if on_commit is not None:

@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .engine import Engine, StepOutput
-from .errors import ReferenceEngineError
-from .request import SamplingParams
-from .sequence import Sequence
+from ..errors import ReferenceEngineError
+from ..runtime.engine import Engine, StepOutput
+from ..runtime.request import SamplingParams
+from ..runtime.sequence import Sequence
 
 
 @dataclass

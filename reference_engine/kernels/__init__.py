@@ -1,0 +1,68 @@
+"""Compute kernels and the numerics switch.
+
+Every model forward calls its arithmetic through one `Kernels` table (linear, norms, SwiGLU,
+causal conv, attention over the position-indexed cache, the gated delta rule, greedy
+argmax). Two tables exist:
+
+- `TORCH` (reference.py): plain PyTorch. The reference every other kernel is tested
+  against, the CPU path, and the `fast` numerics on CUDA (vendor GEMMs, SDPA).
+- `TRITON` (triton_ops.py): batch- and verify-invariant Triton kernels, the `exact`
+  numerics on CUDA: a token's results are the same bits whether it runs alone, in a batch,
+  or inside a verify block of B, so DFlash equals plain greedy bit for bit in bfloat16.
+
+`select(numerics, device, dtype)` picks one. This package imports only torch and triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+
+NUMERICS = ("exact", "fast")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation of every kernel the models call (signatures: reference.py)."""
+
+    name: str
+    linear: Callable
+    rms_norm: Callable
+    gated_rms_norm: Callable
+    l2_norm: Callable
+    silu_mul: Callable
+    causal_conv: Callable
+    attention: Callable
+    gated_delta: Callable
+    greedy: Callable
+
+
+TORCH = Kernels(
+    name="torch",
+    linear=reference.linear,
+    rms_norm=reference.rms_norm,
+    gated_rms_norm=reference.gated_rms_norm,
+    l2_norm=reference.l2_norm,
+    silu_mul=reference.silu_mul,
+    causal_conv=reference.causal_conv,
+    attention=reference.attention,
+    gated_delta=reference.gated_delta,
+    greedy=reference.greedy,
+)
+
+
+def default_numerics(device: torch.device | str) -> str:
+    """`exact` on CUDA (the gates' promise holds in bfloat16), else `fast` (the references)."""
+    return "exact" if torch.device(device).type == "cuda" else "fast"
+
+
+def select(numerics: str | None, device: torch.device | str, dtype: torch.dtype) -> Kernels:
+    """The kernels for a model on `device` in `dtype` (numerics None: the device's default)."""
+    numerics = numerics or default_numerics(device)
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    return TORCH

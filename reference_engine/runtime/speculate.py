@@ -1,0 +1,221 @@
+"""One batched DFlash step for the engine's speculative requests: draft -> verify -> accept
+-> commit, read top to bottom in `SpeculativeStep.__call__`.
+
+Vocabulary (DESIGN.md): a row's block holds the anchor (its last committed token, not yet
+run through the target) followed by B-1 draft slots. The draft proposes a token for each
+slot in one forward; the target verifies the whole block in one forward; `accepted` (a) is
+the longest prefix of proposals equal to the target's own choices (greedy) or kept by
+speculative sampling; the `bonus` is the target's token after that prefix. A step commits
+a + 1 tokens per row (its acceptance length, bonus included); the target then holds the
+anchor and the a accepted tokens, and the bonus is the next anchor.
+
+Rows are requests at different positions with different remaining budgets: row i drafts
+n_i = min(B - 1, remaining_i) tokens; shorter rows are padded to the longest, and padding
+never counts: the draft's block attention stops at each row's last real token, the verify
+forward leaves the Gated DeltaNet state alone on padded tokens (`valid_len`), and a row
+never accepts past n_i. No value reaches the host until the one transfer after accept.
+
+Each phase is a method so that a test can replace one of them (gates/faults.py plants
+deliberate faults that way); the engine sees only `__call__`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import TORCH, Kernels
+from ..models import CausalLM, ForwardOutput
+from ..models.dflash import DFlashDraft, DraftState
+from .commit import commit_hybrid, needs_snapshot, verify_record
+from .sampling import accept_greedy, accept_sampled, probabilities, sample
+from .sequence import Sequence
+from .state import TargetState
+from .stats import PhaseTimer
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """What one step committed for one row (before the request's stop and max_tokens cuts)."""
+
+    proposed: int  # n_i: draft tokens in the row's block
+    accepted: int  # a
+    drafted: list[int]  # the n_i proposed tokens
+    tokens: list[int]  # the a accepted draft tokens followed by the bonus
+
+
+@dataclass
+class Rows:
+    """The rows of one step and where their blocks sit."""
+
+    seqs: list[Sequence]
+    slot_ids: list[int]
+    slots: torch.Tensor  # [b]
+    starts: list[int]  # position of each row's anchor
+    n: list[int]  # draft tokens per row (B - 1, fewer near max_tokens)
+    n_t: torch.Tensor  # [b] the same on the device
+    positions: torch.Tensor  # [b, N + 1] anchor and draft slots, N = max(n)
+    kv_len: int  # attention rows a forward of this step may read
+
+
+class SpeculativeStep:
+    def __init__(
+        self,
+        target: CausalLM,
+        draft: DFlashDraft,
+        state: TargetState,
+        draft_state: DraftState,
+        block_size: int,
+        commit_strategy: str,
+        timer: PhaseTimer,
+        ops: Kernels = TORCH,
+    ) -> None:
+        self.target, self.draft = target, draft
+        self.state, self.draft_state = state, draft_state
+        self.block_size = block_size
+        self.commit_strategy = commit_strategy
+        self.timer = timer
+        self.ops = ops  # the kernels every forward and the argmax run with
+        self.device = state.device
+
+    def __call__(self, seqs: list[Sequence]) -> list[StepCommit]:
+        rows = self.rows(seqs)
+        with self.timer.phase("draft"):
+            block, proposals, draft_probs = self.propose(rows)
+        with self.timer.phase("verify"):
+            out = self.verify(rows, block)
+        with self.timer.phase("accept"):
+            accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits)
+            processed = self.processed(rows, accepted)
+            # the one host transfer of the step
+            b, N = len(seqs), proposals.shape[1]
+            flat = torch.cat([accepted, bonus, processed, proposals.flatten()]).tolist()
+            acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
+            drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
+        with self.timer.phase("commit"):
+            self.commit_state(rows.slot_ids, rows, block, processed)
+            width = max(kept)
+            features = self.context_features(out.features, width, rows.n_t)
+            self.draft.append_context(features, rows.positions[:, :width], rows.slots,
+                                      self.draft_state, self.ops)
+            for i, slot in enumerate(rows.slot_ids):
+                self.state.lengths[slot] = rows.starts[i] + kept[i]
+                self.draft_state.lengths[slot] = rows.starts[i] + kept[i]
+        return [StepCommit(rows.n[i], acc_list[i], drafted[i], drafted[i][: acc_list[i]] + [bonus_list[i]])
+                for i in range(b)]
+
+    # ------------------------------------------------------------------ layout
+    def rows(self, seqs: list[Sequence]) -> Rows:
+        n = [min(self.block_size - 1, s.remaining) for s in seqs]
+        N = max(n)
+        starts = self.anchor_positions(seqs)
+        positions = (torch.tensor(starts, device=self.device)[:, None]
+                     + torch.arange(N + 1, device=self.device))
+        slot_ids = [s.slot for s in seqs]
+        return Rows(seqs, slot_ids, torch.tensor(slot_ids, device=self.device), starts, n,
+                    torch.tensor(n, device=self.device), positions, max(starts) + N + 1)
+
+    def anchor_positions(self, seqs: list[Sequence]) -> list[int]:
+        """Each row's anchor sits at its committed length."""
+        return [self.state.lengths[s.slot] for s in seqs]
+
+    # ------------------------------------------------------------------ draft
+    def propose(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """One draft forward over every row's block. Returns (block [b, N + 1]: anchor and
+        proposals, proposals [b, N], draft distributions per row (sampled rows only))."""
+        dcfg, N = self.draft.config, rows.positions.shape[1] - 1
+        block = torch.tensor([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs],
+                             device=self.device)
+        embeds = self.target.embed(block) * dcfg.input_embedding_scale
+        hidden = self.draft(embeds, rows.positions, rows.slots, self.draft_state, rows.kv_len,
+                            valid_len=rows.n_t + 1, ops=self.ops)
+        draft_logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight,
+                                         self.ops)  # [b, N, vocab]
+        proposals = self.ops.greedy(draft_logits)  # [b, N]
+        draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
+        for i, seq in enumerate(rows.seqs):
+            n_i = rows.n[i]
+            if seq.oracle is not None:  # tests and benchmarks: scheduled acceptance
+                guess = seq.oracle.propose(seq.spec.steps, len(seq.output_ids), n_i)
+                proposals[i, :n_i] = torch.tensor(guess, device=self.device)
+            elif not seq.params.greedy:
+                p = seq.params
+                draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)
+                proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
+        block[:, 1:] = proposals
+        return block, proposals, draft_probs
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, rows: Rows, block: torch.Tensor) -> ForwardOutput:
+        """One target forward over every block; captures the draft's context features and
+        keeps what the commit strategy needs."""
+        if self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
+            for slot in rows.slot_ids:
+                self.state.save(slot)
+        return self.target(block, rows.positions, rows.slots, self.state, rows.kv_len,
+                           capture_layers=self.draft.config.target_layer_ids,
+                           valid_len=rows.n_t + 1,
+                           record=verify_record(self.commit_strategy, self.target), ops=self.ops)
+
+    # ------------------------------------------------------------------ accept
+    def accept(
+        self,
+        rows: Rows,
+        proposals: torch.Tensor,  # [b, N]
+        draft_probs: list[torch.Tensor | None],
+        logits: torch.Tensor,  # [b, N + 1, vocab] the verify's
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (accepted [b], bonus [b]): greedy rows by comparison with the target's
+        argmax, sampled rows by speculative sampling."""
+        target_tokens = self.ops.greedy(logits)  # [b, N + 1]
+        accepted = self.accept_greedy(proposals, target_tokens, rows.n_t)
+        for i, seq in enumerate(rows.seqs):
+            if seq.oracle is not None and seq.oracle.forced:  # benchmarks only
+                accepted[i] = seq.oracle.scheduled(seq.spec.steps, rows.n[i])
+        bonus = target_tokens.gather(1, self.bonus_index(accepted, rows.n_t)[:, None])[:, 0]
+        for i, seq in enumerate(rows.seqs):
+            if not seq.params.greedy:
+                n_i, p = rows.n[i], seq.params
+                target_probs = probabilities(logits[i, : n_i + 1], p.temperature, p.top_k, p.top_p)
+                accepted[i], bonus[i] = self.accept_sampled(proposals[i, :n_i], draft_probs[i],
+                                                            target_probs, seq.generator)
+        return accepted, bonus
+
+    def accept_greedy(self, proposals: torch.Tensor, target_tokens: torch.Tensor,
+                      n_t: torch.Tensor) -> torch.Tensor:
+        accepted, _ = accept_greedy(proposals, target_tokens)
+        return torch.minimum(accepted, n_t)  # padding is never accepted
+
+    def bonus_index(self, accepted: torch.Tensor, n_t: torch.Tensor) -> torch.Tensor:
+        """The block slot whose target choice is the bonus: right after the accepted prefix."""
+        return accepted
+
+    def accept_sampled(
+        self,
+        proposals: torch.Tensor,  # [n]
+        draft_probs: torch.Tensor,  # [n, vocab]
+        target_probs: torch.Tensor,  # [n + 1, vocab]
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        accepted, bonus = accept_sampled(proposals[None], draft_probs[None], target_probs[None],
+                                         generator)
+        return accepted[0], bonus[0]
+
+    # ------------------------------------------------------------------ commit
+    def processed(self, rows: Rows, accepted: torch.Tensor) -> torch.Tensor:
+        """Block tokens each row keeps in the target: the anchor and the accepted ones."""
+        return accepted + 1
+
+    def commit_state(self, slot_ids: list[int], rows: Rows, block: torch.Tensor,
+                     processed: torch.Tensor) -> None:
+        """Bring hybrid state to the accepted boundary (commit.py; attention needs nothing,
+        its length moves back)."""
+        commit_hybrid(self.commit_strategy, self.target, self.state, slot_ids, block,
+                      rows.positions, processed, rows.kv_len, self.ops)
+
+    def context_features(self, features: torch.Tensor, width: int,
+                         n_t: torch.Tensor) -> torch.Tensor:
+        """The verify's features of the committed positions ([b, width, n * hidden]), the
+        draft's next context; rows that kept fewer overwrite the extra rows next step."""
+        return features[:, :width]

@@ -1,0 +1,355 @@
+"""The OpenAI-compatible reference server.
+
+    python -m reference_engine.serve --model DIR [--dflash-draft-model-path DIR]
+        [--block-size N] [--commit-strategy NAME] [--dtype ...] [--device ...]
+        [--max-num-seqs N] [--max-model-len N] [--max-waiting N]
+        [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(SSE streaming with `[DONE]`, `stream_options.include_usage` and
+`continuous_usage_stats`), GET /metrics (Prometheus text; see metrics.py). Protocol
+details and extensions: protocol.py. Bad requests get HTTP 400 with an OpenAI-style error
+body; a full queue 429; a wrong or missing API key 401. SIGTERM stops accepting, cancels
+what is in flight and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..checkpoint import DTYPES, load_draft, load_target, parse_dtype
+from ..errors import ReferenceEngineError, exit_with
+from ..runtime.commit import COMMIT_STRATEGIES
+from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
+from ..runtime.speculative import OracleProposer
+from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
+from .async_engine import AsyncEngine, Finished
+from .metrics import ServerMetrics
+from .protocol import (
+    ProtocolError,
+    chunk,
+    error_body,
+    full_response,
+    logprobs_body,
+    new_id,
+    parse_request,
+    spec_summary,
+    usage,
+)
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str
+    dflash_draft_model_path: str | None
+    block_size: int | None
+    commit_strategy: str
+    dtype: str
+    device: str
+    max_num_seqs: int
+    max_model_len: int | None
+    max_waiting: int
+    host: str
+    port: int
+    api_key: str | None
+    served_model_name: str | None
+    oracle_acceptance: float | None
+
+    @classmethod
+    def parse(cls, argv: list[str] | None) -> ServeArgs:
+        p = argparse.ArgumentParser(prog="python -m reference_engine.serve")
+        p.add_argument("--model", required=True)
+        p.add_argument("--dflash-draft-model-path", default=None)
+        p.add_argument("--block-size", type=int, default=None)
+        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES)
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--max-num-seqs", type=int, default=8)
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--max-waiting", type=int, default=256,
+                       help="queued requests beyond the slots; more get HTTP 429")
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=8000)
+        p.add_argument("--api-key", default=None)
+        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--oracle-acceptance", type=float, default=None,
+                       help="benchmarks only: force this mean acceptance length on greedy "
+                       "requests (the draft still runs; output is not checked)")
+        return cls(**vars(p.parse_args(argv)))
+
+
+class Server:
+    """Model, tokenizer, engine thread and metrics behind the HTTP routes."""
+
+    def __init__(self, args: ServeArgs) -> None:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ReferenceEngineError(f"--device {args.device}: no CUDA device available")
+        target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
+        draft = None
+        if args.dflash_draft_model_path:
+            draft = load_draft(args.dflash_draft_model_path, target)
+        elif args.block_size is not None:
+            raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
+        config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              block_size=args.block_size, commit_strategy=args.commit_strategy,
+                              max_waiting=args.max_waiting)
+        self.engine = Engine(target, draft, config)  # validates the pair and the options
+        self.tokenizer = load_tokenizer(args.model)
+        self.chat_template = _chat_template(Path(args.model))
+        self.name = args.served_model_name or Path(args.model).name
+        self.api_key = args.api_key
+        self.metrics = ServerMetrics()
+        self.runner: AsyncEngine | None = None
+        self.counter = 0
+        self.oracle_acceptance = args.oracle_acceptance
+        if self.oracle_acceptance is not None:
+            if draft is None:
+                raise ReferenceEngineError("--oracle-acceptance needs --dflash-draft-model-path")
+            OracleProposer.for_mean_acceptance([], self.oracle_acceptance,
+                                               self.engine.block_size, target.config.vocab_size)
+
+    def make_oracle(self, params) -> OracleProposer | None:
+        if self.oracle_acceptance is None or not params.greedy:
+            return None
+        return OracleProposer.for_mean_acceptance(
+            [], self.oracle_acceptance, self.engine.block_size,
+            self.engine.target.config.vocab_size, forced=True)
+
+    def start(self) -> None:
+        self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.metrics.on_finished,
+                                  self.make_oracle)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        import jinja2
+
+        template = jinja2.Environment().from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=True)
+
+
+def _chat_template(model_dir: Path) -> str:
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return CHAT_TEMPLATE  # ChatML, documented default for tiny models
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings: emits only settled text (no broken
+    UTF-8 at the end) and cuts at the first stop string."""
+
+    def __init__(self, server: Server, stops: tuple[str, ...]) -> None:
+        self.server, self.stops = server, stops
+        self.ids: list[int] = []
+        self.sent = 0  # characters of text already emitted
+        self.stopped = False
+
+    def push(self, new_ids: list[int], final: bool) -> tuple[str, list[int]]:
+        """Returns (new text, new ids) to emit; sets `stopped` at a stop string."""
+        start = len(self.ids)
+        self.ids.extend(new_ids)
+        text = self.server.detokenize(self.ids)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at != -1:
+                # keep the ids up to the token that completed the stop string
+                keep = next(i for i in range(start, len(self.ids) + 1)
+                            if stop in self.server.detokenize(self.ids[:i]) or i == len(self.ids))
+                self.ids = self.ids[:keep]
+                self.stopped = True
+                out = text[self.sent:at]
+                self.sent = at
+                return out, self.ids[start:]
+        if not final and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        out = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return out, new_ids
+
+
+def create_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        server.start()
+        yield
+        server.runner.shutdown()
+
+    app = FastAPI(title="DFlash reference server", lifespan=lifespan)
+
+    def fail(exc: ProtocolError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), exc.kind, exc.param, exc.status),
+                            status_code=exc.status)
+
+    def authorized(request: Request) -> bool:
+        if server.api_key is None:
+            return True
+        return request.headers.get("authorization") == f"Bearer {server.api_key}"
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if not authorized(request):
+            return fail(ProtocolError("missing or wrong API key", None, 401,
+                                      "authentication_error"))
+        return {"object": "list", "data": [{"id": server.name, "object": "model",
+                                            "owned_by": "reference_engine"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics.render(server.engine),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def generate(request: Request, chat: bool):
+        if not authorized(request):
+            return fail(ProtocolError("missing or wrong API key", None, 401,
+                                      "authentication_error"))
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return fail(ProtocolError("the request body is not valid JSON"))
+        try:
+            parsed = parse_request(body, server.name, server.tokenize, chat,
+                                   server.apply_chat_template)
+        except ProtocolError as exc:
+            return fail(exc)
+        server.counter += 1
+        request_id = f"{new_id(chat)}-{server.counter}"
+        try:
+            queue = await server.runner.submit(request_id, parsed.prompt_ids, parsed.params)
+        except EngineFullError as exc:
+            return fail(ProtocolError(str(exc), None, 429, "rate_limit_error"))
+        except ReferenceEngineError as exc:
+            return fail(ProtocolError(str(exc)))
+        text = TextStream(server, parsed.stop)
+        if parsed.stream:
+            return StreamingResponse(stream_events(request_id, parsed, queue, text, request),
+                                     media_type="text/event-stream")
+        return await collect_response(request_id, parsed, queue, text)
+
+    def piece(parsed, out: StepOutput, text: TextStream) -> tuple[str, list[int], dict | None]:
+        delta, ids = text.push(out.new_token_ids, out.finished)
+        lp = None
+        if parsed.logprobs is not None and out.new_logprobs:
+            lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
+                               out.new_logprobs[: len(ids)], lambda t: server.detokenize([t]))
+        return delta, ids, lp
+
+    async def collect_response(request_id, parsed, queue, text):
+        pieces, ids, entries, finish = [], [], [], None
+        while True:
+            item = await queue.get()
+            if isinstance(item, Finished):
+                if item.error is not None:
+                    return fail(ProtocolError(f"engine error: {item.error}", None, 500,
+                                              "server_error"))
+                sequence = item.sequence
+                break
+            delta, new_ids, _ = piece(parsed, item, text)
+            pieces.append(delta)
+            ids.extend(new_ids)
+            if item.new_logprobs:
+                entries.extend(item.new_logprobs[: len(new_ids)])
+            finish = item.finish_reason
+            if text.stopped:
+                server.runner.abort(request_id)
+                finish = "stop"
+        lp = None
+        if parsed.logprobs is not None:
+            lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
+                               entries, lambda t: server.detokenize([t]))
+        return full_response(request_id, server.name, parsed.chat, "".join(pieces), ids,
+                             finish or "abort", lp, usage(len(parsed.prompt_ids), len(ids)),
+                             spec_summary(sequence), parsed.prompt_ids)
+
+    async def stream_events(request_id, parsed, queue, text, request):
+        emitted, first, finished = 0, True, False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Finished):
+                    finished = True
+                    if item.error is not None:
+                        yield _sse(error_body(f"engine error: {item.error}", "server_error",
+                                              None, 500))
+                    elif parsed.include_usage:
+                        body = chunk(request_id, server.name, parsed.chat, "", [], None)
+                        body["choices"] = []
+                        body["usage"] = usage(len(parsed.prompt_ids), emitted)
+                        spec = spec_summary(item.sequence)
+                        if spec is not None:
+                            body["spec_decode"] = spec
+                        yield _sse(body)
+                    yield "data: [DONE]\n\n"
+                    return
+                if text.stopped:
+                    continue  # cut at a stop string: drain until the abort lands
+                delta, ids, lp = piece(parsed, item, text)
+                finish = "stop" if text.stopped else item.finish_reason
+                if text.stopped:
+                    server.runner.abort(request_id)
+                emitted += len(ids)
+                body = chunk(request_id, server.name, parsed.chat, delta, ids, finish, lp,
+                             role=first)
+                first = False
+                if parsed.continuous_usage:
+                    body["usage"] = usage(len(parsed.prompt_ids), emitted)
+                yield _sse(body)
+        finally:
+            if not finished:  # the client went away: free the slot
+                server.runner.abort(request_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = ServeArgs.parse(argv)
+    try:
+        server = Server(args)
+    except ReferenceEngineError as exc:
+        return exit_with(exc)
+    import uvicorn
+
+    app = create_app(server)
+    mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"
+    if server.oracle_acceptance is not None:
+        mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
+    print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The package layout of DESIGN.md holds: no import cycles anywhere, and imports run one way
+(models -> nothing of runtime; runtime -> nothing of serving; kernels -> nothing of ours; the
+engine -> no harness, gates or reports; harness and reports -> no engine, no torch).
+
+The import graph is read from the source with `ast` (imports inside functions and under
+TYPE_CHECKING count too: a cycle hidden from the interpreter is still a cycle for a reader).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("reference_engine", "harness", "reports", "gates")
+
+
+def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under the packages (a package is its __init__)."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def imported_names(module: str, path: Path) -> set[str]:
+    """Absolute dotted names this module imports (`from x import y` gives x and x.y)."""
+    is_package = path.name == "__init__.py"
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                base_name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base_name = node.module
+            names.add(base_name)
+            names.update(f"{base_name}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(edges between our modules, every dotted name each module imports)."""
+    modules = module_files(root, packages)
+    edges: dict[str, set[str]] = {}
+    raw: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        raw[module] = imported_names(module, path)
+        edges[module] = {name for name in raw[module] if name in modules and name != module}
+    return edges, raw
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def violations(raw: dict[str, set[str]], source: str, forbidden: tuple[str, ...]) -> list[str]:
+    """'module -> name' for every import by a module under `source` of a name under `forbidden`."""
+    def under(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    return sorted(
+        f"{module} -> {name}"
+        for module, names in raw.items() if under(module, source)
+        for name in names if any(under(name, f) for f in forbidden)
+    )
+
+
+@pytest.fixture(scope="module")
+def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    return import_graph(ROOT, PACKAGES)
+
+
+def test_the_packages_of_the_design_exist(graph) -> None:
+    edges, _ = graph
+    for package in ("models", "kernels", "runtime", "serving", "training"):
+        assert f"reference_engine.{package}" in edges, f"reference_engine/{package}/ is missing"
+
+
+def test_there_is_no_import_cycle_anywhere(graph) -> None:
+    edges, _ = graph
+    assert find_cycle(edges) is None, f"import cycle: {' -> '.join(find_cycle(edges))}"
+
+
+def test_the_cycle_finder_finds_a_deliberately_added_cycle(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub.b import thing\n")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\n"
+                                      "if TYPE_CHECKING:\n    from ..c import other\n")
+    (pkg / "c.py").write_text("def f():\n    from . import a\n")
+    edges, _ = import_graph(tmp_path, ("pkg",))
+    assert find_cycle(edges) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    (pkg / "c.py").write_text("")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))[0]) is None
+
+
+@pytest.mark.parametrize(
+    ("source", "forbidden"),
+    [
+        ("reference_engine.models", ("reference_engine.runtime", "reference_engine.serving",
+                                     "reference_engine.training", "reference_engine.checkpoint")),
+        ("reference_engine.runtime", ("reference_engine.serving", "reference_engine.training",
+                                      "reference_engine.generate", "reference_engine.bench",
+                                      "reference_engine.serve")),
+        ("reference_engine.kernels", ("reference_engine.config", "reference_engine.models",
+                                      "reference_engine.runtime", "reference_engine.serving",
+                                      "reference_engine.errors", "reference_engine.checkpoint")),
+        ("reference_engine", ("harness", "gates", "reports", "tests")),
+        ("harness", ("reference_engine", "gates", "torch")),  # it may build a report
+        ("reports", ("reference_engine", "harness", "gates", "torch")),
+    ],
+    ids=["models", "runtime", "kernels", "engine", "harness", "reports"],
+)
+def test_imports_run_one_way(graph, source: str, forbidden: tuple[str, ...]) -> None:
+    _, raw = graph
+    assert violations(raw, source, forbidden) == []
+
+
+def test_kernels_import_only_torch_triton_and_themselves(graph) -> None:
+    _, raw = graph
+    stdlib = set(sys.stdlib_module_names)
+    bad = sorted(
+        f"{module} -> {name}"
+        for module, names in raw.items() if module.startswith("reference_engine.kernels")
+        for name in names
+        if name.split(".")[0] not in {"torch", "triton", "__future__"} | stdlib
+        and not name.startswith("reference_engine.kernels")
+    )
+    assert bad == []
+
+
+def test_the_direction_check_sees_a_forbidden_import() -> None:
+    raw = {"reference_engine.models.layers": {"torch", "reference_engine.runtime.state"},
+           "reference_engine.runtime.engine": {"reference_engine.models"}}
+    assert violations(raw, "reference_engine.models", ("reference_engine.runtime",)) == [
+        "reference_engine.models.layers -> reference_engine.runtime.state"]
+
+
+def test_no_planted_fault_branch_in_the_engine() -> None:
+    found = subprocess.run(["git", "grep", "-n", "fault ==", "--", "reference_engine"], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert found.returncode == 1 and found.stdout == "", found.stdout
+
+
+@pytest.mark.parametrize("module", ["reference_engine.serve", "reference_engine.generate",
+                                    "reference_engine.checkpoint", "reference_engine.bench"])
+def test_entry_points_keep_their_names(module: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout

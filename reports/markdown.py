@@ -75,6 +75,7 @@ def render_report(results: ResultSet, plots: list[Plot]) -> str:
         "## Metric definitions\n\n" + METRIC_DEFINITIONS,
         _ratios(results),
         _results(results),
+        _token_counts(results),
         _failures(results),
         _plots(plots),
         _equivalence(results),
@@ -156,6 +157,27 @@ def _results(results: ResultSet) -> str:
         parts.append("No acceptance metrics in `summary.csv`: the servers expose no speculative "
                      "decoding counters or per-request statistics.")
     return "\n\n".join(parts)
+
+
+def _token_counts(results: ResultSet) -> str:
+    """Where each label's token counts came from: the server's ids or usage, or the model's
+    tokenizer (or an estimate) for servers that report neither; and streams without [DONE]."""
+    summary = results.summary
+    if "count_source" not in summary.columns:
+        return ""
+    rows = []
+    for label in results.labels:
+        part = summary[summary["label"] == label]
+        sources = sorted({str(s) for s in part["count_source"].dropna()})
+        kinds = sorted({str(s) for s in part.get("server_kind", []) if isinstance(s, str)})
+        no_done = part.get("streams_without_done")
+        rows.append([label, ", ".join(kinds) or "–", ", ".join(sources) or "–",
+                     "–" if no_done is None else str(int(no_done.fillna(0).sum()))])
+    table = markdown_table(["label", "server kind", "token counts from", "streams without [DONE]"],
+                           rows, right=())
+    return ("## Token counts\n\n`server_ids`, `usage` and `meta_info` are the server's own counts; "
+            "`tokenizer` tokenises the streamed text with the model's tokenizer (`--tokenizer`); "
+            "`estimated` counts one token per text chunk.\n\n" + table)
 
 
 def _failures(results: ResultSet) -> str:

@@ -31,6 +31,7 @@ from .request import SamplingParams, validate_prompt
 from .sequence import (
     FALLBACK_LOGPROBS,
     FALLBACK_LOW_ACCEPTANCE,
+    FALLBACK_PENALTIES,
     FALLBACK_SAMPLING,
     Phase,
     Sequence,
@@ -168,6 +169,11 @@ class Engine:
             raise RequestError(f"duplicate request id {request_id!r}")
         validate_prompt(prompt_ids, self.target.config.vocab_size, self.context_len,
                         params.max_tokens)
+        vocab = self.target.config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias token id(s) {outside[:5]} outside the vocabulary "
+                               f"[0, {vocab})")
         if oracle is not None and not params.greedy:
             raise RequestError("the oracle proposer is greedy-only (temperature 0)")
         # queued requests take the free slots first, at the next step
@@ -202,6 +208,8 @@ class Engine:
                 self._fall_back(seq, FALLBACK_LOGPROBS)
             elif params.repetition_penalty != 1.0:
                 self._fall_back(seq, FALLBACK_SAMPLING)
+            elif params.penalised:
+                self._fall_back(seq, FALLBACK_PENALTIES)
         self.known[request_id] = seq
         self.waiting.append(seq)
 

@@ -162,7 +162,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="DFlash reference server", lifespan=lifespan)
 
     def fail(exc: ProtocolError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.kind, exc.param, exc.status),
+        return JSONResponse(error_body(str(exc), exc.kind, exc.param, exc.code),
                             status_code=exc.status)
 
     def authorized(request: Request) -> bool:
@@ -197,7 +197,8 @@ def create_app(server: Server) -> FastAPI:
             return fail(ProtocolError("the request body is not valid JSON"))
         try:
             parsed = parse_request(body, server.name, server.tokenize, chat,
-                                   server.apply_chat_template)
+                                   server.apply_chat_template,
+                                   server.engine.target.config.vocab_size)
         except ProtocolError as exc:
             return fail(exc)
         server.counter += 1
@@ -219,7 +220,8 @@ def create_app(server: Server) -> FastAPI:
         lp = None
         if parsed.logprobs is not None and out.new_logprobs:
             lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
-                               out.new_logprobs[: len(ids)], lambda t: server.detokenize([t]))
+                               out.new_logprobs[: len(ids)], lambda t: server.detokenize([t]),
+                               parsed.logprobs)
         return delta, ids, lp
 
     async def collect_response(request_id, parsed, queue, text):
@@ -246,7 +248,7 @@ def create_app(server: Server) -> FastAPI:
         lp = None
         if parsed.logprobs is not None:
             lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
-                               entries, lambda t: server.detokenize([t]))
+                               entries, lambda t: server.detokenize([t]), parsed.logprobs)
         return full_response(request_id, server.name, parsed.chat, "".join(pieces), ids,
                              finish or "abort", lp, usage(len(parsed.prompt_ids), len(ids)),
                              spec_summary(sequence), parsed.prompt_ids)

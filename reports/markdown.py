@@ -25,8 +25,9 @@ METRIC_DEFINITIONS = """\
 - **TPOT** per request = (E2E - TTFT) / (output_tokens - 1); requests with one token are
   left out of TPOT. Reported as mean and percentiles across requests.
 - **ITL, per token**: each gap between token-bearing chunks is divided evenly among the
-  tokens that chunk carries (counts from the server's usage or token ids, never from
-  re-tokenising text). **Chunk ITL** is the raw gap between token-bearing chunks, reported
+  tokens that chunk carries (counts from the server's token ids or usage; only for a server
+  that reports neither, from the model's tokenizer applied to the streamed text, as the
+  Token counts section says). **Chunk ITL** is the raw gap between token-bearing chunks, reported
   separately. Under speculative decoding one chunk carries several tokens, so the two
   differ a lot; both are shown.
 - **Output throughput** = all output tokens / wall time of the measured phase (warm-up

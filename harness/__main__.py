@@ -149,8 +149,7 @@ def prompts_for(args, count: int) -> list:
     return take(pool, count, args.seed)
 
 
-def run(args, servers: dict[str, ManagedServer], out: Path,
-        endpoints: dict[str, Endpoint]) -> list[dict]:
+def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of) -> list[dict]:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     slo = {k: v for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms),
                              ("e2e", args.slo_e2e_ms)) if v is not None}
@@ -167,7 +166,7 @@ def run(args, servers: dict[str, ManagedServer], out: Path,
             for label, server in servers.items():  # interleaved A, B, A, B
                 if (label, c, repeat) in skip:
                     continue
-                endpoint = endpoints[label]
+                endpoint = endpoint_of(label)  # probed on first use only
                 labels = {"label": label, "concurrency": c, "repeat": repeat}
                 summaries.append(measure(endpoint, prompts, spec, out, labels,
                                          server.url + "/metrics"))
@@ -203,13 +202,21 @@ def main(argv: list[str] | None = None) -> int:
                 url, cmd = getattr(args, f"{side}_url"), getattr(args, f"{side}_cmd")
                 servers[side.upper()] = ManagedServer.start(cmd) if cmd else ManagedServer(url)
         tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
-        endpoints = {label: endpoint_for(server.url, args, args.endpoint, tokenizer)
-                     for label, server in servers.items()}
+        endpoints: dict[str, Endpoint] = {}
+
+        def endpoint_of(label: str) -> Endpoint:
+            if label not in endpoints:
+                endpoints[label] = endpoint_for(servers[label].url, args, args.endpoint,
+                                                tokenizer)
+            return endpoints[label]
+
         meta = metadata(argv, servers, args.notes)
-        meta["server_kinds"] = {label: e.accepts.as_dict() for label, e in endpoints.items()}
         meta["tokenizer"] = args.tokenizer
         write_meta(out, meta)
-        summaries = run(args, servers, out, endpoints)
+        summaries = run(args, servers, out, endpoint_of)
+        if endpoints:
+            meta["server_kinds"] = {label: e.accepts.as_dict() for label, e in endpoints.items()}
+            write_meta(out, meta)
         if (out / "summary.csv").exists():  # every row, a resumed run's earlier ones too
             with (out / "summary.csv").open() as f:
                 rows = list(csv.DictReader(f))

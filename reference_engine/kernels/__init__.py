@@ -23,6 +23,7 @@ import torch
 from . import reference
 
 NUMERICS = ("exact", "fast")
+EXACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -65,4 +66,11 @@ def select(numerics: str | None, device: torch.device | str, dtype: torch.dtype)
     numerics = numerics or default_numerics(device)
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    return TORCH
+    if numerics == "fast" or torch.device(device).type != "cuda":
+        return TORCH
+    if dtype not in EXACT_DTYPES:
+        raise ValueError(f"exact numerics runs bfloat16, float16 or float32 models, not {dtype}; "
+                         "use numerics 'fast'")
+    from .triton_ops import TRITON  # needs triton, present wherever CUDA torch is
+
+    return TRITON

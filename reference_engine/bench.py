@@ -54,6 +54,7 @@ import torch
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from .demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from .errors import ReferenceEngineError, exit_with
+from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.engine import Engine, EngineConfig
 from .runtime.request import SamplingParams
@@ -85,6 +86,7 @@ class BenchArgs:
     seed: int
     profile_capture: bool
     out: str | None
+    numerics: str | None
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> BenchArgs:
@@ -115,6 +117,9 @@ class BenchArgs:
                        help="cudaProfilerStart/Stop around the measured repeats, for "
                             "nsys profile --capture-range=cudaProfilerApi")
         p.add_argument("--out", help="CSV file for the per-(mode, concurrency) rows")
+        p.add_argument("--numerics", choices=NUMERICS, default=None,
+                       help="kernels: exact (batch- and verify-invariant) or fast (vendor "
+                            "libraries); default exact on cuda (the CPU runs the references)")
         ns = p.parse_args(argv)
         if ns.random_shape is not None and ns.model is not None:
             p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")
@@ -190,7 +195,8 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
     """One run to completion. With `draft` None: plain decode. Returns the row and outputs."""
     config = EngineConfig(max_num_seqs=concurrency, block_size=args.block_size,
                           commit_strategy=args.commit_strategy,
-                          max_model_len=max(map(len, prompts)) + args.output_len)
+                          max_model_len=max(map(len, prompts)) + args.output_len,
+                          numerics=args.numerics)
     engine = Engine(target, draft, config)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     block = engine.block_size
@@ -220,6 +226,7 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
     total = sum(len(o) for o in outputs)
     row = {
         "mode": "plain" if draft is None else "dflash",
+        "numerics": engine.numerics,
         "concurrency": concurrency,
         "output_tokens_per_s": total / wall,
         "mean_acceptance_length": stats["spec"]["mean_acceptance_length"] if draft else 1.0,

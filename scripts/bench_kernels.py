@@ -24,15 +24,15 @@ PROJECTIONS = {"qkv 8B": (6144, 4096), "o 8B": (4096, 4096), "gate/up 8B": (1228
                "down 8B": (4096, 12288), "lm_head 8B": (151936, 4096)}
 
 
-def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def median_ms(fn, *args) -> float:
+    return triton.testing.do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median")
 
 
 def copy_bandwidth() -> float:
     """GB/s of a 2 GiB device-to-device copy (bytes read + written)."""
     src = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
+    ms = median_ms(dst.copy_, src)
     return 2 * src.numel() * 2 / ms / 1e6
 
 
@@ -50,15 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
         for M in (1, 16, 64, 256, 1024):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            exact = median_ms(lambda: matmul(x, w))
-            fast = median_ms(lambda: ref.linear(x, w))
+            exact = median_ms(matmul, x, w)
+            fast = median_ms(ref.linear, x, w)
             floor = (N * K + M * K + M * N) * 2 / bw / 1e6
             rows.append({"kernel": "matmul", "shape": f"{name} M={M}", "exact_ms": exact, "fast_ms": fast,
                          "memory_floor_ms": floor})
     x, w = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(4096, device="cuda",
                                                                                   dtype=torch.bfloat16)
-    rows.append({"kernel": "rms_norm", "shape": "64x4096", "exact_ms": median_ms(lambda: rms_norm(x, w, 1e-6, False)),
-                 "fast_ms": median_ms(lambda: ref.rms_norm(x, w, 1e-6, False)), "memory_floor_ms": 0.0})
+    rows.append({"kernel": "rms_norm", "shape": "64x4096",
+                 "exact_ms": median_ms(rms_norm, x, w, 1e-6, False),
+                 "fast_ms": median_ms(ref.rms_norm, x, w, 1e-6, False), "memory_floor_ms": 0.0})
     kc = torch.randn(16, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     for b, T, ctx in ((1, 1, 1024), (1, 16, 1024), (16, 1, 1024), (16, 16, 1024)):
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         slots = torch.arange(b, device="cuda")
         pos = (ctx + torch.arange(T, device="cuda"))[None].expand(b, T).contiguous()
         rows.append({"kernel": "attention", "shape": f"b={b} T={T} ctx={ctx}",
-                     "exact_ms": median_ms(lambda: attention(q, kc, vc, slots, pos, ctx + T, 0.088)),
-                     "fast_ms": median_ms(lambda: ref.attention(q, kc, vc, slots, pos, ctx + T, 0.088)),
+                     "exact_ms": median_ms(attention, q, kc, vc, slots, pos, ctx + T, 0.088),
+                     "fast_ms": median_ms(ref.attention, q, kc, vc, slots, pos, ctx + T, 0.088),
                      "memory_floor_ms": b * (ctx + T) * 8 * 128 * 2 * 2 / bw / 1e6})
     for b, T in ((1, 1), (1, 16), (16, 16)):
         H, D = 32, 128
@@ -76,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         v, g = torch.randn(b, T, H, D, device="cuda"), -torch.rand(b, T, H, device="cuda")
         beta, s = torch.rand(b, T, H, device="cuda"), torch.randn(b, H, D, D, device="cuda")
         rows.append({"kernel": "gated_delta", "shape": f"b={b} T={T} H=32 128x128",
-                     "exact_ms": median_ms(lambda: gated_delta(q, k, v, g, beta, s)),
-                     "fast_ms": median_ms(lambda: ref.gated_delta(q, k, v, g, beta, s)),
+                     "exact_ms": median_ms(gated_delta, q, k, v, g, beta, s),
+                     "fast_ms": median_ms(ref.gated_delta, q, k, v, g, beta, s),
                      "memory_floor_ms": b * H * D * D * 4 * 2 / bw / 1e6})
     print(f"{'kernel':<12} {'shape':<26} {'exact ms':>9} {'fast ms':>9} {'exact/fast':>10} {'floor ms':>9}")
     for r in rows:

@@ -37,6 +37,7 @@ def _attention_kernel(
     CAUSAL: tl.constexpr,
     SLIDING: tl.constexpr,
     HAS_VALID: tl.constexpr,
+    IEEE: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -84,7 +85,10 @@ def _attention_kernel(
         offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
         k = tl.load(k_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(v_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        if IEEE:  # float32 models: no tf32 rounding of the operands
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -92,7 +96,10 @@ def _attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -135,6 +142,7 @@ def attention(
         out.stride(0), out.stride(1), out.stride(2),
         positions.stride(0),
         CAUSAL=causal, SLIDING=sliding_window is not None, HAS_VALID=valid_len is not None,
+        IEEE=q.dtype == torch.float32,
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         num_warps=4,
     )

@@ -36,9 +36,28 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / ms / 1e6
 
 
+def sweep(bw: float) -> None:
+    """Matmul tile configurations on two 8B projections: median ms per M, and whether row 0
+    keeps its bits across the configurations (it need not: the engine fixes one per weight)."""
+    print("tiles (BM, BN, BK)      " + " ".join(f"{'M=' + str(m):>9}" for m in (1, 16, 256, 1024))
+          + "  row0 == default")
+    for name in ("qkv 8B", "down 8B"):
+        N, K = PROJECTIONS[name]
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+        xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 256, 1024)}
+        base = matmul(xs[16], w)[:1]
+        for tiles in ((16, 16, 64), (16, 32, 128), (16, 64, 64), (32, 32, 64), (64, 64, 64),
+                      (64, 128, 64), (128, 128, 64)):
+            times = [median_ms(matmul, xs[m], w, None, tiles) for m in xs]
+            same = torch.equal(matmul(xs[16], w, None, tiles)[:1], base)
+            print(f"{name:<8} {str(tiles):<15}" + " ".join(f"{t:9.4f}" for t in times) + f"  {same}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_kernels.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="CSV of every row")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time matmul tile configurations (and whether row bits agree)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
@@ -55,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             floor = (N * K + M * K + M * N) * 2 / bw / 1e6
             rows.append({"kernel": "matmul", "shape": f"{name} M={M}", "exact_ms": exact, "fast_ms": fast,
                          "memory_floor_ms": floor})
+    if args.sweep:
+        sweep(bw)
     x, w = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(4096, device="cuda",
                                                                                   dtype=torch.bfloat16)
     rows.append({"kernel": "rms_norm", "shape": "64x4096",

@@ -76,8 +76,10 @@ def block_n(n: int, sm_count: int) -> int:
     return 16
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N], batch-invariant (module docstring)."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N], batch-invariant (module docstring).
+    `tiles` (BLOCK_M, BLOCK_N, BLOCK_K) overrides the configuration, for tile sweeps only."""
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"matmul: x has {x.shape[-1]} columns, weight expects {K}")
@@ -89,15 +91,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M == 0:
         return out.reshape(*lead, N)
     device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
-    bn = block_n(N, _sm_count(device_index))
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, bn))
+    bm, bn, bk = tiles or (BLOCK_M, block_n(N, _sm_count(device_index)), BLOCK_K)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _matmul_kernel[grid](
         x2, w, bias if bias is not None else w, out,
         M, N, K,
         x2.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=4, num_stages=4,
     )
     return out.reshape(*lead, N)

@@ -76,8 +76,8 @@ def test_matmul_rows_do_not_depend_on_the_other_rows() -> None:
 def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
     assert block_n(151936, 132) == 128  # the LM head: plenty of programs at the widest tile
     assert block_n(12288, 132) == 64
-    assert block_n(4096, 132) == 16  # a narrow projection is split finer to fill the SMs
-    assert block_n(20, 132) == 16
+    assert block_n(4096, 132) == 32  # a narrow projection is split finer to fill the SMs
+    assert block_n(20, 132) == 32
 
 
 # ----------------------------------------------------------------------------- row kernels
@@ -190,6 +190,7 @@ def test_the_switch_runs_references_off_cuda_and_triton_in_exact_mode_on_cuda() 
     assert kernels.select("fast", "cuda", torch.bfloat16) is kernels.TORCH
     assert kernels.select(None, "cuda", torch.bfloat16).name == "triton"
     assert kernels.default_numerics("cuda") == "exact" and kernels.default_numerics("cpu") == "fast"
+    assert kernels.select(None, "cuda", torch.float64) is kernels.TORCH  # no float64 Triton dots
     with pytest.raises(ValueError, match="numerics must be one of exact, fast, got 'loose'"):
         kernels.select("loose", "cpu", torch.float32)
     with pytest.raises(ValueError, match="not torch.float64; use numerics 'fast'"):

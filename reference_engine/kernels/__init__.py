@@ -56,14 +56,16 @@ TORCH = Kernels(
 )
 
 
-def default_numerics(device: torch.device | str) -> str:
-    """`exact` on CUDA (the gates' promise holds in bfloat16), else `fast` (the references)."""
-    return "exact" if torch.device(device).type == "cuda" else "fast"
+def default_numerics(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """`exact` on CUDA for the dtypes it runs (the gates' promise holds in bfloat16), else
+    `fast`: the references, which is what a float64 model or the CPU runs anyway."""
+    cuda = torch.device(device).type == "cuda"
+    return "exact" if cuda and dtype in EXACT_DTYPES else "fast"
 
 
 def select(numerics: str | None, device: torch.device | str, dtype: torch.dtype) -> Kernels:
-    """The kernels for a model on `device` in `dtype` (numerics None: the device's default)."""
-    numerics = numerics or default_numerics(device)
+    """The kernels for a model on `device` in `dtype` (numerics None: the default for both)."""
+    numerics = numerics or default_numerics(device, dtype)
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     if numerics == "fast" or torch.device(device).type != "cuda":

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16
-BLOCK_K = 64
+BLOCK_K = 128
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -70,10 +70,10 @@ def block_n(n: int, sm_count: int) -> int:
     """Column tile for a weight with n output columns: the widest that still gives every SM a
     program (decode streams the weight once, so idle SMs are lost bandwidth). A function of
     the weight's shape only."""
-    for width in (128, 64, 32):
+    for width in (128, 64):
         if triton.cdiv(n, width) >= sm_count:
             return width
-    return 16
+    return 32
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -3,12 +3,12 @@ contract of its PyTorch reference (kernels/reference.py)."""
 
 from __future__ import annotations
 
-from . import Kernels
 from .argmax import greedy
 from .attention import attention
 from .gated_delta import causal_conv, gated_delta
 from .matmul import matmul
 from .norms import gated_rms_norm, l2_norm, rms_norm, silu_mul
+from .table import Kernels
 
 TRITON = Kernels(
     name="triton",

@@ -65,6 +65,7 @@ class ServeArgs:
     served_model_name: str | None
     oracle_acceptance: float | None
     numerics: str | None
+    enforce_eager: bool
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
@@ -90,6 +91,8 @@ class ServeArgs:
                        help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
                             "greedy bit for bit in bfloat16) or fast (vendor libraries); default "
                             "exact on cuda; the CPU runs the PyTorch references")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="run every forward eagerly (no CUDA graphs)")
         return cls(**vars(p.parse_args(argv)))
 
 
@@ -108,7 +111,8 @@ class Server:
             raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               block_size=args.block_size, commit_strategy=args.commit_strategy,
-                              max_waiting=args.max_waiting, numerics=args.numerics)
+                              max_waiting=args.max_waiting, numerics=args.numerics,
+                              enforce_eager=args.enforce_eager)
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
         self.chat_template = _chat_template(Path(args.model))

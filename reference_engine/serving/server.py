@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from ..errors import ReferenceEngineError, exit_with
+from ..kernels import NUMERICS
 from ..runtime.commit import COMMIT_STRATEGIES
 from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from ..runtime.speculative import OracleProposer
@@ -64,6 +65,8 @@ class ServeArgs:
     api_key: str | None
     served_model_name: str | None
     oracle_acceptance: float | None
+    numerics: str | None
+    enforce_eager: bool
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
@@ -85,6 +88,12 @@ class ServeArgs:
         p.add_argument("--oracle-acceptance", type=float, default=None,
                        help="benchmarks only: force this mean acceptance length on greedy "
                        "requests (the draft still runs; output is not checked)")
+        p.add_argument("--numerics", choices=NUMERICS, default=None,
+                       help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
+                            "greedy bit for bit in bfloat16) or fast (vendor libraries); default "
+                            "exact on cuda; the CPU runs the PyTorch references")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="run every forward eagerly (no CUDA graphs)")
         return cls(**vars(p.parse_args(argv)))
 
 
@@ -103,7 +112,8 @@ class Server:
             raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               block_size=args.block_size, commit_strategy=args.commit_strategy,
-                              max_waiting=args.max_waiting)
+                              max_waiting=args.max_waiting, numerics=args.numerics,
+                              enforce_eager=args.enforce_eager)
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
         self.chat_template = _chat_template(Path(args.model))

@@ -57,6 +57,7 @@ from .errors import ReferenceEngineError, exit_with
 from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.engine import Engine, EngineConfig
+from .runtime.floor import weight_streaming_floor
 from .runtime.request import SamplingParams
 from .runtime.speculative import OracleProposer
 from .runtime.stats import PHASES
@@ -88,6 +89,7 @@ class BenchArgs:
     out: str | None
     numerics: tuple[str | None, ...]
     enforce_eager: bool
+    floor: bool
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> BenchArgs:
@@ -124,6 +126,10 @@ class BenchArgs:
                             "default: exact on cuda (the CPU runs the references)")
         p.add_argument("--enforce-eager", action="store_true",
                        help="run every forward eagerly (no CUDA graphs)")
+        p.add_argument("--floor", action="store_true",
+                       help="measure the weight-streaming floor (every weight read once, "
+                            "graph-captured) per concurrency and give each step time as a "
+                            "multiple of it")
         ns = p.parse_args(argv)
         if ns.random_shape is not None and ns.model is not None:
             p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")
@@ -246,6 +252,8 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
         **{f"ms_{phase}": 1000 * phases.get(kind + phase, 0.0) for phase in PHASES},
         "ms_step": 1000 * step_s,
         "ms_per_step": 1000 * step_s / max(steps, 1),
+        # one decode step (plain) or one draft -> verify -> accept -> commit step (DFlash)
+        "ms_per_decode_step": decode_step_ms(phases, engine.timer.calls, kind, draft is not None),
         **{f"n_{phase}": engine.timer.calls[phase] for phase in PHASES},
         "phase_clock": "cuda_events" if on_gpu else "host",
         "steps": steps,
@@ -253,6 +261,22 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
         "wall_s": wall,
     }
     return {"row": row, "outputs": outputs}
+
+
+def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> float:
+    """Milliseconds per decode step: the decode phase per call (plain), or the draft, verify,
+    accept and commit phases per verify (DFlash)."""
+    names = ("draft", "verify", "accept", "commit") if speculative else ("decode",)
+    count = calls["verify" if speculative else "decode"]
+    return 1000 * sum(phases.get(kind + name, 0.0) for name in names) / max(count, 1)
+
+
+def print_floor(rows: list[dict]) -> None:
+    print("mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor")
+    for r in rows:
+        print(f"{r['mode']} | {r['numerics']} | {r['concurrency']} | {r['ms_per_decode_step']:.2f} | "
+              f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
+              f"{r['over_floor']:.2f}")
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -292,7 +316,14 @@ def benchmark(args: BenchArgs) -> list[dict]:
                          numerics)
         with capture_range(capture):
             measured = measure(target, draft, prompts, args, c, warm["outputs"])
-        rows += [median_row(runs) for runs in measured.values()]
+        floor = weight_streaming_floor(target, rows=c) if args.floor else None
+        for runs in measured.values():
+            row = median_row(runs)
+            if floor is not None:
+                row.update(floor_ms=floor.ms_median, floor_ms_min=floor.ms_min,
+                           floor_ms_max=floor.ms_max, floor_gb_per_s=floor.gb_per_s,
+                           over_floor=row["ms_per_decode_step"] / floor.ms_median)
+            rows.append(row)
         if args.out:  # after every concurrency, so an interrupted run keeps what it measured
             write_csv(args.out, rows)
     return rows
@@ -360,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     except ReferenceEngineError as exc:
         return exit_with(exc)
     print_table(rows)
+    if args.floor:
+        print_floor(rows)
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -331,7 +331,8 @@ class Engine:
             self.state.lengths[seq.slot] = n + 1
         with self.timer.phase("sample"):
             if all(s.params.greedy and s.params.logprobs is None
-                   and s.params.repetition_penalty == 1.0 for s in seqs):
+                   and s.params.repetition_penalty == 1.0 and not s.params.penalised
+                   for s in seqs):
                 # the device argmax (lowest id on a tie, as choose_tokens), one transfer
                 chosen = replayed["tokens"] if replayed is not None else self.ops.greedy(logits)
                 tokens, logprobs = [[t] for t in chosen.tolist()], [None] * len(seqs)

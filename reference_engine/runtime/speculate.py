@@ -161,8 +161,7 @@ class SpeculativeStep:
         """One target forward over every block; captures the draft's context features and
         keeps what the commit strategy needs."""
         if self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
-            for slot in rows.slot_ids:
-                self.state.save(slot)
+            self.state.save_rows(rows.slot_ids)
         if self.graphs is not None:
             replayed = self.graphs.verify(block, rows.positions, rows.slots, rows.n_t + 1)
             if replayed is not None:

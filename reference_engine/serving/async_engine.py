@@ -4,13 +4,20 @@ requests and reads each request's step outputs from an asyncio queue.
 The Engine is not thread-safe, so every call into it happens on the engine thread: the
 event loop posts commands to a queue that the thread drains between steps, and the thread
 posts outputs back with `loop.call_soon_threadsafe`.
+
+The thread never dies of one request: a request the engine fails (see runtime/engine.py)
+ends with an error on its own queue, is reported to `on_error` with its id, and the loop
+goes on; anything unexpected in a whole step fails the requests in flight, not the thread.
+`alive` is what /health reports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +25,12 @@ from ..errors import ReferenceEngineError
 from ..runtime.engine import Engine, StepOutput
 from ..runtime.request import SamplingParams
 from ..runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request (the others went on)."""
 
 
 @dataclass
@@ -35,11 +48,13 @@ class AsyncEngine:
         on_step: Callable[[Engine, list[StepOutput]], None] | None = None,
         on_finish: Callable[[Sequence], None] | None = None,
         make_oracle: Callable[[SamplingParams], object | None] | None = None,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self.engine = engine
         self.make_oracle = make_oracle  # benchmarks only: forced acceptance per request
-        # called on the engine thread after every step and every finished request (metrics)
-        self.on_step, self.on_finish = on_step, on_finish
+        # called on the engine thread after every step and every finished request (metrics),
+        # and with (request id, reason) for every request the engine failed
+        self.on_step, self.on_finish, self.on_error = on_step, on_finish, on_error
         self.commands: queue.Queue = queue.Queue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.running = True
@@ -63,6 +78,11 @@ class AsyncEngine:
         self.commands.put(("abort", request_id))
         self.wake.set()
 
+    @property
+    def alive(self) -> bool:
+        """The engine loop is running (what /health reports)."""
+        return self.running and self.thread.is_alive()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the thread."""
         self.commands.put(("stop",))
@@ -80,6 +100,12 @@ class AsyncEngine:
         self._post(request_id, Finished(sequence, error))
         self.streams.pop(request_id, None)
 
+    def _fail(self, request_id: str, sequence: Sequence | None, reason: str) -> None:
+        log.error("request %s failed: %s", request_id, reason)
+        if self.on_error is not None:
+            self.on_error(request_id, reason)
+        self._finish(request_id, sequence, RequestFailed(reason))
+
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -94,6 +120,14 @@ class AsyncEngine:
                     self.engine.add_request(request_id, prompt_ids, params, oracle=oracle)
                 except ReferenceEngineError as exc:
                     loop.call_soon_threadsafe(_set_exception, done, exc)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - one request's, not the thread's
+                    log.error("request %s could not be queued:\n%s", request_id,
+                              traceback.format_exc())
+                    if self.on_error is not None:
+                        self.on_error(request_id, f"{type(exc).__name__}: {exc}")
+                    loop.call_soon_threadsafe(_set_exception, done, RequestFailed(
+                        f"engine error: {type(exc).__name__}: {exc}"))
                     continue
                 self.streams[request_id] = (loop, out)
                 loop.call_soon_threadsafe(_set_result, done, None)
@@ -112,29 +146,40 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while self.running:
-            self._drain_commands()
-            if not self.running:
-                break
-            if not self.engine.has_unfinished():
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # an engine bug: fail every request, keep serving
+                self._turn()
+            except Exception as exc:  # noqa: BLE001 - an engine bug outside any one request
+                log.error("engine step failed:\n%s", traceback.format_exc())
                 for request_id in list(self.engine.known):
-                    self.engine.abort(request_id)
-                    self._finish(request_id, None, exc)
-                continue
-            for out in outputs:
+                    try:
+                        self.engine.abort(request_id)
+                    except ReferenceEngineError:
+                        pass
+                    self._fail(request_id, None, f"engine error: {type(exc).__name__}: {exc}")
+
+    def _turn(self) -> None:
+        """Commands, then one engine step and its outputs."""
+        self._drain_commands()
+        if not self.running:
+            return
+        if not self.engine.has_unfinished():
+            self.wake.wait(0.05)
+            self.wake.clear()
+            return
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.error is None:
                 self._post(out.request_id, out)
-                if out.finished:
-                    sequence = self.engine.collect(out.request_id)
-                    if self.on_finish is not None:
-                        self.on_finish(sequence)
+            if out.finished:
+                sequence = self.engine.collect(out.request_id)
+                if self.on_finish is not None:
+                    self.on_finish(sequence)
+                if out.error is not None:
+                    self._fail(out.request_id, sequence, out.error)
+                else:
                     self._finish(out.request_id, sequence)
-            if self.on_step is not None:
-                self.on_step(self.engine, outputs)
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs)
 
 
 def _set_result(future: asyncio.Future, value: object) -> None:

@@ -16,7 +16,9 @@ what is in flight and exits.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,7 +34,9 @@ from ..runtime.commit import COMMIT_STRATEGIES
 from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from ..runtime.speculative import OracleProposer
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
-from .async_engine import AsyncEngine, Finished
+from .async_engine import AsyncEngine, Finished, RequestFailed
+from .chat_template import compile_chat_template, render_chat_template
+from .limits import BodyLimits, MiB, decode_json, read_body
 from .metrics import ServerMetrics
 from .protocol import (
     ProtocolError,
@@ -63,28 +67,52 @@ class ServeArgs:
     api_key: str | None
     served_model_name: str | None
     oracle_acceptance: float | None
+    max_body_mb: float = 4.0
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
-        p = argparse.ArgumentParser(prog="python -m reference_engine.serve")
-        p.add_argument("--model", required=True)
-        p.add_argument("--dflash-draft-model-path", default=None)
-        p.add_argument("--block-size", type=int, default=None)
-        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES)
-        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--device", default="cpu")
-        p.add_argument("--max-num-seqs", type=int, default=8)
-        p.add_argument("--max-model-len", type=int, default=None)
+        p = argparse.ArgumentParser(prog="python -m reference_engine.serve",
+                                    description="The OpenAI-compatible reference server.")
+        p.add_argument("--model", required=True,
+                       help="target checkpoint directory (Hugging Face layout)")
+        p.add_argument("--dflash-draft-model-path", default=None,
+                       help="DFlash draft checkpoint directory; without it, plain decode")
+        p.add_argument("--block-size", type=int, default=None,
+                       help="DFlash block size (anchor included; default: the draft's)")
+        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES,
+                       help="how hybrid (Gated DeltaNet) state reaches the accepted boundary")
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                       help="weights and activations")
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+        p.add_argument("--max-num-seqs", type=int, default=8,
+                       help="slots: requests decoded at once")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the target's max_position_embeddings)")
         p.add_argument("--max-waiting", type=int, default=256,
                        help="queued requests beyond the slots; more get HTTP 429")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=8000)
-        p.add_argument("--api-key", default=None)
-        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (loopback by default)")
+        p.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535")
+        p.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on the API (else 401)")
+        p.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the model directory's name)")
         p.add_argument("--oracle-acceptance", type=float, default=None,
                        help="benchmarks only: force this mean acceptance length on greedy "
                        "requests (the draft still runs; output is not checked)")
+        p.add_argument("--max-body-mb", type=float, default=4.0,
+                       help="largest request body in MiB; a larger one gets HTTP 413")
         return cls(**vars(p.parse_args(argv)))
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {port}")
+    return port
 
 
 class Server:
@@ -105,7 +133,8 @@ class Server:
                               max_waiting=args.max_waiting)
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
-        self.chat_template = _chat_template(Path(args.model))
+        self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
+        self.limits = BodyLimits(max_bytes=int(args.max_body_mb * MiB))
         self.name = args.served_model_name or Path(args.model).name
         self.api_key = args.api_key
         self.metrics = ServerMetrics()
@@ -127,7 +156,7 @@ class Server:
 
     def start(self) -> None:
         self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.metrics.on_finished,
-                                  self.make_oracle)
+                                  self.make_oracle, self.metrics.on_failed)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -136,10 +165,7 @@ class Server:
         return self.tokenizer.decode(ids)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        import jinja2
-
-        template = jinja2.Environment().from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True)
+        return render_chat_template(self.chat_template, messages)
 
 
 def _chat_template(model_dir: Path) -> str:
@@ -204,6 +230,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if server.runner is None or not server.runner.alive:
+            return JSONResponse({"status": "unhealthy", "reason": "the engine loop is not running"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -224,12 +253,9 @@ def create_app(server: Server) -> FastAPI:
             return fail(ProtocolError("missing or wrong API key", None, 401,
                                       "authentication_error"))
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return fail(ProtocolError("the request body is not valid JSON"))
-        try:
-            parsed = parse_request(body, server.name, server.tokenize, chat,
-                                   server.apply_chat_template)
+            raw = await read_body(request, server.limits)
+            # decoding and tokenising a large body take a while: not on the event loop
+            parsed = await asyncio.to_thread(_parse, server, raw, chat)
         except ProtocolError as exc:
             return fail(exc)
         server.counter += 1
@@ -240,6 +266,8 @@ def create_app(server: Server) -> FastAPI:
             return fail(ProtocolError(str(exc), None, 429, "rate_limit_error"))
         except ReferenceEngineError as exc:
             return fail(ProtocolError(str(exc)))
+        except RequestFailed as exc:
+            return fail(ProtocolError(str(exc), None, 500, "server_error"))
         text = TextStream(server, parsed.stop)
         if parsed.stream:
             return StreamingResponse(stream_events(request_id, parsed, queue, text, request),
@@ -329,6 +357,11 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+def _parse(server: Server, raw: bytes, chat: bool):
+    body = decode_json(raw, server.limits)
+    return parse_request(body, server.name, server.tokenize, chat, server.apply_chat_template)
+
+
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
@@ -340,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReferenceEngineError as exc:
         return exit_with(exc)
     import uvicorn
+
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     app = create_app(server)
     mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"

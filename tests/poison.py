@@ -5,7 +5,7 @@ such branch.
 
     with poisoned():
         engine.step()            # the marked request's rows turn NaN, no one else's
-    python -m tests.poison SERVE_ARGS...   # our server with the poison planted
+    python -m tests.poison SERVE_ARGS...   # our server with the poison (and KILL) planted
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from reference_engine.models import CausalLM
 from reference_engine.runtime.engine import Engine
 
 POISON = 13  # first prompt token of a poisoned request
 POISON_AFTER = 5  # committed tokens (prompt + output) before its logits turn NaN
+KILL = 14  # first prompt token of a request that kills the engine thread (`killing()`)
+
+
+class EngineKilled(BaseException):
+    """Not an Exception: nothing in the engine catches it, so the engine thread dies."""
 
 _slots: set[int] = set()
 
@@ -53,9 +56,25 @@ def poisoned() -> Iterator[None]:
         _slots.clear()
 
 
+@contextmanager
+def killing() -> Iterator[None]:
+    """A request whose prompt starts with KILL takes the engine thread down at its prefill."""
+    prefill = Engine._prefill
+
+    def killing_prefill(self, seq, outputs):
+        if seq.prompt_ids[0] == KILL:
+            raise EngineKilled("planted")
+        return prefill(self, seq, outputs)
+
+    Engine._prefill = killing_prefill
+    try:
+        yield
+    finally:
+        Engine._prefill = prefill
+
+
 if __name__ == "__main__":
     from reference_engine.serving.server import main
 
-    torch.set_num_threads(1)
-    with poisoned():
+    with poisoned(), killing():
         sys.exit(main(sys.argv[1:]))

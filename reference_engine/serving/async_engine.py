@@ -66,6 +66,8 @@ class AsyncEngine:
     async def submit(self, request_id: str, prompt_ids: list[int],
                      params: SamplingParams) -> asyncio.Queue:
         """Queue a request; raises its RequestError/EngineFullError here, in the caller."""
+        if not self.alive:
+            raise RequestFailed("the engine loop is not running")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done: asyncio.Future = loop.create_future()
@@ -145,17 +147,33 @@ class AsyncEngine:
                 self.running = False
 
     def _loop(self) -> None:
-        while self.running:
+        try:
+            while self.running:
+                try:
+                    self._turn()
+                except Exception as exc:  # noqa: BLE001 - an engine bug outside any one request
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+        finally:
+            if self.running:  # not a shutdown: the thread is dying; no stream may hang on it
+                self.running = False
+                log.critical("the engine loop stopped:\n%s", traceback.format_exc())
+                self._fail_all("the engine loop stopped")
+                while not self.commands.empty():  # requests still waiting to be queued
+                    command = self.commands.get_nowait()
+                    if command[0] == "add":
+                        loop, done = command[4], command[6]
+                        loop.call_soon_threadsafe(_set_exception, done,
+                                                  RequestFailed("the engine loop stopped"))
+
+    def _fail_all(self, reason: str) -> None:
+        for request_id in list(self.engine.known):
             try:
-                self._turn()
-            except Exception as exc:  # noqa: BLE001 - an engine bug outside any one request
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                for request_id in list(self.engine.known):
-                    try:
-                        self.engine.abort(request_id)
-                    except ReferenceEngineError:
-                        pass
-                    self._fail(request_id, None, f"engine error: {type(exc).__name__}: {exc}")
+                self.engine.abort(request_id)
+            except ReferenceEngineError:
+                pass
+        for request_id in list(self.streams):
+            self._fail(request_id, None, reason)
 
     def _turn(self) -> None:
         """Commands, then one engine step and its outputs."""

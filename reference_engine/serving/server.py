@@ -133,6 +133,7 @@ class Server:
                               max_waiting=args.max_waiting)
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
+        self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
         self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
         self.limits = BodyLimits(max_bytes=int(args.max_body_mb * MiB))
         self.name = args.served_model_name or Path(args.model).name
@@ -159,7 +160,13 @@ class Server:
                                   self.make_oracle, self.metrics.on_failed)
 
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        # no token is longer than the vocabulary's longest, so a text too long for the
+        # context is refused without tokenising it
+        fewest = len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
+        if fewest >= self.engine.context_len:
+            raise ProtocolError(f"the prompt has at least {fewest} tokens but the context holds "
+                                f"{self.engine.context_len}", "prompt")
+        return self.tokenizer.encode_batch([text])[0].ids  # releases the GIL, unlike encode
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

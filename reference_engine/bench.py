@@ -141,7 +141,7 @@ class BenchArgs:
 def load_pair(args: BenchArgs):
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     if args.random_shape:
-        block = args.block_size or 16
+        block = 16 if args.block_size is None else args.block_size
         return random_pair(args.random_shape, args.device, dtype, args.seed, block_size=block)
     target = load_target(args.model, dtype=dtype, device=args.device)
     return target, load_draft(args.draft, target)

@@ -242,6 +242,15 @@ def create_app(server: Server) -> FastAPI:
                                 status_code=503)
         return {"status": "ok"}
 
+    @app.get("/info")
+    async def info():
+        """What a benchmark records about this server (harness meta.json, the report's run table)."""
+        engine = server.engine
+        return {"model": server.name, "torch": torch.__version__, "device": str(engine.device),
+                "dtype": str(engine.dtype).removeprefix("torch."), "numerics": engine.numerics,
+                "mode": "dflash" if engine.draft is not None else "plain",
+                "block_size": engine.block_size or None, "max_num_seqs": engine.config.max_num_seqs}
+
     @app.get("/v1/models")
     async def models(request: Request):
         if not authorized(request):

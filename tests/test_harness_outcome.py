@@ -163,3 +163,26 @@ def test_ctrl_c_ends_with_one_line_and_keeps_every_measured_row(tmp_path) -> Non
     found = keys(out)
     assert len(found) >= 2 and f"{len(found)} measured requests kept" in last_line(err)
     assert Counter(found).most_common(1)[0][1] == 1
+
+
+# ------------------------------------------------------------------ A/B labels and prompts
+def test_ab_names_the_sides_and_sends_the_whole_dataset_at_every_concurrency(tmp_path) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(5)))
+    a, a_url = serve(Script(CHUNKS))
+    b, b_url = serve(Script(CHUNKS))
+    out = tmp_path / "ab"
+    try:
+        assert main(["ab", "--a-url", a_url, "--b-url", b_url, "--a-label", "plain",
+                     "--b-label", "dflash", "--dataset", str(dataset), "--concurrency", "1,2,8",
+                     "--warmup", "1", "--output-len", "3", "--out", str(out)]) == 0
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert json.loads((out / "meta.json").read_text())["labels"] == {"A": "plain", "B": "dflash"}
+    # the whole set at every level, repeated up to the highest concurrency (8 -> 2 x 5)
+    assert {(r["concurrency"], int(r["completed"])) for r in summary(out)} == \
+        {("1", 10), ("2", 10), ("8", 10)}
+    report = (out / "report.md").read_text()
+    assert "A is **plain**, B is **dflash**." in report
+    assert "Outputs identical: 30/30 requests" in report

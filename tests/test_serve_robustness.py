@@ -279,3 +279,9 @@ def test_a_checkpoint_whose_template_runs_code_fails_the_request_not_the_server(
     finally:
         server.stop()
     assert not marker.exists()
+
+
+def test_info_names_torch_device_and_dtype_for_the_run_table(server) -> None:
+    info = httpx.get(server.url + "/info", timeout=TIMEOUT).json()
+    assert info["torch"] == torch.__version__
+    assert (info["device"], info["dtype"], info["mode"]) == ("cpu", "float64", "plain")

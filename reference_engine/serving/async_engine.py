@@ -33,6 +33,10 @@ class RequestFailed(RuntimeError):
     """The engine failed this request (the others went on)."""
 
 
+class ShuttingDown(RequestFailed):
+    """The server stopped before this request finished (its shutdown grace period ran out)."""
+
+
 @dataclass
 class Finished:
     """The last item on a request's queue: the whole sequence (for usage and statistics)."""
@@ -84,6 +88,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         """The engine loop is running (what /health reports)."""
         return self.running and self.thread.is_alive()
+
+    def end_all(self, reason: str) -> None:
+        """End every request in flight with ShuttingDown(reason) (graceful shutdown's deadline)."""
+        self.commands.put(("end_all", reason))
+        self.wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything in flight and stop the thread."""
@@ -140,6 +149,11 @@ class AsyncEngine:
                 except ReferenceEngineError:
                     pass  # already finished
                 self._finish(request_id, None)
+            elif kind == "end_all":
+                for request_id in list(self.engine.known):
+                    self.engine.abort(request_id)
+                for request_id in list(self.streams):
+                    self._finish(request_id, None, ShuttingDown(command[1]))
             elif kind == "stop":
                 for request_id in list(self.engine.known):
                     self.engine.abort(request_id)

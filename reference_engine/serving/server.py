@@ -9,14 +9,18 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/comp
 (SSE streaming with `[DONE]`, `stream_options.include_usage` and
 `continuous_usage_stats`), GET /metrics (Prometheus text; see metrics.py). Protocol
 details and extensions: protocol.py. Bad requests get HTTP 400 with an OpenAI-style error
-body; a full queue 429; a wrong or missing API key 401. SIGTERM stops accepting, cancels
-what is in flight and exits.
+body; a body over --max-body-mb 413; a full queue 429; a wrong or missing API key 401 (compared
+in constant time; --api-key-scope all protects every endpoint but /health). A request the
+engine fails gets 500 (an error event and [DONE] when streaming) and harms no other request.
+SIGTERM stops admitting (503), gives requests in flight --shutdown-grace seconds, then ends
+the rest with an error event and [DONE] (lifecycle.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import sys
@@ -34,8 +38,9 @@ from ..runtime.commit import COMMIT_STRATEGIES
 from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from ..runtime.speculative import OracleProposer
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
-from .async_engine import AsyncEngine, Finished, RequestFailed
+from .async_engine import AsyncEngine, Finished, RequestFailed, ShuttingDown
 from .chat_template import compile_chat_template, render_chat_template
+from .lifecycle import BACKSTOP_S, GracefulServer, header_timeout_protocol
 from .limits import BodyLimits, MiB, decode_json, read_body
 from .metrics import ServerMetrics
 from .protocol import (
@@ -68,6 +73,10 @@ class ServeArgs:
     served_model_name: str | None
     oracle_acceptance: float | None
     max_body_mb: float = 4.0
+    shutdown_grace: float = 5.0
+    api_key_scope: str = "api"
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = 10.0
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
@@ -102,6 +111,16 @@ class ServeArgs:
                        "requests (the draft still runs; output is not checked)")
         p.add_argument("--max-body-mb", type=float, default=4.0,
                        help="largest request body in MiB; a larger one gets HTTP 413")
+        p.add_argument("--shutdown-grace", type=float, default=5.0,
+                       help="seconds that requests in flight get to finish after SIGTERM; "
+                       "then each ends with an error event and [DONE]")
+        p.add_argument("--api-key-scope", choices=("api", "all"), default="api",
+                       help="what --api-key protects: 'api' (/v1/*) or 'all' (also /metrics, "
+                       "/info, /docs, /openapi.json; /health stays open)")
+        p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+        p.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send a request's headers")
         return cls(**vars(p.parse_args(argv)))
 
 
@@ -138,6 +157,8 @@ class Server:
         self.limits = BodyLimits(max_bytes=int(args.max_body_mb * MiB))
         self.name = args.served_model_name or Path(args.model).name
         self.api_key = args.api_key
+        self.api_key_scope = args.api_key_scope
+        self.draining = False  # SIGTERM received: new requests get 503
         self.metrics = ServerMetrics()
         self.runner: AsyncEngine | None = None
         self.counter = 0
@@ -233,10 +254,22 @@ def create_app(server: Server) -> FastAPI:
     def authorized(request: Request) -> bool:
         if server.api_key is None:
             return True
-        return request.headers.get("authorization") == f"Bearer {server.api_key}"
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        # constant time: the comparison does not tell how much of a guess was right
+        return hmac.compare_digest(given, f"Bearer {server.api_key}".encode())
+
+    @app.middleware("http")
+    async def protect_everything(request: Request, call_next):
+        if (server.api_key_scope == "all" and request.url.path != "/health"
+                and not request.url.path.startswith("/v1/") and not authorized(request)):
+            return fail(ProtocolError("missing or wrong API key", None, 401,
+                                      "authentication_error"))
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
+        if server.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if server.runner is None or not server.runner.alive:
             return JSONResponse({"status": "unhealthy", "reason": "the engine loop is not running"},
                                 status_code=503)
@@ -268,6 +301,9 @@ def create_app(server: Server) -> FastAPI:
         if not authorized(request):
             return fail(ProtocolError("missing or wrong API key", None, 401,
                                       "authentication_error"))
+        if server.draining:
+            return fail(ProtocolError("the server is shutting down", None, 503,
+                                      "service_unavailable"))
         try:
             raw = await read_body(request, server.limits)
             # decoding and tokenising a large body take a while: not on the event loop
@@ -303,6 +339,8 @@ def create_app(server: Server) -> FastAPI:
         while True:
             item = await queue.get()
             if isinstance(item, Finished):
+                if isinstance(item.error, ShuttingDown):
+                    return fail(ProtocolError(str(item.error), None, 503, "service_unavailable"))
                 if item.error is not None:
                     return fail(ProtocolError(f"engine error: {item.error}", None, 500,
                                               "server_error"))
@@ -332,7 +370,9 @@ def create_app(server: Server) -> FastAPI:
                 item = await queue.get()
                 if isinstance(item, Finished):
                     finished = True
-                    if item.error is not None:
+                    if isinstance(item.error, ShuttingDown):
+                        yield _sse(error_body(str(item.error), "service_unavailable", None, 503))
+                    elif item.error is not None:
                         yield _sse(error_body(f"engine error: {item.error}", "server_error",
                                               None, 500))
                     elif parsed.include_usage:
@@ -398,8 +438,20 @@ def main(argv: list[str] | None = None) -> int:
     if server.oracle_acceptance is not None:
         mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
     print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            http=header_timeout_protocol(args.header_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=args.shutdown_grace + BACKSTOP_S)
+
+    def drain() -> None:
+        server.draining = True
+
+    def deadline() -> None:
+        if server.runner is not None:
+            server.runner.end_all(f"the server shut down before this request finished "
+                                  f"(--shutdown-grace {args.shutdown_grace:g} s)")
+
+    GracefulServer(config, args.shutdown_grace, drain, deadline).run()
     return 0
 
 

@@ -9,7 +9,9 @@ on its held-out prompts. For each concurrency c the engine gets `--num-prompts` 
 (default c) of `--input-len` random prompt tokens (or the rows of `--prompts`, in order,
 cycled) and `--output-len` output tokens (EOS ignored), all
 queued at once, with c slots. Plain and DFlash runs alternate, `--repeats` times each
-after one warm-up pair; the table and CSV give medians over the repeats. `--modes dflash`
+after one warm-up pair; the table and CSV give medians over the repeats, each with its spread
+(`<column>_min`, `<column>_max`; printed as `median (min-max)`), and a warning names every
+printed figure whose repeats disagree by more than 10% of the median. `--modes dflash`
 (or `plain`) measures one mode only; with --oracle-acceptance the continuations then come
 from the unmeasured plain warm-up run over the same prompts.
 
@@ -234,12 +236,33 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
     return {"row": row, "outputs": outputs}
 
 
+SPREAD_WARNING = 0.10  # repeats whose min-max range exceeds this share of the median disagree
+
+
 def median_row(rows: list[dict]) -> dict:
-    out = dict(rows[0])
+    """Medians over repeats of every float column, each with its spread: `<column>_min` and
+    `<column>_max` right after it."""
+    out: dict = {}
     for key, value in rows[0].items():
         if isinstance(value, float):
-            out[key] = statistics.median(r[key] for r in rows)
+            values = [r[key] for r in rows]
+            out[key] = statistics.median(values)
+            out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
+        else:
+            out[key] = value
     out["repeats"] = len(rows)
+    return out
+
+
+def disagreements(row: dict, columns: list[str]) -> list[str]:
+    """The printed figures of a median row whose repeats spread by more than SPREAD_WARNING."""
+    out = []
+    for col in columns:
+        median, low, high = row.get(col), row.get(f"{col}_min"), row.get(f"{col}_max")
+        if isinstance(median, float) and median > 0 and low is not None and \
+                (high - low) / median > SPREAD_WARNING:
+            out.append(f"{row['mode']} c={row['concurrency']} {col} {median:.1f} "
+                       f"({low:.1f}-{high:.1f}, {(high - low) / median:.0%} of the median)")
     return out
 
 
@@ -321,12 +344,30 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
+    """Medians over the repeats, each float as `median (min-max)`; a warning line for every
+    figure whose repeats disagree by more than SPREAD_WARNING of the median."""
     cols = ["mode", "concurrency", "output_tokens_per_s", "mean_acceptance_length",
             *[f"ms_{p}" for p in PHASES]]
+    print(f"# medians over {rows[0].get('repeats', 1) if rows else 0} repeats, (min-max) in "
+          "parentheses")
     print(" | ".join(cols))
     for row in rows:
-        print(" | ".join(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c])
-                         for c in cols))
+        print(" | ".join(_figure(row, c) for c in cols))
+    warnings = [w for row in rows for w in disagreements(row, cols)]
+    for warning in warnings:
+        print(f"# warning: repeats disagree by more than {SPREAD_WARNING:.0%}: {warning}")
+    if warnings:
+        print("# (a busy or throttled machine; more --repeats or a quieter machine narrow it)")
+
+
+def _figure(row: dict, col: str) -> str:
+    value = row[col]
+    if not isinstance(value, float):
+        return str(value)
+    low, high = row.get(f"{col}_min"), row.get(f"{col}_max")
+    if low is None or high is None:
+        return f"{value:.1f}"
+    return f"{value:.1f} ({low:.1f}-{high:.1f})"
 
 
 def main(argv: list[str] | None = None) -> int:

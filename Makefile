@@ -23,7 +23,7 @@ PROFILE_ARGS ?= --model $(DEMO)/target --draft $(DEMO)/draft --prompts $(DEMO)/h
 	--commit-strategy per_token --block-size 8 --output-len 128
 NSYS ?=
 
-.PHONY: setup test gate lint tiny bench profile
+.PHONY: setup test gate gate-gpu lint tiny bench profile
 
 setup:
 	$(PYTHON) -m pip install "$(TORCH)"
@@ -36,6 +36,13 @@ test:
 
 gate:
 	$(PYTHON) -m pytest -q gates $(PYTEST_ARGS)
+
+# the GPU tier: kernel tests compiled, bitwise invariance, and the exact-bfloat16 gates
+# (DFlash == plain greedy bit for bit); needs CUDA. PYTEST_ARGS="--target-model DIR
+# --draft-model DIR" points it at your own checkpoints.
+gate-gpu:
+	$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: make gate-gpu needs a CUDA device')"
+	$(PYTHON) -m pytest -q -m "gpu or kernels" tests gates $(PYTEST_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check reference_engine harness gates reports scripts tests

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reference_engine.kernels import select
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import GenerationResult, generate_plain, new_state, prefill
@@ -25,6 +26,8 @@ class Pair:
     target: CausalLM
     draft: DFlashDraft
     prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int | None = None  # a user's pair: tokens per prompt (a real workload)
+    numerics: str | None = None  # kernels of the engine under test (None: the device's)
 
 
 def require_block(pair: Pair, block_size: int) -> None:
@@ -49,21 +52,23 @@ def state_tolerance(pair: Pair) -> float:
     pytest.skip(f"state equality is checked in float64 and float32, not {dtype}")
 
 
-def top2_margin(target: CausalLM, ids: list[int]) -> float:
+def top2_margin(target: CausalLM, ids: list[int], numerics: str | None = None) -> float:
     """The target's top-1 minus top-2 logit for the token after `ids` (a tie is ~0)."""
     state = new_state(target, len(ids) + 1)
-    logits, _ = prefill(target, state, 0, ids)
+    weight = target.model.embed_tokens.weight
+    logits, _ = prefill(target, state, 0, ids, ops=select(numerics, weight.device, weight.dtype))
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
 
 
 def divergence(
-    target: CausalLM, prompt: Sequence[int], expected: list[int], got: list[int]
+    target: CausalLM, prompt: Sequence[int], expected: list[int], got: list[int],
+    numerics: str | None = None,
 ) -> str:
     i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), None)
     if i is None:
         return f"lengths differ: plain {len(expected)} tokens, speculative {len(got)}"
-    margin = top2_margin(target, list(prompt) + expected[:i])
+    margin = top2_margin(target, list(prompt) + expected[:i], numerics)
     return (
         f"first divergence at output position {i}: plain {expected[i]}, speculative {got[i]} "
         f"(target top-2 logit margin there {margin:.3g}; a tie is ~0, a bug is not)"
@@ -83,14 +88,14 @@ def assert_lossless(
     `continuation`, by default the reference output) equals plain greedy decode token for
     token, with the same finish reason."""
     target = pair.target
-    ref = reference or generate_plain(target, list(prompt), params)
+    ref = reference or generate_plain(target, list(prompt), params, numerics=pair.numerics)
     oracle = None
     if schedule is not None:
         truth = ref.output_ids if continuation is None else continuation
         oracle = OracleProposer(truth, schedule, target.config.vocab_size)
     try:
         got = generate_speculative(target, pair.draft, list(prompt), params, options,
-                                   oracle=oracle)
+                                   oracle=oracle, numerics=pair.numerics)
     except (RuntimeError, IndexError) as exc:
         raise AssertionError(
             f"{pair.name}, B={options.block_size}, {options.commit_strategy}: speculative "
@@ -100,7 +105,7 @@ def assert_lossless(
         raise AssertionError(
             f"{pair.name}, B={options.block_size}, {options.commit_strategy}, prompt of "
             f"{len(prompt)} tokens: speculative output != plain greedy; "
-            + divergence(target, prompt, ref.output_ids, got.output_ids)
+            + divergence(target, prompt, ref.output_ids, got.output_ids, pair.numerics)
         )
     return got
 

@@ -20,18 +20,15 @@ from reference_engine.checkpoint import (
     make_tiny_target,
     parse_dtype,
 )
-from reference_engine.tokenizer import load_tokenizer
 
 from .checks import Pair
+from .prompts import gate_prompt_ids
 
 TINY_PAIRS = ("dense", "hybrid")
 TINY_BLOCK_SIZE = 16
 SMALL_VOCAB = 16  # the sampling gate's target: few enough outcomes to count
-USER_PROMPTS = (
-    "def fibonacci(n):",
-    "Tom has 3 apples and buys 5 more. How many apples does he have now?",
-    "Explain what a key-value cache is in one paragraph.",
-)
+USER_PROMPTS = 32  # prompts a user's pair runs by default (built-in mixed set)
+USER_MAX_TOKENS = 128
 
 
 def tiny_prompts(vocab: int, lengths: tuple[int, ...] = (1, 17, 300)) -> tuple[tuple[int, ...], ...]:
@@ -74,9 +71,10 @@ def pair(pair_name: str, request: pytest.FixtureRequest, tiny_pair_dirs) -> Pair
         device = config.getoption("--gate-device")
         target = load_target(target_dir, dtype=dtype, device=device)
         draft = load_draft(draft_dir, target)
-        tokenizer = load_tokenizer(target_dir)
-        prompts = tuple(tuple(tokenizer.encode(text).ids) for text in USER_PROMPTS)
-        loaded = Pair(f"user pair ({Path(target_dir).name})", target, draft, prompts)
+        prompts = tuple(tuple(ids) for ids in gate_prompt_ids(config, target_dir, USER_PROMPTS))
+        loaded = Pair(f"user pair ({Path(target_dir).name})", target, draft, prompts,
+                      config.getoption("--gate-max-tokens") or USER_MAX_TOKENS,
+                      config.getoption("--gate-numerics"))
     else:
         target_dir, draft_dir = tiny_pair_dirs[pair_name]
         target = load_target(target_dir, dtype=torch.float64)

@@ -2,10 +2,14 @@
 checkpoints (registered from the repository's root conftest.py).
 
     pytest gates --target-model PATH --draft-model PATH [--gate-device cuda]
-                 [--gate-dtype bfloat16]
+                 [--gate-dtype bfloat16] [--gate-numerics exact|fast]
+                 [--gate-prompts FILE.jsonl] [--gate-max-tokens N]
 
-or DFLASH_GATE_TARGET, DFLASH_GATE_DRAFT, DFLASH_GATE_DEVICE, DFLASH_GATE_DTYPE. Without a
-target the gates build tiny dense and hybrid pairs and run them in float64 on the CPU.
+or DFLASH_GATE_TARGET, DFLASH_GATE_DRAFT, DFLASH_GATE_DEVICE, DFLASH_GATE_DTYPE,
+DFLASH_GATE_NUMERICS, DFLASH_GATE_PROMPTS, DFLASH_GATE_MAX_TOKENS. Without a target the gates
+build tiny dense and hybrid pairs and run them in float64 on the CPU. A user's pair runs a
+real workload: 32 prompts of the built-in mixed set (or the file's) and 128 generated tokens
+each (or N), in the exact numerics on CUDA unless told otherwise.
 
 The HTTP equivalence gate compares two running servers:
 
@@ -46,3 +50,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gate-dtype", default=os.environ.get("DFLASH_GATE_DTYPE"),
                     help="float64 | float32 | bfloat16; default float64 for tiny pairs, "
                     "bfloat16 for a user's checkpoints (env DFLASH_GATE_DTYPE)")
+    group.addoption("--gate-numerics", default=os.environ.get("DFLASH_GATE_NUMERICS"),
+                    choices=[None, "exact", "fast"],
+                    help="kernels of the engine under test: exact (default on CUDA: "
+                    "divergences fail) or fast (vendor kernels: divergences are reported with "
+                    "their tie margins, and fail) (env DFLASH_GATE_NUMERICS)")
+    group.addoption("--gate-prompts", default=os.environ.get("DFLASH_GATE_PROMPTS"),
+                    help="JSONL prompts for a user's pair: `prompt` (text), `messages` (chat, "
+                    "the checkpoint's template) or `prompt_ids` per row; default: 32 of the "
+                    "built-in mixed set (env DFLASH_GATE_PROMPTS)")
+    group.addoption("--gate-max-tokens", type=int,
+                    default=int(os.environ.get("DFLASH_GATE_MAX_TOKENS", "0")) or None,
+                    help="tokens generated per prompt for a user's pair (default 128) "
+                    "(env DFLASH_GATE_MAX_TOKENS)")

@@ -29,10 +29,11 @@ def test_speculative_equals_plain_greedy_over_the_grid(
     require_block(pair, block_size)
     options = SpecOptions(block_size, strategy)
     # max_tokens lands inside a block: not a multiple of any acceptance pattern's span
-    params = SamplingParams(max_tokens=2 * block_size + block_size // 2 + 1, ignore_eos=True)
+    params = SamplingParams(max_tokens=pair.max_tokens or 2 * block_size + block_size // 2 + 1,
+                            ignore_eos=True)
     mixed = [block_size - 1, 0, block_size // 2, 1]
     for prompt in pair.prompts:
-        reference = generate_plain(pair.target, list(prompt), params)
+        reference = generate_plain(pair.target, list(prompt), params, numerics=pair.numerics)
         assert_lossless(pair, prompt, params, options, reference=reference)
         got = assert_lossless(pair, prompt, params, options, mixed, reference=reference)
         assert sum(got.acceptance_lengths) + 1 == len(got.output_ids)

@@ -56,6 +56,7 @@ import torch
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from .demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from .errors import ReferenceEngineError, exit_with
+from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.engine import Engine, EngineConfig
 from .runtime.request import SamplingParams
@@ -87,6 +88,7 @@ class BenchArgs:
     seed: int
     profile_capture: bool
     out: str | None
+    numerics: tuple[str | None, ...]
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> BenchArgs:
@@ -117,6 +119,10 @@ class BenchArgs:
                        help="cudaProfilerStart/Stop around the measured repeats, for "
                             "nsys profile --capture-range=cudaProfilerApi")
         p.add_argument("--out", help="CSV file for the per-(mode, concurrency) rows")
+        p.add_argument("--numerics", default=None,
+                       help="kernels, comma-separated to compare them interleaved: exact "
+                            "(batch- and verify-invariant) and/or fast (vendor libraries); "
+                            "default: exact on cuda (the CPU runs the references)")
         ns = p.parse_args(argv)
         if ns.random_shape is not None and ns.model is not None:
             p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")
@@ -137,6 +143,13 @@ class BenchArgs:
         if not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
             p.error(f"--modes must be distinct values of {', '.join(MODES)}, got {ns.modes!r}")
         ns.modes = tuple(m for m in MODES if m in modes)
+        if ns.numerics is None:
+            ns.numerics = (None,)
+        else:
+            ns.numerics = tuple(n.strip() for n in ns.numerics.split(","))
+            if not set(ns.numerics) <= set(NUMERICS) or len(set(ns.numerics)) != len(ns.numerics):
+                p.error(f"--numerics must be distinct values of {', '.join(NUMERICS)}, "
+                        f"got {','.join(ns.numerics)!r}")
         return cls(**vars(ns))
 
 
@@ -188,11 +201,12 @@ def read_prompts(path: str, model_dir: str | None, count: int) -> list[list[int]
 
 
 def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
-             continuations: list[list[int]] | None) -> dict:
+             continuations: list[list[int]] | None, numerics: str | None = None) -> dict:
     """One run to completion. With `draft` None: plain decode. Returns the row and outputs."""
     config = EngineConfig(max_num_seqs=concurrency, block_size=args.block_size,
                           commit_strategy=args.commit_strategy,
-                          max_model_len=max(map(len, prompts)) + args.output_len)
+                          max_model_len=max(map(len, prompts)) + args.output_len,
+                          numerics=numerics)
     engine = Engine(target, draft, config)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     block = engine.block_size
@@ -222,11 +236,14 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
     total = sum(len(o) for o in outputs)
     row = {
         "mode": "plain" if draft is None else "dflash",
+        "numerics": engine.numerics,
+        "kernels": engine.ops.name,  # torch (the references) or triton
         "concurrency": concurrency,
         "output_tokens_per_s": total / wall,
         "mean_acceptance_length": stats["spec"]["mean_acceptance_length"] if draft else 1.0,
         **{f"ms_{phase}": 1000 * phases.get(kind + phase, 0.0) for phase in PHASES},
         "ms_step": 1000 * step_s,
+        "ms_per_step": 1000 * step_s / max(steps, 1),
         **{f"n_{phase}": engine.timer.calls[phase] for phase in PHASES},
         "phase_clock": "cuda_events" if on_gpu else "host",
         "steps": steps,
@@ -287,9 +304,11 @@ def benchmark(args: BenchArgs) -> list[dict]:
         # covers every prompt, so that its outputs can be the oracle's continuations
         oracle = args.oracle_acceptance is not None
         warm_prompts = prompts if oracle and "plain" not in args.modes else prompts[:c]
-        warm = run_once(target, None, warm_prompts, args, c, None)
-        if "dflash" in args.modes:
-            run_once(target, draft, prompts[:c], args, c, warm["outputs"] if oracle else None)
+        for numerics in args.numerics:
+            warm = run_once(target, None, warm_prompts, args, c, None, numerics)
+            if "dflash" in args.modes:
+                run_once(target, draft, prompts[:c], args, c, warm["outputs"] if oracle else None,
+                         numerics)
         with capture_range(capture):
             measured = measure(target, draft, prompts, args, c, warm["outputs"])
         rows += [median_row(runs) for runs in measured.values()]
@@ -300,23 +319,24 @@ def benchmark(args: BenchArgs) -> list[dict]:
 
 def measure(target, draft, prompts, args: BenchArgs, concurrency: int,
             warm_outputs: list[list[int]]) -> dict[str, list[dict]]:
-    """`args.repeats` runs of each mode, alternating; the rows of each mode's runs."""
+    """`args.repeats` runs of each mode (and numerics), alternating; the rows of each
+    (mode, numerics) pair's runs."""
     oracle = args.oracle_acceptance is not None
-    measured: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    measured: dict[tuple, list[dict]] = {(mode, numerics): [] for numerics in args.numerics
+                                         for mode in args.modes}
     for r in range(args.repeats):
-        continuations = warm_outputs if oracle else None
-        if "plain" in args.modes:
-            plain = run_once(target, None, prompts, args, concurrency, None)
-            measured["plain"].append(plain["row"])
-            continuations = plain["outputs"] if oracle else None
-        if "dflash" in args.modes:
-            spec = run_once(target, draft, prompts, args, concurrency, continuations)
-            measured["dflash"].append(spec["row"])
-        done = [f"{mode} {runs[-1]['output_tokens_per_s']:.1f} tok/s"
-                for mode, runs in measured.items()]
-        if "dflash" in measured:
-            done.append(f"acceptance length {measured['dflash'][-1]['mean_acceptance_length']:.2f}")
-        print(f"  c={concurrency} repeat {r + 1}/{args.repeats}: {', '.join(done)}", flush=True)
+        for numerics in args.numerics:
+            continuations = warm_outputs if oracle else None
+            if "plain" in args.modes:
+                plain = run_once(target, None, prompts, args, concurrency, None, numerics)
+                measured["plain", numerics].append(plain["row"])
+                continuations = plain["outputs"] if oracle else None
+            if "dflash" in args.modes:
+                spec = run_once(target, draft, prompts, args, concurrency, continuations, numerics)
+                measured["dflash", numerics].append(spec["row"])
+        done = [f"{runs[-1]['mode']} ({runs[-1]['numerics']}) {runs[-1]['output_tokens_per_s']:.1f} "
+                f"tok/s, {runs[-1]['ms_per_step']:.2f} ms/step" for runs in measured.values()]
+        print(f"  c={concurrency} repeat {r + 1}/{args.repeats}: {'; '.join(done)}", flush=True)
     return measured
 
 
@@ -346,8 +366,8 @@ def write_csv(path: str, rows: list[dict]) -> None:
 def print_table(rows: list[dict]) -> None:
     """Medians over the repeats, each float as `median (min-max)`; a warning line for every
     figure whose repeats disagree by more than SPREAD_WARNING of the median."""
-    cols = ["mode", "concurrency", "output_tokens_per_s", "mean_acceptance_length",
-            *[f"ms_{p}" for p in PHASES]]
+    cols = ["mode", "numerics", "concurrency", "output_tokens_per_s", "mean_acceptance_length",
+            "ms_per_step", *[f"ms_{p}" for p in PHASES]]
     print(f"# medians over {rows[0].get('repeats', 1) if rows else 0} repeats, (min-max) in "
           "parentheses")
     print(" | ".join(cols))

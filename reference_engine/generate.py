@@ -23,6 +23,7 @@ import torch
 
 from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from .errors import ReferenceEngineError, RequestError, exit_with
+from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.decode import generate_plain
 from .runtime.request import SamplingParams
@@ -56,6 +57,7 @@ class GenerateArgs:
     block_size: int | None
     commit_strategy: str
     json: bool
+    numerics: str | None
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -80,6 +82,10 @@ class GenerateArgs:
         p.add_argument("--commit-strategy", default="replay",
                        help=f"hybrid targets: one of {', '.join(COMMIT_STRATEGIES)}")
         p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.add_argument("--numerics", choices=NUMERICS, default=None,
+                       help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
+                            "greedy bit for bit in bfloat16) or fast (vendor libraries); default "
+                            "exact on cuda; the CPU runs the PyTorch references")
         return p
 
     @classmethod
@@ -123,13 +129,14 @@ def run(args: GenerateArgs) -> dict:
     extra = {}
     if args.draft is None:
         result = generate_plain(model, prompt_ids, params, max_model_len=args.max_model_len,
-                                generator=generator)
+                                generator=generator, numerics=args.numerics)
     else:
         draft = load_draft(args.draft, model)
         block_size = draft.config.block_size if args.block_size is None else args.block_size
         options = SpecOptions(block_size, args.commit_strategy)
         result = generate_speculative(model, draft, prompt_ids, params, options,
-                                      generator=generator, max_model_len=args.max_model_len)
+                                      generator=generator, max_model_len=args.max_model_len,
+                                      numerics=args.numerics)
         extra = {"acceptance_lengths": result.acceptance_lengths,
                  "block_size": options.block_size, "commit_strategy": options.commit_strategy}
     if tokenizer is None:

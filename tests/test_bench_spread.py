@@ -11,7 +11,8 @@ from reports.phases import from_bench_row
 
 
 def run_row(tokens_per_s: float, ms_step: float) -> dict:
-    return {"mode": "dflash", "concurrency": 4, "output_tokens_per_s": tokens_per_s,
+    return {"mode": "dflash", "numerics": "exact", "concurrency": 4,
+            "output_tokens_per_s": tokens_per_s, "ms_per_step": ms_step / 40,
             "mean_acceptance_length": 2.5, **{f"ms_{p}": 10.0 for p in bench.PHASES},
             "ms_step": ms_step, "phase_clock": "host", "steps": 40, "output_tokens": 256,
             "wall_s": 1.0}

@@ -31,8 +31,9 @@ def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     return modules
 
 
-def imported_names(module: str, path: Path) -> set[str]:
-    """Absolute dotted names this module imports (`from x import y` gives x and x.y)."""
+def imported_names(module: str, path: Path, modules: set[str] | None = None) -> set[str]:
+    """Absolute dotted names this module imports: `from x import y` gives x.y, and x itself
+    unless `modules` says every y is a submodule of x (then only the submodules are used)."""
     is_package = path.name == "__init__.py"
     package = module.split(".") if is_package else module.split(".")[:-1]
     names: set[str] = set()
@@ -45,8 +46,10 @@ def imported_names(module: str, path: Path) -> set[str]:
                 base_name = ".".join(base + ([node.module] if node.module else []))
             else:
                 base_name = node.module
-            names.add(base_name)
-            names.update(f"{base_name}.{alias.name}" for alias in node.names)
+            subs = {f"{base_name}.{alias.name}" for alias in node.names}
+            names.update(subs)
+            if modules is None or not subs <= modules:
+                names.add(base_name)
     return names
 
 
@@ -55,9 +58,11 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> tuple[dict[str, set[s
     modules = module_files(root, packages)
     edges: dict[str, set[str]] = {}
     raw: dict[str, set[str]] = {}
+    known = set(modules)
     for module, path in modules.items():
         raw[module] = imported_names(module, path)
-        edges[module] = {name for name in raw[module] if name in modules and name != module}
+        edges[module] = {name for name in imported_names(module, path, known)
+                         if name in modules and name != module}
     return edges, raw
 
 
@@ -128,6 +133,14 @@ def test_the_cycle_finder_finds_a_deliberately_added_cycle(tmp_path: Path) -> No
     edges, _ = import_graph(tmp_path, ("pkg",))
     assert find_cycle(edges) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
     (pkg / "c.py").write_text("")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))[0]) is None
+    # a package that imports a submodule which takes a name from the package: a cycle; a
+    # submodule that only imports its sibling modules through the package is none
+    (pkg / "__init__.py").write_text("from .c import f\nTHING = 1\n")
+    (pkg / "c.py").write_text("from . import THING\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))[0]) == ["pkg", "pkg.c", "pkg"]
+    (pkg / "c.py").write_text("from . import a\n")
+    (pkg / "a.py").write_text("")
     assert find_cycle(import_graph(tmp_path, ("pkg",))[0]) is None
 
 

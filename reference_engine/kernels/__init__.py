@@ -15,54 +15,33 @@ argmax). Two tables exist:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from . import reference
+from .table import TORCH, Kernels
+
+__all__ = ["EXACT_DTYPES", "NUMERICS", "TORCH", "Kernels", "default_numerics", "select"]
 
 NUMERICS = ("exact", "fast")
+EXACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@dataclass(frozen=True)
-class Kernels:
-    """One implementation of every kernel the models call (signatures: reference.py)."""
-
-    name: str
-    linear: Callable
-    rms_norm: Callable
-    gated_rms_norm: Callable
-    l2_norm: Callable
-    silu_mul: Callable
-    causal_conv: Callable
-    attention: Callable
-    gated_delta: Callable
-    greedy: Callable
-
-
-TORCH = Kernels(
-    name="torch",
-    linear=reference.linear,
-    rms_norm=reference.rms_norm,
-    gated_rms_norm=reference.gated_rms_norm,
-    l2_norm=reference.l2_norm,
-    silu_mul=reference.silu_mul,
-    causal_conv=reference.causal_conv,
-    attention=reference.attention,
-    gated_delta=reference.gated_delta,
-    greedy=reference.greedy,
-)
-
-
-def default_numerics(device: torch.device | str) -> str:
-    """`exact` on CUDA (the gates' promise holds in bfloat16), else `fast` (the references)."""
-    return "exact" if torch.device(device).type == "cuda" else "fast"
+def default_numerics(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """`exact` on CUDA for the dtypes it runs (the gates' promise holds in bfloat16), else
+    `fast`: the references, which is what a float64 model or the CPU runs anyway."""
+    cuda = torch.device(device).type == "cuda"
+    return "exact" if cuda and dtype in EXACT_DTYPES else "fast"
 
 
 def select(numerics: str | None, device: torch.device | str, dtype: torch.dtype) -> Kernels:
-    """The kernels for a model on `device` in `dtype` (numerics None: the device's default)."""
-    numerics = numerics or default_numerics(device)
+    """The kernels for a model on `device` in `dtype` (numerics None: the default for both)."""
+    numerics = numerics or default_numerics(device, dtype)
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    return TORCH
+    if numerics == "fast" or torch.device(device).type != "cuda":
+        return TORCH
+    if dtype not in EXACT_DTYPES:
+        raise ValueError(f"exact numerics runs bfloat16, float16 or float32 models, not {dtype}; "
+                         "use numerics 'fast'")
+    from .triton_ops import TRITON  # needs triton, present wherever CUDA torch is
+
+    return TRITON

@@ -125,7 +125,7 @@ class Engine:
         self.target, self.draft, self.config = target, draft, config
         weight = target.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.numerics = config.numerics or default_numerics(self.device)
+        self.numerics = config.numerics or default_numerics(self.device, self.dtype)
         self.ops = select(self.numerics, self.device, self.dtype)
         self.context_len = context_length(target, config.max_model_len)
         self.block_size = 0

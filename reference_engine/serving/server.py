@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from ..errors import ReferenceEngineError, exit_with
+from ..kernels import NUMERICS
 from ..runtime.commit import COMMIT_STRATEGIES
 from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from ..runtime.speculative import OracleProposer
@@ -72,6 +73,7 @@ class ServeArgs:
     api_key: str | None
     served_model_name: str | None
     oracle_acceptance: float | None
+    numerics: str | None
     max_body_mb: float = 4.0
     shutdown_grace: float = 5.0
     api_key_scope: str = "api"
@@ -109,6 +111,10 @@ class ServeArgs:
         p.add_argument("--oracle-acceptance", type=float, default=None,
                        help="benchmarks only: force this mean acceptance length on greedy "
                        "requests (the draft still runs; output is not checked)")
+        p.add_argument("--numerics", choices=NUMERICS, default=None,
+                       help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
+                            "greedy bit for bit in bfloat16) or fast (vendor libraries); default "
+                            "exact on cuda; the CPU runs the PyTorch references")
         p.add_argument("--max-body-mb", type=float, default=4.0,
                        help="largest request body in MiB; a larger one gets HTTP 413")
         p.add_argument("--shutdown-grace", type=float, default=5.0,
@@ -149,7 +155,7 @@ class Server:
             raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               block_size=args.block_size, commit_strategy=args.commit_strategy,
-                              max_waiting=args.max_waiting)
+                              max_waiting=args.max_waiting, numerics=args.numerics)
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())

@@ -1,0 +1,149 @@
+"""Attention over the position-indexed cache, invariant to how queries are grouped.
+
+One program takes one (row, kv head) and a tile of BLOCK_M query rows (the T tokens times
+the query heads that share the kv head). It reads the slot's cache in place (no gather) in
+key blocks of BLOCK_N aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ..., with an
+online softmax in float32. A query at position p reduces over the same key blocks in the
+same order whether it is decoded alone (T = 1), verified inside a block (T = B), or run in a
+prefill chunk of any size, whatever the other rows of the batch hold: a block that holds no
+key a query may see adds exactly nothing to it (its weights are exp(-inf) = 0 and the
+running maximum does not move, so the rescale factor is exactly 1). Positions, lengths and
+the non-causal limit come from device tensors; no host value bounds the loop.
+
+Masks: causal (keys 0..p), non-causal (the DFlash draft's block: every key up to the last
+real token of the row, `valid_len`), and a sliding window (keys more than w-1 behind hidden).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+BLOCK_N = 64
+
+
+# T, the row strides and the rest vary between a decode step and a verify block: keep them out
+# of the specialisation keys so that one compiled kernel serves both
+@triton.jit(do_not_specialize=["T", "G", "max_len", "window", "stride_qb", "stride_ob", "stride_pb"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, pos_ptr, valid_ptr,
+    T, G, max_len, scale, window,
+    stride_qb, stride_qt, stride_qh,
+    stride_cs, stride_cl, stride_ch,
+    stride_ob, stride_ot, stride_oh,
+    stride_pb,
+    CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    IEEE: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows of this tile: r = t * G + g
+    row_ok = r < T * G
+    t = r // G
+    head = kv_head * G + r % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = tl.load(pos_ptr + b * stride_pb + t, mask=row_ok, other=0)
+    if CAUSAL:
+        hi = pos
+    else:
+        if HAS_VALID:
+            last = tl.load(pos_ptr + b * stride_pb) + tl.load(valid_ptr + b) - 1
+        else:
+            last = tl.load(pos_ptr + b * stride_pb + T - 1)
+        hi = tl.zeros_like(pos) + last
+    if SLIDING:
+        lo = pos - window + 1
+        hi = tl.minimum(hi, pos + window - 1)
+    else:
+        lo = tl.zeros_like(pos)
+    hi = tl.where(row_ok, hi, -1)  # padding rows see nothing
+    lo = tl.where(row_ok, lo, 2147483647)
+
+    slot = tl.load(slots_ptr + b)
+    cache = slot.to(tl.int64) * stride_cs + kv_head * stride_ch
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    start = (tl.maximum(tl.min(lo, axis=0), 0) // BLOCK_N) * BLOCK_N
+    stop = tl.max(hi, axis=0) + 1
+    for k0 in range(start, stop, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos < max_len
+        offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
+        k = tl.load(k_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:  # float32 models: no tf32 rounding of the operands
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def attention(
+    q: torch.Tensor,  # [batch, T, heads, head_dim]
+    k_cache: torch.Tensor,  # [slots, max_len, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [batch]
+    positions: torch.Tensor,  # [batch, T]
+    kv_len: int,  # unused: each query's own position bounds its keys
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    valid_len: torch.Tensor | None = None,  # [batch]
+) -> torch.Tensor:
+    """Same contract as kernels.reference.attention. Returns [batch, T, heads, head_dim]."""
+    batch, T, heads, D = q.shape
+    kv_heads = k_cache.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"attention: {heads} query heads do not group over {kv_heads} kv heads")
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("attention: k and v caches must share a layout with contiguous head_dim")
+    G = heads // kv_heads
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if batch == 0 or T == 0:
+        return out
+    positions = positions.contiguous()
+    slots = slots.contiguous()
+    valid = valid_len.contiguous() if valid_len is not None else positions
+    grid = (triton.cdiv(T * G, BLOCK_M), kv_heads, batch)
+    _attention_kernel[grid](
+        q, k_cache, v_cache, out, slots, positions, valid,
+        T, G, k_cache.shape[1], scale, sliding_window or 0,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        positions.stride(0),
+        CAUSAL=causal, SLIDING=sliding_window is not None, HAS_VALID=valid_len is not None,
+        IEEE=q.dtype == torch.float32,
+        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,105 @@
+"""A batch-invariant matmul: out = x @ w.T (+ bias), row i of the output a function of row i
+of x alone, bitwise, for any number of rows M.
+
+How: the tile configuration is a function of the weight's shape (N, K) only, never of M;
+there is no split-K; every output element accumulates its K products in BLOCK_K chunks in
+ascending order into one float32 accumulator; M is not a specialisation key of the compiled
+kernel (`do_not_specialize`), so one binary serves M = 1 and M = 4096 alike. A token's row
+therefore gets the same bits in a one-token decode step, inside a verify block of B, and in
+any batch. cuBLAS picks other kernels (and split-K) as M changes, so its rows move.
+
+The grid runs the row tiles of one column tile next to each other, so a weight tile read from
+memory serves every row tile from L2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+BLOCK_K = 128
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_wn + (k0 + ks)[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def block_n(n: int, sm_count: int) -> int:
+    """Column tile for a weight with n output columns: the widest that still gives every SM a
+    program (decode streams the weight once, so idle SMs are lost bandwidth). A function of
+    the weight's shape only."""
+    for width in (128, 64):
+        if triton.cdiv(n, width) >= sm_count:
+            return width
+    return 32
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N], batch-invariant (module docstring).
+    `tiles` (BLOCK_M, BLOCK_N, BLOCK_K) overrides the configuration, for tile sweeps only."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"matmul: x has {x.shape[-1]} columns, weight expects {K}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K).contiguous()
+    w = weight.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
+    bm, bn, bk = tiles or (BLOCK_M, block_n(N, _sm_count(device_index)), BLOCK_K)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _matmul_kernel[grid](
+        x2, w, bias if bias is not None else w, out,
+        M, N, K,
+        x2.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4, num_stages=4,
+    )
+    return out.reshape(*lead, N)

@@ -1,0 +1,93 @@
+"""Row-wise kernels: RMSNorm (w or 1 + w), gated RMSNorm, L2 normalisation, and the SwiGLU
+product. One program per row, the whole row in one block, so a row's sum of squares is
+reduced in one fixed order whatever the number of rows or the batch around it.
+
+Rounding follows kernels/reference.py step by step (float32 accumulation for half types, the
+same casts back to the model dtype), so the two agree to the last bits on most rows; only
+the Triton kernels promise invariance.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PLAIN, OFFSET, GATED, L2 = 0, 1, 2, 3  # normalisation kinds
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _norm_kernel(x_ptr, w_ptr, z_ptr, out_ptr, H, eps,
+                 KIND: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    if KIND == 3:  # L2: x * rsqrt(sum x^2 + eps), in x's own dtype (float32 in the model)
+        y = x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
+    else:
+        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if KIND == 1:  # (normed * (1 + w)) in float32, then the model dtype
+            y = normed * (1.0 + w)
+        else:  # w * normed, normed first rounded to the model dtype
+            y = w * normed.to(out_ty).to(tl.float32)
+            if KIND == 2:  # then times silu(z) in float32
+                y = y.to(out_ty).to(tl.float32)
+                z = tl.load(z_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+                y = y * (z * _sigmoid(z))
+    tl.store(out_ptr + row * H + cols, y.to(out_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    silu = (g * _sigmoid(g)).to(out_ty).to(tl.float32)  # F.silu rounds to the dtype first
+    tl.store(out_ptr + offs, (silu * u).to(out_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor, kind: int, eps: float, weight: torch.Tensor | None = None,
+          z: torch.Tensor | None = None) -> torch.Tensor:
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H).contiguous()
+    out = torch.empty_like(x2)
+    rows = x2.shape[0]
+    if rows:
+        z2 = z.reshape(-1, H).contiguous() if z is not None else x2
+        w = weight.contiguous() if weight is not None else x2
+        block = triton.next_power_of_2(H)
+        _norm_kernel[(rows,)](x2, w, z2, out, H, eps, KIND=kind, BLOCK=block,
+                              num_warps=8 if block >= 2048 else 4)
+    return out.reshape(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    return _rows(x, OFFSET if offset else PLAIN, eps, weight)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rows(x, GATED, eps, weight, z)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return _rows(x, L2, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g, u = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        block = 1024
+        _silu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block)
+    return out

@@ -1,0 +1,38 @@
+"""The kernels table type, and the table of PyTorch references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import reference
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation of every kernel the models call (signatures: reference.py)."""
+
+    name: str
+    linear: Callable
+    rms_norm: Callable
+    gated_rms_norm: Callable
+    l2_norm: Callable
+    silu_mul: Callable
+    causal_conv: Callable
+    attention: Callable
+    gated_delta: Callable
+    greedy: Callable
+
+
+TORCH = Kernels(
+    name="torch",
+    linear=reference.linear,
+    rms_norm=reference.rms_norm,
+    gated_rms_norm=reference.gated_rms_norm,
+    l2_norm=reference.l2_norm,
+    silu_mul=reference.silu_mul,
+    causal_conv=reference.causal_conv,
+    attention=reference.attention,
+    gated_delta=reference.gated_delta,
+    greedy=reference.greedy,
+)

@@ -1,0 +1,117 @@
+"""Kernel timings on the device: each exact (Triton) kernel against its vendor/PyTorch
+counterpart on real model shapes, medians of CUDA-event timings (triton.testing.do_bench),
+plus the device's copy bandwidth as the memory ceiling.
+
+    python scripts/bench_kernels.py [--out FILE.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import torch
+import triton.testing
+
+from reference_engine.kernels import reference as ref
+from reference_engine.kernels.attention import attention
+from reference_engine.kernels.gated_delta import gated_delta
+from reference_engine.kernels.matmul import matmul
+from reference_engine.kernels.norms import rms_norm
+
+PROJECTIONS = {"qkv 8B": (6144, 4096), "o 8B": (4096, 4096), "gate/up 8B": (12288, 4096),
+               "down 8B": (4096, 12288), "lm_head 8B": (151936, 4096)}
+
+
+def median_ms(fn, *args) -> float:
+    return triton.testing.do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy (bytes read + written)."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(dst.copy_, src)
+    return 2 * src.numel() * 2 / ms / 1e6
+
+
+def sweep(bw: float) -> None:
+    """Matmul tile configurations on two 8B projections: median ms per M, and whether row 0
+    keeps its bits across the configurations (it need not: the engine fixes one per weight)."""
+    print("tiles (BM, BN, BK)      " + " ".join(f"{'M=' + str(m):>9}" for m in (1, 16, 256, 1024))
+          + "  row0 == default")
+    for name in ("qkv 8B", "down 8B"):
+        N, K = PROJECTIONS[name]
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+        xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 256, 1024)}
+        base = matmul(xs[16], w)[:1]
+        for tiles in ((16, 16, 64), (16, 32, 128), (16, 64, 64), (32, 32, 64), (64, 64, 64),
+                      (64, 128, 64), (128, 128, 64)):
+            times = [median_ms(matmul, xs[m], w, None, tiles) for m in xs]
+            same = torch.equal(matmul(xs[16], w, None, tiles)[:1], base)
+            print(f"{name:<8} {str(tiles):<15}" + " ".join(f"{t:9.4f}" for t in times) + f"  {same}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/bench_kernels.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="CSV of every row")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time matmul tile configurations (and whether row bits agree)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    rows = []
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s")
+    for name, (N, K) in PROJECTIONS.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+        for M in (1, 16, 64, 256, 1024):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            exact = median_ms(matmul, x, w)
+            fast = median_ms(ref.linear, x, w)
+            floor = (N * K + M * K + M * N) * 2 / bw / 1e6
+            rows.append({"kernel": "matmul", "shape": f"{name} M={M}", "exact_ms": exact, "fast_ms": fast,
+                         "memory_floor_ms": floor})
+    if args.sweep:
+        sweep(bw)
+    x, w = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(4096, device="cuda",
+                                                                                  dtype=torch.bfloat16)
+    rows.append({"kernel": "rms_norm", "shape": "64x4096",
+                 "exact_ms": median_ms(rms_norm, x, w, 1e-6, False),
+                 "fast_ms": median_ms(ref.rms_norm, x, w, 1e-6, False), "memory_floor_ms": 0.0})
+    kc = torch.randn(16, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    for b, T, ctx in ((1, 1, 1024), (1, 16, 1024), (16, 1, 1024), (16, 16, 1024)):
+        q = torch.randn(b, T, 32, 128, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(b, device="cuda")
+        pos = (ctx + torch.arange(T, device="cuda"))[None].expand(b, T).contiguous()
+        rows.append({"kernel": "attention", "shape": f"b={b} T={T} ctx={ctx}",
+                     "exact_ms": median_ms(attention, q, kc, vc, slots, pos, ctx + T, 0.088),
+                     "fast_ms": median_ms(ref.attention, q, kc, vc, slots, pos, ctx + T, 0.088),
+                     "memory_floor_ms": b * (ctx + T) * 8 * 128 * 2 * 2 / bw / 1e6})
+    for b, T in ((1, 1), (1, 16), (16, 16)):
+        H, D = 32, 128
+        q = torch.nn.functional.normalize(torch.randn(b, T, H, D, device="cuda"), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(b, T, H, D, device="cuda"), dim=-1)
+        v, g = torch.randn(b, T, H, D, device="cuda"), -torch.rand(b, T, H, device="cuda")
+        beta, s = torch.rand(b, T, H, device="cuda"), torch.randn(b, H, D, D, device="cuda")
+        rows.append({"kernel": "gated_delta", "shape": f"b={b} T={T} H=32 128x128",
+                     "exact_ms": median_ms(gated_delta, q, k, v, g, beta, s),
+                     "fast_ms": median_ms(ref.gated_delta, q, k, v, g, beta, s),
+                     "memory_floor_ms": b * H * D * D * 4 * 2 / bw / 1e6})
+    print(f"{'kernel':<12} {'shape':<26} {'exact ms':>9} {'fast ms':>9} {'exact/fast':>10} {'floor ms':>9}")
+    for r in rows:
+        print(f"{r['kernel']:<12} {r['shape']:<26} {r['exact_ms']:9.4f} {r['fast_ms']:9.4f} "
+              f"{r['exact_ms'] / r['fast_ms']:10.2f} {r['memory_floor_ms']:9.4f}")
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

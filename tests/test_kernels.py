@@ -1,0 +1,226 @@
+"""Every Triton kernel against its PyTorch reference (reference_engine/kernels/reference.py),
+on small shapes that hit the masks: ragged tiles, odd sizes, padding rows, several key blocks,
+windows, valid lengths, ties across vocabulary blocks.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
+the kernels are imported), so CI on CPUs exercises every kernel's indexing and masking. The
+interpreter has no bfloat16 matrix product, so the kernels built on `tl.dot` (matmul,
+attention) are checked in float32 there; the row kernels in both. With CUDA the same tests
+run compiled, in bfloat16 as well. Bitwise invariance on the device: tests/test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from reference_engine import kernels  # noqa: E402
+from reference_engine.kernels import reference as ref  # noqa: E402
+from reference_engine.kernels.argmax import greedy  # noqa: E402
+from reference_engine.kernels.attention import attention  # noqa: E402
+from reference_engine.kernels.gated_delta import causal_conv, gated_delta  # noqa: E402
+from reference_engine.kernels.matmul import block_n, matmul  # noqa: E402
+from reference_engine.kernels.norms import gated_rms_norm, l2_norm, rms_norm, silu_mul  # noqa: E402
+
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+DEVICE = "cuda" if CUDA else "cpu"
+DOT_DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
+ROW_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.isfinite(got).all(), "non-finite output (an unwritten or misread element)"
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    err = (got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)
+    assert err < tol, f"relative error {err:.3g} over {tol:g}"
+
+
+# ----------------------------------------------------------------------------- matmul
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 20, 70), (37, 130, 64), (16, 16, 200), (3, 1, 5)])
+def test_matmul_equals_the_reference_on_ragged_tiles(M: int, N: int, K: int, dtype) -> None:
+    x, w, b = rand(M, K, dtype=dtype), rand(N, K, dtype=dtype, seed=1), rand(N, dtype=dtype, seed=2)
+    assert_close(matmul(x, w), ref.linear(x, w), dtype)
+    assert_close(matmul(x, w, b), ref.linear(x, w, b), dtype)
+
+
+def test_matmul_keeps_leading_dims_and_handles_no_rows() -> None:
+    x, w = rand(2, 3, 24), rand(10, 24, seed=1)
+    assert matmul(x, w).shape == (2, 3, 10)
+    assert matmul(x[:, :0], w).shape == (2, 0, 10)
+    with pytest.raises(ValueError, match="x has 24 columns, weight expects 25"):
+        matmul(x, rand(10, 25))
+
+
+def test_matmul_rows_do_not_depend_on_the_other_rows() -> None:
+    x, w = rand(37, 96), rand(50, 96, seed=1)
+    full = matmul(x, w)
+    for i in (0, 17, 36):
+        assert torch.equal(matmul(x[i : i + 1], w), full[i : i + 1])
+
+
+def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
+    assert block_n(151936, 132) == 128  # the LM head: plenty of programs at the widest tile
+    assert block_n(12288, 132) == 64
+    assert block_n(4096, 132) == 32  # a narrow projection is split finer to fill the SMs
+    assert block_n(20, 132) == 32
+
+
+# ----------------------------------------------------------------------------- row kernels
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_equals_the_reference(dtype, offset: bool) -> None:
+    x, w = rand(3, 5, 96, dtype=dtype), rand(96, dtype=dtype, seed=1)
+    assert_close(rms_norm(x, w, 1e-6, offset), ref.rms_norm(x, w, 1e-6, offset), dtype)
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_gated_rms_norm_l2_norm_and_swiglu_equal_the_reference(dtype) -> None:
+    x, z, w = rand(4, 3, 40, dtype=dtype), rand(4, 3, 40, dtype=dtype, seed=1), rand(40, dtype=dtype, seed=2)
+    assert_close(gated_rms_norm(x, z, w, 1e-6), ref.gated_rms_norm(x, z, w, 1e-6), dtype)
+    assert_close(silu_mul(x, z), ref.silu_mul(x, z), dtype)
+    xf = x.float()
+    assert_close(l2_norm(xf), ref.l2_norm(xf), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_causal_conv_equals_the_reference(dtype) -> None:
+    full, w = rand(2, 70, 3 + 5, dtype=dtype), rand(70, 1, 4, dtype=dtype, seed=1)
+    assert_close(causal_conv(full, w), ref.causal_conv(full, w), dtype)
+
+
+def test_greedy_takes_the_lowest_id_on_a_tie_within_and_across_blocks() -> None:
+    logits = rand(4, 5000)
+    logits[0, 4000] = logits[0, 100] = 50.0  # tie across vocabulary blocks
+    logits[1, 3] = logits[1, 7] = 50.0  # tie inside one block
+    logits[2] = float("-inf")
+    got = greedy(logits)
+    assert got.tolist()[:3] == [100, 3, 0]
+    assert torch.equal(got, ref.greedy(logits))
+    assert greedy(logits.reshape(2, 2, 5000)).shape == (2, 2)
+
+
+# ----------------------------------------------------------------------------- attention
+def cache(dtype, slots: int = 3, length: int = 150, kv_heads: int = 2, dim: int = 24):
+    return rand(slots, length, kv_heads, dim, dtype=dtype), rand(slots, length, kv_heads, dim,
+                                                                  dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(
+    ("causal", "window", "valid"),
+    [(True, None, None), (True, 16, None), (False, None, [3, 5]), (False, None, None)],
+    ids=["causal", "sliding", "block-valid-len", "block"],
+)
+def test_attention_equals_the_reference(dtype, causal: bool, window, valid) -> None:
+    k_cache, v_cache = cache(dtype)
+    T = 5
+    slots = torch.tensor([2, 0], device=DEVICE)
+    positions = torch.tensor([[100 + i for i in range(T)], [7 + i for i in range(T)]], device=DEVICE)
+    q = rand(2, T, 4, 24, dtype=dtype, seed=3)
+    valid_len = torch.tensor(valid, device=DEVICE) if valid else None
+    args = (q, k_cache, v_cache, slots, positions, 120, 24**-0.5, causal, window, valid_len)
+    assert_close(attention(*args), ref.attention(*args), dtype)
+
+
+def test_a_query_gets_the_same_bits_alone_and_inside_a_verify_block() -> None:
+    k_cache, v_cache = cache(torch.float32)
+    slots = torch.tensor([1], device=DEVICE)
+    block = torch.arange(130, 146, device=DEVICE)[None]  # 16 positions across a key-block edge
+    q = rand(1, 16, 4, 24, seed=4)
+    together = attention(q, k_cache, v_cache, slots, block, 146, 0.2)
+    for t in (0, 9, 15):
+        alone = attention(q[:, t : t + 1], k_cache, v_cache, slots, block[:, t : t + 1], 131 + t, 0.2)
+        assert torch.equal(alone[0, 0], together[0, t])
+
+
+# ----------------------------------------------------------------------------- gated delta rule
+def delta_inputs(batch: int = 2, T: int = 4, heads: int = 3, dk: int = 16, dv: int = 40):
+    q = torch.nn.functional.normalize(rand(batch, T, heads, dk), dim=-1)
+    k = torch.nn.functional.normalize(rand(batch, T, heads, dk, seed=1), dim=-1)
+    v = rand(batch, T, heads, dv, seed=2)
+    g = -rand(batch, T, heads, seed=3).abs()
+    beta = torch.sigmoid(rand(batch, T, heads, seed=4))
+    state = rand(batch, heads, dk, dv, seed=5)
+    return q, k, v, g, beta, state
+
+
+def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_states() -> None:
+    q, k, v, g, beta, state = delta_inputs()
+    valid = torch.tensor([2, 4], device=DEVICE)
+    got_states = torch.full((2, 4, 3, 16, 40), float("nan"), device=DEVICE)
+    want_states = torch.zeros_like(got_states)
+    out, final = gated_delta(q, k, v, g, beta, state, valid, got_states)
+    want_out, want_final = ref.gated_delta(q, k, v, g, beta, state, valid, want_states)
+    assert_close(out, want_out, torch.float32)
+    assert_close(final, want_final, torch.float32)
+    assert_close(got_states, want_states, torch.float32)
+    assert torch.equal(final[0], got_states[0, 1])  # row 0 stopped after its 2 valid tokens
+
+
+def test_gated_delta_steps_give_the_same_bits_as_one_block() -> None:
+    q, k, v, g, beta, state = delta_inputs()
+    block_out, block_final = gated_delta(q, k, v, g, beta, state)
+    s = state
+    for t in range(4):
+        out, s = gated_delta(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                             beta[:, t : t + 1], s)
+        assert torch.equal(out[:, 0], block_out[:, t])
+    assert torch.equal(s, block_final)
+
+
+# ----------------------------------------------------------------------------- the switch
+def test_the_switch_runs_references_off_cuda_and_triton_in_exact_mode_on_cuda() -> None:
+    assert kernels.select("exact", "cpu", torch.bfloat16) is kernels.TORCH
+    assert kernels.select(None, "cpu", torch.float64) is kernels.TORCH
+    assert kernels.select("fast", "cuda", torch.bfloat16) is kernels.TORCH
+    assert kernels.select(None, "cuda", torch.bfloat16).name == "triton"
+    assert kernels.default_numerics("cuda") == "exact" and kernels.default_numerics("cpu") == "fast"
+    assert kernels.select(None, "cuda", torch.float64) is kernels.TORCH  # no float64 Triton dots
+    with pytest.raises(ValueError, match="numerics must be one of exact, fast, got 'loose'"):
+        kernels.select("loose", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="not torch.float64; use numerics 'fast'"):
+        kernels.select("exact", "cuda", torch.float64)
+
+
+def test_a_whole_model_runs_through_the_triton_table(tiny_checkpoint) -> None:
+    """Every layer routes through the table: a hybrid target's prefill and decode and a
+    draft's block pass with the Triton kernels equal the references (float32)."""
+    from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+    from reference_engine.kernels.triton_ops import TRITON
+    from reference_engine.models.dflash import DraftState
+    from reference_engine.runtime.decode import new_state
+
+    target_dir = tiny_checkpoint("qwen3_5")
+    target = load_target(target_dir, dtype=torch.float32, device=DEVICE)
+    draft = load_draft(make_tiny_draft(target_dir.parent / "triton_table_draft", target_dir,
+                                       block_size=4), target)
+    prompt = torch.tensor([[5, 9, 3, 77, 12, 40, 8]], device=DEVICE)
+    slots = torch.tensor([0], device=DEVICE)
+    results = {}
+    for ops in (kernels.TORCH, TRITON):
+        state = new_state(target, 16)
+        out = target(prompt, torch.arange(7, device=DEVICE)[None], slots, state, 7,
+                     capture_layers=draft.config.target_layer_ids, ops=ops)
+        step = target(prompt[:, :1], torch.tensor([[7]], device=DEVICE), slots, state, 8, ops=ops)
+        dstate = DraftState(draft.config, 1, 16, torch.float32, DEVICE)
+        draft.append_context(out.features, torch.arange(7, device=DEVICE)[None], slots, dstate, ops)
+        block = target.embed(torch.tensor([[8, 1, 1, 1]], device=DEVICE))
+        hidden = draft(block, torch.arange(7, 11, device=DEVICE)[None], slots, dstate, 11, ops=ops)
+        results[ops.name] = (out.logits, step.logits, draft.logits(hidden, target.lm_head_weight, ops))
+    for got, want in zip(results["triton"], results["torch"]):
+        assert_close(got, want, torch.float32)

@@ -1,0 +1,105 @@
+"""Bitwise invariance of the exact kernels on the device, at real model sizes in bfloat16:
+a row's result does not depend on how many rows run with it (M = 1 .. 1000), on the other
+rows' contents, or on whether a token runs alone or inside a verify block. The vendor kernels
+are shown to move under the same probe, so the probe can see a difference. Skipped without
+CUDA; the interpreter tests of the same kernels are tests/test_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference_engine.kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+PROJECTIONS = [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096), (2560, 9216)]  # (N, K)
+ROW_COUNTS = [1, 2, 3, 7, 16, 17, 31, 64, 100, 256, 1000]
+
+
+def randn(*shape: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize(("N", "K"), PROJECTIONS)
+def test_matmul_row_bits_do_not_depend_on_the_number_of_rows(N: int, K: int) -> None:
+    from reference_engine.kernels.matmul import matmul
+
+    x = randn(max(ROW_COUNTS), K)
+    w = randn(N, K, seed=1) * K**-0.5
+    alone = matmul(x[:1], w)
+    for m in ROW_COUNTS:
+        x_m = x[:m].clone()
+        if m > 1:
+            x_m[1:] = randn(m - 1, K, seed=m)  # other rows' contents must not matter either
+        assert torch.equal(matmul(x_m, w)[:1], alone), f"row 0 moved at M={m}"
+    want = ref.linear(x[:64], w).float()
+    assert (matmul(x[:64], w).float() - want).norm() / want.norm() < 1e-2
+
+
+def test_the_probe_sees_vendor_matmul_rows_move() -> None:
+    """cuBLAS changes a row's bits with M on at least one projection (else the probe above
+    could not tell an invariant kernel from a lucky one)."""
+    moved = []
+    for N, K in PROJECTIONS:
+        x, w = randn(256, K), randn(N, K, seed=1) * K**-0.5
+        alone = ref.linear(x[:1], w)
+        moved += [(N, K, m) for m in ROW_COUNTS if not torch.equal(ref.linear(x[:m], w)[:1], alone)]
+    assert moved
+
+
+@pytest.mark.parametrize("dim", [128, 2560, 4096])
+def test_norm_rows_do_not_depend_on_the_batch(dim: int) -> None:
+    from reference_engine.kernels.norms import gated_rms_norm, rms_norm
+
+    x, w, z = randn(1000, dim), randn(dim, seed=1), randn(1000, dim, seed=2)
+    for offset in (False, True):
+        alone = rms_norm(x[:1], w, 1e-6, offset)
+        for m in (2, 16, 1000):
+            assert torch.equal(rms_norm(x[:m], w, 1e-6, offset)[:1], alone)
+    assert torch.equal(gated_rms_norm(x[:3], z[:3], w, 1e-6)[:1], gated_rms_norm(x[:1], z[:1], w, 1e-6))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (16, 4, 256)])
+def test_attention_bits_alone_in_a_verify_block_and_in_a_batch(heads: int, kv_heads: int, dim: int) -> None:
+    from reference_engine.kernels.attention import attention
+
+    slots, length, B = 4, 2048, 16
+    k_cache = randn(slots, length, kv_heads, dim, seed=1)
+    v_cache = randn(slots, length, kv_heads, dim, seed=2)
+    q = randn(3, B, heads, dim, seed=3)
+    positions = torch.tensor([[1000 + t for t in range(B)], [5 + t for t in range(B)],
+                              [1500 + t for t in range(B)]], device="cuda")
+    slot_ids = torch.tensor([2, 0, 3], device="cuda")
+    block = attention(q, k_cache, v_cache, slot_ids, positions, 1516, dim**-0.5)
+    for t in (0, 7, 15):  # decode of one token alone, row 0
+        alone = attention(q[:1, t : t + 1], k_cache, v_cache, slot_ids[:1], positions[:1, t : t + 1],
+                          1001 + t, dim**-0.5)
+        assert torch.equal(alone[0, 0], block[0, t]), f"token {t} of the block moved"
+    one_row = attention(q[:1], k_cache, v_cache, slot_ids[:1], positions[:1], 1016, dim**-0.5)
+    assert torch.equal(one_row[0], block[0])
+    want = ref.attention(q, k_cache, v_cache, slot_ids, positions, 1516, dim**-0.5)
+    assert (block.float() - want.float()).norm() / want.float().norm() < 1e-2
+
+
+def test_gated_delta_bits_per_token_and_per_block() -> None:
+    from reference_engine.kernels.gated_delta import gated_delta
+
+    b, T, H, DK, DV = 3, 16, 32, 128, 128
+    q = torch.nn.functional.normalize(randn(b, T, H, DK, dtype=torch.float32), dim=-1) * DK**-0.5
+    k = torch.nn.functional.normalize(randn(b, T, H, DK, seed=1, dtype=torch.float32), dim=-1)
+    v = randn(b, T, H, DV, seed=2, dtype=torch.float32)
+    g = -torch.rand(b, T, H, device="cuda")
+    beta = torch.rand(b, T, H, device="cuda")
+    s0 = randn(b, H, DK, DV, seed=3, dtype=torch.float32) * 0.1
+    states = torch.empty(b, T, H, DK, DV, device="cuda")
+    out, final = gated_delta(q, k, v, g, beta, s0, torch.full((b,), T, device="cuda"), states)
+    s = s0[:1]
+    for t in range(T):  # row 0 decoded one token at a time, alone
+        o, s = gated_delta(q[:1, t : t + 1], k[:1, t : t + 1], v[:1, t : t + 1], g[:1, t : t + 1],
+                           beta[:1, t : t + 1], s)
+        assert torch.equal(o[0, 0], out[0, t]) and torch.equal(s[0], states[0, t])
+    assert torch.equal(s[0], final[0])
+    want_out, want_final = ref.gated_delta(q, k, v, g, beta, s0)
+    assert (out - want_out).norm() / want_out.norm() < 1e-4

@@ -25,11 +25,15 @@ def run_gates(args: list[str], env: dict[str, str] | None = None) -> subprocess.
 def test_gates_run_on_user_checkpoints_given_by_options(tiny_checkpoint, tmp_path) -> None:
     target = tiny_checkpoint("qwen3_5")
     draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "2 + 2 ="}\n'
+                       '{"messages": [{"role": "user", "content": "hello"}]}\n')
     done = run_gates([
         "-q", "gates/test_lossless_greedy.py", "gates/test_state_equality.py",
         "-k", "grid and replay or state_after_each_commit and replay",
         "--target-model", str(target), "--draft-model", str(draft),
         "--gate-device", "cpu", "--gate-dtype", "float32",
+        "--gate-prompts", str(prompts), "--gate-max-tokens", "12",
     ])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
@@ -43,7 +47,41 @@ def test_gates_read_the_environment_variables(tiny_checkpoint, tmp_path) -> None
     done = run_gates(
         ["gates/test_lossless_greedy.py", "-k", "first_token", "-v"],
         env={"DFLASH_GATE_TARGET": str(target), "DFLASH_GATE_DRAFT": str(draft),
-             "DFLASH_GATE_DTYPE": "float32"},
+             "DFLASH_GATE_DTYPE": "float32", "DFLASH_GATE_MAX_TOKENS": "8"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[user]" in done.stdout
+
+
+class Options:
+    def __init__(self, **values) -> None:
+        self.values = values
+
+    def getoption(self, name: str):
+        return self.values.get(name)
+
+
+def test_a_user_pair_runs_32_prompts_of_the_mixed_set_by_default(tiny_checkpoint) -> None:
+    from gates.prompts import gate_prompt_ids
+    from harness.workloads import builtin
+    from reference_engine.tokenizer import load_tokenizer
+
+    target = tiny_checkpoint("qwen3")
+    ids = gate_prompt_ids(Options(**{"--target-model": str(target)}), target, 32)
+    assert len(ids) == 32 and all(ids)
+    first = builtin("mixed")[0]
+    text = first.text if first.text is not None else "\n".join(m["content"] for m in first.messages)
+    assert ids[0] == load_tokenizer(target).encode(text).ids
+
+
+def test_gate_prompts_take_ids_text_or_messages_and_the_demo_is_the_default(tiny_checkpoint,
+                                                                          tmp_path) -> None:
+    from gates.prompts import gate_prompt_ids
+    from reference_engine.demo import demo_prompts
+
+    target = tiny_checkpoint("qwen3")
+    rows = tmp_path / "ids.jsonl"
+    rows.write_text('{"prompt_ids": [5, 6, 7]}\n\n{"prompt_ids": [9]}\n')
+    assert gate_prompt_ids(Options(**{"--gate-prompts": str(rows)}), target, 32) == [[5, 6, 7], [9]]
+    demo = gate_prompt_ids(Options(), target, 32)
+    assert demo == [row["prompt_ids"] for row in demo_prompts()][:32] and len(demo) == 32

@@ -23,8 +23,8 @@ from reference_engine.tokenizer import load_tokenizer
 TinyCheckpoint = Callable[..., Path]
 PHASE_COLUMNS = [f"ms_{phase}" for phase in PHASES]
 TOP_LEVEL = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit")  # no sample
-TABLE_HEADER = " | ".join(["mode", "concurrency", "output_tokens_per_s",
-                           "mean_acceptance_length", *PHASE_COLUMNS])
+TABLE_HEADER = " | ".join(["mode", "numerics", "concurrency", "output_tokens_per_s",
+                           "mean_acceptance_length", "ms_per_step", *PHASE_COLUMNS])
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,8 @@ def test_the_printed_table_has_the_header_and_one_line_per_row(checkpoint_run) -
     assert TABLE_HEADER in lines
     start = lines.index(TABLE_HEADER)
     table = lines[start + 1 : start + 1 + len(rows)]
-    assert [line.split(" | ")[:2] for line in table] == [
-        [r["mode"], r["concurrency"]] for r in rows
+    assert [line.split(" | ")[:3] for line in table] == [
+        [r["mode"], r["numerics"], r["concurrency"]] for r in rows
     ]
     assert lines[-1].startswith("wrote ")
 
@@ -128,9 +128,9 @@ def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixt
     assert TABLE_HEADER in lines
     start = lines.index(TABLE_HEADER)
     dflash = lines[start + 2].split(" | ")
-    assert dflash[:2] == ["dflash", "1"]
+    assert (dflash[0], dflash[2]) == ("dflash", "1")
     # 7 tokens after prefill: forced 3 + 1, then a block drafting the last 3 (bonus cut)
-    assert dflash[3] == "3.5 (3.5-3.5)"  # the median and its min-max over the repeats
+    assert dflash[4] == "3.5 (3.5-3.5)"  # the median and its min-max over the repeats
 
 
 def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(

@@ -126,8 +126,8 @@ class AsyncEngine:
             kind = command[0]
             if kind == "add":
                 _, request_id, prompt_ids, params, loop, out, done = command
-                oracle = self.make_oracle(params) if self.make_oracle is not None else None
                 try:
+                    oracle = self.make_oracle(params) if self.make_oracle is not None else None
                     self.engine.add_request(request_id, prompt_ids, params, oracle=oracle)
                 except ReferenceEngineError as exc:
                     loop.call_soon_threadsafe(_set_exception, done, exc)

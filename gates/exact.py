@@ -153,17 +153,17 @@ def run_engine(target: CausalLM, draft: DFlashDraft | None, prompts: dict[str, l
 
 @contextmanager
 def verify_with(**kernels) -> Iterator[None]:
-    """Test-only fault: the verify forward runs with some kernels swapped (e.g. the vendor
-    matmul), every other forward with the engine's own."""
+    """Test-only fault: the verify forward runs eagerly with some kernels swapped (e.g. the
+    vendor matmul), every other forward with the engine's own (graphs included)."""
     correct = SpeculativeStep.verify
 
     def verify(self, rows, block):
-        own = self.ops
-        self.ops = replace(own, **kernels)
+        own, graphs = self.ops, self.graphs
+        self.ops, self.graphs = replace(own, **kernels), None
         try:
             return correct(self, rows, block)
         finally:
-            self.ops = own
+            self.ops, self.graphs = own, graphs
 
     SpeculativeStep.verify = verify
     try:

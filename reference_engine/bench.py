@@ -89,6 +89,7 @@ class BenchArgs:
     profile_capture: bool
     out: str | None
     numerics: tuple[str | None, ...]
+    enforce_eager: bool
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> BenchArgs:
@@ -123,6 +124,8 @@ class BenchArgs:
                        help="kernels, comma-separated to compare them interleaved: exact "
                             "(batch- and verify-invariant) and/or fast (vendor libraries); "
                             "default: exact on cuda (the CPU runs the references)")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="run every forward eagerly (no CUDA graphs)")
         ns = p.parse_args(argv)
         if ns.random_shape is not None and ns.model is not None:
             p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")
@@ -206,7 +209,7 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
     config = EngineConfig(max_num_seqs=concurrency, block_size=args.block_size,
                           commit_strategy=args.commit_strategy,
                           max_model_len=max(map(len, prompts)) + args.output_len,
-                          numerics=numerics)
+                          numerics=numerics, enforce_eager=args.enforce_eager)
     engine = Engine(target, draft, config)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     block = engine.block_size
@@ -238,6 +241,7 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
         "mode": "plain" if draft is None else "dflash",
         "numerics": engine.numerics,
         "kernels": engine.ops.name,  # torch (the references) or triton
+        "cuda_graphs": engine.graphs is not None,
         "concurrency": concurrency,
         "output_tokens_per_s": total / wall,
         "mean_acceptance_length": stats["spec"]["mean_acceptance_length"] if draft else 1.0,

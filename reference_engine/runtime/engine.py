@@ -34,8 +34,9 @@ from ..errors import ConfigError, RequestError
 from ..kernels import NUMERICS, default_numerics, select
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
-from .commit import check_strategy
+from .commit import check_strategy, verify_record
 from .decode import context_length, stop_ids
+from .graphs import EngineGraphs
 from .profiling import NvtxRanges
 from .request import SamplingParams, validate_prompt
 from .sequence import (
@@ -74,6 +75,9 @@ class EngineConfig:
     # kernels: "exact" (batch- and verify-invariant, bit-exact DFlash in bf16 on CUDA) or
     # "fast" (vendor libraries); None: exact on CUDA. On the CPU the PyTorch references run.
     numerics: str | None = None
+    # run every forward eagerly; by default the decode, draft and verify forwards of the
+    # exact numerics on CUDA replay CUDA graphs captured at start-up (graphs.py)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -138,10 +142,14 @@ class Engine:
                     f"({draft.config.block_size})"
                 )
         room = self.context_len + self.block_size  # a verify may run past the last token
-        self.state = TargetState(target.config, config.max_num_seqs, room, self.dtype,
+        use_graphs = (self.device.type == "cuda" and self.ops.name == "triton"
+                      and not config.enforce_eager)
+        # CUDA graphs pad a batch to its bucket with rows on one spare slot that no request owns
+        slots = config.max_num_seqs + int(use_graphs)
+        self.state = TargetState(target.config, slots, room, self.dtype,
                                  self.device, self.block_size, config.commit_strategy)
         self.draft_state = (
-            DraftState(draft.config, config.max_num_seqs, room, self.dtype, self.device)
+            DraftState(draft.config, slots, room, self.dtype, self.device)
             if draft is not None else None
         )
         self.free_slots = list(range(config.max_num_seqs))
@@ -153,9 +161,17 @@ class Engine:
         self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
         self.fallbacks: dict[str, int] = {}
+        self.graphs = None
+        if use_graphs:
+            self.graphs = EngineGraphs(
+                target, draft, self.state, self.draft_state, self.ops, config.max_num_seqs,
+                pad_slot=config.max_num_seqs, block_size=self.block_size,
+                capture_layers=draft.config.target_layer_ids if draft is not None else (),
+                record=verify_record(config.commit_strategy, target) if draft is not None else None)
+            self.graphs.capture()
         self.speculative_step = (
             SpeculativeStep(target, draft, self.state, self.draft_state, self.block_size,
-                            config.commit_strategy, self.timer, self.ops)
+                            config.commit_strategy, self.timer, self.ops, self.graphs)
             if draft is not None else None
         )
         self.finished_requests = 0
@@ -314,18 +330,26 @@ class Engine:
     def _decode(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
         """One token for each plain request, in one forward."""
         lengths = [self.state.lengths[s.slot] for s in seqs]
-        out = self.target(
-            torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device),
-            torch.tensor([[n] for n in lengths], device=self.device),
-            torch.tensor([s.slot for s in seqs], device=self.device),
-            self.state,
-            kv_len=max(lengths) + 1,
-            ops=self.ops,
-        )
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
+        positions = torch.tensor([[n] for n in lengths], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
+        if replayed is not None:
+            logits = replayed["logits"]  # [b, vocab]
+        else:
+            out = self.target(ids, positions, slots, self.state, kv_len=max(lengths) + 1,
+                              ops=self.ops)
+            logits = out.logits[:, -1]
         for seq, n in zip(seqs, lengths):
             self.state.lengths[seq.slot] = n + 1
         with self.timer.phase("sample"):
-            tokens, logprobs = choose_tokens(out.logits[:, -1], seqs)
+            if all(s.params.greedy and s.params.logprobs is None
+                   and s.params.repetition_penalty == 1.0 for s in seqs):
+                # the device argmax (lowest id on a tie, as choose_tokens), one transfer
+                chosen = replayed["tokens"] if replayed is not None else self.ops.greedy(logits)
+                tokens, logprobs = [[t] for t in chosen.tolist()], [None] * len(seqs)
+            else:
+                tokens, logprobs = choose_tokens(logits, seqs)
         for seq, token, lp in zip(seqs, tokens, logprobs):
             self._emit(seq, token, outputs, lp)
 

@@ -29,6 +29,7 @@ from ..kernels import TORCH, Kernels
 from ..models import CausalLM, ForwardOutput
 from ..models.dflash import DFlashDraft, DraftState
 from .commit import commit_hybrid, needs_snapshot, verify_record
+from .graphs import EngineGraphs
 from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
 from .state import TargetState
@@ -70,6 +71,7 @@ class SpeculativeStep:
         commit_strategy: str,
         timer: PhaseTimer,
         ops: Kernels = TORCH,
+        graphs: EngineGraphs | None = None,
     ) -> None:
         self.target, self.draft = target, draft
         self.state, self.draft_state = state, draft_state
@@ -77,6 +79,7 @@ class SpeculativeStep:
         self.commit_strategy = commit_strategy
         self.timer = timer
         self.ops = ops  # the kernels every forward and the argmax run with
+        self.graphs = graphs  # captured draft and verify forwards for full blocks, or None
         self.device = state.device
 
     def __call__(self, seqs: list[Sequence]) -> list[StepCommit]:
@@ -127,12 +130,19 @@ class SpeculativeStep:
         dcfg, N = self.draft.config, rows.positions.shape[1] - 1
         block = torch.tensor([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs],
                              device=self.device)
-        embeds = self.target.embed(block) * dcfg.input_embedding_scale
-        hidden = self.draft(embeds, rows.positions, rows.slots, self.draft_state, rows.kv_len,
-                            valid_len=rows.n_t + 1, ops=self.ops)
-        draft_logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight,
-                                         self.ops)  # [b, N, vocab]
-        proposals = self.ops.greedy(draft_logits)  # [b, N]
+        replayed = None
+        if self.graphs is not None:
+            replayed = self.graphs.propose(block, rows.positions, rows.slots, rows.n_t + 1)
+        if replayed is not None:
+            draft_logits = replayed["logits"]  # [b, N, vocab], until the next replay
+            proposals = replayed["tokens"].clone()  # [b, N]
+        else:
+            embeds = self.target.embed(block) * dcfg.input_embedding_scale
+            hidden = self.draft(embeds, rows.positions, rows.slots, self.draft_state,
+                                rows.kv_len, valid_len=rows.n_t + 1, ops=self.ops)
+            draft_logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight,
+                                             self.ops)  # [b, N, vocab]
+            proposals = self.ops.greedy(draft_logits)  # [b, N]
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
         for i, seq in enumerate(rows.seqs):
             n_i = rows.n[i]
@@ -153,6 +163,10 @@ class SpeculativeStep:
         if self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
             for slot in rows.slot_ids:
                 self.state.save(slot)
+        if self.graphs is not None:
+            replayed = self.graphs.verify(block, rows.positions, rows.slots, rows.n_t + 1)
+            if replayed is not None:
+                return ForwardOutput(replayed["logits"], replayed["features"])
         return self.target(block, rows.positions, rows.slots, self.state, rows.kv_len,
                            capture_layers=self.draft.config.target_layer_ids,
                            valid_len=rows.n_t + 1,

@@ -74,6 +74,7 @@ class ServeArgs:
     served_model_name: str | None
     oracle_acceptance: float | None
     numerics: str | None
+    enforce_eager: bool
     max_body_mb: float = 4.0
     shutdown_grace: float = 5.0
     api_key_scope: str = "api"
@@ -115,6 +116,8 @@ class ServeArgs:
                        help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
                             "greedy bit for bit in bfloat16) or fast (vendor libraries); default "
                             "exact on cuda; the CPU runs the PyTorch references")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="run every forward eagerly (no CUDA graphs)")
         p.add_argument("--max-body-mb", type=float, default=4.0,
                        help="largest request body in MiB; a larger one gets HTTP 413")
         p.add_argument("--shutdown-grace", type=float, default=5.0,
@@ -155,7 +158,8 @@ class Server:
             raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               block_size=args.block_size, commit_strategy=args.commit_strategy,
-                              max_waiting=args.max_waiting, numerics=args.numerics)
+                              max_waiting=args.max_waiting, numerics=args.numerics,
+                              enforce_eager=args.enforce_eager)
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())

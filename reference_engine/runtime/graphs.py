@@ -1,0 +1,160 @@
+"""CUDA graphs for the engine's fixed-shape forwards: the plain decode step, and the draft and
+verify forwards of a speculative step, one graph per batch bucket (and block size).
+
+A step of the launch-bound engine is hundreds of small kernels; replaying them as one graph
+removes the launch gaps. Each graph reads its inputs from static buffers (token ids,
+positions, slots, valid lengths) and leaves its outputs in static buffers (logits, greedy
+tokens, context features), which the step consumes before the next replay. A batch of b
+rows runs in the smallest bucket >= b; the padding rows point at a spare slot that no request
+owns (the state keeps one), so their writes land nowhere that matters. Shapes outside the
+buckets (a last block shorter than B, more rows than the largest bucket) run eagerly.
+
+Graphs are captured only with the exact numerics (its kernels take positions and lengths
+from device tensors and read the cache in place; the vendor path bounds attention by a
+host-side length). A replay gives the same bits as the eager forward: the same kernels on
+the same inputs (a gate checks it).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import Kernels
+from ..models import CausalLM
+from ..models.dflash import DFlashDraft, DraftState
+from .state import TargetState
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def buckets_up_to(max_rows: int) -> tuple[int, ...]:
+    """The buckets a batch of at most `max_rows` rows needs (the largest covers max_rows)."""
+    out = [b for b in BUCKETS if b < max_rows]
+    return (*out, max_rows) if max_rows not in out else tuple(out)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+
+
+class EngineGraphs:
+    """Captured decode, draft and verify forwards of one engine."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        draft: DFlashDraft | None,
+        state: TargetState,
+        draft_state: DraftState | None,
+        ops: Kernels,
+        max_rows: int,
+        pad_slot: int,
+        block_size: int,
+        capture_layers: tuple[int, ...],
+        record: str | None,
+    ) -> None:
+        self.target, self.draft, self.state, self.draft_state = target, draft, state, draft_state
+        self.ops, self.pad_slot = ops, pad_slot
+        self.block_size, self.capture_layers, self.record = block_size, capture_layers, record
+        self.buckets = buckets_up_to(max_rows)
+        self.device = state.device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.decode_graphs: dict[int, _Graph] = {}
+        self.draft_graphs: dict[int, _Graph] = {}
+        self.verify_graphs: dict[int, _Graph] = {}
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, progress: bool = True) -> None:
+        kinds = ["decode"] + (["draft", "verify"] if self.draft is not None else [])
+        for i, b in enumerate(sorted(self.buckets, reverse=True)):  # largest first: one pool
+            if progress:
+                print(f"capturing CUDA graphs ({', '.join(kinds)}): batch {b} "
+                      f"({i + 1}/{len(self.buckets)})", file=sys.stderr, flush=True)
+            self.decode_graphs[b] = self._capture(b, 1, self._decode_body)
+            if self.draft is not None:
+                self.draft_graphs[b] = self._capture(b, self.block_size, self._draft_body)
+                self.verify_graphs[b] = self._capture(b, self.block_size, self._verify_body)
+
+    def _capture(self, rows: int, width: int, body) -> _Graph:
+        inputs = {
+            "ids": torch.zeros((rows, width), dtype=torch.int64, device=self.device),
+            "positions": torch.arange(width, device=self.device)[None].repeat(rows, 1),
+            "slots": torch.full((rows,), self.pad_slot, dtype=torch.int64, device=self.device),
+            "valid": torch.full((rows,), width, dtype=torch.int64, device=self.device),
+        }
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):  # compile and autotune outside the capture
+                body(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+            outputs = body(inputs)
+        return _Graph(graph, inputs, outputs)
+
+    def _decode_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = self.target(x["ids"], x["positions"], x["slots"], self.state, 1, ops=self.ops)
+        logits = out.logits[:, -1]
+        return {"logits": logits, "tokens": self.ops.greedy(logits)}
+
+    def _draft_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        dcfg = self.draft.config
+        embeds = self.target.embed(x["ids"]) * dcfg.input_embedding_scale
+        hidden = self.draft(embeds, x["positions"], x["slots"], self.draft_state, 1,
+                            valid_len=x["valid"], ops=self.ops)
+        logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight, self.ops)
+        return {"logits": logits, "tokens": self.ops.greedy(logits)}
+
+    def _verify_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = self.target(x["ids"], x["positions"], x["slots"], self.state, 1,
+                          capture_layers=self.capture_layers, valid_len=x["valid"],
+                          record=self.record, ops=self.ops)
+        return {"logits": out.logits, "features": out.features, "tokens": self.ops.greedy(out.logits)}
+
+    # ------------------------------------------------------------------ replay
+    def _bucket(self, rows: int) -> int | None:
+        return next((b for b in sorted(self.buckets) if b >= rows), None)
+
+    def _replay(self, graphs: dict[int, _Graph], ids: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, valid: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+        rows, width = ids.shape
+        bucket = self._bucket(rows)
+        if bucket is None or bucket not in graphs:
+            return None
+        g = graphs[bucket]
+        if g.inputs["ids"].shape[1] != width:
+            return None
+        g.inputs["ids"][:rows].copy_(ids)
+        g.inputs["positions"][:rows].copy_(positions)
+        g.inputs["slots"][:rows].copy_(slots)
+        if valid is not None:
+            g.inputs["valid"][:rows].copy_(valid)
+        if rows < bucket:  # padding rows: the spare slot, from position 0
+            g.inputs["ids"][rows:].zero_()
+            g.inputs["positions"][rows:].copy_(torch.arange(width, device=self.device))
+            g.inputs["slots"][rows:].fill_(self.pad_slot)
+            g.inputs["valid"][rows:].fill_(1)
+        g.graph.replay()
+        return {name: t[:rows] for name, t in g.outputs.items()}
+
+    def decode(self, ids, positions, slots) -> dict[str, torch.Tensor] | None:
+        """ids, positions: [b, 1]; slots: [b]. Returns logits [b, vocab] and greedy tokens
+        [b] (views of static buffers), or None when no graph fits."""
+        return self._replay(self.decode_graphs, ids, positions, slots, None)
+
+    def propose(self, ids, positions, slots, valid) -> dict[str, torch.Tensor] | None:
+        """The draft forward over full blocks [b, B]: draft logits [b, B-1, vocab] and greedy
+        proposals [b, B-1], or None."""
+        return self._replay(self.draft_graphs, ids, positions, slots, valid)
+
+    def verify(self, ids, positions, slots, valid) -> dict[str, torch.Tensor] | None:
+        """The verify forward over full blocks [b, B]: logits [b, B, vocab], features, greedy
+        target tokens [b, B], or None."""
+        return self._replay(self.verify_graphs, ids, positions, slots, valid)

@@ -121,3 +121,16 @@ def test_a_tiny_positive_temperature_is_served_as_greedy(pair) -> None:
                         "zero": (PROMPTS[1], params())})
     assert done["tiny"].output_ids == generate_plain(target, PROMPTS[0], params()).output_ids
     assert done["zero"].output_ids == generate_plain(target, PROMPTS[1], params()).output_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_non_finite_row_asking_for_logprobs_fails_alone(pair, temperature: float) -> None:
+    target, _ = pair
+    requests = {f"r{i}": (p, params(logprobs=2)) for i, p in enumerate(PROMPTS[:2])}
+    requests["bad"] = ([POISON, 40, 41], params(temperature=temperature, seed=1, logprobs=2))
+    with poisoned():
+        done = run(Engine(target, None, EngineConfig(max_num_seqs=4)), requests)
+    assert done.pop("bad").finish_reason == "error"
+    for request_id, seq in done.items():
+        expected = generate_plain(target, requests[request_id][0], params()).output_ids
+        assert seq.output_ids == expected and len(seq.logprobs) == MAX_TOKENS

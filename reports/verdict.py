@@ -132,7 +132,8 @@ def _prompt_sets(results: ResultSet) -> str | None:
     per_level = {c: sorted(set(sent[summary["concurrency"] == c])) for c in results.concurrencies}
     counts = sorted({n for v in per_level.values() for n in v})
     if len(counts) == 1:
-        return f"Prompts: the same {counts[0]} requests at every concurrency."
+        return (f"Prompts: {counts[0]} requests at every concurrency (the harness sends the same "
+                "prompts at every level when the count is the same).")
     listed = ", ".join(f"c={c}: {'/'.join(map(str, v))}" for c, v in per_level.items())
     return (f"**Prompt sets differ between concurrencies** ({listed} requests): differences "
             "between concurrencies (acceptance above all) partly come from the different subsets.")

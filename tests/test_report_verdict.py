@@ -80,7 +80,7 @@ def test_prompt_sets_that_differ_between_concurrencies_are_flagged(tmp_path) -> 
     same = write_results(tmp_path / "same")
     edit_summary(same, sent(8))
     part = verdict(build_report(same).read_text())
-    assert "Prompts: the same 8 requests at every concurrency." in part
+    assert "Prompts: 8 requests at every concurrency" in part
     assert "Prompt sets differ" not in part
     differ = write_results(tmp_path / "differ")
     edit_summary(differ, lambda row: sent(8 if row["concurrency"] == "1" else 16)(row))

@@ -59,6 +59,7 @@ from .errors import ReferenceEngineError, exit_with
 from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.engine import Engine, EngineConfig
+from .runtime.floor import weight_streaming_floor
 from .runtime.request import SamplingParams
 from .runtime.speculative import OracleProposer
 from .runtime.stats import PHASES
@@ -90,6 +91,7 @@ class BenchArgs:
     out: str | None
     numerics: tuple[str | None, ...]
     enforce_eager: bool
+    floor: bool
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> BenchArgs:
@@ -126,6 +128,10 @@ class BenchArgs:
                             "default: exact on cuda (the CPU runs the references)")
         p.add_argument("--enforce-eager", action="store_true",
                        help="run every forward eagerly (no CUDA graphs)")
+        p.add_argument("--floor", action="store_true",
+                       help="measure the weight-streaming floor (every weight read once, "
+                            "graph-captured) per concurrency and give each step time as a "
+                            "multiple of it")
         ns = p.parse_args(argv)
         if ns.random_shape is not None and ns.model is not None:
             p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")
@@ -248,6 +254,8 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
         **{f"ms_{phase}": 1000 * phases.get(kind + phase, 0.0) for phase in PHASES},
         "ms_step": 1000 * step_s,
         "ms_per_step": 1000 * step_s / max(steps, 1),
+        # one decode step (plain) or one draft -> verify -> accept -> commit step (DFlash)
+        "ms_per_decode_step": decode_step_ms(phases, engine.timer.calls, kind, draft is not None),
         **{f"n_{phase}": engine.timer.calls[phase] for phase in PHASES},
         "phase_clock": "cuda_events" if on_gpu else "host",
         "steps": steps,
@@ -255,6 +263,23 @@ def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
         "wall_s": wall,
     }
     return {"row": row, "outputs": outputs}
+
+
+def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> float:
+    """Milliseconds per decode step: the decode phase per call (plain), or the draft, verify,
+    accept and commit phases per verify (DFlash)."""
+    names = ("draft", "verify", "accept", "commit") if speculative else ("decode",)
+    count = calls["verify" if speculative else "decode"]
+    return 1000 * sum(phases.get(kind + name, 0.0) for name in names) / max(count, 1)
+
+
+def print_floor(rows: list[dict]) -> None:
+    print("mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor")
+    for r in rows:
+        print(f"{r['mode']} | {r['numerics']} | {r['concurrency']} | "
+              f"{_figure(r, 'ms_per_decode_step', 2)} | "
+              f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
+              f"{r['over_floor']:.2f}")
 
 
 SPREAD_WARNING = 0.10  # repeats whose min-max range exceeds this share of the median disagree
@@ -315,7 +340,14 @@ def benchmark(args: BenchArgs) -> list[dict]:
                          numerics)
         with capture_range(capture):
             measured = measure(target, draft, prompts, args, c, warm["outputs"])
-        rows += [median_row(runs) for runs in measured.values()]
+        floor = weight_streaming_floor(target, rows=c) if args.floor else None
+        for runs in measured.values():
+            row = median_row(runs)
+            if floor is not None:
+                row.update(floor_ms=floor.ms_median, floor_ms_min=floor.ms_min,
+                           floor_ms_max=floor.ms_max, floor_gb_per_s=floor.gb_per_s,
+                           over_floor=row["ms_per_decode_step"] / floor.ms_median)
+            rows.append(row)
         if args.out:  # after every concurrency, so an interrupted run keeps what it measured
             write_csv(args.out, rows)
     return rows
@@ -384,14 +416,15 @@ def print_table(rows: list[dict]) -> None:
         print("# (a busy or throttled machine; more --repeats or a quieter machine narrow it)")
 
 
-def _figure(row: dict, col: str) -> str:
+def _figure(row: dict, col: str, digits: int = 1) -> str:
+    """`median (min-max)` of a median row's column; other values as they are."""
     value = row[col]
     if not isinstance(value, float):
         return str(value)
     low, high = row.get(f"{col}_min"), row.get(f"{col}_max")
     if low is None or high is None:
-        return f"{value:.1f}"
-    return f"{value:.1f} ({low:.1f}-{high:.1f})"
+        return f"{value:.{digits}f}"
+    return f"{value:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     except ReferenceEngineError as exc:
         return exit_with(exc)
     print_table(rows)
+    if args.floor:
+        print_floor(rows)
     if args.out:
         print(f"wrote {args.out}")
     return 0

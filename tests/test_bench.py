@@ -128,7 +128,7 @@ def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixt
     assert TABLE_HEADER in lines
     start = lines.index(TABLE_HEADER)
     dflash = lines[start + 2].split(" | ")
-    assert (dflash[0], dflash[2]) == ("dflash", "1")
+    assert dflash[:3] == ["dflash", "fast", "1"]  # the CPU runs the references: fast
     # 7 tokens after prefill: forced 3 + 1, then a block drafting the last 3 (bonus cut)
     assert dflash[4] == "3.5 (3.5-3.5)"  # the median and its min-max over the repeats
 
@@ -240,3 +240,24 @@ def test_a_missing_prompts_file_is_one_error_line_with_code_2(
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --prompts ") and "no such file" in err
+
+
+def test_numerics_are_compared_interleaved_and_named_in_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "numerics.csv"
+    code = bench.main([
+        "--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
+        "--concurrency", "1", "--repeats", "1", "--input-len", "8", "--output-len", "4",
+        "--numerics", "exact,fast", "--modes", "plain", "--out", str(out),
+    ])
+    assert code == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["mode"], r["numerics"], r["kernels"]) for r in rows] == [
+        ("plain", "exact", "torch"), ("plain", "fast", "torch")]  # the CPU runs the references
+    assert all(float(r["ms_per_step"]) > 0 and r["cuda_graphs"] == "False" for r in rows)
+
+
+def test_bad_numerics_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.BenchArgs.parse(["--random-shape", "qwen3-small", "--numerics", "exact,loose"])
+    assert exc.value.code == 2
+    assert "--numerics must be distinct values of exact, fast, got 'exact,loose'" in capsys.readouterr().err

@@ -571,15 +571,6 @@ def test_repetition_penalty_changes_greedy_output_and_falls_back_from_speculatio
     assert engine.stats()["fallbacks"] == {"sampling_option": 1}
 
 
-def test_cuda_graph_buckets_cover_every_batch_up_to_the_slots() -> None:
-    from reference_engine.runtime.graphs import buckets_up_to
-
-    assert buckets_up_to(16) == (1, 2, 4, 8, 16)
-    assert buckets_up_to(12) == (1, 2, 4, 8, 12)
-    assert buckets_up_to(100) == (1, 2, 4, 8, 16, 32, 64, 100)
-    assert buckets_up_to(1) == (1,)
-
-
 def test_the_cpu_engine_runs_eagerly_with_no_spare_slot(qwen3_checkpoint) -> None:
     target = load_target(qwen3_checkpoint, dtype=torch.float32)
     engine = Engine(target, None, EngineConfig(max_num_seqs=3))

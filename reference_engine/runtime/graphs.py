@@ -18,6 +18,7 @@ the same inputs (a gate checks it).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,15 +72,19 @@ class EngineGraphs:
 
     # ------------------------------------------------------------------ capture
     def capture(self, progress: bool = True) -> None:
+        """Capture every bucket, largest first (one memory pool serves them all); with
+        `progress`, one line on stderr when done."""
         kinds = ["decode"] + (["draft", "verify"] if self.draft is not None else [])
-        for i, b in enumerate(sorted(self.buckets, reverse=True)):  # largest first: one pool
-            if progress:
-                print(f"capturing CUDA graphs ({', '.join(kinds)}): batch {b} "
-                      f"({i + 1}/{len(self.buckets)})", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        for b in sorted(self.buckets, reverse=True):
             self.decode_graphs[b] = self._capture(b, 1, self._decode_body)
             if self.draft is not None:
                 self.draft_graphs[b] = self._capture(b, self.block_size, self._draft_body)
                 self.verify_graphs[b] = self._capture(b, self.block_size, self._verify_body)
+        if progress:
+            print(f"captured CUDA graphs ({', '.join(kinds)}) for batch sizes "
+                  f"{', '.join(map(str, self.buckets))} in {time.perf_counter() - start:.1f} s",
+                  file=sys.stderr, flush=True)
 
     def _capture(self, rows: int, width: int, body) -> _Graph:
         inputs = {

@@ -143,6 +143,7 @@ def generate_speculative(
         commit_strategy=options.commit_strategy,
         prefill_chunk=len(prompt_ids),
         numerics=numerics,
+        enforce_eager=True,  # one request, one run: capturing graphs would not pay off
     )
     engine = Engine(target, draft, config)
     if on_commit is not None:

@@ -575,3 +575,27 @@ def test_the_cpu_engine_runs_eagerly_with_no_spare_slot(qwen3_checkpoint) -> Non
     target = load_target(qwen3_checkpoint, dtype=torch.float32)
     engine = Engine(target, None, EngineConfig(max_num_seqs=3))
     assert engine.graphs is None and engine.state.num_slots == 3
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_blocks_padded_to_full_length_stay_lossless(qwen3_5_checkpoint, tmp_path, strategy: str) -> None:
+    """With CUDA graphs every block is padded to B (a last, shorter block included); the
+    padding must change nothing. Forced here on the CPU, in float64."""
+    target = load_target(qwen3_5_checkpoint, dtype=torch.float64)
+    draft = load_draft(make_tiny_draft(tmp_path / "draft", qwen3_5_checkpoint, block_size=8), target)
+    prompts = [[5, 9, 3, 77, 12], [40, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    params = SamplingParams(max_tokens=11, ignore_eos=True)  # the last block is short
+    refs = [generate_plain(target, p, params).output_ids for p in prompts]
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=2, commit_strategy=strategy))
+    engine.speculative_step.pad_blocks = True
+    widths = []
+    correct = engine.speculative_step.propose
+    engine.speculative_step.propose = lambda rows: (widths.append(rows.positions.shape[1]),
+                                                    correct(rows))[1]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params,
+                           oracle=OracleProposer(refs[i], [7, 2, 5], target.config.vocab_size))
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.collect(str(i)).output_ids for i in range(2)] == refs
+    assert set(widths) == {8}

@@ -232,3 +232,21 @@ def test_state_allocates_kv_for_attention_layers_and_recurrent_state_for_linear_
             assert state.recurrent[i].dtype == torch.float32
             assert state.saved_recurrent[i].dtype == torch.float32
     assert state.lengths == [0, 0, 0] and state.saved_lengths == [None, None, None]
+
+
+def test_saving_and_restoring_several_slots_at_once_touches_only_those(qwen3_5_checkpoint) -> None:
+    model = load_target(qwen3_5_checkpoint, dtype=torch.float64)
+    state = TargetState(model.config, 4, 16, torch.float64)
+    layer = model.config.linear_layers[0]
+    for tensor in (state.conv[layer], state.recurrent[layer]):
+        tensor.copy_(torch.randn_like(tensor))
+    state.lengths[:] = [3, 5, 7, 9]
+    before = {n: t.clone() for n, t in (("conv", state.conv[layer]), ("rec", state.recurrent[layer]))}
+    state.save_rows([1, 3])
+    assert state.saved_lengths == [None, 5, None, 9]
+    for tensor in (state.conv[layer], state.recurrent[layer]):
+        tensor.add_(1.0)
+    state.restore_rows([3, 1])
+    for name, tensor in (("conv", state.conv[layer]), ("rec", state.recurrent[layer])):
+        assert torch.equal(tensor[[1, 3]], before[name][[1, 3]])
+        assert torch.equal(tensor[[0, 2]], before[name][[0, 2]] + 1.0)

@@ -68,8 +68,7 @@ def commit_hybrid(
         return
     slots = torch.tensor(slot_ids, device=block_tokens.device)
     if strategy == "replay":
-        for slot in slot_ids:
-            state.restore_saved(slot)
+        state.restore_rows(slot_ids)
         model(block_tokens, positions, slots, state, kv_len, valid_len=processed, ops=ops)
         return
     T = block_tokens.shape[1]

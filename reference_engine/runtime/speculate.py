@@ -80,6 +80,9 @@ class SpeculativeStep:
         self.timer = timer
         self.ops = ops  # the kernels every forward and the argmax run with
         self.graphs = graphs  # captured draft and verify forwards for full blocks, or None
+        # every block padded to B tokens (padding never counts, see the module docstring), so
+        # that a last, shorter block still replays the captured full-block graphs
+        self.pad_blocks = graphs is not None
         self.device = state.device
 
     def __call__(self, seqs: list[Sequence]) -> list[StepCommit]:
@@ -111,7 +114,7 @@ class SpeculativeStep:
     # ------------------------------------------------------------------ layout
     def rows(self, seqs: list[Sequence]) -> Rows:
         n = [min(self.block_size - 1, s.remaining) for s in seqs]
-        N = max(n)
+        N = self.block_size - 1 if self.pad_blocks else max(n)
         starts = self.anchor_positions(seqs)
         positions = (torch.tensor(starts, device=self.device)[:, None]
                      + torch.arange(N + 1, device=self.device))
@@ -161,8 +164,7 @@ class SpeculativeStep:
         """One target forward over every block; captures the draft's context features and
         keeps what the commit strategy needs."""
         if self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
-            for slot in rows.slot_ids:
-                self.state.save(slot)
+            self.state.save_rows(rows.slot_ids)
         if self.graphs is not None:
             replayed = self.graphs.verify(block, rows.positions, rows.slots, rows.n_t + 1)
             if replayed is not None:

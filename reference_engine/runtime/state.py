@@ -130,13 +130,20 @@ class TargetState:
 
     def save(self, slot: int) -> None:
         """Copy the slot's Gated DeltaNet state aside, tagged with the current length."""
-        self._check_slot(slot)
+        self.save_rows([slot])
+
+    def save_rows(self, slots: list[int]) -> None:
+        """`save` for several slots at once: one copy per state tensor, whatever their count."""
+        for slot in slots:
+            self._check_slot(slot)
+        rows = torch.tensor(slots, device=self.device)
         for live, saved in zip(
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):
             if live is not None:
-                saved[slot].copy_(live[slot])
-        self.saved_lengths[slot] = self.lengths[slot]
+                saved[rows] = live[rows]
+        for slot in slots:
+            self.saved_lengths[slot] = self.lengths[slot]
 
     def rollback(self, slot: int, length: int) -> None:
         """Bring the slot back to `length` committed tokens.
@@ -161,8 +168,13 @@ class TargetState:
 
     def restore_saved(self, slot: int) -> None:
         """Copy the saved Gated DeltaNet state back into the live one (lengths untouched)."""
+        self.restore_rows([slot])
+
+    def restore_rows(self, slots: list[int]) -> None:
+        """`restore_saved` for several slots at once."""
+        rows = torch.tensor(slots, device=self.device)
         for live, saved in zip(
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):
             if live is not None:
-                live[slot].copy_(saved[slot])
+                live[rows] = saved[rows]

@@ -11,18 +11,15 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
-from reference_engine.errors import RequestError
 from reference_engine.models import CausalLM
 from reference_engine.runtime.decode import (
     FINISH_LENGTH,
     FINISH_STOP,
-    context_length,
     decode_step,
     generate_plain,
     new_state,
     prefill,
     stop_ids,
-    stop_position,
 )
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sampling import greedy
@@ -213,38 +210,6 @@ def test_stop_ids_join_eos_and_request_stops_unless_eos_is_ignored(model: Causal
     (eos,) = model.config.eos_token_ids
     assert stop_ids(model, SamplingParams(stop_token_ids=(4, 9))) == {eos, 4, 9}
     assert stop_ids(model, SamplingParams(stop_token_ids=(4,), ignore_eos=True)) == {4}
-
-
-def test_stop_position_is_the_first_stop_token() -> None:
-    assert stop_position([5, 7, 9, 7], frozenset({7, 9})) == 1
-    assert stop_position([5, 6], frozenset({7})) is None
-    assert stop_position([], frozenset({7})) is None
-
-
-# ----------------------------------------------------------------------------- bad requests
-def test_context_length_is_the_smaller_of_model_and_request_limits(model: CausalLM) -> None:
-    limit = model.config.max_position_embeddings
-    assert context_length(model) == limit
-    assert context_length(model, 100) == 100
-    assert context_length(model, limit + 1000) == limit
-
-
-@pytest.mark.parametrize(
-    ("prompt", "max_model_len", "pattern"),
-    [
-        ([], None, r"the prompt is empty"),
-        ([1, 2, 512], None, r"\[512\] outside the vocabulary \[0, 512\)"),
-        ([-4, 2], None, r"\[-4\] outside the vocabulary"),
-        (PROMPT, len(PROMPT), rf"the prompt has {len(PROMPT)} tokens but the context holds"),
-        (PROMPT, len(PROMPT) + 3, r"exceeds the context of 16 tokens"),
-    ],
-    ids=["empty", "id-past-vocab", "negative-id", "prompt-fills-context", "output-past-context"],
-)
-def test_generate_plain_rejects_bad_prompts(
-    model: CausalLM, prompt: list[int], max_model_len: int | None, pattern: str
-) -> None:
-    with pytest.raises(RequestError, match=pattern):
-        generate_plain(model, prompt, SamplingParams(max_tokens=4), max_model_len=max_model_len)
 
 
 def test_generate_plain_fits_exactly_into_the_context(

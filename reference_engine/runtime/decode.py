@@ -1,7 +1,7 @@
-"""One request on one slot: prefill and plain greedy decode.
+"""One request on one slot: prefill and plain greedy decode, the bare reference loop.
 
-The speculative path (spec.py) reuses `prefill` and `stop_position` so that both paths
-end an output at exactly the same token.
+The engine (engine.py) shares `stop_ids` and `context_length` with this loop, so both end
+an output at exactly the same token.
 """
 
 from __future__ import annotations
@@ -36,14 +36,6 @@ def context_length(model: CausalLM, max_model_len: int | None = None) -> int:
 def stop_ids(model: CausalLM, params: SamplingParams) -> frozenset[int]:
     eos = () if params.ignore_eos else model.config.eos_token_ids
     return frozenset((*eos, *params.stop_token_ids))
-
-
-def stop_position(tokens: list[int], stops: frozenset[int]) -> int | None:
-    """Index of the first stop token in `tokens`, or None."""
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return i
-    return None
 
 
 def new_state(model: CausalLM, max_len: int, num_slots: int = 1) -> TargetState:

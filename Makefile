@@ -63,7 +63,7 @@ bench:
 	$(PYTHON) -m harness ab \
 		--a-cmd "$(BENCH_SERVE) --port {port}" \
 		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(DEMO)/draft --block-size $(BENCH_BLOCK) $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
-		$(BENCH_ARGS) --out $(BENCH_OUT) \
+		--a-label plain --b-label dflash $(BENCH_ARGS) --out $(BENCH_OUT) \
 		--notes "$(BENCH_NOTES)$(if $(BENCH_ACCEPTANCE),; acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode),; real acceptance)"
 
 profile:

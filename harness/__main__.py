@@ -18,12 +18,23 @@ import argparse
 import csv
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
 from .ab import ManagedServer, metadata, ratios, write_meta
-from .bench import LoadSpec, done_runs, measure
+from .arguments import (
+    base_url,
+    concurrency_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    rate,
+)
+from .bench import LoadSpec, measure
 from .client import ENDPOINT_KINDS, Endpoint
+from .outcome import verdict_line
+from .resume import prepare, read_request_rows, trim_torn_tail
 from .server_kind import SERVER_KINDS, resolve
 from .tokens import TextTokenizer
 from .workloads import WorkloadError, builtin, load_jsonl, synthetic, take
@@ -43,34 +54,44 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     _peer_args(p)
     p.add_argument("--endpoint", default="completions", choices=ENDPOINT_KINDS)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", default="1,4,8,16")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="measured requests per concurrency (default 4 x concurrency, >= 8)")
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=concurrency_list, default="1,4,8,16",
+                   help="comma-separated levels, each >= 1")
+    p.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="measured requests per concurrency, the same prompts at every level "
+                   "(default: a dataset's whole set, repeated until it reaches the highest "
+                   "concurrency; synthetic: 4 x the highest concurrency, >= 8)")
+    p.add_argument("--input-len", type=positive_int, default=64)
+    p.add_argument("--output-len", type=positive_int, default=64)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--dataset", help="JSONL with 'prompt' or 'messages' per line")
     source.add_argument("--builtin", help="built-in prompt set: code, math, chat, mixed")
     p.add_argument("--text", action="store_true", help="synthetic prompts as text, not ids")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--request-rate", type=float, default=math.inf,
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=1)
+    p.add_argument("--request-rate", type=positive_float, default=math.inf,
                    help="arrivals per second (default: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    p.add_argument("--burstiness", type=positive_float, default=1.0,
+                   help="gamma shape; 1 = Poisson")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="per request, seconds")
+    p.add_argument("--max-failure-rate", type=rate, default=0.0,
+                   help="exit 1 when a run fails more than this share of its requests "
+                   "(default 0: any failed request fails the benchmark)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2e-ms", type=float, default=None)
-    p.add_argument("--resume", action="store_true", help="skip runs already in DIR/summary.csv")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already done in DIR; measure failed and incomplete ones again")
     p.add_argument("--notes", default=None, help="recorded in meta.json and the report")
     p.add_argument("--out", default="results/run", help="output directory")
 
 
 def _compare_parser(sub) -> None:
     c = sub.add_parser("compare", help="token-by-token equivalence of two servers")
-    c.add_argument("--baseline", required=True, help="baseline base URL (DFlash off)")
-    c.add_argument("--candidate", required=True, help="candidate base URL (DFlash on)")
+    c.add_argument("--baseline", required=True, type=base_url,
+                   help="baseline base URL (DFlash off)")
+    c.add_argument("--candidate", required=True, type=base_url,
+                   help="candidate base URL (DFlash on)")
     c.add_argument("--model", default=None)
     c.add_argument("--api-key", default=None)
     _peer_args(c)
@@ -78,8 +99,8 @@ def _compare_parser(sub) -> None:
     source.add_argument("--prompts", help="JSONL with 'prompt' per line")
     source.add_argument("--builtin", default=None, help="code, math, chat or mixed")
     c.add_argument("--num-prompts", type=int, default=None, help="default: the whole set")
-    c.add_argument("--max-tokens", type=int, default=64)
-    c.add_argument("--concurrency", type=int, default=4)
+    c.add_argument("--max-tokens", type=positive_int, default=64)
+    c.add_argument("--concurrency", type=positive_int, default=4)
     c.add_argument("--policy", default="tie-tolerant", choices=["strict", "tie-tolerant"])
     c.add_argument("--tie-threshold", type=float, default=0.1)
     c.add_argument("--max-tie-rate", type=float, default=0.05)
@@ -127,36 +148,66 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _compare_parser(sub)
     bench = sub.add_parser("bench", help="measure one server")
-    bench.add_argument("--base-url", required=True)
+    bench.add_argument("--base-url", required=True, type=base_url)
     bench.add_argument("--label", default="A")
     _workload_args(bench)
     ab = sub.add_parser("ab", help="baseline A vs candidate B, interleaved")
     for side in ("a", "b"):
         group = ab.add_mutually_exclusive_group(required=True)
-        group.add_argument(f"--{side}-url", help=f"attach to server {side.upper()}")
+        group.add_argument(f"--{side}-url", type=base_url, help=f"attach to server {side.upper()}")
         group.add_argument(f"--{side}-cmd", help=f"start server {side.upper()} ({{port}} filled in)")
+        ab.add_argument(f"--{side}-label", default=None,
+                        help=f"what server {side.upper()} is, named in the report (e.g. "
+                        f"{'plain' if side == 'a' else 'dflash'})")
     _workload_args(ab)
     return p
 
 
-def prompts_for(args, count: int) -> list:
+def prompt_pool(args) -> list | None:
     if args.dataset:
-        pool = load_jsonl(args.dataset)
-    elif args.builtin:
-        pool = builtin(args.builtin)
-    else:
+        return load_jsonl(args.dataset)
+    if args.builtin:
+        return builtin(args.builtin)
+    return None  # synthetic
+
+
+def prompts_for(args, count: int) -> list:
+    pool = prompt_pool(args)
+    if pool is None:
         return synthetic(count, args.input_len, args.seed, as_text=args.text)
     return take(pool, count, args.seed)
 
 
+def measured_count(args) -> int:
+    """Measured requests per concurrency: the same at every level, so every level sees the
+    same prompts (a dataset's whole set, repeated up to the highest concurrency)."""
+    if args.num_prompts:
+        return args.num_prompts
+    top = max(args.concurrency)
+    pool = prompt_pool(args)
+    if pool is None:
+        return max(8, 4 * top)
+    return len(pool) * -(-top // len(pool))
+
+
 def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of) -> list[dict]:
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    concurrencies = args.concurrency
     slo = {k: v for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms),
                              ("e2e", args.slo_e2e_ms)) if v is not None}
-    skip = done_runs(out / "summary.csv") if args.resume else set()
+    count = measured_count(args)
+    planned = {(label, c, r): count for c in concurrencies for r in range(args.repeats)
+               for label in servers}
+    skip: set = set()
+    if args.resume:
+        resumed = prepare(out, planned, args.max_failure_rate)
+        skip = resumed.done
+        if resumed.redo or resumed.dropped_lines:
+            print(f"resume: {len(skip)} runs kept, {len(planned) - len(skip)} to measure "
+                  f"({len(resumed.redo)} failed or incomplete cleared, "
+                  f"{resumed.dropped_lines} torn lines dropped)", file=sys.stderr)
+    trim_torn_tail(out / "requests.jsonl")
     summaries = []
     for c in concurrencies:
-        count = args.num_prompts or max(8, 4 * c)
         prompts = prompts_for(args, args.warmup + count)  # the same for A and B
         spec = LoadSpec(concurrency=c, num_prompts=count, output_len=args.output_len,
                         warmup=args.warmup, request_rate=args.request_rate,
@@ -193,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     out = Path(args.out)
+    fresh = not out.exists()
     servers: dict[str, ManagedServer] = {}
     try:
         if args.command == "bench":
@@ -211,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
             return endpoints[label]
 
         meta = metadata(argv, servers, args.notes)
+        if args.command == "ab" and (args.a_label or args.b_label):
+            meta["labels"] = {"A": args.a_label or "A", "B": args.b_label or "B"}
         meta["tokenizer"] = args.tokenizer
         write_meta(out, meta)
         summaries = run(args, servers, out, endpoint_of)
         if endpoints:
             meta["server_kinds"] = {label: e.accepts.as_dict() for label, e in endpoints.items()}
             write_meta(out, meta)
+        rows: list[dict] = []
         if (out / "summary.csv").exists():  # every row, a resumed run's earlier ones too
             with (out / "summary.csv").open() as f:
                 rows = list(csv.DictReader(f))
@@ -226,9 +281,22 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkloadError, RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        kept, _ = read_request_rows(out / "requests.jsonl")
+        print(f"\ninterrupted: {len(kept)} measured requests kept in {out}; "
+              "rerun with --resume to measure the rest", file=sys.stderr)
+        return 130
     finally:
         for server in servers.values():
             server.stop()
+    planned = [r for r in rows if r["label"] in servers and int(r["concurrency"])
+               in args.concurrency and int(r["repeat"]) < args.repeats]
+    failure = verdict_line(planned, args.max_failure_rate)
+    if failure is not None and fresh and not any(int(float(r.get("completed") or 0))
+                                                  for r in rows):
+        shutil.rmtree(out, ignore_errors=True)  # nothing was measured: leave no stub folder
+        print(f"error: {failure}; nothing measured, {out} removed", file=sys.stderr)
+        return 1
     print_table(summaries)
     try:
         from reports.markdown import build_report
@@ -238,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"report: {build_report(out)}")
     print(f"results: {out}")
+    if failure is not None:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 

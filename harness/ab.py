@@ -128,12 +128,25 @@ def metadata(argv: list[str], servers: dict[str, ManagedServer], notes: str | No
         pass
     return {
         "command": [sys.executable, "-m", "harness", *argv],
-        "servers": {k: {"url": s.url, "command": s.command} for k, s in servers.items()},
+        "servers": {k: {"url": s.url, "command": s.command, **server_info(s.url)}
+                    for k, s in servers.items()},
         "python": sys.version.split()[0], "httpx": httpx.__version__,
         "host": platform.node(), "platform": platform.platform(), "user": getpass.getuser(),
         "gpu": gpu, "git_commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "notes": notes,
     }
+
+
+def server_info(url: str) -> dict:
+    """torch version, device and dtype of a server that says (ours: GET /info); {} otherwise."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/info", timeout=5)
+        info = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return {}
+    if not isinstance(info, dict):
+        return {}
+    return {k: info[k] for k in ("torch", "device", "dtype", "mode", "block_size") if k in info}
 
 
 def write_meta(out: Path, meta: dict) -> None:

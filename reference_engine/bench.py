@@ -9,7 +9,9 @@ on its held-out prompts. For each concurrency c the engine gets `--num-prompts` 
 (default c) of `--input-len` random prompt tokens (or the rows of `--prompts`, in order,
 cycled) and `--output-len` output tokens (EOS ignored), all
 queued at once, with c slots. Plain and DFlash runs alternate, `--repeats` times each
-after one warm-up pair; the table and CSV give medians over the repeats. `--modes dflash`
+after one warm-up pair; the table and CSV give medians over the repeats, each with its spread
+(`<column>_min`, `<column>_max`; printed as `median (min-max)`), and a warning names every
+printed figure whose repeats disagree by more than 10% of the median. `--modes dflash`
 (or `plain`) measures one mode only; with --oracle-acceptance the continuations then come
 from the unmeasured plain warm-up run over the same prompts.
 
@@ -163,7 +165,7 @@ class BenchArgs:
 def load_pair(args: BenchArgs):
     dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     if args.random_shape:
-        block = args.block_size or 16
+        block = 16 if args.block_size is None else args.block_size
         return random_pair(args.random_shape, args.device, dtype, args.seed, block_size=block)
     target = load_target(args.model, dtype=dtype, device=args.device)
     return target, load_draft(args.draft, target)
@@ -274,17 +276,39 @@ def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> f
 def print_floor(rows: list[dict]) -> None:
     print("mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor")
     for r in rows:
-        print(f"{r['mode']} | {r['numerics']} | {r['concurrency']} | {r['ms_per_decode_step']:.2f} | "
+        print(f"{r['mode']} | {r['numerics']} | {r['concurrency']} | "
+              f"{_figure(r, 'ms_per_decode_step', 2)} | "
               f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
               f"{r['over_floor']:.2f}")
 
 
+SPREAD_WARNING = 0.10  # repeats whose min-max range exceeds this share of the median disagree
+
+
 def median_row(rows: list[dict]) -> dict:
-    out = dict(rows[0])
+    """Medians over repeats of every float column, each with its spread: `<column>_min` and
+    `<column>_max` right after it."""
+    out: dict = {}
     for key, value in rows[0].items():
         if isinstance(value, float):
-            out[key] = statistics.median(r[key] for r in rows)
+            values = [r[key] for r in rows]
+            out[key] = statistics.median(values)
+            out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
+        else:
+            out[key] = value
     out["repeats"] = len(rows)
+    return out
+
+
+def disagreements(row: dict, columns: list[str]) -> list[str]:
+    """The printed figures of a median row whose repeats spread by more than SPREAD_WARNING."""
+    out = []
+    for col in columns:
+        median, low, high = row.get(col), row.get(f"{col}_min"), row.get(f"{col}_max")
+        if isinstance(median, float) and median > 0 and low is not None and \
+                (high - low) / median > SPREAD_WARNING:
+            out.append(f"{row['mode']} c={row['concurrency']} {col} {median:.1f} "
+                       f"({low:.1f}-{high:.1f}, {(high - low) / median:.0%} of the median)")
     return out
 
 
@@ -376,12 +400,31 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
+    """Medians over the repeats, each float as `median (min-max)`; a warning line for every
+    figure whose repeats disagree by more than SPREAD_WARNING of the median."""
     cols = ["mode", "numerics", "concurrency", "output_tokens_per_s", "mean_acceptance_length",
             "ms_per_step", *[f"ms_{p}" for p in PHASES]]
+    print(f"# medians over {rows[0].get('repeats', 1) if rows else 0} repeats, (min-max) in "
+          "parentheses")
     print(" | ".join(cols))
     for row in rows:
-        print(" | ".join(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c])
-                         for c in cols))
+        print(" | ".join(_figure(row, c) for c in cols))
+    warnings = [w for row in rows for w in disagreements(row, cols)]
+    for warning in warnings:
+        print(f"# warning: repeats disagree by more than {SPREAD_WARNING:.0%}: {warning}")
+    if warnings:
+        print("# (a busy or throttled machine; more --repeats or a quieter machine narrow it)")
+
+
+def _figure(row: dict, col: str, digits: int = 1) -> str:
+    """`median (min-max)` of a median row's column; other values as they are."""
+    value = row[col]
+    if not isinstance(value, float):
+        return str(value)
+    low, high = row.get(f"{col}_min"), row.get(f"{col}_max")
+    if low is None or high is None:
+        return f"{value:.{digits}f}"
+    return f"{value:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def main(argv: list[str] | None = None) -> int:

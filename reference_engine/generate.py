@@ -108,6 +108,11 @@ def run(args: GenerateArgs) -> dict:
     tokenizer = None
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("--prompt is not valid UTF-8 text (check the shell's locale or "
+                               "the bytes passed)") from None
         prompt_ids = tokenizer.encode(args.prompt).ids
     else:
         prompt_ids = parse_id_list(args.prompt_ids, "--prompt-ids")
@@ -127,7 +132,8 @@ def run(args: GenerateArgs) -> dict:
                                 generator=generator, numerics=args.numerics)
     else:
         draft = load_draft(args.draft, model)
-        options = SpecOptions(args.block_size or draft.config.block_size, args.commit_strategy)
+        block_size = draft.config.block_size if args.block_size is None else args.block_size
+        options = SpecOptions(block_size, args.commit_strategy)
         result = generate_speculative(model, draft, prompt_ids, params, options,
                                       generator=generator, max_model_len=args.max_model_len,
                                       numerics=args.numerics)

@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         return profile.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m reports",
-        description="Build report.md and PNG plots from a benchmark results directory.")
+        description="Build report.md and PNG plots from a benchmark results directory.",
+        epilog="python -m reports profile DIR: profile.md and a phase-breakdown plot from nsys "
+        "stats CSVs or engine benchmark CSVs (python -m reports profile --help).")
     parser.add_argument("directory", type=Path, help="results directory holding summary.csv")
     args = parser.parse_args(argv)
     try:

@@ -1,5 +1,7 @@
-"""report.md: a header (run metadata, notes, missing inputs), the metric definitions stated
-once, the tables, the plots (relative links) and, when present, the HTTP equivalence report.
+"""report.md: the title and notes, the verdict (verdict.py: which side is which, speed-up,
+identical outputs, acceptance, warnings), the run metadata and missing inputs, the metric
+definitions stated once, the tables, the plots (relative links) and, when present, the HTTP
+equivalence report.
 
 The report depends on the result files alone (no clock, no host), so rebuilding it from
 the same files gives the same bytes.
@@ -15,6 +17,7 @@ from typing import Any
 from .plots import PLOTS_DIR, Plot, write_plots
 from .results import AB, COMPARE_MD, COMPARE_SUMMARY, META, REQUESTS, SUMMARY, ResultSet, load_results
 from .tables import failure_table, markdown_table, ratio_table, results_tables
+from .verdict import verdict_section
 
 REPORT = "report.md"
 
@@ -72,6 +75,8 @@ def build_report(directory: Path) -> Path:
 
 def render_report(results: ResultSet, plots: list[Plot]) -> str:
     sections = [
+        _title(results),
+        verdict_section(results),
         _header(results),
         "## Metric definitions\n\n" + METRIC_DEFINITIONS,
         _ratios(results),
@@ -84,7 +89,7 @@ def render_report(results: ResultSet, plots: list[Plot]) -> str:
     return "\n\n".join(s.strip("\n") for s in sections if s) + "\n"
 
 
-def _header(results: ResultSet) -> str:
+def _title(results: ResultSet) -> str:
     meta = results.meta
     title = meta.get("title") or f"Benchmark report: {results.directory.name}"
     lines = [f"# {title}"]
@@ -92,9 +97,14 @@ def _header(results: ResultSet) -> str:
     if notes:
         notes = notes if isinstance(notes, list) else [notes]
         lines += ["", *[f"> **Note:** {note}" for note in notes]]
+    return "\n".join(lines)
+
+
+def _header(results: ResultSet) -> str:
+    meta = results.meta
     summary = results.summary
     repeats = summary.groupby(["label", "concurrency"]).size()
-    lines += ["", f"Labels: {', '.join(results.labels)}; concurrency: "
+    lines = [f"Labels: {', '.join(map(results.display, results.labels))}; concurrency: "
                   f"{', '.join(map(str, results.concurrencies))}; repeats per point: "
                   f"{_span(repeats.min(), repeats.max())} ({len(summary)} rows in `{SUMMARY}`)."]
     # a single-server run has no A/B file to miss

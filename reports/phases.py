@@ -146,6 +146,7 @@ def from_bench_row(row: dict) -> PhaseTimes:
     if clock == "cuda_events":
         notes.append("phases in CUDA-event time, step in host wall time: `other` is the step's "
                      "time outside every phase's GPU work (launch gaps, bookkeeping)")
+    notes += _spread_notes(row)
     steps = row.get("steps")
     tokens = row.get("output_tokens")
     return PhaseTimes(
@@ -159,6 +160,30 @@ def from_bench_row(row: dict) -> PhaseTimes:
         output_tokens=int(tokens) if _known(tokens) else None,
         notes=tuple(notes),
     )
+
+
+SPREAD_WARNING = 0.10  # as the engine benchmark: repeats farther apart than this disagree
+
+
+def _spread_notes(row: dict) -> list[str]:
+    """The spread over repeats of the step time and the throughput (benchmark CSVs that
+    carry `<column>_min`/`_max`), with a warning when it passes SPREAD_WARNING."""
+    notes = []
+    label = f"{row['mode']}-c{row['concurrency']}"
+    for column, unit in (("ms_step", "ms"), ("output_tokens_per_s", "tok/s")):
+        low, high, median = (row.get(f"{column}_min"), row.get(f"{column}_max"), row.get(column))
+        if not (_known(low) and _known(high) and _known(median)) or float(median) <= 0:
+            continue
+        low, high, median = float(low), float(high), float(median)
+        spread = (high - low) / median
+        note = (f"{label} {column}: median {median:.1f} {unit}, min {low:.1f}, max {high:.1f} "
+                "over the repeats")
+        if spread > SPREAD_WARNING:
+            note = (f"**warning: repeats disagree by {spread:.0%}** ({label} {column}: median "
+                    f"{median:.1f} {unit}, min {low:.1f}, max {high:.1f}); the figures of this "
+                    "run are not stable")
+        notes.append(note)
+    return notes
 
 
 def from_capture(capture: Capture, bench: dict[tuple[str, int], dict]) -> PhaseTimes:

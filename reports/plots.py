@@ -23,6 +23,10 @@ from .results import ResultSet, acceptance_histograms, acceptance_per_position, 
 PLOTS_DIR = "plots"
 PERCENTILES = (("median", "p50", "-"), ("p90", "p90", "--"), ("p99", "p99", ":"))
 CLIP_QUANTILE = 0.995  # ITL distribution x axis
+# series told apart by shape, not only by shade
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
+HATCHES = ("", "//", "..", "xx")
 
 
 @dataclass(frozen=True)
@@ -69,15 +73,16 @@ def throughput(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Co
     if not _has(agg, "output_tokens_per_s"):
         return Skip("no output_tokens_per_s values in summary.csv")
     ax = figure.add_subplot()
-    for label in results.labels:
+    for i, label in enumerate(results.labels):
         rows = agg.loc[label].dropna(subset=["output_tokens_per_s"])
         if rows.empty:
             continue
         median = rows["output_tokens_per_s"].to_numpy()
         spread = np.vstack([median - rows["output_tokens_per_s_min"].to_numpy(),
                             rows["output_tokens_per_s_max"].to_numpy() - median])
-        ax.errorbar(rows.index.to_numpy(), median, yerr=spread, color=colors[label], marker="o",
-                    capsize=4, label=f"{label} (n={int(rows['n'].max())})")
+        ax.errorbar(rows.index.to_numpy(), median, yerr=spread, color=colors[label],
+                    marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)],
+                    capsize=4, label=f"{results.display(label)} (n={int(rows['n'].max())})")
     _concurrency_axis(ax, results.concurrencies)
     ax.set_ylabel("output tokens/s")
     ax.set_ylim(bottom=0)
@@ -94,13 +99,14 @@ def latency_percentiles(figure: Figure, results: ResultSet, agg: pd.DataFrame,
         return Skip("no TTFT or TPOT percentiles in summary.csv")
     axes = figure.subplots(1, len(metrics), squeeze=False)[0]
     for ax, (metric, title) in zip(axes, metrics):
-        for label in results.labels:
+        for i, label in enumerate(results.labels):
             rows = agg.loc[label]
             for stat, name, style in PERCENTILES:
                 column = f"{metric}_{stat}"
                 if column in rows.columns and rows[column].notna().any():
-                    ax.plot(rows.index.to_numpy(), rows[column].to_numpy(), linestyle=style, marker="o",
-                            color=colors[label], label=f"{label} {name}")
+                    ax.plot(rows.index.to_numpy(), rows[column].to_numpy(), linestyle=style,
+                            marker=MARKERS[i % len(MARKERS)],
+                            color=colors[label], label=f"{results.display(label)} {name}")
         _concurrency_axis(ax, results.concurrencies)
         ax.set_ylabel("ms")
         ax.set_ylim(bottom=0)
@@ -122,8 +128,8 @@ def itl_bars(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Colo
         values = [_get(agg, label, c, f"itl_{kind}_ms_mean") for c in concurrencies]
         ax.bar(x - 0.4 + (i + 0.5) * width, values, width, color=colors[label],
                alpha=1.0 if kind == "token" else 0.5, hatch="" if kind == "token" else "//",
-               edgecolor="black", linewidth=0.5, label=f"{label} per token" if kind == "token"
-               else f"{label} per chunk")
+               edgecolor="black", linewidth=0.5,
+               label=f"{results.display(label)} per {kind}")
     ax.set_xticks(x, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrency")
     ax.set_ylabel("mean ITL (ms)")
@@ -140,8 +146,11 @@ def itl_distribution(figure: Figure, results: ResultSet, agg: pd.DataFrame,
         return Skip(reason)
     concurrencies = sorted({c for _, c in results.itl})
     cols = min(4, len(concurrencies))
-    axes = figure.subplots((len(concurrencies) + cols - 1) // cols, cols, squeeze=False, sharey=True).ravel()
+    # shared axes: the panels are read against each other
+    axes = figure.subplots((len(concurrencies) + cols - 1) // cols, cols, squeeze=False, sharey=True,
+                           sharex=True).ravel()
     quantiles = np.linspace(0, 1, 201)
+    widest = 0.0
     for ax, concurrency in zip(axes, concurrencies):
         right = 0.0
         for label in results.labels:
@@ -152,13 +161,14 @@ def itl_distribution(figure: Figure, results: ResultSet, agg: pd.DataFrame,
             for values, style, name in series:
                 if values.size:
                     ax.plot(np.quantile(values, quantiles), quantiles, linestyle=style,
-                            color=colors[label], label=f"{label} {name}")
+                            color=colors[label], label=f"{results.display(label)} {name}")
                     right = max(right, float(np.quantile(values, CLIP_QUANTILE)))
         ax.set_title(f"concurrency {concurrency}", fontsize="medium")
         ax.set_xlabel("ITL (ms)")
-        # one stalled request must not squash the body of the distribution against the axis
-        ax.set_xlim(0, right * 1.1 or None)
         ax.grid(alpha=0.3)
+        widest = max(widest, right)
+    # one stalled request must not squash the body of the distribution against the axis
+    axes[0].set_xlim(0, widest * 1.1 or None)
     for ax in axes[len(concurrencies):]:
         ax.set_visible(False)
     axes[0].set_ylabel("cumulative share (tokens or gaps)")
@@ -182,7 +192,8 @@ def acceptance_histogram(figure: Figure, results: ResultSet, agg: pd.DataFrame,
         shares = [hist.get(length, 0.0) / total for length in lengths]
         mean = sum(length * n for length, n in hist.items()) / total
         ax.bar(np.arange(len(lengths)) - 0.4 + (i + 0.5) * width, shares, width, color=colors[label],
-               label=f"{label} (mean {mean:.2f}, {total:,.0f} steps)")
+               hatch=HATCHES[i % len(HATCHES)], edgecolor="black", linewidth=0.5,
+               label=f"{results.display(label)} (mean {mean:.2f}, {total:,.0f} steps)")
     ax.set_xticks(np.arange(len(lengths)), [str(length) for length in lengths])
     ax.set_xlabel("acceptance length (committed tokens per step, bonus included)")
     ax.set_ylabel("share of steps")
@@ -200,15 +211,15 @@ def acceptance_positions(figure: Figure, results: ResultSet, agg: pd.DataFrame,
     axes = figure.subplots(1, len(labels), squeeze=False, sharey=True)[0]
     for ax, label in zip(axes, labels):
         keys = [k for k in rates if k[0] == label]
-        shades = np.linspace(0.25, 1.0, len(keys))
-        for shade, key in zip(shades, keys):
+        for i, key in enumerate(keys):  # marker and line style tell concurrencies apart
             positions = np.arange(1, len(rates[key]) + 1)
-            ax.plot(positions, rates[key], marker="o", color=colors[label], alpha=float(shade),
+            ax.plot(positions, rates[key], marker=MARKERS[i % len(MARKERS)],
+                    linestyle=LINESTYLES[i % len(LINESTYLES)], color=colors[label],
                     label=f"c={key[1]}")
         ax.set_xticks(np.arange(1, max(len(rates[k]) for k in keys) + 1))
         ax.set_xlabel("draft position")
         ax.grid(alpha=0.3)
-        ax.set_title(label)
+        ax.set_title(results.display(label))
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("acceptance rate")

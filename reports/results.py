@@ -64,6 +64,21 @@ class ResultSet:
     compare_summary: dict[str, Any] | None
     missing: tuple[str, ...]  # optional files that are absent
     problems: tuple[str, ...] = field(default=())  # present but (partly) unreadable
+    # token ids of each successful request, keyed (label, concurrency, repeat, index); None
+    # when the server reported none
+    outputs: dict[tuple[str, int, int, int], tuple[int, ...] | None] = field(default_factory=dict)
+
+    def display(self, label: str) -> str:
+        """`A = plain` when the run named its sides (harness ab --a-label/--b-label), else `A`."""
+        names = self.meta.get("labels")
+        name = names.get(label) if isinstance(names, dict) else None
+        return f"{label} = {name}" if name and name != label else label
+
+    def name(self, label: str) -> str:
+        """What the side is (`plain`), or the label itself when unnamed."""
+        names = self.meta.get("labels")
+        name = names.get(label) if isinstance(names, dict) else None
+        return str(name) if name else label
 
     @property
     def labels(self) -> list[str]:
@@ -87,7 +102,8 @@ def load_results(directory: Path) -> ResultSet:
     problems: list[str] = []
     summary = _read_summary(directory / SUMMARY, problems)
     missing = tuple(name for name in OPTIONAL_FILES if not (directory / name).is_file())
-    requests, itl = (None, {}) if REQUESTS in missing else _read_requests(directory / REQUESTS, problems)
+    requests, itl, outputs = ((None, {}, {}) if REQUESTS in missing
+                              else _read_requests(directory / REQUESTS, problems))
     meta = {} if META in missing else _read_json_object(directory / META, problems) or {}
     return ResultSet(
         directory=directory,
@@ -101,6 +117,7 @@ def load_results(directory: Path) -> ResultSet:
         else _read_json_object(directory / COMPARE_SUMMARY, problems),
         missing=missing,
         problems=tuple(problems),
+        outputs=outputs,
     )
 
 
@@ -210,12 +227,13 @@ def _read_ab(path: Path, problems: list[str]) -> pd.DataFrame | None:
 
 
 def _read_requests(path: Path, problems: list[str]
-                   ) -> tuple[pd.DataFrame | None, dict[tuple[str, int], ItlSamples]]:
+                   ) -> tuple[pd.DataFrame | None, dict[tuple[str, int], ItlSamples], dict]:
     rows: list[dict[str, Any]] = []
+    outputs: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
     token_ms: dict[tuple[str, int], list[float]] = {}
     chunk_ms: dict[tuple[str, int], list[float]] = {}
     bad = 0
-    with path.open() as f:
+    with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
@@ -227,6 +245,11 @@ def _read_requests(path: Path, problems: list[str]
                 continue
             rows.append({"label": key[0], "concurrency": key[1], "repeat": record.get("repeat"),
                          "success": bool(record.get("success")), "error": record.get("error")})
+            if record.get("success") and isinstance(record.get("index"), int) and \
+                    isinstance(record.get("repeat"), int):
+                ids = record.get("token_ids")
+                outputs[(*key, record["repeat"], record["index"])] = \
+                    tuple(ids) if isinstance(ids, list) else None
             times = record.get("chunk_times_s") or []
             tokens = record.get("chunk_tokens") or []
             if record.get("success") and len(times) == len(tokens):
@@ -241,7 +264,7 @@ def _read_requests(path: Path, problems: list[str]
         problems.append(f"{path.name}: skipped {bad} unreadable line(s)")
     itl = {key: ItlSamples(np.asarray(token_ms.get(key, []), dtype=float), np.asarray(gaps, dtype=float))
            for key, gaps in chunk_ms.items()}
-    return (pd.DataFrame(rows) if rows else None), itl
+    return (pd.DataFrame(rows) if rows else None), itl, outputs
 
 
 def _read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:

@@ -79,7 +79,7 @@ def results_tables(results: ResultSet) -> dict[int, str]:
     tables: dict[int, str] = {}
     for concurrency in results.concurrencies:
         present = [label for label in labels if (label, concurrency) in agg.index]
-        header = ["Metric", *[f"{label} (n={int(agg.loc[(label, concurrency), 'n'])})"
+        header = ["Metric", *[f"{results.display(label)} (n={int(agg.loc[(label, concurrency), 'n'])})"
                               for label in present]]
         pair = len(present) == 2
         if pair:

@@ -11,13 +11,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class Script:
     """What the stub answers: chunks of (delay before it in seconds, token ids), plus
     faults: `malformed_at` (chunk index sent as broken JSON), `hang_s` (sleep before the
-    first byte), `die_at` (close the connection before that chunk)."""
+    first byte), `die_at` (close the connection before that chunk), `fail_every` (every
+    k-th request gets HTTP 500 instead of a stream)."""
 
     def __init__(self, chunks, malformed_at=None, hang_s=0.0, die_at=None,
-                 metrics_text: str = "") -> None:
+                 metrics_text: str = "", fail_every: int | None = None) -> None:
         self.chunks = chunks
         self.malformed_at, self.hang_s, self.die_at = malformed_at, hang_s, die_at
         self.metrics_text = metrics_text
+        self.fail_every = fail_every
+        self.posts = 0
+        self.lock = threading.Lock()
 
 
 def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
@@ -44,6 +48,16 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
         def answer(self) -> None:
             length = int(self.headers.get("Content-Length", 0))
             self.rfile.read(length)
+            with script.lock:
+                script.posts += 1
+                fail = script.fail_every is not None and script.posts % script.fail_every == 0
+            if fail:
+                data = b'{"error": {"message": "planted failure"}}'
+                self.send_response(500)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             time.sleep(script.hang_s)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")

@@ -599,3 +599,27 @@ def test_blocks_padded_to_full_length_stay_lossless(qwen3_5_checkpoint, tmp_path
         engine.step()
     assert [engine.collect(str(i)).output_ids for i in range(2)] == refs
     assert set(widths) == {8}
+
+
+def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(qwen3_5_checkpoint,
+                                                                         tmp_path) -> None:
+    target = load_target(qwen3_5_checkpoint, dtype=torch.float64)
+    draft = load_draft(make_tiny_draft(tmp_path / "draft", qwen3_5_checkpoint, block_size=4), target)
+    correct = draft.logits
+
+    def poisoned(hidden, lm_head_weight, ops=None):
+        logits = correct(hidden, lm_head_weight) if ops is None else correct(hidden, lm_head_weight, ops)
+        return torch.cat([torch.full_like(logits[:1], float("nan")), logits[1:]])
+
+    draft.logits = poisoned
+    prompts = [[5, 9, 3, 77], [40, 8, 1, 2, 3]]
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=2, commit_strategy="per_token"))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished():
+        engine.step()
+    for i, p in enumerate(prompts):
+        seq = engine.collect(str(i))
+        assert seq.finish_reason == "length"
+        assert seq.output_ids == generate_plain(target, p, params).output_ids

@@ -10,12 +10,22 @@ A step: schedule (admit waiting requests into free slots), prefill (one chunk pe
 request), decode (one batched forward for plain requests), speculate (one batched draft
 forward and one batched verify forward for speculative requests; each row accepts and
 commits its own count). Slots and state are preallocated; nothing grows during a run.
+
+One request's failure is its own: an exception in its prefill, or a row whose next-token
+distribution is not finite (NaN or inf logits, an overflowed sampling arithmetic), ends that
+request with finish_reason "error" and the reason in `Sequence.error`; the other rows of
+the same batch commit what they would have committed anyway. An exception inside a batched
+forward cannot be pinned on one row, so it fails the rows of that forward, and only them.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import traceback
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +53,7 @@ from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
 
 ADMISSION_POLICIES = ("wait", "reject")
+log = logging.getLogger(__name__)
 
 
 class EngineFullError(RequestError):
@@ -104,6 +115,7 @@ class StepOutput:
     finish_reason: str | None
     time_s: float  # time.monotonic() when the tokens were committed
     new_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
 
 
 class Engine:
@@ -217,7 +229,11 @@ class Engine:
                 if params.seed is None:
                     generator.seed()  # this generator only; the global one stays untouched
                 else:
-                    generator.manual_seed(params.seed)
+                    try:
+                        generator.manual_seed(params.seed)
+                    except (RuntimeError, OverflowError) as exc:
+                        raise RequestError(f"seed {params.seed} is outside the generator's "
+                                           f"range: {exc}") from None
             seq.generator = generator
         if seq.speculative:
             if params.logprobs is not None:
@@ -266,16 +282,21 @@ class Engine:
         with self.timer.phase("schedule"):
             self._admit()
         with self.timer.phase("prefill"):
-            self._prefill(outputs)
+            for seq in [s for s in self.active.values() if s.phase is Phase.PREFILL]:
+                with self._failing([seq], outputs):
+                    self._prefill(seq, outputs)
         running = [s for s in self.active.values()
                    if s.phase is Phase.RUNNING and s.finish_reason is None]
         plain = [s for s in running if not s.speculative]
         spec = [s for s in running if s.speculative]
         if plain:
-            with self.timer.phase("decode"):
+            with self.timer.phase("decode"), self._failing(plain, outputs):
                 self._decode(plain, outputs)
         if spec:
-            for seq, commit in zip(spec, self.speculative_step(spec)):
+            commits: list[StepCommit] = []
+            with self._failing(spec, outputs):
+                commits = self.speculative_step(spec)
+            for seq, commit in zip(spec, commits):
                 self._record_speculative(seq, commit, outputs)
         for seq in list(self.active.values()):
             if seq.finish_reason is not None:
@@ -291,28 +312,28 @@ class Engine:
             self.state.reset(seq.slot)
             self.active[seq.request_id] = seq
 
-    def _prefill(self, outputs: list[StepOutput]) -> None:
-        for seq in [s for s in self.active.values() if s.phase is Phase.PREFILL]:
-            start = seq.prefilled
-            ids = seq.prompt_ids[start : start + self.config.prefill_chunk]
-            end = start + len(ids)
-            slots = torch.tensor([seq.slot], device=self.device)
-            positions = torch.arange(start, end, device=self.device)[None]
-            capture = self.draft.config.target_layer_ids if seq.speculative else ()
-            out = self.target(torch.tensor([ids], device=self.device), positions, slots,
-                              self.state, kv_len=end, capture_layers=capture, last_only=True,
-                              ops=self.ops)
-            if seq.speculative:
-                self.draft.append_context(out.features, positions, slots, self.draft_state,
-                                          self.ops)
-            seq.prefilled = end
-            self.state.lengths[seq.slot] = end
-            if end == len(seq.prompt_ids):
-                with self.timer.phase("sample"):
-                    tokens, logprobs = choose_tokens(out.logits[:, -1], [seq])
-                seq.phase = Phase.RUNNING
-                seq.first_token_s = time.monotonic()
-                self._emit(seq, tokens[0], outputs, logprobs[0])
+    def _prefill(self, seq: Sequence, outputs: list[StepOutput]) -> None:
+        """One prompt chunk of one request; the first token after the last chunk."""
+        start = seq.prefilled
+        ids = seq.prompt_ids[start : start + self.config.prefill_chunk]
+        end = start + len(ids)
+        slots = torch.tensor([seq.slot], device=self.device)
+        positions = torch.arange(start, end, device=self.device)[None]
+        capture = self.draft.config.target_layer_ids if seq.speculative else ()
+        out = self.target(torch.tensor([ids], device=self.device), positions, slots,
+                          self.state, kv_len=end, capture_layers=capture, last_only=True,
+                          ops=self.ops)
+        if seq.speculative:
+            self.draft.append_context(out.features, positions, slots, self.draft_state,
+                                      self.ops)
+        seq.prefilled = end
+        self.state.lengths[seq.slot] = end
+        if end == len(seq.prompt_ids):
+            with self.timer.phase("sample"):
+                tokens, logprobs = choose_tokens(out.logits[:, -1], [seq])
+            seq.phase = Phase.RUNNING
+            seq.first_token_s = time.monotonic()
+            self._emit(seq, tokens[0], outputs, logprobs[0])
 
     def _decode(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
         """One token for each plain request, in one forward."""
@@ -346,7 +367,8 @@ class Engine:
         if self.commit_observer is not None:
             self.commit_observer(seq, self.state, self.state.lengths[seq.slot])
         before = len(seq.output_ids)
-        self._emit(seq, commit.tokens, outputs)
+        if not self._emit(seq, commit.tokens, outputs):
+            return
         committed = len(seq.output_ids) - before
         seq.record_step(commit.proposed, commit.accepted, committed, commit.drafted)
         self.spec_totals.record(commit.proposed, commit.accepted, committed)
@@ -354,13 +376,42 @@ class Engine:
 
     # ------------------------------------------------------------------ helpers
     def _emit(self, seq: Sequence, tokens: list[int], outputs: list[StepOutput],
-              logprobs: list[dict[int, float]] | None = None) -> None:
+              logprobs: list[dict[int, float]] | None = None) -> bool:
+        """Commit a request's new tokens; False (and the request failed) when one of them is
+        not a token: its row's distribution was not finite (greedy gives `vocab` for a NaN
+        row, sampling NOT_A_DISTRIBUTION)."""
+        vocab = self.target.config.vocab_size
+        if not all(0 <= t < vocab for t in tokens):
+            self._fail(seq, "numerical failure: the next-token distribution is not finite "
+                            "(NaN or inf logits or probabilities)", outputs)
+            return False
         kept = seq.append(tokens)
         if logprobs is not None:
             logprobs = logprobs[: len(kept)]
             seq.logprobs.extend(logprobs)
         outputs.append(StepOutput(seq.request_id, kept, seq.finish_reason is not None,
                                   seq.finish_reason, time.monotonic(), logprobs))
+        return True
+
+    def _fail(self, seq: Sequence, reason: str, outputs: list[StepOutput]) -> None:
+        """End one request with finish_reason "error"; its slot is freed at the step's end."""
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason, seq.error = "error", reason
+        outputs.append(StepOutput(seq.request_id, [], True, "error", time.monotonic(),
+                                  error=reason))
+
+    @contextmanager
+    def _failing(self, seqs: list[Sequence], outputs: list[StepOutput]) -> Iterator[None]:
+        """An exception inside the block fails `seqs` (the rows it was computing) and no
+        other request; the traceback goes to the log."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - contained to these requests on purpose
+            ids = ", ".join(s.request_id for s in seqs)
+            log.error("engine step failed for request(s) %s:\n%s", ids, traceback.format_exc())
+            for seq in seqs:
+                self._fail(seq, f"engine error: {type(exc).__name__}: {exc}", outputs)
 
     def _fall_back(self, seq: Sequence, reason: str) -> None:
         seq.speculative = False

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import RequestError
 
+# What the sampling arithmetic can carry. Below GREEDY_BELOW a temperature is greedy (as
+# vLLM treats it): logits / T would overflow float32 to inf and the softmax to NaN. The
+# repetition penalty divides or multiplies logits, so it is bounded both ways.
+GREEDY_BELOW = 1e-5
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a torch generator's seed (int64, as vLLM)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. temperature 0 means greedy (lowest id wins a tie)."""
+    """How one request is decoded. temperature 0 (or below GREEDY_BELOW) means greedy
+    (lowest id wins a tie)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -32,15 +41,18 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be positive, got {self.max_tokens}")
         if not self.temperature >= 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature):
+            raise RequestError(f"temperature must be finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if not self.repetition_penalty > 0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
             raise RequestError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+                f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -50,13 +62,18 @@ class SamplingParams:
         if bad_bias:
             raise RequestError("logit_bias needs non-negative token ids and biases in "
                                f"[-100, 100], got {bad_bias[:5]}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise RequestError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed}")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise RequestError(f"stop_token_ids must be non-negative integers, got {bad}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:

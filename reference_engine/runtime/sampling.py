@@ -6,7 +6,8 @@ import torch
 
 from ..kernels.reference import greedy
 
-__all__ = ["accept_greedy", "accept_sampled", "greedy", "probabilities", "sample"]
+__all__ = ["NOT_A_DISTRIBUTION", "accept_greedy", "accept_sampled", "greedy", "probabilities",
+           "sample"]
 
 
 def accept_greedy(
@@ -50,10 +51,22 @@ def probabilities(
     return probs
 
 
+NOT_A_DISTRIBUTION = -1  # what `sample` returns for a row that holds no distribution
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row: [..., vocab] -> [...]."""
+    """One draw per row: [..., vocab] -> [...].
+
+    A row that is not a distribution (NaN, inf, a negative entry or no mass: the arithmetic
+    of that request overflowed) draws NOT_A_DISTRIBUTION instead of failing the whole
+    batch, so the engine fails that request alone. No host synchronisation: the bad rows
+    draw from a uniform stand-in and are overwritten."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    ok = torch.isfinite(flat).all(-1) & (flat >= 0).all(-1) & (flat.sum(-1) > 0)  # [rows]
+    safe = torch.where(ok[:, None], flat, torch.ones_like(flat))
+    drawn = torch.multinomial(safe, 1, generator=generator)[:, 0]
+    drawn = torch.where(ok, drawn, torch.full_like(drawn, NOT_A_DISTRIBUTION))
+    return drawn.reshape(probs.shape[:-1])
 
 
 def accept_sampled(

@@ -56,6 +56,7 @@ class Sequence:
     steps: list[StepRecord] = field(default_factory=list)
     first_token_s: float | None = None
     finished_s: float | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
     def remaining(self) -> int:

@@ -156,6 +156,9 @@ class SpeculativeStep:
                 p = seq.params
                 draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)
                 proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
+        # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
+        # valid id: the target verifies every proposal, so a bad draft costs acceptance only
+        proposals.clamp_(0, self.target.config.vocab_size - 1)
         block[:, 1:] = proposals
         return block, proposals, draft_probs
 

@@ -45,7 +45,7 @@ def choose_tokens(
     logprobs: list[list[dict[int, float]] | None] = []
     for (_, row), seq, tok in zip(rows, seqs, tokens):
         k = seq.params.logprobs
-        if k is None:
+        if k is None or not 0 <= tok < row.shape[-1]:  # no token: the engine fails this row
             logprobs.append(None)
             continue
         lp = torch.log_softmax(row.double(), dim=-1)

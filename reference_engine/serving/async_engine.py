@@ -4,13 +4,20 @@ requests and reads each request's step outputs from an asyncio queue.
 The Engine is not thread-safe, so every call into it happens on the engine thread: the
 event loop posts commands to a queue that the thread drains between steps, and the thread
 posts outputs back with `loop.call_soon_threadsafe`.
+
+The thread never dies of one request: a request the engine fails (see runtime/engine.py)
+ends with an error on its own queue, is reported to `on_error` with its id, and the loop
+goes on; anything unexpected in a whole step fails the requests in flight, not the thread.
+`alive` is what /health reports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +25,16 @@ from ..errors import ReferenceEngineError
 from ..runtime.engine import Engine, StepOutput
 from ..runtime.request import SamplingParams
 from ..runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request (the others went on)."""
+
+
+class ShuttingDown(RequestFailed):
+    """The server stopped before this request finished (its shutdown grace period ran out)."""
 
 
 @dataclass
@@ -35,11 +52,13 @@ class AsyncEngine:
         on_step: Callable[[Engine, list[StepOutput]], None] | None = None,
         on_finish: Callable[[Sequence], None] | None = None,
         make_oracle: Callable[[SamplingParams], object | None] | None = None,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self.engine = engine
         self.make_oracle = make_oracle  # benchmarks only: forced acceptance per request
-        # called on the engine thread after every step and every finished request (metrics)
-        self.on_step, self.on_finish = on_step, on_finish
+        # called on the engine thread after every step and every finished request (metrics),
+        # and with (request id, reason) for every request the engine failed
+        self.on_step, self.on_finish, self.on_error = on_step, on_finish, on_error
         self.commands: queue.Queue = queue.Queue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.running = True
@@ -51,6 +70,8 @@ class AsyncEngine:
     async def submit(self, request_id: str, prompt_ids: list[int],
                      params: SamplingParams) -> asyncio.Queue:
         """Queue a request; raises its RequestError/EngineFullError here, in the caller."""
+        if not self.alive:
+            raise RequestFailed("the engine loop is not running")
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done: asyncio.Future = loop.create_future()
@@ -61,6 +82,16 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
+        self.wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """The engine loop is running (what /health reports)."""
+        return self.running and self.thread.is_alive()
+
+    def end_all(self, reason: str) -> None:
+        """End every request in flight with ShuttingDown(reason) (graceful shutdown's deadline)."""
+        self.commands.put(("end_all", reason))
         self.wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -80,6 +111,12 @@ class AsyncEngine:
         self._post(request_id, Finished(sequence, error))
         self.streams.pop(request_id, None)
 
+    def _fail(self, request_id: str, sequence: Sequence | None, reason: str) -> None:
+        log.error("request %s failed: %s", request_id, reason)
+        if self.on_error is not None:
+            self.on_error(request_id, reason)
+        self._finish(request_id, sequence, RequestFailed(reason))
+
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -89,11 +126,19 @@ class AsyncEngine:
             kind = command[0]
             if kind == "add":
                 _, request_id, prompt_ids, params, loop, out, done = command
-                oracle = self.make_oracle(params) if self.make_oracle is not None else None
                 try:
+                    oracle = self.make_oracle(params) if self.make_oracle is not None else None
                     self.engine.add_request(request_id, prompt_ids, params, oracle=oracle)
                 except ReferenceEngineError as exc:
                     loop.call_soon_threadsafe(_set_exception, done, exc)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - one request's, not the thread's
+                    log.error("request %s could not be queued:\n%s", request_id,
+                              traceback.format_exc())
+                    if self.on_error is not None:
+                        self.on_error(request_id, f"{type(exc).__name__}: {exc}")
+                    loop.call_soon_threadsafe(_set_exception, done, RequestFailed(
+                        f"engine error: {type(exc).__name__}: {exc}"))
                     continue
                 self.streams[request_id] = (loop, out)
                 loop.call_soon_threadsafe(_set_result, done, None)
@@ -104,6 +149,11 @@ class AsyncEngine:
                 except ReferenceEngineError:
                     pass  # already finished
                 self._finish(request_id, None)
+            elif kind == "end_all":
+                for request_id in list(self.engine.known):
+                    self.engine.abort(request_id)
+                for request_id in list(self.streams):
+                    self._finish(request_id, None, ShuttingDown(command[1]))
             elif kind == "stop":
                 for request_id in list(self.engine.known):
                     self.engine.abort(request_id)
@@ -111,30 +161,57 @@ class AsyncEngine:
                 self.running = False
 
     def _loop(self) -> None:
-        while self.running:
-            self._drain_commands()
-            if not self.running:
-                break
-            if not self.engine.has_unfinished():
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
+        try:
+            while self.running:
+                try:
+                    self._turn()
+                except Exception as exc:  # noqa: BLE001 - an engine bug outside any one request
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+        finally:
+            if self.running:  # not a shutdown: the thread is dying; no stream may hang on it
+                self.running = False
+                log.critical("the engine loop stopped:\n%s", traceback.format_exc())
+                self._fail_all("the engine loop stopped")
+                while not self.commands.empty():  # requests still waiting to be queued
+                    command = self.commands.get_nowait()
+                    if command[0] == "add":
+                        loop, done = command[4], command[6]
+                        loop.call_soon_threadsafe(_set_exception, done,
+                                                  RequestFailed("the engine loop stopped"))
+
+    def _fail_all(self, reason: str) -> None:
+        for request_id in list(self.engine.known):
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # an engine bug: fail every request, keep serving
-                for request_id in list(self.engine.known):
-                    self.engine.abort(request_id)
-                    self._finish(request_id, None, exc)
-                continue
-            for out in outputs:
+                self.engine.abort(request_id)
+            except ReferenceEngineError:
+                pass
+        for request_id in list(self.streams):
+            self._fail(request_id, None, reason)
+
+    def _turn(self) -> None:
+        """Commands, then one engine step and its outputs."""
+        self._drain_commands()
+        if not self.running:
+            return
+        if not self.engine.has_unfinished():
+            self.wake.wait(0.05)
+            self.wake.clear()
+            return
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.error is None:
                 self._post(out.request_id, out)
-                if out.finished:
-                    sequence = self.engine.collect(out.request_id)
-                    if self.on_finish is not None:
-                        self.on_finish(sequence)
+            if out.finished:
+                sequence = self.engine.collect(out.request_id)
+                if self.on_finish is not None:
+                    self.on_finish(sequence)
+                if out.error is not None:
+                    self._fail(out.request_id, sequence, out.error)
+                else:
                     self._finish(out.request_id, sequence)
-            if self.on_step is not None:
-                self.on_step(self.engine, outputs)
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs)
 
 
 def _set_result(future: asyncio.Future, value: object) -> None:

@@ -7,7 +7,9 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
 - `dflash:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`: steps whose draft
   token k (1-based) was accepted. Mean acceptance length = 1 + accepted / drafts.
 - `dflash:spec_decode_fallbacks_total{reason}`: requests moved to plain decode;
-- `dflash:request_success_total{finish_reason}`, `dflash:prompt_tokens_total`,
+- `dflash:request_success_total{finish_reason}`, `dflash:request_failure_total` (requests
+  the engine failed: an exception or a non-finite distribution in that request alone),
+  `dflash:prompt_tokens_total`,
   `dflash:generation_tokens_total`, `dflash:num_requests_running`, `dflash:num_requests_waiting`;
 - `dflash:time_to_first_token_seconds`, `dflash:inter_token_latency_seconds` (per token:
   a step's gap divided evenly among the tokens it committed), `dflash:e2e_request_latency_seconds`
@@ -54,6 +56,8 @@ class ServerMetrics:
                                  ["reason"], registry=r)
         self.requests = Counter(f"{p}:request_success", "Finished requests", ["finish_reason"],
                                 registry=r)
+        self.failures = Counter(f"{p}:request_failure", "Requests the engine failed",
+                                registry=r)
         self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(f"{p}:generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge(f"{p}:num_requests_running", "Requests with a slot", registry=r)
@@ -94,6 +98,8 @@ class ServerMetrics:
         self.waiting.set(len(engine.waiting))
         for out in outputs:
             if not out.new_token_ids:
+                if out.finished:
+                    self._last_token_time.pop(out.request_id, None)
                 continue
             self.generation_tokens.inc(len(out.new_token_ids))
             last = self._last_token_time.get(out.request_id)
@@ -105,7 +111,12 @@ class ServerMetrics:
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)
 
+    def on_failed(self, request_id: str, reason: str) -> None:
+        self.failures.inc()
+
     def on_finished(self, sequence) -> None:
+        if sequence.finish_reason == "error":
+            return  # counted by on_failed
         self.requests.labels(finish_reason=sequence.finish_reason or "abort").inc()
         self.prompt_tokens.inc(len(sequence.prompt_ids))
         if sequence.first_token_s is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ReferenceEngineError
-from ..runtime.request import SamplingParams
+from ..runtime.request import REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 
 
 class ProtocolError(ReferenceEngineError):
@@ -97,6 +97,44 @@ def _unsupported(body: dict) -> None:
                             f"{best_of}", "best_of")
 
 
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    """A strict boolean: "false" or 0 is a mistake, not a truthy value."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError(f"'{name}' must be true or false, got {value!r}", name)
+    return value
+
+
+def message_text(content: Any) -> str | None:
+    """A chat message's text: a string, or OpenAI's list of parts of which only
+    {"type": "text", "text": ...} is supported (joined in order). None when malformed."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    return None
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("'messages' must be a non-empty list of {role, content} objects",
+                            "messages")
+    out = []
+    for i, m in enumerate(messages):
+        text = message_text(m.get("content")) if isinstance(m, dict) else None
+        if text is None or not isinstance(m.get("role"), str):
+            raise ProtocolError(f"messages[{i}] must be {{role, content}} with string content or "
+                                "a list of text parts", "messages")
+        out.append({**m, "content": text})
+    return out
+
+
 def _stop_strings(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -135,16 +173,9 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
     if n != 1:
         raise ProtocolError(f"only n=1 is supported, got {n}", "n")
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages
-        ):
-            raise ProtocolError("'messages' must be a non-empty list of {role, content} "
-                                "objects with string content", "messages")
-        prompt_ids = tokenize(apply_chat_template(messages))
+        prompt_ids = tokenize(apply_chat_template(_messages(body)))
         logprobs = None
-        if body.get("logprobs"):
+        if _boolean(body, "logprobs", False):
             logprobs = _integer(body, "top_logprobs", 0)
     else:
         prompt = body.get("prompt")
@@ -164,9 +195,7 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
         raise ProtocolError("the prompt is empty: at least one token is needed", "prompt")
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise ProtocolError(f"logprobs must be in [0, 20], got {logprobs}", "logprobs")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ProtocolError("'stream' must be a boolean", "stream")
+    stream = _boolean(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ProtocolError("'stream_options' must be an object", "stream_options")
@@ -179,6 +208,8 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
                           in body else "max_tokens", 16)
     top_k = _integer(body, "top_k", 0)
     seed = _integer(body, "seed", None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ProtocolError(f"'seed' must be in [-2**63, 2**63 - 1], got {seed}", "seed")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -186,10 +217,10 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
             top_p=_number(body, "top_p", 1.0),
             top_k=0 if top_k == -1 else top_k,
             stop_token_ids=tuple(stop_ids),
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            ignore_eos=_boolean(body, "ignore_eos", False),
             seed=seed,
             logprobs=logprobs,
-            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0, *REPETITION_PENALTY_RANGE),
             presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
             logit_bias=_logit_bias(body, vocab_size),
@@ -199,8 +230,8 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
     except ReferenceEngineError as exc:
         raise ProtocolError(str(exc)) from None
     return ParsedRequest(prompt_ids, params, _stop_strings(body), stream,
-                         bool(options.get("include_usage")),
-                         bool(options.get("continuous_usage_stats")), logprobs, chat)
+                         _boolean(options, "include_usage", False),
+                         _boolean(options, "continuous_usage_stats", False), logprobs, chat)
 
 
 def new_id(chat: bool) -> str:

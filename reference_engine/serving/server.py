@@ -9,14 +9,20 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/comp
 (SSE streaming with `[DONE]`, `stream_options.include_usage` and
 `continuous_usage_stats`), GET /metrics (Prometheus text; see metrics.py). Protocol
 details and extensions: protocol.py. Bad requests get HTTP 400 with an OpenAI-style error
-body; a full queue 429; a wrong or missing API key 401. SIGTERM stops accepting, cancels
-what is in flight and exits.
+body; a body over --max-body-mb 413; a full queue 429; a wrong or missing API key 401 (compared
+in constant time; --api-key-scope all protects every endpoint but /health). A request the
+engine fails gets 500 (an error event and [DONE] when streaming) and harms no other request.
+SIGTERM stops admitting (503), gives requests in flight --shutdown-grace seconds, then ends
+the rest with an error event and [DONE] (lifecycle.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hmac
 import json
+import logging
 import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -33,7 +39,10 @@ from ..runtime.commit import COMMIT_STRATEGIES
 from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from ..runtime.speculative import OracleProposer
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
-from .async_engine import AsyncEngine, Finished
+from .async_engine import AsyncEngine, Finished, RequestFailed, ShuttingDown
+from .chat_template import compile_chat_template, render_chat_template
+from .lifecycle import BACKSTOP_S, GracefulServer, header_timeout_protocol
+from .limits import BodyLimits, MiB, decode_json, read_body
 from .metrics import ServerMetrics
 from .protocol import (
     ProtocolError,
@@ -67,24 +76,40 @@ class ServeArgs:
     oracle_acceptance: float | None
     numerics: str | None
     enforce_eager: bool
+    max_body_mb: float = 4.0
+    shutdown_grace: float = 5.0
+    api_key_scope: str = "api"
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = 10.0
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
-        p = argparse.ArgumentParser(prog="python -m reference_engine.serve")
-        p.add_argument("--model", required=True)
-        p.add_argument("--dflash-draft-model-path", default=None)
-        p.add_argument("--block-size", type=int, default=None)
-        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES)
-        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--device", default="cpu")
-        p.add_argument("--max-num-seqs", type=int, default=8)
-        p.add_argument("--max-model-len", type=int, default=None)
+        p = argparse.ArgumentParser(prog="python -m reference_engine.serve",
+                                    description="The OpenAI-compatible reference server.")
+        p.add_argument("--model", required=True,
+                       help="target checkpoint directory (Hugging Face layout)")
+        p.add_argument("--dflash-draft-model-path", default=None,
+                       help="DFlash draft checkpoint directory; without it, plain decode")
+        p.add_argument("--block-size", type=int, default=None,
+                       help="DFlash block size (anchor included; default: the draft's)")
+        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES,
+                       help="how hybrid (Gated DeltaNet) state reaches the accepted boundary")
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                       help="weights and activations")
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+        p.add_argument("--max-num-seqs", type=int, default=8,
+                       help="slots: requests decoded at once")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the target's max_position_embeddings)")
         p.add_argument("--max-waiting", type=int, default=256,
                        help="queued requests beyond the slots; more get HTTP 429")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=8000)
-        p.add_argument("--api-key", default=None)
-        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (loopback by default)")
+        p.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535")
+        p.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on the API (else 401)")
+        p.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the model directory's name)")
         p.add_argument("--oracle-acceptance", type=float, default=None,
                        help="benchmarks only: force this mean acceptance length on greedy "
                        "requests (the draft still runs; output is not checked)")
@@ -94,7 +119,29 @@ class ServeArgs:
                             "exact on cuda; the CPU runs the PyTorch references")
         p.add_argument("--enforce-eager", action="store_true",
                        help="run every forward eagerly (no CUDA graphs)")
+        p.add_argument("--max-body-mb", type=float, default=4.0,
+                       help="largest request body in MiB; a larger one gets HTTP 413")
+        p.add_argument("--shutdown-grace", type=float, default=5.0,
+                       help="seconds that requests in flight get to finish after SIGTERM; "
+                       "then each ends with an error event and [DONE]")
+        p.add_argument("--api-key-scope", choices=("api", "all"), default="api",
+                       help="what --api-key protects: 'api' (/v1/*) or 'all' (also /metrics, "
+                       "/info, /docs, /openapi.json; /health stays open)")
+        p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+        p.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send a request's headers")
         return cls(**vars(p.parse_args(argv)))
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {port}")
+    return port
 
 
 class Server:
@@ -116,9 +163,13 @@ class Server:
                               enforce_eager=args.enforce_eager)
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
-        self.chat_template = _chat_template(Path(args.model))
+        self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+        self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
+        self.limits = BodyLimits(max_bytes=int(args.max_body_mb * MiB))
         self.name = args.served_model_name or Path(args.model).name
         self.api_key = args.api_key
+        self.api_key_scope = args.api_key_scope
+        self.draining = False  # SIGTERM received: new requests get 503
         self.metrics = ServerMetrics()
         self.runner: AsyncEngine | None = None
         self.counter = 0
@@ -138,19 +189,22 @@ class Server:
 
     def start(self) -> None:
         self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.metrics.on_finished,
-                                  self.make_oracle)
+                                  self.make_oracle, self.metrics.on_failed)
 
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        # no token is longer than the vocabulary's longest, so a text too long for the
+        # context is refused without tokenising it
+        fewest = len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
+        if fewest >= self.engine.context_len:
+            raise ProtocolError(f"the prompt has at least {fewest} tokens but the context holds "
+                                f"{self.engine.context_len}", "prompt")
+        return self.tokenizer.encode_batch([text])[0].ids  # releases the GIL, unlike encode
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        import jinja2
-
-        template = jinja2.Environment().from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True)
+        return render_chat_template(self.chat_template, messages)
 
 
 def _chat_template(model_dir: Path) -> str:
@@ -178,11 +232,35 @@ def create_app(server: Server) -> FastAPI:
     def authorized(request: Request) -> bool:
         if server.api_key is None:
             return True
-        return request.headers.get("authorization") == f"Bearer {server.api_key}"
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        # constant time: the comparison does not tell how much of a guess was right
+        return hmac.compare_digest(given, f"Bearer {server.api_key}".encode())
+
+    @app.middleware("http")
+    async def protect_everything(request: Request, call_next):
+        if (server.api_key_scope == "all" and request.url.path != "/health"
+                and not request.url.path.startswith("/v1/") and not authorized(request)):
+            return fail(ProtocolError("missing or wrong API key", None, 401,
+                                      "authentication_error"))
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
+        if server.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if server.runner is None or not server.runner.alive:
+            return JSONResponse({"status": "unhealthy", "reason": "the engine loop is not running"},
+                                status_code=503)
         return {"status": "ok"}
+
+    @app.get("/info")
+    async def info():
+        """What a benchmark records about this server (harness meta.json, the report's run table)."""
+        engine = server.engine
+        return {"model": server.name, "torch": torch.__version__, "device": str(engine.device),
+                "dtype": str(engine.dtype).removeprefix("torch."), "numerics": engine.numerics,
+                "mode": "dflash" if engine.draft is not None else "plain",
+                "block_size": engine.block_size or None, "max_num_seqs": engine.config.max_num_seqs}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -201,14 +279,13 @@ def create_app(server: Server) -> FastAPI:
         if not authorized(request):
             return fail(ProtocolError("missing or wrong API key", None, 401,
                                       "authentication_error"))
+        if server.draining:
+            return fail(ProtocolError("the server is shutting down", None, 503,
+                                      "service_unavailable"))
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return fail(ProtocolError("the request body is not valid JSON"))
-        try:
-            parsed = parse_request(body, server.name, server.tokenize, chat,
-                                   server.apply_chat_template,
-                                   server.engine.target.config.vocab_size)
+            raw = await read_body(request, server.limits)
+            # decoding and tokenising a large body take a while: not on the event loop
+            parsed = await asyncio.to_thread(_parse, server, raw, chat)
         except ProtocolError as exc:
             return fail(exc)
         server.counter += 1
@@ -219,6 +296,8 @@ def create_app(server: Server) -> FastAPI:
             return fail(ProtocolError(str(exc), None, 429, "rate_limit_error"))
         except ReferenceEngineError as exc:
             return fail(ProtocolError(str(exc)))
+        except RequestFailed as exc:
+            return fail(ProtocolError(str(exc), None, 500, "server_error"))
         text = StopStringText(server.detokenize, parsed.stop)
         if parsed.stream:
             return StreamingResponse(stream_events(request_id, parsed, queue, text, request),
@@ -239,6 +318,8 @@ def create_app(server: Server) -> FastAPI:
         while True:
             item = await queue.get()
             if isinstance(item, Finished):
+                if isinstance(item.error, ShuttingDown):
+                    return fail(ProtocolError(str(item.error), None, 503, "service_unavailable"))
                 if item.error is not None:
                     return fail(ProtocolError(f"engine error: {item.error}", None, 500,
                                               "server_error"))
@@ -270,7 +351,9 @@ def create_app(server: Server) -> FastAPI:
                 item = await queue.get()
                 if isinstance(item, Finished):
                     finished = True
-                    if item.error is not None:
+                    if isinstance(item.error, ShuttingDown):
+                        yield _sse(error_body(str(item.error), "service_unavailable", None, 503))
+                    elif item.error is not None:
                         yield _sse(error_body(f"engine error: {item.error}", "server_error",
                                               None, 500))
                     elif parsed.include_usage:
@@ -311,6 +394,12 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+def _parse(server: Server, raw: bytes, chat: bool):
+    body = decode_json(raw, server.limits)
+    return parse_request(body, server.name, server.tokenize, chat, server.apply_chat_template,
+                         server.engine.target.config.vocab_size)
+
+
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
@@ -323,13 +412,28 @@ def main(argv: list[str] | None = None) -> int:
         return exit_with(exc)
     import uvicorn
 
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
     app = create_app(server)
     mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"
     if server.oracle_acceptance is not None:
         mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
     print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            http=header_timeout_protocol(args.header_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=args.shutdown_grace + BACKSTOP_S)
+
+    def drain() -> None:
+        server.draining = True
+
+    def deadline() -> None:
+        if server.runner is not None:
+            server.runner.end_all(f"the server shut down before this request finished "
+                                  f"(--shutdown-grace {args.shutdown_grace:g} s)")
+
+    GracefulServer(config, args.shutdown_grace, drain, deadline).run()
     return 0
 
 

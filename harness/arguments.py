@@ -1,0 +1,78 @@
+"""Argument types for the command line: each refuses bad input with one line naming the value
+and what was expected (argparse prints it after the usage line and exits 2)."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def rate(text: str) -> float:
+    """A failure-rate threshold: a fraction in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {value}")
+    return value
+
+
+def concurrency_list(text: str) -> list[int]:
+    """"1,4,8,16": each level a whole number >= 1."""
+    levels = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated whole numbers >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"concurrency must be >= 1, got {value}")
+        levels.append(value)
+    return levels
+
+
+def base_url(text: str) -> str:
+    """http(s)://host[:port] with a port in 1-65535."""
+    try:
+        url = httpx.URL(text)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not a valid URL: {text!r} ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(
+            f"expected http://HOST[:PORT] or https://HOST[:PORT], got {text!r}")
+    if url.port is not None and not 1 <= url.port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {url.port} in {text!r}")
+    return text

@@ -1,0 +1,135 @@
+"""What a results directory already holds, and getting it ready to be continued.
+
+A run is one (label, concurrency, repeat). Its rows in `requests.jsonl` are keyed by run and
+request index, its row in `summary.csv` by run. A run counts as done when its summary row is
+there, the run is whole (completed + failed = the requests it was meant to send) and its
+failure rate is within the allowed one; `--resume` measures every other run again, after
+removing whatever that run left behind, so no key appears twice. A torn last line (an
+interrupted write, possibly cut inside a multi-byte character) is dropped, not fatal.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+Run = tuple[str, int, int]  # (label, concurrency, repeat)
+
+REQUESTS = "requests.jsonl"
+SUMMARY = "summary.csv"
+
+
+def read_request_rows(path: Path) -> tuple[list[dict], int]:
+    """The readable rows of a requests.jsonl and how many lines were dropped (torn or not JSON)."""
+    if not path.exists():
+        return [], 0
+    rows, dropped = [], 0
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the file ends with a newline: no torn last line
+    for line in lines:
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            dropped += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            dropped += 1
+    return rows, dropped
+
+
+def run_of(row: dict) -> Run | None:
+    try:
+        return str(row["label"]), int(row["concurrency"]), int(row["repeat"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def failure_rate(row: dict) -> float:
+    """Failed share of a summary row's requests (1.0 when it sent none)."""
+    completed, failed = int(float(row.get("completed") or 0)), int(float(row.get("failed") or 0))
+    return failed / (completed + failed) if completed + failed else 1.0
+
+
+@dataclass(frozen=True)
+class Resumed:
+    done: set[Run]  # runs kept as they are
+    redo: set[Run]  # planned runs whose earlier rows were removed
+    dropped_lines: int  # torn or unreadable lines removed from requests.jsonl
+
+
+def prepare(out: Path, planned: dict[Run, int], max_failure_rate: float) -> Resumed:
+    """Keep the planned runs that are done; remove every row of the other planned runs (and
+    torn lines) from requests.jsonl and summary.csv. Runs outside the plan stay untouched.
+    `planned` maps each run to the number of measured requests it sends."""
+    summary_rows = _read_summary(out / SUMMARY)
+    done = set()
+    for row in summary_rows:
+        run = run_of(row)
+        if run in planned and failure_rate(row) <= max_failure_rate and \
+                int(float(row.get("completed") or 0)) + int(float(row.get("failed") or 0)) \
+                == planned[run]:
+            done.add(run)
+    redo = set(planned) - done
+    rows, dropped = read_request_rows(out / REQUESTS)
+    kept_rows, seen = [], set()
+    for row in reversed(rows):  # the last copy of a key wins
+        run = run_of(row)
+        key = (run, row.get("index"))
+        if run in redo or key in seen:
+            continue
+        seen.add(key)
+        kept_rows.append(row)
+    kept_rows.reverse()
+    if (out / REQUESTS).exists():
+        _write_atomically(out / REQUESTS, "".join(json.dumps(r) + "\n" for r in kept_rows))
+    kept_summary = [r for r in summary_rows if run_of(r) not in redo]
+    if (out / SUMMARY).exists():
+        _write_summary(out / SUMMARY, kept_summary)
+    left_behind = {run_of(r) for r in summary_rows} | {run_of(r) for r in rows}
+    return Resumed(done, redo & left_behind, dropped)
+
+
+def trim_torn_tail(path: Path) -> bool:
+    """Cut an unterminated last line off a JSONL file, so the next append starts a fresh
+    line; True when there was one."""
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with path.open("rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return False
+        f.truncate(data.rfind(b"\n") + 1)
+    return True
+
+
+def _read_summary(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:
+        return [row for row in csv.DictReader(f) if run_of(row) is not None]
+
+
+def _write_summary(path: Path, rows: list[dict]) -> None:
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:
+        header = next(csv.reader(f), None)
+    if not header:
+        return
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,136 @@
+"""One request's failure is its own (engine.py): a row whose distribution is not finite, or
+an exception in one request's work, ends that request with finish_reason "error"; the other
+requests of the same batch commit exactly what they commit without it, and the freed slot
+serves the next request correctly. Sampling values the arithmetic cannot carry are refused
+or, for a tiny temperature, served as greedy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.errors import RequestError
+from reference_engine.models import CausalLM
+from reference_engine.models.dflash import DFlashDraft
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.sampling import NOT_A_DISTRIBUTION, sample
+
+from .poison import POISON, poisoned
+
+TinyCheckpoint = Callable[..., Path]
+PROMPTS = [[17, 301, 5, 88, 260], [400, 3, 77], [250, 251, 13, 480, 66, 1], [8, 9]]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint: TinyCheckpoint,
+         tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, DFlashDraft]:
+    path = tiny_checkpoint("qwen3_5")
+    target = load_target(path, dtype=torch.float64)
+    out = tmp_path_factory.mktemp("isolation_draft") / "draft"
+    return target, load_draft(make_tiny_draft(out, path, block_size=4), target)
+
+
+def params(**options) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **options)
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for request_id, (prompt, p) in requests.items():
+        engine.add_request(request_id, prompt, p)
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    return {request_id: engine.collect(request_id) for request_id in requests}
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_non_finite_row_fails_its_request_alone(pair, speculative: bool,
+                                                  temperature: float) -> None:
+    target, draft = pair
+    config = EngineConfig(max_num_seqs=4, block_size=4 if speculative else None)
+    poison = [POISON, 40, 41]
+    requests = {f"r{i}": (p, params()) for i, p in enumerate(PROMPTS[:3])}
+    requests["bad"] = (poison, params(temperature=temperature, seed=1))
+    with poisoned():
+        engine = Engine(target, draft if speculative else None, config)
+        done = run(engine, requests)
+        bad = done.pop("bad")
+        assert bad.finish_reason == "error" and "not finite" in bad.error
+        assert all(0 <= t < target.config.vocab_size for t in bad.output_ids)
+        for request_id, seq in done.items():
+            prompt = requests[request_id][0]
+            assert seq.finish_reason == "length" and seq.error is None
+            assert seq.output_ids == generate_plain(target, prompt, params()).output_ids
+        # the freed slot serves the next request exactly
+        again = run(engine, {"next": (PROMPTS[3], params())})["next"]
+        assert again.output_ids == generate_plain(target, PROMPTS[3], params()).output_ids
+        assert engine.free_slots == [0, 1, 2, 3]
+
+
+def test_an_exception_in_one_requests_prefill_fails_that_request_alone(pair, monkeypatch) -> None:
+    target, _ = pair
+    prefill = Engine._prefill
+
+    def failing(self, seq, outputs):
+        if seq.request_id == "bad":
+            raise RuntimeError("planted")
+        return prefill(self, seq, outputs)
+
+    monkeypatch.setattr(Engine, "_prefill", failing)
+    engine = Engine(target, None, EngineConfig(max_num_seqs=4))
+    done = run(engine, {"bad": (PROMPTS[0], params()), "good": (PROMPTS[1], params())})
+    assert done["bad"].finish_reason == "error"
+    assert "RuntimeError: planted" in done["bad"].error
+    assert done["good"].output_ids == generate_plain(target, PROMPTS[1], params()).output_ids
+
+
+def test_sample_marks_a_row_that_is_not_a_distribution_without_failing_the_others() -> None:
+    probs = torch.tensor([[0.0, 1.0, 0.0], [float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0],
+                          [float("inf"), 0.0, 0.0], [0.0, 0.0, 1.0]])
+    drawn = sample(probs, torch.Generator().manual_seed(0)).tolist()
+    assert drawn == [1, NOT_A_DISTRIBUTION, NOT_A_DISTRIBUTION, NOT_A_DISTRIBUTION, 2]
+
+
+@pytest.mark.parametrize(("options", "pattern"), [
+    ({"temperature": 1.0, "seed": 2**70}, r"seed must be an integer in \[-2\*\*63"),
+    ({"temperature": 1.0, "seed": -(2**64)}, r"seed must be an integer"),
+    ({"temperature": float("inf")}, r"temperature must be finite"),
+    ({"repetition_penalty": 1e-300}, r"repetition_penalty must be in \[0.01, 100.0\]"),
+    ({"repetition_penalty": 1e9}, r"repetition_penalty must be in \[0.01, 100.0\]"),
+], ids=["seed-too-large", "seed-too-small", "infinite-temperature", "tiny-penalty", "huge-penalty"])
+def test_sampling_values_the_arithmetic_cannot_carry_are_refused(options: dict,
+                                                                 pattern: str) -> None:
+    with pytest.raises(RequestError, match=pattern):
+        SamplingParams(**options)
+
+
+def test_a_tiny_positive_temperature_is_served_as_greedy(pair) -> None:
+    target, _ = pair
+    assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=1e-4).greedy
+    engine = Engine(target, None, EngineConfig(max_num_seqs=2))
+    done = run(engine, {"tiny": (PROMPTS[0], params(temperature=1e-30)),
+                        "zero": (PROMPTS[1], params())})
+    assert done["tiny"].output_ids == generate_plain(target, PROMPTS[0], params()).output_ids
+    assert done["zero"].output_ids == generate_plain(target, PROMPTS[1], params()).output_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_non_finite_row_asking_for_logprobs_fails_alone(pair, temperature: float) -> None:
+    target, _ = pair
+    requests = {f"r{i}": (p, params(logprobs=2)) for i, p in enumerate(PROMPTS[:2])}
+    requests["bad"] = ([POISON, 40, 41], params(temperature=temperature, seed=1, logprobs=2))
+    with poisoned():
+        done = run(Engine(target, None, EngineConfig(max_num_seqs=4)), requests)
+    assert done.pop("bad").finish_reason == "error"
+    for request_id, seq in done.items():
+        expected = generate_plain(target, requests[request_id][0], params()).output_ids
+        assert seq.output_ids == expected and len(seq.logprobs) == MAX_TOKENS

@@ -1,0 +1,110 @@
+"""The report opens with its verdict (reports/verdict.py): which side is which, the speed-up
+per concurrency with its interval in a sentence, whether A and B produced the same tokens
+(from requests.jsonl), acceptance, and the warnings: client saturation, closed-loop TTFT,
+prompt sets that differ between concurrencies."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from reports.markdown import build_report
+
+from .test_reports import write_results
+
+
+def set_token_ids(directory: Path, ids_of) -> None:
+    """Give every request row token ids: ids_of(row) -> list[int]."""
+    path = directory / "requests.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "token_ids": ids_of(r)}) + "\n" for r in rows))
+
+
+def name_sides(directory: Path, a: str = "plain", b: str = "dflash") -> None:
+    meta = json.loads((directory / "meta.json").read_text())
+    (directory / "meta.json").write_text(json.dumps({**meta, "labels": {"A": a, "B": b}}))
+
+
+def verdict(text: str) -> str:
+    return text.split("## Verdict")[1].split("\n## ")[0]
+
+
+def test_the_verdict_comes_first_and_names_the_sides_with_the_speedup(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    name_sides(directory)
+    set_token_ids(directory, lambda r: [r["index"], 7, 8])
+    text = build_report(directory).read_text()
+    assert text.index("## Verdict") < text.index("## Run") < text.index("## Results by concurrency")
+    part = verdict(text)
+    assert "A is **plain**, B is **dflash**." in part
+    assert ("Concurrency 1: dflash delivers 2.24x the output throughput of plain "
+            "(95% interval 2.21–2.28): dflash is faster.") in part
+    assert "Concurrency 4: dflash delivers 2.12x" in part
+    # B 4 repeat 1 request 0 failed: 2 concurrencies x 2 repeats x 3 requests - 1 = 11 pairs
+    assert "Outputs identical: 11/11 requests" in part
+    assert "Mean acceptance length of dflash (bonus token included): 3.62 at c=1, 3.62 at c=4." in part
+    assert "| Metric | A = plain (n=2) | B = dflash (n=2) | B/A |" in text
+
+
+def test_mismatched_outputs_are_counted_and_listed(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    set_token_ids(directory, lambda r: [1, 2, 3] if (r["label"], r["concurrency"], r["index"])
+                  != ("B", 1, 2) else [1, 9, 3])
+    part = verdict(build_report(directory).read_text())
+    assert "**Outputs differ**: 2 of 11 requests" in part
+    assert "c=1 repeat 0 request 2 (first difference at output token 1)" in part
+    assert "A and B are not named" in part
+
+
+def edit_summary(directory: Path, change) -> None:
+    """Rewrite summary.csv with change(row) applied to every row."""
+    path = directory / "summary.csv"
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(change(dict(r)) or r for r in rows)
+
+
+def sent(completed: int):
+    def change(row: dict) -> dict:
+        # the fixture's one failed request is part of the 8 sent, as the harness counts
+        row["completed"] = str(completed - int(row["failed"]))
+        return row
+    return change
+
+
+def test_prompt_sets_that_differ_between_concurrencies_are_flagged(tmp_path) -> None:
+    same = write_results(tmp_path / "same")
+    edit_summary(same, sent(8))
+    part = verdict(build_report(same).read_text())
+    assert "Prompts: 8 requests at every concurrency" in part
+    assert "Prompt sets differ" not in part
+    differ = write_results(tmp_path / "differ")
+    edit_summary(differ, lambda row: sent(8 if row["concurrency"] == "1" else 16)(row))
+    part = verdict(build_report(differ).read_text())
+    assert "**Prompt sets differ between concurrencies** (c=1: 8, c=4: 16 requests)" in part
+
+
+def test_a_starved_client_is_warned_about(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    calm = verdict(build_report(directory).read_text())
+    assert "saturated" not in calm
+    path = directory / "requests.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:  # chunks read in bursts: many gaps of 0.1 ms
+        if r["label"] == "B" and r["concurrency"] == 4:
+            r["chunk_times_s"] = [0.05 + 0.0001 * i for i in range(12)]
+            r["chunk_tokens"] = [1] * 12
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    part = verdict(build_report(directory).read_text())
+    assert "**Warning: the client may have been saturated.**" in part
+    assert "B at concurrency 4 were under 0.5 ms" in part
+
+
+def test_a_lower_ttft_at_high_concurrency_carries_the_closed_loop_note(tmp_path) -> None:
+    # the fixture's B has half A's TTFT at every concurrency
+    part = verdict(build_report(write_results(tmp_path / "run")).read_text())
+    assert "**Note on TTFT at concurrency 4:**" in part and "closed loop" in part

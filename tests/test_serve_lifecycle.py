@@ -1,0 +1,116 @@
+"""The server's lifecycle and access (serving/lifecycle.py, server.py): SIGTERM lets requests
+in flight finish within the grace period and ends the rest with an error event and [DONE],
+never mid-frame; --api-key-scope all protects every endpoint but /health; a connection that
+trickles its headers is closed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from .server_process import ServerProcess
+
+LONG = {"prompt": [7, 8, 9], "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+        "stream": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_5")
+
+
+def read_stream(url: str, body: dict, into: list, started: threading.Event) -> None:
+    """Every SSE data line, raw, as it arrives."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        into.append(r.status_code)
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                into.append(line[len("data: "):])
+                started.set()
+
+
+def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(model_dir) -> None:
+    server = ServerProcess("--model", str(model_dir), "--max-model-len", "4096",
+                           "--max-num-seqs", "1", "--shutdown-grace", "1.5")
+    long, queued = [], []
+    started = threading.Event()
+    threads = [threading.Thread(target=read_stream, args=(server.url, LONG, long, started))]
+    threads[0].start()
+    assert started.wait(30)
+    # the only slot is busy: this one waits in the queue (200 headers, no token yet)
+    threads.append(threading.Thread(target=read_stream, args=(
+        server.url, {**LONG, "max_tokens": 2000}, queued, threading.Event())))
+    threads[-1].start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert server.proc.wait(30) in (0, -signal.SIGTERM)
+    assert time.monotonic() - start < 10
+    log = server.proc.stdout.read()
+    assert "Traceback" not in log
+    for events in (long, queued):
+        assert events[0] == 200 and events[-1] == "[DONE]", events[-3:]
+        for data in events[1:-1]:
+            json.loads(data)  # every frame whole
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable" and "--shutdown-grace 1.5" in error["message"]
+    assert len(long) > 3  # tokens streamed before the deadline
+
+
+def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_dir) -> None:
+    server = ServerProcess("--model", str(model_dir), "--shutdown-grace", "20")
+    body = {"prompt": [5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    events: list = []
+    started = threading.Event()
+    reader = threading.Thread(target=read_stream, args=(server.url, body, events, started))
+    reader.start()
+    assert started.wait(30)
+    server.proc.send_signal(signal.SIGTERM)
+    reader.join(60)
+    assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[1:-1]]
+    assert not any("error" in c for c in chunks)
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c.get("choices")) == 200
+
+
+def test_api_key_scope_all_protects_every_endpoint_but_health(model_dir) -> None:
+    server = ServerProcess("--model", str(model_dir), "--api-key", "sekret",
+                           "--api-key-scope", "all")
+    try:
+        for path in ("/metrics", "/docs", "/openapi.json", "/info", "/v1/models"):
+            assert httpx.get(server.url + path, timeout=10).status_code == 401, path
+            good = httpx.get(server.url + path, timeout=10,
+                             headers={"Authorization": "Bearer sekret"})
+            assert good.status_code == 200, path
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        wrong = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer sekreT"})
+        assert wrong.status_code == 401
+    finally:
+        server.stop()
+
+
+def test_a_connection_that_trickles_its_headers_is_closed(model_dir) -> None:
+    server = ServerProcess("--model", str(model_dir), "--header-timeout", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            start = time.monotonic()
+            try:
+                closed = sock.recv(1024) == b""
+            except ConnectionResetError:
+                closed = True
+            assert closed and time.monotonic() - start < 5
+        # a complete request is not affected
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()

@@ -6,6 +6,8 @@ not know (HTTP 422 or 400), so a request that carries vLLM's `ignore_eos` or
 where it reports generated token ids; `probe` decides it for a server we were not told
 about, from `GET /v1/models` (`owned_by`), `GET /metrics` (metric name prefixes) and one
 tiny request sent with the guessed kind's extensions (a refusal downgrades to plain OpenAI).
+Plain OpenAI takes token-id prompts (the API allows them) unless the server refuses one
+with a 4xx (`transformers serve` takes text only).
 
     kind      ignore_eos  continuous usage  return_token_ids  ids in responses
     ours      yes         yes               no (always on)    token_ids in every choice
@@ -72,7 +74,8 @@ KNOWN = {
                        prompt_ids=True, ids_in_responses=True),
     "sglang": ServerKind("sglang", ignore_eos=True, continuous_usage=True, prompt_ids=True),
     "lmdeploy": ServerKind("lmdeploy", ignore_eos=True, prompt_ids=True),
-    "openai": ServerKind("openai"),
+    # the OpenAI API takes a prompt as token ids; a server that refuses them (4xx) is noted
+    "openai": ServerKind("openai", prompt_ids=True),
 }
 OWNERS = {"reference_engine": "ours", "vllm": "vllm", "sglang": "sglang", "lmdeploy": "lmdeploy"}
 METRIC_PREFIXES = {"dflash:": "ours", "vllm:": "vllm", "sglang:": "sglang",
@@ -90,6 +93,17 @@ def _get(client: httpx.Client, url: str, headers: dict) -> httpx.Response | None
         return client.get(url, headers=headers)
     except httpx.HTTPError:
         return None
+
+
+def _first_choice(response: httpx.Response) -> dict:
+    """The first choice of a JSON completion; {} for anything else (a stream, not JSON)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    choices = body.get("choices") if isinstance(body, dict) else None
+    return choices[0] if isinstance(choices, list) and choices and \
+        isinstance(choices[0], dict) else {}
 
 
 def probe(base_url: str, model: str | None = None, api_key: str | None = None,
@@ -125,28 +139,30 @@ def probe(base_url: str, model: str | None = None, api_key: str | None = None,
             body["model"] = model or models[0]
         try:
             r = client.post(base + "/v1/completions", json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"{base}: the probe request failed: {exc}") from None
+        except httpx.HTTPError as exc:  # the run itself reports an unreachable server
+            notes.append(f"probe request failed ({type(exc).__name__}): plain OpenAI")
+            return ProbeResult(replace(KNOWN["openai"], evidence="; ".join(notes)), models)
         if r.status_code != 200 and kind.name != "openai":
             notes.append(f"a request with {kind.name} extensions got HTTP {r.status_code}: "
                          "plain OpenAI")
             kind = KNOWN["openai"]
         elif r.status_code == 200:
-            choice = (r.json().get("choices") or [{}])[0]
+            choice = _first_choice(r)
             notes.append(f"probe request ok, ids {'returned' if 'token_ids' in choice else 'absent'}")
             if "token_ids" in choice and not kind.ids_in_responses and not kind.return_token_ids:
                 kind = replace(kind, ids_in_responses=True)
         else:
             notes.append(f"probe request: HTTP {r.status_code}: {r.text[:200]}")
-        if not kind.prompt_ids:
+        if kind.name == "openai":
             ids_body = {k: v for k, v in body.items() if k != "prompt"} | {"prompt": [1, 2]}
             try:
-                ok = client.post(base + "/v1/completions", json=ids_body,
-                                 headers=headers).status_code == 200
+                status = client.post(base + "/v1/completions", json=ids_body,
+                                     headers=headers).status_code
             except httpx.HTTPError:
-                ok = False
-            kind = replace(kind, prompt_ids=ok)
-            notes.append(f"token-id prompts {'accepted' if ok else 'refused'}")
+                status = None
+            refused = status is not None and 400 <= status < 500  # else: not known, try them
+            kind = replace(kind, prompt_ids=not refused)
+            notes.append(f"token-id prompts {'refused' if refused else 'accepted'}")
     return ProbeResult(replace(kind, evidence="; ".join(notes)), models)
 
 

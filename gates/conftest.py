@@ -92,3 +92,29 @@ def small_vocab_pair(tmp_path_factory):
                                 block_size=4, seed=5)
     target = load_target(target_dir, dtype=torch.float64)
     return target, load_draft(draft_dir, target)
+
+
+# ------------------------------------------------------------------ demo-pair servers
+@pytest.fixture(scope="session")
+def demo_plain_server():
+    """Our plain server on the shipped demo target, float32 (shared by the HTTP gates)."""
+    from reference_engine.demo import DEMO_TARGET
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess("--model", str(DEMO_TARGET), "--dtype", "float32",
+                           "--served-model-name", "demo")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_dflash_server():
+    """Our DFlash server (block size 8) on the shipped demo pair, float32."""
+    from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess("--model", str(DEMO_TARGET), "--dflash-draft-model-path",
+                           str(DEMO_DRAFT), "--block-size", "8", "--dtype", "float32",
+                           "--served-model-name", "demo")
+    yield server
+    server.stop()

@@ -15,6 +15,7 @@ The HTTP equivalence gate compares two running servers:
 
     pytest gates/test_http_equivalence.py --baseline-url URL --candidate-url URL
         [--compare-model NAME] [--compare-policy strict|tie-tolerant] [--compare-prompts F]
+        [--compare-server-kind auto|ours|vllm|sglang|lmdeploy|openai] [--compare-tokenizer DIR]
 
 (or DFLASH_BASELINE_URL, DFLASH_CANDIDATE_URL, ...). Without URLs it starts our own plain
 and DFlash servers on a tiny pair.
@@ -47,6 +48,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--compare-prompts", default=os.environ.get("DFLASH_COMPARE_PROMPTS"),
                     help="HTTP gate: JSONL prompts (default: built-in sets)")
     group.addoption("--compare-api-key", default=os.environ.get("DFLASH_COMPARE_API_KEY"))
+    group.addoption("--compare-server-kind", default=os.environ.get("DFLASH_COMPARE_SERVER_KIND",
+                                                                    "auto"),
+                    help="HTTP gate: ours|vllm|sglang|lmdeploy|openai, or auto: probe")
+    group.addoption("--compare-tokenizer", default=os.environ.get("DFLASH_COMPARE_TOKENIZER"),
+                    help="HTTP gate: the model's tokenizer directory, for servers without ids")
     group.addoption("--gate-dtype", default=os.environ.get("DFLASH_GATE_DTYPE"),
                     help="float64 | float32 | bfloat16; default float64 for tiny pairs, "
                     "bfloat16 for a user's checkpoints (env DFLASH_GATE_DTYPE)")

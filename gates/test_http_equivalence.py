@@ -14,6 +14,8 @@ import pytest
 
 from harness.client import Endpoint
 from harness.compare import ComparePolicy, compare
+from harness.server_kind import resolve
+from harness.tokens import TextTokenizer
 from harness.workloads import builtin, load_jsonl, synthetic
 from reference_engine.checkpoint import make_tiny_draft
 from tests.server_process import ServerProcess
@@ -45,8 +47,15 @@ def test_user_servers_are_equivalent(request) -> None:
     file = config.getoption("--compare-prompts")
     prompts = load_jsonl(file) if file else [p for p in builtin("mixed") if p.text]
     policy = ComparePolicy(config.getoption("--compare-policy"))
-    results, summary = run_compare(Endpoint(base, model, api_key=key),
-                                   Endpoint(cand, model, api_key=key), prompts, policy)
+    kind, tok = config.getoption("--compare-server-kind"), config.getoption("--compare-tokenizer")
+    tokenizer = TextTokenizer(tok) if tok else None
+
+    def endpoint(url: str) -> Endpoint:
+        found = resolve(kind, url, model, key)
+        return Endpoint(url, model or (found.models[0] if found.models else None),
+                        api_key=key, server=found.kind, tokenizer=tokenizer)
+
+    results, summary = run_compare(endpoint(base), endpoint(cand), prompts, policy)
     first = next((d for r in results for d in r.divergences), None)
     assert summary["verdict"] == "pass", f"{summary}; first divergence: {first}"
 
@@ -71,7 +80,7 @@ def test_our_dflash_server_matches_our_plain_server_exactly(baseline_server, tin
     finally:
         candidate.stop()
     assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
-    assert summary["id_source"] == "token_ids"
+    assert summary["compared"] == "ids" and summary["compared_ids"] == summary["prompts"]
 
 
 def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_server,

@@ -35,11 +35,23 @@ from .bench import LoadSpec, measure
 from .client import ENDPOINT_KINDS, Endpoint
 from .outcome import verdict_line
 from .resume import prepare, read_request_rows, trim_torn_tail
+from .server_kind import SERVER_KINDS, resolve
+from .tokens import TextTokenizer
 from .workloads import WorkloadError, builtin, load_jsonl, synthetic, take
+
+
+def _peer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server-kind", default="auto", choices=SERVER_KINDS,
+                   help="which OpenAI extensions the server(s) accept (auto: probe /v1/models, "
+                   "/metrics and one tiny request; unknown servers get plain OpenAI)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the model's tokenizer directory (tokenizer.json), for servers that "
+                   "report no token ids")
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name sent in requests")
+    _peer_args(p)
     p.add_argument("--endpoint", default="completions", choices=ENDPOINT_KINDS)
     p.add_argument("--api-key", default=None)
     p.add_argument("--concurrency", type=concurrency_list, default="1,4,8,16",
@@ -82,6 +94,7 @@ def _compare_parser(sub) -> None:
                    help="candidate base URL (DFlash on)")
     c.add_argument("--model", default=None)
     c.add_argument("--api-key", default=None)
+    _peer_args(c)
     source = c.add_mutually_exclusive_group()
     source.add_argument("--prompts", help="JSONL with 'prompt' per line")
     source.add_argument("--builtin", default=None, help="code, math, chat or mixed")
@@ -107,8 +120,9 @@ def run_compare(args) -> int:
         prompts = take(prompts, args.num_prompts, args.seed)
     policy = ComparePolicy(args.policy, args.tie_threshold, args.max_tie_rate,
                            args.max_divergences)
-    baseline = Endpoint(args.baseline, args.model, "completions", args.api_key)
-    candidate = Endpoint(args.candidate, args.model, "completions", args.api_key)
+    tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
+    baseline, candidate = (endpoint_for(url, args, "completions", tokenizer)
+                           for url in (args.baseline, args.candidate))
     results, summary = asyncio.run(compare(baseline, candidate, prompts, args.max_tokens,
                                            args.concurrency, policy))
     write_outputs(Path(args.out), results, summary)
@@ -118,6 +132,15 @@ def run_compare(args) -> int:
         print(f"first divergence: position {first.position}, baseline {first.baseline_token} "
               f"vs candidate {first.candidate_token}, margin {first.margin}, {first.kind}")
     return 0 if summary["verdict"] == "pass" else 1
+
+
+def endpoint_for(url: str, args, kind: str, tokenizer: TextTokenizer | None) -> Endpoint:
+    """The endpoint with the server's accepted extensions (probed unless named) and, when no
+    --model is given, the first model the server lists."""
+    found = resolve(args.server_kind, url, args.model, args.api_key)
+    model = args.model or (found.models[0] if found.models else None)
+    print(f"{url}: server kind {found.kind.name} ({found.kind.evidence})", file=sys.stderr)
+    return Endpoint(url, model, kind, args.api_key, found.kind, tokenizer)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -167,7 +190,7 @@ def measured_count(args) -> int:
     return len(pool) * -(-top // len(pool))
 
 
-def run(args, servers: dict[str, ManagedServer], out: Path) -> list[dict]:
+def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of) -> list[dict]:
     concurrencies = args.concurrency
     slo = {k: v for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms),
                              ("e2e", args.slo_e2e_ms)) if v is not None}
@@ -194,7 +217,7 @@ def run(args, servers: dict[str, ManagedServer], out: Path) -> list[dict]:
             for label, server in servers.items():  # interleaved A, B, A, B
                 if (label, c, repeat) in skip:
                     continue
-                endpoint = Endpoint(server.url, args.model, args.endpoint, args.api_key)
+                endpoint = endpoint_of(label)  # probed on first use only
                 labels = {"label": label, "concurrency": c, "repeat": repeat}
                 summaries.append(measure(endpoint, prompts, spec, out, labels,
                                          server.url + "/metrics"))
@@ -230,11 +253,24 @@ def main(argv: list[str] | None = None) -> int:
             for side in ("a", "b"):
                 url, cmd = getattr(args, f"{side}_url"), getattr(args, f"{side}_cmd")
                 servers[side.upper()] = ManagedServer.start(cmd) if cmd else ManagedServer(url)
+        tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
+        endpoints: dict[str, Endpoint] = {}
+
+        def endpoint_of(label: str) -> Endpoint:
+            if label not in endpoints:
+                endpoints[label] = endpoint_for(servers[label].url, args, args.endpoint,
+                                                tokenizer)
+            return endpoints[label]
+
         meta = metadata(argv, servers, args.notes)
         if args.command == "ab" and (args.a_label or args.b_label):
             meta["labels"] = {"A": args.a_label or "A", "B": args.b_label or "B"}
+        meta["tokenizer"] = args.tokenizer
         write_meta(out, meta)
-        summaries = run(args, servers, out)
+        summaries = run(args, servers, out, endpoint_of)
+        if endpoints:
+            meta["server_kinds"] = {label: e.accepts.as_dict() for label, e in endpoints.items()}
+            write_meta(out, meta)
         rows: list[dict] = []
         if (out / "summary.csv").exists():  # every row, a resumed run's earlier ones too
             with (out / "summary.csv").open() as f:

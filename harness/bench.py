@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from .client import Endpoint, RequestRecord, payload, send
-from .metrics import calculate_metrics
+from .metrics import calculate_metrics, count_sources
 from .prometheus import acceptance_from_counters, acceptance_from_requests, scrape
 from .workloads import Prompt, arrivals
 
@@ -111,6 +111,9 @@ def measure(endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, out_dir: 
     summary |= {**acceptance, **counters}  # counters win: they are the server's own totals
     if "acceptance_histogram" in acceptance:
         summary["acceptance_histogram"] = acceptance["acceptance_histogram"]
+    summary["count_source"] = count_sources(records)
+    summary["streams_without_done"] = sum(1 for r in records if r.success and not r.done_marker)
+    summary["server_kind"] = endpoint.accepts.name if endpoint.server else "ours (not probed)"
     errors = [r.error for r in records if not r.success]
     summary["errors"] = "; ".join(sorted(set(errors)))[:500]
     append_summary(out_dir / "summary.csv", summary)
@@ -124,6 +127,7 @@ SUMMARY_COLUMNS = [
       for s in ("mean", "median", "p90", "p99")],
     "achieved_concurrency", "goodput_requests_per_s", "acceptance_length", "acceptance_rate",
     "acceptance_per_position", "acceptance_histogram", "acceptance_source", "errors",
+    "count_source", "server_kind", "streams_without_done",
 ]
 
 

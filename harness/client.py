@@ -3,10 +3,18 @@
 Kinds: OpenAI `completions` (/v1/completions), OpenAI `chat` (/v1/chat/completions) and
 SGLang's native `sglang` (/generate). Per request it records the send time, the arrival
 time and token count of every token-bearing chunk, TTFT, E2E, output and prompt tokens,
-success or the error. Token counts come from the server (a chunk's `token_ids`, the growth
-of `usage.completion_tokens`, or SGLang's `meta_info.completion_tokens`), never from
-re-tokenising text; a chunk with text but no count is counted as one token and the
-request is flagged `estimated_counts`.
+success or the error. Token counts come from the server when it offers them (a chunk's
+`token_ids`, the growth of `usage.completion_tokens` under `continuous_usage_stats`, or
+SGLang's `meta_info.completion_tokens`); else from the model's tokenizer (`--tokenizer`)
+applied to the text streamed so far; else a chunk with text counts as one token. Each
+record's `count_source` says which (`server_ids`, `usage`, `meta_info`, `tokenizer`,
+`estimated`), and the request is flagged `estimated_counts` in the last case.
+
+Only the extensions the server accepts are sent (`Endpoint.server`, see server_kind.py;
+not given: our own server's). A stream that ends cleanly without `data: [DONE]` (plain
+OpenAI servers such as `transformers serve` never send it) is accepted when a
+`finish_reason` arrived, and the record says `done_marker: false`; a stream cut before
+either is a failure.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from .server_kind import KNOWN, ServerKind
+from .tokens import TextTokenizer
 from .workloads import Prompt
 
 ENDPOINT_KINDS = ("completions", "chat", "sglang")
@@ -29,6 +39,12 @@ class Endpoint:
     model: str | None = None
     kind: str = "completions"
     api_key: str | None = None
+    server: ServerKind | None = None  # the extensions it accepts; None: our server's
+    tokenizer: TextTokenizer | None = field(default=None, compare=False)
+
+    @property
+    def accepts(self) -> ServerKind:
+        return self.server or KNOWN["ours"]
 
     def __post_init__(self) -> None:
         if self.kind not in ENDPOINT_KINDS:
@@ -57,6 +73,9 @@ class RequestRecord:
     prompt_tokens: int | None = None
     token_ids: list[int] | None = None
     estimated_counts: bool = False
+    count_source: str | None = None  # where the token counts came from (see the module doc)
+    usage_completion_tokens: int | None = None  # the server's own total, when it sends one
+    done_marker: bool = False  # the stream ended with data: [DONE]
     spec_decode: dict | None = None  # the server's per-request speculative statistics
     meta_info: dict | None = None  # SGLang's per-request info (spec_verify_ct, ...)
 
@@ -75,17 +94,22 @@ def payload(endpoint: Endpoint, prompt: Prompt, max_tokens: int, ignore_eos: boo
         else:
             body["text"] = prompt.text if prompt.text is not None else _flatten(prompt.messages)
     else:
+        accepts = endpoint.accepts
         body = {"max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                "ignore_eos": ignore_eos,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                "stream_options": accepts.stream_options(), **accepts.extras(ignore_eos)}
         if endpoint.model:
             body["model"] = endpoint.model
         if endpoint.kind == "chat":
             messages = prompt.messages or ({"role": "user", "content": prompt.text or ""},)
             body["messages"] = list(messages)
         else:
-            if prompt.token_ids is not None:
+            if prompt.token_ids is not None and accepts.prompt_ids:
                 body["prompt"] = list(prompt.token_ids)
+            elif prompt.token_ids is not None:
+                if endpoint.tokenizer is None:
+                    raise ValueError(f"the server ({accepts.name}) takes no token-id prompts: "
+                                     "send text (--text, a dataset) or give --tokenizer")
+                body["prompt"] = endpoint.tokenizer.decode(list(prompt.token_ids))
             else:
                 body["prompt"] = prompt.text if prompt.text is not None else \
                     _flatten(prompt.messages)
@@ -98,50 +122,76 @@ def _flatten(messages) -> str:
 
 
 class _Counter:
-    """How many tokens a chunk carries, from what the server reports."""
+    """How many tokens a chunk carries, from what the server reports (or the tokenizer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoint: Endpoint) -> None:
         self.cumulative = 0
+        self.text = ""  # streamed so far, for the tokenizer
+        self.endpoint = endpoint
+        self.sources: list[str] = []
+        self.finished = False  # a finish_reason arrived
+
+    def _source(self, name: str, record: RequestRecord) -> None:
+        if name not in self.sources:
+            self.sources.append(name)
+            record.count_source = "+".join(self.sources)
 
     def tokens(self, event: dict, kind: str, record: RequestRecord) -> int:
         if kind == "sglang":
             meta = event.get("meta_info") or {}
+            if meta.get("finish_reason"):  # a dict such as {"type": "length"}, or None
+                self.finished = True
             if "completion_tokens" in meta:
                 record.meta_info = meta
                 new = meta["completion_tokens"] - self.cumulative
                 self.cumulative = meta["completion_tokens"]
                 record.prompt_tokens = meta.get("prompt_tokens", record.prompt_tokens)
+                self._source("meta_info", record)
                 return max(new, 0)
-            return self._estimate(event.get("text"), record)
+            return self._from_text(event.get("text"), record)
         choices = event.get("choices") or []
         usage = event.get("usage") or {}
         if usage.get("prompt_tokens") is not None:
             record.prompt_tokens = usage["prompt_tokens"]
+        if usage.get("completion_tokens") is not None:
+            record.usage_completion_tokens = usage["completion_tokens"]
         if "spec_decode" in event:
             record.spec_decode = event["spec_decode"]
         if not choices:
             return 0  # a usage-only chunk carries no token
         choice = choices[0]
+        if choice.get("finish_reason") is not None:
+            self.finished = True
         ids = choice.get("token_ids")
         if ids is not None:
             record.token_ids = (record.token_ids or []) + list(ids)
             self.cumulative += len(ids)
+            self._source("server_ids", record)
             return len(ids)
-        if usage.get("completion_tokens") is not None:
+        if usage.get("completion_tokens") is not None and self.endpoint.accepts.continuous_usage:
             new = usage["completion_tokens"] - self.cumulative
             self.cumulative = usage["completion_tokens"]
+            self._source("usage", record)
             return max(new, 0)
         text = choice.get("text")
         if text is None:
             text = (choice.get("delta") or {}).get("content")
-        return self._estimate(text, record)
+        return self._from_text(text, record)
 
-    def _estimate(self, text, record: RequestRecord) -> int:
-        if text:
-            record.estimated_counts = True
-            self.cumulative += 1
-            return 1
-        return 0
+    def _from_text(self, text, record: RequestRecord) -> int:
+        if not text:
+            return 0
+        tokenizer = self.endpoint.tokenizer
+        if tokenizer is not None:
+            self.text += text
+            total = tokenizer.count(self.text)
+            new, self.cumulative = total - self.cumulative, total
+            self._source("tokenizer", record)
+            return max(new, 0)
+        record.estimated_counts = True
+        self._source("estimated", record)
+        self.cumulative += 1
+        return 1
 
 
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index: int,
@@ -149,7 +199,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index:
     """Send one streaming request and time it. Never raises: failures are recorded."""
     sent = time.perf_counter()
     record = RequestRecord(index=index, send_s=sent - run_start)
-    counter = _Counter()
+    counter = _Counter(endpoint)
     done = False
     try:
         async with client.stream("POST", endpoint.url, json=body, headers=endpoint.headers(),
@@ -188,8 +238,10 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
     record.output_tokens = sum(record.chunk_tokens)
-    if not done:
-        record.error = f"the stream ended before [DONE] after {record.output_tokens} tokens"
+    record.done_marker = done  # a clean end without [DONE] is plain OpenAI; noted, accepted
+    if not done and not counter.finished:
+        record.error = (f"the stream ended before [DONE] or a finish_reason after "
+                        f"{record.output_tokens} tokens")
         return record
     if record.output_tokens == 0:
         record.error = "the stream ended without a token"

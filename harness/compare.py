@@ -10,6 +10,15 @@ ids, so one tie does not hide a later bug; up to `max_divergences` per prompt.
 Only the baseline is asked for logprobs: a candidate asked for logprobs may leave its
 speculative path (ours does), and the gate must test that path.
 
+Like is compared with like. When both servers report the generated token ids (ours, vLLM
+with `return_token_ids`), ids are compared. Otherwise texts are compared, and at a text
+difference the first differing token is located by tokenising both texts with the model's
+tokenizer (`--tokenizer`; without it only the character position is known); a text
+comparison does not resume. Each prompt records what was compared (`ids`, `text`, or
+`none` when a request failed: an error is never counted as a comparison), and the summary
+says `ids`, `text` or `mixed` over the prompts compared. Requests carry only the
+extensions the server accepts (`Endpoint.server`, see server_kind.py).
+
 Default tie threshold, 0.1 (logprob units, equal to the logit margin): bfloat16 keeps 8
 significant bits, so a logit of magnitude 16-32 is rounded in steps of 0.125 and two
 kernels that accumulate in a different order disagree by about one such step; a top-2 gap
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,13 +57,14 @@ class ComparePolicy:
 
 @dataclass
 class Divergence:
-    position: int  # index in the generated output
+    position: int | None  # index in the generated output (None: text, no tokenizer)
     baseline_token: int
     candidate_token: int
     baseline_text: str
     candidate_text: str
     margin: float | None  # the baseline's top-1 minus top-2 logprob there
     kind: str  # "tie" or "mismatch"
+    char_position: int | None = None  # in the generated text, for a text comparison
 
 
 @dataclass
@@ -63,7 +74,7 @@ class PromptResult:
     compared_tokens: int
     divergences: list[Divergence] = field(default_factory=list)
     error: str | None = None
-    id_source: str = "token_ids"  # or "text" when a server offers no ids
+    compared: str = "none"  # "ids", "text", or "none" (an error before any comparison)
 
 
 class ServerError(RuntimeError):
@@ -72,8 +83,13 @@ class ServerError(RuntimeError):
 
 async def _complete(client: httpx.AsyncClient, endpoint: Endpoint, prompt, max_tokens: int,
                     logprobs: bool) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": False,
-            "return_token_ids": True}
+    if isinstance(prompt, list) and not endpoint.accepts.prompt_ids:
+        if endpoint.tokenizer is None:
+            raise ServerError(f"{endpoint.base_url} ({endpoint.accepts.name}) takes no token-id "
+                              "prompts: give text prompts or --tokenizer")
+        prompt = endpoint.tokenizer.decode(prompt)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            **endpoint.accepts.extras(ignore_eos=False)}
     if endpoint.model:
         body["model"] = endpoint.model
     if logprobs:
@@ -85,13 +101,38 @@ async def _complete(client: httpx.AsyncClient, endpoint: Endpoint, prompt, max_t
     return r.json()["choices"][0]
 
 
-def _ids(choice: dict) -> tuple[list, str]:
+def _ids(choice: dict) -> list[int] | None:
+    """The generated token ids, when the server reports them."""
     if choice.get("token_ids") is not None:
-        return list(choice["token_ids"]), "token_ids"
+        return list(choice["token_ids"])
     logprobs = choice.get("logprobs") or {}
     if logprobs.get("token_ids") is not None:
-        return list(logprobs["token_ids"]), "token_ids"
-    return list(choice.get("text", "")), "text"  # characters: a last resort, said so
+        return list(logprobs["token_ids"])
+    return None
+
+
+def compare_texts(base: dict, cand: dict, tokenizer, offset: int,
+                  policy: ComparePolicy) -> Divergence | None:
+    """The first difference between two generated texts, located as a token by tokenising
+    both texts (without a tokenizer: only the character position)."""
+    a, b = base.get("text") or "", cand.get("text") or ""
+    if a == b:
+        return None
+    char = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if tokenizer is None:
+        return Divergence(None, -1, -1, a[char:char + 20], b[char:char + 20] or "(end)", None,
+                          "mismatch", char)
+    ta, tb = tokenizer.encode(a), tokenizer.encode(b)
+    at = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+    b_tok = ta[at] if at < len(ta) else -1
+    c_tok = tb[at] if at < len(tb) else -1
+    margin = None
+    if _ids(base) == ta and b_tok != -1:  # the baseline's logprobs index these very tokens
+        margin = _margin(base, at)
+    kind = "tie" if margin is not None and margin < policy.tie_threshold else "mismatch"
+    text = tokenizer.token_text
+    return Divergence(offset + at, b_tok, c_tok, "(end)" if b_tok == -1 else text(b_tok),
+                      "(end)" if c_tok == -1 else text(c_tok), margin, kind, char)
 
 
 def _texts(choice: dict, position: int) -> dict[int, str]:
@@ -132,10 +173,19 @@ async def compare_prompt(client: httpx.AsyncClient, baseline: Endpoint, candidat
             base, cand = await asyncio.gather(
                 _complete(client, baseline, current, budget, logprobs=True),
                 _complete(client, candidate, current, budget, logprobs=False))
-            base_ids, source = _ids(base)
-            cand_ids, cand_source = _ids(cand)
-            if "text" in (source, cand_source):
-                result.id_source = "text"
+            base_ids, cand_ids = _ids(base), _ids(cand)
+            if base_ids is None or cand_ids is None:  # text with text; no resumption
+                result.compared = "text"
+                tokenizer = candidate.tokenizer or baseline.tokenizer
+                divergence = compare_texts(base, cand, tokenizer, offset, policy)
+                if tokenizer is not None:
+                    result.compared_tokens += tokenizer.count(base.get("text") or "") \
+                        if divergence is None else divergence.position - offset
+                if divergence is not None:
+                    result.exact = False
+                    result.divergences.append(divergence)
+                return result
+            result.compared = "ids"
             at = next((i for i, (a, b) in enumerate(zip(base_ids, cand_ids)) if a != b), None)
             if at is None:
                 result.compared_tokens += min(len(base_ids), len(cand_ids))
@@ -153,8 +203,7 @@ async def compare_prompt(client: httpx.AsyncClient, baseline: Endpoint, candidat
                 offset + at, b_tok, c_tok, texts.get(b_tok, "?"),
                 texts.get(c_tok, "(end)" if c_tok == -1 else "?"), margin, kind))
             result.compared_tokens += at
-            if len(result.divergences) >= policy.max_divergences or at >= len(base_ids) \
-                    or result.id_source == "text":
+            if len(result.divergences) >= policy.max_divergences or at >= len(base_ids):
                 return result
             prefix_ids = base.get("prompt_token_ids")
             if prefix_ids is None and prompt.token_ids is None:
@@ -167,6 +216,14 @@ async def compare_prompt(client: httpx.AsyncClient, baseline: Endpoint, candidat
         result.error = str(exc)
         result.exact = False
     return result
+
+
+def compared_kind(results: list[PromptResult]) -> str:
+    """What the comparisons were over the prompts compared: ids, text, mixed or none."""
+    kinds = {r.compared for r in results if r.compared != "none" and not r.error}
+    if not kinds:
+        return "none"
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def verdict(results: list[PromptResult], policy: ComparePolicy) -> dict:
@@ -184,7 +241,9 @@ def verdict(results: list[PromptResult], policy: ComparePolicy) -> dict:
             "errors": errors, "match_rate": exact / prompts if prompts else 0.0,
             "tie_rate": tie_rate, "policy": policy.policy,
             "tie_threshold": policy.tie_threshold, "verdict": "pass" if passed else "fail",
-            "id_source": "text" if any(r.id_source == "text" for r in results) else "token_ids"}
+            "compared": compared_kind(results),
+            "compared_ids": sum(1 for r in results if r.compared == "ids" and not r.error),
+            "compared_text": sum(1 for r in results if r.compared == "text" and not r.error)}
 
 
 async def compare(baseline: Endpoint, candidate: Endpoint, prompts: list[Prompt],
@@ -216,26 +275,49 @@ def write_outputs(out: Path, results: list[PromptResult], summary: dict) -> None
     (out / "compare.md").write_text(markdown(results, summary))
 
 
+def md_quote(text: str) -> str:
+    """`text` as one inline code span that cannot break a markdown table or line: control
+    characters written as escapes (repr), pipes escaped, a fence longer than any backtick run."""
+    body = repr(text)[1:-1].replace("|", "\\|")
+    if not body:
+        return "(empty)"
+    fence = "`" * (max((len(run) for run in re.findall("`+", body)), default=0) + 1)
+    pad = " " if body.startswith("`") or body.endswith("`") else ""
+    return f"{fence}{pad}{body}{pad}{fence}"
+
+
+COMPARED = {"ids": "token ids", "text": "text (a server reported no ids)",
+            "none": "nothing (error)"}
+
+
 def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
+    compared = summary["prompts"] - summary["errors"]
     lines = [
         "## HTTP equivalence",
         "",
         f"Verdict: **{summary['verdict']}** (policy `{summary['policy']}`, tie threshold "
-        f"{summary['tie_threshold']} logprob). Prompts {summary['prompts']}, exact "
-        f"{summary['exact']} ({100 * summary['match_rate']:.1f}%), ties {summary['ties']}, "
-        f"mismatches {summary['mismatches']}, errors {summary['errors']}; compared "
-        f"{'token ids' if summary['id_source'] == 'token_ids' else 'text (no ids offered)'}.",
+        f"{summary['tie_threshold']} logprob). Prompts {summary['prompts']}: compared "
+        f"{compared} ({summary['compared_ids']} by token ids, {summary['compared_text']} by "
+        f"text), errors {summary['errors']} (not comparisons); exact {summary['exact']} "
+        f"({100 * summary['match_rate']:.1f}%), ties {summary['ties']}, mismatches "
+        f"{summary['mismatches']}. Compared: **{summary['compared']}**.",
         "",
     ]
     divergent = [(r, d) for r in results for d in r.divergences]
     if divergent:
-        lines += ["| prompt | position | baseline | candidate | margin | kind |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| prompt | compared | position | baseline | candidate | margin | kind |",
+                  "|---|---|---|---|---|---|---|"]
         for r, d in divergent[:shown]:
             margin = "n/a" if d.margin is None else f"{d.margin:.4f}"
-            lines.append(f"| {r.index} | {d.position} | {d.baseline_token} `{d.baseline_text!r}` "
-                         f"| {d.candidate_token} `{d.candidate_text!r}` | {margin} | {d.kind} |")
-    errors = [r for r in results if r.error]
-    for r in errors[:shown]:
-        lines.append(f"- prompt {r.index}: error {r.error}")
+            position = f"character {d.char_position}" if d.position is None else str(d.position)
+            lines.append(f"| {r.index} | {r.compared} | {position} | {d.baseline_token} "
+                         f"{md_quote(d.baseline_text)} | {d.candidate_token} "
+                         f"{md_quote(d.candidate_text)} | {margin} | {d.kind} |")
+        lines.append("")
+    lines += ["Per prompt:", "", "| prompt | compared | result |", "|---|---|---|"]
+    for r in results:
+        outcome = ("error: " + md_quote(r.error[:200])) if r.error else \
+            "exact" if r.exact else f"{len(r.divergences)} divergence(s)"
+        lines.append(f"| {r.index} | {COMPARED[r.compared if not r.error else 'none']} "
+                     f"| {outcome} |")
     return "\n".join(lines) + "\n"

@@ -81,3 +81,13 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float,
             good += all(values[k] <= v for k, v in slo_ms.items())
         row["goodput_requests_per_s"] = good / duration_s if duration_s > 0 else math.nan
     return row
+
+
+def count_sources(records: Sequence[RequestRecord]) -> str:
+    """Where the completed requests' token counts came from, e.g. `server_ids` or
+    `tokenizer (3), estimated (1)` when requests differ."""
+    ok = [r.count_source or "none" for r in records if r.success]
+    counts = {s: ok.count(s) for s in dict.fromkeys(ok)}
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{s} ({n})" for s, n in counts.items())

@@ -28,8 +28,9 @@ METRIC_DEFINITIONS = """\
 - **TPOT** per request = (E2E - TTFT) / (output_tokens - 1); requests with one token are
   left out of TPOT. Reported as mean and percentiles across requests.
 - **ITL, per token**: each gap between token-bearing chunks is divided evenly among the
-  tokens that chunk carries (counts from the server's usage or token ids, never from
-  re-tokenising text). **Chunk ITL** is the raw gap between token-bearing chunks, reported
+  tokens that chunk carries (counts from the server's token ids or usage; only for a server
+  that reports neither, from the model's tokenizer applied to the streamed text, as the
+  Token counts section says). **Chunk ITL** is the raw gap between token-bearing chunks, reported
   separately. Under speculative decoding one chunk carries several tokens, so the two
   differ a lot; both are shown.
 - **Output throughput** = all output tokens / wall time of the measured phase (warm-up
@@ -80,6 +81,7 @@ def render_report(results: ResultSet, plots: list[Plot]) -> str:
         "## Metric definitions\n\n" + METRIC_DEFINITIONS,
         _ratios(results),
         _results(results),
+        _token_counts(results),
         _failures(results),
         _plots(plots),
         _equivalence(results),
@@ -166,6 +168,27 @@ def _results(results: ResultSet) -> str:
         parts.append("No acceptance metrics in `summary.csv`: the servers expose no speculative "
                      "decoding counters or per-request statistics.")
     return "\n\n".join(parts)
+
+
+def _token_counts(results: ResultSet) -> str:
+    """Where each label's token counts came from: the server's ids or usage, or the model's
+    tokenizer (or an estimate) for servers that report neither; and streams without [DONE]."""
+    summary = results.summary
+    if "count_source" not in summary.columns:
+        return ""
+    rows = []
+    for label in results.labels:
+        part = summary[summary["label"] == label]
+        sources = sorted({str(s) for s in part["count_source"].dropna()})
+        kinds = sorted({str(s) for s in part.get("server_kind", []) if isinstance(s, str)})
+        no_done = part.get("streams_without_done")
+        rows.append([label, ", ".join(kinds) or "–", ", ".join(sources) or "–",
+                     "–" if no_done is None else str(int(no_done.fillna(0).sum()))])
+    table = markdown_table(["label", "server kind", "token counts from", "streams without [DONE]"],
+                           rows, right=())
+    return ("## Token counts\n\n`server_ids`, `usage` and `meta_info` are the server's own counts; "
+            "`tokenizer` tokenises the streamed text with the model's tokenizer (`--tokenizer`); "
+            "`estimated` counts one token per text chunk.\n\n" + table)
 
 
 def _failures(results: ResultSet) -> str:

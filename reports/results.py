@@ -29,7 +29,8 @@ OPTIONAL_FILES = (AB, REQUESTS, META, COMPARE_MD, COMPARE_SUMMARY)
 STATS = ("mean", "median", "p90", "p99")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_token_ms", "itl_chunk_ms", "e2e_ms")
 # summary.csv columns that hold text or JSON; every other known column is numeric
-TEXT_COLUMNS = ("label", "acceptance_per_position", "acceptance_histogram", "acceptance_source", "errors")
+TEXT_COLUMNS = ("label", "acceptance_per_position", "acceptance_histogram", "acceptance_source", "errors",
+                "count_source", "server_kind")
 NUMERIC_COLUMNS = (
     "concurrency", "repeat", "completed", "failed", "duration_s", "request_throughput",
     "output_tokens_per_s", *[f"{m}_{s}" for m in LATENCIES for s in STATS],

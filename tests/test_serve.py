@@ -177,7 +177,6 @@ BAD_BODIES = [
     ("max_tokens wrong type", {"prompt": "hi", "max_tokens": "ten"}),
     ("temperature wrong type", {"prompt": "hi", "temperature": "hot"}),
     ("prompt wrong type", {"prompt": 5}),
-    ("unknown model", {"prompt": "hi", "model": "no-such-model"}),
     ("negative max_tokens", {"prompt": "hi", "max_tokens": -3}),
     ("huge max_tokens", {"prompt": "hi", "max_tokens": 10**9}),
     ("prompt past the context", {"prompt": [5] * 5000, "max_tokens": 4}),

@@ -42,6 +42,7 @@ from .request import SamplingParams, validate_prompt
 from .sequence import (
     FALLBACK_LOGPROBS,
     FALLBACK_LOW_ACCEPTANCE,
+    FALLBACK_PENALTIES,
     FALLBACK_SAMPLING,
     Phase,
     Sequence,
@@ -196,6 +197,11 @@ class Engine:
             raise RequestError(f"duplicate request id {request_id!r}")
         validate_prompt(prompt_ids, self.target.config.vocab_size, self.context_len,
                         params.max_tokens)
+        vocab = self.target.config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias token id(s) {outside[:5]} outside the vocabulary "
+                               f"[0, {vocab})")
         if oracle is not None and not params.greedy:
             raise RequestError("the oracle proposer is greedy-only (temperature 0)")
         # queued requests take the free slots first, at the next step
@@ -234,6 +240,8 @@ class Engine:
                 self._fall_back(seq, FALLBACK_LOGPROBS)
             elif params.repetition_penalty != 1.0:
                 self._fall_back(seq, FALLBACK_SAMPLING)
+            elif params.penalised:
+                self._fall_back(seq, FALLBACK_PENALTIES)
         self.known[request_id] = seq
         self.waiting.append(seq)
 
@@ -344,7 +352,8 @@ class Engine:
             self.state.lengths[seq.slot] = n + 1
         with self.timer.phase("sample"):
             if all(s.params.greedy and s.params.logprobs is None
-                   and s.params.repetition_penalty == 1.0 for s in seqs):
+                   and s.params.repetition_penalty == 1.0 and not s.params.penalised
+                   for s in seqs):
                 # the device argmax (lowest id on a tie, as choose_tokens), one transfer
                 chosen = replayed["tokens"] if replayed is not None else self.ops.greedy(logits)
                 tokens, logprobs = [[t] for t in chosen.tolist()], [None] * len(seqs)

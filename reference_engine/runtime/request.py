@@ -29,6 +29,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top logprobs per output token (plain decode reports them)
     repetition_penalty: float = 1.0  # > 1 discourages tokens already seen (plain decode)
+    # OpenAI's, on generated tokens only (penalties.py; plain decode)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, bias) pairs
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -50,6 +54,14 @@ class SamplingParams:
             raise RequestError(
                 f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        bad_bias = [(t, b) for t, b in self.logit_bias
+                    if not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0]
+        if bad_bias:
+            raise RequestError("logit_bias needs non-negative token ids and biases in "
+                               f"[-100, 100], got {bad_bias[:5]}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
             or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
@@ -62,6 +74,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalised(self) -> bool:
+        """Presence or frequency penalty or a logit bias (plain decode only)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int,

@@ -32,6 +32,7 @@ class Phase(enum.Enum):
 FALLBACK_LOGPROBS = "logprobs"
 FALLBACK_SAMPLING = "sampling_option"
 FALLBACK_LOW_ACCEPTANCE = "low_acceptance"
+FALLBACK_PENALTIES = "penalties"  # presence/frequency penalty or logit bias
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .penalties import apply_penalties
 from .sampling import greedy, probabilities, sample
 from .sequence import Sequence
 
@@ -34,6 +35,7 @@ def choose_tokens(
         params = seq.params
         row = apply_repetition_penalty(logits[i], seq.prompt_ids + seq.output_ids,
                                        params.repetition_penalty)
+        row = apply_penalties(row, seq.output_ids, params)
         if params.greedy:
             rows.append((greedy(row), row))
         else:

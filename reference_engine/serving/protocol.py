@@ -12,6 +12,8 @@ Extensions, documented in the README:
   since different tokens may decode to the same text;
 - `prompt` may be a list of token ids;
 - `stop_token_ids`, `top_k`, `ignore_eos` (as vLLM);
+Standard parameters we do not implement are refused, not ignored: `echo: true`,
+`best_of` > 1 (400). An unknown model is 404 (`code: model_not_found`).
 - `spec_decode` beside `usage`: steps, proposed, accepted, acceptance_lengths of the request.
 """
 
@@ -28,9 +30,10 @@ from ..runtime.request import REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingPara
 
 class ProtocolError(ReferenceEngineError):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", code: str | int | None = None) -> None:
         super().__init__(message)
         self.param, self.status, self.kind = param, status, kind
+        self.code = status if code is None else code
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -57,6 +60,41 @@ def _integer(body: dict, name: str, default: int | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"'{name}' must be an integer, got {value!r}", name)
     return value
+
+
+def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise ProtocolError("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ProtocolError(f"'logit_bias' keys must be token ids, got {key!r}",
+                                "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise ProtocolError(f"'logit_bias' values must be numbers in [-100, 100], got "
+                                f"{value!r} for token {key}", "logit_bias")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ProtocolError(f"'logit_bias' token id {token} outside the vocabulary "
+                                f"[0, {vocab_size})", "logit_bias")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
+
+
+def _unsupported(body: dict) -> None:
+    """Standard parameters we do not implement: refused rather than silently ignored."""
+    if body.get("echo"):
+        raise ProtocolError("'echo' is not supported: the response holds the output only",
+                            "echo")
+    best_of = _integer(body, "best_of", 1)
+    if best_of != 1:
+        raise ProtocolError(f"'best_of' > 1 is not supported (one sequence per request), got "
+                            f"{best_of}", "best_of")
 
 
 def _boolean(body: dict, name: str, default: bool) -> bool:
@@ -123,13 +161,14 @@ class ParsedRequest:
 
 
 def parse_request(body: Any, served_name: str, tokenize, chat: bool,
-                  apply_chat_template=None) -> ParsedRequest:
+                  apply_chat_template=None, vocab_size: int | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != served_name:
         raise ProtocolError(f"model '{model}' does not exist; this server serves "
-                            f"'{served_name}'", "model")
+                            f"'{served_name}'", "model", 404, code="model_not_found")
+    _unsupported(body)
     n = _integer(body, "n", 1)
     if n != 1:
         raise ProtocolError(f"only n=1 is supported, got {n}", "n")
@@ -182,7 +221,12 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
             seed=seed,
             logprobs=logprobs,
             repetition_penalty=_number(body, "repetition_penalty", 1.0, *REPETITION_PENALTY_RANGE),
+            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            logit_bias=_logit_bias(body, vocab_size),
         )
+    except ProtocolError:
+        raise
     except ReferenceEngineError as exc:
         raise ProtocolError(str(exc)) from None
     return ParsedRequest(prompt_ids, params, _stop_strings(body), stream,
@@ -200,8 +244,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def spec_summary(sequence) -> dict | None:
-    """The request's speculative statistics (None for plain decode)."""
-    if sequence is None or not sequence.steps:
+    """The request's speculative statistics: on a DFlash server for every request, with the
+    reason when it left the speculative path (None on a plain server)."""
+    if sequence is None or not (sequence.steps or sequence.speculative
+                                or sequence.fallback_reason):
         return None
     return {
         "steps": sequence.spec.steps,
@@ -213,17 +259,18 @@ def spec_summary(sequence) -> dict | None:
 
 
 def logprobs_body(chat: bool, tokens: list[str], ids: list[int],
-                  entries: list[dict[int, float]], token_text) -> dict:
-    """OpenAI logprobs for the given tokens; each top entry also carries its token id."""
+                  entries: list[dict[int, float]], token_text, top: int | None = None) -> dict:
+    """OpenAI logprobs for the given tokens; each top entry also carries its token id.
+    Chat lists exactly `top` alternatives (top_logprobs); completions also the chosen token."""
     if chat:
         content = []
         for text, token_id, entry in zip(tokens, ids, entries):
+            ranked = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[: top or 0]
             content.append({
                 "token": text, "token_id": token_id, "logprob": entry.get(token_id),
                 "bytes": list(text.encode()),
                 "top_logprobs": [{"token": token_text(t), "token_id": t, "logprob": lp,
-                                  "bytes": list(token_text(t).encode())}
-                                 for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])],
+                                  "bytes": list(token_text(t).encode())} for t, lp in ranked],
             })
         return {"content": content}
     return {

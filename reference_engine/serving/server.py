@@ -55,6 +55,7 @@ from .protocol import (
     spec_summary,
     usage,
 )
+from .stop_strings import StopStringText
 
 
 @dataclass(frozen=True)
@@ -215,39 +216,6 @@ def _chat_template(model_dir: Path) -> str:
     return CHAT_TEMPLATE  # ChatML, documented default for tiny models
 
 
-class TextStream:
-    """Incremental detokenisation with stop strings: emits only settled text (no broken
-    UTF-8 at the end) and cuts at the first stop string."""
-
-    def __init__(self, server: Server, stops: tuple[str, ...]) -> None:
-        self.server, self.stops = server, stops
-        self.ids: list[int] = []
-        self.sent = 0  # characters of text already emitted
-        self.stopped = False
-
-    def push(self, new_ids: list[int], final: bool) -> tuple[str, list[int]]:
-        """Returns (new text, new ids) to emit; sets `stopped` at a stop string."""
-        start = len(self.ids)
-        self.ids.extend(new_ids)
-        text = self.server.detokenize(self.ids)
-        for stop in self.stops:
-            at = text.find(stop)
-            if at != -1:
-                # keep the ids up to the token that completed the stop string
-                keep = next(i for i in range(start, len(self.ids) + 1)
-                            if stop in self.server.detokenize(self.ids[:i]) or i == len(self.ids))
-                self.ids = self.ids[:keep]
-                self.stopped = True
-                out = text[self.sent:at]
-                self.sent = at
-                return out, self.ids[start:]
-        if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        out = text[self.sent:]
-        self.sent = max(self.sent, len(text))
-        return out, new_ids
-
-
 def create_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
@@ -258,7 +226,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="DFlash reference server", lifespan=lifespan)
 
     def fail(exc: ProtocolError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.kind, exc.param, exc.status),
+        return JSONResponse(error_body(str(exc), exc.kind, exc.param, exc.code),
                             status_code=exc.status)
 
     def authorized(request: Request) -> bool:
@@ -330,18 +298,19 @@ def create_app(server: Server) -> FastAPI:
             return fail(ProtocolError(str(exc)))
         except RequestFailed as exc:
             return fail(ProtocolError(str(exc), None, 500, "server_error"))
-        text = TextStream(server, parsed.stop)
+        text = StopStringText(server.detokenize, parsed.stop)
         if parsed.stream:
             return StreamingResponse(stream_events(request_id, parsed, queue, text, request),
                                      media_type="text/event-stream")
         return await collect_response(request_id, parsed, queue, text)
 
-    def piece(parsed, out: StepOutput, text: TextStream) -> tuple[str, list[int], dict | None]:
+    def piece(parsed, out: StepOutput, text: StopStringText) -> tuple[str, list[int], dict | None]:
         delta, ids = text.push(out.new_token_ids, out.finished)
         lp = None
         if parsed.logprobs is not None and out.new_logprobs:
             lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
-                               out.new_logprobs[: len(ids)], lambda t: server.detokenize([t]))
+                               out.new_logprobs[: len(ids)], lambda t: server.detokenize([t]),
+                               parsed.logprobs)
         return delta, ids, lp
 
     async def collect_response(request_id, parsed, queue, text):
@@ -356,6 +325,8 @@ def create_app(server: Server) -> FastAPI:
                                               "server_error"))
                 sequence = item.sequence
                 break
+            if text.stopped:
+                continue  # cut at a stop string: drain until the abort lands
             delta, new_ids, _ = piece(parsed, item, text)
             pieces.append(delta)
             ids.extend(new_ids)
@@ -368,7 +339,7 @@ def create_app(server: Server) -> FastAPI:
         lp = None
         if parsed.logprobs is not None:
             lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
-                               entries, lambda t: server.detokenize([t]))
+                               entries, lambda t: server.detokenize([t]), parsed.logprobs)
         return full_response(request_id, server.name, parsed.chat, "".join(pieces), ids,
                              finish or "abort", lp, usage(len(parsed.prompt_ids), len(ids)),
                              spec_summary(sequence), parsed.prompt_ids)
@@ -425,7 +396,8 @@ def create_app(server: Server) -> FastAPI:
 
 def _parse(server: Server, raw: bytes, chat: bool):
     body = decode_json(raw, server.limits)
-    return parse_request(body, server.name, server.tokenize, chat, server.apply_chat_template)
+    return parse_request(body, server.name, server.tokenize, chat, server.apply_chat_template,
+                         server.engine.target.config.vocab_size)
 
 
 def _sse(body: dict) -> str:

@@ -75,6 +75,13 @@ def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_
     reader.start()
     assert started.wait(30)
     server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    # draining: the server still listens, and a new request is refused with 503
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": [5], "max_tokens": 2},
+                         timeout=10)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 503
     reader.join(60)
     assert server.proc.wait(60) in (0, -signal.SIGTERM)
     assert events[-1] == "[DONE]"

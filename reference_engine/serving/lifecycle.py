@@ -4,11 +4,12 @@
   of opening (or of its previous response), else it is closed: a client that trickles
   header bytes cannot hold a connection forever. Idle keep-alive connections close after
   uvicorn's `timeout_keep_alive`.
-- Graceful shutdown: on SIGTERM (or SIGINT) the server stops admitting (new requests get
-  503, the listening socket closes), lets the requests in flight run for up to `grace_s`,
-  then ends each one that is left with an error event and `[DONE]` (a 503 body when not
-  streaming). No stream is cut mid-frame: uvicorn's own cancellation is only a backstop
-  after the grace period.
+- Graceful shutdown: on SIGTERM (or SIGINT) the server stops admitting: it keeps listening,
+  and every new request gets 503 (`/health` says "draining"), while the requests in flight
+  run for up to `grace_s`; then it ends each one that is left with an error event and
+  `[DONE]` (a 503 body when not streaming), closes the listening socket and exits. It exits
+  as soon as nothing is in flight. No stream is cut mid-frame: uvicorn's own cancellation is
+  only a backstop after the grace period. A second signal skips what is left of the grace.
 """
 
 from __future__ import annotations
@@ -69,18 +70,31 @@ def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server that drains instead of cutting: `on_drain` is called at the first
-    signal (stop admitting), `on_deadline` when the grace period is over (end what is left)."""
+    signal (stop admitting), `on_deadline` when the grace period is over with requests still
+    in flight (end them); `idle()` says whether any is. uvicorn's own exit (closing the
+    listening socket) comes only after that."""
 
     def __init__(self, config: uvicorn.Config, grace_s: float, on_drain: Callable[[], None],
-                 on_deadline: Callable[[], None]) -> None:
+                 on_deadline: Callable[[], None], idle: Callable[[], bool]) -> None:
         super().__init__(config)
-        self.grace_s, self.on_drain, self.on_deadline = grace_s, on_drain, on_deadline
+        self.grace_s, self.on_drain, self.on_deadline, self.idle = grace_s, on_drain, on_deadline, idle
         self.draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.draining:
-            self.draining = True
-            self.on_drain()
-            loop = asyncio.get_event_loop()
-            loop.call_soon_threadsafe(loop.call_later, self.grace_s, self.on_deadline)
+        if self.draining:  # a second signal: no more grace
+            self.on_deadline()
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        self.on_drain()
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(sig, frame)))
+
+    async def _drain(self, sig: int, frame: FrameType | None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_s
+        while not self.idle() and loop.time() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if not self.idle():
+            self.on_deadline()
         super().handle_exit(sig, frame)

@@ -433,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             server.runner.end_all(f"the server shut down before this request finished "
                                   f"(--shutdown-grace {args.shutdown_grace:g} s)")
 
-    GracefulServer(config, args.shutdown_grace, drain, deadline).run()
+    def idle() -> bool:
+        return server.runner is None or not server.runner.streams
+
+    GracefulServer(config, args.shutdown_grace, drain, deadline, idle).run()
     return 0
 
 

@@ -8,45 +8,23 @@ import argparse
 import httpx
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+def _checked(parse, ok, expected: str):
+    """An argparse type: `parse` the text, then require `ok(value)`; refusals say `expected`."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+    return convert
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
-def rate(text: str) -> float:
-    """A failure-rate threshold: a fraction in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {value}")
-    return value
+positive_int = _checked(int, lambda v: v >= 1, "a whole number >= 1")
+non_negative_int = _checked(int, lambda v: v >= 0, "a whole number >= 0")
+positive_float = _checked(float, lambda v: v > 0, "a number > 0")
+rate = _checked(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")  # a failure-rate threshold
 
 
 def concurrency_list(text: str) -> list[int]:

@@ -4,9 +4,12 @@ settings) into checkpoints the engine loads, reproducibly from the seed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,12 +22,15 @@ from reference_engine.models.dflash import DraftState
 from reference_engine.models.qwen3_5 import chunked_gated_delta
 from reference_engine.runtime.decode import generate_plain, new_state, prefill
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.training.corpus import Corpus, is_heldout
+from reference_engine.training.corpus import Corpus, CorpusError, fetch, read_lock
 from reference_engine.training.loops import (
     block_labels,
     block_logits,
     block_loss,
+    Checkpoint,
+    Interrupted,
     greedy_continue,
+    optimise,
     sequence_forward,
     target_views,
 )
@@ -157,38 +163,173 @@ def test_block_loss_weights_early_slots_and_ignores_slots_past_a_blocks_length()
     assert block_loss(early, labels, None, 2.0) > block_loss(late, labels, None, 2.0)
 
 
-def test_the_split_rule_is_by_file_and_fixed() -> None:
-    # the rule is pinned: changing it would silently move files between the sets
-    assert is_heldout("email/contentmanager.py")
-    assert not any(is_heldout(p) for p in ("os.py", "typing.py", "json/decoder.py"))
-    corpus = Corpus.from_stdlib(max_files=200)
-    assert not set(corpus.train) & set(corpus.heldout)
-    assert all(is_heldout(p) for p in corpus.heldout)
-    assert 0.03 < len(corpus.heldout) / 200 < 0.2
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def smoke(out: Path, seed: int = 0) -> subprocess.CompletedProcess:
+def make_wheel_corpus(folder: Path, packages=("json", "email", "http", "logging", "xml"),
+                      heldout=("http",)) -> tuple[Path, Path]:
+    """Wheels built here from standard-library packages (plus a vendored copy of the held-out
+    one inside the first), served from file:// URLs, and their lock. Returns (lock, source)."""
+    source = folder / "index"
+    source.mkdir(parents=True)
+    rows = []
+    for i, name in enumerate(packages):
+        filename = f"{name}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(source / filename, "w") as archive:
+            for path in sorted((STDLIB / name).rglob("*.py")):
+                archive.write(path, f"{name}/{path.relative_to(STDLIB / name).as_posix()}")
+            if i == 0 and name not in heldout:
+                vendored = next((STDLIB / heldout[0]).glob("*.py"))
+                archive.writestr(f"{name}/_vendor/{heldout[0]}/{vendored.name}",
+                                 vendored.read_text())
+            archive.writestr(f"{name}-1.0.dist-info/METADATA", "Name: x\n")
+        data = (source / filename).read_bytes()
+        rows.append({"name": name, "version": "1.0", "filename": filename,
+                     "url": (source / filename).as_uri(),
+                     "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                     "heldout": name in heldout})
+    lock = folder / "lock.json"
+    lock.write_text(json.dumps({"cutoff": "2026-01-01", "index": "test", "wheels": rows}))
+    return lock, source
+
+
+def test_the_corpus_is_the_locked_wheels_split_by_package(tmp_path: Path) -> None:
+    lock, _ = make_wheel_corpus(tmp_path)
+    logs = []
+    corpus = Corpus.from_lock(tmp_path / "cache", lock, log=logs.append)
+    assert len(logs) == 5 and "fetched 5/5" in logs[-1]
+    assert corpus.heldout and all(p.startswith("http-1.0") for p in corpus.heldout)
+    assert not any(p.startswith("http-1.0") for p in corpus.train)
+    # a vendored copy of a held-out package never reaches the train set; no metadata files
+    assert not any("_vendor" in p or "dist-info" in p for p in corpus.train)
+    assert corpus.text("json-1.0-py3-none-any.whl:json/decoder.py") == (
+        STDLIB / "json" / "decoder.py").read_text()
+    # the cache is reused (nothing fetched), and the real lock pins real wheels
+    Corpus.from_lock(tmp_path / "cache", lock, log=logs.append)
+    assert len(logs) == 5
+    wheels = read_lock()
+    assert len(wheels) >= 50 and sum(w.heldout for w in wheels) >= 5
+    assert all(w.url.startswith("https://files.pythonhosted.org/") and len(w.sha256) == 64
+               and w.filename.endswith("-none-any.whl") for w in wheels)
+
+
+def test_a_wheel_that_does_not_match_its_hash_is_refused(tmp_path: Path) -> None:
+    lock, source = make_wheel_corpus(tmp_path)
+    with zipfile.ZipFile(source / "json-1.0-py3-none-any.whl", "a") as archive:
+        archive.writestr("json/extra.py", "x = 1\n")
+    with pytest.raises(CorpusError, match="sha256 differs from the lock"):
+        Corpus.from_lock(tmp_path / "cache", lock, log=lambda m: None)
+    assert not list((tmp_path / "cache").glob("json-*"))  # nothing half-kept
+    missing = json.loads(lock.read_text())
+    missing["wheels"][0]["url"] = (tmp_path / "gone.whl").as_uri()
+    lock.write_text(json.dumps(missing))
+    with pytest.raises(CorpusError, match="cannot download"):
+        fetch(read_lock(lock), tmp_path / "cache2", log=lambda m: None)
+
+
+def test_a_checkpoint_in_parts_resumes_a_loop_to_the_same_weights(tmp_path: Path) -> None:
+    """Stopped at its time budget and resumed, a loop ends where an uninterrupted one does."""
+
+    def run(folder: Path, deadline: float | None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        gen = torch.Generator().manual_seed(1)
+
+        def loss_at(step: int) -> torch.Tensor:
+            x = torch.randn(4, 8, generator=gen)
+            return (model(x) - x).pow(2).mean()
+
+        fit = optimise(model, 12, 1e-2, loss_at, lambda m: None, "t",
+                       validate=lambda: model.weight.abs().sum().item(), validate_every=4,
+                       checkpoint=Checkpoint(folder, "t", part_bytes=700),
+                       checkpoint_every=5, generator=gen, deadline=deadline)
+        return model.state_dict(), fit
+
+    want, want_fit = run(tmp_path / "a", None)
+    with pytest.raises(Interrupted, match="stopped at step 1/12"):
+        run(tmp_path / "b", deadline=0.0)
+    assert len(list((tmp_path / "b").glob("t.ckpt.[0-9]*"))) > 1  # written in parts
+    got, got_fit = run(tmp_path / "b", None)
+    assert got_fit == want_fit
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_block_lengths_are_full_blocks_or_a_last_blocks_length() -> None:
+    from reference_engine.training.recipe import Recipe, draw_block_lengths
+
+    recipe = Recipe()
+    lengths = draw_block_lengths(recipe, 20000, torch.Generator().manual_seed(0))
+    counts = torch.bincount(lengths, minlength=17)
+    assert counts[:2].sum() == 0 and counts[17:].sum() == 0
+    assert set(counts.nonzero().flatten().tolist()) == set(range(2, 17))
+    short = counts.sum() - counts[8] - counts[16] + 2 * counts[3]  # lengths 8, 16 also drawn short
+    assert 0.15 < short.item() / 20000 < 0.25
+    assert abs(counts[8].item() - counts[16].item()) < 0.05 * 20000
+
+
+def smoke(out: Path, lock: Path, cache: Path, *extra: str, seed: int = 0
+          ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train_demo_pair.py"), "--smoke", "--device",
-         "cpu", "--seed", str(seed), "--out", str(out)],
+         "cpu", "--seed", str(seed), "--out", str(out), "--corpus-lock", str(lock),
+         "--corpus-cache", str(cache), *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-def test_smoke_recipe_writes_a_loadable_pair_reproducibly(tmp_path: Path) -> None:
-    first, second = smoke(tmp_path / "a"), smoke(tmp_path / "b")
-    assert first.returncode == 0, first.stderr
+@pytest.fixture(scope="module")
+def wheel_corpus(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("corpus")
+    lock, _ = make_wheel_corpus(folder)
+    return lock, folder / "cache"
+
+
+@pytest.fixture(scope="module")
+def smoke_pair(tmp_path_factory, wheel_corpus) -> Path:
+    out = tmp_path_factory.mktemp("smoke") / "a"
+    run = smoke(out, *wheel_corpus)
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def test_smoke_recipe_writes_a_loadable_pair_reproducibly(tmp_path: Path, wheel_corpus,
+                                                           smoke_pair: Path) -> None:
+    lock, cache = wheel_corpus
+    second = smoke(tmp_path / "b", lock, cache)
     assert second.returncode == 0, second.stderr
     for name in ("target/model.safetensors", "draft/model.safetensors",
                  "target/tokenizer.json", "heldout_prompts.jsonl"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    results = json.loads((tmp_path / "a" / "training.json").read_text())
+        assert (smoke_pair / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    results = json.loads((smoke_pair / "training.json").read_text())
     assert set(results["acceptance"]) == {"2", "4"}
     assert all(row["mismatched_requests"] == 0 for row in results["acceptance"].values())
-    card = (tmp_path / "a" / "MODEL_CARD.md").read_text()
-    assert "| 4 |" in card and "held out when" in card
-    target = load_target(tmp_path / "a" / "target")
-    draft = load_draft(tmp_path / "a" / "draft", target)
+    assert results["corpus"]["heldout_packages"] == ["http"]
+    assert len(results["draft"]["curve"]) == 4 and len(results["target"]["curve"]) == 6
+    card = (smoke_pair / "MODEL_CARD.md").read_text()
+    assert "| 4 |" in card and "http are held out" in card and "| draft step | loss |" in card
+    target = load_target(smoke_pair / "target")
+    draft = load_draft(smoke_pair / "draft", target)
     assert draft.config.block_size == 4 and target.config.is_hybrid
+
+
+def test_a_recipe_run_in_parts_equals_one_run(tmp_path: Path, wheel_corpus,
+                                              smoke_pair: Path) -> None:
+    """--stop-after target, then a --max-minutes 0 stop inside the draft loop, then the
+    same command again: the same files as one uninterrupted run."""
+    lock, cache = wheel_corpus
+    parts = tmp_path / "parts"
+    first = smoke(parts, lock, cache, "--stop-after", "target")
+    assert first.returncode == 0, first.stderr
+    assert (parts / "target" / "model.safetensors").exists() and not (parts / "draft").exists()
+    second = smoke(parts, lock, cache, "--max-minutes", "0")
+    assert second.returncode == 3, second.stderr
+    assert "stopped at step 1/4" in second.stdout and "resume" in second.stdout
+    third = smoke(parts, lock, cache)
+    assert third.returncode == 0, third.stderr
+    assert "draft: resumed at step 1/4" in third.stdout and "target step" not in third.stdout
+    for name in ("target/model.safetensors", "draft/model.safetensors", "heldout_prompts.jsonl"):
+        assert (parts / name).read_bytes() == (smoke_pair / name).read_bytes(), name
+    assert not list((parts / "work").glob("*.ckpt.*"))  # finished stages leave no checkpoint
 
 
 def test_recipe_rejects_bad_settings(tmp_path: Path) -> None:
@@ -201,10 +342,8 @@ def test_recipe_rejects_bad_settings(tmp_path: Path) -> None:
 
 
 def test_a_corpus_too_small_to_split_is_one_error_line_with_code_2(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train_demo_pair.py"), "--smoke",
-         "--max-files", "2", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    lock, _ = make_wheel_corpus(tmp_path, packages=("json",), heldout=("json",))
+    run = smoke(tmp_path / "out", lock, tmp_path / "cache")
     assert run.returncode == 2
     assert run.stderr.startswith("error: ") and "too few Python files" in run.stderr
     assert "Traceback" not in run.stderr

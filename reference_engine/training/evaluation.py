@@ -64,16 +64,24 @@ def mean_tail(losses: list[float], n: int = 50) -> float:
     return sum(losses[-n:]) / len(losses[-n:])
 
 
+def curve_rows(curve: list) -> str:
+    return "\n".join(f"| {step} | {loss:.3f} |" for step, loss in curve)
+
+
 def model_card(r: dict) -> str:
     rec, corpus, acc = r["recipe"], r["corpus"], r["acceptance"]
     rows = "\n".join(
         f"| {B} | {a['mean_acceptance_length']:.2f} | {a['acceptance_rate']:.3f} | "
         f"{a['mismatched_requests']} |" for B, a in acc.items())
+    seconds = r["seconds"]
+    total = sum(seconds.values())
     return f"""# Demo pair: a small Qwen3.5 hybrid target and its DFlash draft
 
 Trained by `scripts/train_demo_pair.py` (seed {rec['seed']}) on {r['device']}, Python
-{r['python']}, torch {r['torch']}, in {r['total_seconds']:.0f} s. Both are stored in bfloat16,
-in the Hugging Face layout the engine loads (`target/`, `draft/`).
+{r['python']}, torch {r['torch']}: target {seconds['target']:.0f} s, the target's
+continuations {seconds['continuations']:.0f} s, draft {seconds['draft']:.0f} s, evaluation
+{seconds['eval']:.0f} s ({total / 60:.1f} minutes). Both are stored in bfloat16, in the
+Hugging Face layout the engine loads (`target/`, `draft/`).
 
 ## Target (`target/`)
 
@@ -81,8 +89,8 @@ in the Hugging Face layout the engine loads (`target/`, `draft/`).
   pattern Gated DeltaNet, Gated DeltaNet, gated attention; hidden size {rec['hidden_size']},
   MLP {3 * rec['hidden_size']}, tied embeddings; {r['parameters']['target']:,} parameters.
 - Tokenizer: byte-level BPE, {rec['vocab_size']} tokens including `<|endoftext|>`,
-  `<|im_start|>`, `<|im_end|>` and the draft's `<|mask|>`, trained on the first
-  {rec['tokenizer_chars']:,} characters of the train files.
+  `<|im_start|>`, `<|im_end|>` and the draft's `<|mask|>`, trained on about
+  {rec['tokenizer_chars']:,} characters of train files taken at an even stride.
 - Trained as a causal LM for {rec['target_steps']} steps of {rec['target_batch']} windows of
   {rec['seq_len']} tokens (AdamW, peak lr {rec['target_lr']}, cosine), keeping the weights with
   the lowest held-out loss (checked every {rec['validate_every']} steps): step
@@ -95,31 +103,53 @@ in the Hugging Face layout the engine loads (`target/`, `draft/`).
   {rec['block_size']}, context from target layers {rec['target_layer_ids']};
   {r['parameters']['draft_own']:,} parameters of its own (it borrows the target's embeddings
   and lm_head).
-- Trained against the frozen target for {rec['draft_steps']} steps of {rec['draft_batch']}
-  sequences x {rec['anchors_per_seq']} blocks, block lengths drawn from
-  {rec['train_block_sizes']}. Sequences: {rec['continuations']} prompts of
-  {rec['prompt_len']} train tokens continued by the target's own greedy decoding; each block
-  starts at a random generated position, slot j learns the target's greedy token for
-  position anchor + j (loss weight exp(-(j-1)/{rec['position_decay']})). Final loss
+- Trained against the frozen target as shipped (bfloat16 weights) for {rec['draft_steps']}
+  steps of {rec['draft_batch']} sequences x {rec['anchors_per_seq']} blocks. Block lengths as
+  the engine drafts them: a full block of {rec['train_block_sizes']}, or for
+  {rec['short_block_share']:.0%} of blocks any length from 2 to {rec['block_size']} (a
+  request's last block). Sequences: {rec['continuations']:,} prompts of {rec['prompt_len']}
+  train tokens continued by the target's own greedy decoding to {rec['seq_len']} tokens;
+  each block starts at a random generated position, slot j learns the target's greedy token
+  for position anchor + j (loss weight exp(-(j-1)/{rec['position_decay']})). Final loss
   {r['draft']['final_loss']:.3f}.
+
+Loss curves (mean over the steps since the row above):
+
+| target step | loss |
+|---|---|
+{curve_rows(r['target']['curve'])}
+
+| draft step | loss |
+|---|---|
+{curve_rows(r['draft']['curve'])}
 
 ## Data
 
-The `.py` files of the Python {r['python']} standard library ({corpus['root']}): a file is
-held out when `crc32(relative path) % 10 == 0`. {corpus['train_files']} train files
-({corpus['train_tokens']:,} tokens), {corpus['heldout_files']} held-out files
-({corpus['heldout_tokens']:,} tokens).
+The `.py` files of {corpus['wheels']} pure-Python wheels from PyPI pinned by version and
+sha256 in `reference_engine/training/corpus.lock.json` (sha256 of the lock
+`{corpus['lock_sha256'][:16]}...`), vendored copies of other packages left out. Split by
+package: {', '.join(corpus['heldout_packages'])} are held out.
+{corpus['train_files']:,} train files ({corpus['train_tokens']:,} tokens),
+{corpus['heldout_files']:,} held-out files ({corpus['heldout_tokens']:,} tokens).
 
 ## Measured acceptance (held-out, greedy)
 
-{r['eval']['prompts']} prompts of {rec['prompt_len']} tokens from held-out files
+{r['eval']['prompts']} prompts of {rec['prompt_len']} tokens, one per held-out file
 (`{PROMPTS_FILE}`), {r['eval']['max_tokens']} output tokens each, {r['eval']['dtype']}, the
-shipped bfloat16 weights loaded back through the engine's loader. Mean acceptance length
-counts committed tokens per step, bonus included.
+shipped bfloat16 weights loaded back through the engine's loader, all prompts in one
+continuous batch, per_token commit. Mean acceptance length counts committed tokens per
+step, bonus included.
 
 | block size | mean acceptance length | acceptance rate | requests differing from plain |
 |---|---|---|---|
 {rows}
+
+## Rebuilding it
+
+    python scripts/train_demo_pair.py --fetch-only --corpus-cache results/corpus   # needs PyPI
+    python scripts/train_demo_pair.py --corpus-cache results/corpus --out results/demo-pair
+
+The second command needs no network once the cache is filled (copy it to a machine without
+internet). It resumes: run it again after an interruption or a `--max-minutes` stop, or
+run it in parts with `--stop-after target`.
 """
-
-

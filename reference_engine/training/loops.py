@@ -13,9 +13,12 @@ target's own greedy decoding, which is what a draft sees when it serves.
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -71,12 +74,59 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class Interrupted(Exception):
+    """Training stopped at its time budget after writing a checkpoint; the same command
+    resumes it."""
+
+
+class Checkpoint:
+    """A training loop's state (model, optimizer, step, losses, best weights, the batch
+    generator) in `folder/name.ckpt.<i>` parts of at most `part_bytes` each, the index
+    `name.ckpt.json` written last, so a half-written checkpoint is never read."""
+
+    def __init__(self, folder: Path, name: str, part_bytes: int = 15 << 20) -> None:
+        self.folder, self.name, self.part_bytes = Path(folder), name, part_bytes
+        self.index = self.folder / f"{name}.ckpt.json"
+
+    def save(self, state: dict) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.index.unlink(missing_ok=True)
+        parts = max(1, -(-len(data) // self.part_bytes))
+        for i in range(parts):
+            (self.folder / f"{self.name}.ckpt.{i}").write_bytes(
+                data[i * self.part_bytes : (i + 1) * self.part_bytes])
+        self.index.write_text(json.dumps({"parts": parts, "bytes": len(data),
+                                          "step": state["step"]}) + "\n")
+
+    def load(self) -> dict | None:
+        if not self.index.exists():
+            return None
+        parts = json.loads(self.index.read_text())["parts"]
+        data = b"".join((self.folder / f"{self.name}.ckpt.{i}").read_bytes()
+                        for i in range(parts))
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+    def remove(self) -> None:
+        self.index.unlink(missing_ok=True)
+        for part in self.folder.glob(f"{self.name}.ckpt.*"):
+            part.unlink()
+
+
 def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[int], torch.Tensor],
              log: Callable[[str], None], what: str, log_every: int = 50,
-             validate: Callable[[], float] | None = None, validate_every: int = 100) -> dict:
+             validate: Callable[[], float] | None = None, validate_every: int = 100,
+             checkpoint: Checkpoint | None = None, checkpoint_every: int = 500,
+             generator: torch.Generator | None = None, deadline: float | None = None) -> dict:
     """AdamW with warm-up and cosine decay, gradient clipping at 1. `loss_at(step)` builds
     the batch and returns its loss. With `validate` (lower is better), the weights at the
-    best validation point are kept. Returns {"losses", "best_step", "best_score"}."""
+    best validation point are kept. With `checkpoint`, the loop resumes from it when one
+    is there, saves one every `checkpoint_every` steps and, past `deadline`
+    (time.perf_counter()), saves one and raises `Interrupted`; `generator` (the batch
+    sampler's) is saved and restored with it, so a resumed run draws the same batches.
+    Returns {"losses", "best_step", "best_score"}."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
@@ -86,9 +136,33 @@ def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[i
     losses: list[float] = []
     best = {"best_step": steps, "best_score": None}
     best_state = None
+    first = 0
+    saved = checkpoint.load() if checkpoint is not None else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        first, losses, best, best_state = (saved["step"], saved["losses"], saved["best"],
+                                           saved["best_state"])
+        if generator is not None:
+            generator.set_state(saved["generator"])
+        log(f"{what}: resumed at step {first}/{steps}")
+
+    def save(step: int) -> None:
+        checkpoint.save({"step": step, "model": model.state_dict(),
+                         "optimizer": opt.state_dict(), "losses": losses, "best": best,
+                         "best_state": best_state,
+                         "generator": generator.get_state() if generator is not None else None})
+
     start = time.perf_counter()
     warmup = max(1, min(100, steps // 10))
-    for step in range(steps):
+    for step in range(first, steps):
+        if checkpoint is not None and step > first and (
+                step % checkpoint_every == 0 or (deadline is not None
+                                                 and time.perf_counter() > deadline)):
+            save(step)
+            if deadline is not None and time.perf_counter() > deadline:
+                raise Interrupted(f"{what}: stopped at step {step}/{steps} at the time budget; "
+                                  f"checkpoint in {checkpoint.folder}")
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         loss = loss_at(step)
@@ -114,6 +188,19 @@ def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[i
         log(f"{what}: kept the weights of step {best['best_step']} "
             f"(validation {best['best_score']:.3f})")
     return {"losses": losses, **best}
+
+
+def loss_curve(losses: list[float], points: int = 10) -> list[tuple[int, float]]:
+    """(step, mean loss of the steps since the previous point) at `points` even steps."""
+    if not losses:
+        return []
+    ends = sorted({max(1, round(len(losses) * (i + 1) / points)) for i in range(points)})
+    curve, begin = [], 0
+    for end in ends:
+        window = losses[begin:end]
+        curve.append((end, sum(window) / len(window)))
+        begin = end
+    return curve
 
 
 def lm_loss(target: CausalLM, window: torch.Tensor) -> torch.Tensor:

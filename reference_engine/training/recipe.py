@@ -1,10 +1,15 @@
 """The demo-pair recipe: corpus, tokenizer, target, draft, evaluation, model card.
 
-    python scripts/train_demo_pair.py [--out DIR] [--device cuda] [--seed 0] [--smoke]
+    python scripts/train_demo_pair.py [--out DIR] [--corpus-cache DIR] [--device cuda]
+        [--stop-after target|draft] [--max-minutes M] [--seed 0] [--smoke]
 
-Everything follows from the `Recipe` fields and the seed. `--smoke` is a seconds-long run
-with tiny settings (CPU tests); the defaults are the shipped pair (about 5 minutes on one
-H200).
+Everything follows from the `Recipe` fields, the seed and the corpus lock (pinned wheels from
+PyPI, `corpus.lock.json`; `--fetch-only` downloads them). The run is resumable: each stage
+(target, draft) leaves its model folder and `work/<stage>.json` in `--out` and is skipped
+when they are there; a training loop writes a checkpoint to `work/` every
+`checkpoint_every` steps and when `--max-minutes` runs out, and the same command goes on
+from it, drawing the same batches. `--smoke` is a seconds-long run with tiny settings (CPU
+tests); the defaults are the shipped pair (about 15 minutes on one H200).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from ..checkpoint import load_draft, load_target, write_safetensors
 from ..config import DraftConfig, TargetConfig
@@ -28,15 +34,27 @@ from ..errors import exit_with
 from ..models import build_target
 from ..models.dflash import DFlashDraft
 from ..tokenizer import EOS_TOKEN, MASK_TOKEN, save_tokenizer
-from .corpus import Corpus, random_windows, token_stream, train_tokenizer
+from .corpus import (
+    LOCK,
+    Corpus,
+    fetch,
+    random_windows,
+    read_lock,
+    sha256_of,
+    token_stream,
+    train_tokenizer,
+)
 from .evaluation import evaluate, heldout_prompts, mean_tail, model_card
 from .loops import (
+    Checkpoint,
+    Interrupted,
     block_labels,
     block_logits,
     block_loss,
     greedy_continue,
     init_weights,
     lm_loss,
+    loss_curve,
     optimise,
     target_views,
 )
@@ -48,7 +66,7 @@ CARD_FILE = "MODEL_CARD.md"
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 0
-    max_files: int | None = None  # None: the whole standard library
+    max_files: int | None = None  # None: every file of the locked wheels
     vocab_size: int = 4096
     tokenizer_chars: int = 8_000_000
     hidden_size: int = 256
@@ -57,18 +75,22 @@ class Recipe:
     target_layer_ids: tuple[int, ...] = (0, 2, 5)  # low layers help copying, the last predicts
     block_size: int = 16
     seq_len: int = 256
-    target_steps: int = 800
-    validate_every: int = 100  # held-out loss; the best weights are kept
-    target_batch: int = 64
+    target_steps: int = 1500
+    validate_every: int = 150  # held-out loss; the best weights are kept
+    target_batch: int = 128
     target_lr: float = 2e-3
     prompt_len: int = 64
-    continuations: int = 8192
-    draft_steps: int = 3500
-    draft_batch: int = 32  # sequences per step
-    anchors_per_seq: int = 12
-    train_block_sizes: tuple[int, ...] = (4, 8, 16, 16)  # block lengths drawn per block
+    continuations: int = 16384
+    draft_steps: int = 5000
+    draft_batch: int = 48  # sequences per step
+    anchors_per_seq: int = 16
+    # block lengths the engine drafts: a full block of a block size in use, or (a request's
+    # last block, which holds only what is left of its budget) any shorter length
+    train_block_sizes: tuple[int, ...] = (8, 16)
+    short_block_share: float = 0.2  # blocks of a uniform length in [2, block_size]
     draft_lr: float = 3e-3
     position_decay: float = 7.0
+    checkpoint_every: int = 500
     eval_prompts: int = 32
     eval_max_tokens: int = 128
     eval_block_sizes: tuple[int, ...] = (4, 8, 16)
@@ -80,7 +102,8 @@ class Recipe:
                    block_size=4, seq_len=48, target_steps=6, validate_every=3,
                    target_batch=4, prompt_len=16, train_block_sizes=(2, 4),
                    continuations=8, draft_steps=4, draft_batch=4, anchors_per_seq=2,
-                   eval_prompts=2, eval_max_tokens=12, eval_block_sizes=(2, 4))
+                   checkpoint_every=2, eval_prompts=2, eval_max_tokens=12,
+                   eval_block_sizes=(2, 4))
 
     def __post_init__(self) -> None:
         if self.max_files is not None and self.max_files < 2:
@@ -91,6 +114,8 @@ class Recipe:
             raise ValueError(f"target_layer_ids {self.target_layer_ids} outside the target")
         if max(self.eval_block_sizes + self.train_block_sizes) > self.block_size:
             raise ValueError("training and evaluation block sizes cannot exceed block_size")
+        if not 0.0 <= self.short_block_share <= 1.0:
+            raise ValueError(f"short_block_share must be in [0, 1], got {self.short_block_share}")
 
     def target_config(self, eos_id: int) -> dict:
         """config.json of the Qwen3.5 hybrid target (text-only layout)."""
@@ -154,10 +179,34 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def train(recipe: Recipe, out: Path, device: str) -> dict:
+STAGES = ("target", "draft")
+
+
+def generator(seed: int, stage: int) -> torch.Generator:
+    """One generator per stage, so that skipping a finished stage draws the same batches
+    in the next one as an uninterrupted run."""
+    return torch.Generator().manual_seed(seed * 1000 + stage)
+
+
+def draw_block_lengths(recipe: Recipe, count: int, gen: torch.Generator) -> torch.Tensor:
+    """Block lengths as the engine drafts them: a full block of a size in use, or, for a
+    share of blocks, a request's shorter last block."""
+    sizes = torch.tensor(recipe.train_block_sizes)
+    full = sizes[torch.randint(0, len(sizes), (count,), generator=gen)]
+    short = torch.randint(2, recipe.block_size + 1, (count,), generator=gen)
+    return torch.where(torch.rand(count, generator=gen) < recipe.short_block_share, short, full)
+
+
+def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path = LOCK,
+          stop_after: str | None = None, max_minutes: float | None = None) -> dict | None:
+    """Every stage not already finished in `out` (a finished stage leaves its model folder and
+    `work/<stage>.json`; an interrupted one its checkpoint in `work/`). Returns the results,
+    or None when `stop_after` ended it early."""
     t0 = time.perf_counter()
+    deadline = None if max_minutes is None else t0 + 60 * max_minutes
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
-    gen = torch.Generator().manual_seed(recipe.seed)
     if device.startswith("cuda"):
         # reproducible on the GPU too: deterministic kernels where torch has them
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -165,95 +214,128 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    corpus = Corpus.from_stdlib(recipe.max_files)
+    corpus = Corpus.from_lock(corpus_cache, lock, recipe.max_files, log)
     train_texts = corpus.texts(corpus.train)
-    tokenizer = train_tokenizer(train_texts, recipe.vocab_size, recipe.tokenizer_chars)
+    tokenizer_file = work / "tokenizer.json"
+    if tokenizer_file.exists():
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    else:
+        tokenizer = train_tokenizer(train_texts, recipe.vocab_size, recipe.tokenizer_chars)
+        tokenizer.save(str(tokenizer_file))
     stream = token_stream(tokenizer, train_texts)
     heldout_stream = token_stream(tokenizer, corpus.texts(corpus.heldout))
+    del train_texts
     eos_id, mask_id = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(MASK_TOKEN)
-    log(f"corpus {corpus.root}: {len(corpus.train)} train files ({len(stream)} tokens), "
-        f"{len(corpus.heldout)} held-out files ({len(heldout_stream)} tokens); "
+    log(f"corpus {lock.name}: {len(corpus.train)} train files ({len(stream):,} tokens), "
+        f"{len(corpus.heldout)} held-out files ({len(heldout_stream):,} tokens); "
         f"{time.perf_counter() - t0:.0f} s")
+    target_dir, draft_dir = out / "target", out / "draft"
 
     # ---- target: a causal LM on random windows of the train stream
     target_raw = recipe.target_config(eos_id)
-    target = build_target(TargetConfig.from_hf(target_raw))
-    init_weights(target, recipe.target_layers, recipe.seed)
-    target.to(device)
-    t1 = time.perf_counter()
-    probe = random_windows(heldout_stream, 64, recipe.seq_len + 1, gen).to(device)
-    target_fit = optimise(
-        target, recipe.target_steps, recipe.target_lr,
-        lambda step: lm_loss(target, random_windows(stream, recipe.target_batch,
-                                                     recipe.seq_len + 1, gen).to(device)),
-        log, "target", validate=lambda: lm_loss(target, probe).item(),
-        validate_every=recipe.validate_every)
-    target_s = time.perf_counter() - t1
+    if not (work / "target.json").exists():
+        gen = generator(recipe.seed, 1)
+        target = build_target(TargetConfig.from_hf(target_raw))
+        init_weights(target, recipe.target_layers, recipe.seed)
+        target.to(device)
+        t1 = time.perf_counter()
+        probe = random_windows(heldout_stream, 64, recipe.seq_len + 1,
+                               generator(recipe.seed, 0)).to(device)
+        fit = optimise(
+            target, recipe.target_steps, recipe.target_lr,
+            lambda step: lm_loss(target, random_windows(stream, recipe.target_batch,
+                                                         recipe.seq_len + 1, gen).to(device)),
+            log, "target", validate=lambda: lm_loss(target, probe).item(),
+            validate_every=recipe.validate_every, checkpoint=Checkpoint(work, "target"),
+            checkpoint_every=recipe.checkpoint_every, generator=gen, deadline=deadline)
+        # the shipped form (bfloat16) is what the draft trains against and what is served
+        write_safetensors(target_dir, {n: t.to(torch.bfloat16).cpu()
+                                       for n, t in target.state_dict().items()})
+        (target_dir / "config.json").write_text(json.dumps(target_raw, indent=2) + "\n")
+        save_tokenizer(tokenizer, target_dir)
+        summary = {"final_loss": mean_tail(fit["losses"]), "kept_step": fit["best_step"],
+                   "heldout_loss": fit["best_score"], "curve": loss_curve(fit["losses"]),
+                   "seconds": time.perf_counter() - t1,
+                   "parameters": sum(p.numel() for p in target.parameters())}
+        (work / "target.json").write_text(json.dumps(summary, indent=2) + "\n")
+        Checkpoint(work, "target").remove()
+        del target
+    target_summary = json.loads((work / "target.json").read_text())
+    if stop_after == "target":
+        log(f"target done ({target_dir}); stopping as asked")
+        return None
+    target = load_target(target_dir, dtype=torch.float32, device=device)
     target.eval().requires_grad_(False)
 
-    # ---- the target's own greedy continuations of train-stream prompts, and what the
-    # draft learns from them: the target's features and greedy choices at every position
-    t2 = time.perf_counter()
-    new_tokens = recipe.seq_len - recipe.prompt_len
-    chunks = []
-    for begin in range(0, recipe.continuations, 1024):
-        count = min(1024, recipe.continuations - begin)
-        prompts = random_windows(stream, count, recipe.prompt_len, gen).to(device)
-        chunks.append(greedy_continue(target, prompts, new_tokens))
-    sequences = torch.cat(chunks)  # [continuations, seq_len]
-    features, greedy = target_views(target, sequences, recipe.target_layer_ids)
-    log(f"continuations: {len(sequences)} x {new_tokens} tokens, {time.perf_counter() - t2:.0f} s")
-
-    # ---- draft: blocks at anchors inside the continuations, against the frozen target
+    # ---- the draft: blocks at anchors inside the target's own greedy continuations of
+    # train-stream prompts, against the frozen (shipped) target
     draft_raw = recipe.draft_config(mask_id)
-    draft = DFlashDraft(DraftConfig.from_hf(draft_raw))
-    init_weights(draft, recipe.draft_layers, recipe.seed + 1)
-    draft.to(device)
-    t3 = time.perf_counter()
-    block_sizes = torch.tensor(recipe.train_block_sizes)
-    blocks = recipe.draft_batch * recipe.anchors_per_seq
+    if not (work / "draft.json").exists():
+        t2 = time.perf_counter()
+        prompt_gen = generator(recipe.seed, 2)
+        new_tokens = recipe.seq_len - recipe.prompt_len
+        chunks = []
+        for begin in range(0, recipe.continuations, 4096):
+            count = min(4096, recipe.continuations - begin)
+            prompts = random_windows(stream, count, recipe.prompt_len, prompt_gen).to(device)
+            chunks.append(greedy_continue(target, prompts, new_tokens))
+        sequences = torch.cat(chunks)  # [continuations, seq_len]
+        features, greedy = target_views(target, sequences, recipe.target_layer_ids)
+        log(f"continuations: {len(sequences)} x {new_tokens} tokens, "
+            f"{time.perf_counter() - t2:.0f} s")
 
-    def draft_loss(step: int) -> torch.Tensor:
-        rows = torch.randint(0, len(sequences), (recipe.draft_batch,), generator=gen).to(device)
-        # anchors from the first generated token on (the first block an engine drafts)
-        anchors = torch.randint(recipe.prompt_len, recipe.seq_len - recipe.block_size + 1,
-                                (recipe.draft_batch, recipe.anchors_per_seq), generator=gen)
-        lengths = block_sizes[torch.randint(0, len(block_sizes), (blocks,), generator=gen)]
-        anchors, lengths = anchors.to(device), lengths.to(device)
-        logits = block_logits(draft, target, sequences[rows], features[rows], anchors, lengths)
-        labels = block_labels(greedy[rows], anchors, recipe.block_size)
-        return block_loss(logits, labels, lengths, recipe.position_decay)
+        draft = DFlashDraft(DraftConfig.from_hf(draft_raw))
+        init_weights(draft, recipe.draft_layers, recipe.seed + 1)
+        draft.to(device)
+        t3 = time.perf_counter()
+        gen = generator(recipe.seed, 3)
+        blocks = recipe.draft_batch * recipe.anchors_per_seq
 
-    draft_fit = optimise(draft, recipe.draft_steps, recipe.draft_lr, draft_loss, log, "draft")
-    draft_s = time.perf_counter() - t3
+        def draft_loss(step: int) -> torch.Tensor:
+            rows = torch.randint(0, len(sequences), (recipe.draft_batch,), generator=gen)
+            # anchors from the first generated token on (the first block an engine drafts)
+            anchors = torch.randint(recipe.prompt_len, recipe.seq_len - recipe.block_size + 1,
+                                    (recipe.draft_batch, recipe.anchors_per_seq), generator=gen)
+            lengths = draw_block_lengths(recipe, blocks, gen)
+            rows, anchors, lengths = rows.to(device), anchors.to(device), lengths.to(device)
+            logits = block_logits(draft, target, sequences[rows], features[rows], anchors,
+                                  lengths)
+            labels = block_labels(greedy[rows], anchors, recipe.block_size)
+            return block_loss(logits, labels, lengths, recipe.position_decay)
 
-    # ---- write both in the real on-disk formats (bfloat16), then evaluate what was written
-    target_dir, draft_dir = out / "target", out / "draft"
-    write_safetensors(target_dir, {n: t.to(torch.bfloat16).cpu()
-                                   for n, t in target.state_dict().items()})
-    (target_dir / "config.json").write_text(json.dumps(target_raw, indent=2) + "\n")
-    save_tokenizer(tokenizer, target_dir)
-    write_safetensors(draft_dir, {n: t.to(torch.bfloat16).cpu()
-                                  for n, t in draft.state_dict().items()})
-    (draft_dir / "config.json").write_text(json.dumps(draft_raw, indent=2) + "\n")
+        fit = optimise(draft, recipe.draft_steps, recipe.draft_lr, draft_loss, log, "draft",
+                       checkpoint=Checkpoint(work, "draft"),
+                       checkpoint_every=recipe.checkpoint_every, generator=gen,
+                       deadline=deadline)
+        write_safetensors(draft_dir, {n: t.to(torch.bfloat16).cpu()
+                                      for n, t in draft.state_dict().items()})
+        (draft_dir / "config.json").write_text(json.dumps(draft_raw, indent=2) + "\n")
+        summary = {"final_loss": mean_tail(fit["losses"]), "curve": loss_curve(fit["losses"]),
+                   "seconds": time.perf_counter() - t3,
+                   "continuation_seconds": t3 - t2,
+                   "parameters": sum(p.numel() for p in draft.parameters())}
+        (work / "draft.json").write_text(json.dumps(summary, indent=2) + "\n")
+        Checkpoint(work, "draft").remove()
+        del sequences, features, greedy, draft
+    draft_summary = json.loads((work / "draft.json").read_text())
+    if stop_after == "draft":
+        log(f"draft done ({draft_dir}); stopping as asked")
+        return None
+
+    # ---- evaluate what was written, as the engine loads it
     prompts = heldout_prompts(corpus, tokenizer, recipe)
     with open(out / DEMO_PROMPTS.name, "w") as f:
         for row in prompts:
             f.write(json.dumps(row) + "\n")
-
     t4 = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False  # evaluate in true float32
     torch.backends.cudnn.allow_tf32 = False
-    loaded = load_target(target_dir, dtype=torch.float32, device=device)
-    acceptance = evaluate(loaded, load_draft(draft_dir, loaded),
+    acceptance = evaluate(target, load_draft(draft_dir, target),
                           [p["prompt_ids"] for p in prompts], recipe.eval_block_sizes,
                           recipe.eval_max_tokens)
     for B, row in acceptance.items():
         log(f"held-out acceptance, B={B}: mean length {row['mean_acceptance_length']:.2f}, "
             f"{row['mismatched_requests']} of {len(prompts)} requests differ from plain")
-
-    def params(model) -> int:
-        return sum(p.numel() for p in model.parameters())
 
     results = {
         "recipe": dataclasses.asdict(recipe),
@@ -261,38 +343,53 @@ def train(recipe: Recipe, out: Path, device: str) -> dict:
                    else f"a CPU ({platform.machine()})"),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "corpus": {"root": str(corpus.root), "train_files": len(corpus.train),
+        "corpus": {"lock": lock.name, "lock_sha256": sha256_of(lock),
+                   "wheels": len(read_lock(lock)), "train_files": len(corpus.train),
                    "heldout_files": len(corpus.heldout), "train_tokens": len(stream),
-                   "heldout_tokens": len(heldout_stream)},
-        "parameters": {"target": params(target),
-                       "draft_own": params(draft)},
-        "target": {"final_loss": mean_tail(target_fit["losses"]),
-                   "kept_step": target_fit["best_step"],
-                   "heldout_loss": target_fit["best_score"], "seconds": target_s},
-        "draft": {"final_loss": mean_tail(draft_fit["losses"]), "seconds": draft_s},
+                   "heldout_tokens": len(heldout_stream),
+                   "heldout_packages": sorted(w.name for w in read_lock(lock) if w.heldout)},
+        "parameters": {"target": target_summary.pop("parameters"),
+                       "draft_own": draft_summary.pop("parameters")},
+        "target": target_summary,
+        "draft": draft_summary,
         "acceptance": {str(B): row for B, row in acceptance.items()},
         "eval": {"prompts": len(prompts), "max_tokens": recipe.eval_max_tokens,
                  "dtype": "float32", "seconds": time.perf_counter() - t4},
-        "total_seconds": time.perf_counter() - t0,
+        "seconds": {"target": target_summary["seconds"],
+                    "continuations": draft_summary["continuation_seconds"],
+                    "draft": draft_summary["seconds"]},
     }
+    results["seconds"]["eval"] = results["eval"]["seconds"]
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
     (out / CARD_FILE).write_text(model_card(results))
-    log(f"wrote {out} in {results['total_seconds']:.0f} s")
+    log(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
     return results
 
 
-def parse(argv: list[str] | None) -> tuple[Recipe, Path, str]:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python scripts/train_demo_pair.py",
                                 description="Train the demo target + DFlash draft pair.")
     p.add_argument("--out", type=Path, default=Path("results/demo-pair"),
-                   help=f"output folder (default results/demo-pair; the shipped pair is {DEMO_DIR})")
+                   help=f"output folder (default results/demo-pair; the shipped pair is {DEMO_DIR}); "
+                        "finished stages and checkpoints in it are resumed")
+    p.add_argument("--corpus-cache", type=Path, default=Path("results/corpus"),
+                   help="folder of the locked wheels (fetched when missing; default results/corpus)")
+    p.add_argument("--corpus-lock", type=Path, default=LOCK,
+                   help="the corpus lock (default: the one shipped beside the recipe)")
+    p.add_argument("--fetch-only", action="store_true",
+                   help="download and check the corpus wheels, then stop")
+    p.add_argument("--stop-after", choices=STAGES, default=None,
+                   help="stop once this stage is finished (run again to go on)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="write a checkpoint and stop (exit 3) once a training loop passes this "
+                        "many minutes; the same command resumes")
     p.add_argument("--max-files", type=int, default=None,
-                   help="use only the first N stdlib files in path order (default: all)")
+                   help="use only the first N train files (default: all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny settings, seconds on a CPU")
     scalar = {"int": int, "float": float}
     for field in dataclasses.fields(Recipe):
-        if field.type in scalar:
+        if field.type in scalar and field.name != "max_files":
             p.add_argument("--" + field.name.replace("_", "-"), type=scalar[field.type],
                            default=None, help=f"default {field.default}")
     ns = p.parse_args(argv)
@@ -300,16 +397,24 @@ def parse(argv: list[str] | None) -> tuple[Recipe, Path, str]:
     overrides = {f.name: getattr(ns, f.name) for f in dataclasses.fields(Recipe)
                  if getattr(ns, f.name, None) is not None}
     try:
-        recipe = dataclasses.replace(base, **overrides)
+        ns.recipe = dataclasses.replace(base, **overrides)
     except ValueError as exc:
         p.error(str(exc))
-    return recipe, ns.out, ns.device
+    return ns
 
 
 def main(argv: list[str] | None = None) -> int:
-    recipe, out, device = parse(argv)
+    ns = parse(argv)
     try:
-        train(recipe, out, device)
+        if ns.fetch_only:
+            fetch(read_lock(ns.corpus_lock), ns.corpus_cache, log)
+            log(f"corpus: {ns.corpus_cache} holds every wheel of {ns.corpus_lock}")
+            return 0
+        train(ns.recipe, ns.out, ns.device, ns.corpus_cache, ns.corpus_lock, ns.stop_after,
+              ns.max_minutes)
+    except Interrupted as exc:
+        log(f"{exc}; run the same command again to resume")
+        return 3
     except (ValueError, OSError) as exc:  # ReferenceEngineError is a ValueError
         return exit_with(exc)
     return 0

@@ -22,9 +22,9 @@ from .faults import planted
 
 MAX_TOKENS = 128
 # Measured with this file's settings (all 32 held-out prompts x 128 tokens, float32, CPU):
-# 2.426 at B=8 and 2.502 at B=16, the figures of the model card (training.json), which were
-# measured on an H200 in float32; each floor sits 0.12-0.15 under its measurement.
-ACCEPTANCE_FLOOR = {8: 2.30, 16: 2.35}
+# 3.642 at B=8 and 4.190 at B=16, the figures of the model card (training.json), which were
+# measured on an H200 in float32; each floor sits 0.12-0.14 under its measurement.
+ACCEPTANCE_FLOOR = {8: 3.52, 16: 4.05}
 FEW = 8  # prompts for the fault that breaks the output (any one divergence shows)
 
 

@@ -66,3 +66,57 @@ def test_shapes_without_a_graph_run_eagerly() -> None:
     assert g.decode(ids[:, :1], ids[:, :1], torch.tensor([0, 1])) is None  # none captured
     big = torch.zeros(9, 3, dtype=torch.int64)  # more rows than the largest bucket
     assert g.verify(big, big, torch.zeros(9, dtype=torch.int64), torch.ones(9)) is None
+
+
+class Counting:
+    """Stands in for a captured commit: counts replays and keeps what it was given."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.inputs, self.replays, self.seen = inputs, 0, []
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.seen.append(self.inputs["processed"].tolist())
+
+
+def with_commit(g: EngineGraphs, bucket: int) -> Counting:
+    inputs = {**g.verify_graphs[bucket].inputs,
+              "processed": torch.zeros(bucket, dtype=torch.int64)}
+    counting = Counting(inputs)
+    g.commit_graphs = {bucket: _Graph(counting, inputs, {})}
+    g.verified_bucket = None
+    return counting
+
+
+def test_the_commit_replays_only_after_its_buckets_verify_replayed() -> None:
+    g = graphs_with(bucket=4, width=3)
+    commit = with_commit(g, 4)
+    ids = torch.ones(3, 3, dtype=torch.int64)
+    assert not g.commit(torch.tensor([1, 2, 3]))  # no verify yet
+    g.verify(ids, ids, torch.tensor([0, 1, 2]), torch.tensor([3, 3, 3]))
+    assert g.commit(torch.tensor([1, 2, 3]))
+    assert commit.seen == [[1, 2, 3, 1]]  # the padding row keeps its anchor only
+    assert not g.commit(torch.tensor([1, 2, 3]))  # once per verify
+    short = torch.ones(3, 2, dtype=torch.int64)  # an eager verify (no graph of this width)
+    assert g.verify(short, short, torch.tensor([0, 1, 2]), torch.tensor([2, 2, 2])) is None
+    assert not g.commit(torch.tensor([1, 1, 1])) and commit.replays == 1
+
+
+def test_a_replaced_commit_phase_runs_eagerly() -> None:
+    """A planted fault replaces a phase method after the capture: the step must run it, so
+    the captured commit (the reference methods) is not replayed."""
+    from gates.faults import planted
+    from reference_engine.runtime.speculate import SpeculativeStep
+
+    g = graphs_with(bucket=4, width=3)
+    commit = with_commit(g, 4)
+    step = SpeculativeStep.__new__(SpeculativeStep)
+    step.graphs = g
+    ids = torch.ones(2, 3, dtype=torch.int64)
+    for fault, replays in ((None, 1), ("feature_off_by_one", 1), ("skip_state_rollback", 1),
+                           ("skip_length_rollback", 2)):
+        with planted(fault):
+            g.verify(ids, ids, torch.tensor([0, 1]), torch.tensor([3, 3]))
+            step.commit_replayed(torch.tensor([2, 3]))
+        assert commit.replays == replays, fault  # processed is computed before the commit
+        assert g.verified_bucket is None

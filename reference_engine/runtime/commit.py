@@ -55,7 +55,7 @@ def commit_hybrid(
     strategy: str,
     model: CausalLM,
     state: TargetState,
-    slot_ids: list[int],
+    slot_ids: list[int] | torch.Tensor,  # a device tensor keeps it free of host work
     block_tokens: torch.Tensor,  # [batch, T] the verified block
     positions: torch.Tensor,  # [batch, T]
     processed: torch.Tensor,  # [batch] tokens of the block to keep (accepted + anchor)
@@ -66,9 +66,10 @@ def commit_hybrid(
     tokens of the block. Host-side lengths are the caller's to update."""
     if not model.config.is_hybrid:
         return
-    slots = torch.tensor(slot_ids, device=block_tokens.device)
+    slots = (slot_ids if isinstance(slot_ids, torch.Tensor)
+             else torch.tensor(slot_ids, device=block_tokens.device))
     if strategy == "replay":
-        state.restore_rows(slot_ids)
+        state.restore_rows(slots)
         model(block_tokens, positions, slots, state, kv_len, valid_len=processed, ops=ops)
         return
     T = block_tokens.shape[1]

@@ -175,6 +175,8 @@ class Engine:
                             config.commit_strategy, self.timer, self.ops, self.graphs)
             if draft is not None else None
         )
+        if self.speculative_step is not None:
+            self.speculative_step.capture_commit()
         self.finished_requests = 0
         # called as observer(seq, state, length) after each speculative commit
         # (the state-equality gates); None in normal use

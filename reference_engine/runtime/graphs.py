@@ -1,5 +1,9 @@
-"""CUDA graphs for the engine's fixed-shape forwards: the plain decode step, and the draft and
-verify forwards of a speculative step, one graph per batch bucket (and block size).
+"""CUDA graphs for the engine's fixed-shape work: the plain decode step, and the draft forward,
+the verify forward and the commit of a speculative step, one graph per batch bucket (and
+block size). The commit graph (commit strategy, the draft's new context) reads the verify
+graph's static buffers and replays only right after that verify replayed; it is captured
+from the reference phase methods of `SpeculativeStep`, and a step whose methods were
+replaced (a planted fault) commits eagerly.
 
 A step of the launch-bound engine is hundreds of small kernels; replaying them as one graph
 removes the launch gaps. Each graph reads its inputs from static buffers (token ids,
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +74,10 @@ class EngineGraphs:
         self.decode_graphs: dict[int, _Graph] = {}
         self.draft_graphs: dict[int, _Graph] = {}
         self.verify_graphs: dict[int, _Graph] = {}
+        # the commit of a speculative step, per bucket: it reads the verify graph's static
+        # inputs and outputs, so it replays only after that bucket's verify replayed
+        self.commit_graphs: dict[int, _Graph] = {}
+        self.verified_bucket: int | None = None  # the bucket of this step's replayed verify
 
     # ------------------------------------------------------------------ capture
     def capture(self, progress: bool = True) -> None:
@@ -86,8 +95,22 @@ class EngineGraphs:
                   f"{', '.join(map(str, self.buckets))} in {time.perf_counter() - start:.1f} s",
                   file=sys.stderr, flush=True)
 
-    def _capture(self, rows: int, width: int, body) -> _Graph:
-        inputs = {
+    def capture_commit(self, body: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Capture `body` per bucket, after the verify graphs: it gets the verify graph's
+        static inputs (ids, positions, slots, valid) and outputs (logits, features, tokens)
+        and its own input `processed` [rows] (block tokens each row keeps)."""
+        start = time.perf_counter()
+        for b in sorted(self.buckets, reverse=True):
+            verify = self.verify_graphs[b]
+            processed = torch.ones((b,), dtype=torch.int64, device=self.device)
+            self.commit_graphs[b] = self._capture(
+                b, self.block_size, lambda x: body({**x, **verify.outputs}) or {},
+                inputs={**verify.inputs, "processed": processed})
+        print(f"captured CUDA graphs (commit) in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
+
+    def _capture(self, rows: int, width: int, body, inputs=None) -> _Graph:
+        inputs = inputs or {
             "ids": torch.zeros((rows, width), dtype=torch.int64, device=self.device),
             "positions": torch.arange(width, device=self.device)[None].repeat(rows, 1),
             "slots": torch.full((rows,), self.pad_slot, dtype=torch.int64, device=self.device),
@@ -162,4 +185,19 @@ class EngineGraphs:
     def verify(self, ids, positions, slots, valid) -> dict[str, torch.Tensor] | None:
         """The verify forward over full blocks [b, B]: logits [b, B, vocab], features, greedy
         target tokens [b, B], or None."""
-        return self._replay(self.verify_graphs, ids, positions, slots, valid)
+        out = self._replay(self.verify_graphs, ids, positions, slots, valid)
+        self.verified_bucket = None if out is None else self._bucket(ids.shape[0])
+        return out
+
+    def commit(self, processed: torch.Tensor) -> bool:
+        """Replay the commit of this step's verify (its bucket, rows and outputs), with
+        `processed` [b]; False when the verify ran eagerly or no commit was captured."""
+        bucket, self.verified_bucket = self.verified_bucket, None
+        if bucket is None or bucket not in self.commit_graphs:
+            return False
+        g = self.commit_graphs[bucket]
+        rows = processed.shape[0]
+        g.inputs["processed"][:rows].copy_(processed)
+        g.inputs["processed"][rows:].fill_(1)  # padding rows keep their anchor, on the spare slot
+        g.graph.replay()
+        return True

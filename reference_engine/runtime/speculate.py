@@ -100,11 +100,12 @@ class SpeculativeStep:
             acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
             drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
         with self.timer.phase("commit"):
-            self.commit_state(rows.slot_ids, rows, block, processed)
-            width = max(kept)
-            features = self.context_features(out.features, width, rows.n_t)
-            self.draft.append_context(features, rows.positions[:, :width], rows.slots,
-                                      self.draft_state, self.ops)
+            if not self.commit_replayed(processed):
+                self.commit_state(rows.slot_ids, rows, block, processed)
+                width = max(kept)
+                features = self.context_features(out.features, width, rows.n_t)
+                self.draft.append_context(features, rows.positions[:, :width], rows.slots,
+                                          self.draft_state, self.ops)
             for i, slot in enumerate(rows.slot_ids):
                 self.state.lengths[slot] = rows.starts[i] + kept[i]
                 self.draft_state.lengths[slot] = rows.starts[i] + kept[i]
@@ -238,3 +239,40 @@ class SpeculativeStep:
         """The verify's features of the committed positions ([b, width, n * hidden]), the
         draft's next context; rows that kept fewer overwrite the extra rows next step."""
         return features[:, :width]
+
+    # ------------------------------------------------------------------ commit, captured
+    def capture_commit(self) -> None:
+        """Capture the commit (state to the accepted boundary, the draft's new context) per
+        batch bucket, from the reference phase methods. It writes the draft context of all
+        B block positions: the rows past what a row kept are the next block's positions,
+        which that block overwrites before anything reads them (as rows that keep fewer
+        than the longest do in the eager commit)."""
+        if self.graphs is None:
+            return
+        B = self.block_size
+
+        def body(x: dict[str, torch.Tensor]) -> None:
+            rows = Rows([], [], x["slots"], [], [], x["valid"] - 1, x["positions"], 1)
+            REFERENCE_PHASES["commit_state"](self, x["slots"], rows, x["ids"], x["processed"])
+            features = REFERENCE_PHASES["context_features"](self, x["features"], B, rows.n_t)
+            self.draft.append_context(features, x["positions"][:, :B], x["slots"],
+                                      self.draft_state, self.ops)
+
+        self.graphs.capture_commit(body)
+
+    def commit_replayed(self, processed: torch.Tensor) -> bool:
+        """The captured commit, when this step's verify replayed its graph and the commit's
+        phase methods are still the reference ones (a replaced one, e.g. a planted fault,
+        runs eagerly)."""
+        if self.graphs is None:
+            return False
+        if any(getattr(type(self), name) is not method
+               for name, method in REFERENCE_PHASES.items()):
+            self.graphs.verified_bucket = None
+            return False
+        return self.graphs.commit(processed)
+
+
+# the phase methods the captured commit runs, as defined above
+REFERENCE_PHASES = {name: getattr(SpeculativeStep, name)
+                    for name in ("commit_state", "context_features")}

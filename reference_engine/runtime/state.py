@@ -170,9 +170,10 @@ class TargetState:
         """Copy the saved Gated DeltaNet state back into the live one (lengths untouched)."""
         self.restore_rows([slot])
 
-    def restore_rows(self, slots: list[int]) -> None:
-        """`restore_saved` for several slots at once."""
-        rows = torch.tensor(slots, device=self.device)
+    def restore_rows(self, slots: list[int] | torch.Tensor) -> None:
+        """`restore_saved` for several slots at once (a host list, or a device tensor, which
+        a CUDA graph can capture)."""
+        rows = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
         for live, saved in zip(
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):

@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 DEMO ?= reference_engine/assets/demo
 BENCH_OUT ?= results/bench-$(shell date +%Y%m%d-%H%M%S)
 BENCH_BLOCK ?= 8
-BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 64 --repeats 3 --dataset $(DEMO)/heldout_prompts.jsonl
+BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 128 --repeats 3 --dataset $(DEMO)/heldout_prompts.jsonl
 # set to force a mean acceptance length with the oracle proposer (cost only, output unchecked)
 BENCH_ACCEPTANCE ?=
 # cuda when torch sees a GPU, else cpu (worked out only when a target uses it)

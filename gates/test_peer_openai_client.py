@@ -4,8 +4,9 @@ classes. Both our plain and our DFlash server, on the shipped demo pair (float32
 
 from __future__ import annotations
 
-import openai
 import pytest
+
+openai = pytest.importorskip("openai", reason="the official OpenAI client (a dev extra) is not installed")
 
 from reference_engine.demo import demo_prompts
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-openai = pytest.importorskip("openai", reason="the official OpenAI client (a dev extra) is not installed")
+openai = pytest.importorskip("openai", reason="the OpenAI client (a dev extra) is missing")
 
-from reference_engine.demo import demo_prompts
+from reference_engine.demo import demo_prompts  # noqa: E402
 
 MAX_TOKENS = 24
 PROMPTS = [row["prompt"] for row in demo_prompts()[:3]]

@@ -24,11 +24,11 @@ from reference_engine.runtime.decode import generate_plain, new_state, prefill
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.training.corpus import Corpus, CorpusError, fetch, read_lock
 from reference_engine.training.loops import (
+    Checkpoint,
+    Interrupted,
     block_labels,
     block_logits,
     block_loss,
-    Checkpoint,
-    Interrupted,
     greedy_continue,
     optimise,
     sequence_forward,

@@ -104,7 +104,7 @@ class EngineGraphs:
             verify = self.verify_graphs[b]
             processed = torch.ones((b,), dtype=torch.int64, device=self.device)
             self.commit_graphs[b] = self._capture(
-                b, self.block_size, lambda x: body({**x, **verify.outputs}) or {},
+                b, self.block_size, lambda x, out=verify.outputs: body({**x, **out}) or {},
                 inputs={**verify.inputs, "processed": processed})
         print(f"captured CUDA graphs (commit) in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)

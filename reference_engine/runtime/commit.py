@@ -79,7 +79,7 @@ def commit_hybrid(
         state.conv[layer][slots] = conv_state_after(full, kernel, processed)
         if strategy == "per_token":
             rows = torch.arange(slots.shape[0], device=slots.device)
-            final = state.verify_states[layer][slots][rows, processed - 1]
+            final = state.verify_states_of(layer, len(slot_ids), T)[rows, processed - 1]
         else:
             _, final = ops.gated_delta(
                 state.verify_q[layer][slots, :T],

@@ -18,8 +18,17 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N]."""
-    return F.linear(x, weight, bias)
+    """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N].
+
+    On the CPU the product is taken as (weight @ x^T)^T: MKL's GEMM with the weight as the
+    transposed right operand takes up to twice as long when x has few rows (a decode step,
+    a verify block: 85 against 50 us for 8 x 256 @ 256 x 768 on a 2-core EPYC), and the
+    transposed result is small."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).T  # [K, M]
+    out = torch.mm(weight, rows) if bias is None else torch.addmm(bias[:, None], weight, rows)
+    return out.T.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:

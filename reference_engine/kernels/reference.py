@@ -32,13 +32,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w, or * (1 + w) when `offset` (Qwen3.5), over the last axis."""
+    """x * rsqrt(mean(x^2) + eps) * w, or * (1 + w) when `offset` (Qwen3.5), over the last axis
+    (F.rms_norm runs these very operations in one call)."""
     acc = accumulation_dtype(x.dtype)
-    xf = x.to(acc)
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
-        return (normed * (1.0 + weight.to(acc))).to(x.dtype)
-    return weight * normed.to(x.dtype)
+        return F.rms_norm(x.to(acc), x.shape[-1:], 1.0 + weight.to(acc), eps).to(x.dtype)
+    return weight * F.rms_norm(x.to(acc), x.shape[-1:], None, eps).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,8 +94,8 @@ def attention(
     block), every row up to the last real token of its row; a sliding window also hides rows
     w or more positions away. Returns [batch, T, heads, head_dim].
     """
-    keys = k_cache[slots, :kv_len]  # [batch, kv_len, kv_heads, head_dim]
-    values = v_cache[slots, :kv_len]
+    keys = k_cache[:, :kv_len].index_select(0, slots)  # [batch, kv_len, kv_heads, head_dim]
+    values = v_cache[:, :kv_len].index_select(0, slots)
     key_pos = torch.arange(kv_len, device=q.device)[None, None, :]
     query_pos = positions[:, :, None]
     if causal:
@@ -283,11 +282,10 @@ def _states_in_chunk(
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the last axis; on an exact tie the lowest token id wins, on every backend.
+    """Argmax over the last axis; on an exact tie the lowest token id wins, on every backend
+    (torch.max's index is the first maximal one); a row holding a NaN gives `vocab`.
 
-    logits: [..., vocab] -> [...] (int64). No host synchronisation.
+    logits: [..., vocab] -> [...] (int64). One pass over the logits, no host synchronisation.
     """
-    vocab = logits.shape[-1]
-    best = logits.max(dim=-1, keepdim=True).values
-    ids = torch.arange(vocab, device=logits.device)
-    return torch.where(logits == best, ids, vocab).min(dim=-1).values
+    best, ids = logits.max(dim=-1)
+    return torch.where(best.isnan(), logits.shape[-1], ids)

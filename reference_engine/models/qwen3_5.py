@@ -60,7 +60,7 @@ class GatedDeltaNet(nn.Module):
         # Depthwise causal conv1d + SiLU, continuing from the slot's conv state (the last
         # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
         projected = ops.linear(x, self.in_proj_qkv.weight).transpose(1, 2)
-        full = torch.cat([state.conv[layer][ctx.slots], projected], -1)
+        full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected], -1)
         state.conv[layer][ctx.slots] = conv_state_after(full, self.kernel, ctx.valid_len)
         mixed = ops.causal_conv(full, self.conv1d.weight)
 
@@ -82,11 +82,11 @@ class GatedDeltaNet(nn.Module):
             if ctx.record == "per_token":
                 states_out = state.verify_states_of(layer, batch, T)
         recurrent = state.recurrent[layer]
+        start = recurrent.index_select(0, ctx.slots)
         if ctx.chunked:
-            out, final = gated_delta_chunked(q, k, v, g, beta, recurrent[ctx.slots])
+            out, final = gated_delta_chunked(q, k, v, g, beta, start)
         else:
-            out, final = ops.gated_delta(q, k, v, g, beta, recurrent[ctx.slots], ctx.valid_len,
-                                         states_out)
+            out, final = ops.gated_delta(q, k, v, g, beta, start, ctx.valid_len, states_out)
         recurrent[ctx.slots] = final
 
         z = ops.linear(x, self.in_proj_z.weight).reshape(batch, T, self.num_v_heads, self.v_dim)

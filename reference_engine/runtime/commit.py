@@ -75,19 +75,19 @@ def commit_hybrid(
     T = block_tokens.shape[1]
     kernel = model.config.linear_conv_kernel_dim
     for layer in model.config.linear_layers:
-        full = state.verify_conv[layer][slots, :, : kernel - 1 + T]
+        full = state.verify_conv[layer][..., : kernel - 1 + T].index_select(0, slots)
         state.conv[layer][slots] = conv_state_after(full, kernel, processed)
         if strategy == "per_token":
             rows = torch.arange(slots.shape[0], device=slots.device)
             final = state.verify_states_of(layer, len(slot_ids), T)[rows, processed - 1]
         else:
             _, final = ops.gated_delta(
-                state.verify_q[layer][slots, :T],
-                state.verify_k[layer][slots, :T],
-                state.verify_v[layer][slots, :T],
-                state.verify_g[layer][slots, :T],
-                state.verify_beta[layer][slots, :T],
-                state.saved_recurrent[layer][slots],
+                state.verify_q[layer][:, :T].index_select(0, slots),
+                state.verify_k[layer][:, :T].index_select(0, slots),
+                state.verify_v[layer][:, :T].index_select(0, slots),
+                state.verify_g[layer][:, :T].index_select(0, slots),
+                state.verify_beta[layer][:, :T].index_select(0, slots),
+                state.saved_recurrent[layer].index_select(0, slots),
                 valid_len=processed,
             )
         state.recurrent[layer][slots] = final

@@ -155,7 +155,7 @@ class TargetState:
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):
             if live is not None:
-                saved[rows] = live[rows]
+                saved.index_copy_(0, rows, live.index_select(0, rows))
         for slot in slots:
             self.saved_lengths[slot] = self.lengths[slot]
 
@@ -192,4 +192,4 @@ class TargetState:
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):
             if live is not None:
-                live[rows] = saved[rows]
+                live.index_copy_(0, rows, saved.index_select(0, rows))

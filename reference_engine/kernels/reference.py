@@ -165,7 +165,7 @@ def gated_delta_recurrent(
         decayed = state * g[:, t, :, None, None].exp()
         kv_mem = (k[:, t, :, None, :] @ decayed)[:, :, 0]  # S^T k_t: [batch, v_heads, v_dim]
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        updated = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
+        updated = torch.addcmul(decayed, k[:, t, :, :, None], delta[:, :, None, :])  # + k (x) delta
         outputs.append((q[:, t, :, None, :] @ updated)[:, :, 0])
         if valid_len is None:
             state = updated
@@ -254,7 +254,8 @@ def gated_delta_chunked(
                 states_out[:, begin:end] = states[:, : end - begin]
             # carried on: the state after each row's last real token in this chunk (the
             # chunk's first when the row ended before it: that state has not moved since)
-            state = states[rows, (ends - 1 - begin).clamp(0, chunk - 1)]
+            at = rows * chunk + (ends - 1 - begin).clamp(0, chunk - 1)
+            state = states.flatten(0, 1).index_select(0, at)
         else:
             last = G[:, :, c, -1:]  # [batch, heads, 1]
             carried = k[:, :, c] * (last - G[:, :, c]).exp()[..., None]
@@ -275,8 +276,9 @@ def _states_in_chunk(
     """The state after every token of a chunk, [batch, C, heads, k_dim, v_dim] (the layout
     of states_out): S_t = e^{G_t} S0 + sum_{s<=t} (e^{G_t-G_s} k_s) u_s^T, one batched
     product over every (row, token, head), written into `out` when given."""
-    # e^{G_t-G_s} k_s for every (t, s): [batch, C (t), heads, k_dim, C (s)]
-    weighted = gap.transpose(1, 2)[..., None, :] * k.transpose(-1, -2)[:, None]
+    # e^{G_t-G_s} k_s for every (t, s): [batch, C (t), heads, k_dim, C (s)], laid out as the
+    # product reads it (from contiguous factors)
+    weighted = gap.transpose(1, 2).contiguous()[..., None, :] * k.transpose(-1, -2).contiguous()[:, None]
     states = torch.matmul(weighted, u[:, None], out=out)
     return states.addcmul_(decay.transpose(1, 2)[..., None], start[:, None])
 

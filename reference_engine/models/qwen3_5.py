@@ -61,7 +61,7 @@ class GatedDeltaNet(nn.Module):
         # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
         projected = ops.linear(x, self.in_proj_qkv.weight).transpose(1, 2)
         full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected], -1)
-        state.conv[layer][ctx.slots] = conv_state_after(full, self.kernel, ctx.valid_len)
+        state.conv[layer].index_copy_(0, ctx.slots, conv_state_after(full, self.kernel, ctx.valid_len))
         mixed = ops.causal_conv(full, self.conv1d.weight)
 
         q, k, v = mixed.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], -1)
@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
             out, final = gated_delta_chunked(q, k, v, g, beta, start)
         else:
             out, final = ops.gated_delta(q, k, v, g, beta, start, ctx.valid_len, states_out)
-        recurrent[ctx.slots] = final
+        recurrent.index_copy_(0, ctx.slots, final)
 
         z = ops.linear(x, self.in_proj_z.weight).reshape(batch, T, self.num_v_heads, self.v_dim)
         out = self.norm(out.to(x.dtype), z, ops)

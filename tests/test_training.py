@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
-from reference_engine.kernels.reference import gated_delta as gated_delta_recurrence
+from reference_engine.kernels.reference import gated_delta_chunked, gated_delta_recurrent
 from reference_engine.kernels.reference import l2_norm as l2_normalize
 from reference_engine.models.dflash import DraftState
-from reference_engine.models.qwen3_5 import chunked_gated_delta
 from reference_engine.runtime.decode import generate_plain, new_state, prefill
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.training.corpus import Corpus, CorpusError, fetch, read_lock
@@ -54,8 +53,8 @@ def delta_inputs(T: int, seed: int = 0, heads: int = 3, k_dim: int = 8, v_dim: i
 @pytest.mark.parametrize("T,chunk", [(1, 4), (7, 4), (64, 16), (100, 32), (33, 64)])
 def test_chunked_delta_rule_equals_the_token_by_token_recurrence(T: int, chunk: int) -> None:
     inputs = delta_inputs(T)
-    out, final = gated_delta_recurrence(*inputs)
-    chunked_out, chunked_final = chunked_gated_delta(*inputs, chunk=chunk)
+    out, final = gated_delta_recurrent(*inputs)
+    chunked_out, chunked_final = gated_delta_chunked(*inputs, chunk=chunk)
     torch.testing.assert_close(chunked_out, out, rtol=0, atol=1e-12)
     torch.testing.assert_close(chunked_final, final, rtol=0, atol=1e-12)
 
@@ -64,7 +63,7 @@ def test_chunked_delta_rule_has_the_recurrences_gradients() -> None:
     inputs = [t.requires_grad_() for t in delta_inputs(20, seed=1)]
     weights = torch.randn(2, 20, 3, 5, dtype=torch.float64)
     grads = []
-    for fn in (gated_delta_recurrence, lambda *a: chunked_gated_delta(*a, chunk=8)):
+    for fn in (gated_delta_recurrent, lambda *a: gated_delta_chunked(*a, chunk=8)):
         out, final = fn(*inputs)
         grads.append(torch.autograd.grad((out * weights).sum() + final.sum(), inputs))
     for got, want in zip(grads[1], grads[0]):
@@ -75,10 +74,10 @@ def test_one_token_chunks_and_a_changed_input_are_told_apart() -> None:
     """One-token chunks (a trivially diagonal system) are exact too, and the comparison is
     sharp enough to see a 10% change in the keys."""
     q, k, v, g, beta, s0 = delta_inputs(16, seed=2)
-    out, _ = gated_delta_recurrence(q, k, v, g, beta, s0)
-    single, _ = chunked_gated_delta(q, k, v, g, beta, s0, chunk=1)
+    out, _ = gated_delta_recurrent(q, k, v, g, beta, s0)
+    single, _ = gated_delta_chunked(q, k, v, g, beta, s0, chunk=1)
     torch.testing.assert_close(single, out, rtol=0, atol=1e-12)
-    wrong, _ = chunked_gated_delta(q, k * 0.9, v, g, beta, s0, chunk=8)
+    wrong, _ = gated_delta_chunked(q, k * 0.9, v, g, beta, s0, chunk=8)
     assert (wrong - out).abs().max() > 1e-3
 
 

@@ -18,18 +18,26 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N]."""
-    return F.linear(x, weight, bias)
+    """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N].
+
+    On the CPU the product is taken as (weight @ x^T)^T: MKL's GEMM with the weight as the
+    transposed right operand takes up to twice as long when x has few rows (a decode step,
+    a verify block: 85 against 50 us for 8 x 256 @ 256 x 768 on a 2-core EPYC), and the
+    transposed result is small."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).T  # [K, M]
+    out = torch.mm(weight, rows) if bias is None else torch.addmm(bias[:, None], weight, rows)
+    return out.T.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w, or * (1 + w) when `offset` (Qwen3.5), over the last axis."""
+    """x * rsqrt(mean(x^2) + eps) * w, or * (1 + w) when `offset` (Qwen3.5), over the last axis
+    (F.rms_norm runs these very operations in one call)."""
     acc = accumulation_dtype(x.dtype)
-    xf = x.to(acc)
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
-        return (normed * (1.0 + weight.to(acc))).to(x.dtype)
-    return weight * normed.to(x.dtype)
+        return F.rms_norm(x.to(acc), x.shape[-1:], 1.0 + weight.to(acc), eps).to(x.dtype)
+    return weight * F.rms_norm(x.to(acc), x.shape[-1:], None, eps).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,8 +61,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv1d then SiLU. full: [batch, channels, kernel-1+T] (the previous
-    kernel-1 inputs, then T new ones); weight: [channels, 1, kernel]. Returns [batch, channels, T]."""
-    return F.silu(F.conv1d(full, weight, groups=full.shape[1]))
+    kernel-1 inputs, then T new ones); weight: [channels, 1, kernel]. Returns [batch, channels, T].
+
+    The taps are summed in order in the accumulation dtype, then rounded to the input's (as
+    the Triton kernel does): a few multiply-adds over the new tokens, which on the CPU cost a
+    fraction of a library conv's set-up."""
+    acc = accumulation_dtype(full.dtype)
+    kernel = weight.shape[-1]
+    T = full.shape[-1] - kernel + 1
+    x, w = full.to(acc), weight[:, 0].to(acc)  # w: [channels, kernel]
+    out = x[..., :T] * w[:, :1]
+    for j in range(1, kernel):
+        out = out.addcmul_(x[..., j : j + T], w[:, j : j + 1])
+    return F.silu(out.to(full.dtype))
 
 
 def attention(
@@ -75,8 +94,8 @@ def attention(
     block), every row up to the last real token of its row; a sliding window also hides rows
     w or more positions away. Returns [batch, T, heads, head_dim].
     """
-    keys = k_cache[slots, :kv_len]  # [batch, kv_len, kv_heads, head_dim]
-    values = v_cache[slots, :kv_len]
+    keys = k_cache[:, :kv_len].index_select(0, slots)  # [batch, kv_len, kv_heads, head_dim]
+    values = v_cache[:, :kv_len].index_select(0, slots)
     key_pos = torch.arange(kv_len, device=q.device)[None, None, :]
     query_pos = positions[:, :, None]
     if causal:
@@ -109,6 +128,26 @@ def gated_delta(
     valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
     states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule as the engine runs it off the Triton path (the CPU, and the
+    `fast` numerics on CUDA): a decode step (T = 1) takes one step of the recurrence, a
+    verify block or a prefill chunk the chunked form, so no Python loop runs over tokens.
+    The contract is `gated_delta_recurrent`'s, except outputs at padded tokens (t >=
+    valid_len), which nothing reads."""
+    if q.shape[1] == 1:
+        return gated_delta_recurrent(q, k, v, g, beta, state, valid_len, states_out)
+    return gated_delta_chunked(q, k, v, g, beta, state, valid_len, states_out)
+
+
+def gated_delta_recurrent(
+    q: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised and scaled, state dtype
+    k: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised, state dtype
+    v: torch.Tensor,  # [batch, T, v_heads, v_dim], state dtype
+    g: torch.Tensor,  # [batch, T, v_heads] log decay (<= 0)
+    beta: torch.Tensor,  # [batch, T, v_heads] write strength in (0, 1)
+    state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
+    valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
+    states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, one token at a time, per value head:
 
         S <- S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S <- S + k_t (x) delta;  o_t = S^T q_t
@@ -117,14 +156,17 @@ def gated_delta(
     their row leave the state unchanged (padding in a batch of unequal rows). When
     `states_out` is given, the state after every token is written into it (the `per_token`
     commit strategy).
+
+    The readable definition, which the Triton kernel follows step for step and the chunked
+    form is tested against; the engine calls it for one-token decode steps only.
     """
     outputs = []
     for t in range(q.shape[1]):
         decayed = state * g[:, t, :, None, None].exp()
-        kv_mem = torch.einsum("bhkv,bhk->bhv", decayed, k[:, t])
+        kv_mem = (k[:, t, :, None, :] @ decayed)[:, :, 0]  # S^T k_t: [batch, v_heads, v_dim]
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        updated = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", updated, q[:, t]))
+        updated = torch.addcmul(decayed, k[:, t, :, :, None], delta[:, :, None, :])  # + k (x) delta
+        outputs.append((q[:, t, :, None, :] @ updated)[:, :, 0])
         if valid_len is None:
             state = updated
         else:
@@ -134,12 +176,118 @@ def gated_delta(
     return torch.stack(outputs, dim=1), state
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the last axis; on an exact tie the lowest token id wins, on every backend.
+def gated_delta_chunked(
+    q: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised and scaled
+    k: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised
+    v: torch.Tensor,  # [batch, T, v_heads, v_dim]
+    g: torch.Tensor,  # [batch, T, v_heads] log decay (<= 0)
+    beta: torch.Tensor,  # [batch, T, v_heads]
+    state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
+    valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
+    states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule of `gated_delta_recurrent`, a chunk of tokens at a time, with
+    matrix products in place of the loop over tokens: the engine's verify blocks and prefill
+    chunks, and training (differentiable, fast on long rows).
 
-    logits: [..., vocab] -> [...] (int64). No host synchronisation.
+    Inside a chunk, with S0 the state before it, G_t the cumulative log decay and u_t the
+    row written at token t (S_t = e^{G_t} S0 + sum_{s<=t} e^{G_t-G_s} k_s u_s^T):
+
+        u_t = beta_t (v_t - e^{G_t} S0^T k_t) - beta_t sum_{s<t} e^{G_t-G_s} (k_t.k_s) u_s
+
+    i.e. (I + L) U = beta (V - e^G K S0), with L strictly lower triangular: one triangular
+    solve per chunk. Then O = e^G Q S0 + (Q K^T * D) U with D_ts = e^{G_t-G_s} for s <= t,
+    and the next state is e^{G_C} S0 + (K * e^{G_C-G})^T U.
+
+    A padded token (t >= valid_len) gets beta = 0 and g = 0: it writes nothing (u = 0) and
+    decays nothing, so every state from there on equals the row's last real one; its output
+    is that state read by its query (the recurrence's differs: nothing reads either).
+    With `states_out` or `valid_len`, each chunk computes its per-token states, D (k (x) u)
+    + e^G S0 in one product, and carries on the one after each row's last real token: the
+    final state is states_out[valid_len - 1] bit for bit, and a rerun over fewer tokens of
+    the same block (the `recompute` commit) reaches the very bits that the `per_token`
+    commit picks from a verify's states. Without either (prefill, training), the cheaper
+    chunk-end update carries the state.
     """
-    vocab = logits.shape[-1]
-    best = logits.max(dim=-1, keepdim=True).values
-    ids = torch.arange(vocab, device=logits.device)
-    return torch.where(logits == best, ids, vocab).min(dim=-1).values
+    batch, T, heads, _ = q.shape
+    if valid_len is not None:
+        real = (torch.arange(T, device=q.device) < valid_len[:, None])[..., None]  # [batch, T, 1]
+        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
+    chunk = min(chunk, T)
+    pad = (-T) % chunk
+    if pad:  # padded tokens come last, and change nothing (beta = 0, g = 0)
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = q.shape[1] // chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [batch, n*C, heads, ...] -> [batch, heads, n, C, ...]
+        x = x.reshape(batch, n, chunk, heads, *x.shape[3:])
+        return x.movedim(3, 1)
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    G = g.cumsum(-1)  # [batch, heads, n, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # e^{G_t - G_s} for s <= t; the exponent is masked first (it is positive above)
+    gap = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    strict = gap.masked_fill(causal.diagonal().diag_embed(), 0.0)  # s < t only
+    L = beta[..., None] * (k @ k.transpose(-1, -2)) * strict
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    qk = (q @ k.transpose(-1, -2)) * gap
+    per_token = states_out is not None or valid_len is not None
+    ends = torch.full((batch,), T, device=q.device) if valid_len is None else valid_len
+    rows = torch.arange(batch, device=q.device)
+    outputs = []
+    for c in range(n):
+        decay = G[:, :, c].exp()[..., None]  # [batch, heads, C, 1]
+        rhs = beta[:, :, c, :, None] * (v[:, :, c] - decay * (k[:, :, c] @ state))
+        u = torch.linalg.solve_triangular(eye + L[:, :, c], rhs, upper=False, unitriangular=True)
+        outputs.append(decay * (q[:, :, c] @ state) + qk[:, :, c] @ u)
+        if per_token:
+            begin = c * chunk
+            end = min(begin + chunk, T)
+            into = None if states_out is None else states_out[:, begin:end]
+            if into is not None and (end - begin < chunk or not into.is_contiguous()):
+                into = None  # then computed aside and copied in
+            states = _states_in_chunk(state, k[:, :, c], u, gap[:, :, c], decay, into)
+            if states_out is not None and into is None:
+                states_out[:, begin:end] = states[:, : end - begin]
+            # carried on: the state after each row's last real token in this chunk (the
+            # chunk's first when the row ended before it: that state has not moved since)
+            at = rows * chunk + (ends - 1 - begin).clamp(0, chunk - 1)
+            state = states.flatten(0, 1).index_select(0, at)
+        else:
+            last = G[:, :, c, -1:]  # [batch, heads, 1]
+            carried = k[:, :, c] * (last - G[:, :, c]).exp()[..., None]
+            state = last.exp()[..., None] * state + carried.transpose(-1, -2) @ u
+    out = torch.stack(outputs, 2)  # [batch, heads, n, C, v_dim]
+    out = out.movedim(1, 3).reshape(batch, n * chunk, heads, -1)
+    return out[:, :T], state
+
+
+def _states_in_chunk(
+    start: torch.Tensor,  # [batch, heads, k_dim, v_dim] the state before the chunk
+    k: torch.Tensor,  # [batch, heads, C, k_dim]
+    u: torch.Tensor,  # [batch, heads, C, v_dim] the rows written
+    gap: torch.Tensor,  # [batch, heads, C, C] e^{G_t - G_s} for s <= t, else 0
+    decay: torch.Tensor,  # [batch, heads, C, 1] e^{G_t}
+    out: torch.Tensor | None = None,  # [batch, C, heads, k_dim, v_dim], contiguous
+) -> torch.Tensor:
+    """The state after every token of a chunk, [batch, C, heads, k_dim, v_dim] (the layout
+    of states_out): S_t = e^{G_t} S0 + sum_{s<=t} (e^{G_t-G_s} k_s) u_s^T, one batched
+    product over every (row, token, head), written into `out` when given."""
+    # e^{G_t-G_s} k_s for every (t, s): [batch, C (t), heads, k_dim, C (s)], laid out as the
+    # product reads it (from contiguous factors)
+    weighted = gap.transpose(1, 2).contiguous()[..., None, :] * k.transpose(-1, -2).contiguous()[:, None]
+    states = torch.matmul(weighted, u[:, None], out=out)
+    return states.addcmul_(decay.transpose(1, 2)[..., None], start[:, None])
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last axis; on an exact tie the lowest token id wins, on every backend
+    (torch.max's index is the first maximal one); a row holding a NaN gives `vocab`.
+
+    logits: [..., vocab] -> [...] (int64). One pass over the logits, no host synchronisation.
+    """
+    best, ids = logits.max(dim=-1)
+    return torch.where(best.isnan(), logits.shape[-1], ids)

@@ -72,8 +72,8 @@ class CausalLM(nn.Module):
         marks trailing padding per row: padded tokens leave the Gated DeltaNet state alone
         (their attention rows land past the committed length and are never read).
         `record` ("per_token" or "recompute") keeps what that commit strategy needs.
-        `chunked` runs Gated DeltaNet layers a chunk at a time (training: differentiable and
-        fast on long rows; the engine steps token by token). `ops`: the kernels (numerics).
+        `chunked` runs Gated DeltaNet layers through the PyTorch chunked form whatever `ops`
+        says (training: differentiable, full rows). `ops`: the kernels (numerics).
         """
         x = self.embed(input_ids)
         ctx = ForwardContext(

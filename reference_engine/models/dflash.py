@@ -98,7 +98,9 @@ class DFlashDraft(nn.Module):
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                ops: Kernels = TORCH) -> torch.Tensor:
         """Draft logits through the target's lm_head: [..., hidden] -> [..., vocab]."""
-        logits = ops.linear(hidden, lm_head_weight) * self.config.output_multiplier
+        logits = ops.linear(hidden, lm_head_weight)
+        if self.config.output_multiplier != 1.0:  # a pass over [..., vocab] saved otherwise
+            logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -162,7 +162,7 @@ class ForwardContext:
         dtype: torch.dtype,
         valid_len: torch.Tensor | None = None,  # [batch] real tokens per row, None: all T
         record: str | None = None,  # keep verify inputs/states for a commit strategy
-        chunked: bool = False,  # Gated DeltaNet a chunk at a time (training; full rows only)
+        chunked: bool = False,  # Gated DeltaNet by the PyTorch chunked form (training; full rows)
         ops: Kernels = TORCH,
     ) -> None:
         if chunked and (valid_len is not None or record is not None):

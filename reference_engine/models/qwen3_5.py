@@ -12,65 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LINEAR_ATTENTION, TargetConfig
-from ..kernels.reference import accumulation_dtype
+from ..kernels.reference import accumulation_dtype, gated_delta_chunked
 from .base import CausalLM
 from .layers import MLP, ForwardContext, GatedRMSNorm, RMSNorm, SelfAttention
-
-
-def chunked_gated_delta(
-    q: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised and scaled
-    k: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised
-    v: torch.Tensor,  # [batch, T, v_heads, v_dim]
-    g: torch.Tensor,  # [batch, T, v_heads] log decay (<= 0)
-    beta: torch.Tensor,  # [batch, T, v_heads]
-    state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
-    chunk: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same gated delta rule as `kernels.reference.gated_delta`, a chunk of tokens at a time
-    (for training, where the per-token loop is too slow to differentiate through).
-
-    Inside a chunk, with S0 the state before it, G_t the cumulative log decay and u_t the
-    row written at token t (S_t = e^{G_t} S0 + sum_{s<=t} e^{G_t-G_s} k_s u_s^T):
-
-        u_t = beta_t (v_t - e^{G_t} S0^T k_t) - beta_t sum_{s<t} e^{G_t-G_s} (k_t.k_s) u_s
-
-    i.e. (I + L) U = beta (V - e^G K S0), with L strictly lower triangular: one triangular
-    solve per chunk. Then O = e^G Q S0 + (Q K^T * D) U with D_ts = e^{G_t-G_s} for s <= t,
-    and the next state is e^{G_C} S0 + (K * e^{G_C-G})^T U. Returns (outputs, final state).
-    """
-    batch, T, heads, _ = q.shape
-    pad = (-T) % chunk
-    if pad:  # padded tokens come last: they change neither the outputs nor, with
-        # beta = 0 and g = 0, the final state
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
-    n = q.shape[1] // chunk
-
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [batch, n*C, heads, ...] -> [batch, heads, n, C, ...]
-        x = x.reshape(batch, n, chunk, heads, *x.shape[3:])
-        return x.movedim(3, 1)
-
-    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    G = g.cumsum(-1)  # [batch, heads, n, C]
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # e^{G_t - G_s} for s <= t; the exponent is masked first (it is positive above)
-    gap = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    strict = gap.masked_fill(causal.diagonal().diag_embed(), 0.0)  # s < t only
-    L = beta[..., None] * (k @ k.transpose(-1, -2)) * strict
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    qk = (q @ k.transpose(-1, -2)) * gap
-    outputs = []
-    for c in range(n):
-        decay = G[:, :, c].exp()[..., None]  # [batch, heads, C, 1]
-        rhs = beta[:, :, c, :, None] * (v[:, :, c] - decay * (k[:, :, c] @ state))
-        u = torch.linalg.solve_triangular(eye + L[:, :, c], rhs, upper=False, unitriangular=True)
-        outputs.append(decay * (q[:, :, c] @ state) + qk[:, :, c] @ u)
-        last = G[:, :, c, -1:]  # [batch, heads, 1]
-        carried = k[:, :, c] * (last - G[:, :, c]).exp()[..., None]
-        state = last.exp()[..., None] * state + carried.transpose(-1, -2) @ u
-    out = torch.stack(outputs, 2)  # [batch, heads, n, C, v_dim]
-    out = out.movedim(1, 3).reshape(batch, n * chunk, heads, -1)
-    return out[:, :T], state
 
 
 def conv_state_after(full: torch.Tensor, kernel: int, processed: torch.Tensor | None) -> torch.Tensor:
@@ -116,8 +60,8 @@ class GatedDeltaNet(nn.Module):
         # Depthwise causal conv1d + SiLU, continuing from the slot's conv state (the last
         # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
         projected = ops.linear(x, self.in_proj_qkv.weight).transpose(1, 2)
-        full = torch.cat([state.conv[layer][ctx.slots], projected], -1)
-        state.conv[layer][ctx.slots] = conv_state_after(full, self.kernel, ctx.valid_len)
+        full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected], -1)
+        state.conv[layer].index_copy_(0, ctx.slots, conv_state_after(full, self.kernel, ctx.valid_len))
         mixed = ops.causal_conv(full, self.conv1d.weight)
 
         q, k, v = mixed.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], -1)
@@ -136,17 +80,14 @@ class GatedDeltaNet(nn.Module):
         if ctx.record is not None:
             state.record_verify_inputs(layer, ctx.slots, full, q, k, v, g, beta)
             if ctx.record == "per_token":
-                states_out = torch.empty((batch, T, *state.recurrent[layer].shape[1:]),
-                                         dtype=acc, device=x.device)
+                states_out = state.verify_states_of(layer, batch, T)
         recurrent = state.recurrent[layer]
+        start = recurrent.index_select(0, ctx.slots)
         if ctx.chunked:
-            out, final = chunked_gated_delta(q, k, v, g, beta, recurrent[ctx.slots])
+            out, final = gated_delta_chunked(q, k, v, g, beta, start)
         else:
-            out, final = ops.gated_delta(q, k, v, g, beta, recurrent[ctx.slots], ctx.valid_len,
-                                         states_out)
-        recurrent[ctx.slots] = final
-        if states_out is not None:
-            state.record_verify_states(layer, ctx.slots, states_out)
+            out, final = ops.gated_delta(q, k, v, g, beta, start, ctx.valid_len, states_out)
+        recurrent.index_copy_(0, ctx.slots, final)
 
         z = ops.linear(x, self.in_proj_z.weight).reshape(batch, T, self.num_v_heads, self.v_dim)
         out = self.norm(out.to(x.dtype), z, ops)

@@ -74,20 +74,22 @@ def commit_hybrid(
         return
     T = block_tokens.shape[1]
     kernel = model.config.linear_conv_kernel_dim
+    # per_token: row i's states are rows i*T .. i*T+T-1 of the verify's [batch * T, ...]
+    kept = torch.arange(len(slot_ids), device=slots.device) * T + processed - 1
     for layer in model.config.linear_layers:
-        full = state.verify_conv[layer][slots, :, : kernel - 1 + T]
-        state.conv[layer][slots] = conv_state_after(full, kernel, processed)
+        full = state.verify_conv[layer][..., : kernel - 1 + T].index_select(0, slots)
+        state.conv[layer].index_copy_(0, slots, conv_state_after(full, kernel, processed))
         if strategy == "per_token":
-            rows = torch.arange(slots.shape[0], device=slots.device)
-            final = state.verify_states[layer][slots][rows, processed - 1]
+            states = state.verify_states_of(layer, len(slot_ids), T)
+            final = states.flatten(0, 1).index_select(0, kept)
         else:
             _, final = ops.gated_delta(
-                state.verify_q[layer][slots, :T],
-                state.verify_k[layer][slots, :T],
-                state.verify_v[layer][slots, :T],
-                state.verify_g[layer][slots, :T],
-                state.verify_beta[layer][slots, :T],
-                state.saved_recurrent[layer][slots],
+                state.verify_q[layer][:, :T].index_select(0, slots),
+                state.verify_k[layer][:, :T].index_select(0, slots),
+                state.verify_v[layer][:, :T].index_select(0, slots),
+                state.verify_g[layer][:, :T].index_select(0, slots),
+                state.verify_beta[layer][:, :T].index_select(0, slots),
+                state.saved_recurrent[layer].index_select(0, slots),
                 valid_len=processed,
             )
-        state.recurrent[layer][slots] = final
+        state.recurrent[layer].index_copy_(0, slots, final)

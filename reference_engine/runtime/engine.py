@@ -276,7 +276,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
-        with self.ranges.range("step"):
+        # no autograd bookkeeping in the forwards (a few us per op, on every op of the step);
+        # what leaves the step is host values, never an inference tensor
+        with self.ranges.range("step"), torch.inference_mode():
             return self._step()
 
     def _step(self) -> list[StepOutput]:

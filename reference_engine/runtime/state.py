@@ -11,6 +11,8 @@ then run again (the commit strategies build on this).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import TargetConfig
@@ -36,6 +38,7 @@ class TargetState:
         self.max_len = max_len
         self.dtype = dtype
         self.device = torch.device(device)
+        self.verify_len = verify_len
         n = config.num_hidden_layers
         kv_shape = (num_slots, max_len, config.num_key_value_heads, config.head_dim)
         conv_shape = (num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1)
@@ -73,7 +76,10 @@ class TargetState:
             hv, dk, dv = rec_shape[1:]
             self.verify_conv = alloc("linear", (num_slots, config.conv_dim, K - 1 + T), dtype)
             if commit_strategy == "per_token":
-                self.verify_states = alloc("linear", (num_slots, T, hv, dk, dv), state_dtype)
+                # by the verify's batch row, not by slot (the commit of the same step reads
+                # them), and flat: any batch's [rows, T, ...] states are one contiguous
+                # block at its start, which the verify writes in place (`verify_states_of`)
+                self.verify_states = alloc("linear", (num_slots * T * hv * dk * dv,), state_dtype)
             else:
                 self.verify_q = alloc("linear", (num_slots, T, hv, dk), state_dtype)
                 self.verify_k = alloc("linear", (num_slots, T, hv, dk), state_dtype)
@@ -104,10 +110,18 @@ class TargetState:
             self.verify_g[layer][slots, :T] = g
             self.verify_beta[layer][slots, :T] = beta
 
-    def record_verify_states(
-        self, layer: int, slots: torch.Tensor, states: torch.Tensor  # [batch, T, h, dk, dv]
-    ) -> None:
-        self.verify_states[layer][slots, : states.shape[1]] = states
+    def verify_states_of(self, layer: int, rows: int, T: int) -> torch.Tensor:
+        """Where a verify of `rows` rows and T tokens keeps the state after each token for
+        the `per_token` commit: [rows, T, v_heads, k_dim, v_dim], contiguous, row i of the
+        batch at index i."""
+        buffer = self.verify_states[layer]
+        if buffer is None:
+            raise RuntimeError("per-token states need a state built with commit strategy per_token")
+        shape = (rows, T, *self.recurrent[layer].shape[1:])
+        if rows > self.num_slots or T > self.verify_len:
+            raise RuntimeError(f"a verify of {rows} rows and {T} tokens does not fit the per-token "
+                               f"states kept for {self.num_slots} rows of {self.verify_len} tokens")
+        return buffer[: math.prod(shape)].view(shape)
 
     def _kinds(self) -> list[str]:
         return [
@@ -141,7 +155,7 @@ class TargetState:
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):
             if live is not None:
-                saved[rows] = live[rows]
+                saved.index_copy_(0, rows, live.index_select(0, rows))
         for slot in slots:
             self.saved_lengths[slot] = self.lengths[slot]
 
@@ -178,4 +192,4 @@ class TargetState:
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):
             if live is not None:
-                live[rows] = saved[rows]
+                live.index_copy_(0, rows, saved.index_select(0, rows))

@@ -13,6 +13,10 @@ BENCH_ARGS ?= --concurrency 1,4,8,16 --output-len 128 --repeats 3 --dataset $(DE
 BENCH_ACCEPTANCE ?=
 # cuda when torch sees a GPU, else cpu (worked out only when a target uses it)
 BENCH_DEVICE ?= $(shell $(PYTHON) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+# CPU threads per operator of each server: on the CPU 1, since the harness's client shares the
+# cores and operators whose threads wait on each other for a busy core run several times
+# slower (README, "make bench on the CPU"); empty: torch's default
+BENCH_THREADS ?= $(if $(filter cpu,$(BENCH_DEVICE)),1,)
 
 # make profile: where each step's time goes, plain vs DFlash, under Nsight Systems
 # (scripts/profile.sh); NSYS=none uses the built-in phase timer instead. PROFILE_ARGS is the
@@ -57,7 +61,7 @@ tiny:
 # Qwen3.5 hybrid target and its DFlash draft) on its held-out prompts, whatever device is
 # present: real acceptance. BENCH_ACCEPTANCE=X forces X with the oracle proposer instead.
 BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token \
-	--device $(BENCH_DEVICE) --max-num-seqs 16
+	--device $(BENCH_DEVICE) --max-num-seqs 16 $(if $(BENCH_THREADS),--threads $(BENCH_THREADS))
 BENCH_NOTES = demo pair (reference_engine/assets/demo) on its held-out prompts, DFlash block size $(BENCH_BLOCK)
 bench:
 	$(PYTHON) -m harness ab \

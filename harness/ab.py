@@ -146,7 +146,7 @@ def server_info(url: str) -> dict:
         return {}
     if not isinstance(info, dict):
         return {}
-    return {k: info[k] for k in ("torch", "device", "dtype", "mode", "block_size") if k in info}
+    return {k: info[k] for k in ("torch", "device", "dtype", "threads", "mode", "block_size") if k in info}
 
 
 def write_meta(out: Path, meta: dict) -> None:

@@ -48,3 +48,21 @@ def test_generate_a_prompt_that_is_not_utf8_is_one_error_line(pair) -> None:
 def test_serve_port_out_of_range_is_one_error_line(pair, port: str) -> None:
     done = cli("reference_engine.serve", "--model", str(pair[0]), "--port", port)
     one_error_line(done, "--port")
+
+
+@pytest.mark.parametrize("threads", ["0", "two"])
+def test_serve_threads_must_be_a_positive_count(pair, threads: str) -> None:
+    done = cli("reference_engine.serve", "--model", str(pair[0]), "--threads", threads)
+    one_error_line(done, "--threads")
+
+
+def test_serve_threads_sets_the_operator_threads_and_info_reports_them(pair) -> None:
+    import httpx
+
+    from .server_process import ServerProcess
+
+    server = ServerProcess("--model", str(pair[0]), "--threads", "1")
+    try:
+        assert httpx.get(server.url + "/info", timeout=30).json()["threads"] == 1
+    finally:
+        server.stop()

@@ -68,6 +68,7 @@ class ServeArgs:
     device: str
     max_num_seqs: int
     max_model_len: int | None
+    threads: int | None
     max_waiting: int
     host: str
     port: int
@@ -99,6 +100,10 @@ class ServeArgs:
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
         p.add_argument("--max-num-seqs", type=int, default=8,
                        help="slots: requests decoded at once")
+        p.add_argument("--threads", type=_threads, default=None,
+                       help="CPU threads per operator (torch.set_num_threads; default: torch's). "
+                            "1 when a load generator shares the machine's few cores: "
+                            "threads that wait on each other for a busy core slow every step")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the target's max_position_embeddings)")
         p.add_argument("--max-waiting", type=int, default=256,
@@ -134,6 +139,16 @@ class ServeArgs:
         return cls(**vars(p.parse_args(argv)))
 
 
+def _threads(text: str) -> int:
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a thread count: {text!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -149,6 +164,8 @@ class Server:
 
     def __init__(self, args: ServeArgs) -> None:
         device = torch.device(args.device)
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ReferenceEngineError(f"--device {args.device}: no CUDA device available")
         target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
@@ -260,7 +277,8 @@ def create_app(server: Server) -> FastAPI:
         return {"model": server.name, "torch": torch.__version__, "device": str(engine.device),
                 "dtype": str(engine.dtype).removeprefix("torch."), "numerics": engine.numerics,
                 "mode": "dflash" if engine.draft is not None else "plain",
-                "block_size": engine.block_size or None, "max_num_seqs": engine.config.max_num_seqs}
+                "block_size": engine.block_size or None, "max_num_seqs": engine.config.max_num_seqs,
+                "threads": torch.get_num_threads()}
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -356,3 +356,39 @@ def test_a_chunked_forward_refuses_padding_and_recording() -> None:
     with pytest.raises(ValueError, match="a chunked forward takes full rows"):
         ForwardContext(None, torch.tensor([0]), positions, 2, rotary, torch.float32,
                        valid_len=torch.tensor([1]), chunked=True)
+
+
+def test_pin_takes_the_newest_final_pure_python_wheel_before_the_cutoff(tmp_path, monkeypatch
+                                                                       ) -> None:
+    """`pin` against a stand-in of PyPI's JSON simple index: prereleases, yanked files,
+    platform wheels, sdists and uploads after the cut-off are passed over."""
+    import io
+
+    from reference_engine.training import corpus
+
+    def wheel(name, upload="2026-01-01T00:00:00", yanked=False):
+        return {"filename": name, "url": f"https://files.example/{name}", "yanked": yanked,
+                "hashes": {"sha256": "ab" * 32}, "size": 10, "upload-time": upload}
+
+    files = {"pkg": [wheel("pkg-1.0-py3-none-any.whl"), wheel("pkg-1.2-py3-none-any.whl"),
+                     wheel("pkg-1.3rc1-py3-none-any.whl"),
+                     wheel("pkg-1.4-py3-none-any.whl", yanked=True),
+                     wheel("pkg-1.5-cp312-cp312-manylinux_2_17_x86_64.whl"),
+                     wheel("pkg-1.6.tar.gz"),
+                     wheel("pkg-1.7-py3-none-any.whl", upload="2026-12-01T00:00:00")],
+             "other": [wheel("other-2.0-py2.py3-none-any.whl")],
+             "native": [wheel("native-1.0-cp312-cp312-win_amd64.whl")]}
+
+    def urlopen(request, timeout):
+        name = request.full_url.rstrip("/").rsplit("/", 1)[-1]
+        return io.BytesIO(json.dumps({"files": files[name]}).encode())
+
+    monkeypatch.setattr(corpus.urllib.request, "urlopen", urlopen)
+    lock = tmp_path / "lock.json"
+    assert corpus.main(["--cutoff", "2026-11-01", "--heldout", "other", "--out", str(lock),
+                        "pkg", "other"]) == 0
+    rows = {w.name: w for w in read_lock(lock)}
+    assert rows["pkg"].version == "1.2" and not rows["pkg"].heldout
+    assert rows["other"].filename == "other-2.0-py2.py3-none-any.whl" and rows["other"].heldout
+    with pytest.raises(CorpusError, match="native: no pure-Python wheel before 2026-11-01"):
+        corpus.pin(["native"], set(), "2026-11-01", tmp_path / "x.json")

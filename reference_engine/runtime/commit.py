@@ -66,8 +66,7 @@ def commit_hybrid(
     tokens of the block. Host-side lengths are the caller's to update."""
     if not model.config.is_hybrid:
         return
-    slots = (slot_ids if isinstance(slot_ids, torch.Tensor)
-             else torch.tensor(slot_ids, device=block_tokens.device))
+    slots = state.slot_rows(slot_ids)
     if strategy == "replay":
         state.restore_rows(slots)
         model(block_tokens, positions, slots, state, kv_len, valid_len=processed, ops=ops)

@@ -189,11 +189,12 @@ class EngineGraphs:
         self.verified_bucket = None if out is None else self._bucket(ids.shape[0])
         return out
 
-    def commit(self, processed: torch.Tensor) -> bool:
+    def commit(self, processed: torch.Tensor, replay: bool = True) -> bool:
         """Replay the commit of this step's verify (its bucket, rows and outputs), with
-        `processed` [b]; False when the verify ran eagerly or no commit was captured."""
+        `processed` [b]; False when the verify ran eagerly, no commit was captured, or the
+        caller commits eagerly (`replay` False). Either way the step's verify is used up."""
         bucket, self.verified_bucket = self.verified_bucket, None
-        if bucket is None or bucket not in self.commit_graphs:
+        if not replay or bucket is None or bucket not in self.commit_graphs:
             return False
         g = self.commit_graphs[bucket]
         rows = processed.shape[0]

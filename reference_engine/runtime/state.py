@@ -184,10 +184,14 @@ class TargetState:
         """Copy the saved Gated DeltaNet state back into the live one (lengths untouched)."""
         self.restore_rows([slot])
 
+    def slot_rows(self, slots: list[int] | torch.Tensor) -> torch.Tensor:
+        """Slots as a device index tensor: a host list is copied over, a device tensor (what
+        a CUDA graph captures, free of host work) is used as it is."""
+        return slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
+
     def restore_rows(self, slots: list[int] | torch.Tensor) -> None:
-        """`restore_saved` for several slots at once (a host list, or a device tensor, which
-        a CUDA graph can capture)."""
-        rows = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
+        """`restore_saved` for several slots at once (`slot_rows`)."""
+        rows = self.slot_rows(slots)
         for live, saved in zip(
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):

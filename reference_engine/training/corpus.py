@@ -6,7 +6,10 @@ train files.
 which packages are held out. `fetch` downloads the wheels into a cache folder and checks
 their hashes, so the same corpus is rebuilt on any machine; a machine without internet gets
 the cache folder copied from one that has it. `pin` writes a new lock (the newest stable
-pure-Python wheel of each package uploaded before a cut-off date).
+pure-Python wheel of each package uploaded before a cut-off date):
+
+    python -m reference_engine.training.corpus --cutoff 2026-11-01 --heldout requests,rich \
+        --out LOCK requests rich urllib3 ...
 
 Vendored copies of other packages (`_vendor/`, `extern/`...) are left out, so a held-out
 package cannot reach the train set inside another one.
@@ -208,3 +211,27 @@ def random_windows(stream: torch.Tensor, count: int, length: int,
     """`count` windows of `length` tokens at random offsets. [count, length]"""
     starts = torch.randint(0, len(stream) - length, (count,), generator=generator)
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from ..errors import exit_with
+
+    p = argparse.ArgumentParser(prog="python -m reference_engine.training.corpus",
+                                description="Pin a corpus lock from PyPI's simple index.")
+    p.add_argument("names", nargs="+", help="package names")
+    p.add_argument("--cutoff", required=True, help="ISO date: only uploads before it")
+    p.add_argument("--heldout", default="", help="comma-separated packages to hold out")
+    p.add_argument("--out", type=Path, default=LOCK, help=f"lock to write (default {LOCK})")
+    p.add_argument("--index", default=SIMPLE_INDEX)
+    ns = p.parse_args(argv)
+    try:
+        pin(ns.names, set(filter(None, ns.heldout.split(","))), ns.cutoff, ns.out, ns.index)
+    except (ValueError, OSError) as exc:
+        return exit_with(exc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,9 +25,11 @@ from reference_engine import kernels  # noqa: E402
 from reference_engine.kernels import reference as ref  # noqa: E402
 from reference_engine.kernels.argmax import greedy  # noqa: E402
 from reference_engine.kernels.attention import attention  # noqa: E402
-from reference_engine.kernels.gated_delta import causal_conv, gated_delta  # noqa: E402
-from reference_engine.kernels.matmul import block_n, matmul  # noqa: E402
+from reference_engine.kernels.gated_delta import causal_conv, gated_delta, gated_delta_inputs  # noqa: E402
+from reference_engine.kernels.matmul import NARROW, WIDE, WIDE_ROWS, block_n, matmul, tiles_for  # noqa: E402
 from reference_engine.kernels.norms import gated_rms_norm, l2_norm, rms_norm, silu_mul  # noqa: E402
+from reference_engine.kernels.rope import attention_inputs  # noqa: E402
+from reference_engine.models.layers import RotaryEmbedding  # noqa: E402
 
 pytestmark = [pytest.mark.kernels,
               pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
@@ -80,6 +82,19 @@ def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
     assert block_n(20, 132) == 32
 
 
+def test_the_tiles_switch_at_wide_rows_in_half_precision_and_never_in_float32() -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        assert tiles_for(1, 4096, dtype, 132) == tiles_for(WIDE_ROWS, 4096, dtype, 132) == NARROW
+        assert tiles_for(WIDE_ROWS + 1, 4096, dtype, 132) == tiles_for(4096, 4096, dtype, 132) == WIDE
+    assert len({tiles_for(m, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
+
+
+@pytest.mark.parametrize("tiles", [NARROW, WIDE])
+def test_matmul_equals_the_reference_under_each_tile_configuration(tiles) -> None:
+    x, w, b = rand(70, 300), rand(50, 300, seed=1), rand(50, seed=2)
+    assert_close(matmul(x, w, b, tiles=tiles), ref.linear(x, w, b), torch.float32)
+
+
 # ----------------------------------------------------------------------------- row kernels
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
 @pytest.mark.parametrize("offset", [False, True])
@@ -95,6 +110,56 @@ def test_gated_rms_norm_l2_norm_and_swiglu_equal_the_reference(dtype) -> None:
     assert_close(silu_mul(x, z), ref.silu_mul(x, z), dtype)
     xf = x.float()
     assert_close(l2_norm(xf), ref.l2_norm(xf), torch.float32)
+
+
+def test_swiglu_reads_column_views_of_one_fused_projection() -> None:
+    fused = rand(2, 3, 2 * 40, seed=3)
+    gate, up = fused.split([40, 40], dim=-1)
+    assert not gate.is_contiguous()
+    assert torch.equal(silu_mul(gate, up), silu_mul(gate.contiguous(), up.contiguous()))
+    assert_close(silu_mul(gate, up), ref.silu_mul(gate, up), torch.float32)
+
+
+def attention_inputs_case(dtype, heads: int, kv_heads: int, dim: int, rotary_dim: int, gated: bool):
+    """q, k, v as the column views of one fused projection (the engine's layout), their
+    norm weights, cos/sin of two rows' positions, and empty caches."""
+    batch, T = 2, 3
+    q_width = heads * dim * (2 if gated else 1)
+    proj = rand(batch, T, q_width + 2 * kv_heads * dim, dtype=dtype, seed=4)
+    q, k, v = proj.split([q_width, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q.view(batch, T, heads, -1)
+    if gated:  # Qwen3.5: query and gate interleaved per head, query first
+        q = q.chunk(2, dim=-1)[0]
+    k, v = k.view(batch, T, kv_heads, dim), v.view(batch, T, kv_heads, dim)
+    positions = torch.tensor([[5, 6, 7], [0, 1, 2]], device=DEVICE)
+    cos, sin = RotaryEmbedding(rotary_dim, 10000.0).to(DEVICE).cos_sin(positions, dtype)
+    weights = rand(dim, dtype=dtype, seed=5), rand(dim, dtype=dtype, seed=6)
+    return q, k, v, weights, cos, sin, positions, torch.tensor([3, 1], device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "rotary_dim", "offset", "gated"),
+                         [(4, 2, 64, 64, False, False), (4, 2, 48, 16, True, True)])
+def test_attention_inputs_equal_the_reference(dtype, heads, kv_heads, dim, rotary_dim, offset, gated) -> None:
+    q, k, v, (qw, kw), cos, sin, positions, slots = attention_inputs_case(
+        dtype, heads, kv_heads, dim, rotary_dim, gated)
+    caches = {name: [torch.zeros(4, 10, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+              for name in ("triton", "reference")}
+    got = attention_inputs(q, k, v, qw, kw, 1e-6, offset, cos, sin, *caches["triton"], slots, positions)
+    want = ref.attention_inputs(q, k, v, qw, kw, 1e-6, offset, cos, sin, *caches["reference"], slots,
+                                positions)
+    assert_close(got, want, dtype)
+    (k_got, v_got), (k_want, v_want) = caches["triton"], caches["reference"]
+    assert_close(k_got, k_want, dtype)
+    assert torch.equal(v_got, v_want)  # values are copied as they are
+    written = torch.zeros(4, 10, dtype=torch.bool, device=DEVICE)
+    written[3, 5:8] = written[1, 0:3] = True
+    assert (k_got[~written] == 0).all() and (v_got[~written] == 0).all()  # no stray write
+    # keys and values alone (the draft's context rows): the same cache contents
+    k_only, v_only = torch.zeros_like(k_got), torch.zeros_like(v_got)
+    assert attention_inputs(None, k, v, None, kw, 1e-6, offset, cos, sin, k_only, v_only, slots,
+                            positions) is None
+    assert torch.equal(k_only, k_got) and torch.equal(v_only, v_got)
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
@@ -175,6 +240,42 @@ def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_state
     assert torch.equal(final[0], got_states[0, 1])  # row 0 stopped after its 2 valid tokens
 
 
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_gated_delta_inputs_equal_the_reference(dtype) -> None:
+    """q, k normalised per key head and shared by value heads 2i, 2i+1; v; g; beta. a and b
+    are column views of one fused projection, as the engine passes them."""
+    batch, T, k_heads, v_heads, k_dim, v_dim = 2, 3, 2, 4, 16, 24
+    mixed = rand(batch, 2 * k_heads * k_dim + v_heads * v_dim, T, dtype=dtype, seed=7)
+    fused = rand(batch, T, 5 + 2 * v_heads, dtype=dtype, seed=8) * 10  # a's tail past softplus's threshold
+    a, b = fused[..., 5 : 5 + v_heads], fused[..., 5 + v_heads :]
+    A_log, dt_bias = rand(v_heads, seed=9), rand(v_heads, seed=10)
+    got = gated_delta_inputs(mixed, a, b, A_log, dt_bias, k_heads, k_dim, v_dim)
+    want = ref.gated_delta_inputs(mixed, a, b, A_log, dt_bias, k_heads, k_dim, v_dim)
+    for name, g, w in zip(("q", "k", "v", "g", "beta"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype == torch.float32, name
+        # beta is sigmoid(b) rounded to b's dtype: a last-place difference there is one ulp of it
+        assert_close(g, w, dtype if name == "beta" else torch.float32)
+    assert torch.equal(got[0][:, :, 0], got[0][:, :, 1])  # value heads 0 and 1 share key head 0
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_gated_delta_reads_and_writes_slot_states_in_place(impl: str) -> None:
+    """With `slots`, rows start from their slot's state and leave their final state there,
+    the same bits as gathering, running and scattering; other slots are untouched."""
+    fn = gated_delta if impl == "triton" else ref.gated_delta
+    q, k, v, g, beta, state = delta_inputs()
+    slots = torch.tensor([3, 0], device=DEVICE)
+    states = rand(5, *state.shape[1:], seed=9)
+    valid = torch.tensor([2, 4], device=DEVICE)
+    want_out, want_final = fn(q, k, v, g, beta, states[slots], valid)
+    in_place = states.clone()
+    out, none = fn(q, k, v, g, beta, in_place, valid, slots=slots)
+    assert none is None and torch.equal(out, want_out)
+    assert torch.equal(in_place[slots], want_final)
+    others = [1, 2, 4]
+    assert torch.equal(in_place[others], states[others])
+
+
 def test_gated_delta_steps_give_the_same_bits_as_one_block() -> None:
     q, k, v, g, beta, state = delta_inputs()
     block_out, block_final = gated_delta(q, k, v, g, beta, state)
@@ -190,8 +291,14 @@ def test_gated_delta_steps_give_the_same_bits_as_one_block() -> None:
 def test_the_switch_runs_references_off_cuda_and_triton_in_exact_mode_on_cuda() -> None:
     assert kernels.select("exact", "cpu", torch.bfloat16) is kernels.TORCH
     assert kernels.select(None, "cpu", torch.float64) is kernels.TORCH
-    assert kernels.select("fast", "cuda", torch.bfloat16) is kernels.TORCH
-    assert kernels.select(None, "cuda", torch.bfloat16).name == "triton"
+    fast = kernels.select("fast", "cuda", torch.bfloat16)
+    exact = kernels.select(None, "cuda", torch.bfloat16)
+    assert exact.name == "triton" and fast.name == "vendor"
+    # the fast numerics differ from the exact ones in the matrix products (cuBLAS) and argmax
+    # alone, and both are captured as CUDA graphs; the references are not
+    assert fast.linear is kernels.TORCH.linear and fast.attention is exact.attention
+    assert fast.capturable and exact.capturable and not kernels.TORCH.capturable
+    assert kernels.select("fast", "cuda", torch.float64) is kernels.TORCH
     assert kernels.default_numerics("cuda") == "exact" and kernels.default_numerics("cpu") == "fast"
     assert kernels.select(None, "cuda", torch.float64) is kernels.TORCH  # no float64 Triton dots
     with pytest.raises(ValueError, match="numerics must be one of exact, fast, got 'loose'"):

@@ -103,3 +103,46 @@ def test_gated_delta_bits_per_token_and_per_block() -> None:
     assert torch.equal(s[0], final[0])
     want_out, want_final = ref.gated_delta(q, k, v, g, beta, s0)
     assert (out - want_out).norm() / want_out.norm() < 1e-4
+
+
+@pytest.mark.parametrize(("N", "K"), PROJECTIONS)
+def test_every_tile_configuration_gives_the_same_bits(N: int, K: int) -> None:
+    """The matmul's tiles change with M (NARROW up to WIDE_ROWS rows, WIDE above), which keeps
+    invariance only if no configuration changes any element's bits: full outputs of every
+    configuration, and of a few others, compared at row counts on both sides of the switch.
+    Inputs span six decades of magnitude, so a different order of the sum would round
+    differently somewhere."""
+    from reference_engine.kernels.matmul import NARROW, WIDE, Tiles, matmul
+
+    w = randn(N, K, seed=1) * K**-0.5
+    scale = torch.logspace(-3, 3, K, device="cuda")[torch.randperm(K, device="cuda")]
+    others = [Tiles(16, 64, 128, 4, 4), Tiles(32, 32, 64, 4, 3), Tiles(128, 128, 64, 8, 3)]
+    for m in (1, 16, 100, 256):
+        x = (randn(m, K, seed=m).float() * scale).to(torch.bfloat16)
+        want = matmul(x, w, tiles=NARROW)
+        for tiles in (WIDE, *others):
+            assert torch.equal(matmul(x, w, tiles=tiles), want), f"{tiles} moved bits at M={m}"
+
+
+def test_fused_projections_give_the_bits_of_separate_ones() -> None:
+    """FusedLinears with the exact kernels: a hybrid model (attention, MLP, Gated DeltaNet
+    fused) gives the same logits, bit for bit, fused and unfused, in a prefill and a decode."""
+    import copy
+
+    from reference_engine.kernels.triton_ops import TRITON
+    from reference_engine.models import fuse_projections
+    from reference_engine.runtime.decode import new_state
+    from reference_engine.shapes import random_pair
+
+    target, _ = random_pair("qwen3.5-small", "cuda", torch.bfloat16, 0, block_size=8)
+    fused = copy.deepcopy(target)
+    fuse_projections(fused)
+    prompt = torch.randint(0, 4000, (3, 20), device="cuda")
+    slots = torch.arange(3, device="cuda")
+    logits = []
+    for model in (target, fused):
+        state = new_state(model, 32, num_slots=3)
+        out = model(prompt, torch.arange(20, device="cuda")[None].repeat(3, 1), slots, state, 20, ops=TRITON)
+        step = model(prompt[:, :1], torch.full((3, 1), 20, device="cuda"), slots, state, 21, ops=TRITON)
+        logits.append((out.logits, step.logits))
+    assert torch.equal(logits[0][0], logits[1][0]) and torch.equal(logits[0][1], logits[1][1])

@@ -5,10 +5,12 @@ causal conv, attention over the position-indexed cache, the gated delta rule, gr
 argmax). Two tables exist:
 
 - `TORCH` (reference.py): plain PyTorch. The reference every other kernel is tested
-  against, the CPU path, and the `fast` numerics on CUDA (vendor GEMMs, SDPA).
+  against, the CPU path, and what a float64 model runs on CUDA.
 - `TRITON` (triton_ops.py): batch- and verify-invariant Triton kernels, the `exact`
   numerics on CUDA: a token's results are the same bits whether it runs alone, in a batch,
   or inside a verify block of B, so DFlash equals plain greedy bit for bit in bfloat16.
+- `VENDOR` (triton_ops.py): the `fast` numerics on CUDA: cuBLAS GEMMs, the Triton kernels
+  for the rest. A token's bits move with the batch (the GEMMs), as in serving engines.
 
 `select(numerics, device, dtype)` picks one. This package imports only torch and triton.
 """
@@ -37,11 +39,13 @@ def select(numerics: str | None, device: torch.device | str, dtype: torch.dtype)
     numerics = numerics or default_numerics(device, dtype)
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    if numerics == "fast" or torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda":
         return TORCH
     if dtype not in EXACT_DTYPES:
+        if numerics == "fast":
+            return TORCH
         raise ValueError(f"exact numerics runs bfloat16, float16 or float32 models, not {dtype}; "
                          "use numerics 'fast'")
-    from .triton_ops import TRITON  # needs triton, present wherever CUDA torch is
+    from .triton_ops import TRITON, VENDOR  # needs triton, present wherever CUDA torch is
 
-    return TRITON
+    return VENDOR if numerics == "fast" else TRITON

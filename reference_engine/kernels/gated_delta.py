@@ -25,8 +25,11 @@ BLOCK_V = 32
 @triton.jit(do_not_specialize=["T", "store_states"])
 def _gated_delta_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, valid_ptr, out_ptr, final_ptr, states_ptr,
+    slots_ptr,
     T, H, store_states,  # all contiguous: q, k [batch, T, H, DK]; v, out [batch, T, H, DV];
-    # g, beta [batch, T, H]; state, final [batch, H, DK, DV]; states [batch, T, H, DK, DV]
+    # g, beta [batch, T, H]; state, final [batch, H, DK, DV] (or, with slots, state is every
+    # slot's [slots, H, DK, DV] and final is state); states [batch, T, H, DK, DV]
+    HAS_SLOTS: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -41,7 +44,11 @@ def _gated_delta_kernel(
     v_ok = vs < DV
     tile_ok = k_ok[:, None] & v_ok[None, :]
     tile = ks[:, None] * DV + vs[None, :]
-    head_state = (b * H + h).to(tl.int64) * DK * DV
+    if HAS_SLOTS:  # this program alone reads, then writes, its row's tile: in place is safe
+        row_state = tl.load(slots_ptr + b).to(tl.int64)
+    else:
+        row_state = b.to(tl.int64)
+    head_state = (row_state * H + h) * DK * DV
     S = tl.load(state_ptr + head_state + tile, mask=tile_ok, other=0.0).to(tl.float32)
     valid = tl.load(valid_ptr + b)
     for t in range(0, T):
@@ -72,32 +79,99 @@ def gated_delta(
     state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim] float32
     valid_len: torch.Tensor | None = None,  # [batch]
     states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    slots: torch.Tensor | None = None,  # [batch]: `state` is every slot's, updated in place
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as kernels.reference.gated_delta: (outputs [batch, T, v_heads, v_dim],
-    final state)."""
+    final state, or None with `slots`). With `slots` the rows' states are read and written
+    in the slot tensor itself: no gather before, no scatter after."""
     batch, T, H, DK = q.shape
     DV = v.shape[-1]
     if state.dtype != torch.float32:
         raise ValueError(f"gated_delta: the state is kept in float32, got {state.dtype}")
+    if slots is not None and not state.is_contiguous():
+        raise ValueError("gated_delta: a slot state tensor updated in place must be contiguous")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     state = state.contiguous()
     out = torch.empty((batch, T, H, DV), dtype=v.dtype, device=v.device)
-    final = torch.empty_like(state)
+    final = state if slots is not None else torch.empty_like(state)
     if valid_len is None:
         valid_len = torch.full((batch,), T, dtype=torch.int64, device=q.device)
     scratch = states_out if states_out is not None else final
     if states_out is not None and not states_out.is_contiguous():
         raise ValueError("gated_delta: states_out must be contiguous")
+    result = (out, None) if slots is not None else (out, final)
     if batch == 0:
-        return out, final
+        return result
     grid = (batch, H, triton.cdiv(DV, BLOCK_V))
     _gated_delta_kernel[grid](
         q, k, v, g, beta, state, valid_len.contiguous(), out, final, scratch,
+        slots.contiguous() if slots is not None else valid_len,
         T, H, int(states_out is not None),
-        DK=DK, DV=DV, BLOCK_K=max(16, triton.next_power_of_2(DK)), BLOCK_V=BLOCK_V,
+        HAS_SLOTS=slots is not None, DK=DK, DV=DV, BLOCK_K=max(16, triton.next_power_of_2(DK)),
+        BLOCK_V=BLOCK_V,
         num_warps=4,
     )
-    return out, final
+    return result
+
+
+@triton.jit(do_not_specialize=["T", "s_mb", "s_ab", "s_at", "s_bb", "s_bt"])
+def _inputs_kernel(
+    mixed_ptr, a_ptr, b_ptr, alog_ptr, dt_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+    T, H, ratio, scale, eps,
+    s_mb, s_mc, s_ab, s_at, s_bb, s_bt,
+    KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * T + t
+    h = tl.program_id(1)  # value head
+    bi = row // T
+    t = row % T
+    kh = h // ratio
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.arange(0, BLOCK_V)
+    k_ok = ks < DK
+    v_ok = vs < DV
+    base = mixed_ptr + bi * s_mb + t  # channel c of token t at base + c * s_mc
+    q = tl.load(base + (kh * DK + ks) * s_mc, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(base + (KEY_DIM + kh * DK + ks) * s_mc, mask=k_ok, other=0.0).to(tl.float32)
+    v = tl.load(base + (2 * KEY_DIM + h * DV + vs) * s_mc, mask=v_ok, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    out = row.to(tl.int64) * H + h
+    tl.store(q_ptr + out * DK + ks, q, mask=k_ok)
+    tl.store(k_ptr + out * DK + ks, k, mask=k_ok)
+    tl.store(v_ptr + out * DV + vs, v, mask=v_ok)
+    a = tl.load(a_ptr + bi * s_ab + t * s_at + h).to(tl.float32) + tl.load(dt_ptr + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # F.softplus's threshold
+    tl.store(g_ptr + out, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+    x = tl.load(b_ptr + bi * s_bb + t * s_bt + h)
+    sig = 1.0 / (1.0 + tl.exp(-x.to(tl.float32)))
+    tl.store(beta_ptr + out, sig.to(x.dtype).to(tl.float32))  # sigmoid rounds to b's dtype first
+
+
+def gated_delta_inputs(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, k_heads: int, k_dim: int, v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as kernels.reference.gated_delta_inputs, in one launch (one program per
+    token and value head). a and b may be column views of a fused projection."""
+    batch, C, T = mixed.shape
+    H = A_log.shape[0]
+    if mixed.stride(2) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("gated_delta_inputs: mixed's tokens and a's, b's heads must be contiguous")
+    f32 = dict(dtype=torch.float32, device=mixed.device)
+    q, k = torch.empty((batch, T, H, k_dim), **f32), torch.empty((batch, T, H, k_dim), **f32)
+    v = torch.empty((batch, T, H, v_dim), **f32)
+    g, beta = torch.empty((batch, T, H), **f32), torch.empty((batch, T, H), **f32)
+    if batch * T:
+        _inputs_kernel[(batch * T, H)](
+            mixed, a, b, A_log, dt_bias, q, k, v, g, beta,
+            T, H, H // k_heads, k_dim**-0.5, 1e-6,
+            mixed.stride(0), mixed.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            KEY_DIM=k_heads * k_dim, DK=k_dim, DV=v_dim,
+            BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=triton.next_power_of_2(v_dim),
+        )
+    return q, k, v, g, beta
 
 
 @triton.jit(do_not_specialize=["T", "W"])

@@ -1,12 +1,18 @@
 """A batch-invariant matmul: out = x @ w.T (+ bias), row i of the output a function of row i
 of x alone, bitwise, for any number of rows M.
 
-How: the tile configuration is a function of the weight's shape (N, K) only, never of M;
-there is no split-K; every output element accumulates its K products in BLOCK_K chunks in
-ascending order into one float32 accumulator; M is not a specialisation key of the compiled
-kernel (`do_not_specialize`), so one binary serves M = 1 and M = 4096 alike. A token's row
-therefore gets the same bits in a one-token decode step, inside a verify block of B, and in
-any batch. cuBLAS picks other kernels (and split-K) as M changes, so its rows move.
+How: there is no split-K, and every output element accumulates its K products in ascending
+order, 16 at a time (one tensor-core step of bfloat16/float16), into one float32 accumulator,
+whatever the tile. The tiles decide only which elements one program computes and how far
+ahead it loads, not the order of any element's sum, so they may change with M: few rows
+(a decode step, a small verify) take narrow tiles that give every SM several programs and a
+deep load pipeline (the weight is streamed once), many rows take 64x64 tiles that reuse each
+weight tile across 64 rows. The GPU tier checks the claim bitwise: row 0 for M = 1 .. 1000
+across the switch, and every tile configuration against every other on full outputs
+(tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
+configuration for every M. M is not a specialisation key of the compiled kernel
+(`do_not_specialize`), so one binary per configuration serves every M. cuBLAS picks other
+kernels (and split-K) as M changes, so its rows move.
 
 The grid runs the row tiles of one column tile next to each other, so a weight tile read from
 memory serves every row tile from L2.
@@ -15,13 +21,26 @@ memory serves every row tile from L2.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
-BLOCK_K = 128
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# chosen by a sweep on the H200 (scripts/bench_kernels.py --sweep): NARROW streams a weight at
+# cuBLAS's speed for 1-16 rows, WIDE runs 256 rows at 1.3-1.6x cuBLAS's time
+NARROW = Tiles(16, 16, 256, 2, 5)
+WIDE = Tiles(64, 64, 64, 4, 4)
+WIDE_ROWS = 64  # more rows than this take WIDE
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -66,6 +85,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def tiles_for(M: int, N: int, dtype: torch.dtype, sm_count: int) -> Tiles:
+    """The tile configuration for M rows of a weight with N output columns (module
+    docstring: no configuration changes the bits of any element)."""
+    if dtype == torch.float32:
+        return Tiles(16, block_n(N, sm_count), 128, 4, 4)
+    return WIDE if M > WIDE_ROWS else NARROW
+
+
 def block_n(n: int, sm_count: int) -> int:
     """Column tile for a weight with n output columns: the widest that still gives every SM a
     program (decode streams the weight once, so idle SMs are lost bandwidth). A function of
@@ -77,9 +104,9 @@ def block_n(n: int, sm_count: int) -> int:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+           tiles: Tiles | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N], batch-invariant (module docstring).
-    `tiles` (BLOCK_M, BLOCK_N, BLOCK_K) overrides the configuration, for tile sweeps only."""
+    `tiles` overrides the configuration, for tile sweeps and the tests that compare them."""
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"matmul: x has {x.shape[-1]} columns, weight expects {K}")
@@ -91,15 +118,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M == 0:
         return out.reshape(*lead, N)
     device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
-    bm, bn, bk = tiles or (BLOCK_M, block_n(N, _sm_count(device_index)), BLOCK_K)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    t = tiles or tiles_for(M, N, x.dtype, _sm_count(device_index))
+    grid = (triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n))
     _matmul_kernel[grid](
         x2, w, bias if bias is not None else w, out,
         M, N, K,
         x2.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4, num_stages=4,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        num_warps=t.warps, num_stages=t.stages,
     )
     return out.reshape(*lead, N)

@@ -45,15 +45,16 @@ def _norm_kernel(x_ptr, w_ptr, z_ptr, out_ptr, H, eps,
     tl.store(out_ptr + row * H + cols, y.to(out_ty), mask=ok)
 
 
-@triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["stride_g", "stride_u"])
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     silu = (g * _sigmoid(g)).to(out_ty).to(tl.float32)  # F.silu rounds to the dtype first
-    tl.store(out_ptr + offs, (silu * u).to(out_ty), mask=ok)
+    tl.store(out_ptr + row * n + offs, (silu * u).to(out_ty), mask=ok)
 
 
 def _rows(x: torch.Tensor, kind: int, eps: float, weight: torch.Tensor | None = None,
@@ -83,11 +84,21 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return _rows(x, L2, eps)
 
 
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last] with contiguous rows, a view when x's rows are evenly strided (the
+    column ranges of one fused projection are), else a copy."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n) if x.dim() > 1 else x.reshape(1, n)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    n = g.numel()
-    if n:
+    """silu(gate) * up; gate and up may be column views of one [..., 2 * n] product."""
+    g, u = _row_view(gate), _row_view(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows, n = g.shape
+    if rows and n:
         block = 1024
-        _silu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0),
+                                                        BLOCK=block)
     return out

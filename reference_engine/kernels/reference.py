@@ -59,6 +59,43 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout, over the first rotary_dim dims of each head (the rest pass
+    through). x: [batch, T, heads, head_dim]; cos, sin: [batch, T, 1, rotary_dim] in x's
+    dtype, so every product and sum rounds to it."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def attention_inputs(
+    q: torch.Tensor | None,  # [batch, T, heads, head_dim] or None (keys and values only)
+    k: torch.Tensor,  # [batch, T, kv_heads, head_dim]
+    v: torch.Tensor,  # [batch, T, kv_heads, head_dim]
+    q_weight: torch.Tensor | None,  # q_norm's weight [head_dim]
+    k_weight: torch.Tensor,  # k_norm's weight [head_dim]
+    eps: float,
+    offset: bool,  # norms multiply by (1 + w) (Qwen3.5)
+    cos: torch.Tensor,  # [batch, T, 1, rotary_dim]
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, max_len, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [batch]
+    positions: torch.Tensor,  # [batch, T]
+) -> torch.Tensor | None:
+    """What attention needs before it runs: queries and keys normed per head (q_norm,
+    k_norm) and rotated (RoPE); keys and values written into the cache at their positions.
+    Returns the queries (None when q is None: the DFlash draft's context rows)."""
+    rows = slots[:, None]
+    k_cache[rows, positions] = rotate(rms_norm(k, k_weight, eps, offset), cos, sin)
+    v_cache[rows, positions] = v
+    if q is None:
+        return None
+    return rotate(rms_norm(q, q_weight, eps, offset), cos, sin)
+
+
 def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv1d then SiLU. full: [batch, channels, kernel-1+T] (the previous
     kernel-1 inputs, then T new ones); weight: [channels, 1, kernel]. Returns [batch, channels, T].
@@ -118,6 +155,38 @@ def attention(
     return out.transpose(1, 2)
 
 
+def gated_delta_inputs(
+    mixed: torch.Tensor,  # [batch, conv_dim, T] the conv's output: q, k, v channels in turn
+    a: torch.Tensor,  # [batch, T, v_heads] decay input (the model dtype)
+    b: torch.Tensor,  # [batch, T, v_heads] write-strength input
+    A_log: torch.Tensor,  # [v_heads]
+    dt_bias: torch.Tensor,  # [v_heads]
+    k_heads: int,
+    k_dim: int,
+    v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated delta rule's inputs from a Gated DeltaNet layer's conv output: q and k
+    L2-normalised per key head (q also scaled by k_dim^-0.5) and repeated for the value heads
+    that share them (2i and 2i+1 share key head i for a ratio of 2), v per value head, the
+    log decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b); all in the
+    accumulation dtype. Returns (q, k [batch, T, v_heads, k_dim], v [batch, T, v_heads,
+    v_dim], g, beta [batch, T, v_heads])."""
+    batch, _, T = mixed.shape
+    v_heads = A_log.shape[0]
+    acc = accumulation_dtype(mixed.dtype)
+    key_dim = k_heads * k_dim
+    q, k, v = mixed.transpose(1, 2).split([key_dim, key_dim, v_heads * v_dim], -1)
+    q = l2_norm(q.reshape(batch, T, k_heads, k_dim).to(acc))
+    k = l2_norm(k.reshape(batch, T, k_heads, k_dim).to(acc))
+    v = v.reshape(batch, T, v_heads, v_dim).to(acc)
+    ratio = v_heads // k_heads
+    q = q.repeat_interleave(ratio, dim=2) * k_dim**-0.5
+    k = k.repeat_interleave(ratio, dim=2)
+    beta = torch.sigmoid(b).to(acc)
+    g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
+    return q, k, v, g, beta
+
+
 def gated_delta(
     q: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised and scaled, state dtype
     k: torch.Tensor,  # [batch, T, v_heads, k_dim], normalised, state dtype
@@ -127,12 +196,19 @@ def gated_delta(
     state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
     valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
     states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule as the engine runs it off the Triton path (the CPU, and the
-    `fast` numerics on CUDA): a decode step (T = 1) takes one step of the recurrence, a
-    verify block or a prefill chunk the chunked form, so no Python loop runs over tokens.
-    The contract is `gated_delta_recurrent`'s, except outputs at padded tokens (t >=
-    valid_len), which nothing reads."""
+    slots: torch.Tensor | None = None,  # [batch]: `state` holds every slot's, updated in place
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule as the engine runs it off the Triton path (the CPU and float64
+    models): a decode step (T = 1) takes one step of the recurrence, a verify block or a
+    prefill chunk the chunked form, so no Python loop runs over tokens. The contract is
+    `gated_delta_recurrent`'s, except outputs at padded tokens (t >= valid_len), which
+    nothing reads, and `slots`: with it, `state` is every slot's state [slots, v_heads,
+    k_dim, v_dim], row i starts from state[slots[i]] and its final state is written back
+    there; the second result is then None."""
+    if slots is not None:
+        out, final = gated_delta(q, k, v, g, beta, state.index_select(0, slots), valid_len, states_out)
+        state.index_copy_(0, slots, final)
+        return out, None
     if q.shape[1] == 1:
         return gated_delta_recurrent(q, k, v, g, beta, state, valid_len, states_out)
     return gated_delta_chunked(q, k, v, g, beta, state, valid_len, states_out)

@@ -19,9 +19,14 @@ class Kernels:
     l2_norm: Callable
     silu_mul: Callable
     causal_conv: Callable
+    attention_inputs: Callable
     attention: Callable
+    gated_delta_inputs: Callable
     gated_delta: Callable
     greedy: Callable
+    # every kernel takes positions and lengths from device tensors (no host value bounds a
+    # loop or a slice), so a forward through the table can be captured as a CUDA graph
+    capturable: bool = False
 
 
 TORCH = Kernels(
@@ -32,7 +37,9 @@ TORCH = Kernels(
     l2_norm=reference.l2_norm,
     silu_mul=reference.silu_mul,
     causal_conv=reference.causal_conv,
+    attention_inputs=reference.attention_inputs,
     attention=reference.attention,
+    gated_delta_inputs=reference.gated_delta_inputs,
     gated_delta=reference.gated_delta,
     greedy=reference.greedy,
 )

@@ -1,13 +1,25 @@
-"""The `exact` kernels table: every entry a batch- and verify-invariant Triton kernel with the
-contract of its PyTorch reference (kernels/reference.py)."""
+"""The kernel tables of CUDA devices.
+
+`TRITON`, the `exact` numerics: every entry a batch- and verify-invariant Triton kernel with
+the contract of its PyTorch reference (kernels/reference.py).
+
+`VENDOR`, the `fast` numerics: cuBLAS GEMMs (through the reference `linear`) and PyTorch's
+argmax, every other kernel the Triton one. The GEMMs are the only kernels whose bits move
+with the batch, and the only ones a vendor library runs faster at every row count; the other
+Triton kernels take lengths from device tensors, so the fast numerics are captured as CUDA
+graphs too, and exact vs fast compares the cost of invariant matrix products alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from . import reference
 from .argmax import greedy
 from .attention import attention
-from .gated_delta import causal_conv, gated_delta
+from .gated_delta import causal_conv, gated_delta, gated_delta_inputs
 from .matmul import matmul
 from .norms import gated_rms_norm, l2_norm, rms_norm, silu_mul
+from .rope import attention_inputs
 from .table import Kernels
 
 TRITON = Kernels(
@@ -18,7 +30,12 @@ TRITON = Kernels(
     l2_norm=l2_norm,
     silu_mul=silu_mul,
     causal_conv=causal_conv,
+    attention_inputs=attention_inputs,
     attention=attention,
+    gated_delta_inputs=gated_delta_inputs,
     gated_delta=gated_delta,
     greedy=greedy,
+    capturable=True,
 )
+
+VENDOR = replace(TRITON, name="vendor", linear=reference.linear, greedy=reference.greedy)

@@ -6,10 +6,11 @@ import torch
 
 from ..config import QWEN3, TargetConfig
 from .base import CausalLM, ForwardOutput
+from .layers import fuse_projections
 from .qwen3 import build_qwen3
 from .qwen3_5 import build_qwen3_5
 
-__all__ = ["CausalLM", "ForwardOutput", "build_target", "expected_shapes"]
+__all__ = ["CausalLM", "ForwardOutput", "build_target", "expected_shapes", "fuse_projections"]
 
 
 def build_target(config: TargetConfig) -> CausalLM:

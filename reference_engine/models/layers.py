@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..kernels import TORCH, Kernels
+from ..kernels.reference import rotate
 
 
 class RMSNorm(nn.Module):
@@ -39,16 +40,80 @@ class GatedRMSNorm(nn.Module):
         return ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
+class FusedLinears:
+    """Linears that read the same input, computed by one matmul over their weights stacked by
+    rows. Each linear's weight (and bias) becomes a view of its rows of the stacked matrix, so
+    the model keeps one copy and its parameters keep their names and values; a parameter
+    replaced afterwards (not updated in place) is noticed, and the linears then run one by
+    one again. Splitting a matmul by output columns changes no element's sum, so with the
+    exact kernels the outputs are the bits of the separate products."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        biases = [lin.bias for lin in linears]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            raise ValueError("FusedLinears: either every linear has a bias or none does")
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        start = 0
+        for lin, size in zip(linears, self.sizes):
+            grad = lin.weight.requires_grad
+            lin.weight = nn.Parameter(self.weight[start : start + size], requires_grad=grad)
+            if self.bias is not None:
+                lin.bias = nn.Parameter(self.bias[start : start + size], requires_grad=grad)
+            start += size
+
+    def live(self) -> bool:
+        """Whether every linear's weight is still its view of the stacked matrix."""
+        start = 0
+        for lin, size in zip(self.linears, self.sizes):
+            if lin.weight.data_ptr() != self.weight[start].data_ptr():
+                return False
+            start += size
+        return True
+
+    def __call__(self, x: torch.Tensor, ops: Kernels, first: int = 0) -> list[torch.Tensor]:
+        """The outputs of linears[first:], as column views of one product."""
+        skip = sum(self.sizes[:first])
+        bias = self.bias[skip:] if self.bias is not None else None
+        return list(ops.linear(x, self.weight[skip:], bias).split(self.sizes[first:], dim=-1))
+
+
+def run_linears(linears: list[nn.Linear], fused: FusedLinears | None, x: torch.Tensor,
+                ops: Kernels, first: int = 0) -> list[torch.Tensor]:
+    """The outputs of linears[first:] for x: one product when `fused` is live, else one each."""
+    if fused is not None and fused.live():
+        return fused(x, ops, first)
+    return [ops.linear(x, lin.weight, lin.bias) for lin in linears[first:]]
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Give every layer that reads one input through several linears (attention's q, k, v;
+    the MLP's gate and up; Gated DeltaNet's four input projections) one matmul for them
+    (FusedLinears). Parameters keep their names and values; calling it again re-fuses only
+    layers whose parameters were replaced since."""
+    for module in model.modules():
+        fused = getattr(module, "fused", None)
+        if hasattr(module, "fuse") and (fused is None or not fused.live()):
+            module.fuse()
+
+
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.fused: FusedLinears | None = None
+
+    def fuse(self) -> None:
+        """Compute gate and up projections by one matmul from now on (FusedLinears)."""
+        self.fused = FusedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
-        hidden = ops.silu_mul(ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight))
-        return ops.linear(hidden, self.down_proj.weight)
+        gate, up = run_linears([self.gate_proj, self.up_proj], self.fused, x, ops)
+        return ops.linear(ops.silu_mul(gate, up), self.down_proj.weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,10 +137,7 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [batch, T, heads, head_dim]
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+        return rotate(x, cos, sin)
 
 
 class SelfAttention(nn.Module):
@@ -110,6 +172,14 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps, offset=norm_offset)
         self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset)
+        self.fused: FusedLinears | None = None
+
+    def fuse(self) -> None:
+        """Compute the q, k and v projections by one matmul from now on (FusedLinears)."""
+        self.fused = FusedLinears([self.q_proj, self.k_proj, self.v_proj])
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(*t.shape[:2], -1, self.head_dim)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         """Write this step's keys and values at their positions, then attend over the slot's
@@ -117,14 +187,16 @@ class SelfAttention(nn.Module):
         later write overwrites the rejected rows, which no query reads before then."""
         batch, T, _ = x.shape
         ops = ctx.ops
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias).view(batch, T, self.num_heads, -1)
+        q, k, v = run_linears([self.q_proj, self.k_proj, self.v_proj], self.fused, x, ops)
+        q = q.view(batch, T, self.num_heads, -1)
         gate = None
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(batch, T, -1)
-        q = ctx.rotary.apply(self.q_norm(q, ops), ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.state.k_cache[layer], ctx.state.v_cache[layer]
-        self._write_kv(x, ctx, k_cache, v_cache)
+        q = ops.attention_inputs(q, self._heads(k), self._heads(v), self.q_norm.weight,
+                                 self.k_norm.weight, self.k_norm.eps, self.k_norm.offset,
+                                 ctx.cos, ctx.sin, k_cache, v_cache, ctx.slots, ctx.positions)
         out = ops.attention(q, k_cache, v_cache, ctx.slots, ctx.positions, ctx.kv_len,
                             self.head_dim**-0.5, self.causal, self.sliding_window,
                             ctx.valid_len).reshape(batch, T, -1)
@@ -135,18 +207,11 @@ class SelfAttention(nn.Module):
     def write_kv(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> None:
         """Write this layer's keys and values for x at ctx.positions, attending to nothing
         (the DFlash draft's context rows, computed from target features)."""
-        self._write_kv(x, ctx, ctx.state.k_cache[layer], ctx.state.v_cache[layer])
-
-    def _write_kv(self, x: torch.Tensor, ctx: ForwardContext, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor) -> None:
-        batch, T, _ = x.shape
-        ops = ctx.ops
-        k = ops.linear(x, self.k_proj.weight, self.k_proj.bias)
-        k = self.k_norm(k.view(batch, T, self.num_kv_heads, self.head_dim), ops)
-        v = ops.linear(x, self.v_proj.weight, self.v_proj.bias)
-        rows = ctx.slots[:, None]
-        k_cache[rows, ctx.positions] = ctx.rotary.apply(k, ctx.cos, ctx.sin)
-        v_cache[rows, ctx.positions] = v.view(batch, T, self.num_kv_heads, self.head_dim)
+        k, v = run_linears([self.q_proj, self.k_proj, self.v_proj], self.fused, x, ctx.ops, first=1)
+        ctx.ops.attention_inputs(None, self._heads(k), self._heads(v), None, self.k_norm.weight,
+                                 self.k_norm.eps, self.k_norm.offset, ctx.cos, ctx.sin,
+                                 ctx.state.k_cache[layer], ctx.state.v_cache[layer], ctx.slots,
+                                 ctx.positions)
 
 
 class ForwardContext:

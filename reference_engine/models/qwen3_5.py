@@ -8,13 +8,12 @@ position rows are equal, so the attention layers use plain RoPE on the rotary pa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import LINEAR_ATTENTION, TargetConfig
-from ..kernels.reference import accumulation_dtype, gated_delta_chunked
+from ..kernels.reference import gated_delta_chunked
 from .base import CausalLM
-from .layers import MLP, ForwardContext, GatedRMSNorm, RMSNorm, SelfAttention
+from .layers import MLP, ForwardContext, FusedLinears, GatedRMSNorm, RMSNorm, SelfAttention, run_linears
 
 
 def conv_state_after(full: torch.Tensor, kernel: int, processed: torch.Tensor | None) -> torch.Tensor:
@@ -52,29 +51,28 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.fused: FusedLinears | None = None
+
+    def fuse(self) -> None:
+        """Compute the four input projections by one matmul from now on (FusedLinears)."""
+        self.fused = FusedLinears(self._inputs())
+
+    def _inputs(self) -> list[nn.Linear]:
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         batch, T, _ = x.shape
-        acc = accumulation_dtype(x.dtype)
         state, ops = ctx.state, ctx.ops
         # Depthwise causal conv1d + SiLU, continuing from the slot's conv state (the last
         # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
-        projected = ops.linear(x, self.in_proj_qkv.weight).transpose(1, 2)
+        projected, z, b, a = run_linears(self._inputs(), self.fused, x, ops)
+        projected = projected.transpose(1, 2)
         full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected], -1)
         state.conv[layer].index_copy_(0, ctx.slots, conv_state_after(full, self.kernel, ctx.valid_len))
         mixed = ops.causal_conv(full, self.conv1d.weight)
 
-        q, k, v = mixed.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q = ops.l2_norm(q.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
-        k = ops.l2_norm(k.reshape(batch, T, self.num_k_heads, self.k_dim).to(acc))
-        v = v.reshape(batch, T, self.num_v_heads, self.v_dim).to(acc)
-        # value heads 2i and 2i+1 (for a ratio of 2) share key head i
-        ratio = self.num_v_heads // self.num_k_heads
-        q = q.repeat_interleave(ratio, dim=2) * self.k_dim**-0.5
-        k = k.repeat_interleave(ratio, dim=2)
-        beta = torch.sigmoid(ops.linear(x, self.in_proj_b.weight)).to(acc)
-        a = ops.linear(x, self.in_proj_a.weight).to(acc)
-        g = -self.A_log.to(acc).exp() * F.softplus(a + self.dt_bias.to(acc))
+        q, k, v, g, beta = ops.gated_delta_inputs(mixed, a, b, self.A_log, self.dt_bias,
+                                                  self.num_k_heads, self.k_dim, self.v_dim)
 
         states_out = None
         if ctx.record is not None:
@@ -82,14 +80,14 @@ class GatedDeltaNet(nn.Module):
             if ctx.record == "per_token":
                 states_out = state.verify_states_of(layer, batch, T)
         recurrent = state.recurrent[layer]
-        start = recurrent.index_select(0, ctx.slots)
         if ctx.chunked:
-            out, final = gated_delta_chunked(q, k, v, g, beta, start)
-        else:
-            out, final = ops.gated_delta(q, k, v, g, beta, start, ctx.valid_len, states_out)
-        recurrent.index_copy_(0, ctx.slots, final)
+            out, final = gated_delta_chunked(q, k, v, g, beta, recurrent.index_select(0, ctx.slots))
+            recurrent.index_copy_(0, ctx.slots, final)
+        else:  # the rows' states read and written in place
+            out, _ = ops.gated_delta(q, k, v, g, beta, recurrent, ctx.valid_len, states_out,
+                                     slots=ctx.slots)
 
-        z = ops.linear(x, self.in_proj_z.weight).reshape(batch, T, self.num_v_heads, self.v_dim)
+        z = z.reshape(batch, T, self.num_v_heads, self.v_dim)
         out = self.norm(out.to(x.dtype), z, ops)
         return ops.linear(out.reshape(batch, T, self.value_dim), self.out_proj.weight)
 

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import ConfigError, RequestError
 from ..kernels import NUMERICS, default_numerics, select
-from ..models import CausalLM
+from ..models import CausalLM, fuse_projections
 from ..models.dflash import DFlashDraft, DraftState
 from .commit import check_strategy, verify_record
 from .decode import context_length, stop_ids
@@ -74,10 +74,11 @@ class EngineConfig:
     fallback_min_acceptance: float | None = None
     fallback_after_steps: int = 8
     # kernels: "exact" (batch- and verify-invariant, bit-exact DFlash in bf16 on CUDA) or
-    # "fast" (vendor libraries); None: exact on CUDA. On the CPU the PyTorch references run.
+    # "fast" (cuBLAS GEMMs, kernels/triton_ops.VENDOR); None: exact on CUDA. On the CPU the
+    # PyTorch references run.
     numerics: str | None = None
-    # run every forward eagerly; by default the decode, draft and verify forwards of the
-    # exact numerics on CUDA replay CUDA graphs captured at start-up (graphs.py)
+    # run every forward eagerly; by default the decode, draft, verify and commit of both
+    # numerics on CUDA replay CUDA graphs captured at start-up (graphs.py)
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -142,9 +143,12 @@ class Engine:
                     f"block size {self.block_size} is larger than the draft supports "
                     f"({draft.config.block_size})"
                 )
+        if self.device.type == "cuda":  # one matmul per group of projections that share an input
+            fuse_projections(target)
+            if draft is not None:
+                fuse_projections(draft)
         room = self.context_len + self.block_size  # a verify may run past the last token
-        use_graphs = (self.device.type == "cuda" and self.ops.name == "triton"
-                      and not config.enforce_eager)
+        use_graphs = self.device.type == "cuda" and self.ops.capturable and not config.enforce_eager
         # CUDA graphs pad a batch to its bucket with rows on one spare slot that no request owns
         slots = config.max_num_seqs + int(use_graphs)
         self.state = TargetState(target.config, slots, room, self.dtype,

@@ -13,10 +13,11 @@ rows runs in the smallest bucket >= b; the padding rows point at a spare slot th
 owns (the state keeps one), so their writes land nowhere that matters. Shapes outside the
 buckets (a last block shorter than B, more rows than the largest bucket) run eagerly.
 
-Graphs are captured only with the exact numerics (its kernels take positions and lengths
-from device tensors and read the cache in place; the vendor path bounds attention by a
-host-side length). A replay gives the same bits as the eager forward: the same kernels on
-the same inputs (a gate checks it).
+Graphs are captured for kernel tables whose kernels take positions and lengths from device
+tensors and read the cache in place (`Kernels.capturable`: the exact and the fast numerics on
+CUDA; the PyTorch references bound attention by a host-side length). A replay gives the same
+bits as the eager forward in the exact numerics: the same kernels on the same inputs (a gate
+checks it).
 """
 
 from __future__ import annotations

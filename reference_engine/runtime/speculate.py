@@ -60,6 +60,14 @@ class Rows:
     kv_len: int  # attention rows a forward of this step may read
 
 
+@dataclass
+class VerifyOutput(ForwardOutput):
+    """A replayed verify's output: the forward's, and the greedy argmax of its logits that
+    the graph computed with them [b, N + 1]."""
+
+    tokens: torch.Tensor | None = None
+
+
 class SpeculativeStep:
     def __init__(
         self,
@@ -92,7 +100,8 @@ class SpeculativeStep:
         with self.timer.phase("verify"):
             out = self.verify(rows, block)
         with self.timer.phase("accept"):
-            accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits)
+            accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits,
+                                          out.tokens if isinstance(out, VerifyOutput) else None)
             processed = self.processed(rows, accepted)
             # the one host transfer of the step
             b, N = len(seqs), proposals.shape[1]
@@ -117,11 +126,11 @@ class SpeculativeStep:
         n = [min(self.block_size - 1, s.remaining) for s in seqs]
         N = self.block_size - 1 if self.pad_blocks else max(n)
         starts = self.anchor_positions(seqs)
-        positions = (torch.tensor(starts, device=self.device)[:, None]
-                     + torch.arange(N + 1, device=self.device))
         slot_ids = [s.slot for s in seqs]
-        return Rows(seqs, slot_ids, torch.tensor(slot_ids, device=self.device), starts, n,
-                    torch.tensor(n, device=self.device), positions, max(starts) + N + 1)
+        # one host-to-device copy for the three
+        starts_t, slots_t, n_t = torch.tensor(starts + slot_ids + n, device=self.device).split(len(seqs))
+        positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
+        return Rows(seqs, slot_ids, slots_t, starts, n, n_t, positions, max(starts) + N + 1)
 
     def anchor_positions(self, seqs: list[Sequence]) -> list[int]:
         """Each row's anchor sits at its committed length."""
@@ -148,15 +157,22 @@ class SpeculativeStep:
                                              self.ops)  # [b, N, vocab]
             proposals = self.ops.greedy(draft_logits)  # [b, N]
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
+        guesses = {}  # tests and benchmarks: the oracle's scheduled proposals, row -> ids
         for i, seq in enumerate(rows.seqs):
             n_i = rows.n[i]
-            if seq.oracle is not None:  # tests and benchmarks: scheduled acceptance
-                guess = seq.oracle.propose(seq.spec.steps, len(seq.output_ids), n_i)
-                proposals[i, :n_i] = torch.tensor(guess, device=self.device)
+            if seq.oracle is not None:
+                guesses[i] = seq.oracle.propose(seq.spec.steps, len(seq.output_ids), n_i)
             elif not seq.params.greedy:
                 p = seq.params
                 draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)
                 proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
+        if guesses:  # one host-to-device copy for every oracle row
+            width = proposals.shape[1]
+            padded = [g + [0] * (width - len(g)) for g in guesses.values()]
+            keep = torch.tensor([[j < len(g) for j in range(width)] for g in guesses.values()],
+                                device=self.device)
+            at = list(guesses)
+            proposals[at] = torch.where(keep, torch.tensor(padded, device=self.device), proposals[at])
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
         proposals.clamp_(0, self.target.config.vocab_size - 1)
@@ -171,8 +187,8 @@ class SpeculativeStep:
             self.state.save_rows(rows.slot_ids)
         if self.graphs is not None:
             replayed = self.graphs.verify(block, rows.positions, rows.slots, rows.n_t + 1)
-            if replayed is not None:
-                return ForwardOutput(replayed["logits"], replayed["features"])
+            if replayed is not None:  # the graph's argmax comes along: accept needs no second pass
+                return VerifyOutput(replayed["logits"], replayed["features"], replayed["tokens"])
         return self.target(block, rows.positions, rows.slots, self.state, rows.kv_len,
                            capture_layers=self.draft.config.target_layer_ids,
                            valid_len=rows.n_t + 1,
@@ -185,14 +201,18 @@ class SpeculativeStep:
         proposals: torch.Tensor,  # [b, N]
         draft_probs: list[torch.Tensor | None],
         logits: torch.Tensor,  # [b, N + 1, vocab] the verify's
+        target_tokens: torch.Tensor | None = None,  # [b, N + 1] its argmax, when at hand
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (accepted [b], bonus [b]): greedy rows by comparison with the target's
         argmax, sampled rows by speculative sampling."""
-        target_tokens = self.ops.greedy(logits)  # [b, N + 1]
+        if target_tokens is None:
+            target_tokens = self.ops.greedy(logits)  # [b, N + 1]
         accepted = self.accept_greedy(proposals, target_tokens, rows.n_t)
-        for i, seq in enumerate(rows.seqs):
-            if seq.oracle is not None and seq.oracle.forced:  # benchmarks only
-                accepted[i] = seq.oracle.scheduled(seq.spec.steps, rows.n[i])
+        forced = [(i, seq.oracle.scheduled(seq.spec.steps, rows.n[i])) for i, seq in enumerate(rows.seqs)
+                  if seq.oracle is not None and seq.oracle.forced]  # benchmarks only
+        if forced:  # one host-to-device copy for every forced row
+            at, counts = zip(*forced)
+            accepted[list(at)] = torch.tensor(counts, device=self.device)
         bonus = target_tokens.gather(1, self.bonus_index(accepted, rows.n_t)[:, None])[:, 0]
         for i, seq in enumerate(rows.seqs):
             if not seq.params.greedy:

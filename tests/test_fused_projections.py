@@ -22,7 +22,8 @@ from reference_engine.models import fuse_projections
 from reference_engine.models.dflash import DraftState
 from reference_engine.runtime.decode import new_state
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -25,9 +25,14 @@ from reference_engine import kernels  # noqa: E402
 from reference_engine.kernels import reference as ref  # noqa: E402
 from reference_engine.kernels.argmax import greedy  # noqa: E402
 from reference_engine.kernels.attention import attention  # noqa: E402
-from reference_engine.kernels.gated_delta import causal_conv, gated_delta, gated_delta_inputs  # noqa: E402
-from reference_engine.kernels.matmul import NARROW, WIDE, WIDE_ROWS, block_n, matmul, tiles_for  # noqa: E402
-from reference_engine.kernels.norms import gated_rms_norm, l2_norm, rms_norm, silu_mul  # noqa: E402
+from reference_engine.kernels.gated_delta import (  # noqa: E402
+    causal_conv,
+    causal_conv_step,
+    gated_delta,
+    gated_delta_inputs,
+)
+from reference_engine.kernels.matmul import ROW_TILES, block_n, matmul, tiles_for  # noqa: E402
+from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, l2_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.models.layers import RotaryEmbedding  # noqa: E402
 
@@ -82,14 +87,17 @@ def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
     assert block_n(20, 132) == 32
 
 
-def test_the_tiles_switch_at_wide_rows_in_half_precision_and_never_in_float32() -> None:
+def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_float32() -> None:
     for dtype in (torch.bfloat16, torch.float16):
-        assert tiles_for(1, 4096, dtype, 132) == tiles_for(WIDE_ROWS, 4096, dtype, 132) == NARROW
-        assert tiles_for(WIDE_ROWS + 1, 4096, dtype, 132) == tiles_for(4096, 4096, dtype, 132) == WIDE
+        low = 1
+        for bound, tiles in ROW_TILES:
+            top = bound if bound is not None else 4096
+            assert tiles_for(low, 4096, dtype, 132) == tiles_for(top, 4096, dtype, 132) == tiles
+            low = top + 1
     assert len({tiles_for(m, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
 
 
-@pytest.mark.parametrize("tiles", [NARROW, WIDE])
+@pytest.mark.parametrize("tiles", [tiles for _, tiles in ROW_TILES])
 def test_matmul_equals_the_reference_under_each_tile_configuration(tiles) -> None:
     x, w, b = rand(70, 300), rand(50, 300, seed=1), rand(50, seed=2)
     assert_close(matmul(x, w, b, tiles=tiles), ref.linear(x, w, b), torch.float32)
@@ -101,6 +109,32 @@ def test_matmul_equals_the_reference_under_each_tile_configuration(tiles) -> Non
 def test_rms_norm_equals_the_reference(dtype, offset: bool) -> None:
     x, w = rand(3, 5, 96, dtype=dtype), rand(96, dtype=dtype, seed=1)
     assert_close(rms_norm(x, w, 1e-6, offset), ref.rms_norm(x, w, 1e-6, offset), dtype)
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_add_rms_norm_equals_the_reference(dtype, offset: bool) -> None:
+    x, r, w = rand(3, 5, 96, dtype=dtype), rand(3, 5, 96, dtype=dtype, seed=1), rand(96, dtype=dtype, seed=2)
+    normed, summed = add_rms_norm(x, r, w, 1e-6, offset)
+    want_normed, want_summed = ref.add_rms_norm(x, r, w, 1e-6, offset)
+    if CUDA:  # compiled, the add rounds as PyTorch's does (the interpreter may round otherwise)
+        assert torch.equal(summed, want_summed)
+    assert_close(summed, want_summed, dtype)
+    assert_close(normed, want_normed, dtype)
+    assert torch.equal(normed, rms_norm(summed, w, 1e-6, offset))  # the same norm, in the same pass
+
+
+def test_gated_rms_norm_rounds_a_float32_input_to_z_and_reads_z_as_a_column_view() -> None:
+    """The Gated DeltaNet output: the recurrence's float32 output, z a column range of the
+    fused input projection."""
+    x = rand(4, 3, 40)
+    fused = rand(4, 3, 50, dtype=torch.bfloat16, seed=1)
+    z, w = fused[..., 10:], rand(40, dtype=torch.bfloat16, seed=2)
+    got = gated_rms_norm(x, z, w, 1e-6)
+    assert got.dtype == torch.bfloat16
+    assert_close(got, ref.gated_rms_norm(x, z, w, 1e-6), torch.bfloat16)
+    if CUDA:  # compiled, the rounding of x is PyTorch's (the interpreter may round otherwise)
+        assert torch.equal(got, gated_rms_norm(x.bfloat16(), z.contiguous(), w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
@@ -169,14 +203,15 @@ def test_causal_conv_equals_the_reference(dtype) -> None:
 
 
 def test_greedy_takes_the_lowest_id_on_a_tie_within_and_across_blocks() -> None:
-    logits = rand(4, 5000)
+    logits = rand(5, 40000)  # three first-pass chunks of 16384
     logits[0, 4000] = logits[0, 100] = 50.0  # tie across vocabulary blocks
     logits[1, 3] = logits[1, 7] = 50.0  # tie inside one block
     logits[2] = float("-inf")
+    logits[4, 39999] = logits[4, 20000] = 50.0  # tie across chunks
     got = greedy(logits)
-    assert got.tolist()[:3] == [100, 3, 0]
+    assert got.tolist()[:3] == [100, 3, 0] and got[4] == 20000
     assert torch.equal(got, ref.greedy(logits))
-    assert greedy(logits.reshape(2, 2, 5000)).shape == (2, 2)
+    assert greedy(logits[:4].reshape(2, 2, 40000)).shape == (2, 2)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -238,6 +273,27 @@ def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_state
     assert_close(final, want_final, torch.float32)
     assert_close(got_states, want_states, torch.float32)
     assert torch.equal(final[0], got_states[0, 1])  # row 0 stopped after its 2 valid tokens
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("T", [1, 5, 20])
+def test_causal_conv_step_equals_the_reference_and_moves_slot_states_on_in_place(dtype, T: int) -> None:
+    """The conv over each row's slot state and its new inputs (a column view of a fused
+    projection), rows of different valid lengths, more tokens than one tile holds."""
+    batch, C, kernel = 3, 70, 4
+    fused = rand(batch, T, C + 9, dtype=dtype, seed=11)
+    x = fused[..., 9:]
+    weight = rand(C, 1, kernel, dtype=dtype, seed=12)
+    states = rand(6, C, kernel - 1, dtype=dtype, seed=13)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    valid = torch.tensor([T, max(T - 3, 1), 1], device=DEVICE)
+    got_states, want_states = states.clone(), states.clone()
+    got = causal_conv_step(x, got_states, slots, weight, valid)
+    want = ref.causal_conv_step(x, want_states, slots, weight, valid)
+    assert got.shape == want.shape == (batch, C, T)
+    assert_close(got, want, dtype)
+    assert torch.equal(got_states, want_states)  # the kept inputs are copied, not computed
+    assert torch.equal(got_states[[1, 3, 5]], states[[1, 3, 5]])  # other slots untouched
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)

@@ -14,7 +14,7 @@ from reference_engine.kernels import reference as ref
 pytestmark = pytest.mark.gpu
 
 PROJECTIONS = [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096), (2560, 9216)]  # (N, K)
-ROW_COUNTS = [1, 2, 3, 7, 16, 17, 31, 64, 100, 256, 1000]
+ROW_COUNTS = [1, 2, 3, 7, 16, 17, 31, 48, 49, 64, 96, 97, 256, 1000]  # both sides of each tile switch
 
 
 def randn(*shape: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
@@ -107,20 +107,21 @@ def test_gated_delta_bits_per_token_and_per_block() -> None:
 
 @pytest.mark.parametrize(("N", "K"), PROJECTIONS)
 def test_every_tile_configuration_gives_the_same_bits(N: int, K: int) -> None:
-    """The matmul's tiles change with M (NARROW up to WIDE_ROWS rows, WIDE above), which keeps
+    """The matmul's tiles change with M (ROW_TILES), which keeps
     invariance only if no configuration changes any element's bits: full outputs of every
     configuration, and of a few others, compared at row counts on both sides of the switch.
     Inputs span six decades of magnitude, so a different order of the sum would round
     differently somewhere."""
-    from reference_engine.kernels.matmul import NARROW, WIDE, Tiles, matmul
+    from reference_engine.kernels.matmul import ROW_TILES, Tiles, matmul
 
     w = randn(N, K, seed=1) * K**-0.5
     scale = torch.logspace(-3, 3, K, device="cuda")[torch.randperm(K, device="cuda")]
-    others = [Tiles(16, 64, 128, 4, 4), Tiles(32, 32, 64, 4, 3), Tiles(128, 128, 64, 8, 3)]
+    used = [tiles for _, tiles in ROW_TILES]
+    others = [Tiles(16, 64, 128, 4, 4), Tiles(32, 32, 64, 4, 3), Tiles(64, 128, 64, 8, 4)]
     for m in (1, 16, 100, 256):
         x = (randn(m, K, seed=m).float() * scale).to(torch.bfloat16)
-        want = matmul(x, w, tiles=NARROW)
-        for tiles in (WIDE, *others):
+        want = matmul(x, w, tiles=used[0])
+        for tiles in (*used[1:], *others):
             assert torch.equal(matmul(x, w, tiles=tiles), want), f"{tiles} moved bits at M={m}"
 
 

@@ -114,11 +114,11 @@ def gated_delta(
     return result
 
 
-@triton.jit(do_not_specialize=["T", "s_mb", "s_ab", "s_at", "s_bb", "s_bt"])
+@triton.jit(do_not_specialize=["T", "s_mb", "s_mc", "s_mt", "s_ab", "s_at", "s_bb", "s_bt"])
 def _inputs_kernel(
     mixed_ptr, a_ptr, b_ptr, alog_ptr, dt_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     T, H, ratio, scale, eps,
-    s_mb, s_mc, s_ab, s_at, s_bb, s_bt,
+    s_mb, s_mc, s_mt, s_ab, s_at, s_bb, s_bt,
     KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -131,7 +131,7 @@ def _inputs_kernel(
     vs = tl.arange(0, BLOCK_V)
     k_ok = ks < DK
     v_ok = vs < DV
-    base = mixed_ptr + bi * s_mb + t  # channel c of token t at base + c * s_mc
+    base = mixed_ptr + bi * s_mb + t * s_mt  # channel c of token t at base + c * s_mc
     q = tl.load(base + (kh * DK + ks) * s_mc, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(base + (KEY_DIM + kh * DK + ks) * s_mc, mask=k_ok, other=0.0).to(tl.float32)
     v = tl.load(base + (2 * KEY_DIM + h * DV + vs) * s_mc, mask=v_ok, other=0.0).to(tl.float32)
@@ -157,8 +157,8 @@ def gated_delta_inputs(
     token and value head). a and b may be column views of a fused projection."""
     batch, C, T = mixed.shape
     H = A_log.shape[0]
-    if mixed.stride(2) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
-        raise ValueError("gated_delta_inputs: mixed's tokens and a's, b's heads must be contiguous")
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("gated_delta_inputs: a's and b's heads must be contiguous")
     f32 = dict(dtype=torch.float32, device=mixed.device)
     q, k = torch.empty((batch, T, H, k_dim), **f32), torch.empty((batch, T, H, k_dim), **f32)
     v = torch.empty((batch, T, H, v_dim), **f32)
@@ -167,7 +167,8 @@ def gated_delta_inputs(
         _inputs_kernel[(batch * T, H)](
             mixed, a, b, A_log, dt_bias, q, k, v, g, beta,
             T, H, H // k_heads, k_dim**-0.5, 1e-6,
-            mixed.stride(0), mixed.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            mixed.stride(0), mixed.stride(1), mixed.stride(2), a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1),
             KEY_DIM=k_heads * k_dim, DK=k_dim, DV=v_dim,
             BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=triton.next_power_of_2(v_dim),
         )
@@ -207,4 +208,74 @@ def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     grid = (batch, triton.cdiv(C, block_c), triton.cdiv(T, block_t))
     _causal_conv_kernel[grid](x, weight.reshape(C, kernel).contiguous(), out, C, T, W,
                               KERNEL=kernel, BLOCK_C=block_c, BLOCK_T=block_t)
+    return out
+
+
+@triton.jit(do_not_specialize=["T", "s_xb", "s_xt", "s_ob", "s_ot"])
+def _conv_step_kernel(x_ptr, state_ptr, slots_ptr, valid_ptr, w_ptr, out_ptr,
+                      C, T, s_xb, s_xt, s_ob, s_ot,
+                      KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_W: tl.constexpr):
+    """One program per (row, channel block), over all T tokens: it alone reads the channels'
+    old slot state and then writes the new one, so the update is in place without a race."""
+    b = tl.program_id(0)
+    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cs < C
+    W = KERNEL - 1  # inputs kept per channel
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    state = state_ptr + (slot * C + cs)[:, None] * W  # [BLOCK_C, 1] row starts
+    x_row = x_ptr + b * s_xb + cs[:, None]
+    out_ty = out_ptr.dtype.element_ty
+    # the new state: full[valid + i] for i < W, full = old state (W inputs) then x (T inputs);
+    # loaded before any store, then stored after every read of the old state
+    for t0 in range(0, T, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        ok = c_ok[:, None] & (ts[None, :] < T)
+        acc = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
+        for j in tl.static_range(KERNEL):
+            m = ts[None, :] + j  # index into full
+            from_state = m < W
+            old = tl.load(state + m, mask=ok & from_state, other=0.0)
+            new = tl.load(x_row + (m - W) * s_xt, mask=ok & (m >= W), other=0.0)
+            xv = tl.where(from_state, old, new).to(tl.float32)
+            w = tl.load(w_ptr + cs * KERNEL + j, mask=c_ok, other=0.0).to(tl.float32)
+            acc += w[:, None] * xv
+        y = acc.to(out_ty).to(tl.float32)  # conv1d's output in the model dtype, then SiLU
+        y = y / (1.0 + tl.exp(-y))
+        tl.store(out_ptr + b * s_ob + cs[:, None] + ts[None, :] * s_ot, y.to(out_ty), mask=ok)
+    valid = tl.load(valid_ptr + b)
+    i = tl.arange(0, BLOCK_W)
+    m = valid + i[None, :]
+    keep_ok = c_ok[:, None] & (i[None, :] < W)
+    from_state = m < W
+    old = tl.load(state + m, mask=keep_ok & from_state, other=0.0)
+    new = tl.load(x_row + (m - W) * s_xt, mask=keep_ok & (m >= W), other=0.0)
+    tl.store(state + i[None, :], tl.where(from_state, old, new), mask=keep_ok)
+
+
+def causal_conv_step(
+    x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+    valid_len: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as kernels.reference.causal_conv_step, in one launch: the slot states
+    are read and written in place (no gather, no concatenation, no scatter). x may be a
+    column view of a fused projection (channels contiguous). The taps are summed as
+    `causal_conv` sums them, so a token's output is the same bits whichever runs it."""
+    batch, T, C = x.shape
+    kernel = weight.shape[-1]
+    if x.stride(-1) != 1 or not conv_state.is_contiguous():
+        raise ValueError("causal_conv_step: x's channels and the conv state must be contiguous")
+    # [batch, C, T] as the contract says, laid out token-major for the next kernel's reads
+    out = torch.empty((batch, T, C), dtype=x.dtype, device=x.device).transpose(1, 2)
+    if batch == 0 or T == 0:
+        return out
+    if valid_len is None:
+        valid_len = torch.full((batch,), T, dtype=torch.int64, device=x.device)
+    block_c = 64
+    _conv_step_kernel[(batch, triton.cdiv(C, block_c))](
+        x, conv_state, slots.contiguous(), valid_len.contiguous(),
+        weight.reshape(C, kernel).contiguous(), out,
+        C, T, x.stride(0), x.stride(1), out.stride(0), out.stride(2),
+        KERNEL=kernel, BLOCK_C=block_c, BLOCK_T=16, BLOCK_W=triton.next_power_of_2(max(kernel - 1, 1)),
+    )
     return out

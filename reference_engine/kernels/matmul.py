@@ -6,10 +6,10 @@ order, 16 at a time (one tensor-core step of bfloat16/float16), into one float32
 whatever the tile. The tiles decide only which elements one program computes and how far
 ahead it loads, not the order of any element's sum, so they may change with M: few rows
 (a decode step, a small verify) take narrow tiles that give every SM several programs and a
-deep load pipeline (the weight is streamed once), many rows take 64x64 tiles that reuse each
-weight tile across 64 rows. The GPU tier checks the claim bitwise: row 0 for M = 1 .. 1000
-across the switch, and every tile configuration against every other on full outputs
-(tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
+deep load pipeline (the weight is streamed once), many rows take wider tiles that reuse each
+weight tile across more rows (`ROW_TILES`). The GPU tier checks the claim bitwise: row 0
+for M = 1 .. 1000 across every switch, and every tile configuration against every other on
+full outputs (tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
 configuration for every M. M is not a specialisation key of the compiled kernel
 (`do_not_specialize`), so one binary per configuration serves every M. cuBLAS picks other
 kernels (and split-K) as M changes, so its rows move.
@@ -36,11 +36,15 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# chosen by a sweep on the H200 (scripts/bench_kernels.py --sweep): NARROW streams a weight at
-# cuBLAS's speed for 1-16 rows, WIDE runs 256 rows at 1.3-1.6x cuBLAS's time
+# By row count, chosen by a sweep on the H200 over the Qwen3-8B and Qwen3.5-4B projections
+# (docs/results/h200-fast/matmul-tiles.log): the first whose bound covers M. NARROW streams a
+# weight at cuBLAS's speed for 1-16 rows (a decode step, a verify block of one request);
+# LARGE runs 256 rows in about 1.45x cuBLAS's time.
 NARROW = Tiles(16, 16, 256, 2, 5)
+MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)
-WIDE_ROWS = 64  # more rows than this take WIDE
+LARGE = Tiles(128, 128, 64, 8, 3)
+ROW_TILES = ((16, NARROW), (48, MID), (96, WIDE), (None, LARGE))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -90,7 +94,7 @@ def tiles_for(M: int, N: int, dtype: torch.dtype, sm_count: int) -> Tiles:
     docstring: no configuration changes the bits of any element)."""
     if dtype == torch.float32:
         return Tiles(16, block_n(N, sm_count), 128, 4, 4)
-    return WIDE if M > WIDE_ROWS else NARROW
+    return next(tiles for bound, tiles in ROW_TILES if bound is None or M <= bound)
 
 
 def block_n(n: int, sm_count: int) -> int:

@@ -21,14 +21,19 @@ def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
-def _norm_kernel(x_ptr, w_ptr, z_ptr, out_ptr, H, eps,
-                 KIND: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_z"])
+def _norm_kernel(x_ptr, w_ptr, z_ptr, out_ptr, res_ptr, sum_ptr, H, eps, stride_z,
+                 KIND: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
+    # rounded to the output dtype first (a float32 input of the gated norm is the model's value)
+    x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0).to(out_ty).to(tl.float32)
+    if ADD:  # x + residual, rounded to the model dtype as PyTorch's add rounds, is normed and kept
+        x = (x + tl.load(res_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)).to(out_ty)
+        tl.store(sum_ptr + row * H + cols, x, mask=ok)
+        x = x.to(tl.float32)
     if KIND == 3:  # L2: x * rsqrt(sum x^2 + eps), in x's own dtype (float32 in the model)
         y = x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
     else:
@@ -40,7 +45,7 @@ def _norm_kernel(x_ptr, w_ptr, z_ptr, out_ptr, H, eps,
             y = w * normed.to(out_ty).to(tl.float32)
             if KIND == 2:  # then times silu(z) in float32
                 y = y.to(out_ty).to(tl.float32)
-                z = tl.load(z_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + row * stride_z + cols, mask=ok, other=0.0).to(tl.float32)
                 y = y * (z * _sigmoid(z))
     tl.store(out_ptr + row * H + cols, y.to(out_ty), mask=ok)
 
@@ -57,23 +62,42 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_g, stride_u, BLOCK: tl
     tl.store(out_ptr + row * n + offs, (silu * u).to(out_ty), mask=ok)
 
 
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last] with contiguous rows, a view when x's rows are evenly strided (the
+    column ranges of one fused projection are), else a copy."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n) if x.dim() > 1 else x.reshape(1, n)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _rows(x: torch.Tensor, kind: int, eps: float, weight: torch.Tensor | None = None,
-          z: torch.Tensor | None = None) -> torch.Tensor:
+          z: torch.Tensor | None = None, residual: torch.Tensor | None = None):
     H = x.shape[-1]
     x2 = x.reshape(-1, H).contiguous()
-    out = torch.empty_like(x2)
+    dtype = z.dtype if z is not None else x.dtype  # the gated norm's output: z's dtype
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    summed = torch.empty_like(x2) if residual is not None else None
     rows = x2.shape[0]
     if rows:
-        z2 = z.reshape(-1, H).contiguous() if z is not None else x2
+        z2 = _row_view(z) if z is not None else x2
+        r2 = residual.reshape(-1, H).contiguous() if residual is not None else x2
         w = weight.contiguous() if weight is not None else x2
         block = triton.next_power_of_2(H)
-        _norm_kernel[(rows,)](x2, w, z2, out, H, eps, KIND=kind, BLOCK=block,
+        _norm_kernel[(rows,)](x2, w, z2, out, r2, summed if summed is not None else out, H, eps,
+                              z2.stride(0), KIND=kind, ADD=residual is not None, BLOCK=block,
                               num_warps=8 if block >= 2048 else 4)
+    if summed is not None:
+        return out.reshape(x.shape), summed.reshape(x.shape)
     return out.reshape(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
     return _rows(x, OFFSET if offset else PLAIN, eps, weight)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rows(x, OFFSET if offset else PLAIN, eps, weight, residual=residual)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,14 +106,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return _rows(x, L2, eps)
-
-
-def _row_view(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, last] with contiguous rows, a view when x's rows are evenly strided (the
-    column ranges of one fused projection are), else a copy."""
-    n = x.shape[-1]
-    rows = x.reshape(-1, n) if x.dim() > 1 else x.reshape(1, n)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

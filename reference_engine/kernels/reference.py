@@ -40,8 +40,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
     return weight * F.rms_norm(x.to(acc), x.shape[-1:], None, eps).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a decoder layer's residual add and the norm
+    that reads its result, in one pass."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps, offset), summed
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (no offset) times silu(z): the Gated DeltaNet output norm, over the last axis."""
+    """RMSNorm (no offset) times silu(z): the Gated DeltaNet output norm, over the last axis.
+    x is first rounded to z's dtype (the recurrence's float32 output to the model's), and the
+    result is in z's dtype."""
+    x = x.to(z.dtype)
     acc = accumulation_dtype(x.dtype)
     xf = x.to(acc)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -111,6 +122,34 @@ def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for j in range(1, kernel):
         out = out.addcmul_(x[..., j : j + T], w[:, j : j + 1])
     return F.silu(out.to(full.dtype))
+
+
+def conv_state_after(full: torch.Tensor, kernel: int, processed: torch.Tensor | None) -> torch.Tensor:
+    """The conv state (last kernel-1 inputs) after `processed` tokens of each row.
+
+    full: [batch, conv_dim, kernel-1+T], the previous conv state followed by T new inputs;
+    processed: [batch] or None (all T). Returns [batch, conv_dim, kernel-1].
+    """
+    width = kernel - 1
+    if processed is None:
+        return full[..., full.shape[-1] - width :]
+    offsets = processed[:, None, None] + torch.arange(width, device=full.device)
+    return full.gather(-1, offsets.expand(-1, full.shape[1], -1))
+
+
+def causal_conv_step(
+    x: torch.Tensor,  # [batch, T, channels] new inputs (channels contiguous)
+    conv_state: torch.Tensor,  # [slots, channels, kernel-1] every slot's last inputs
+    slots: torch.Tensor,  # [batch]
+    weight: torch.Tensor,  # [channels, 1, kernel]
+    valid_len: torch.Tensor | None = None,  # [batch] real tokens per row, None: all T
+) -> torch.Tensor:
+    """`causal_conv` over each row's slot state followed by x, the slot state moved on in
+    place to the last kernel-1 inputs up to the row's valid length. Returns [batch, channels,
+    T] (SiLU applied)."""
+    full = torch.cat([conv_state.index_select(0, slots), x.transpose(1, 2)], -1)
+    conv_state.index_copy_(0, slots, conv_state_after(full, weight.shape[-1], valid_len))
+    return causal_conv(full, weight)
 
 
 def attention(

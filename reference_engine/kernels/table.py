@@ -15,10 +15,12 @@ class Kernels:
     name: str
     linear: Callable
     rms_norm: Callable
+    add_rms_norm: Callable
     gated_rms_norm: Callable
     l2_norm: Callable
     silu_mul: Callable
     causal_conv: Callable
+    causal_conv_step: Callable
     attention_inputs: Callable
     attention: Callable
     gated_delta_inputs: Callable
@@ -33,10 +35,12 @@ TORCH = Kernels(
     name="torch",
     linear=reference.linear,
     rms_norm=reference.rms_norm,
+    add_rms_norm=reference.add_rms_norm,
     gated_rms_norm=reference.gated_rms_norm,
     l2_norm=reference.l2_norm,
     silu_mul=reference.silu_mul,
     causal_conv=reference.causal_conv,
+    causal_conv_step=reference.causal_conv_step,
     attention_inputs=reference.attention_inputs,
     attention=reference.attention,
     gated_delta_inputs=reference.gated_delta_inputs,

@@ -16,9 +16,9 @@ from dataclasses import replace
 from . import reference
 from .argmax import greedy
 from .attention import attention
-from .gated_delta import causal_conv, gated_delta, gated_delta_inputs
+from .gated_delta import causal_conv, causal_conv_step, gated_delta, gated_delta_inputs
 from .matmul import matmul
-from .norms import gated_rms_norm, l2_norm, rms_norm, silu_mul
+from .norms import add_rms_norm, gated_rms_norm, l2_norm, rms_norm, silu_mul
 from .rope import attention_inputs
 from .table import Kernels
 
@@ -26,10 +26,12 @@ TRITON = Kernels(
     name="triton",
     linear=matmul,
     rms_norm=rms_norm,
+    add_rms_norm=add_rms_norm,
     gated_rms_norm=gated_rms_norm,
     l2_norm=l2_norm,
     silu_mul=silu_mul,
     causal_conv=causal_conv,
+    causal_conv_step=causal_conv_step,
     attention_inputs=attention_inputs,
     attention=attention,
     gated_delta_inputs=gated_delta_inputs,

@@ -27,6 +27,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.offset)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor,
+            ops: Kernels = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual) in one pass."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+
 
 class GatedRMSNorm(nn.Module):
     """Per-head RMSNorm (no offset) times silu(z): the Gated DeltaNet output norm."""

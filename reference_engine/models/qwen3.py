@@ -35,8 +35,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x, ctx.ops), ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x, ctx.ops), ctx.ops)
+        attended = self.self_attn(self.input_layernorm(x, ctx.ops), ctx, layer)
+        normed, x = self.post_attention_layernorm.add(x, attended, ctx.ops)  # residual add + norm
+        return x + self.mlp(normed, ctx.ops)
 
 
 def build_qwen3(config: TargetConfig) -> CausalLM:

@@ -16,19 +16,6 @@ from .base import CausalLM
 from .layers import MLP, ForwardContext, FusedLinears, GatedRMSNorm, RMSNorm, SelfAttention, run_linears
 
 
-def conv_state_after(full: torch.Tensor, kernel: int, processed: torch.Tensor | None) -> torch.Tensor:
-    """The conv state (last kernel-1 inputs) after `processed` tokens of each row.
-
-    full: [batch, conv_dim, kernel-1+T], the previous conv state followed by T new inputs;
-    processed: [batch] or None (all T). Returns [batch, conv_dim, kernel-1].
-    """
-    width = kernel - 1
-    if processed is None:
-        return full[..., full.shape[-1] - width :]
-    offsets = processed[:, None, None] + torch.arange(width, device=full.device)
-    return full.gather(-1, offsets.expand(-1, full.shape[1], -1))
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
@@ -66,10 +53,12 @@ class GatedDeltaNet(nn.Module):
         # Depthwise causal conv1d + SiLU, continuing from the slot's conv state (the last
         # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
         projected, z, b, a = run_linears(self._inputs(), self.fused, x, ops)
-        projected = projected.transpose(1, 2)
-        full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected], -1)
-        state.conv[layer].index_copy_(0, ctx.slots, conv_state_after(full, self.kernel, ctx.valid_len))
-        mixed = ops.causal_conv(full, self.conv1d.weight)
+        full = None
+        if ctx.record is not None:  # the conv state followed by the inputs, for the commit
+            full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected.transpose(1, 2)], -1)
+        # the conv state of each row's slot read and moved on in place
+        mixed = ops.causal_conv_step(projected, state.conv[layer], ctx.slots, self.conv1d.weight,
+                                     ctx.valid_len)
 
         q, k, v, g, beta = ops.gated_delta_inputs(mixed, a, b, self.A_log, self.dt_bias,
                                                   self.num_k_heads, self.k_dim, self.v_dim)
@@ -88,7 +77,7 @@ class GatedDeltaNet(nn.Module):
                                      slots=ctx.slots)
 
         z = z.reshape(batch, T, self.num_v_heads, self.v_dim)
-        out = self.norm(out.to(x.dtype), z, ops)
+        out = self.norm(out, z, ops)  # rounds the float32 output to the model dtype first
         return ops.linear(out.reshape(batch, T, self.value_dim), self.out_proj.weight)
 
 
@@ -115,8 +104,9 @@ class Qwen3_5DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer(self.input_layernorm(x, ctx.ops), ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x, ctx.ops), ctx.ops)
+        mixed = mixer(self.input_layernorm(x, ctx.ops), ctx, layer)
+        normed, x = self.post_attention_layernorm.add(x, mixed, ctx.ops)  # residual add + norm
+        return x + self.mlp(normed, ctx.ops)
 
 
 def build_qwen3_5(config: TargetConfig) -> CausalLM:

@@ -24,8 +24,8 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import TORCH, Kernels
+from ..kernels.reference import conv_state_after
 from ..models import CausalLM
-from ..models.qwen3_5 import conv_state_after
 from .state import TargetState
 
 COMMIT_STRATEGIES = ("replay", "per_token", "recompute")

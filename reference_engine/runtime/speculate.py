@@ -166,13 +166,12 @@ class SpeculativeStep:
                 p = seq.params
                 draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)
                 proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
-        if guesses:  # one host-to-device copy for every oracle row
+        if guesses:  # one host-to-device copy for every oracle row (-1: keep the draft's)
             width = proposals.shape[1]
-            padded = [g + [0] * (width - len(g)) for g in guesses.values()]
-            keep = torch.tensor([[j < len(g) for j in range(width)] for g in guesses.values()],
-                                device=self.device)
+            guessed = torch.tensor([g + [-1] * (width - len(g)) for g in guesses.values()],
+                                   device=self.device)
             at = list(guesses)
-            proposals[at] = torch.where(keep, torch.tensor(padded, device=self.device), proposals[at])
+            proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
         proposals.clamp_(0, self.target.config.vocab_size - 1)

@@ -61,7 +61,9 @@ class SpecCounters:
 
 class PhaseTimer:
     """Wall time per phase with a monotonic clock; on CUDA also device time per phase from
-    CUDA events, read once per step by `flush()` (no sync inside a phase). Each phase is
+    CUDA events, collected by `flush()` once they have completed: the timer never makes the
+    host wait for the device (a step's last phase, the commit, runs on while the host
+    prepares the next step). `as_dict()` waits for what is still pending. Each phase is
     also an NVTX range when profiling is on (profiling.NvtxRanges)."""
 
     def __init__(self, device: torch.device, ranges: NvtxRanges | None = None) -> None:
@@ -90,16 +92,20 @@ class PhaseTimer:
                 end_event.record()
                 self._pending.append((name, start_event, end_event))
 
-    def flush(self) -> None:
-        """Collect pending CUDA event times (call once per step, after its sync)."""
-        if not self._pending:
-            return
-        self._pending[-1][2].synchronize()
+    def flush(self, wait: bool = False) -> None:
+        """Collect the times of pending phases whose events have completed, in order (all of
+        them, waiting, with `wait`). Called once per step; the step does not wait for it."""
+        done = 0
         for name, start, end in self._pending:
+            if not wait and not end.query():
+                break
+            end.synchronize()
             self.device_s[name] += start.elapsed_time(end) / 1000.0
-        self._pending.clear()
+            done += 1
+        del self._pending[:done]
 
     def as_dict(self) -> dict:
+        self.flush(wait=True)
         out = {f"host_s_{k}": v for k, v in sorted(self.host_s.items())}
         out.update({f"device_s_{k}": v for k, v in sorted(self.device_s.items())})
         return out

@@ -34,6 +34,7 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
 from reference_engine.kernels.matmul import ROW_TILES, block_n, matmul, tiles_for  # noqa: E402
 from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, l2_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
+from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
 from reference_engine.models.layers import RotaryEmbedding  # noqa: E402
 
 pytestmark = [pytest.mark.kernels,
@@ -212,6 +213,24 @@ def test_greedy_takes_the_lowest_id_on_a_tie_within_and_across_blocks() -> None:
     assert got.tolist()[:3] == [100, 3, 0] and got[4] == 20000
     assert torch.equal(got, ref.greedy(logits))
     assert greedy(logits[:4].reshape(2, 2, 40000)).shape == (2, 2)
+
+
+# ----------------------------------------------------------------------------- commit copies
+def test_copy_rows_and_conv_state_at_equal_the_reference() -> None:
+    """The per_token commit's copies: kept states by (slot, row), and the conv state at each
+    row's processed boundary of its recorded conv input (a slice of a longer buffer)."""
+    states = rand(6, 3, 5, 7)  # [rows * T, ...]
+    slots, kept = torch.tensor([2, 0], device=DEVICE), torch.tensor([4, 1], device=DEVICE)
+    recorded = rand(4, 70, 3 + 9, seed=1)[..., : 3 + 6]  # T = 6 of a buffer for 9
+    processed = torch.tensor([6, 1], device=DEVICE)
+    got = [rand(4, 3, 5, 7, seed=2), rand(4, 70, 3, seed=3)]
+    want = [t.clone() for t in got]
+    copy_rows(got[0], slots, states, kept)
+    ref.copy_rows(want[0], slots, states, kept)
+    conv_state_at(got[1], slots, recorded, processed)
+    ref.conv_state_at(want[1], slots, recorded, processed)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0][2], states[4]) and torch.equal(got[1][0], recorded[0, :, 1:4])
 
 
 # ----------------------------------------------------------------------------- attention

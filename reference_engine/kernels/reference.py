@@ -152,6 +152,20 @@ def causal_conv_step(
     return causal_conv(full, weight)
 
 
+def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for every i, in place (the commit's kept states)."""
+    dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
+
+
+def conv_state_at(conv: torch.Tensor, slots: torch.Tensor, recorded: torch.Tensor,
+                  processed: torch.Tensor) -> None:
+    """conv [slots, channels, kernel-1]: each row's slot state set, in place, to the kernel-1
+    inputs of its recorded conv input [slots, channels, kernel-1+T] (the state before a block
+    followed by the block's inputs) after `processed` [rows] tokens of the block."""
+    full = recorded.index_select(0, slots)
+    conv.index_copy_(0, slots, conv_state_after(full, conv.shape[-1] + 1, processed))
+
+
 def attention(
     q: torch.Tensor,  # [batch, T, heads, head_dim], already rotated
     k_cache: torch.Tensor,  # [slots, max_len, kv_heads, head_dim], this step's keys written

@@ -26,6 +26,8 @@ class Kernels:
     gated_delta_inputs: Callable
     gated_delta: Callable
     greedy: Callable
+    copy_rows: Callable
+    conv_state_at: Callable
     # every kernel takes positions and lengths from device tensors (no host value bounds a
     # loop or a slice), so a forward through the table can be captured as a CUDA graph
     capturable: bool = False
@@ -46,4 +48,6 @@ TORCH = Kernels(
     gated_delta_inputs=reference.gated_delta_inputs,
     gated_delta=reference.gated_delta,
     greedy=reference.greedy,
+    copy_rows=reference.copy_rows,
+    conv_state_at=reference.conv_state_at,
 )

@@ -20,6 +20,7 @@ from .gated_delta import causal_conv, causal_conv_step, gated_delta, gated_delta
 from .matmul import matmul
 from .norms import add_rms_norm, gated_rms_norm, l2_norm, rms_norm, silu_mul
 from .rope import attention_inputs
+from .rows import conv_state_at, copy_rows
 from .table import Kernels
 
 TRITON = Kernels(
@@ -37,6 +38,8 @@ TRITON = Kernels(
     gated_delta_inputs=gated_delta_inputs,
     gated_delta=gated_delta,
     greedy=greedy,
+    copy_rows=copy_rows,
+    conv_state_at=conv_state_at,
     capturable=True,
 )
 

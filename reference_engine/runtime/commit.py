@@ -24,7 +24,6 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import TORCH, Kernels
-from ..kernels.reference import conv_state_after
 from ..models import CausalLM
 from .state import TargetState
 
@@ -76,19 +75,19 @@ def commit_hybrid(
     # per_token: row i's states are rows i*T .. i*T+T-1 of the verify's [batch * T, ...]
     kept = torch.arange(len(slot_ids), device=slots.device) * T + processed - 1
     for layer in model.config.linear_layers:
-        full = state.verify_conv[layer][..., : kernel - 1 + T].index_select(0, slots)
-        state.conv[layer].index_copy_(0, slots, conv_state_after(full, kernel, processed))
+        ops.conv_state_at(state.conv[layer], slots, state.verify_conv[layer][..., : kernel - 1 + T],
+                          processed)
         if strategy == "per_token":
             states = state.verify_states_of(layer, len(slot_ids), T)
-            final = states.flatten(0, 1).index_select(0, kept)
-        else:
-            _, final = ops.gated_delta(
-                state.verify_q[layer][:, :T].index_select(0, slots),
-                state.verify_k[layer][:, :T].index_select(0, slots),
-                state.verify_v[layer][:, :T].index_select(0, slots),
-                state.verify_g[layer][:, :T].index_select(0, slots),
-                state.verify_beta[layer][:, :T].index_select(0, slots),
-                state.saved_recurrent[layer].index_select(0, slots),
-                valid_len=processed,
-            )
+            ops.copy_rows(state.recurrent[layer], slots, states.flatten(0, 1), kept)
+            continue
+        _, final = ops.gated_delta(
+            state.verify_q[layer][:, :T].index_select(0, slots),
+            state.verify_k[layer][:, :T].index_select(0, slots),
+            state.verify_v[layer][:, :T].index_select(0, slots),
+            state.verify_g[layer][:, :T].index_select(0, slots),
+            state.verify_beta[layer][:, :T].index_select(0, slots),
+            state.saved_recurrent[layer].index_select(0, slots),
+            valid_len=processed,
+        )
         state.recurrent[layer].index_copy_(0, slots, final)

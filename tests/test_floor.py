@@ -25,6 +25,19 @@ def test_a_step_streams_every_matrix_and_the_embedding_only_as_a_tied_head(tiny_
         assert "lm_head.weight" in got or model.config.tie_word_embeddings
 
 
+def test_a_fused_model_streams_its_stacks_once_and_the_same_bytes(tiny_checkpoint) -> None:
+    from reference_engine.models import fuse_projections
+
+    model = load_target(tiny_checkpoint("qwen3_5"), dtype=torch.float32)
+    before = streamed_weights(model)
+    fuse_projections(model)
+    after = streamed_weights(model)
+    assert len(after) < len(before)  # q, k, v (and gate, up; the four GDN inputs) as one each
+    assert sum(w.numel() for w in after) == sum(w.numel() for w in before)
+    stacks = {w.data_ptr() for w in after}
+    assert len(stacks) == len(after)  # no matrix read twice
+
+
 def test_the_floor_counts_the_bytes_it_streams_and_its_spread(tiny_checkpoint) -> None:
     model = load_target(tiny_checkpoint("qwen3_5"), dtype=torch.float32)
     floor = weight_streaming_floor(model, repeats=5)

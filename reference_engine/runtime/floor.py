@@ -4,7 +4,8 @@ target once, measured on the device in the same process as the step it is compar
 A decode step at small batch must stream all of the target's weights from memory at least
 once, so no engine's step is faster than this. The floor is measured, not computed from a
 datasheet: one matrix-vector product per weight matrix (the LM head included; an embedding
-read only through its lookup is not), chained in one CUDA graph so that launch gaps do not
+read only through its lookup is not; a stack of fused projections is one matrix), each into a
+buffer of its own and nothing else, chained in one CUDA graph so that launch gaps do not
 count, timed by CUDA events over replays. On the CPU the same chain is timed by the host
 clock (the figure is then a CPU streaming time, rarely a useful floor).
 """
@@ -34,10 +35,18 @@ class Floor:
 
 
 def streamed_weights(model: CausalLM) -> list[torch.Tensor]:
-    """Every weight matrix a decode step reads whole: the 2-D parameters, the input embedding
-    only when it doubles as the LM head."""
+    """Every weight matrix a decode step reads whole, as the engine stores them: a stack of
+    fused projections (models/layers.FusedLinears) as one matrix, the other 2-D parameters,
+    the input embedding only when it doubles as the LM head."""
     embed = model.model.embed_tokens.weight
-    out = [p for p in model.parameters() if p.dim() == 2 and p is not embed]
+    stacks, covered = [], set()
+    for module in model.modules():
+        fused = getattr(module, "fused", None)
+        if fused is not None and fused.live():
+            stacks.append(fused.weight)
+            covered.update(id(linear.weight) for linear in fused.linears)
+    out = stacks + [p for p in model.parameters()
+                    if p.dim() == 2 and p is not embed and id(p) not in covered]
     if model.config.tie_word_embeddings:
         out.append(embed)
     return out
@@ -45,16 +54,17 @@ def streamed_weights(model: CausalLM) -> list[torch.Tensor]:
 
 def weight_streaming_floor(model: CausalLM, repeats: int = 20, rows: int = 1) -> Floor:
     """Median (and range) over `repeats` of the time to read every weight once with `rows`
-    input rows (1 for a decode step of one request)."""
+    input rows (1 for a decode step of one request): one vendor matrix product per weight
+    into a buffer of its own, nothing else in the chain."""
     weights = streamed_weights(model)
     device = weights[0].device
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=device)
               for w in weights}
-    sink = torch.zeros((), dtype=torch.float32, device=device)
+    outputs = [torch.empty(rows, w.shape[0], dtype=w.dtype, device=device) for w in weights]
 
     def chain() -> None:
-        for w in weights:  # the output is reduced so that no product can be skipped
-            sink.add_(torch.nn.functional.linear(inputs[w.shape[1]], w)[0, 0].float())
+        for w, out in zip(weights, outputs):  # a kernel in a graph runs: nothing can skip it
+            torch.matmul(inputs[w.shape[1]], w.t(), out=out)
 
     times = []
     with torch.no_grad():

@@ -17,10 +17,11 @@ import triton.testing
 from reference_engine.kernels import reference as ref
 from reference_engine.kernels.attention import attention
 from reference_engine.kernels.gated_delta import gated_delta
-from reference_engine.kernels.matmul import matmul
+from reference_engine.kernels.matmul import CONFIGURATIONS, Tiles, matmul
 from reference_engine.kernels.norms import rms_norm
 
-PROJECTIONS = {"qkv 8B": (6144, 4096), "o 8B": (4096, 4096), "gate/up 8B": (12288, 4096),
+# the engine's matrices (q/k/v and gate/up fused), Qwen3-8B
+PROJECTIONS = {"qkv 8B": (6144, 4096), "o 8B": (4096, 4096), "gate/up 8B": (24576, 4096),
                "down 8B": (4096, 12288), "lm_head 8B": (151936, 4096)}
 
 
@@ -37,20 +38,27 @@ def copy_bandwidth() -> float:
 
 
 def sweep(bw: float) -> None:
-    """Matmul tile configurations on two 8B projections: median ms per M, and whether row 0
-    keeps its bits across the configurations (it need not: the engine fixes one per weight)."""
-    print("tiles (BM, BN, BK)      " + " ".join(f"{'M=' + str(m):>9}" for m in (1, 16, 256, 1024))
-          + "  row0 == default")
-    for name in ("qkv 8B", "down 8B"):
-        N, K = PROJECTIONS[name]
+    """Matmul tile configurations (the engine's and a few others) on the 8B projections and
+    row counts on both sides of each switch: median us per M, the best per M, and whether
+    every configuration gives the bits of the first (it must: no tile changes an element's
+    sum, see kernels/matmul.py)."""
+    extra = (Tiles(16, 32, 256, 4, 5), Tiles(64, 128, 64, 4, 4), Tiles(128, 128, 64, 8, 3),
+             Tiles(128, 64, 64, 4, 4), Tiles(256, 128, 64, 8, 3))
+    configs = (*CONFIGURATIONS, *extra)
+    row_counts = (1, 16, 32, 64, 128, 256)
+    print("M, then us per configuration (engine's first):", ", ".join(map(str, configs)))
+    for name, (N, K) in PROJECTIONS.items():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
-        xs = {m: torch.randn(m, K, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 256, 1024)}
-        base = matmul(xs[16], w)[:1]
-        for tiles in ((16, 16, 64), (16, 32, 128), (16, 64, 64), (32, 32, 64), (64, 64, 64),
-                      (64, 128, 64), (128, 128, 64)):
-            times = [median_ms(matmul, xs[m], w, None, tiles) for m in xs]
-            same = torch.equal(matmul(xs[16], w, None, tiles)[:1], base)
-            print(f"{name:<8} {str(tiles):<15}" + " ".join(f"{t:9.4f}" for t in times) + f"  {same}")
+        for m in row_counts:
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            want = matmul(x, w, None, configs[0])
+            times = [1000 * median_ms(matmul, x, w, None, t) for t in configs]
+            same = all(torch.equal(matmul(x, w, None, t), want) for t in configs)
+            cublas = 1000 * median_ms(ref.linear, x, w)
+            engine = 1000 * median_ms(matmul, x, w)
+            best = min(range(len(configs)), key=times.__getitem__)
+            print(f"{name:<10} M={m:<4} engine {engine:7.1f} cuBLAS {cublas:7.1f} best {times[best]:7.1f} "
+                  f"{configs[best]} | all bits equal: {same} | " + " ".join(f"{t:.1f}" for t in times))
 
 
 def main(argv: list[str] | None = None) -> int:

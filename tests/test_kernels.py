@@ -31,7 +31,7 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
     gated_delta,
     gated_delta_inputs,
 )
-from reference_engine.kernels.matmul import ROW_TILES, block_n, matmul, tiles_for  # noqa: E402
+from reference_engine.kernels.matmul import CONFIGURATIONS, ROW_TILES, WIDE_N, block_n, matmul, tiles_for  # noqa: E402
 from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, l2_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
@@ -90,17 +90,19 @@ def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
 
 def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_float32() -> None:
     for dtype in (torch.bfloat16, torch.float16):
-        low = 1
-        for bound, tiles in ROW_TILES:
-            top = bound if bound is not None else 4096
-            assert tiles_for(low, 4096, dtype, 132) == tiles_for(top, 4096, dtype, 132) == tiles
-            low = top + 1
+        for N in (4096, WIDE_N):
+            low = 1
+            for bound, tiles in ROW_TILES[N >= WIDE_N]:
+                top = bound if bound is not None else 4096
+                assert tiles_for(low, N, dtype, 132) == tiles_for(top, N, dtype, 132) == tiles
+                low = top + 1
     assert len({tiles_for(m, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
 
 
-@pytest.mark.parametrize("tiles", [tiles for _, tiles in ROW_TILES])
-def test_matmul_equals_the_reference_under_each_tile_configuration(tiles) -> None:
-    x, w, b = rand(70, 300), rand(50, 300, seed=1), rand(50, seed=2)
+@pytest.mark.parametrize("tiles", CONFIGURATIONS)
+@pytest.mark.parametrize("K", [300, 256])  # ragged and even along K
+def test_matmul_equals_the_reference_under_each_tile_configuration(tiles, K: int) -> None:
+    x, w, b = rand(70, K), rand(50, K, seed=1), rand(50, seed=2)
     assert_close(matmul(x, w, b, tiles=tiles), ref.linear(x, w, b), torch.float32)
 
 

@@ -2,14 +2,15 @@
 of x alone, bitwise, for any number of rows M.
 
 How: there is no split-K, and every output element accumulates its K products in ascending
-order, 16 at a time (one tensor-core step of bfloat16/float16), into one float32 accumulator,
-whatever the tile. The tiles decide only which elements one program computes and how far
-ahead it loads, not the order of any element's sum, so they may change with M: few rows
-(a decode step, a small verify) take narrow tiles that give every SM several programs and a
-deep load pipeline (the weight is streamed once), many rows take wider tiles that reuse each
-weight tile across more rows (`ROW_TILES`). The GPU tier checks the claim bitwise: row 0
-for M = 1 .. 1000 across every switch, and every tile configuration against every other on
-full outputs (tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
+order, 16 at a time (one tensor-core step of bfloat16/float16), into one float32
+accumulator, whatever the tile. The tiles decide only which elements one program computes
+and how far ahead it loads, not the order of any element's sum, so they may change with M:
+few rows (a decode step, a small verify) take narrow tiles that give every SM several
+programs and a deep load pipeline (the weight is streamed once), many rows take wider tiles
+that reuse each weight tile across more rows (`ROW_TILES`, which also looks at the output
+width). The GPU tier checks the claim bitwise: row 0 for M = 1 .. 1000 across every switch,
+and every tile configuration against every other on full outputs
+(tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
 configuration for every M. M is not a specialisation key of the compiled kernel
 (`do_not_specialize`), so one binary per configuration serves every M. cuBLAS picks other
 kernels (and split-K) as M changes, so its rows move.
@@ -36,15 +37,22 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# By row count, chosen by a sweep on the H200 over the Qwen3-8B and Qwen3.5-4B projections
-# (docs/results/h200-fast/matmul-tiles.log): the first whose bound covers M. NARROW streams a
-# weight at cuBLAS's speed for 1-16 rows (a decode step, a verify block of one request);
-# LARGE runs 256 rows in about 1.45x cuBLAS's time.
+# By row count and output width, chosen by sweeps on the H200 over the Qwen3-8B and
+# Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log): the first row bound that
+# covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify
+# block of one request); past 96 rows a narrow projection takes 64-row tiles (more programs
+# than SMs) and a wide one 128x128 tiles; 256 rows run in 1.1-1.6x cuBLAS's time.
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)
-LARGE = Tiles(128, 128, 64, 8, 3)
-ROW_TILES = ((16, NARROW), (48, MID), (96, WIDE), (None, LARGE))
+MANY_ROWS_NARROW_N = Tiles(64, 128, 128, 4, 3)
+LARGE = Tiles(128, 128, 64, 8, 4)
+WIDE_N = 16384  # output columns from which a projection counts as wide
+ROW_TILES = {  # (narrow projections, wide ones): (row bound or None, tiles), in order
+    False: ((16, NARROW), (48, MID), (96, WIDE), (None, MANY_ROWS_NARROW_N)),
+    True: ((16, NARROW), (48, MID), (96, WIDE), (None, LARGE)),
+}
+CONFIGURATIONS = tuple(dict.fromkeys(t for rows in ROW_TILES.values() for _, t in rows))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -54,6 +62,7 @@ def _matmul_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: loads need no mask along K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -67,7 +76,7 @@ def _matmul_kernel(
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
+        k_ok = ((k0 + ks) < K) | EVEN_K
         a = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_wn + (k0 + ks)[:, None],
@@ -94,7 +103,7 @@ def tiles_for(M: int, N: int, dtype: torch.dtype, sm_count: int) -> Tiles:
     docstring: no configuration changes the bits of any element)."""
     if dtype == torch.float32:
         return Tiles(16, block_n(N, sm_count), 128, 4, 4)
-    return next(tiles for bound, tiles in ROW_TILES if bound is None or M <= bound)
+    return next(tiles for bound, tiles in ROW_TILES[N >= WIDE_N] if bound is None or M <= bound)
 
 
 def block_n(n: int, sm_count: int) -> int:
@@ -130,6 +139,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32,
+        EVEN_K=K % t.block_k == 0,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.warps, num_stages=t.stages,
     )

@@ -124,7 +124,7 @@ class BenchArgs:
         p.add_argument("--out", help="CSV file for the per-(mode, concurrency) rows")
         p.add_argument("--numerics", default=None,
                        help="kernels, comma-separated to compare them interleaved: exact "
-                            "(batch- and verify-invariant) and/or fast (vendor libraries); "
+                            "(batch- and verify-invariant) and/or fast (cuBLAS matrix products); "
                             "default: exact on cuda (the CPU runs the references)")
         p.add_argument("--enforce-eager", action="store_true",
                        help="run every forward eagerly (no CUDA graphs)")

@@ -84,7 +84,7 @@ class GenerateArgs:
         p.add_argument("--json", action="store_true", help="print one JSON object")
         p.add_argument("--numerics", choices=NUMERICS, default=None,
                        help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
-                            "greedy bit for bit in bfloat16) or fast (vendor libraries); default "
+                            "greedy bit for bit in bfloat16) or fast (cuBLAS matrix products); default "
                             "exact on cuda; the CPU runs the PyTorch references")
         return p
 

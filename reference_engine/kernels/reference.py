@@ -1,5 +1,6 @@
 """The plain-PyTorch implementation of every kernel: the reference the Triton kernels are
-tested against, the CPU path, and the `fast` numerics on CUDA (cuBLAS GEMMs, SDPA).
+tested against, the CPU path, and what a float64 model runs on CUDA (the `fast` numerics take
+`linear` and `greedy` from here, cuBLAS and PyTorch's argmax).
 
 Precision policy: half-precision inputs accumulate norms, softmax and recurrent state in
 float32; float32 and float64 stay in their own dtype (never downcast). Everything here is

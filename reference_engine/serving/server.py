@@ -120,7 +120,7 @@ class ServeArgs:
                        "requests (the draft still runs; output is not checked)")
         p.add_argument("--numerics", choices=NUMERICS, default=None,
                        help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
-                            "greedy bit for bit in bfloat16) or fast (vendor libraries); default "
+                            "greedy bit for bit in bfloat16) or fast (cuBLAS matrix products); default "
                             "exact on cuda; the CPU runs the PyTorch references")
         p.add_argument("--enforce-eager", action="store_true",
                        help="run every forward eagerly (no CUDA graphs)")

@@ -52,3 +52,25 @@ def test_real_shaped_bfloat16_pair_runs_on_cuda() -> None:
     while engine.has_unfinished():
         engine.step()
     assert len(engine.collect("a").output_ids) == 32
+
+
+def test_step_inputs_are_copied_without_waiting_for_queued_work() -> None:
+    """runtime/transfer.to_device queues its copy behind the work already on the stream and
+    returns; `torch.tensor(..., device="cuda")` waits for that work first (the probe that the
+    stream can be seen busy)."""
+    from reference_engine.runtime.transfer import to_device
+
+    def queue_work() -> None:  # several milliseconds of matrix products
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(50):
+            a = (a @ a) * 1e-3
+
+    stream = torch.cuda.current_stream()
+    queue_work()
+    copied = to_device([[1, 2], [3, 4]], "cuda")
+    assert not stream.query(), "the host waited for the queued work"
+    torch.cuda.synchronize()
+    assert copied.tolist() == [[1, 2], [3, 4]] and copied.device.type == "cuda"
+    queue_work()
+    torch.tensor([1, 2], device="cuda")
+    assert stream.query()  # the pageable copy synchronized the stream

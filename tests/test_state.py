@@ -250,3 +250,10 @@ def test_saving_and_restoring_several_slots_at_once_touches_only_those(qwen3_5_c
     for name, tensor in (("conv", state.conv[layer]), ("rec", state.recurrent[layer])):
         assert torch.equal(tensor[[1, 3]], before[name][[1, 3]])
         assert torch.equal(tensor[[0, 2]], before[name][[0, 2]] + 1.0)
+
+
+def test_small_step_inputs_reach_the_device_as_plain_tensors_off_cuda() -> None:
+    from reference_engine.runtime.transfer import to_device
+
+    t = to_device([[1, 2], [3, 4]], "cpu")
+    assert t.dtype == torch.int64 and t.tolist() == [[1, 2], [3, 4]] and t.device.type == "cpu"

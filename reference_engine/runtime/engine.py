@@ -51,6 +51,7 @@ from .speculate import SpeculativeStep, StepCommit
 from .state import TargetState
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
+from .transfer import to_device
 
 ADMISSION_POLICIES = ("wait", "reject")
 log = logging.getLogger(__name__)
@@ -325,10 +326,10 @@ class Engine:
         start = seq.prefilled
         ids = seq.prompt_ids[start : start + self.config.prefill_chunk]
         end = start + len(ids)
-        slots = torch.tensor([seq.slot], device=self.device)
+        slots = to_device([seq.slot], self.device)
         positions = torch.arange(start, end, device=self.device)[None]
         capture = self.draft.config.target_layer_ids if seq.speculative else ()
-        out = self.target(torch.tensor([ids], device=self.device), positions, slots,
+        out = self.target(to_device([ids], self.device), positions, slots,
                           self.state, kv_len=end, capture_layers=capture, last_only=True,
                           ops=self.ops)
         if seq.speculative:
@@ -346,9 +347,10 @@ class Engine:
     def _decode(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
         """One token for each plain request, in one forward."""
         lengths = [self.state.lengths[s.slot] for s in seqs]
-        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-        positions = torch.tensor([[n] for n in lengths], device=self.device)
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        # one copy for the three, queued without waiting for the device (transfer.py)
+        ids, positions, slots = to_device(
+            [[s.output_ids[-1] for s in seqs], lengths, [s.slot for s in seqs]], self.device)
+        ids, positions = ids[:, None], positions[:, None]
         replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
         if replayed is not None:
             logits = replayed["logits"]  # [b, vocab]

@@ -34,6 +34,7 @@ from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
 from .state import TargetState
 from .stats import PhaseTimer
+from .transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class SpeculativeStep:
         starts = self.anchor_positions(seqs)
         slot_ids = [s.slot for s in seqs]
         # one host-to-device copy for the three
-        starts_t, slots_t, n_t = torch.tensor(starts + slot_ids + n, device=self.device).split(len(seqs))
+        starts_t, slots_t, n_t = to_device(starts + slot_ids + n, self.device).split(len(seqs))
         positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
         return Rows(seqs, slot_ids, slots_t, starts, n, n_t, positions, max(starts) + N + 1)
 
@@ -141,8 +142,8 @@ class SpeculativeStep:
         """One draft forward over every row's block. Returns (block [b, N + 1]: anchor and
         proposals, proposals [b, N], draft distributions per row (sampled rows only))."""
         dcfg, N = self.draft.config, rows.positions.shape[1] - 1
-        block = torch.tensor([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs],
-                             device=self.device)
+        block = to_device([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs],
+                          self.device)
         replayed = None
         if self.graphs is not None:
             replayed = self.graphs.propose(block, rows.positions, rows.slots, rows.n_t + 1)
@@ -168,9 +169,8 @@ class SpeculativeStep:
                 proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
         if guesses:  # one host-to-device copy for every oracle row (-1: keep the draft's)
             width = proposals.shape[1]
-            guessed = torch.tensor([g + [-1] * (width - len(g)) for g in guesses.values()],
-                                   device=self.device)
-            at = list(guesses)
+            guessed = to_device([g + [-1] * (width - len(g)) for g in guesses.values()], self.device)
+            at = to_device(list(guesses), self.device)
             proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
@@ -210,8 +210,8 @@ class SpeculativeStep:
         forced = [(i, seq.oracle.scheduled(seq.spec.steps, rows.n[i])) for i, seq in enumerate(rows.seqs)
                   if seq.oracle is not None and seq.oracle.forced]  # benchmarks only
         if forced:  # one host-to-device copy for every forced row
-            at, counts = zip(*forced)
-            accepted[list(at)] = torch.tensor(counts, device=self.device)
+            at, counts = to_device(list(zip(*forced)), self.device)
+            accepted[at] = counts
         bonus = target_tokens.gather(1, self.bonus_index(accepted, rows.n_t)[:, None])[:, 0]
         for i, seq in enumerate(rows.seqs):
             if not seq.params.greedy:

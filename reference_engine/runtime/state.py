@@ -18,6 +18,7 @@ import torch
 from ..config import TargetConfig
 from ..errors import RequestError
 from ..kernels.reference import accumulation_dtype
+from .transfer import to_device
 
 
 class TargetState:
@@ -150,7 +151,7 @@ class TargetState:
         """`save` for several slots at once: one copy per state tensor, whatever their count."""
         for slot in slots:
             self._check_slot(slot)
-        rows = torch.tensor(slots, device=self.device)
+        rows = to_device(slots, self.device)
         for live, saved in zip(
             (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
         ):
@@ -187,7 +188,7 @@ class TargetState:
     def slot_rows(self, slots: list[int] | torch.Tensor) -> torch.Tensor:
         """Slots as a device index tensor: a host list is copied over, a device tensor (what
         a CUDA graph captures, free of host work) is used as it is."""
-        return slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
+        return slots if isinstance(slots, torch.Tensor) else to_device(slots, self.device)
 
     def restore_rows(self, slots: list[int] | torch.Tensor) -> None:
         """`restore_saved` for several slots at once (`slot_rows`)."""

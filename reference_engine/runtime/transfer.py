@@ -1,0 +1,23 @@
+"""Host-to-device copies of a step's small inputs (token ids, positions, slots, counts) that do
+not make the host wait for the device.
+
+`torch.tensor(values, device="cuda")` copies from pageable memory and then synchronizes the
+stream, so the host waits for everything queued before it (the previous step's commit, say)
+and the device idles while the host prepares the rest of the step. From pinned memory the
+copy is queued behind that work instead, and the host goes on; PyTorch's pinned-memory
+allocator keeps the buffer until the copy has run. Off CUDA it is a plain tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(values: Sequence, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """`values` (a list, nested lists) as a tensor on `device`, without a stream sync on CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -282,6 +282,35 @@ def print_floor(rows: list[dict]) -> None:
               f"{r['over_floor']:.2f}")
 
 
+def speedups(rows: list[dict]) -> list[dict]:
+    """DFlash over plain per (numerics, concurrency) with both modes measured: `tok_s` the
+    ratio of output tokens per second (prefill included), `decode` the decode steps alone:
+    mean acceptance length x plain ms per decode step / DFlash ms per decode step."""
+    by = {(r["mode"], r["numerics"], r["concurrency"]): r for r in rows}
+    out = []
+    for (mode, numerics, c), spec in by.items():
+        plain = by.get(("plain", numerics, c))
+        if mode != "dflash" or plain is None or not spec["ms_per_decode_step"]:
+            continue
+        out.append({"numerics": numerics, "concurrency": c,
+                    "tok_s": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                    "decode": spec["mean_acceptance_length"] * plain["ms_per_decode_step"]
+                    / spec["ms_per_decode_step"],
+                    "step_ratio": spec["ms_per_decode_step"] / plain["ms_per_decode_step"]})
+    return out
+
+
+def print_speedups(rows: list[dict]) -> None:
+    table = speedups(rows)
+    if not table:
+        return
+    print("numerics | concurrency | DFlash/plain tok/s | DFlash/plain decode steps | "
+          "DFlash step / plain step")
+    for r in table:
+        print(f"{r['numerics']} | {r['concurrency']} | {r['tok_s']:.2f} | {r['decode']:.2f} | "
+              f"{r['step_ratio']:.2f}")
+
+
 SPREAD_WARNING = 0.10  # repeats whose min-max range exceeds this share of the median disagree
 
 
@@ -434,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     except ReferenceEngineError as exc:
         return exit_with(exc)
     print_table(rows)
+    print_speedups(rows)
     if args.floor:
         print_floor(rows)
     if args.out:

@@ -261,3 +261,20 @@ def test_bad_numerics_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         bench.BenchArgs.parse(["--random-shape", "qwen3-small", "--numerics", "exact,loose"])
     assert exc.value.code == 2
     assert "--numerics must be distinct values of exact, fast, got 'exact,loose'" in capsys.readouterr().err
+
+
+def test_the_speedups_follow_from_the_rows_and_are_printed(checkpoint_run) -> None:
+    """DFlash over plain per concurrency: the tok/s ratio, and the decode steps' own ratio
+    (acceptance length x plain step / DFlash step), computed from the CSV's columns."""
+    _, stdout, rows = checkpoint_run
+    typed = [{k: (float(v) if k.startswith(("ms_", "output_", "mean_")) else v) for k, v in r.items()}
+             for r in rows]
+    table = bench.speedups(typed)
+    assert [(r["numerics"], r["concurrency"]) for r in table] == [("fast", "1"), ("fast", "2")]
+    for r in table:
+        plain, spec = (next(x for x in typed if x["mode"] == m and x["concurrency"] == r["concurrency"])
+                       for m in ("plain", "dflash"))
+        assert r["tok_s"] == spec["output_tokens_per_s"] / plain["output_tokens_per_s"]
+        assert abs(r["decode"] - spec["mean_acceptance_length"] * plain["ms_per_decode_step"]
+                   / spec["ms_per_decode_step"]) < 1e-12
+    assert "DFlash/plain tok/s | DFlash/plain decode steps | DFlash step / plain step" in stdout

@@ -41,7 +41,7 @@ class Tiles(NamedTuple):
 # Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log): the first row bound that
 # covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify
 # block of one request); past 96 rows a narrow projection takes 64-row tiles (more programs
-# than SMs) and a wide one 128x128 tiles; 256 rows run in 1.1-1.6x cuBLAS's time.
+# than SMs) and a wide one 128x128 tiles; 256 rows run in 1.25-1.7x cuBLAS's time.
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)

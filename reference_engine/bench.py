@@ -290,8 +290,9 @@ def speedups(rows: list[dict]) -> list[dict]:
     out = []
     for (mode, numerics, c), spec in by.items():
         plain = by.get(("plain", numerics, c))
-        if mode != "dflash" or plain is None or not spec["ms_per_decode_step"]:
-            continue
+        if mode != "dflash" or plain is None or not spec["ms_per_decode_step"] \
+                or not plain["ms_per_decode_step"] or not plain["output_tokens_per_s"]:
+            continue  # a run without decode steps (one output token) has no ratio
         out.append({"numerics": numerics, "concurrency": c,
                     "tok_s": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
                     "decode": spec["mean_acceptance_length"] * plain["ms_per_decode_step"]

@@ -278,3 +278,11 @@ def test_the_speedups_follow_from_the_rows_and_are_printed(checkpoint_run) -> No
         assert abs(r["decode"] - spec["mean_acceptance_length"] * plain["ms_per_decode_step"]
                    / spec["ms_per_decode_step"]) < 1e-12
     assert "DFlash/plain tok/s | DFlash/plain decode steps | DFlash step / plain step" in stdout
+
+
+def test_no_speedup_row_for_runs_without_decode_steps() -> None:
+    rows = [{"mode": "plain", "numerics": "fast", "concurrency": 1, "output_tokens_per_s": 5.0,
+             "ms_per_decode_step": 0.0, "mean_acceptance_length": 1.0},
+            {"mode": "dflash", "numerics": "fast", "concurrency": 1, "output_tokens_per_s": 5.0,
+             "ms_per_decode_step": 0.0, "mean_acceptance_length": 0.0}]
+    assert bench.speedups(rows) == []

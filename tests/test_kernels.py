@@ -26,13 +26,12 @@ from reference_engine.kernels import reference as ref  # noqa: E402
 from reference_engine.kernels.argmax import greedy  # noqa: E402
 from reference_engine.kernels.attention import attention  # noqa: E402
 from reference_engine.kernels.gated_delta import (  # noqa: E402
-    causal_conv,
     causal_conv_step,
     gated_delta,
     gated_delta_inputs,
 )
 from reference_engine.kernels.matmul import CONFIGURATIONS, ROW_TILES, WIDE_N, block_n, matmul, tiles_for  # noqa: E402
-from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, l2_norm, rms_norm, silu_mul  # noqa: E402
+from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
 from reference_engine.models.layers import RotaryEmbedding  # noqa: E402
@@ -141,12 +140,10 @@ def test_gated_rms_norm_rounds_a_float32_input_to_z_and_reads_z_as_a_column_view
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
-def test_gated_rms_norm_l2_norm_and_swiglu_equal_the_reference(dtype) -> None:
+def test_gated_rms_norm_and_swiglu_equal_the_reference(dtype) -> None:
     x, z, w = rand(4, 3, 40, dtype=dtype), rand(4, 3, 40, dtype=dtype, seed=1), rand(40, dtype=dtype, seed=2)
     assert_close(gated_rms_norm(x, z, w, 1e-6), ref.gated_rms_norm(x, z, w, 1e-6), dtype)
     assert_close(silu_mul(x, z), ref.silu_mul(x, z), dtype)
-    xf = x.float()
-    assert_close(l2_norm(xf), ref.l2_norm(xf), torch.float32)
 
 
 def test_swiglu_reads_column_views_of_one_fused_projection() -> None:
@@ -197,12 +194,6 @@ def test_attention_inputs_equal_the_reference(dtype, heads, kv_heads, dim, rotar
     assert attention_inputs(None, k, v, None, kw, 1e-6, offset, cos, sin, k_only, v_only, slots,
                             positions) is None
     assert torch.equal(k_only, k_got) and torch.equal(v_only, v_got)
-
-
-@pytest.mark.parametrize("dtype", ROW_DTYPES)
-def test_causal_conv_equals_the_reference(dtype) -> None:
-    full, w = rand(2, 70, 3 + 5, dtype=dtype), rand(70, 1, 4, dtype=dtype, seed=1)
-    assert_close(causal_conv(full, w), ref.causal_conv(full, w), dtype)
 
 
 def test_greedy_takes_the_lowest_id_on_a_tie_within_and_across_blocks() -> None:

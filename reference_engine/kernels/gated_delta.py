@@ -1,5 +1,6 @@
-"""Gated DeltaNet kernels: the recurrent gated delta rule over T tokens in one launch, and the
-depthwise causal conv (+ SiLU) in front of it.
+"""Gated DeltaNet kernels: the recurrent gated delta rule over T tokens in one launch, its
+inputs from the conv output (`gated_delta_inputs`), and the depthwise causal conv (+ SiLU) in
+front of it, over the slot's conv state in place (`causal_conv_step`).
 
 The recurrence keeps each (row, value head, value block) state tile [k_dim, BLOCK_V] in
 float32 registers and steps the T tokens in order with exactly the per-token arithmetic of a
@@ -175,42 +176,6 @@ def gated_delta_inputs(
     return q, k, v, g, beta
 
 
-@triton.jit(do_not_specialize=["T", "W"])
-def _causal_conv_kernel(x_ptr, w_ptr, out_ptr, C, T, W,
-                        KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
-    b = tl.program_id(0)
-    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ts = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok = (cs[:, None] < C) & (ts[None, :] < T)
-    row = (b * C + cs).to(tl.int64)[:, None]
-    acc = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
-    for j in tl.static_range(KERNEL):
-        w = tl.load(w_ptr + cs * KERNEL + j, mask=cs < C, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + row * W + ts[None, :] + j, mask=ok, other=0.0).to(tl.float32)
-        acc += w[:, None] * x
-    out_ty = out_ptr.dtype.element_ty
-    y = acc.to(out_ty).to(tl.float32)  # conv1d's output in the model dtype, then SiLU
-    y = y / (1.0 + tl.exp(-y))
-    tl.store(out_ptr + row * T + ts[None, :], y.to(out_ty), mask=ok)
-
-
-def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Same contract as kernels.reference.causal_conv: full [batch, C, kernel-1+T], weight
-    [C, 1, kernel] -> silu(conv) [batch, C, T]."""
-    batch, C, W = full.shape
-    kernel = weight.shape[-1]
-    T = W - kernel + 1
-    x = full.contiguous()
-    out = torch.empty((batch, C, T), dtype=full.dtype, device=full.device)
-    if batch == 0 or T <= 0:
-        return out
-    block_c, block_t = 64, 16
-    grid = (batch, triton.cdiv(C, block_c), triton.cdiv(T, block_t))
-    _causal_conv_kernel[grid](x, weight.reshape(C, kernel).contiguous(), out, C, T, W,
-                              KERNEL=kernel, BLOCK_C=block_c, BLOCK_T=block_t)
-    return out
-
-
 @triton.jit(do_not_specialize=["T", "s_xb", "s_xt", "s_ob", "s_ot"])
 def _conv_step_kernel(x_ptr, state_ptr, slots_ptr, valid_ptr, w_ptr, out_ptr,
                       C, T, s_xb, s_xt, s_ob, s_ot,
@@ -259,8 +224,8 @@ def causal_conv_step(
 ) -> torch.Tensor:
     """Same contract as kernels.reference.causal_conv_step, in one launch: the slot states
     are read and written in place (no gather, no concatenation, no scatter). x may be a
-    column view of a fused projection (channels contiguous). The taps are summed as
-    `causal_conv` sums them, so a token's output is the same bits whichever runs it."""
+    column view of a fused projection (channels contiguous). Each output sums its `kernel`
+    taps in order in float32, so a token's output is the same bits whichever runs it."""
     batch, T, C = x.shape
     kernel = weight.shape[-1]
     if x.stride(-1) != 1 or not conv_state.is_contiguous():

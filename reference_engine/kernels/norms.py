@@ -1,5 +1,5 @@
-"""Row-wise kernels: RMSNorm (w or 1 + w), gated RMSNorm, L2 normalisation, and the SwiGLU
-product. One program per row, the whole row in one block, so a row's sum of squares is
+"""Row-wise kernels: RMSNorm (w or 1 + w), with the residual add before it, gated RMSNorm,
+and the SwiGLU product. One program per row, the whole row in one block, so a row's sum of squares is
 reduced in one fixed order whatever the number of rows or the batch around it.
 
 Rounding follows kernels/reference.py step by step (float32 accumulation for half types, the
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-PLAIN, OFFSET, GATED, L2 = 0, 1, 2, 3  # normalisation kinds
+PLAIN, OFFSET, GATED = 0, 1, 2  # normalisation kinds
 
 
 @triton.jit
@@ -34,19 +34,16 @@ def _norm_kernel(x_ptr, w_ptr, z_ptr, out_ptr, res_ptr, sum_ptr, H, eps, stride_
         x = (x + tl.load(res_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)).to(out_ty)
         tl.store(sum_ptr + row * H + cols, x, mask=ok)
         x = x.to(tl.float32)
-    if KIND == 3:  # L2: x * rsqrt(sum x^2 + eps), in x's own dtype (float32 in the model)
-        y = x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
-    else:
-        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        if KIND == 1:  # (normed * (1 + w)) in float32, then the model dtype
-            y = normed * (1.0 + w)
-        else:  # w * normed, normed first rounded to the model dtype
-            y = w * normed.to(out_ty).to(tl.float32)
-            if KIND == 2:  # then times silu(z) in float32
-                y = y.to(out_ty).to(tl.float32)
-                z = tl.load(z_ptr + row * stride_z + cols, mask=ok, other=0.0).to(tl.float32)
-                y = y * (z * _sigmoid(z))
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if KIND == 1:  # (normed * (1 + w)) in float32, then the model dtype
+        y = normed * (1.0 + w)
+    else:  # w * normed, normed first rounded to the model dtype
+        y = w * normed.to(out_ty).to(tl.float32)
+        if KIND == 2:  # then times silu(z) in float32
+            y = y.to(out_ty).to(tl.float32)
+            z = tl.load(z_ptr + row * stride_z + cols, mask=ok, other=0.0).to(tl.float32)
+            y = y * (z * _sigmoid(z))
     tl.store(out_ptr + row * H + cols, y.to(out_ty), mask=ok)
 
 
@@ -102,10 +99,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rows(x, GATED, eps, weight, z)
-
-
-def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return _rows(x, L2, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,7 @@ class Kernels:
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
-    l2_norm: Callable
     silu_mul: Callable
-    causal_conv: Callable
     causal_conv_step: Callable
     attention_inputs: Callable
     attention: Callable
@@ -39,9 +37,7 @@ TORCH = Kernels(
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     gated_rms_norm=reference.gated_rms_norm,
-    l2_norm=reference.l2_norm,
     silu_mul=reference.silu_mul,
-    causal_conv=reference.causal_conv,
     causal_conv_step=reference.causal_conv_step,
     attention_inputs=reference.attention_inputs,
     attention=reference.attention,

@@ -16,9 +16,9 @@ from dataclasses import replace
 from . import reference
 from .argmax import greedy
 from .attention import attention
-from .gated_delta import causal_conv, causal_conv_step, gated_delta, gated_delta_inputs
+from .gated_delta import causal_conv_step, gated_delta, gated_delta_inputs
 from .matmul import matmul
-from .norms import add_rms_norm, gated_rms_norm, l2_norm, rms_norm, silu_mul
+from .norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
 from .rope import attention_inputs
 from .rows import conv_state_at, copy_rows
 from .table import Kernels
@@ -29,9 +29,7 @@ TRITON = Kernels(
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     gated_rms_norm=gated_rms_norm,
-    l2_norm=l2_norm,
     silu_mul=silu_mul,
-    causal_conv=causal_conv,
     causal_conv_step=causal_conv_step,
     attention_inputs=attention_inputs,
     attention=attention,

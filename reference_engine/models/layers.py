@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ..kernels import TORCH, Kernels
-from ..kernels.reference import rotate
 
 
 class RMSNorm(nn.Module):
@@ -140,9 +139,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [batch, T, heads, head_dim]
-        return rotate(x, cos, sin)
 
 
 class SelfAttention(nn.Module):

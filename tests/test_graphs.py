@@ -1,13 +1,15 @@
-"""CUDA-graph bookkeeping (reference_engine/runtime/graphs.py) without a GPU: buckets, and the
+"""CUDA-graph bookkeeping (reference_engine/runtime/graphs.py) without a GPU: buckets, the
 replay path's copying of a batch into its bucket's static inputs with padding rows on the
-spare slot. A stand-in graph computes its outputs from the static inputs when replayed, as a
+spare slot, and prefill chunks padded to their token bucket (run through the real prefill
+body on the CPU, whose outputs must equal the eager engine's). A stand-in graph computes its outputs from the static inputs when replayed, as a
 captured one would. The captures themselves run in the GPU tier (gates/test_exact_gpu.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from reference_engine.runtime.graphs import EngineGraphs, _Graph, buckets_up_to
+from reference_engine.runtime.graphs import EngineGraphs, _Graph, buckets_up_to, token_buckets
 
 PAD = 9
 
@@ -120,3 +122,93 @@ def test_a_replaced_commit_phase_runs_eagerly() -> None:
             step.commit_replayed(torch.tensor([2, 3]))
         assert commit.replays == replays, fault  # processed is computed before the commit
         assert g.verified_bucket is None
+
+
+def test_prefill_buckets_double_up_to_the_chunk_and_fit_the_slot() -> None:
+    assert token_buckets(512, 10_000) == (16, 32, 64, 128, 256, 512)
+    assert token_buckets(100, 10_000) == (16, 32, 64, 100)
+    assert token_buckets(16, 10_000) == (16,)
+    assert token_buckets(8, 10_000) == (8,)
+    assert token_buckets(512, 200) == (16, 32, 64, 128)  # no bucket reaches past the slot
+
+
+class Eager:
+    """Stands in for a captured prefill: replay() runs the real body on the static inputs."""
+
+    def __init__(self, graphs: EngineGraphs, tokens: int) -> None:
+        self.graphs, self.replays = graphs, []
+        self.inputs = graphs._prefill_inputs(tokens)
+        self.outputs = {"logits": torch.zeros(1, graphs.target.config.vocab_size,
+                                              dtype=graphs.state.dtype),
+                        "tokens": torch.zeros(1, dtype=torch.int64)}
+
+    def replay(self) -> None:
+        x = self.inputs
+        self.replays.append((x["positions"][0, 0].item(), x["valid"].item(), x["slots"].item()))
+        for name, value in self.graphs._prefill_body(x).items():
+            self.outputs[name].copy_(value)
+
+
+def prefill_graphs(engine, chunk: int) -> dict[int, Eager]:
+    """Give a CPU engine prefill graphs (stand-ins running the real body) for `chunk`."""
+    g = EngineGraphs.__new__(EngineGraphs)
+    g.target, g.draft, g.state, g.draft_state = (engine.target, engine.draft, engine.state,
+                                                 engine.draft_state)
+    g.ops, g.pad_slot, g.device = engine.ops, PAD, engine.device
+    g.capture_layers = engine.draft.config.target_layer_ids if engine.draft is not None else ()
+    g.buckets, g.decode_graphs, g.draft_graphs, g.verify_graphs = (), {}, {}, {}
+    g.prefill_buckets = token_buckets(chunk, engine.state.max_len)
+    stand_ins = {t: Eager(g, t) for t in g.prefill_buckets}
+    g.prefill_graphs = {t: _Graph(e, e.inputs, e.outputs) for t, e in stand_ins.items()}
+    engine.graphs = g
+    return stand_ins
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkpoint,
+                                                        tmp_path) -> None:
+    """Chunks padded to 16 or 32 tokens (the Gated DeltaNet and conv states skip the padding,
+    the logits are the last real token's, the padded cache and draft-context rows are
+    overwritten before they are read): the same tokens, and the same accepted counts (the
+    draft's context is right), as the eager engine; a chunk whose bucket would pass the
+    slot's rows runs eagerly."""
+    from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+    from reference_engine.runtime.engine import Engine, EngineConfig
+    from reference_engine.runtime.request import SamplingParams
+
+    checkpoint = tiny_checkpoint(family)
+    target = load_target(checkpoint, dtype=torch.float64)
+    draft = load_draft(make_tiny_draft(tmp_path / "draft", checkpoint, block_size=4), target)
+    prompts = {"a": [5, 9, 3, 77, 12], "b": [(7 * i + 3) % 500 for i in range(40)],
+               "c": [(11 * i + 1) % 500 for i in range(32)]}
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=3, prefill_chunk=32, max_model_len=60)
+    runs, replays = {}, None
+    for padded in (False, True):
+        for spec in (None, draft):
+            engine = Engine(target, spec, config)
+            if padded:
+                stand_ins = prefill_graphs(engine, 32)
+            for rid, prompt in prompts.items():
+                engine.add_request(rid, prompt, params)
+            while engine.has_unfinished():
+                engine.step()
+            runs[padded, spec is None] = {
+                rid: (engine.get(rid).output_ids, [s.accepted for s in engine.get(rid).steps])
+                for rid in prompts}
+            if padded and spec is not None:
+                replays = sorted(r for e in stand_ins.values() for r in e.replays)
+    assert runs[True, True] == runs[False, True]  # plain
+    assert runs[True, False] == runs[False, False]  # DFlash
+    assert {rid: out for rid, (out, _) in runs[False, False].items()} == {
+        rid: out for rid, (out, _) in runs[False, True].items()}
+    # (start, valid, slot): "a" in 16, "b" in 32 then 8 in 16, "c" exactly 32; all from the
+    # slots' first rows, none past the 64 rows (60 + block 4) of a slot
+    assert replays == [(0, 5, 0), (0, 32, 1), (0, 32, 2), (32, 8, 1)]
+
+
+def test_a_prefill_chunk_near_the_slots_end_runs_eagerly() -> None:
+    g = EngineGraphs.__new__(EngineGraphs)
+    g.state = type("State", (), {"max_len": 40})()
+    g.prefill_graphs = {16: None, 32: None}
+    assert g.prefill(list(range(10)), 30, 0) is None  # 30 + 16 > 40

@@ -173,7 +173,8 @@ class Engine:
                 target, draft, self.state, self.draft_state, self.ops, config.max_num_seqs,
                 pad_slot=config.max_num_seqs, block_size=self.block_size,
                 capture_layers=draft.config.target_layer_ids if draft is not None else (),
-                record=verify_record(config.commit_strategy, target) if draft is not None else None)
+                record=verify_record(config.commit_strategy, target) if draft is not None else None,
+                prefill_chunk=config.prefill_chunk)
             self.graphs.capture()
         self.speculative_step = (
             SpeculativeStep(target, draft, self.state, self.draft_state, self.block_size,
@@ -326,20 +327,25 @@ class Engine:
         start = seq.prefilled
         ids = seq.prompt_ids[start : start + self.config.prefill_chunk]
         end = start + len(ids)
-        slots = to_device([seq.slot], self.device)
-        positions = torch.arange(start, end, device=self.device)[None]
-        capture = self.draft.config.target_layer_ids if seq.speculative else ()
-        out = self.target(to_device([ids], self.device), positions, slots,
-                          self.state, kv_len=end, capture_layers=capture, last_only=True,
-                          ops=self.ops)
-        if seq.speculative:
-            self.draft.append_context(out.features, positions, slots, self.draft_state,
-                                      self.ops)
+        replayed = self.graphs.prefill(ids, start, seq.slot) if self.graphs is not None else None
+        if replayed is not None:
+            logits = replayed["logits"]  # [1, vocab]
+        else:
+            slots = to_device([seq.slot], self.device)
+            positions = torch.arange(start, end, device=self.device)[None]
+            capture = self.draft.config.target_layer_ids if seq.speculative else ()
+            out = self.target(to_device([ids], self.device), positions, slots,
+                              self.state, kv_len=end, capture_layers=capture, last_only=True,
+                              ops=self.ops)
+            if seq.speculative:
+                self.draft.append_context(out.features, positions, slots, self.draft_state,
+                                          self.ops)
+            logits = out.logits[:, -1]
         seq.prefilled = end
         self.state.lengths[seq.slot] = end
         if end == len(seq.prompt_ids):
             with self.timer.phase("sample"):
-                tokens, logprobs = choose_tokens(out.logits[:, -1], [seq])
+                tokens, logprobs = choose_tokens(logits, [seq])
             seq.phase = Phase.RUNNING
             seq.first_token_s = time.monotonic()
             self._emit(seq, tokens[0], outputs, logprobs[0])

@@ -1,6 +1,6 @@
 """CUDA graphs for the engine's fixed-shape work: the plain decode step, and the draft forward,
 the verify forward and the commit of a speculative step, one graph per batch bucket (and
-block size). The commit graph (commit strategy, the draft's new context) reads the verify
+block size); and one request's prefill chunk, one graph per token bucket. The commit graph (commit strategy, the draft's new context) reads the verify
 graph's static buffers and replays only right after that verify replayed; it is captured
 from the reference phase methods of `SpeculativeStep`, and a step whose methods were
 replaced (a planted fault) commits eagerly.
@@ -33,14 +33,27 @@ from ..kernels import Kernels
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
 from .state import TargetState
+from .transfer import to_pinned
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SMALLEST_PREFILL = 16  # tokens; prefill buckets double from here up to the prefill chunk
 
 
 def buckets_up_to(max_rows: int) -> tuple[int, ...]:
     """The buckets a batch of at most `max_rows` rows needs (the largest covers max_rows)."""
     out = [b for b in BUCKETS if b < max_rows]
     return (*out, max_rows) if max_rows not in out else tuple(out)
+
+
+def token_buckets(chunk: int, room: int) -> tuple[int, ...]:
+    """The prefill buckets of an engine whose prefill chunk is `chunk` tokens and whose
+    slots hold `room` positions: 16, 32, 64, ... below `chunk`, then `chunk`; none > room."""
+    out, tokens = [], SMALLEST_PREFILL
+    while tokens < chunk:
+        out.append(tokens)
+        tokens *= 2
+    out.append(chunk)
+    return tuple(t for t in out if t <= room)
 
 
 @dataclass
@@ -65,11 +78,13 @@ class EngineGraphs:
         block_size: int,
         capture_layers: tuple[int, ...],
         record: str | None,
+        prefill_chunk: int,
     ) -> None:
         self.target, self.draft, self.state, self.draft_state = target, draft, state, draft_state
         self.ops, self.pad_slot = ops, pad_slot
         self.block_size, self.capture_layers, self.record = block_size, capture_layers, record
         self.buckets = buckets_up_to(max_rows)
+        self.prefill_buckets = token_buckets(prefill_chunk, state.max_len)
         self.device = state.device
         self.pool = torch.cuda.graph_pool_handle()
         self.decode_graphs: dict[int, _Graph] = {}
@@ -78,6 +93,7 @@ class EngineGraphs:
         # the commit of a speculative step, per bucket: it reads the verify graph's static
         # inputs and outputs, so it replays only after that bucket's verify replayed
         self.commit_graphs: dict[int, _Graph] = {}
+        self.prefill_graphs: dict[int, _Graph] = {}  # by tokens
         self.verified_bucket: int | None = None  # the bucket of this step's replayed verify
 
     # ------------------------------------------------------------------ capture
@@ -86,6 +102,8 @@ class EngineGraphs:
         `progress`, one line on stderr when done."""
         kinds = ["decode"] + (["draft", "verify"] if self.draft is not None else [])
         start = time.perf_counter()
+        for tokens in sorted(self.prefill_buckets, reverse=True):
+            self.prefill_graphs[tokens] = self._capture_prefill(tokens)
         for b in sorted(self.buckets, reverse=True):
             self.decode_graphs[b] = self._capture(b, 1, self._decode_body)
             if self.draft is not None:
@@ -93,7 +111,9 @@ class EngineGraphs:
                 self.verify_graphs[b] = self._capture(b, self.block_size, self._verify_body)
         if progress:
             print(f"captured CUDA graphs ({', '.join(kinds)}) for batch sizes "
-                  f"{', '.join(map(str, self.buckets))} in {time.perf_counter() - start:.1f} s",
+                  f"{', '.join(map(str, self.buckets))} and prefill for "
+                  f"{', '.join(map(str, self.prefill_buckets))} tokens "
+                  f"in {time.perf_counter() - start:.1f} s",
                   file=sys.stderr, flush=True)
 
     def capture_commit(self, body: Callable[[dict[str, torch.Tensor]], None]) -> None:
@@ -127,6 +147,32 @@ class EngineGraphs:
         with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
             outputs = body(inputs)
         return _Graph(graph, inputs, outputs)
+
+    def _capture_prefill(self, tokens: int) -> _Graph:
+        return self._capture(1, tokens, self._prefill_body, inputs=self._prefill_inputs(tokens))
+
+    def _prefill_inputs(self, tokens: int) -> dict[str, torch.Tensor]:
+        """One buffer holds every input (a replay's inputs are one host-to-device copy):
+        ids [1, tokens], positions [1, tokens], slots [1], valid [1]."""
+        packed = torch.zeros(2 * tokens + 2, dtype=torch.int64, device=self.device)
+        packed[tokens : 2 * tokens] = torch.arange(tokens, device=self.device)
+        packed[2 * tokens] = self.pad_slot
+        packed[2 * tokens + 1] = tokens
+        return {"packed": packed, "ids": packed[:tokens].view(1, tokens),
+                "positions": packed[tokens : 2 * tokens].view(1, tokens),
+                "slots": packed[2 * tokens : 2 * tokens + 1], "valid": packed[2 * tokens + 1 :]}
+
+    def _prefill_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # kv_len: the capturable kernels bound each query by its position and ignore it; the
+        # references read every row, masked by position
+        out = self.target(x["ids"], x["positions"], x["slots"], self.state, self.state.max_len,
+                          capture_layers=self.capture_layers, last_only=True,
+                          valid_len=x["valid"], ops=self.ops)
+        if self.draft is not None:  # the draft's context (unused if the request decodes plainly)
+            self.draft.append_context(out.features, x["positions"], x["slots"],
+                                      self.draft_state, self.ops)
+        logits = out.logits[:, -1]
+        return {"logits": logits, "tokens": self.ops.greedy(logits)}
 
     def _decode_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.target(x["ids"], x["positions"], x["slots"], self.state, 1, ops=self.ops)
@@ -172,6 +218,21 @@ class EngineGraphs:
             g.inputs["valid"][rows:].fill_(1)
         g.graph.replay()
         return {name: t[:rows] for name, t in g.outputs.items()}
+
+    def prefill(self, ids: list[int], start: int, slot: int) -> dict[str, torch.Tensor] | None:
+        """One request's prefill chunk `ids` from position `start`, padded to its token
+        bucket: the logits [1, vocab] of its last token and their greedy token [1] (views of
+        static buffers), or None when no bucket fits (the chunk runs eagerly)."""
+        n = len(ids)
+        tokens = next((t for t in sorted(self.prefill_graphs)
+                       if t >= n and start + t <= self.state.max_len), None)
+        if tokens is None:
+            return None
+        g = self.prefill_graphs[tokens]
+        host = [*ids, *[0] * (tokens - n), *range(start, start + tokens), slot, n]
+        g.inputs["packed"].copy_(to_pinned(host), non_blocking=True)
+        g.graph.replay()
+        return g.outputs
 
     def decode(self, ids, positions, slots) -> dict[str, torch.Tensor] | None:
         """ids, positions: [b, 1]; slots: [b]. Returns logits [b, vocab] and greedy tokens

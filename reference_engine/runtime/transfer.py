@@ -20,4 +20,10 @@ def to_device(values: Sequence, device: torch.device | str, dtype: torch.dtype =
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return to_pinned(values, dtype).to(device, non_blocking=True)
+
+
+def to_pinned(values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """`values` as a host tensor that a non-blocking copy to the GPU can read from (pinned
+    where CUDA is present)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=torch.cuda.is_available())

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_engine.runtime.graphs import EngineGraphs, _Graph, buckets_up_to, token_buckets
+from reference_engine.runtime.graphs import (EngineGraphs, _Graph, buckets_up_to, prefill_shapes,
+                                             token_buckets)
 
 PAD = 9
 
@@ -132,34 +133,46 @@ def test_prefill_buckets_double_up_to_the_chunk_and_fit_the_slot() -> None:
     assert token_buckets(512, 200) == (16, 32, 64, 128)  # no bucket reaches past the slot
 
 
+def test_batched_prefill_buckets_hold_a_bounded_number_of_tokens() -> None:
+    shapes = prefill_shapes((1, 2, 4, 8, 16), (16, 32, 64, 128, 256, 512), 512)
+    assert (1, 512) in shapes and (4, 512) in shapes and (8, 512) not in shapes
+    assert (16, 128) in shapes and (16, 256) not in shapes
+    assert all(r * t <= 2048 for r, t in shapes)
+    long = prefill_shapes((1, 2), (16, 1024, 4096), 4096)  # one chunk is the budget
+    assert (2, 1024) in long and (1, 4096) in long and (2, 4096) not in long
+
+
 class Eager:
     """Stands in for a captured prefill: replay() runs the real body on the static inputs."""
 
-    def __init__(self, graphs: EngineGraphs, tokens: int) -> None:
+    def __init__(self, graphs: EngineGraphs, rows: int, tokens: int) -> None:
         self.graphs, self.replays = graphs, []
-        self.inputs = graphs._prefill_inputs(tokens)
-        self.outputs = {"logits": torch.zeros(1, graphs.target.config.vocab_size,
+        self.inputs = graphs._prefill_inputs(rows, tokens)
+        self.outputs = {"logits": torch.zeros(rows, graphs.target.config.vocab_size,
                                               dtype=graphs.state.dtype),
-                        "tokens": torch.zeros(1, dtype=torch.int64)}
+                        "tokens": torch.zeros(rows, dtype=torch.int64)}
 
     def replay(self) -> None:
         x = self.inputs
-        self.replays.append((x["positions"][0, 0].item(), x["valid"].item(), x["slots"].item()))
+        self.replays.append(tuple(zip(x["positions"][:, 0].tolist(), x["valid"].tolist(),
+                                      x["slots"].tolist())))
         for name, value in self.graphs._prefill_body(x).items():
             self.outputs[name].copy_(value)
 
 
-def prefill_graphs(engine, chunk: int) -> dict[int, Eager]:
-    """Give a CPU engine prefill graphs (stand-ins running the real body) for `chunk`."""
+def prefill_graphs(engine, chunk: int, pad_slot: int) -> dict[tuple[int, int], Eager]:
+    """Give a CPU engine prefill graphs (stand-ins running the real body) for `chunk`, with
+    padding rows on `pad_slot` (a slot no request of the test takes)."""
     g = EngineGraphs.__new__(EngineGraphs)
     g.target, g.draft, g.state, g.draft_state = (engine.target, engine.draft, engine.state,
                                                  engine.draft_state)
-    g.ops, g.pad_slot, g.device = engine.ops, PAD, engine.device
+    g.ops, g.pad_slot, g.device = engine.ops, pad_slot, engine.device
     g.capture_layers = engine.draft.config.target_layer_ids if engine.draft is not None else ()
-    g.buckets, g.decode_graphs, g.draft_graphs, g.verify_graphs = (), {}, {}, {}
+    g.buckets = buckets_up_to(engine.config.max_num_seqs)
+    g.decode_graphs, g.draft_graphs, g.verify_graphs = {}, {}, {}
     g.prefill_buckets = token_buckets(chunk, engine.state.max_len)
-    stand_ins = {t: Eager(g, t) for t in g.prefill_buckets}
-    g.prefill_graphs = {t: _Graph(e, e.inputs, e.outputs) for t, e in stand_ins.items()}
+    stand_ins = {s: Eager(g, *s) for s in prefill_shapes(g.buckets, g.prefill_buckets, chunk)}
+    g.prefill_graphs = {s: _Graph(e, e.inputs, e.outputs) for s, e in stand_ins.items()}
     engine.graphs = g
     return stand_ins
 
@@ -167,11 +180,11 @@ def prefill_graphs(engine, chunk: int) -> dict[int, Eager]:
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkpoint,
                                                         tmp_path) -> None:
-    """Chunks padded to 16 or 32 tokens (the Gated DeltaNet and conv states skip the padding,
-    the logits are the last real token's, the padded cache and draft-context rows are
-    overwritten before they are read): the same tokens, and the same accepted counts (the
-    draft's context is right), as the eager engine; a chunk whose bucket would pass the
-    slot's rows runs eagerly."""
+    """First chunks batched into one bucket (a padding row on a free slot), a later chunk
+    alone; chunks padded to 32 or 16 tokens (the Gated DeltaNet and conv states skip the
+    padding, the logits are each chunk's last token's, the padded cache and draft-context
+    rows are overwritten before they are read): the same tokens, and the same accepted
+    counts (the draft's context is right), as the eager engine."""
     from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
     from reference_engine.runtime.engine import Engine, EngineConfig
     from reference_engine.runtime.request import SamplingParams
@@ -182,13 +195,13 @@ def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkp
     prompts = {"a": [5, 9, 3, 77, 12], "b": [(7 * i + 3) % 500 for i in range(40)],
                "c": [(11 * i + 1) % 500 for i in range(32)]}
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    config = EngineConfig(max_num_seqs=3, prefill_chunk=32, max_model_len=60)
+    config = EngineConfig(max_num_seqs=4, prefill_chunk=32, max_model_len=60)
     runs, replays = {}, None
     for padded in (False, True):
         for spec in (None, draft):
             engine = Engine(target, spec, config)
             if padded:
-                stand_ins = prefill_graphs(engine, 32)
+                stand_ins = prefill_graphs(engine, 32, pad_slot=3)
             for rid, prompt in prompts.items():
                 engine.add_request(rid, prompt, params)
             while engine.has_unfinished():
@@ -202,13 +215,46 @@ def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkp
     assert runs[True, False] == runs[False, False]  # DFlash
     assert {rid: out for rid, (out, _) in runs[False, False].items()} == {
         rid: out for rid, (out, _) in runs[False, True].items()}
-    # (start, valid, slot): "a" in 16, "b" in 32 then 8 in 16, "c" exactly 32; all from the
-    # slots' first rows, none past the 64 rows (60 + block 4) of a slot
-    assert replays == [(0, 5, 0), (0, 32, 1), (0, 32, 2), (32, 8, 1)]
+    # rows of (start, valid, slot): the three first chunks and a padding row in (4, 32),
+    # then b's last 8 tokens alone in (1, 16)
+    assert replays == [((0, 5, 0), (0, 32, 1), (0, 32, 2), (0, 1, 3)), ((32, 8, 1),)]
+
+
+def test_a_batched_prefill_that_raises_fails_only_the_request_that_raises_alone(
+        qwen3_5_checkpoint) -> None:
+    """The batch's rows are reset and retried one by one: the row that raises again fails,
+    the others give what they give without it."""
+    from reference_engine.checkpoint import load_target
+    from reference_engine.runtime.decode import generate_plain
+    from reference_engine.runtime.engine import Engine, EngineConfig
+    from reference_engine.runtime.request import SamplingParams
+
+    target = load_target(qwen3_5_checkpoint, dtype=torch.float64)
+    prompts = {"a": [5, 9, 3, 77, 12], "bad": [13, 4, 4], "c": [40, 8, 1, 2, 3, 4]}
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = Engine(target, None, EngineConfig(max_num_seqs=4, prefill_chunk=16))
+    stand_ins = prefill_graphs(engine, 16, pad_slot=3)
+    for e in stand_ins.values():
+        correct = e.replay
+        e.replay = lambda correct=correct, e=e: (
+            (_ for _ in ()).throw(RuntimeError("bad row")) if (e.inputs["ids"][:, 0] == 13).any()
+            else correct())
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    bad = engine.get("bad")
+    assert bad.finish_reason == "error" and "bad row" in bad.error
+    for rid in ("a", "c"):
+        assert engine.get(rid).output_ids == generate_plain(target, prompts[rid], params).output_ids
+    # the batch and the bad row alone raised; a and c ran alone
+    assert {s: len(e.replays) for s, e in stand_ins.items() if e.replays} == {(1, 16): 2}
 
 
 def test_a_prefill_chunk_near_the_slots_end_runs_eagerly() -> None:
     g = EngineGraphs.__new__(EngineGraphs)
     g.state = type("State", (), {"max_len": 40})()
-    g.prefill_graphs = {16: None, 32: None}
-    assert g.prefill(list(range(10)), 30, 0) is None  # 30 + 16 > 40
+    g.prefill_graphs = {(1, 16): None, (1, 32): None, (2, 16): None}
+    assert g.prefill([(list(range(10)), 30, 0)]) is None  # 30 + 16 > 40
+    assert g.prefill([(list(range(10)), 0, 0), (list(range(3)), 30, 1)]) is None
+    assert not g.prefill_fits(3, 16) and not g.prefill_fits(2, 17) and g.prefill_fits(1, 17)

@@ -30,7 +30,9 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
     gated_delta,
     gated_delta_inputs,
 )
-from reference_engine.kernels.matmul import CONFIGURATIONS, ROW_TILES, WIDE_N, block_n, matmul, tiles_for  # noqa: E402
+from reference_engine.kernels.matmul import (  # noqa: E402
+    CONFIGURATIONS, DEEP_K, MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE, ROW_TILES, WIDE_N, Tiles,
+    block_n, matmul, tiles_for)
 from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
@@ -89,13 +91,25 @@ def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
 
 def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_float32() -> None:
     for dtype in (torch.bfloat16, torch.float16):
-        for N in (4096, WIDE_N):
+        for N, K, many in ((4096, 4096, MANY_ROWS), (4096, DEEP_K, MANY_ROWS_DEEP),
+                           (WIDE_N, 4096, MANY_ROWS_WIDE), (WIDE_N, DEEP_K, MANY_ROWS_WIDE)):
             low = 1
-            for bound, tiles in ROW_TILES[N >= WIDE_N]:
-                top = bound if bound is not None else 4096
-                assert tiles_for(low, N, dtype, 132) == tiles_for(top, N, dtype, 132) == tiles
-                low = top + 1
-    assert len({tiles_for(m, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
+            for bound, tiles in ROW_TILES:
+                assert tiles_for(low, N, K, dtype, 132) == tiles_for(bound, N, K, dtype, 132) == tiles
+                low = bound + 1
+            assert tiles_for(low, N, K, dtype, 132) == tiles_for(4096, N, K, dtype, 132) == many
+    assert len({tiles_for(m, 4096, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(70, 50, 256), (5, 24, 64), (33, 136, 192)])
+def test_tiles_loaded_by_the_memory_accelerator_index_as_pointer_loads(M: int, N: int, K: int) -> None:
+    """The accelerator's tiles (zeros past M, N and K) against the pointer kernel's masked
+    loads, the same tile shape, bias or not."""
+    x, w, b = rand(M, K, dtype=torch.bfloat16), rand(N, K, seed=1, dtype=torch.bfloat16), rand(N, seed=2, dtype=torch.bfloat16)
+    for bias in (None, b):
+        for tiles in (Tiles(16, 32, 64, 4, 2, tma=True), Tiles(32, 16, 32, 4, 2, tma=True)):
+            pointer = matmul(x, w, bias, tiles=tiles._replace(tma=False))
+            assert torch.equal(matmul(x, w, bias, tiles=tiles), pointer), tiles
 
 
 @pytest.mark.parametrize("tiles", CONFIGURATIONS)

@@ -7,8 +7,8 @@ accumulator, whatever the tile. The tiles decide only which elements one program
 and how far ahead it loads, not the order of any element's sum, so they may change with M:
 few rows (a decode step, a small verify) take narrow tiles that give every SM several
 programs and a deep load pipeline (the weight is streamed once), many rows take wider tiles
-that reuse each weight tile across more rows (`ROW_TILES`, which also looks at the output
-width). The GPU tier checks the claim bitwise: row 0 for M = 1 .. 1000 across every switch,
+that reuse each weight tile across more rows and are loaded by the tensor memory
+accelerator (`tiles_for`, which also looks at the weight's shape). The GPU tier checks the claim bitwise: row 0 for M = 1 .. 1000 across every switch,
 and every tile configuration against every other on full outputs
 (tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
 configuration for every M. M is not a specialisation key of the compiled kernel
@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 class Tiles(NamedTuple):
@@ -35,24 +36,28 @@ class Tiles(NamedTuple):
     block_k: int
     warps: int
     stages: int
+    tma: bool = False  # tiles loaded and stored by the Hopper tensor memory accelerator
+    warp_specialize: bool = False  # (tma only) loads and products in separate warps
 
 
-# By row count and output width, chosen by sweeps on the H200 over the Qwen3-8B and
+# By row count and the weight's shape, chosen by sweeps on the H200 over the Qwen3-8B and
 # Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log): the first row bound that
 # covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify
-# block of one request); past 96 rows a narrow projection takes 64-row tiles (more programs
-# than SMs) and a wide one 128x128 tiles; 256 rows run in 1.25-1.7x cuBLAS's time.
+# block of one request). Past 96 rows (a batch's verify, a prefill chunk) the tiles are loaded
+# by the tensor memory accelerator, and their shape follows the weight: 64x128 for a narrow
+# projection (K tiles of 128 when the K dimension is deep), 128x128 for a wide one; at 256
+# rows they run in 1.0-1.25x cuBLAS's time (cuBLAS balances its waves by splitting K, which
+# an invariant product may not do).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)
-MANY_ROWS_NARROW_N = Tiles(64, 128, 128, 4, 3)
-LARGE = Tiles(128, 128, 64, 8, 4)
+ROW_TILES = ((16, NARROW), (48, MID), (96, WIDE))  # (row bound, tiles), in order
+MANY_ROWS = Tiles(64, 128, 64, 4, 4, tma=True)
+MANY_ROWS_DEEP = Tiles(64, 128, 128, 4, 3, tma=True)
+MANY_ROWS_WIDE = Tiles(128, 128, 64, 4, 3, tma=True)
 WIDE_N = 16384  # output columns from which a projection counts as wide
-ROW_TILES = {  # (narrow projections, wide ones): (row bound or None, tiles), in order
-    False: ((16, NARROW), (48, MID), (96, WIDE), (None, MANY_ROWS_NARROW_N)),
-    True: ((16, NARROW), (48, MID), (96, WIDE), (None, LARGE)),
-}
-CONFIGURATIONS = tuple(dict.fromkeys(t for rows in ROW_TILES.values() for _, t in rows))
+DEEP_K = 8192  # input columns from which a narrow projection counts as deep
+CONFIGURATIONS = (*(t for _, t in ROW_TILES), MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -91,6 +96,37 @@ def _matmul_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    x_desc, w_desc, out_desc, bias_ptr,
+    M, N, K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    # the same sums as _matmul_kernel: tiles past M, N or K arrive as zeros
+    off_m = tl.program_id(0) * BLOCK_M
+    off_n = tl.program_id(1) * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        a = x_desc.load([off_m, k0])
+        b = w_desc.load([off_n, k0])
+        acc = tl.dot(a, b.T, acc)
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether 2-D row-major tensors meet the accelerator's rules: 16-byte aligned starts
+    and row strides (a tile configuration with `tma` falls back to pointer loads if not)."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     if not torch.cuda.is_available():
@@ -98,12 +134,17 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def tiles_for(M: int, N: int, dtype: torch.dtype, sm_count: int) -> Tiles:
-    """The tile configuration for M rows of a weight with N output columns (module
-    docstring: no configuration changes the bits of any element)."""
+def tiles_for(M: int, N: int, K: int, dtype: torch.dtype, sm_count: int) -> Tiles:
+    """The tile configuration for M rows of an [N, K] weight (module docstring: no
+    configuration changes the bits of any element)."""
     if dtype == torch.float32:
         return Tiles(16, block_n(N, sm_count), 128, 4, 4)
-    return next(tiles for bound, tiles in ROW_TILES[N >= WIDE_N] if bound is None or M <= bound)
+    for bound, tiles in ROW_TILES:
+        if M <= bound:
+            return tiles
+    if N >= WIDE_N:
+        return MANY_ROWS_WIDE
+    return MANY_ROWS_DEEP if K >= DEEP_K else MANY_ROWS
 
 
 def block_n(n: int, sm_count: int) -> int:
@@ -131,8 +172,21 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M == 0:
         return out.reshape(*lead, N)
     device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
-    t = tiles or tiles_for(M, N, x.dtype, _sm_count(device_index))
+    t = tiles or tiles_for(M, N, K, x.dtype, _sm_count(device_index))
     grid = (triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n))
+    if t.tma and x.dtype != torch.float32 and tma_ready(x2, w, out):
+        _matmul_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x2, [t.block_m, t.block_k]),
+            TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),
+            TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]),
+            bias if bias is not None else w,
+            M, N, K,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            WARP_SPECIALIZE=t.warp_specialize,
+            num_warps=t.warps, num_stages=t.stages,
+        )
+        return out.reshape(*lead, N)
     _matmul_kernel[grid](
         x2, w, bias if bias is not None else w, out,
         M, N, K,

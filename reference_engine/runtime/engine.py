@@ -7,7 +7,7 @@
             ...
 
 A step: schedule (admit waiting requests into free slots), prefill (one chunk per new
-request), decode (one batched forward for plain requests), speculate (one batched draft
+request; with CUDA graphs the first chunks of several requests in one forward), decode (one batched forward for plain requests), speculate (one batched draft
 forward and one batched verify forward for speculative requests; each row accepts and
 commits its own count). Slots and state are preallocated; nothing grows during a run.
 
@@ -292,7 +292,10 @@ class Engine:
         with self.timer.phase("schedule"):
             self._admit()
         with self.timer.phase("prefill"):
-            for seq in [s for s in self.active.values() if s.phase is Phase.PREFILL]:
+            pending = [s for s in self.active.values() if s.phase is Phase.PREFILL]
+            if self.graphs is not None:
+                pending = self._prefill_batched(pending, outputs)
+            for seq in pending:
                 with self._failing([seq], outputs):
                     self._prefill(seq, outputs)
         running = [s for s in self.active.values()
@@ -322,12 +325,65 @@ class Engine:
             self.state.reset(seq.slot)
             self.active[seq.request_id] = seq
 
+    def _prefill_batched(self, seqs: list[Sequence], outputs: list[StepOutput]) -> list[Sequence]:
+        """The first prompt chunks of newly admitted requests, several to a captured prefill
+        graph; returns the requests left to `_prefill` (later chunks, chunks no graph holds,
+        and the rows of a batch that raised, each retried alone from a reset slot so that a
+        failing request fails alone)."""
+        chunk = self.config.prefill_chunk
+        firsts = [s for s in seqs if s.prefilled == 0]
+        rest = [s for s in seqs if s.prefilled != 0]
+        groups: list[list[Sequence]] = []
+        for seq in firsts:
+            group = groups[-1] if groups else None
+            longest = min(chunk, max(len(s.prompt_ids) for s in [*(group or []), seq]))
+            if group is not None and self.graphs.prefill_fits(len(group) + 1, longest):
+                group.append(seq)
+            else:
+                groups.append([seq])
+        for group in groups:
+            chunks = [(s.prompt_ids[:chunk], 0, s.slot) for s in group]
+            try:
+                replayed = self.graphs.prefill(chunks)
+            except Exception:  # noqa: BLE001 - retried row by row below
+                log.error("batched prefill failed; retrying its requests one by one:\n%s",
+                          traceback.format_exc())
+                for seq in group:
+                    self.state.reset(seq.slot)
+                rest.extend(group)
+                continue
+            if replayed is None:
+                rest.extend(group)
+                continue
+            self._prefilled(group, [len(ids) for ids, _, _ in chunks], replayed["logits"], outputs)
+        return rest
+
+    def _prefilled(self, seqs: list[Sequence], ends: list[int], logits: torch.Tensor,
+                   outputs: list[StepOutput]) -> None:
+        """Record prefill chunks up to `ends`; the first token of each request whose prompt
+        is done (logits [rows, vocab]: each chunk's last)."""
+        done = []
+        for i, (seq, end) in enumerate(zip(seqs, ends)):
+            seq.prefilled = end
+            self.state.lengths[seq.slot] = end
+            if end == len(seq.prompt_ids):
+                done.append(i)
+        if not done:
+            return
+        with self.timer.phase("sample"):
+            tokens, logprobs = choose_tokens(logits[done], [seqs[i] for i in done])
+        for i, token, lp in zip(done, tokens, logprobs):
+            seqs[i].phase = Phase.RUNNING
+            seqs[i].first_token_s = time.monotonic()
+            self._emit(seqs[i], token, outputs, lp)
+
     def _prefill(self, seq: Sequence, outputs: list[StepOutput]) -> None:
         """One prompt chunk of one request; the first token after the last chunk."""
         start = seq.prefilled
         ids = seq.prompt_ids[start : start + self.config.prefill_chunk]
         end = start + len(ids)
-        replayed = self.graphs.prefill(ids, start, seq.slot) if self.graphs is not None else None
+        replayed = (self.graphs.prefill([(ids, start, seq.slot)])
+                    if self.graphs is not None else None)
         if replayed is not None:
             logits = replayed["logits"]  # [1, vocab]
         else:
@@ -341,14 +397,7 @@ class Engine:
                 self.draft.append_context(out.features, positions, slots, self.draft_state,
                                           self.ops)
             logits = out.logits[:, -1]
-        seq.prefilled = end
-        self.state.lengths[seq.slot] = end
-        if end == len(seq.prompt_ids):
-            with self.timer.phase("sample"):
-                tokens, logprobs = choose_tokens(logits, [seq])
-            seq.phase = Phase.RUNNING
-            seq.first_token_s = time.monotonic()
-            self._emit(seq, tokens[0], outputs, logprobs[0])
+        self._prefilled([seq], [end], logits, outputs)
 
     def _decode(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
         """One token for each plain request, in one forward."""

@@ -1,7 +1,7 @@
 """CUDA graphs for the engine's fixed-shape work: the plain decode step, and the draft forward,
 the verify forward and the commit of a speculative step, one graph per batch bucket (and
-block size); and one request's prefill chunk, one graph per token bucket. The commit graph (commit strategy, the draft's new context) reads the verify
-graph's static buffers and replays only right after that verify replayed; it is captured
+block size); and prefill chunks, one graph per (rows, tokens) bucket. The commit graph
+(commit strategy, the draft's new context) reads the verify graph's static buffers and replays only right after that verify replayed; it is captured
 from the reference phase methods of `SpeculativeStep`, and a step whose methods were
 replaced (a planted fault) commits eagerly.
 
@@ -18,6 +18,14 @@ tensors and read the cache in place (`Kernels.capturable`: the exact and the fas
 CUDA; the PyTorch references bound attention by a host-side length). A replay gives the same
 bits as the eager forward in the exact numerics: the same kernels on the same inputs (a gate
 checks it).
+
+Prefill chunks run as a batch of rows in a (rows, tokens) bucket: rows a batch bucket,
+tokens the smallest token bucket >= the longest chunk (16, 32, 64, ... up to the engine's
+prefill chunk), at most PREFILL_BATCH_TOKENS in all (one row takes any chunk). A row's tokens
+after its chunk are padding (`valid`): the Gated DeltaNet and conv states skip them, the
+logits are those of the chunk's last token, and their attention (and draft context) rows
+land past the request's length, where the next tokens overwrite them before any query reads
+them. A chunk whose bucket would reach past its slot's rows runs eagerly.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from .transfer import to_pinned
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SMALLEST_PREFILL = 16  # tokens; prefill buckets double from here up to the prefill chunk
+PREFILL_BATCH_TOKENS = 2048  # rows x tokens of a batched prefill bucket, at most
 
 
 def buckets_up_to(max_rows: int) -> tuple[int, ...]:
@@ -54,6 +63,15 @@ def token_buckets(chunk: int, room: int) -> tuple[int, ...]:
         tokens *= 2
     out.append(chunk)
     return tuple(t for t in out if t <= room)
+
+
+def prefill_shapes(row_buckets: tuple[int, ...], token_buckets: tuple[int, ...],
+                   chunk: int) -> list[tuple[int, int]]:
+    """The (rows, tokens) prefill buckets: one row of any token bucket, more rows while they
+    hold at most PREFILL_BATCH_TOKENS (or one chunk) in all."""
+    budget = max(PREFILL_BATCH_TOKENS, chunk)
+    return [(rows, tokens) for tokens in token_buckets for rows in row_buckets
+            if rows == 1 or rows * tokens <= budget]
 
 
 @dataclass
@@ -85,6 +103,7 @@ class EngineGraphs:
         self.block_size, self.capture_layers, self.record = block_size, capture_layers, record
         self.buckets = buckets_up_to(max_rows)
         self.prefill_buckets = token_buckets(prefill_chunk, state.max_len)
+        self.prefill_shapes = prefill_shapes(self.buckets, self.prefill_buckets, prefill_chunk)
         self.device = state.device
         self.pool = torch.cuda.graph_pool_handle()
         self.decode_graphs: dict[int, _Graph] = {}
@@ -93,7 +112,7 @@ class EngineGraphs:
         # the commit of a speculative step, per bucket: it reads the verify graph's static
         # inputs and outputs, so it replays only after that bucket's verify replayed
         self.commit_graphs: dict[int, _Graph] = {}
-        self.prefill_graphs: dict[int, _Graph] = {}  # by tokens
+        self.prefill_graphs: dict[tuple[int, int], _Graph] = {}  # by (rows, tokens)
         self.verified_bucket: int | None = None  # the bucket of this step's replayed verify
 
     # ------------------------------------------------------------------ capture
@@ -102,8 +121,8 @@ class EngineGraphs:
         `progress`, one line on stderr when done."""
         kinds = ["decode"] + (["draft", "verify"] if self.draft is not None else [])
         start = time.perf_counter()
-        for tokens in sorted(self.prefill_buckets, reverse=True):
-            self.prefill_graphs[tokens] = self._capture_prefill(tokens)
+        for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
+            self.prefill_graphs[shape] = self._capture_prefill(*shape)
         for b in sorted(self.buckets, reverse=True):
             self.decode_graphs[b] = self._capture(b, 1, self._decode_body)
             if self.draft is not None:
@@ -112,7 +131,7 @@ class EngineGraphs:
         if progress:
             print(f"captured CUDA graphs ({', '.join(kinds)}) for batch sizes "
                   f"{', '.join(map(str, self.buckets))} and prefill for "
-                  f"{', '.join(map(str, self.prefill_buckets))} tokens "
+                  f"{', '.join(map(str, self.prefill_buckets))} tokens a row "
                   f"in {time.perf_counter() - start:.1f} s",
                   file=sys.stderr, flush=True)
 
@@ -148,19 +167,21 @@ class EngineGraphs:
             outputs = body(inputs)
         return _Graph(graph, inputs, outputs)
 
-    def _capture_prefill(self, tokens: int) -> _Graph:
-        return self._capture(1, tokens, self._prefill_body, inputs=self._prefill_inputs(tokens))
+    def _capture_prefill(self, rows: int, tokens: int) -> _Graph:
+        return self._capture(rows, tokens, self._prefill_body,
+                             inputs=self._prefill_inputs(rows, tokens))
 
-    def _prefill_inputs(self, tokens: int) -> dict[str, torch.Tensor]:
+    def _prefill_inputs(self, rows: int, tokens: int) -> dict[str, torch.Tensor]:
         """One buffer holds every input (a replay's inputs are one host-to-device copy):
-        ids [1, tokens], positions [1, tokens], slots [1], valid [1]."""
-        packed = torch.zeros(2 * tokens + 2, dtype=torch.int64, device=self.device)
-        packed[tokens : 2 * tokens] = torch.arange(tokens, device=self.device)
-        packed[2 * tokens] = self.pad_slot
-        packed[2 * tokens + 1] = tokens
-        return {"packed": packed, "ids": packed[:tokens].view(1, tokens),
-                "positions": packed[tokens : 2 * tokens].view(1, tokens),
-                "slots": packed[2 * tokens : 2 * tokens + 1], "valid": packed[2 * tokens + 1 :]}
+        ids [rows, tokens], positions [rows, tokens], slots [rows], valid [rows]."""
+        n = rows * tokens
+        packed = torch.zeros(2 * n + 2 * rows, dtype=torch.int64, device=self.device)
+        packed[n : 2 * n] = torch.arange(tokens, device=self.device).repeat(rows)
+        packed[2 * n : 2 * n + rows] = self.pad_slot
+        packed[2 * n + rows :] = tokens
+        return {"packed": packed, "ids": packed[:n].view(rows, tokens),
+                "positions": packed[n : 2 * n].view(rows, tokens),
+                "slots": packed[2 * n : 2 * n + rows], "valid": packed[2 * n + rows :]}
 
     def _prefill_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # kv_len: the capturable kernels bound each query by its position and ignore it; the
@@ -219,20 +240,33 @@ class EngineGraphs:
         g.graph.replay()
         return {name: t[:rows] for name, t in g.outputs.items()}
 
-    def prefill(self, ids: list[int], start: int, slot: int) -> dict[str, torch.Tensor] | None:
-        """One request's prefill chunk `ids` from position `start`, padded to its token
-        bucket: the logits [1, vocab] of its last token and their greedy token [1] (views of
-        static buffers), or None when no bucket fits (the chunk runs eagerly)."""
-        n = len(ids)
-        tokens = next((t for t in sorted(self.prefill_graphs)
-                       if t >= n and start + t <= self.state.max_len), None)
-        if tokens is None:
+    def prefill_fits(self, rows: int, longest: int) -> bool:
+        """Whether a bucket holds `rows` chunks of at most `longest` tokens."""
+        return any(r >= rows and t >= longest for r, t in self.prefill_graphs)
+
+    def prefill(self, chunks: list[tuple[list[int], int, int]]) -> dict[str, torch.Tensor] | None:
+        """Prefill chunks (ids, start position, slot), one per row, in the smallest bucket
+        that holds them, each padded to the bucket's tokens: the logits [rows, vocab] of
+        each chunk's last token and their greedy tokens [rows] (views of static buffers), or
+        None when no bucket fits (the chunks run eagerly)."""
+        n, longest = len(chunks), max(len(ids) for ids, _, _ in chunks)
+        room = self.state.max_len - max(start for _, start, _ in chunks)
+        shape = next((s for s in sorted(self.prefill_graphs, key=lambda s: (s[1], s[0]))
+                      if s[0] >= n and longest <= s[1] <= room), None)
+        if shape is None:
             return None
-        g = self.prefill_graphs[tokens]
-        host = [*ids, *[0] * (tokens - n), *range(start, start + tokens), slot, n]
+        rows, tokens = shape
+        g = self.prefill_graphs[shape]
+        pad = rows - n
+        host = [t for ids, _, _ in chunks for t in (*ids, *[0] * (tokens - len(ids)))]
+        host += [0] * (pad * tokens)
+        host += [p for _, start, _ in chunks for p in range(start, start + tokens)]
+        host += [*range(tokens)] * pad
+        host += [slot for _, _, slot in chunks] + [self.pad_slot] * pad
+        host += [len(ids) for ids, _, _ in chunks] + [1] * pad
         g.inputs["packed"].copy_(to_pinned(host), non_blocking=True)
         g.graph.replay()
-        return g.outputs
+        return {name: t[:n] for name, t in g.outputs.items()}
 
     def decode(self, ids, positions, slots) -> dict[str, torch.Tensor] | None:
         """ids, positions: [b, 1]; slots: [b]. Returns logits [b, vocab] and greedy tokens

@@ -31,7 +31,8 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
     gated_delta_inputs,
 )
 from reference_engine.kernels.matmul import (  # noqa: E402
-    CONFIGURATIONS, DEEP_K, MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE, ROW_TILES, WIDE_N, Tiles,
+    CONFIGURATIONS, DEEP_K, MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE, PREFILL_ROWS, ROW_TILES, WIDE_N,
+    Tiles,
     block_n, matmul, tiles_for)
 from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
@@ -97,7 +98,8 @@ def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_floa
             for bound, tiles in ROW_TILES:
                 assert tiles_for(low, N, K, dtype, 132) == tiles_for(bound, N, K, dtype, 132) == tiles
                 low = bound + 1
-            assert tiles_for(low, N, K, dtype, 132) == tiles_for(4096, N, K, dtype, 132) == many
+            assert tiles_for(low, N, K, dtype, 132) == tiles_for(PREFILL_ROWS, N, K, dtype, 132) == many
+            assert tiles_for(PREFILL_ROWS + 1, N, K, dtype, 132) == MANY_ROWS_WIDE
     assert len({tiles_for(m, 4096, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
 
 

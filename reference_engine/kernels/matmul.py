@@ -45,9 +45,9 @@ class Tiles(NamedTuple):
 # covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify
 # block of one request). Past 96 rows (a batch's verify, a prefill chunk) the tiles are loaded
 # by the tensor memory accelerator, and their shape follows the weight: 64x128 for a narrow
-# projection (K tiles of 128 when the K dimension is deep), 128x128 for a wide one; at 256
-# rows they run in 1.0-1.25x cuBLAS's time (cuBLAS balances its waves by splitting K, which
-# an invariant product may not do).
+# projection (K tiles of 128 when the K dimension is deep) up to 512 rows, 128x128 for a wide
+# one and past 512 rows; at 256 rows they run in 1.0-1.3x cuBLAS's time, at 2048 rows in
+# 1.05-1.25x (cuBLAS balances its waves by splitting K, which an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)
@@ -57,6 +57,7 @@ MANY_ROWS_DEEP = Tiles(64, 128, 128, 4, 3, tma=True)
 MANY_ROWS_WIDE = Tiles(128, 128, 64, 4, 3, tma=True)
 WIDE_N = 16384  # output columns from which a projection counts as wide
 DEEP_K = 8192  # input columns from which a narrow projection counts as deep
+PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes 128x128 tiles
 CONFIGURATIONS = (*(t for _, t in ROW_TILES), MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE)
 
 
@@ -142,7 +143,7 @@ def tiles_for(M: int, N: int, K: int, dtype: torch.dtype, sm_count: int) -> Tile
     for bound, tiles in ROW_TILES:
         if M <= bound:
             return tiles
-    if N >= WIDE_N:
+    if N >= WIDE_N or M > PREFILL_ROWS:
         return MANY_ROWS_WIDE
     return MANY_ROWS_DEEP if K >= DEEP_K else MANY_ROWS
 

@@ -17,6 +17,11 @@ kernels (and split-K) as M changes, so its rows move.
 
 The grid runs the row tiles of one column tile next to each other, so a weight tile read from
 memory serves every row tile from L2.
+
+Tiles loaded by the tensor memory accelerator (past 96 rows) need their descriptors encoded
+on the host at each launch: 30-50 us more host time per launch than pointer loads when run
+eagerly (docs/results/h200-prefill/eager-tma.log), nothing inside a CUDA graph, where the
+engine runs them.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ class Tiles(NamedTuple):
 
 
 # By row count and the weight's shape, chosen by sweeps on the H200 over the Qwen3-8B and
-# Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log): the first row bound that
-# covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify
+# Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log, and for the accelerator's
+# tiles docs/results/h200-prefill/matmul-tma-sweep*.log, timed in CUDA graphs): the first row
+# bound that covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify
 # block of one request). Past 96 rows (a batch's verify, a prefill chunk) the tiles are loaded
 # by the tensor memory accelerator, and their shape follows the weight: 64x128 for a narrow
 # projection (K tiles of 128 when the K dimension is deep) up to 512 rows, 128x128 for a wide
-# one and past 512 rows; at 256 rows they run in 1.0-1.3x cuBLAS's time, at 2048 rows in
-# 1.05-1.25x (cuBLAS balances its waves by splitting K, which an invariant product may not).
+# one and past 512 rows; at 256 rows they run in 1.15-1.5x cuBLAS's time, at 2048 rows in
+# 1.04-1.26x (cuBLAS balances its waves by splitting K, which an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)

@@ -7,11 +7,13 @@
             ...
 
 A step: schedule (admit waiting requests into free slots), prefill (one chunk per new
-request; with CUDA graphs the first chunks of several requests in one forward), decode (one batched forward for plain requests), speculate (one batched draft
-forward and one batched verify forward for speculative requests; each row accepts and
-commits its own count). Slots and state are preallocated; nothing grows during a run.
+request; with CUDA graphs the first chunks of several requests in one forward), decode (one
+batched forward for plain requests), speculate (one batched draft forward and one batched
+verify forward for speculative requests; each row accepts and commits its own count).
+Slots and state are preallocated; nothing grows during a run.
 
-One request's failure is its own: an exception in its prefill, or a row whose next-token
+One request's failure is its own: an exception in its prefill (a batched prefill that raises
+is retried row by row from reset slots), or a row whose next-token
 distribution is not finite (NaN or inf logits, an overflowed sampling arithmetic), ends that
 request with finish_reason "error" and the reason in `Sequence.error`; the other rows of
 the same batch commit what they would have committed anyway. An exception inside a batched

@@ -13,10 +13,10 @@ verify forward for speculative requests; each row accepts and commits its own co
 Slots and state are preallocated; nothing grows during a run.
 
 One request's failure is its own: an exception in its prefill (a batched prefill that raises
-is retried row by row from reset slots), or a row whose next-token
-distribution is not finite (NaN or inf logits, an overflowed sampling arithmetic), ends that
-request with finish_reason "error" and the reason in `Sequence.error`; the other rows of
-the same batch commit what they would have committed anyway. An exception inside a batched
+is retried row by row from reset slots), or a row whose next-token distribution is not
+finite (NaN or inf logits, an overflowed sampling arithmetic), ends that request with
+finish_reason "error" and the reason in `Sequence.error`; the other rows of the same batch
+commit what they would have committed anyway. An exception inside a batched
 forward cannot be pinned on one row, so it fails the rows of that forward, and only them.
 """
 

@@ -149,8 +149,7 @@ class Eager:
         self.graphs, self.replays = graphs, []
         self.inputs = graphs._prefill_inputs(rows, tokens)
         self.outputs = {"logits": torch.zeros(rows, graphs.target.config.vocab_size,
-                                              dtype=graphs.state.dtype),
-                        "tokens": torch.zeros(rows, dtype=torch.int64)}
+                                              dtype=graphs.state.dtype)}
 
     def replay(self) -> None:
         x = self.inputs

@@ -8,9 +8,9 @@ and how far ahead it loads, not the order of any element's sum, so they may chan
 few rows (a decode step, a small verify) take narrow tiles that give every SM several
 programs and a deep load pipeline (the weight is streamed once), many rows take wider tiles
 that reuse each weight tile across more rows and are loaded by the tensor memory
-accelerator (`tiles_for`, which also looks at the weight's shape). The GPU tier checks the claim bitwise: row 0 for M = 1 .. 1000 across every switch,
-and every tile configuration against every other on full outputs
-(tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
+accelerator (`tiles_for`, which also looks at the weight's shape). The GPU tier checks the
+claim bitwise: row 0 for M = 1 .. 1000 across every switch, and every tile configuration
+against every other on full outputs (tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
 configuration for every M. M is not a specialisation key of the compiled kernel
 (`do_not_specialize`), so one binary per configuration serves every M. cuBLAS picks other
 kernels (and split-K) as M changes, so its rows move.
@@ -42,14 +42,13 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     tma: bool = False  # tiles loaded and stored by the Hopper tensor memory accelerator
-    warp_specialize: bool = False  # (tma only) loads and products in separate warps
 
 
 # By row count and the weight's shape, chosen by sweeps on the H200 over the Qwen3-8B and
 # Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log, and for the accelerator's
 # tiles docs/results/h200-prefill/matmul-tma-sweep*.log, timed in CUDA graphs): the first row
-# bound that covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify
-# block of one request). Past 96 rows (a batch's verify, a prefill chunk) the tiles are loaded
+# bound that covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode
+# step, a verify block of one request). Past 96 rows (a batch's verify, a prefill chunk) the tiles are loaded
 # by the tensor memory accelerator, and their shape follows the weight: 64x128 for a narrow
 # projection (K tiles of 128 when the K dimension is deep) up to 512 rows, 128x128 for a wide
 # one and past 512 rows; at 256 rows they run in 1.15-1.5x cuBLAS's time, at 2048 rows in
@@ -111,13 +110,12 @@ def _matmul_tma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     # the same sums as _matmul_kernel: tiles past M, N or K arrive as zeros
     off_m = tl.program_id(0) * BLOCK_M
     off_n = tl.program_id(1) * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([off_m, k0])
         b = w_desc.load([off_n, k0])
         acc = tl.dot(a, b.T, acc)
@@ -190,7 +188,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             M, N, K,
             HAS_BIAS=bias is not None,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            WARP_SPECIALIZE=t.warp_specialize,
             num_warps=t.warps, num_stages=t.stages,
         )
         return out.reshape(*lead, N)

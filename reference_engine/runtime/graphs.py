@@ -1,9 +1,10 @@
 """CUDA graphs for the engine's fixed-shape work: the plain decode step, and the draft forward,
 the verify forward and the commit of a speculative step, one graph per batch bucket (and
 block size); and prefill chunks, one graph per (rows, tokens) bucket. The commit graph
-(commit strategy, the draft's new context) reads the verify graph's static buffers and replays only right after that verify replayed; it is captured
-from the reference phase methods of `SpeculativeStep`, and a step whose methods were
-replaced (a planted fault) commits eagerly.
+(commit strategy, the draft's new context) reads the verify graph's static buffers and
+replays only right after that verify replayed; it is captured from the reference phase
+methods of `SpeculativeStep`, and a step whose methods were replaced (a planted fault)
+commits eagerly.
 
 A step of the launch-bound engine is hundreds of small kernels; replaying them as one graph
 removes the launch gaps. Each graph reads its inputs from static buffers (token ids,
@@ -192,8 +193,7 @@ class EngineGraphs:
         if self.draft is not None:  # the draft's context (unused if the request decodes plainly)
             self.draft.append_context(out.features, x["positions"], x["slots"],
                                       self.draft_state, self.ops)
-        logits = out.logits[:, -1]
-        return {"logits": logits, "tokens": self.ops.greedy(logits)}
+        return {"logits": out.logits[:, -1]}
 
     def _decode_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.target(x["ids"], x["positions"], x["slots"], self.state, 1, ops=self.ops)
@@ -247,8 +247,8 @@ class EngineGraphs:
     def prefill(self, chunks: list[tuple[list[int], int, int]]) -> dict[str, torch.Tensor] | None:
         """Prefill chunks (ids, start position, slot), one per row, in the smallest bucket
         that holds them, each padded to the bucket's tokens: the logits [rows, vocab] of
-        each chunk's last token and their greedy tokens [rows] (views of static buffers), or
-        None when no bucket fits (the chunks run eagerly)."""
+        each chunk's last token (a view of a static buffer), or None when no bucket fits
+        (the chunks run eagerly)."""
         n, longest = len(chunks), max(len(ids) for ids, _, _ in chunks)
         room = self.state.max_len - max(start for _, start, _ in chunks)
         shape = next((s for s in sorted(self.prefill_graphs, key=lambda s: (s[1], s[0]))

@@ -31,7 +31,8 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
     gated_delta_inputs,
 )
 from reference_engine.kernels.matmul import (  # noqa: E402
-    CONFIGURATIONS, DEEP_K, MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE, PREFILL_ROWS, ROW_TILES, WIDE_N,
+    CONFIGURATIONS, DEEP_K, MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_VOCAB, MANY_ROWS_WIDE, PREFILL_ROWS, ROW_TILES,
+    VOCAB_N, WIDE_N, WIDE_ROWS,
     Tiles,
     block_n, matmul, tiles_for, tma_ready)
 from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul  # noqa: E402
@@ -92,14 +93,19 @@ def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
 
 def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_float32() -> None:
     for dtype in (torch.bfloat16, torch.float16):
-        for N, K, many in ((4096, 4096, MANY_ROWS), (4096, DEEP_K, MANY_ROWS_DEEP),
-                           (WIDE_N, 4096, MANY_ROWS_WIDE), (WIDE_N, DEEP_K, MANY_ROWS_WIDE)):
+        # (N, K, tiles up to WIDE_ROWS rows, tiles past them up to PREFILL_ROWS)
+        for N, K, fewer, many in ((4096, 4096, MANY_ROWS, MANY_ROWS),
+                                  (4096, DEEP_K, MANY_ROWS_DEEP, MANY_ROWS_DEEP),
+                                  (WIDE_N, 4096, MANY_ROWS_VOCAB, MANY_ROWS_WIDE),
+                                  (WIDE_N, DEEP_K, MANY_ROWS_VOCAB, MANY_ROWS_WIDE),
+                                  (VOCAB_N, 4096, MANY_ROWS_VOCAB, MANY_ROWS_VOCAB)):
             low = 1
             for bound, tiles in ROW_TILES:
                 assert tiles_for(low, N, K, dtype, 132) == tiles_for(bound, N, K, dtype, 132) == tiles
                 low = bound + 1
-            assert tiles_for(low, N, K, dtype, 132) == tiles_for(PREFILL_ROWS, N, K, dtype, 132) == many
-            assert tiles_for(PREFILL_ROWS + 1, N, K, dtype, 132) == MANY_ROWS_WIDE
+            assert tiles_for(low, N, K, dtype, 132) == tiles_for(WIDE_ROWS, N, K, dtype, 132) == fewer
+            assert tiles_for(WIDE_ROWS + 1, N, K, dtype, 132) == tiles_for(PREFILL_ROWS, N, K, dtype, 132) == many
+            assert tiles_for(PREFILL_ROWS + 1, N, K, dtype, 132) == MANY_ROWS_VOCAB
     assert len({tiles_for(m, 4096, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
 
 

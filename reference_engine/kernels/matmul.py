@@ -46,24 +46,30 @@ class Tiles(NamedTuple):
 
 # By row count and the weight's shape, chosen by sweeps on the H200 over the Qwen3-8B and
 # Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log, and for the accelerator's
-# tiles docs/results/h200-prefill/matmul-tma-sweep*.log, timed in CUDA graphs): the first row
-# bound that covers M. NARROW streams a weight at cuBLAS's speed for 1-16 rows (a decode
-# step, a verify block of one request). Past 96 rows (a batch's verify, a prefill chunk) the tiles are loaded
-# by the tensor memory accelerator, and their shape follows the weight: 64x128 for a narrow
-# projection (K tiles of 128 when the K dimension is deep) up to 512 rows, 128x128 for a wide
-# one and past 512 rows; at 256 rows they run in 1.15-1.5x cuBLAS's time, at 2048 rows in
-# 1.04-1.26x (cuBLAS balances its waves by splitting K, which an invariant product may not).
+# tiles docs/results/h200-prefill/matmul-tma-sweep*.log and docs/results/h200-verify/, timed
+# in CUDA graphs): the first row bound that covers M. NARROW streams a weight at cuBLAS's
+# speed for 1-16 rows (a decode step, a verify block of one request). Past 96 rows (a batch's
+# verify and draft, a prefill chunk) the tiles are loaded by the tensor memory accelerator,
+# and up to 512 rows their shape follows the weight: 64x128 for a narrow projection (K tiles
+# of 128 and a four-deep pipeline when K is deep), 128x128 for a wide one (the MLP's gate and
+# up), with K tiles of 128 past 128 rows, 128x128 for the LM head; past 512 rows (batched
+# prefill) every projection takes the LM head's tiles. At 256 rows they run in 0.8-1.3x
+# cuBLAS's time, at 2048 rows in 1.04-1.26x (cuBLAS balances its waves by splitting K, which
+# an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)
 ROW_TILES = ((16, NARROW), (48, MID), (96, WIDE))  # (row bound, tiles), in order
 MANY_ROWS = Tiles(64, 128, 64, 4, 4, tma=True)
-MANY_ROWS_DEEP = Tiles(64, 128, 128, 4, 3, tma=True)
-MANY_ROWS_WIDE = Tiles(128, 128, 64, 4, 3, tma=True)
+MANY_ROWS_DEEP = Tiles(64, 128, 128, 4, 4, tma=True)
+MANY_ROWS_WIDE = Tiles(128, 128, 128, 8, 3, tma=True)
+MANY_ROWS_VOCAB = Tiles(128, 128, 64, 4, 3, tma=True)
 WIDE_N = 16384  # output columns from which a projection counts as wide
+VOCAB_N = 65536  # output columns from which a projection counts as an LM head
 DEEP_K = 8192  # input columns from which a narrow projection counts as deep
-PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes 128x128 tiles
-CONFIGURATIONS = (*(t for _, t in ROW_TILES), MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE)
+WIDE_ROWS = 128  # past this many rows a wide projection takes K tiles of 128
+PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes the LM head's tiles
+CONFIGURATIONS = (*(t for _, t in ROW_TILES), MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE, MANY_ROWS_VOCAB)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -147,8 +153,10 @@ def tiles_for(M: int, N: int, K: int, dtype: torch.dtype, sm_count: int) -> Tile
     for bound, tiles in ROW_TILES:
         if M <= bound:
             return tiles
-    if N >= WIDE_N or M > PREFILL_ROWS:
-        return MANY_ROWS_WIDE
+    if N >= VOCAB_N or M > PREFILL_ROWS:
+        return MANY_ROWS_VOCAB
+    if N >= WIDE_N:
+        return MANY_ROWS_WIDE if M > WIDE_ROWS else MANY_ROWS_VOCAB
     return MANY_ROWS_DEEP if K >= DEEP_K else MANY_ROWS
 
 

@@ -95,6 +95,17 @@ class DFlashDraft(nn.Module):
             x = layer(x, ctx, i)
         return self.norm(x, ops)
 
+    def proposals(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                  ops: Kernels = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+        """The proposals' logits [batch, B-1, vocab] and greedy tokens [batch, B-1] from the
+        block's hidden states [batch, B, hidden]. Both are taken over every block position,
+        the anchor's included, and sliced: the product then reads B contiguous rows per
+        request, where the proposals' rows alone would need a copy and, in the fast
+        numerics, lead cuBLAS to a kernel eleven times slower (Qwen3-8B's LM head on the
+        H200: 4.8 ms for 240 rows against 0.42 ms for 256)."""
+        logits = self.logits(hidden, lm_head_weight, ops)
+        return logits[:, 1:], ops.greedy(logits)[:, 1:]
+
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                ops: Kernels = TORCH) -> torch.Tensor:
         """Draft logits through the target's lm_head: [..., hidden] -> [..., vocab]."""

@@ -205,8 +205,8 @@ class EngineGraphs:
         embeds = self.target.embed(x["ids"]) * dcfg.input_embedding_scale
         hidden = self.draft(embeds, x["positions"], x["slots"], self.draft_state, 1,
                             valid_len=x["valid"], ops=self.ops)
-        logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight, self.ops)
-        return {"logits": logits, "tokens": self.ops.greedy(logits)}
+        logits, tokens = self.draft.proposals(hidden, self.target.lm_head_weight, self.ops)
+        return {"logits": logits, "tokens": tokens}
 
     def _verify_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.target(x["ids"], x["positions"], x["slots"], self.state, 1,

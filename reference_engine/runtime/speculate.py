@@ -154,9 +154,8 @@ class SpeculativeStep:
             embeds = self.target.embed(block) * dcfg.input_embedding_scale
             hidden = self.draft(embeds, rows.positions, rows.slots, self.draft_state,
                                 rows.kv_len, valid_len=rows.n_t + 1, ops=self.ops)
-            draft_logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight,
-                                             self.ops)  # [b, N, vocab]
-            proposals = self.ops.greedy(draft_logits)  # [b, N]
+            draft_logits, proposals = self.draft.proposals(hidden, self.target.lm_head_weight,
+                                                           self.ops)  # [b, N, vocab], [b, N]
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
         guesses = {}  # tests and benchmarks: the oracle's scheduled proposals, row -> ids
         for i, seq in enumerate(rows.seqs):

@@ -31,10 +31,10 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
     gated_delta_inputs,
 )
 from reference_engine.kernels.matmul import (  # noqa: E402
-    CONFIGURATIONS, DEEP_K, MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_VOCAB, MANY_ROWS_WIDE, PREFILL_ROWS, ROW_TILES,
-    VOCAB_N, WIDE_N, WIDE_ROWS,
-    Tiles,
-    block_n, matmul, tiles_for, tma_ready)
+    CONFIGURATIONS, DEEP_K, LARGE, MANY_ROW_TILES, ROW_TILES, VOCAB_N, WIDE_N, Tiles, block_n, matmul,
+    tiles_for, tma_ready, weight_class)
+
+PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes LARGE
 from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
@@ -92,20 +92,19 @@ def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
 
 
 def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_float32() -> None:
+    shapes = {"narrow": (4096, 4096), "deep": (4096, DEEP_K), "wide": (WIDE_N, DEEP_K),
+              "vocab": (VOCAB_N, 4096)}
+    assert set(shapes) == set(MANY_ROW_TILES)
     for dtype in (torch.bfloat16, torch.float16):
-        # (N, K, tiles up to WIDE_ROWS rows, tiles past them up to PREFILL_ROWS)
-        for N, K, fewer, many in ((4096, 4096, MANY_ROWS, MANY_ROWS),
-                                  (4096, DEEP_K, MANY_ROWS_DEEP, MANY_ROWS_DEEP),
-                                  (WIDE_N, 4096, MANY_ROWS_VOCAB, MANY_ROWS_WIDE),
-                                  (WIDE_N, DEEP_K, MANY_ROWS_VOCAB, MANY_ROWS_WIDE),
-                                  (VOCAB_N, 4096, MANY_ROWS_VOCAB, MANY_ROWS_VOCAB)):
+        for name, (N, K) in shapes.items():
+            assert weight_class(N, K) == name
             low = 1
-            for bound, tiles in ROW_TILES:
+            for bound, tiles in (*ROW_TILES, *MANY_ROW_TILES[name]):
                 assert tiles_for(low, N, K, dtype, 132) == tiles_for(bound, N, K, dtype, 132) == tiles
                 low = bound + 1
-            assert tiles_for(low, N, K, dtype, 132) == tiles_for(WIDE_ROWS, N, K, dtype, 132) == fewer
-            assert tiles_for(WIDE_ROWS + 1, N, K, dtype, 132) == tiles_for(PREFILL_ROWS, N, K, dtype, 132) == many
-            assert tiles_for(PREFILL_ROWS + 1, N, K, dtype, 132) == MANY_ROWS_VOCAB
+            assert low <= PREFILL_ROWS + 1
+            assert tiles_for(low, N, K, dtype, 132) == tiles_for(PREFILL_ROWS + 1, N, K, dtype, 132) == LARGE
+    assert weight_class(WIDE_N - 1, DEEP_K - 1) == "narrow"
     assert len({tiles_for(m, 4096, 4096, torch.float32, 132) for m in (1, 64, 65, 4096)}) == 1
 
 

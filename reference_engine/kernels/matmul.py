@@ -45,32 +45,35 @@ class Tiles(NamedTuple):
 
 
 # By row count and the weight's shape, chosen by sweeps on the H200 over the Qwen3-8B and
-# Qwen3.5-4B projections (docs/results/h200-fast/matmul-tiles*.log, and for the accelerator's
-# tiles docs/results/h200-prefill/matmul-tma-sweep*.log and docs/results/h200-verify/, timed
-# in CUDA graphs): the first row bound that covers M. NARROW streams a weight at cuBLAS's
-# speed for 1-16 rows (a decode step, a verify block of one request). Past 96 rows (a batch's
-# verify and draft, a prefill chunk) the tiles are loaded by the tensor memory accelerator,
-# and up to 512 rows their shape follows the weight: 64x128 for a narrow projection (K tiles
-# of 128 and a four-deep pipeline when K is deep), 128x128 for a wide one (the MLP's gate and
-# up), with K tiles of 128 past 128 rows, 128x128 for the LM head; past 512 rows (batched
-# prefill) every projection takes the LM head's tiles. At 256 rows they run in 0.8-1.3x
-# cuBLAS's time, at 2048 rows in 1.04-1.26x (cuBLAS balances its waves by splitting K, which
-# an invariant product may not).
+# Qwen3.5-4B projections, timed in CUDA graphs (docs/results/h200-fast/matmul-tiles*.log;
+# for the accelerator's tiles docs/results/h200-prefill/matmul-tma-sweep*.log and
+# docs/results/h200-verify/matmul-sweep*.log): the first row bound that covers M. NARROW
+# streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify block of one
+# request). Past 96 rows (a batch's verify and draft, a prefill chunk) the tiles are loaded
+# by the tensor memory accelerator and follow the weight's class (`weight_class`) up to 512
+# rows: a wave of 132 SMs fits some tile counts better than others, so the best tiles for
+# the MLP's gate and up change three times between 96 and 512 rows. Past a class's last
+# bound (past 512 rows at the latest, batched prefill) every projection takes LARGE. At 256
+# rows they run in 0.9-1.3x cuBLAS's time, at 2048 rows in 1.04-1.26x (cuBLAS balances its
+# waves by splitting K, which an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 WIDE = Tiles(64, 64, 64, 4, 4)
 ROW_TILES = ((16, NARROW), (48, MID), (96, WIDE))  # (row bound, tiles), in order
 MANY_ROWS = Tiles(64, 128, 64, 4, 4, tma=True)
 MANY_ROWS_DEEP = Tiles(64, 128, 128, 4, 4, tma=True)
-MANY_ROWS_WIDE = Tiles(128, 128, 128, 8, 3, tma=True)
-MANY_ROWS_VOCAB = Tiles(128, 128, 64, 4, 3, tma=True)
+SQUARE_DEEP = Tiles(128, 128, 128, 8, 3, tma=True)
+LARGE = Tiles(128, 128, 64, 4, 3, tma=True)
+MANY_ROW_TILES = {  # past 96 rows, by weight class: (row bound, tiles), in order
+    "narrow": ((512, MANY_ROWS),),  # attention projections
+    "deep": ((384, MANY_ROWS_DEEP), (512, SQUARE_DEEP)),  # the MLP's down projection
+    "wide": ((128, LARGE), (192, MANY_ROWS), (256, SQUARE_DEEP)),  # the MLP's gate and up
+    "vocab": (),  # an LM head
+}
 WIDE_N = 16384  # output columns from which a projection counts as wide
 VOCAB_N = 65536  # output columns from which a projection counts as an LM head
-DEEP_K = 8192  # input columns from which a narrow projection counts as deep
-WIDE_ROWS = 128  # past this many rows a wide projection takes K tiles of 128
-PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes the LM head's tiles
-CONFIGURATIONS = (*(t for _, t in ROW_TILES), MANY_ROWS, MANY_ROWS_DEEP, MANY_ROWS_WIDE, MANY_ROWS_VOCAB)
-
+DEEP_K = 8192  # input columns from which a narrower projection counts as deep
+CONFIGURATIONS = (*(t for _, t in ROW_TILES), MANY_ROWS, MANY_ROWS_DEEP, SQUARE_DEEP, LARGE)
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
@@ -150,14 +153,19 @@ def tiles_for(M: int, N: int, K: int, dtype: torch.dtype, sm_count: int) -> Tile
     configuration changes the bits of any element)."""
     if dtype == torch.float32:
         return Tiles(16, block_n(N, sm_count), 128, 4, 4)
-    for bound, tiles in ROW_TILES:
+    for bound, tiles in (*ROW_TILES, *MANY_ROW_TILES[weight_class(N, K)]):
         if M <= bound:
             return tiles
-    if N >= VOCAB_N or M > PREFILL_ROWS:
-        return MANY_ROWS_VOCAB
+    return LARGE
+
+
+def weight_class(N: int, K: int) -> str:
+    """A [N, K] weight's class for the tiles past 96 rows (MANY_ROW_TILES)."""
+    if N >= VOCAB_N:
+        return "vocab"
     if N >= WIDE_N:
-        return MANY_ROWS_WIDE if M > WIDE_ROWS else MANY_ROWS_VOCAB
-    return MANY_ROWS_DEEP if K >= DEEP_K else MANY_ROWS
+        return "wide"
+    return "deep" if K >= DEEP_K else "narrow"
 
 
 def block_n(n: int, sm_count: int) -> int:

@@ -74,3 +74,18 @@ def test_step_inputs_are_copied_without_waiting_for_queued_work() -> None:
     queue_work()
     torch.tensor([1, 2], device="cuda")
     assert stream.query()  # the pageable copy synchronized the stream
+
+
+def test_the_step_result_reaches_the_host_without_waiting_for_work_queued_after_it() -> None:
+    """runtime/transfer.HostCopy queues its copy and returns; work queued after it (the
+    captured commit) is still running when `tolist` has the values."""
+    from reference_engine.runtime.transfer import HostCopy
+
+    a = torch.randn(4096, 4096, device="cuda")
+    values = torch.arange(6, device="cuda") * 2
+    pending = HostCopy(values)
+    for _ in range(50):  # several milliseconds queued behind the copy
+        a = (a @ a) * 1e-3
+    assert pending.tolist() == [0, 2, 4, 6, 8, 10]
+    assert not torch.cuda.current_stream().query(), "tolist waited for the work queued after the copy"
+    torch.cuda.synchronize()

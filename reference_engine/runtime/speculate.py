@@ -34,7 +34,7 @@ from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
 from .state import TargetState
 from .stats import PhaseTimer
-from .transfer import to_device
+from .transfer import HostCopy, to_device
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,15 @@ class SpeculativeStep:
             accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits,
                                           out.tokens if isinstance(out, VerifyOutput) else None)
             processed = self.processed(rows, accepted)
-            # the one host transfer of the step
+            # the one host transfer of the step, read once the captured commit is queued
             b, N = len(seqs), proposals.shape[1]
-            flat = torch.cat([accepted, bonus, processed, proposals.flatten()]).tolist()
+            pending = HostCopy(torch.cat([accepted, bonus, processed, proposals.flatten()]))
+        with self.timer.phase("commit"):
+            replayed = self.commit_replayed(processed)
+            flat = pending.tolist()
             acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
             drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
-        with self.timer.phase("commit"):
-            if not self.commit_replayed(processed):
+            if not replayed:
                 self.commit_state(rows.slot_ids, rows, block, processed)
                 width = max(kept)
                 features = self.context_features(out.features, width, rows.n_t)

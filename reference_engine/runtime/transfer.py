@@ -1,5 +1,6 @@
 """Host-to-device copies of a step's small inputs (token ids, positions, slots, counts) that do
-not make the host wait for the device.
+not make the host wait for the device, and the step's one device-to-host copy, which makes
+the host wait only when it reads the values.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory and then synchronizes the
 stream, so the host waits for everything queued before it (the previous step's commit, say)
@@ -27,3 +28,24 @@ def to_pinned(values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tenso
     """`values` as a host tensor that a non-blocking copy to the GPU can read from (pinned
     where CUDA is present)."""
     return torch.tensor(values, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host: the copy is queued behind the work
+    before it, and the host waits for it only in `tolist`, so work queued in between (a
+    captured commit) runs while the host reads the values. Off CUDA it is a plain tensor."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.event = None
+        if values.device.type != "cuda":
+            self.host = values
+            return
+        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self.host.copy_(values, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -18,7 +18,7 @@ kernels (and split-K) as M changes, so its rows move.
 The grid runs the row tiles of one column tile next to each other, so a weight tile read from
 memory serves every row tile from L2.
 
-Tiles loaded by the tensor memory accelerator (past 96 rows) need their descriptors encoded
+Tiles loaded by the tensor memory accelerator (past 48 rows) need their descriptors encoded
 on the host at each launch: 30-50 us more host time per launch than pointer loads when run
 eagerly (docs/results/h200-prefill/eager-tma.log), nothing inside a CUDA graph, where the
 engine runs them.
@@ -49,31 +49,31 @@ class Tiles(NamedTuple):
 # for the accelerator's tiles docs/results/h200-prefill/matmul-tma-sweep*.log and
 # docs/results/h200-verify/matmul-sweep*.log): the first row bound that covers M. NARROW
 # streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify block of one
-# request). Past 96 rows (a batch's verify and draft, a prefill chunk) the tiles are loaded
+# request). Past 48 rows (a batch's verify and draft, a prefill chunk) the tiles are loaded
 # by the tensor memory accelerator and follow the weight's class (`weight_class`) up to 512
 # rows: a wave of 132 SMs fits some tile counts better than others, so the best tiles for
-# the MLP's gate and up change three times between 96 and 512 rows. Past a class's last
-# bound (past 512 rows at the latest, batched prefill) every projection takes LARGE. At 256
-# rows they run in 0.9-1.3x cuBLAS's time, at 2048 rows in 1.04-1.26x (cuBLAS balances its
-# waves by splitting K, which an invariant product may not).
+# the MLP's gate and up change four times between 48 and 512 rows. Past a class's last
+# bound (past 512 rows at the latest, batched prefill) every projection takes LARGE. At 64
+# to 256 rows they run in 0.9-1.4x cuBLAS's time, at 2048 rows in 1.04-1.26x (cuBLAS
+# balances its waves by splitting K, which an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
-WIDE = Tiles(64, 64, 64, 4, 4)
-ROW_TILES = ((16, NARROW), (48, MID), (96, WIDE))  # (row bound, tiles), in order
+ROW_TILES = ((16, NARROW), (48, MID))  # (row bound, tiles), in order
+FEW_ROWS_DEEP = Tiles(64, 64, 128, 4, 4, tma=True)
 MANY_ROWS = Tiles(64, 128, 64, 4, 4, tma=True)
 MANY_ROWS_DEEP = Tiles(64, 128, 128, 4, 4, tma=True)
 SQUARE_DEEP = Tiles(128, 128, 128, 8, 3, tma=True)
 LARGE = Tiles(128, 128, 64, 4, 3, tma=True)
-MANY_ROW_TILES = {  # past 96 rows, by weight class: (row bound, tiles), in order
-    "narrow": ((512, MANY_ROWS),),  # attention projections
-    "deep": ((384, MANY_ROWS_DEEP), (512, SQUARE_DEEP)),  # the MLP's down projection
-    "wide": ((128, LARGE), (192, MANY_ROWS), (256, SQUARE_DEEP)),  # the MLP's gate and up
-    "vocab": (),  # an LM head
+MANY_ROW_TILES = {  # past 48 rows, by weight class: (row bound, tiles), in order
+    "narrow": ((64, FEW_ROWS_DEEP), (96, MANY_ROWS_DEEP), (512, MANY_ROWS)),  # attention
+    "deep": ((64, FEW_ROWS_DEEP), (384, MANY_ROWS_DEEP), (512, SQUARE_DEEP)),  # MLP down
+    "wide": ((64, MANY_ROWS), (128, LARGE), (192, MANY_ROWS), (256, SQUARE_DEEP)),  # gate, up
+    "vocab": ((64, MANY_ROWS_DEEP),),  # an LM head
 }
 WIDE_N = 16384  # output columns from which a projection counts as wide
 VOCAB_N = 65536  # output columns from which a projection counts as an LM head
 DEEP_K = 8192  # input columns from which a narrower projection counts as deep
-CONFIGURATIONS = (*(t for _, t in ROW_TILES), MANY_ROWS, MANY_ROWS_DEEP, SQUARE_DEEP, LARGE)
+CONFIGURATIONS = (*(t for _, t in ROW_TILES), FEW_ROWS_DEEP, MANY_ROWS, MANY_ROWS_DEEP, SQUARE_DEEP, LARGE)
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
@@ -160,7 +160,7 @@ def tiles_for(M: int, N: int, K: int, dtype: torch.dtype, sm_count: int) -> Tile
 
 
 def weight_class(N: int, K: int) -> str:
-    """A [N, K] weight's class for the tiles past 96 rows (MANY_ROW_TILES)."""
+    """A [N, K] weight's class for the tiles past 48 rows (MANY_ROW_TILES)."""
     if N >= VOCAB_N:
         return "vocab"
     if N >= WIDE_N:

@@ -53,9 +53,9 @@ class Tiles(NamedTuple):
 # by the tensor memory accelerator and follow the weight's class (`weight_class`) up to 512
 # rows: a wave of 132 SMs fits some tile counts better than others, so the best tiles for
 # the MLP's gate and up change four times between 48 and 512 rows. Past a class's last
-# bound (past 512 rows at the latest, batched prefill) every projection takes LARGE. At 64
-# to 256 rows they run in 0.9-1.4x cuBLAS's time, at 2048 rows in 1.04-1.26x (cuBLAS
-# balances its waves by splitting K, which an invariant product may not).
+# bound (past 512 rows at the latest, batched prefill) every projection takes LARGE. They
+# run in 0.96-1.72x cuBLAS's time at 64 rows, 0.93-1.35x at 256 rows, 1.04-1.26x at 2048
+# rows (cuBLAS balances its waves by splitting K, which an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 ROW_TILES = ((16, NARROW), (48, MID))  # (row bound, tiles), in order
@@ -181,7 +181,9 @@ def block_n(n: int, sm_count: int) -> int:
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            tiles: Tiles | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N], batch-invariant (module docstring).
-    `tiles` overrides the configuration, for tile sweeps and the tests that compare them."""
+    `tiles` overrides the configuration, for tile sweeps and the tests that compare them
+    (the configurations past 48 rows are for half precision: in float32 the deepest would
+    overflow an SM's shared memory)."""
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"matmul: x has {x.shape[-1]} columns, weight expects {K}")

@@ -1,16 +1,16 @@
 """CUDA-graph bookkeeping (reference_engine/runtime/graphs.py) without a GPU: buckets, the
 replay path's copying of a batch into its bucket's static inputs with padding rows on the
 spare slot, and prefill chunks padded to their token bucket (run through the real prefill
-body on the CPU, whose outputs must equal the eager engine's). A stand-in graph computes its outputs from the static inputs when replayed, as a
-captured one would. The captures themselves run in the GPU tier (gates/test_exact_gpu.py)."""
+body on the CPU, whose outputs must equal the eager engine's). A stand-in graph computes its
+outputs from the static inputs when replayed, as a captured one would. The captures
+themselves run in the GPU tier (gates/test_exact_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reference_engine.runtime.graphs import (EngineGraphs, _Graph, buckets_up_to, prefill_shapes,
-                                             token_buckets)
+from reference_engine.runtime.graphs import EngineGraphs, _Graph, buckets_up_to, prefill_shapes, token_buckets
 
 PAD = 9
 

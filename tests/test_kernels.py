@@ -31,10 +31,20 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
     gated_delta_inputs,
 )
 from reference_engine.kernels.matmul import (  # noqa: E402
-    CONFIGURATIONS, DEEP_K, LARGE, MANY_ROW_TILES, ROW_TILES, VOCAB_N, WIDE_N, Tiles, block_n, matmul,
-    tiles_for, tma_ready, weight_class)
-
-PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes LARGE
+    CONFIGURATIONS,
+    DEEP_K,
+    LARGE,
+    MANY_ROW_TILES,
+    ROW_TILES,
+    VOCAB_N,
+    WIDE_N,
+    Tiles,
+    block_n,
+    matmul,
+    tiles_for,
+    tma_ready,
+    weight_class,
+)
 from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul  # noqa: E402
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
@@ -45,6 +55,7 @@ pytestmark = [pytest.mark.kernels,
 DEVICE = "cuda" if CUDA else "cpu"
 DOT_DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 ROW_DTYPES = [torch.float32, torch.bfloat16]
+PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes LARGE
 
 
 def rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
@@ -112,7 +123,8 @@ def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_floa
 def test_tiles_loaded_by_the_memory_accelerator_index_as_pointer_loads(M: int, N: int, K: int) -> None:
     """The accelerator's tiles (zeros past M, N and K) against the pointer kernel's masked
     loads, the same tile shape, bias or not."""
-    x, w, b = rand(M, K, dtype=torch.bfloat16), rand(N, K, seed=1, dtype=torch.bfloat16), rand(N, seed=2, dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+    x, w, b = rand(M, K, dtype=bf16), rand(N, K, seed=1, dtype=bf16), rand(N, seed=2, dtype=bf16)
     assert tma_ready(x, w, torch.empty(M, N, dtype=torch.bfloat16, device=x.device))
     for bias in (None, b):
         for tiles in (Tiles(16, 32, 64, 4, 2, tma=True), Tiles(32, 16, 32, 4, 2, tma=True)):

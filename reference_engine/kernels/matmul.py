@@ -10,8 +10,8 @@ programs and a deep load pipeline (the weight is streamed once), many rows take 
 that reuse each weight tile across more rows and are loaded by the tensor memory
 accelerator (`tiles_for`, which also looks at the weight's shape). The GPU tier checks the
 claim bitwise: row 0 for M = 1 .. 1000 across every switch, and every tile configuration
-against every other on full outputs (tests/test_kernels_gpu.py). float32 (IEEE products, no tensor cores) keeps one
-configuration for every M. M is not a specialisation key of the compiled kernel
+against every other on full outputs (tests/test_kernels_gpu.py). float32 (IEEE products, no
+tensor cores) keeps one configuration for every M. M is not a specialisation key of the compiled kernel
 (`do_not_specialize`), so one binary per configuration serves every M. cuBLAS picks other
 kernels (and split-K) as M changes, so its rows move.
 
@@ -74,6 +74,7 @@ WIDE_N = 16384  # output columns from which a projection counts as wide
 VOCAB_N = 65536  # output columns from which a projection counts as an LM head
 DEEP_K = 8192  # input columns from which a narrower projection counts as deep
 CONFIGURATIONS = (*(t for _, t in ROW_TILES), FEW_ROWS_DEEP, MANY_ROWS, MANY_ROWS_DEEP, SQUARE_DEEP, LARGE)
+
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(

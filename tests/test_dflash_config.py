@@ -260,3 +260,18 @@ def test_draft_logits_are_soft_capped_after_the_multiplier(target: CausalLM, dra
     assert got.abs().max() < 3.0
     # monotone: capping never changes the draft's greedy proposal
     assert torch.equal(got.argmax(-1), base.argmax(-1))
+
+
+def test_proposals_are_the_logits_and_argmax_of_block_slots_1_to_b_minus_1(target: CausalLM,
+                                                                          draft_dir: Path) -> None:
+    """`DFlashDraft.proposals` takes the logits of every block position and drops the
+    anchor's: what remains must be slot 1..B-1's, and the greedy tokens their argmax."""
+    draft = load_draft(draft_dir, target)
+    hidden = torch.randn(3, 8, target.config.hidden_size, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(2))  # [batch, B, hidden]
+    logits, tokens = draft.proposals(hidden, target.lm_head_weight)
+    want = draft.logits(hidden[:, 1:], target.lm_head_weight)  # [3, 7, vocab]
+    assert logits.shape == want.shape and tokens.shape == (3, 7)
+    torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(tokens, want.argmax(-1))
+    assert not torch.equal(tokens, draft.logits(hidden[:, :-1], target.lm_head_weight).argmax(-1))

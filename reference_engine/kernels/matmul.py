@@ -54,8 +54,10 @@ class Tiles(NamedTuple):
 # rows: a wave of 132 SMs fits some tile counts better than others, so the best tiles for
 # the MLP's gate and up change four times between 48 and 512 rows. Past a class's last
 # bound (past 512 rows at the latest, batched prefill) every projection takes LARGE. They
-# run in 0.96-1.72x cuBLAS's time at 64 rows, 0.93-1.35x at 256 rows, 1.04-1.26x at 2048
-# rows (cuBLAS balances its waves by splitting K, which an invariant product may not).
+# run in 0.96-1.72x cuBLAS's time at 64 rows (the Qwen3.5-4B Gated DeltaNet's input
+# projection excepted, which the sweep timed only as slower than its five best, >= 1.08x),
+# 0.93-1.35x at 256 rows, 1.04-1.26x at 2048 rows (cuBLAS balances its waves by splitting
+# K, which an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
 MID = Tiles(32, 64, 128, 4, 4)
 ROW_TILES = ((16, NARROW), (48, MID))  # (row bound, tiles), in order

@@ -140,7 +140,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-
 class SelfAttention(nn.Module):
     """Causal GQA attention with q_norm/k_norm and RoPE over a position-indexed cache.
 

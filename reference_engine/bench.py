@@ -8,7 +8,9 @@ Without --model or --random-shape: the shipped demo pair (reference_engine/asset
 on its held-out prompts. For each concurrency c the engine gets `--num-prompts` requests
 (default c) of `--input-len` random prompt tokens (or the rows of `--prompts`, in order,
 cycled) and `--output-len` output tokens (EOS ignored), all
-queued at once, with c slots. Plain and DFlash runs alternate, `--repeats` times each
+queued at once, with c slots. Each mode (and numerics) has one engine per concurrency,
+built (CUDA graphs captured) before its warm-up run and reused for its measured runs, as a
+server keeps one. Plain and DFlash runs alternate, `--repeats` times each
 after one warm-up pair; the table and CSV give medians over the repeats, each with its spread
 (`<column>_min`, `<column>_max`; printed as `median (min-max)`), and a warning names every
 printed figure whose repeats disagree by more than 10% of the median. `--modes dflash`
@@ -26,8 +28,9 @@ Each column is a median on its own.
 
 --profile-capture calls cudaProfilerStart after each concurrency's warm-up and
 cudaProfilerStop after its repeats, so `nsys profile --capture-range=cudaProfilerApi
---capture-range-end=stop` records the measured repeats only (the first concurrency's under
-`stop`: profile one concurrency per process, as scripts/profile.sh does). A no-op on a CPU.
+--capture-range-end=stop` records the measured repeats only, no graph capture or warm-up
+(the first concurrency's under `stop`: profile one concurrency per process, as
+scripts/profile.sh does). A no-op on a CPU.
 
 With --oracle-acceptance X the draft still runs, but its proposals are replaced by the
 plain run's outputs and each step accepts a scheduled count, mean acceptance length X
@@ -209,14 +212,23 @@ def read_prompts(path: str, model_dir: str | None, count: int) -> list[list[int]
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def run_once(target, draft, prompts, args: BenchArgs, concurrency: int,
-             continuations: list[list[int]] | None, numerics: str | None = None) -> dict:
-    """One run to completion. With `draft` None: plain decode. Returns the row and outputs."""
+def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int,
+                numerics: str | None) -> Engine:
+    """One engine (and its CUDA graphs) for every run of a mode and numerics at one
+    concurrency, as a server keeps one: the graphs are captured here, outside the runs."""
     config = EngineConfig(max_num_seqs=concurrency, block_size=args.block_size,
                           commit_strategy=args.commit_strategy,
                           max_model_len=max(map(len, prompts)) + args.output_len,
                           numerics=numerics, enforce_eager=args.enforce_eager)
-    engine = Engine(target, draft, config)
+    return Engine(target, draft, config)
+
+
+def run_once(engine: Engine, prompts, args: BenchArgs, concurrency: int,
+             continuations: list[list[int]] | None) -> dict:
+    """One run to completion on an idle engine (plain decode when it has no draft), its
+    statistics started afresh. Returns the row and outputs."""
+    engine.reset_stats()
+    draft, target = engine.draft, engine.target
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     block = engine.block_size
     vocab = target.config.vocab_size
@@ -363,13 +375,21 @@ def benchmark(args: BenchArgs) -> list[dict]:
         # covers every prompt, so that its outputs can be the oracle's continuations
         oracle = args.oracle_acceptance is not None
         warm_prompts = prompts if oracle and "plain" not in args.modes else prompts[:c]
+        engines = {}
         for numerics in args.numerics:
-            warm = run_once(target, None, warm_prompts, args, c, None, numerics)
+            plain = make_engine(target, None, prompts, args, c, numerics)
+            warm = run_once(plain, warm_prompts, args, c, None)
+            if "plain" in args.modes:
+                engines["plain", numerics] = plain
+            del plain
             if "dflash" in args.modes:
-                run_once(target, draft, prompts[:c], args, c, warm["outputs"] if oracle else None,
-                         numerics)
+                engines["dflash", numerics] = make_engine(target, draft, prompts, args, c,
+                                                          numerics)
+                run_once(engines["dflash", numerics], prompts[:c], args, c,
+                         warm["outputs"] if oracle else None)
         with capture_range(capture):
-            measured = measure(target, draft, prompts, args, c, warm["outputs"])
+            measured = measure(engines, prompts, args, c, warm["outputs"])
+        del engines
         floor = weight_streaming_floor(target, rows=c) if args.floor else None
         for runs in measured.values():
             row = median_row(runs)
@@ -383,10 +403,10 @@ def benchmark(args: BenchArgs) -> list[dict]:
     return rows
 
 
-def measure(target, draft, prompts, args: BenchArgs, concurrency: int,
+def measure(engines: dict, prompts, args: BenchArgs, concurrency: int,
             warm_outputs: list[list[int]]) -> dict[str, list[dict]]:
-    """`args.repeats` runs of each mode (and numerics), alternating; the rows of each
-    (mode, numerics) pair's runs."""
+    """`args.repeats` runs of each mode (and numerics) on its engine in `engines`,
+    alternating; the rows of each (mode, numerics) pair's runs."""
     oracle = args.oracle_acceptance is not None
     measured: dict[tuple, list[dict]] = {(mode, numerics): [] for numerics in args.numerics
                                          for mode in args.modes}
@@ -394,11 +414,12 @@ def measure(target, draft, prompts, args: BenchArgs, concurrency: int,
         for numerics in args.numerics:
             continuations = warm_outputs if oracle else None
             if "plain" in args.modes:
-                plain = run_once(target, None, prompts, args, concurrency, None, numerics)
+                plain = run_once(engines["plain", numerics], prompts, args, concurrency, None)
                 measured["plain", numerics].append(plain["row"])
                 continuations = plain["outputs"] if oracle else None
             if "dflash" in args.modes:
-                spec = run_once(target, draft, prompts, args, concurrency, continuations, numerics)
+                spec = run_once(engines["dflash", numerics], prompts, args, concurrency,
+                                continuations)
                 measured["dflash", numerics].append(spec["row"])
         done = [f"{runs[-1]['mode']} ({runs[-1]['numerics']}) {runs[-1]['output_tokens_per_s']:.1f} "
                 f"tok/s, {runs[-1]['ms_per_step']:.2f} ms/step" for runs in measured.values()]

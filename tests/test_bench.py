@@ -286,3 +286,48 @@ def test_no_speedup_row_for_runs_without_decode_steps() -> None:
             {"mode": "dflash", "numerics": "fast", "concurrency": 1, "output_tokens_per_s": 5.0,
              "ms_per_decode_step": 0.0, "mean_acceptance_length": 0.0}]
     assert bench.speedups(rows) == []
+
+
+def test_each_mode_keeps_one_engine_per_concurrency_and_every_run_counts_only_itself(
+    pair_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A warm-up and two repeats per mode on one engine each (built, graphs captured, once
+    per concurrency, outside the runs): every run's counts are its own, the same in each
+    run, as on a fresh engine; none carries the warm-up's or an earlier repeat's."""
+    built, runs = [], []
+    engine_class, run_once = bench.Engine, bench.run_once
+
+    def counting_engine(target, draft, config):
+        built.append(("plain" if draft is None else "dflash", config.max_num_seqs))
+        return engine_class(target, draft, config)
+
+    def recording_run(engine, *args, **kwargs):
+        result = run_once(engine, *args, **kwargs)
+        stats = engine.stats()
+        histogram = stats["spec"]["acceptance_length_histogram"]
+        runs.append({**result["row"], "finished": stats["requests_finished"],
+                     "committed": sum(k * n for k, n in histogram.items())})
+        return result
+
+    monkeypatch.setattr(bench, "Engine", counting_engine)
+    monkeypatch.setattr(bench, "run_once", recording_run)
+    model, draft = pair_dirs
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main([
+            "--model", str(model), "--draft", str(draft), "--oracle-acceptance", "3",
+            "--concurrency", "1,2", "--repeats", "2", "--input-len", "8", "--output-len", "12",
+            "--dtype", "float32", "--device", "cpu",
+        ]) == 0
+    assert built == [("plain", 1), ("dflash", 1), ("plain", 2), ("dflash", 2)]
+    counts = ("steps", "output_tokens", "mean_acceptance_length",
+              *[f"n_{phase}" for phase in PHASES])
+    for mode in ("plain", "dflash"):
+        for c in (1, 2):
+            rows = [r for r in runs if r["mode"] == mode and r["concurrency"] == c]
+            assert len(rows) == 3  # the warm-up and two repeats
+            assert {tuple(r[k] for k in counts) for r in rows} == {tuple(rows[0][k] for k in counts)}
+            for row in rows:
+                assert row["n_schedule"] == row["steps"]
+                # every token but each request's first (from its prefill) by a verify
+                assert row["committed"] == (row["output_tokens"] - c if mode == "dflash" else 0)
+                assert row["finished"] == c

@@ -455,6 +455,34 @@ def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM,
             (len(seq.output_ids) - 1) / len(seq.steps))
 
 
+def test_reset_stats_starts_every_statistic_afresh_and_waits_for_an_idle_engine(
+    target: CausalLM, draft: DFlashDraft,
+) -> None:
+    """After a reset the same workload gives the statistics of a fresh engine (phase times
+    aside); a reset while a request runs is refused and changes nothing."""
+    def workload(engine: Engine) -> dict:
+        truth = reference(target, PROMPTS[0], greedy(9))
+        engine.add_request("a", PROMPTS[0], greedy(9), oracle=OracleProposer(truth, [2], VOCAB))
+        engine.add_request("b", PROMPTS[1], greedy(6, logprobs=True))  # a fallback
+        drain(engine)
+        engine.collect("a"), engine.collect("b")
+        stats = engine.stats()
+        return {**stats, "phases": {k: v > 0 for k, v in stats["phases"].items()}}
+
+    engine = make_engine(target, draft, max_num_seqs=2)
+    fresh = workload(engine)
+    assert fresh["spec"]["steps"] > 0 and fresh["fallbacks"] == {"logprobs": 1}
+    engine.add_request("c", PROMPTS[2], greedy(4))
+    with pytest.raises(RequestError, match="idle engine"):
+        engine.reset_stats()
+    drain(engine)
+    engine.collect("c")
+    assert engine.stats()["requests_finished"] == 3
+    engine.reset_stats()
+    assert engine.stats()["requests_finished"] == 0
+    assert engine.stats()["spec"]["steps"] == 0 and engine.stats()["phases"] == {}
+    assert workload(engine) == fresh
+
 # ----------------------------------------------------------------------------- sampling
 def sampled(seed: int, max_tokens: int = 16) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True)

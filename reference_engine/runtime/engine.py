@@ -505,8 +505,19 @@ class Engine:
         self.known.pop(seq.request_id, None)
         self.finished[seq.request_id] = seq
 
+    def reset_stats(self) -> None:
+        """Start the statistics afresh (finished-request count, acceptance counters, fallbacks,
+        phase times), e.g. between benchmark runs on one engine; needs an idle engine."""
+        if self.has_unfinished():
+            raise RequestError("reset_stats needs an idle engine: requests are still running")
+        self.finished_requests = 0
+        self.spec_totals = SpecCounters()
+        self.fallbacks = {}
+        self.timer.reset()
+
     def stats(self) -> dict:
-        """Engine-wide statistics (see stats.py for the definitions)."""
+        """Engine-wide statistics since the engine started or `reset_stats()` (see stats.py
+        for the definitions)."""
         return {
             "requests_finished": self.finished_requests,
             "running": len(self.active),

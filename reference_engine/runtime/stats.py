@@ -104,6 +104,14 @@ class PhaseTimer:
             done += 1
         del self._pending[:done]
 
+    def reset(self) -> None:
+        """Forget every time and count so far (phases still pending are waited for first, so
+        none of them lands in the next period)."""
+        self.flush(wait=True)
+        self.host_s.clear()
+        self.device_s.clear()
+        self.calls.clear()
+
     def as_dict(self) -> dict:
         self.flush(wait=True)
         out = {f"host_s_{k}": v for k, v in sorted(self.host_s.items())}

@@ -168,8 +168,15 @@ def kernel_summary(times: PhaseTimes, top: int) -> str:
     total = times.kernels["total_ms"].sum()
     launches = int(times.kernels["instances"].sum())
     share = fmt(100 * total / times.step_ms, 1) if times.step_ms else "n/a"
-    return (f"All kernels: {fmt(total, 2)} ms of GPU time in {launches} launches, {share}% of "
-            f"the step time. Top {min(len(times.kernels), top)} by total time:")
+    line = (f"All kernels: {fmt(total, 2)} ms of GPU time in {launches} launches, {share}% of "
+            f"the step time.")
+    if times.step_ms and total > times.step_ms:
+        line += (" **More kernel time than step time: the capture holds GPU work outside the "
+                 "engine's steps (graph capture, a warm-up, another process's work), so this "
+                 "share does not say how busy the steps kept the GPU; open the capture range "
+                 "after the engine is built and warmed up, as scripts/bench_engine.py "
+                 "--profile-capture does.**")
+    return line + f" Top {min(len(times.kernels), top)} by total time:"
 
 
 def kernel_table(times: PhaseTimes, top: int) -> str | None:

@@ -172,7 +172,7 @@ def kernel_summary(times: PhaseTimes, top: int) -> str:
             f"the step time.")
     if times.step_ms and total > times.step_ms:
         line += (" **More kernel time than step time: the capture holds GPU work outside the "
-                 "engine's steps (graph capture, a warm-up, another process's work), so this "
+                 "engine's steps (graph capture, a warm-up), so this "
                  "share does not say how busy the steps kept the GPU; open the capture range "
                  "after the engine is built and warmed up, as scripts/bench_engine.py "
                  "--profile-capture does.**")

@@ -483,6 +483,7 @@ def test_reset_stats_starts_every_statistic_afresh_and_waits_for_an_idle_engine(
     assert engine.stats()["spec"]["steps"] == 0 and engine.stats()["phases"] == {}
     assert workload(engine) == fresh
 
+
 # ----------------------------------------------------------------------------- sampling
 def sampled(seed: int, max_tokens: int = 16) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True)

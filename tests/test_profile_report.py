@@ -4,6 +4,7 @@ gives the same bytes; the script's clear exit 2 without nsys, and its CPU timer 
 
 from __future__ import annotations
 
+import csv
 import glob
 import os
 import shutil
@@ -52,8 +53,6 @@ def test_the_cli_builds_profile_md_and_the_plot_from_nsys_csvs(captures: Path,
     assert (captures / "plots" / "phase_breakdown.png").read_bytes()[:8] == PNG_MAGIC
 
 
-
-
 def test_kernel_time_past_the_step_time_is_flagged_as_work_outside_the_steps(
     captures: Path,
 ) -> None:
@@ -62,21 +61,22 @@ def test_kernel_time_past_the_step_time_is_flagged_as_work_outside_the_steps(
     build_profile(captures)
     assert "More kernel time than step time" not in (captures / "profile.md").read_text()
     kernels = captures / "dflash-c1_cuda_gpu_kern_sum.csv"
-    lines = kernels.read_text().splitlines()
-    header = lines[0].split(",")
-    total = header.index("Total Time (ns)")
-    scaled = [lines[0]]
-    for line in lines[1:]:
-        fields = line.split(",")
-        fields[total] = str(int(fields[total]) * 100)
-        scaled.append(",".join(fields))
-    kernels.write_text("\n".join(scaled) + "\n")
+    with open(kernels, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:  # a hundred times the GPU time of every kernel
+        row["Total Time (ns)"] = str(int(row["Total Time (ns)"]) * 100)
+    with open(kernels, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
     build_profile(captures)
     text = (captures / "profile.md").read_text()
     flagged = [line for line in text.splitlines() if "More kernel time than step time" in line]
     assert len(flagged) == 1
     dflash_c1 = text[text.index("### dflash-c1"):text.index("## Concurrency 8")]
     assert flagged[0] in dflash_c1 and flagged[0].startswith("All kernels: ")
+
+
 def test_rebuilding_gives_the_same_bytes(captures: Path) -> None:
     build_profile(captures)
     first = {p: p.read_bytes() for p in captures.rglob("*") if p.is_file()}

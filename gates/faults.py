@@ -1,9 +1,10 @@
 """Deliberate engine faults, for the gates' own tests: each gate is shown to catch one.
 
-A fault replaces one phase method of `SpeculativeStep` (reference_engine/runtime/speculate.py)
-for the duration of a `with planted(name):` block; the production step has no fault
-branches. `python -m gates.faulty_serve FAULT SERVE_ARGS...` starts our server with one
-planted, for the HTTP gate.
+A fault replaces one attribute (a method of a class, or a function of a module, looked up
+where the engine calls it) for the duration of a `with planted(name):` block; most replace
+a phase method of `SpeculativeStep` (reference_engine/runtime/speculate.py). The production
+code has no fault branches. `python -m gates.faulty_serve FAULT SERVE_ARGS...` starts our
+server with one planted, for the HTTP gate.
 
     with planted("skip_state_rollback"):
         generate_speculative(...)   # every engine built or stepped inside is faulty
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,8 +26,9 @@ from reference_engine.runtime.speculate import SpeculativeStep
 @dataclass(frozen=True)
 class Fault:
     description: str
-    method: str  # the SpeculativeStep method it replaces
-    wrap: Callable[[Callable], Callable]  # the correct method -> the faulty one
+    method: str  # the attribute of `owner` it replaces
+    wrap: Callable[[Callable], Callable]  # the correct attribute -> the faulty one
+    owner: Any = SpeculativeStep  # a class or a module
 
 
 def _skip_state_rollback(correct):
@@ -101,16 +104,17 @@ FAULTS: dict[str, Fault] = {
 
 @contextmanager
 def planted(name: str | None) -> Iterator[None]:
-    """Plant fault `name` in every SpeculativeStep until the block ends (None: no fault)."""
+    """Plant fault `name` until the block ends (None: no fault): every engine built or
+    stepped inside the block runs with it."""
     if name is None:
         yield
         return
     if name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}, expected one of {', '.join(FAULTS)}")
     fault = FAULTS[name]
-    correct = getattr(SpeculativeStep, fault.method)
-    setattr(SpeculativeStep, fault.method, fault.wrap(correct))
+    correct = getattr(fault.owner, fault.method)
+    setattr(fault.owner, fault.method, fault.wrap(correct))
     try:
         yield
     finally:
-        setattr(SpeculativeStep, fault.method, correct)
+        setattr(fault.owner, fault.method, correct)

@@ -140,7 +140,10 @@ def test_statistics_are_exact_under_the_oracle(pair: Pair, workload) -> None:
     assert spec["acceptance_length_histogram"] == dict(sorted(histogram.items()))
 
 
-@pytest.mark.parametrize("fault", ["commit_wrong_slot", "shared_positions"])
+CATCHES = ("commit_wrong_slot", "shared_positions")
+
+
+@pytest.mark.parametrize("fault", CATCHES)
 def test_batch_gate_catches_planted_faults(pair: Pair, workload, fault: str) -> None:
     if fault == "commit_wrong_slot" and not pair.target.config.is_hybrid:
         pytest.skip("a misplaced commit corrupts Gated DeltaNet state, which dense targets lack")

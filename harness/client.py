@@ -194,13 +194,66 @@ class _Counter:
         return 1
 
 
+class StreamReader:
+    """Reads one SSE response line by line, each with its arrival time (seconds since the
+    request was sent), into the request's record. Kept apart from the socket so that the
+    timing rules can be checked against a scripted clock."""
+
+    def __init__(self, endpoint: Endpoint, record: RequestRecord) -> None:
+        self.endpoint, self.record = endpoint, record
+        self.counter = _Counter(endpoint)
+        self.done = False  # data: [DONE] arrived
+
+    def feed(self, line: str, now: float) -> bool:
+        """Take one line; True when the stream is over (the [DONE] marker or an error)."""
+        record = self.record
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return True
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            record.error = f"malformed SSE line: {data[:200]!r}"
+            return True
+        if isinstance(event, dict) and "error" in event:
+            record.error = f"server error in stream: {str(event['error'])[:300]}"
+            return True
+        n = self.counter.tokens(event, self.endpoint.kind, record)
+        if n > 0:
+            record.chunk_times_s.append(now)
+            record.chunk_tokens.append(n)
+            if record.ttft_s is None:
+                record.ttft_s = now
+            record.e2e_s = now
+        return False
+
+    def finish(self) -> RequestRecord:
+        """Settle the record once the stream has ended (or stopped being read)."""
+        record = self.record
+        if record.error:
+            return record
+        record.output_tokens = sum(record.chunk_tokens)
+        record.done_marker = self.done  # a clean end without [DONE] is plain OpenAI; accepted
+        if not self.done and not self.counter.finished:
+            record.error = (f"the stream ended before [DONE] or a finish_reason after "
+                            f"{record.output_tokens} tokens")
+            return record
+        if record.output_tokens == 0:
+            record.error = "the stream ended without a token"
+            return record
+        record.success = True
+        return record
+
+
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index: int,
                run_start: float, timeout: float) -> RequestRecord:
     """Send one streaming request and time it. Never raises: failures are recorded."""
     sent = time.perf_counter()
     record = RequestRecord(index=index, send_s=sent - run_start)
-    counter = _Counter(endpoint)
-    done = False
+    reader = StreamReader(endpoint, record)
     try:
         async with client.stream("POST", endpoint.url, json=body, headers=endpoint.headers(),
                                  timeout=timeout) as response:
@@ -209,42 +262,12 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index:
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return record
             async for line in response.aiter_lines():
-                now = time.perf_counter() - sent
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
+                if reader.feed(line, time.perf_counter() - sent):
                     break
-                try:
-                    event = json.loads(data)
-                except json.JSONDecodeError:
-                    record.error = f"malformed SSE line: {data[:200]!r}"
-                    return record
-                if isinstance(event, dict) and "error" in event:
-                    record.error = f"server error in stream: {str(event['error'])[:300]}"
-                    return record
-                n = counter.tokens(event, endpoint.kind, record)
-                if n > 0:
-                    record.chunk_times_s.append(now)
-                    record.chunk_tokens.append(n)
-                    if record.ttft_s is None:
-                        record.ttft_s = now
-                    record.e2e_s = now
     except httpx.TimeoutException:
         record.error = f"timed out after {timeout} s"
         return record
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record
-    record.output_tokens = sum(record.chunk_tokens)
-    record.done_marker = done  # a clean end without [DONE] is plain OpenAI; noted, accepted
-    if not done and not counter.finished:
-        record.error = (f"the stream ended before [DONE] or a finish_reason after "
-                        f"{record.output_tokens} tokens")
-        return record
-    if record.output_tokens == 0:
-        record.error = "the stream ended without a token"
-        return record
-    record.success = True
-    return record
+    return reader.finish()

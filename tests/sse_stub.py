@@ -24,6 +24,21 @@ class Script:
         self.lock = threading.Lock()
 
 
+def events(script: Script) -> list[tuple[float, str]]:
+    """What the stub writes after the headers: (delay before it in seconds, SSE event text),
+    one per scripted chunk, then the usage chunk and [DONE] at once."""
+    out = []
+    for i, (delay, ids) in enumerate(script.chunks):
+        event = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids,
+                              "finish_reason": None}]}
+        line = "{broken" if script.malformed_at == i else json.dumps(event)
+        out.append((delay, f"data: {line}\n\n"))
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens":
+                                      sum(len(ids) for _, ids in script.chunks)}}
+    out.append((0.0, f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"))
+    return out
+
+
 def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -63,20 +78,13 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for i, (delay, ids) in enumerate(script.chunks):
+            for i, (delay, text) in enumerate(events(script)):
                 time.sleep(delay)
                 if script.die_at == i:
                     self.connection.shutdown(2)
                     return
-                event = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids,
-                                      "finish_reason": None}]}
-                line = "{broken" if script.malformed_at == i else json.dumps(event)
-                self.wfile.write(f"data: {line}\n\n".encode())
+                self.wfile.write(text.encode())
                 self.wfile.flush()
-            usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens":
-                                              sum(len(ids) for _, ids in script.chunks)}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-            self.wfile.flush()
             self.close_connection = True
 
     class Server(ThreadingHTTPServer):

@@ -51,7 +51,6 @@ from reference_engine.kernels.norms import add_rms_norm, gated_rms_norm, rms_nor
 from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
 from reference_engine.models.layers import RotaryEmbedding  # noqa: E402
-
 from tests.interpreter import row_invariant_dots  # noqa: E402
 
 pytestmark = [pytest.mark.kernels,
@@ -81,6 +80,27 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     err = (got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)
     assert err < tol, f"relative error {err:.3g} over {tol:g}"
+
+
+def test_every_triton_launch_pins_the_compiler_options() -> None:
+    """The exact numerics' bits must not move with a compiler default (FP fusion changes its
+    default in Triton 3.10): every launch in the kernels package passes **LAUNCH."""
+    import ast
+    from pathlib import Path
+
+    from reference_engine.kernels.launch import LAUNCH
+
+    assert LAUNCH == {"enable_fp_fusion": True}
+    launches, unpinned = 0, []
+    for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel"):
+                launches += 1
+                if not any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "LAUNCH"
+                           for k in node.keywords):
+                    unpinned.append(f"{path.name}:{node.lineno}")
+    assert launches >= 13 and not unpinned, f"launches without **LAUNCH: {unpinned}"
 
 
 # ----------------------------------------------------------------------------- matmul

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH
+
 BLOCK_V = 2048
 CHUNK_V = 8 * BLOCK_V  # vocabulary entries per first-pass program
 
@@ -58,6 +60,6 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
         chunks = triton.cdiv(V, chunk)
         best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
         ids = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
-        _chunk_max_kernel[(rows, chunks)](x, best, ids, V, chunks, CHUNK=chunk, BLOCK=block)
-        _pick_kernel[(rows,)](best, ids, out, chunks)
+        _chunk_max_kernel[(rows, chunks)](x, best, ids, V, chunks, CHUNK=chunk, BLOCK=block, **LAUNCH)
+        _pick_kernel[(rows,)](best, ids, out, chunks, **LAUNCH)
     return out.reshape(logits.shape[:-1])

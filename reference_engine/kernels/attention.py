@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH
+
 BLOCK_M = 16
 BLOCK_N = 64
 
@@ -145,5 +147,6 @@ def attention(
         IEEE=q.dtype == torch.float32,
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         num_warps=4,
+        **LAUNCH,
     )
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH
+
 BLOCK_V = 32
 
 
@@ -111,6 +113,7 @@ def gated_delta(
         HAS_SLOTS=slots is not None, DK=DK, DV=DV, BLOCK_K=max(16, triton.next_power_of_2(DK)),
         BLOCK_V=BLOCK_V,
         num_warps=4,
+        **LAUNCH,
     )
     return result
 
@@ -172,6 +175,7 @@ def gated_delta_inputs(
             b.stride(0), b.stride(1),
             KEY_DIM=k_heads * k_dim, DK=k_dim, DV=v_dim,
             BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=triton.next_power_of_2(v_dim),
+            **LAUNCH,
         )
     return q, k, v, g, beta
 
@@ -242,5 +246,6 @@ def causal_conv_step(
         weight.reshape(C, kernel).contiguous(), out,
         C, T, x.stride(0), x.stride(1), out.stride(0), out.stride(2),
         KERNEL=kernel, BLOCK_C=block_c, BLOCK_T=16, BLOCK_W=triton.next_power_of_2(max(kernel - 1, 1)),
+        **LAUNCH,
     )
     return out

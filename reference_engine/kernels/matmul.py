@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .launch import LAUNCH
+
 
 class Tiles(NamedTuple):
     block_m: int
@@ -210,6 +212,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             HAS_BIAS=bias is not None,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
             num_warps=t.warps, num_stages=t.stages,
+            **LAUNCH,
         )
         return out.reshape(*lead, N)
     _matmul_kernel[grid](
@@ -221,5 +224,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         EVEN_K=K % t.block_k == 0,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.warps, num_stages=t.stages,
+        **LAUNCH,
     )
     return out.reshape(*lead, N)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH
+
 PLAIN, OFFSET, GATED = 0, 1, 2  # normalisation kinds
 
 
@@ -82,7 +84,7 @@ def _rows(x: torch.Tensor, kind: int, eps: float, weight: torch.Tensor | None = 
         block = triton.next_power_of_2(H)
         _norm_kernel[(rows,)](x2, w, z2, out, r2, summed if summed is not None else out, H, eps,
                               z2.stride(0), KIND=kind, ADD=residual is not None, BLOCK=block,
-                              num_warps=8 if block >= 2048 else 4)
+                              num_warps=8 if block >= 2048 else 4, **LAUNCH)
     if summed is not None:
         return out.reshape(x.shape), summed.reshape(x.shape)
     return out.reshape(x.shape)
@@ -109,5 +111,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if rows and n:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0),
-                                                        BLOCK=block)
+                                                        BLOCK=block, **LAUNCH)
     return out

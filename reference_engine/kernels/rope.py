@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH
+
 
 @triton.jit
 def _norm_rope(src, w_ptr, cos, sin, d, partner, ok, in_rot, first_half, eps,
@@ -107,5 +109,6 @@ def attention_inputs(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pos.stride(0),
         OFFSET=offset, D=D, RD=rd, BLOCK_D=triton.next_power_of_2(D),
         num_warps=4,
+        **LAUNCH,
     )
     return out

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH
+
 BLOCK = 4096
 
 
@@ -29,7 +31,7 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
     n, row_len = dst_rows.shape[0], dst[0].numel() if dst.shape[0] else 0
     if n and row_len:
         _copy_rows_kernel[(n, triton.cdiv(row_len, BLOCK))](
-            dst, dst_rows.contiguous(), src, src_rows.contiguous(), row_len, BLOCK=BLOCK)
+            dst, dst_rows.contiguous(), src, src_rows.contiguous(), row_len, BLOCK=BLOCK, **LAUNCH)
 
 
 @triton.jit
@@ -57,4 +59,4 @@ def conv_state_at(conv: torch.Tensor, slots: torch.Tensor, recorded: torch.Tenso
         _conv_state_at_kernel[(n, triton.cdiv(C, block_c))](
             conv, recorded, slots.contiguous(), processed.contiguous(), C,
             recorded.stride(0), recorded.stride(1),
-            W=W, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(W))
+            W=W, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(W), **LAUNCH)

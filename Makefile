@@ -1,7 +1,12 @@
 # The verbs a user types. PYTHON is the interpreter to install into and run with.
 PYTHON ?= python3
-# A CPU wheel by default; set TORCH="torch" (or a CUDA index) on a GPU machine.
-TORCH ?= torch==2.13.0
+# make setup (scripts/setup.sh says more): TORCH empty is the CPU build of torch 2.13.0, from
+# PyTorch's CPU index; on a GPU machine TORCH=torch TORCH_INDEX= (or your CUDA build's index).
+# DEPS=range (the newest inside pyproject's ranges), newest (upgrade an existing environment
+# to them) or tested (requirements/tested-cpu.txt, the exact set the CPU tier last passed with).
+TORCH ?=
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+DEPS ?= range
 PYTEST_ARGS ?=
 
 # the trained demo pair shipped in the package (reference_engine/assets/demo)
@@ -30,10 +35,7 @@ NSYS ?=
 .PHONY: setup test gate gate-gpu lint tiny bench profile
 
 setup:
-	$(PYTHON) -m pip install "$(TORCH)"
-	$(PYTHON) -m pip install -e ".[dev]"
-	# z-lab's reference loop, an independent oracle for the gates (its pins are not ours)
-	$(PYTHON) -m pip install --no-deps dflash==0.1.0
+	PYTHON="$(PYTHON)" TORCH="$(TORCH)" TORCH_INDEX="$(TORCH_INDEX)" DEPS="$(DEPS)" bash scripts/setup.sh
 
 test:
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# make setup: torch first (the CPU build unless told otherwise), then this package with its dev
+# extras, then z-lab's reference loop (an independent oracle for the gates; its pins are not ours).
+#
+#   DEPS=range   (default) the newest versions inside pyproject.toml's ranges: what a fresh
+#                virtual environment gets; an existing one keeps what already satisfies them
+#   DEPS=newest  the same, every dependency upgraded to the newest in range (torch held)
+#   DEPS=tested  exactly the set the CPU tier last passed with (requirements/tested-cpu.txt)
+#
+# TORCH is the torch requirement and TORCH_INDEX an extra index to find it on. By default the
+# CPU build from PyTorch's CPU index: on Linux the torch that PyPI serves is the CUDA build,
+# several GB. On a GPU machine: TORCH=torch TORCH_INDEX= (or the index of your CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+DEPS=${DEPS:-range}
+# macOS wheels are CPU builds without the +cpu label
+[ "$(uname -s)" = Darwin ] && default_torch=torch==2.13.0 || default_torch=torch==2.13.0+cpu
+TORCH=${TORCH:-$default_torch}
+TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+LOCK=requirements/tested-cpu.txt
+
+pip() { "$PYTHON" -m pip "$@"; }
+index=()
+[ -n "$TORCH_INDEX" ] && index=(--extra-index-url "$TORCH_INDEX")
+
+case "$DEPS" in
+  range|newest|tested) ;;
+  *) echo "error: DEPS=$DEPS: expected range, newest or tested" >&2; exit 2 ;;
+esac
+if [ "$DEPS" = tested ]; then
+  # the lock names torch too: take it from there, with its index
+  pip install "${index[@]}" -c "$LOCK" -e ".[dev]"
+else
+  pip install "${index[@]}" "$TORCH"
+  extra=()
+  if [ "$DEPS" = newest ]; then
+    held=$(mktemp)
+    trap 'rm -f "$held"' EXIT
+    "$PYTHON" -c "import torch; print('torch==' + torch.__version__)" >"$held"
+    extra=(--upgrade --upgrade-strategy eager -c "$held")
+  fi
+  pip install "${index[@]}" "${extra[@]}" -e ".[dev]"
+fi
+pip install --no-deps dflash==0.1.0
+"$PYTHON" - <<'PY'
+from importlib.metadata import PackageNotFoundError, version
+
+
+def installed(name: str) -> str:
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return f"{name} (none)"
+
+
+names = ("torch", "triton", "numpy", "transformers", "tokenizers", "fastapi", "pytest")
+print("installed: " + ", ".join(installed(n) for n in names))
+PY

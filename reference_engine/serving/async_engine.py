@@ -5,10 +5,15 @@ The Engine is not thread-safe, so every call into it happens on the engine threa
 event loop posts commands to a queue that the thread drains between steps, and the thread
 posts outputs back with `loop.call_soon_threadsafe`.
 
+Every request ends with one `Finished` on its queue, carrying its sequence whenever the
+engine still had it: finished by the engine, or aborted by the server (a stop string cut, a
+client gone), so the per-request statistics cover every step the request took. `on_step`
+runs after each step and before its outputs are posted, so a client that has its tokens
+finds the step in the engine's counters.
+
 The thread never dies of one request: a request the engine fails (see runtime/engine.py)
-ends with an error on its own queue, is reported to `on_error` with its id, and the loop
-goes on; anything unexpected in a whole step fails the requests in flight, not the thread.
-`alive` is what /health reports.
+ends with an error on its own queue and the loop goes on; anything unexpected in a whole
+step fails the requests in flight, not the thread. `alive` is what /health reports.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ReferenceEngineError
-from ..runtime.engine import Engine, StepOutput
+from ..runtime.engine import Engine
 from ..runtime.request import SamplingParams
 from ..runtime.sequence import Sequence
 
@@ -49,16 +54,12 @@ class AsyncEngine:
     def __init__(
         self,
         engine: Engine,
-        on_step: Callable[[Engine, list[StepOutput]], None] | None = None,
-        on_finish: Callable[[Sequence], None] | None = None,
+        on_step: Callable[[Engine], None] | None = None,
         make_oracle: Callable[[SamplingParams], object | None] | None = None,
-        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self.engine = engine
         self.make_oracle = make_oracle  # benchmarks only: forced acceptance per request
-        # called on the engine thread after every step and every finished request (metrics),
-        # and with (request id, reason) for every request the engine failed
-        self.on_step, self.on_finish, self.on_error = on_step, on_finish, on_error
+        self.on_step = on_step  # called on the engine thread after every step (metrics)
         self.commands: queue.Queue = queue.Queue()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.running = True
@@ -113,8 +114,6 @@ class AsyncEngine:
 
     def _fail(self, request_id: str, sequence: Sequence | None, reason: str) -> None:
         log.error("request %s failed: %s", request_id, reason)
-        if self.on_error is not None:
-            self.on_error(request_id, reason)
         self._finish(request_id, sequence, RequestFailed(reason))
 
     def _drain_commands(self) -> None:
@@ -135,8 +134,6 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - one request's, not the thread's
                     log.error("request %s could not be queued:\n%s", request_id,
                               traceback.format_exc())
-                    if self.on_error is not None:
-                        self.on_error(request_id, f"{type(exc).__name__}: {exc}")
                     loop.call_soon_threadsafe(_set_exception, done, RequestFailed(
                         f"engine error: {type(exc).__name__}: {exc}"))
                     continue
@@ -144,20 +141,19 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, done, None)
             elif kind == "abort":
                 request_id = command[1]
-                try:
+                sequence = self.engine.known.get(request_id)
+                if sequence is not None:  # else it finished already, and its Finished is out
                     self.engine.abort(request_id)
-                except ReferenceEngineError:
-                    pass  # already finished
-                self._finish(request_id, None)
+                self._finish(request_id, sequence)
             elif kind == "end_all":
                 for request_id in list(self.engine.known):
                     self.engine.abort(request_id)
                 for request_id in list(self.streams):
                     self._finish(request_id, None, ShuttingDown(command[1]))
             elif kind == "stop":
-                for request_id in list(self.engine.known):
+                for request_id, sequence in list(self.engine.known.items()):
                     self.engine.abort(request_id)
-                    self._finish(request_id, None)
+                    self._finish(request_id, sequence)
                 self.running = False
 
     def _loop(self) -> None:
@@ -199,19 +195,17 @@ class AsyncEngine:
             self.wake.clear()
             return
         outputs = self.engine.step()
+        if self.on_step is not None:
+            self.on_step(self.engine)
         for out in outputs:
             if out.error is None:
                 self._post(out.request_id, out)
             if out.finished:
                 sequence = self.engine.collect(out.request_id)
-                if self.on_finish is not None:
-                    self.on_finish(sequence)
                 if out.error is not None:
                     self._fail(out.request_id, sequence, out.error)
                 else:
                     self._finish(out.request_id, sequence)
-        if self.on_step is not None:
-            self.on_step(self.engine, outputs)
 
 
 def _set_result(future: asyncio.Future, value: object) -> None:

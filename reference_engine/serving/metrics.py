@@ -3,19 +3,29 @@
 Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
 - `dflash:spec_decode_num_drafts_total`: speculative steps (one draft block each);
 - `dflash:spec_decode_num_draft_tokens_total`: draft tokens proposed;
-- `dflash:spec_decode_num_accepted_tokens_total`: draft tokens accepted;
+- `dflash:spec_decode_num_accepted_tokens_total`: draft tokens accepted (never the bonus);
 - `dflash:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`: steps whose draft
   token k (1-based) was accepted. Mean acceptance length = 1 + accepted / drafts.
 - `dflash:spec_decode_fallbacks_total{reason}`: requests moved to plain decode;
-- `dflash:request_success_total{finish_reason}`, `dflash:request_failure_total` (requests
-  the engine failed: an exception or a non-finite distribution in that request alone),
-  `dflash:prompt_tokens_total`,
-  `dflash:generation_tokens_total`, `dflash:num_requests_running`, `dflash:num_requests_waiting`;
-- `dflash:time_to_first_token_seconds`, `dflash:inter_token_latency_seconds` (per token:
-  a step's gap divided evenly among the tokens it committed), `dflash:e2e_request_latency_seconds`
-  histograms, with buckets from 0.5 ms so millisecond-scale decode is resolved;
+- `dflash:request_success_total{finish_reason}` (stop: an EOS or stop token, or a stop
+  string; length; abort: the client went away or the server shut down) and
+  `dflash:request_failure_total` (requests the engine failed: an exception or a non-finite
+  distribution in that request alone): every request counted once, in one of the two;
+- `dflash:prompt_tokens_total`, `dflash:generation_tokens_total` (the responses' output
+  tokens: those past a stop string are not counted), `dflash:num_requests_running`,
+  `dflash:num_requests_waiting`;
+- `dflash:time_to_first_token_seconds` (every request that got a token),
+  `dflash:inter_token_latency_seconds` (per token: the gap between two deliveries divided
+  evenly among the tokens the later one carried), `dflash:e2e_request_latency_seconds`
+  (every request, to its last token, or to its end when it got none) histograms, with
+  buckets from 0.5 ms so millisecond-scale decode is resolved;
 - `dflash:phase_seconds_total{phase}`: engine time per phase (CUDA-event time on a GPU).
-The spec counters advance by exactly the engine's own statistics, step by step.
+
+Two sources. What the engine did (the spec counters, fallbacks, phase times, gauges) advances
+on the engine thread after each step by exactly the engine's own statistics (`on_step`),
+before the step's tokens reach any client. What each client got (the request, token and
+latency metrics) is counted by the handler that answers the request (`RequestMetrics`): only
+it knows how the request ended, since it cuts stop strings and sees a client go away.
 """
 
 from __future__ import annotations
@@ -31,12 +41,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ..runtime.engine import Engine, StepOutput
+from ..runtime.engine import Engine
 
 PREFIX = "dflash"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
                    0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
                    60.0)
+FAILED = "error"  # the finish reason of a request the engine failed
 
 
 class ServerMetrics:
@@ -59,7 +70,8 @@ class ServerMetrics:
         self.failures = Counter(f"{p}:request_failure", "Requests the engine failed",
                                 registry=r)
         self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter(f"{p}:generation_tokens", "Generated tokens", registry=r)
+        self.generation_tokens = Counter(f"{p}:generation_tokens", "Output tokens of the responses",
+                                         registry=r)
         self.running = Gauge(f"{p}:num_requests_running", "Requests with a slot", registry=r)
         self.waiting = Gauge(f"{p}:num_requests_waiting", "Requests queued", registry=r)
         self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time to first token",
@@ -70,17 +82,18 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.phase_seconds = Counter(f"{p}:phase_seconds", "Engine time per phase", ["phase"],
                                      registry=r)
-        self._seen: dict = {}  # last engine totals, to advance counters by the differences
-        self._last_token_time: dict[str, float] = {}
+        self._seen: dict[str, float] = {}  # last engine totals: counters advance by differences
 
     def _advance(self, key: str, counter, value: float) -> None:
-        delta = value - self._seen.get(key, 0)
+        seen = self._seen.get(key, 0)
+        # totals that went down were restarted (Engine.reset_stats): all of `value` is new
+        delta = value - seen if value >= seen else value
         if delta > 0:
             counter.inc(delta)
         self._seen[key] = value
 
-    def on_step(self, engine: Engine, outputs: list[StepOutput]) -> None:
-        """Called on the engine thread after each step."""
+    def on_step(self, engine: Engine) -> None:
+        """Called on the engine thread after each step, before its outputs are handed on."""
         spec = engine.spec_totals
         self._advance("drafts", self.drafts, spec.steps)
         self._advance("draft_tokens", self.draft_tokens, spec.proposed)
@@ -96,36 +109,60 @@ class ServerMetrics:
                 self._advance(name, self.phase_seconds.labels(phase=phase), seconds)
         self.running.set(len(engine.active))
         self.waiting.set(len(engine.waiting))
-        for out in outputs:
-            if not out.new_token_ids:
-                if out.finished:
-                    self._last_token_time.pop(out.request_id, None)
-                continue
-            self.generation_tokens.inc(len(out.new_token_ids))
-            last = self._last_token_time.get(out.request_id)
-            if last is not None:
-                gap = (out.time_s - last) / len(out.new_token_ids)
-                for _ in out.new_token_ids:
-                    self.itl.observe(gap)
-            self._last_token_time[out.request_id] = out.time_s
-            if out.finished:
-                self._last_token_time.pop(out.request_id, None)
 
-    def on_failed(self, request_id: str, reason: str) -> None:
-        self.failures.inc()
-
-    def on_finished(self, sequence) -> None:
-        if sequence.finish_reason == "error":
-            return  # counted by on_failed
-        self.requests.labels(finish_reason=sequence.finish_reason or "abort").inc()
-        self.prompt_tokens.inc(len(sequence.prompt_ids))
-        if sequence.first_token_s is not None:
-            self.ttft.observe(sequence.first_token_s - sequence.arrival_s)
-        end = sequence.finished_s or time.monotonic()
-        self.e2e.observe(end - sequence.arrival_s)
+    def request(self, prompt_tokens: int, arrival_s: float) -> RequestMetrics:
+        """The metrics of one request that arrived at `arrival_s` (time.monotonic())."""
+        return RequestMetrics(self, prompt_tokens, arrival_s)
 
     def render(self, engine: Engine) -> bytes:
         # gauges are read at scrape time too: an idle engine takes no step to refresh them
         self.running.set(len(engine.active))
         self.waiting.set(len(engine.waiting))
         return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """One request's share of the server metrics, as its client sees it, fed by the handler
+    that answers it. The first `finish` counts the request; later calls change nothing, so
+    however many ways a request seems to end (a stop string cut, then the engine's abort;
+    a client gone after its last token), it is counted once."""
+
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int, arrival_s: float) -> None:
+        self.metrics = metrics
+        self.prompt_tokens = prompt_tokens
+        self.arrival_s = arrival_s
+        self.last_token_s: float | None = None  # engine commit time of the last delivery
+        self.finish_reason: str | None = None  # set once, by the first `finish`
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def delivered(self, count: int, time_s: float) -> None:
+        """`count` output tokens of the response, committed by the engine at `time_s`
+        (time.monotonic())."""
+        if count <= 0 or self.finished:
+            return
+        m = self.metrics
+        m.generation_tokens.inc(count)
+        if self.last_token_s is None:
+            m.ttft.observe(time_s - self.arrival_s)
+        else:
+            gap = (time_s - self.last_token_s) / count
+            for _ in range(count):
+                m.itl.observe(gap)
+        self.last_token_s = time_s
+
+    def finish(self, finish_reason: str) -> None:
+        """Count the request as ended with `finish_reason` ("error": the engine failed it)."""
+        if self.finished:
+            return
+        self.finish_reason = finish_reason
+        m = self.metrics
+        if finish_reason == FAILED:
+            m.failures.inc()
+        else:
+            m.requests.labels(finish_reason=finish_reason).inc()
+        m.prompt_tokens.inc(self.prompt_tokens)
+        end = self.last_token_s if self.last_token_s is not None else time.monotonic()
+        m.e2e.observe(end - self.arrival_s)

@@ -24,6 +24,8 @@ import hmac
 import json
 import logging
 import sys
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +45,7 @@ from .async_engine import AsyncEngine, Finished, RequestFailed, ShuttingDown
 from .chat_template import compile_chat_template, render_chat_template
 from .lifecycle import BACKSTOP_S, GracefulServer, header_timeout_protocol
 from .limits import BodyLimits, MiB, decode_json, read_body
-from .metrics import ServerMetrics
+from .metrics import FAILED, RequestMetrics, ServerMetrics
 from .protocol import (
     ProtocolError,
     chunk,
@@ -205,8 +207,7 @@ class Server:
             self.engine.target.config.vocab_size, forced=True)
 
     def start(self) -> None:
-        self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.metrics.on_finished,
-                                  self.make_oracle, self.metrics.on_failed)
+        self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.make_oracle)
 
     def tokenize(self, text: str) -> list[int]:
         # no token is longer than the vocabulary's longest, so a text too long for the
@@ -294,6 +295,7 @@ def create_app(server: Server) -> FastAPI:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def generate(request: Request, chat: bool):
+        arrival_s = time.monotonic()
         if not authorized(request):
             return fail(ProtocolError("missing or wrong API key", None, 401,
                                       "authentication_error"))
@@ -308,6 +310,9 @@ def create_app(server: Server) -> FastAPI:
             return fail(exc)
         server.counter += 1
         request_id = f"{new_id(chat)}-{server.counter}"
+        # the request's metrics, counted here: only this handler knows how the request ends
+        # for its client (a stop string cut, a client gone), and it ends each one exactly once
+        counted = server.metrics.request(len(parsed.prompt_ids), arrival_s)
         try:
             queue = await server.runner.submit(request_id, parsed.prompt_ids, parsed.params)
         except EngineFullError as exc:
@@ -315,15 +320,30 @@ def create_app(server: Server) -> FastAPI:
         except ReferenceEngineError as exc:
             return fail(ProtocolError(str(exc)))
         except RequestFailed as exc:
+            counted.finish(FAILED)
             return fail(ProtocolError(str(exc), None, 500, "server_error"))
         text = StopStringText(server.detokenize, parsed.stop)
-        if parsed.stream:
-            return StreamingResponse(stream_events(request_id, parsed, queue, text, request),
-                                     media_type="text/event-stream")
-        return await collect_response(request_id, parsed, queue, text)
 
-    def piece(parsed, out: StepOutput, text: StopStringText) -> tuple[str, list[int], dict | None]:
+        def close() -> None:  # however the response ends; a client gone leaves it unfinished
+            if not counted.finished:
+                server.runner.abort(request_id)
+                counted.finish("abort")
+
+        if parsed.stream:
+            return EventStream(stream_events(request_id, parsed, queue, text, counted), close)
+        try:
+            return await collect_response(request_id, parsed, queue, text, counted)
+        finally:
+            close()
+
+    def piece(parsed, out: StepOutput, text: StopStringText,
+              counted: RequestMetrics) -> tuple[str, list[int], dict | None]:
         delta, ids = text.push(out.new_token_ids, out.finished)
+        counted.delivered(len(ids), out.time_s)
+        if text.stopped:
+            counted.finish("stop")
+        elif out.finished:
+            counted.finish(out.finish_reason)
         lp = None
         if parsed.logprobs is not None and out.new_logprobs:
             lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
@@ -331,11 +351,12 @@ def create_app(server: Server) -> FastAPI:
                                parsed.logprobs)
         return delta, ids, lp
 
-    async def collect_response(request_id, parsed, queue, text):
+    async def collect_response(request_id, parsed, queue, text, counted: RequestMetrics):
         pieces, ids, entries, finish = [], [], [], None
         while True:
             item = await queue.get()
             if isinstance(item, Finished):
+                counted.finish(_ended(item))
                 if isinstance(item.error, ShuttingDown):
                     return fail(ProtocolError(str(item.error), None, 503, "service_unavailable"))
                 if item.error is not None:
@@ -345,7 +366,7 @@ def create_app(server: Server) -> FastAPI:
                 break
             if text.stopped:
                 continue  # cut at a stop string: drain until the abort lands
-            delta, new_ids, _ = piece(parsed, item, text)
+            delta, new_ids, _ = piece(parsed, item, text, counted)
             pieces.append(delta)
             ids.extend(new_ids)
             if item.new_logprobs:
@@ -362,44 +383,40 @@ def create_app(server: Server) -> FastAPI:
                              finish or "abort", lp, usage(len(parsed.prompt_ids), len(ids)),
                              spec_summary(sequence), parsed.prompt_ids)
 
-    async def stream_events(request_id, parsed, queue, text, request):
-        emitted, first, finished = 0, True, False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, Finished):
-                    finished = True
-                    if isinstance(item.error, ShuttingDown):
-                        yield _sse(error_body(str(item.error), "service_unavailable", None, 503))
-                    elif item.error is not None:
-                        yield _sse(error_body(f"engine error: {item.error}", "server_error",
-                                              None, 500))
-                    elif parsed.include_usage:
-                        body = chunk(request_id, server.name, parsed.chat, "", [], None)
-                        body["choices"] = []
-                        body["usage"] = usage(len(parsed.prompt_ids), emitted)
-                        spec = spec_summary(item.sequence)
-                        if spec is not None:
-                            body["spec_decode"] = spec
-                        yield _sse(body)
-                    yield "data: [DONE]\n\n"
-                    return
-                if text.stopped:
-                    continue  # cut at a stop string: drain until the abort lands
-                delta, ids, lp = piece(parsed, item, text)
-                finish = "stop" if text.stopped else item.finish_reason
-                if text.stopped:
-                    server.runner.abort(request_id)
-                emitted += len(ids)
-                body = chunk(request_id, server.name, parsed.chat, delta, ids, finish, lp,
-                             role=first)
-                first = False
-                if parsed.continuous_usage:
+    async def stream_events(request_id, parsed, queue, text, counted: RequestMetrics):
+        emitted, first = 0, True
+        while True:
+            item = await queue.get()
+            if isinstance(item, Finished):
+                counted.finish(_ended(item))
+                if isinstance(item.error, ShuttingDown):
+                    yield _sse(error_body(str(item.error), "service_unavailable", None, 503))
+                elif item.error is not None:
+                    yield _sse(error_body(f"engine error: {item.error}", "server_error",
+                                          None, 500))
+                elif parsed.include_usage:
+                    body = chunk(request_id, server.name, parsed.chat, "", [], None)
+                    body["choices"] = []
                     body["usage"] = usage(len(parsed.prompt_ids), emitted)
-                yield _sse(body)
-        finally:
-            if not finished:  # the client went away: free the slot
+                    spec = spec_summary(item.sequence)
+                    if spec is not None:
+                        body["spec_decode"] = spec
+                    yield _sse(body)
+                yield "data: [DONE]\n\n"
+                return
+            if text.stopped:
+                continue  # cut at a stop string: drain until the abort lands
+            delta, ids, lp = piece(parsed, item, text, counted)
+            finish = "stop" if text.stopped else item.finish_reason
+            if text.stopped:
                 server.runner.abort(request_id)
+            emitted += len(ids)
+            body = chunk(request_id, server.name, parsed.chat, delta, ids, finish, lp,
+                         role=first)
+            first = False
+            if parsed.continuous_usage:
+                body["usage"] = usage(len(parsed.prompt_ids), emitted)
+            yield _sse(body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -410,6 +427,29 @@ def create_app(server: Server) -> FastAPI:
         return await generate(request, chat=True)
 
     return app
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that calls `close` however it ends: streamed to the end, or cut short
+    by a client that went away (mid-stream, or before the first event was sent)."""
+
+    def __init__(self, events: AsyncIterator[str], close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.close()
+
+
+def _ended(item: Finished) -> str:
+    """How a request ended that its handler had not seen end (an error, or an abort: the
+    server shut down)."""
+    if item.error is not None and not isinstance(item.error, ShuttingDown):
+        return FAILED
+    return "abort"
 
 
 def _parse(server: Server, raw: bytes, chat: bool):

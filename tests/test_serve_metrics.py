@@ -1,0 +1,189 @@
+"""The server's metrics (reference_engine/serving/metrics.py) and how requests reach them
+(async_engine.py, server.py): each request is counted once, by the way its client saw it
+end; the engine's counters advance by its own statistics before a client sees the step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.runtime.engine import Engine, EngineConfig, StepOutput
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.stats import SpecCounters
+from reference_engine.serving.async_engine import AsyncEngine, Finished
+from reference_engine.serving.metrics import FAILED, ServerMetrics
+
+from .server_process import ServerProcess
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def samples(text: str | bytes) -> Samples:
+    """Every sample of a Prometheus text page, keyed by (name, sorted labels)."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(page: Samples, name: str, **labels: str) -> float:
+    return page.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def idle_engine(spec: SpecCounters | None = None):
+    """What `on_step` reads of an engine, with nothing running."""
+    timer = SimpleNamespace(as_dict=lambda: {})
+    return SimpleNamespace(spec_totals=spec or SpecCounters(), fallbacks={}, active={},
+                           waiting=[], timer=timer, device=torch.device("cpu"))
+
+
+# ------------------------------------------------------------------ one request, counted once
+@pytest.mark.parametrize("reason", ["stop", "length", "abort", FAILED])
+def test_a_request_is_counted_once_in_its_finish_reason_and_in_each_histogram(
+        reason: str) -> None:
+    metrics = ServerMetrics()
+    counted = metrics.request(prompt_tokens=5, arrival_s=10.0)
+    counted.delivered(1, 10.25)
+    counted.delivered(3, 10.5)  # one speculative step's three tokens
+    for again in (reason, "stop", "abort"):  # a stop string cut, then the engine's abort lands
+        counted.finish(again)
+    page = samples(metrics.render(idle_engine()))
+    success = value(page, "dflash:request_success_total", finish_reason=reason)
+    assert success == (0 if reason == FAILED else 1)
+    assert value(page, "dflash:request_failure_total") == (1 if reason == FAILED else 0)
+    assert sum(v for (name, _), v in page.items() if name == "dflash:request_success_total") \
+        == success
+    assert value(page, "dflash:prompt_tokens_total") == 5
+    assert value(page, "dflash:generation_tokens_total") == 4
+    assert value(page, "dflash:time_to_first_token_seconds_count") == 1
+    assert value(page, "dflash:time_to_first_token_seconds_sum") == pytest.approx(0.25)
+    # the second delivery's gap, shared evenly by its three tokens
+    assert value(page, "dflash:inter_token_latency_seconds_count") == 3
+    assert value(page, "dflash:inter_token_latency_seconds_sum") == pytest.approx(0.25)
+    # to the last token, not to when the abort of a stop string landed
+    assert value(page, "dflash:e2e_request_latency_seconds_count") == 1
+    assert value(page, "dflash:e2e_request_latency_seconds_sum") == pytest.approx(0.5)
+
+
+def test_a_request_that_ends_before_its_first_token_is_in_e2e_but_not_in_ttft() -> None:
+    metrics = ServerMetrics()
+    metrics.request(prompt_tokens=3, arrival_s=time.monotonic()).finish("abort")
+    page = samples(metrics.render(idle_engine()))
+    assert value(page, "dflash:request_success_total", finish_reason="abort") == 1
+    assert value(page, "dflash:e2e_request_latency_seconds_count") == 1
+    assert value(page, "dflash:time_to_first_token_seconds_count") == 0
+    assert value(page, "dflash:generation_tokens_total") == 0
+
+
+def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset() -> None:
+    metrics = ServerMetrics()
+    spec = SpecCounters()
+    spec.record(7, 3, 4)
+    spec.record(7, 7, 8)
+    metrics.on_step(idle_engine(spec))
+    metrics.on_step(idle_engine(spec))  # the same totals again: nothing new
+    spec = SpecCounters()  # Engine.reset_stats
+    spec.record(7, 1, 2)
+    metrics.on_step(idle_engine(spec))
+    page = samples(metrics.render(idle_engine()))
+    assert value(page, "dflash:spec_decode_num_drafts_total") == 3
+    assert value(page, "dflash:spec_decode_num_draft_tokens_total") == 21
+    assert value(page, "dflash:spec_decode_num_accepted_tokens_total") == 11  # no bonus
+    per_pos = {int(dict(labels)["position"]): v for (name, labels), v in page.items()
+               if name == "dflash:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {1: 3, 2: 2, 3: 2, 4: 1, 5: 1, 6: 1, 7: 1}
+
+
+# ------------------------------------------------------------------ the engine thread
+@pytest.fixture(scope="module")
+def pair_dirs(tiny_checkpoint, tmp_path_factory):
+    target = tiny_checkpoint("qwen3")
+    return target, make_tiny_draft(tmp_path_factory.mktemp("metrics_draft"), target,
+                                   block_size=4)
+
+
+def test_a_request_aborted_mid_stream_ends_with_its_sequence_and_counted_steps(
+        pair_dirs) -> None:
+    target = load_target(pair_dirs[0], dtype=torch.float64)
+    engine = Engine(target, load_draft(pair_dirs[1], target), EngineConfig(max_num_seqs=2))
+    seen: list[int] = []  # engine steps counted when each output was posted
+    runner = AsyncEngine(engine, on_step=lambda e: seen.append(e.spec_totals.steps))
+
+    async def run() -> tuple[list[StepOutput], list[int], Finished]:
+        out = await runner.submit("a", [5, 6, 7], SamplingParams(max_tokens=200,
+                                                                 ignore_eos=True))
+        outputs = [await out.get() for _ in range(3)]  # the first token, then two steps
+        counted = list(seen)
+        runner.abort("a")  # what the server does when a stop string ends the output
+        item = await out.get()
+        while not isinstance(item, Finished):
+            item = await out.get()
+        return outputs, counted, item
+
+    try:
+        outputs, counted, finished = asyncio.run(run())
+    finally:
+        runner.shutdown()
+    assert counted and counted[-1] >= 2  # the steps were counted before their tokens came out
+    sequence = finished.sequence
+    assert finished.error is None and sequence is not None and sequence.request_id == "a"
+    assert sequence.spec.steps >= 2 and sequence.spec.steps == engine.spec_totals.steps
+    assert sum(len(o.new_token_ids) for o in outputs) <= len(sequence.output_ids)
+
+
+# ------------------------------------------------------------------ over HTTP
+@pytest.fixture(scope="module")
+def server(pair_dirs):
+    server = ServerProcess("--model", str(pair_dirs[0]), "--dflash-draft-model-path",
+                           str(pair_dirs[1]), "--dtype", "float64")
+    yield server
+    server.stop()
+
+
+def test_requests_ended_by_a_stop_string_or_a_disconnect_are_counted(server) -> None:
+    body = {"prompt": [5, 17, 99], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    text = full["choices"][0]["text"]
+    stop = next((text[i:i + 2] for i in range(3, len(text) - 2)
+                 if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]
+                 and text.find(text[i:i + 2]) == i), None)
+    if stop is None:
+        pytest.skip(f"no clean stop string in {text!r}")
+    before = samples(httpx.get(server.url + "/metrics").text)
+    cut = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]},
+                     timeout=60).json()
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={**body, "stop": [stop], "stream": True}) as r:
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={**body, "max_tokens": 2000, "stream": True}) as r:
+        next(r.iter_lines())  # one event, then hang up
+    deadline = time.monotonic() + 20
+    while True:
+        after = samples(httpx.get(server.url + "/metrics").text)
+        aborted = value(after, "dflash:request_success_total", finish_reason="abort") - \
+            value(before, "dflash:request_success_total", finish_reason="abort")
+        if aborted or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+
+    def diff(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert diff("dflash:request_success_total", finish_reason="stop") == 2
+    assert aborted == 1
+    assert diff("dflash:request_success_total", finish_reason="length") == 0
+    assert diff("dflash:e2e_request_latency_seconds_count") == 3
+    assert diff("dflash:time_to_first_token_seconds_count") == 3
+    assert diff("dflash:prompt_tokens_total") == 9
+    assert diff("dflash:generation_tokens_total") >= 2 * cut["usage"]["completion_tokens"] + 1
+    # the per-request figures of a stop-string request cover every step the engine took
+    assert cut["spec_decode"]["steps"] >= 1

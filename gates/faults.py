@@ -19,8 +19,14 @@ from typing import Any
 
 import torch
 
+from reference_engine.kernels import TORCH
+from reference_engine.models.dflash import DFlashDraft
+from reference_engine.runtime import decode as decode_module
+from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime.sampling import sample
 from reference_engine.runtime.speculate import SpeculativeStep
+from reference_engine.runtime.stats import SpecCounters
+from reference_engine.serving.metrics import RequestMetrics, ServerMetrics
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,106 @@ def _shared_positions(correct):
     return anchor_positions
 
 
+
+# ------------------------------------------------------------------ exact ties
+def _highest_id_wins(logits: torch.Tensor) -> torch.Tensor:
+    """The logits [..., vocab] with each row's highest-id maximum raised by one ulp: any
+    argmax of them breaks an exact tie toward the higher id."""
+    last = logits.shape[-1] - 1 - logits.flip(-1).argmax(-1, keepdim=True)  # [..., 1]
+    top = logits.gather(-1, last)
+    return logits.clone().scatter_(-1, last, torch.nextafter(top, torch.full_like(top, torch.inf)))
+
+
+def _plain_decode_highest_on_tie(correct):
+    def greedy(logits):
+        return correct(_highest_id_wins(logits))
+    return greedy
+
+
+def _first_token_highest_on_tie(correct):
+    def _prefilled(self, seqs, ends, logits, outputs):
+        return correct(self, seqs, ends, _highest_id_wins(logits), outputs)
+    return _prefilled
+
+
+def _batched_rows_highest_on_tie(correct):
+    def choose_tokens(logits, seqs):
+        if len(seqs) > 1:
+            logits = torch.cat([logits[:1], _highest_id_wins(logits[1:])])
+        return correct(logits, seqs)
+    return choose_tokens
+
+
+def _draft_highest_on_tie(correct):
+    def proposals(self, hidden, lm_head_weight, ops=TORCH):
+        logits, _ = correct(self, hidden, lm_head_weight, ops)
+        return logits, ops.greedy(_highest_id_wins(logits))
+    return proposals
+
+
+def _verify_highest_on_tie(correct):
+    def accept(self, rows, proposals, draft_probs, logits, target_tokens=None):
+        return correct(self, rows, proposals, draft_probs, _highest_id_wins(logits))
+    return accept
+
+
+# ------------------------------------------------------------------ metrics
+def _stop_counted_twice(correct):
+    def finish(self, finish_reason):
+        first = not self.finished
+        correct(self, finish_reason)
+        if first and finish_reason == "stop":
+            self.metrics.requests.labels(finish_reason="stop").inc()
+    return finish
+
+
+def _abort_not_in_e2e(correct):
+    def finish(self, finish_reason):
+        if finish_reason != "abort" or self.finished:
+            return correct(self, finish_reason)
+        self.finish_reason = finish_reason
+        self.metrics.requests.labels(finish_reason=finish_reason).inc()
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+    return finish
+
+
+def _accepted_counts_bonus(correct):
+    def record(self, proposed, accepted, acceptance_length):
+        correct(self, proposed, accepted, acceptance_length)
+        self.accepted += 1
+    return record
+
+
+class _PositionsFromZero:
+    """An engine whose per-position acceptance counts are keyed 0-based."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    @property
+    def spec_totals(self) -> SpecCounters:
+        spec = self._engine.spec_totals
+        shifted = type(spec.accepted_per_position)(
+            {k - 1: v for k, v in spec.accepted_per_position.items()})
+        return SpecCounters(spec.steps, spec.proposed, spec.accepted, spec.acceptance_lengths,
+                            shifted)
+
+
+def _positions_off_by_one(correct):
+    def on_step(self, engine):
+        return correct(self, _PositionsFromZero(engine))
+    return on_step
+
+
+def _generation_tokens_per_delivery(correct):
+    def delivered(self, count, time_s):
+        return correct(self, min(count, 1), time_s)
+    return delivered
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault("hybrid: keep the Gated DeltaNet state of the whole verified "
                                  "block", "commit_state", _skip_state_rollback),
@@ -99,6 +205,31 @@ FAULTS: dict[str, Fault] = {
                                "commit_state", _commit_wrong_slot),
     "shared_positions": Fault("engine: give every row of a batched step the first row's "
                               "positions", "anchor_positions", _shared_positions),
+    "plain_decode_highest_on_tie": Fault("plain decode alone: break exact ties toward the "
+                                         "higher id", "greedy", _plain_decode_highest_on_tie,
+                                         decode_module),
+    "first_token_highest_on_tie": Fault("engine: the first token after prefill breaks exact ties "
+                                        "toward the higher id", "_prefilled",
+                                        _first_token_highest_on_tie, engine_module.Engine),
+    "batched_rows_highest_on_tie": Fault("engine: every row of a plain batch but the first breaks "
+                                         "exact ties toward the higher id", "choose_tokens",
+                                         _batched_rows_highest_on_tie, engine_module),
+    "draft_highest_on_tie": Fault("the draft proposes the higher id of an exact tie",
+                                  "proposals", _draft_highest_on_tie, DFlashDraft),
+    "verify_highest_on_tie": Fault("the verify breaks exact ties toward the higher id",
+                                   "accept", _verify_highest_on_tie),
+    "stop_counted_twice": Fault("metrics: a request that ends on a stop is counted twice",
+                                "finish", _stop_counted_twice, RequestMetrics),
+    "abort_not_in_e2e": Fault("metrics: an aborted request is left out of the e2e latency "
+                              "histogram", "finish", _abort_not_in_e2e, RequestMetrics),
+    "accepted_counts_bonus": Fault("statistics: accepted counts the bonus token",
+                                   "record", _accepted_counts_bonus, SpecCounters),
+    "positions_off_by_one": Fault("metrics: per-position acceptance labelled from 0",
+                                  "on_step", _positions_off_by_one, ServerMetrics),
+    "generation_tokens_per_delivery": Fault("metrics: one generation token counted per "
+                                            "delivery, however many a step carried",
+                                            "delivered", _generation_tokens_per_delivery,
+                                            RequestMetrics),
 }
 
 

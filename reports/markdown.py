@@ -21,7 +21,7 @@ from .verdict import verdict_section
 
 REPORT = "report.md"
 
-# DESIGN.md, "Metric definitions" and "Vocabulary": what every number in a report means
+# docs/design.md, "Metric definitions" and "Vocabulary": what every number in a report means
 METRIC_DEFINITIONS = """\
 - **TTFT**: request sent -> first chunk that carries a token.
 - **E2E latency**: request sent -> last chunk that carries a token.

@@ -1,4 +1,4 @@
-"""The package layout of DESIGN.md holds: no import cycles anywhere, and imports run one way
+"""The package layout of docs/design.md holds: no import cycles anywhere, and imports run one way
 (models -> nothing of runtime; runtime -> nothing of serving; kernels -> nothing of ours; the
 engine -> no harness, gates or reports; harness and reports -> no engine, no torch).
 

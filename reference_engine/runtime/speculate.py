@@ -1,7 +1,7 @@
 """One batched DFlash step for the engine's speculative requests: draft -> verify -> accept
 -> commit, read top to bottom in `SpeculativeStep.__call__`.
 
-Vocabulary (DESIGN.md): a row's block holds the anchor (its last committed token, not yet
+Vocabulary (docs/design.md): a row's block holds the anchor (its last committed token, not yet
 run through the target) followed by B-1 draft slots. The draft proposes a token for each
 slot in one forward; the target verifies the whole block in one forward; `accepted` (a) is
 the longest prefix of proposals equal to the target's own choices (greedy) or kept by

@@ -1,6 +1,6 @@
 """Engine statistics: speculative counters per request and engine-wide, and a phase timer.
 
-Definitions (DESIGN.md): a step proposes B-1 draft tokens (fewer in a short final block);
+Definitions (docs/design.md): a step proposes B-1 draft tokens (fewer in a short final block);
 `accepted` counts draft tokens equal to the target's choices; the acceptance length of a
 step is the tokens it committed, accepted + bonus, so mean acceptance length includes the
 bonus token. accepted_per_position[k] counts steps whose draft token k+1 was accepted.

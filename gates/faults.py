@@ -249,3 +249,56 @@ def planted(name: str | None) -> Iterator[None]:
         yield
     finally:
         setattr(fault.owner, fault.method, correct)
+
+
+# ------------------------------------------------------------------ lying HTTP candidates
+# For the HTTP gate (gates/test_http_equivalence.py): gates/lying_server.py forwards to an
+# honest server and applies one of these to what it answers; `harness compare` must fail on
+# each with one of the verdicts in `expect` ("mismatch:WHAT" names what differed).
+from . import lying_server as _liar  # noqa: E402
+
+LIES: dict[str, _liar.Lie] = {
+    "text_wrong_ids_right": _liar.Lie("the right token ids with one character of the text "
+                                      "changed", ("mismatch:text",), answer=_liar.change_text),
+    "ids_wrong_text_right": _liar.Lie("the right text with the first token id changed",
+                                      ("mismatch:ids_text",), answer=_liar.change_first_id),
+    "another_token": _liar.Lie("another first token, text and usage in step with it",
+                               ("mismatch:token",), answer=_liar.other_first_token),
+    "one_token_short": _liar.Lie("stop one token early (ids, text and usage agree)",
+                                 ("mismatch:length",), answer=_liar.drop_last_token),
+    "one_token_long": _liar.Lie("one token more than the honest answer (ids, text and usage "
+                                "agree)", ("mismatch:length",), answer=_liar.repeat_last_token),
+    "wrong_finish_reason": _liar.Lie("the right tokens with the other finish_reason",
+                                     ("mismatch:finish_reason",),
+                                     answer=_liar.flip_finish_reason),
+    "usage_off_by_one": _liar.Lie("usage.completion_tokens one more than the tokens sent",
+                                  ("inconsistent_answer",), answer=_liar.usage_one_more),
+    "wrong_prompt_tokens": _liar.Lie("the right answer, claiming one prompt token more",
+                                     ("mismatch:prompt",), answer=_liar.prompt_one_more),
+    "answers_another_prompt": _liar.Lie("answer a different prompt (text or ids changed on the "
+                                        "way)", ("mismatch:prompt",), request=_liar.other_prompt),
+    "stale_answer": _liar.Lie("send the answer to the request before (a slot mix-up)",
+                              ("mismatch",), reply=_liar.stale_answer),
+    "empty_choices": _liar.Lie("HTTP 200 with choices: []", ("empty_choices",),
+                               body=_liar.empty_choices_body, events=_liar.empty_choices_events),
+    "error_object": _liar.Lie("HTTP 200 with an error object (a stream: an error event)",
+                              ("error_object",), body=_liar.error_body,
+                              events=_liar.error_events),
+    "not_json": _liar.Lie("HTTP 200 with an HTML page", ("malformed_body",),
+                          reply=_liar.not_json),
+    "cut_short": _liar.Lie("the body cut in half (a stream: ended before its finish_reason)",
+                           ("malformed_body", "truncated_stream"), body=_liar.cut_body,
+                           events=_liar.cut_stream),
+    "http_500": _liar.Lie("HTTP 500", ("http_500",), reply=_liar.http_500),
+    "two_choices": _liar.Lie("two choices where one was asked for", ("malformed_body",),
+                             body=_liar.two_choices_body, events=_liar.two_choices_events),
+    "null_text": _liar.Lie("a text that is not a string", ("malformed_body",),
+                           body=_liar.null_text_body, events=_liar.null_text_events),
+    "duplicated_chunk": _liar.Lie("a stream with its first token chunk sent twice",
+                                  ("inconsistent_answer", "mismatch"),
+                                  events=_liar.duplicate_chunk),
+    "missing_chunk": _liar.Lie("a stream without its first token chunk",
+                               ("inconsistent_answer", "mismatch"), events=_liar.drop_chunk),
+    "tokens_after_finish": _liar.Lie("a stream with a token chunk after the finish_reason",
+                                     ("malformed_body",), events=_liar.tokens_after_finish),
+}

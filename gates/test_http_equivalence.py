@@ -6,19 +6,27 @@ by default against our own plain and DFlash servers on a tiny pair."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
+import io
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from harness.answer import ERRORS, error_class
 from harness.client import Endpoint
 from harness.compare import ComparePolicy, compare
 from harness.server_kind import resolve
 from harness.tokens import TextTokenizer
-from harness.workloads import builtin, load_jsonl, synthetic
+from harness.workloads import builtin, gate_prompts, load_jsonl, synthetic
 from reference_engine.checkpoint import make_tiny_draft
 from tests.server_process import ServerProcess
+
+from .faults import LIES
+from .lying_server import LyingServer, send_answer
 
 MAX_TOKENS = 24
 
@@ -98,6 +106,17 @@ def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_
     assert first.baseline_token != first.candidate_token and first.margin is not None
 
 
+def test_our_dflash_server_is_exact_at_each_concurrency_and_context_of_the_gate_set(
+        demo_plain_server, demo_dflash_server) -> None:
+    prompts = gate_prompts((128, 512))[:4]  # the demo target holds 4096 tokens in all
+    results, summary = asyncio.run(compare(Endpoint(demo_plain_server.url),
+                                           Endpoint(demo_dflash_server.url), prompts, 16, [1, 4],
+                                           ComparePolicy("strict")))
+    assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"] == 8, summary
+    assert {c: v["exact"] for c, v in summary["by_concurrency"].items()} == {"1": 4, "4": 4}
+    assert {b: v["exact"] for b, v in summary["by_context"].items()} == {"~128": 4, "~512": 4}
+
+
 # ------------------------------------------------------------------ tie triage, scripted
 BASE = [11, 12, 13, 14, 15, 16, 17, 18]
 CAND = [11, 12, 99, 14, 15, 77, 17, 18]  # near-tied swap at 2, a real bug at 5
@@ -116,7 +135,8 @@ def scripted_server(sequence: list[int], with_logprobs: bool):
                 prompt = PROMPT
             settled = len(prompt) - len(PROMPT)
             ids = sequence[settled : settled + body["max_tokens"]]
-            choice = {"token_ids": ids, "prompt_token_ids": prompt, "text": ""}
+            choice = {"token_ids": ids, "prompt_token_ids": prompt, "finish_reason": "length",
+                      "text": "".join(f"<{t}>" for t in ids)}
             if with_logprobs and body.get("logprobs"):
                 tops = []
                 for pos in range(settled, settled + len(ids)):
@@ -126,11 +146,7 @@ def scripted_server(sequence: list[int], with_logprobs: bool):
                                   "logprob": -0.5 - margin}])
                 choice["logprobs"] = {"token_ids": ids, "tokens": [str(t) for t in ids],
                                       "top_token_logprobs": tops}
-            data = json.dumps({"choices": [choice]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_answer(self, body, {"choices": [choice]})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -195,3 +211,89 @@ def test_compare_command_exit_codes_and_files(tmp_path) -> None:
         assert (out / "compare.jsonl").is_file() and (out / "compare.md").is_file()
         if code:
             assert "first divergence: position 2" in done.stdout
+
+
+# ------------------------------------------------------------------ lying candidates
+# every lie this module plants (gates/faults.py, LIES) and sees `harness compare` fail on
+CATCHES_LIES = ("text_wrong_ids_right", "ids_wrong_text_right", "another_token",
+                "one_token_short", "one_token_long", "wrong_finish_reason", "usage_off_by_one",
+                "wrong_prompt_tokens", "answers_another_prompt", "stale_answer",
+                "empty_choices", "error_object", "not_json", "cut_short", "http_500",
+                "two_choices", "null_text", "duplicated_chunk", "missing_chunk",
+                "tokens_after_finish")
+LIE_PROMPTS = [{"prompt": "The cache holds"},
+               {"prompt": "A draft model proposes a block of tokens and the target"},
+               {"messages": [{"role": "user", "content": "What is a key-value cache?"}]}]
+
+
+def harness_compare(baseline: str, candidate: str, prompts: Path, out: Path,
+                    *extra: str) -> tuple[int, dict, str]:
+    """`python -m harness compare`, in this process: exit status, summary, stderr."""
+    from harness.__main__ import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["compare", "--baseline", baseline, "--candidate", candidate,
+                     "--server-kind", "ours", "--prompts", str(prompts), "--max-tokens", "6",
+                     "--concurrency", "1", "--out", str(out), *extra])
+    summary = json.loads((out / "compare_summary.json").read_text())
+    return code, summary, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def lie_prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("lies") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in LIE_PROMPTS))
+    return path
+
+
+@pytest.mark.parametrize("form", ["stream", "whole"])
+def test_an_honest_proxy_passes(baseline_server, lie_prompts, tmp_path, form: str) -> None:
+    with LyingServer(baseline_server.url, None) as proxy:
+        code, summary, err = harness_compare(baseline_server.url, proxy.url, lie_prompts,
+                                             tmp_path, f"--{'no-' * (form == 'whole')}stream")
+    assert code == 0 and summary["exact"] == summary["prompts"] == len(LIE_PROMPTS), err
+    assert summary["compared"] == "ids" and err.splitlines()[-1].startswith("pass: ")
+
+
+LIE_CASES = [(name, form) for name in sorted(LIES) for form in LIES[name].forms]
+
+
+@pytest.mark.parametrize(("lie", "form"), LIE_CASES, ids=[f"{n}-{f}" for n, f in LIE_CASES])
+def test_the_gate_fails_loudly_on_a_lying_candidate(baseline_server, tiny_dirs, lie_prompts,
+                                                    tmp_path, lie: str, form: str) -> None:
+    with LyingServer(baseline_server.url, LIES[lie], TextTokenizer(tiny_dirs[0])) as liar:
+        code, summary, err = harness_compare(baseline_server.url, liar.url, lie_prompts,
+                                             tmp_path, f"--{'no-' * (form == 'whole')}stream")
+    reason = summary["reason"]
+    named = {reason, f"{reason}:{summary['first_mismatch']}"}
+    assert summary["verdict"] == "fail" and named & set(LIES[lie].expect), (lie, named, err)
+    status = ERRORS[error_class(reason)][0] if summary["error"] else 1
+    assert code == status, (code, reason)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {reason}: " if summary["error"] else f"fail: {reason}: ")
+    assert "Traceback" not in err
+
+
+def test_every_lie_is_caught_by_some_gate_test() -> None:
+    caught: dict[str, list[str]] = {}
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        module = importlib.import_module(f"gates.{path.stem}")
+        for name in getattr(module, "CATCHES_LIES", ()):
+            caught.setdefault(name, []).append(path.stem)
+            assert f'"{name}"' in path.read_text(), f"{path.name} claims {name} but never names it"
+    assert sorted(caught) == sorted(LIES), (
+        f"lies no gate catches: {sorted(set(LIES) - set(caught))}; "
+        f"claimed but not registered: {sorted(set(caught) - set(LIES))}")
+    planted = {name for name, _ in LIE_CASES}
+    assert planted == set(LIES) and all(LIES[n].forms for n in LIES), "a lie that lies nowhere"
+
+
+def test_no_usable_prompt_is_an_error_never_a_pass(baseline_server, tmp_path) -> None:
+    prompts = tmp_path / "unusable.jsonl"
+    prompts.write_text('{"prompt": ""}\n{"messages": []}\n')
+    code, summary, err = harness_compare(baseline_server.url, baseline_server.url, prompts,
+                                         tmp_path / "out")
+    assert code == ERRORS["no_usable_prompts"][0] and summary["verdict"] == "fail"
+    assert summary["error"] == "no_usable_prompts" and summary["unusable"] == 2
+    assert err.splitlines()[-1].startswith("error: no_usable_prompts: ")

@@ -1,4 +1,5 @@
-"""Command line: `python -m harness bench ...` (one server) and `python -m harness ab ...`.
+"""Command line: `python -m harness bench ...` (one server), `python -m harness ab ...` and
+`python -m harness compare ...` (the HTTP equivalence gate; docs/harness-compare.md).
 
     python -m harness bench --base-url URL [--model NAME] [--endpoint completions|chat|sglang]
         [--concurrency 1,4,8,16] [--num-prompts N] [--input-len N] [--output-len N]
@@ -86,8 +87,28 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/run", help="output directory")
 
 
+def _compare_epilog() -> str:
+    from .answer import ERRORS
+
+    lines = ["exit status:", "  0   pass",
+             "  1   fail: an answer differs (mismatch), or ties above --max-tie-rate "
+             "(strict: any tie)", "  2   bad arguments or prompts file"]
+    for name, (status, what) in ERRORS.items():
+        lines.append(f"  {status:<3} {what if name == 'http_error' else f'{name}: {what}'}")
+    lines += ["  130 interrupted: the comparisons made are in DIR/compare.jsonl; rerun with "
+              "--resume",
+              "A run with errors exits with the status of its first error (by concurrency "
+              "level, then prompt);",
+              "stderr gets one line: `pass: ...`, `fail: REASON: ...` or `error: NAME: ...`."]
+    return "\n".join(lines)
+
+
 def _compare_parser(sub) -> None:
-    c = sub.add_parser("compare", help="token-by-token equivalence of two servers")
+    c = sub.add_parser("compare", help="token-by-token equivalence of two servers",
+                       description="Every prompt decoded greedily by both servers; the "
+                       "answers compared token by token (ids and text, length, finish_reason, "
+                       "prompt counts), divergences triaged as ties or mismatches.",
+                       epilog=_compare_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--baseline", required=True, type=base_url,
                    help="baseline base URL (DFlash off)")
     c.add_argument("--candidate", required=True, type=base_url,
@@ -96,42 +117,76 @@ def _compare_parser(sub) -> None:
     c.add_argument("--api-key", default=None)
     _peer_args(c)
     source = c.add_mutually_exclusive_group()
-    source.add_argument("--prompts", help="JSONL with 'prompt' per line")
-    source.add_argument("--builtin", default=None, help="code, math, chat or mixed")
-    c.add_argument("--num-prompts", type=int, default=None, help="default: the whole set")
+    source.add_argument("--prompts", help="JSONL with 'prompt' (text) or 'messages' (chat, sent "
+                        "to /v1/chat/completions) per line")
+    source.add_argument("--builtin", default=None,
+                        help="code, math, chat, mixed, or the gate set: gate (prompts of about "
+                        "128, 512 and 4096 tokens) or gate:128,512 (those lengths only)")
+    c.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="a seeded subset of this many (default: the whole set)")
     c.add_argument("--max-tokens", type=positive_int, default=64)
-    c.add_argument("--concurrency", type=positive_int, default=4)
+    c.add_argument("--concurrency", type=concurrency_list, default=[4],
+                   help="comma-separated levels, e.g. 1,8,16: at each the candidate gets every "
+                   "prompt, N in flight (closed loop); the baseline answers each prompt once")
+    c.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask the candidate for streamed answers (default) or whole ones")
+    c.add_argument("--timeout", type=positive_float, default=300.0, help="per request, seconds")
     c.add_argument("--policy", default="tie-tolerant", choices=["strict", "tie-tolerant"])
     c.add_argument("--tie-threshold", type=float, default=0.1)
     c.add_argument("--max-tie-rate", type=float, default=0.05)
-    c.add_argument("--max-divergences", type=int, default=5)
+    c.add_argument("--max-divergences", type=positive_int, default=5)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--resume", action="store_true",
+                   help="keep the comparisons already in DIR/compare.jsonl (those without an "
+                   "error) and make the rest")
     c.add_argument("--out", default="results/compare")
 
 
 def run_compare(args) -> int:
     import asyncio
 
-    from .compare import ComparePolicy, compare, write_outputs
+    from .compare import ComparePolicy, compare
+    from .compare_io import RowLog, exit_status, verdict_line, write_outputs
 
     pool = load_jsonl(args.prompts) if args.prompts else builtin(args.builtin or "mixed")
-    prompts = [p for p in pool if p.text is not None or p.token_ids is not None]
-    if args.num_prompts:
-        prompts = take(prompts, args.num_prompts, args.seed)
+    prompts = take(pool, min(args.num_prompts, len(pool)), args.seed) if args.num_prompts \
+        else pool
     policy = ComparePolicy(args.policy, args.tie_threshold, args.max_tie_rate,
                            args.max_divergences)
     tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
     baseline, candidate = (endpoint_for(url, args, "completions", tokenizer)
                            for url in (args.baseline, args.candidate))
-    results, summary = asyncio.run(compare(baseline, candidate, prompts, args.max_tokens,
-                                           args.concurrency, policy))
-    write_outputs(Path(args.out), results, summary)
+    out = Path(args.out)
+    log = RowLog(out, args.resume)
+    if args.resume:
+        print(f"resume: {len(log.kept)} comparisons kept, {log.dropped} lines dropped "
+              "(errors are compared again)", file=sys.stderr)
+    try:
+        results, summary = asyncio.run(compare(
+            baseline, candidate, prompts, args.max_tokens, args.concurrency, policy,
+            stream=args.stream, timeout=args.timeout, done=log.kept, on_result=log.append))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {len(log.kept) + log.written} comparisons kept in "
+              f"{log.path}; rerun with --resume to make the rest", file=sys.stderr)
+        return 130
+    finally:
+        log.close()
+    write_outputs(out, results, summary)
     print(json.dumps(summary, indent=2))
     first = next((d for r in results for d in r.divergences), None)
     if first is not None:
         print(f"first divergence: position {first.position}, baseline {first.baseline_token} "
-              f"vs candidate {first.candidate_token}, margin {first.margin}, {first.kind}")
-    return 0 if summary["verdict"] == "pass" else 1
+              f"vs candidate {first.candidate_token}, margin {first.margin}, {first.kind} "
+              f"({first.what})")
+    for level in args.concurrency:
+        if level > summary["distinct_prompts"] > 0:
+            print(f"note: concurrency {level} with {summary['distinct_prompts']} prompts: at "
+                  f"most {summary['distinct_prompts']} in flight", file=sys.stderr)
+    if summary["unusable"]:
+        print(f"note: {summary['unusable']} prompts cannot be sent (first: "
+              f"{summary['unusable_reasons'][0]})", file=sys.stderr)
+    print(verdict_line(results, summary), file=sys.stderr)
+    return exit_status(summary)
 
 
 def endpoint_for(url: str, args, kind: str, tokenizer: TextTokenizer | None) -> Endpoint:
@@ -240,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         try:
             return run_compare(args)
-        except (WorkloadError, ValueError) as exc:
+        except (WorkloadError, ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     out = Path(args.out)

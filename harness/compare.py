@@ -1,23 +1,29 @@
-"""Token-by-token comparison of two OpenAI-compatible servers, with tie triage.
+"""Token-by-token comparison of two OpenAI-compatible servers, with tie triage
+(docs/harness-compare.md).
 
-For every prompt both servers decode greedily (temperature 0); the generated token ids
-are compared. At a divergence the baseline's top-2 logprob margin at that position decides:
-`tie` when it is below the threshold (the two tokens were all but equally likely: kernels
-that round differently may pick either), `mismatch` otherwise (a bug). The comparison then
-resumes: both servers get the prompt + the common prefix + the baseline's token, as token
-ids, so one tie does not hide a later bug; up to `max_divergences` per prompt.
+Both servers decode every prompt greedily. At a divergence of the token ids the baseline's
+top-2 logprob margin there decides: `tie` below the threshold (kernels that round
+differently may pick either of two all but equal tokens), `mismatch` otherwise (a bug). The
+comparison then resumes from the prompt + the common prefix + the baseline's token, as
+token ids, so one tie does not hide a later bug (a chat prompt cannot be extended by ids).
+Only the baseline is asked for logprobs (a candidate asked for them may leave its
+speculative path, ours does); its answers are the reference, one request per prompt
+whatever the number of concurrency levels. The candidate is asked for streamed answers by
+default, the path a client sees. Chat prompts go to /v1/chat/completions.
 
-Only the baseline is asked for logprobs: a candidate asked for logprobs may leave its
-speculative path (ours does), and the gate must test that path.
+Like is compared with like, and every field an answer reports must agree (divergence.py):
+ids and texts when both servers report ids, else texts.
 
-Like is compared with like. When both servers report the generated token ids (ours, vLLM
-with `return_token_ids`), ids are compared. Otherwise texts are compared, and at a text
-difference the first differing token is located by tokenising both texts with the model's
-tokenizer (`--tokenizer`; without it only the character position is known); a text
-comparison does not resume. Each prompt records what was compared (`ids`, `text`, or
-`none` when a request failed: an error is never counted as a comparison), and the summary
-says `ids`, `text` or `mixed` over the prompts compared. Requests carry only the
-extensions the server accepts (`Endpoint.server`, see server_kind.py).
+A reply that is not an answer is a named error (answer.py), never a comparison. Each prompt
+records what was compared (`ids`, `text`, or `none` after an error). Requests carry only the
+extensions the server accepts (`Endpoint.server`, see server_kind.py). At each concurrency
+level N the candidate gets every prompt in a closed loop, N in flight.
+
+The verdict: a run passes when every level passes (no error, no mismatch, ties within the
+policy: tie-tolerant allows `max_tie_rate` per comparison at each level, strict none). No
+comparison at all is the error `no_usable_prompts`, never a pass; a run with errors is named
+after its first (by level, then prompt). The summary counts overall, per level and per
+context bucket (prompt tokens from the server's usage, else the prompt's id count).
 
 Default tie threshold, 0.1 (logprob units, equal to the logit margin): bfloat16 keeps 8
 significant bits, so a logit of magnitude 16-32 is rounded in steps of 0.125 and two
@@ -28,43 +34,40 @@ below 0.1 is inside that rounding, a larger one is not explained by it.
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
-import re
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import httpx
 
+from .answer import Answer, AnswerError, Ask, ask_server, takes_ids
 from .client import Endpoint
+from .divergence import Divergence, ids_round, prompt_divergence, text_round
 from .workloads import Prompt
 
 POLICIES = ("strict", "tie-tolerant")
 DEFAULT_TIE_THRESHOLD = 0.1
+# context buckets: the nearest of 128, 512 and 4096 tokens on a log scale
+CONTEXT_BUCKETS = (("~128", 256), ("~512", 1448), ("~4096", 8192))
+
+
+def context_bucket(tokens: int | None) -> str:
+    if tokens is None:
+        return "unknown"
+    return next((name for name, upper in CONTEXT_BUCKETS if tokens <= upper), ">8192")
 
 
 @dataclass(frozen=True)
 class ComparePolicy:
     policy: str = "tie-tolerant"
     tie_threshold: float = DEFAULT_TIE_THRESHOLD
-    max_tie_rate: float = 0.05  # ties per compared prompt, tie-tolerant only
+    max_tie_rate: float = 0.05  # ties per compared prompt at each level, tie-tolerant only
     max_divergences: int = 5
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy '{self.policy}', expected one of {POLICIES}")
-
-
-@dataclass
-class Divergence:
-    position: int | None  # index in the generated output (None: text, no tokenizer)
-    baseline_token: int
-    candidate_token: int
-    baseline_text: str
-    candidate_text: str
-    margin: float | None  # the baseline's top-1 minus top-2 logprob there
-    kind: str  # "tie" or "mismatch"
-    char_position: int | None = None  # in the generated text, for a text comparison
 
 
 @dataclass
@@ -75,145 +78,152 @@ class PromptResult:
     divergences: list[Divergence] = field(default_factory=list)
     error: str | None = None
     compared: str = "none"  # "ids", "text", or "none" (an error before any comparison)
+    error_name: str | None = None  # e.g. "http_500", "empty_choices" (answer.py)
+    concurrency: int = 1
+    endpoint: str = "completions"  # or "chat"
+    source: str | None = None  # "FILE:LINE" or "builtin:SET#INDEX"
+    prompt: dict | None = None  # {"text": ...}, {"token_ids": [...]} or {"messages": [...]}
+    prompt_tokens: int | None = None
+    context: str = "unknown"  # the context bucket
+    max_tokens: int | None = None
+
+    @property
+    def key(self) -> str:
+        return comparison_key(self.concurrency, self.source, self.prompt, self.max_tokens)
 
 
-class ServerError(RuntimeError):
-    pass
+def comparison_key(concurrency: int, source: str | None, prompt: dict | None,
+                   max_tokens: int | None) -> str:
+    """What identifies one comparison across runs (for --resume)."""
+    return json.dumps([concurrency, source, prompt, max_tokens], sort_keys=True)
 
 
-async def _complete(client: httpx.AsyncClient, endpoint: Endpoint, prompt, max_tokens: int,
-                    logprobs: bool) -> dict:
-    if isinstance(prompt, list) and not endpoint.accepts.prompt_ids:
-        if endpoint.tokenizer is None:
-            raise ServerError(f"{endpoint.base_url} ({endpoint.accepts.name}) takes no token-id "
-                              "prompts: give text prompts or --tokenizer")
-        prompt = endpoint.tokenizer.decode(prompt)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            **endpoint.accepts.extras(ignore_eos=False)}
-    if endpoint.model:
-        body["model"] = endpoint.model
-    if logprobs:
-        body["logprobs"] = 2
-    r = await client.post(endpoint.base_url.rstrip("/") + "/v1/completions", json=body,
-                          headers=endpoint.headers())
-    if r.status_code != 200:
-        raise ServerError(f"{endpoint.base_url}: HTTP {r.status_code}: {r.text[:300]}")
-    return r.json()["choices"][0]
+@dataclass(frozen=True)
+class Case:
+    """One usable prompt, numbered in the given order."""
+    index: int
+    source: str
+    first: Ask
+
+    @property
+    def prompt(self) -> dict:
+        if self.first.chat:
+            return {"messages": list(self.first.messages)}
+        if isinstance(self.first.prompt, tuple):
+            return {"token_ids": list(self.first.prompt)}
+        return {"text": self.first.prompt}
 
 
-def _ids(choice: dict) -> list[int] | None:
-    """The generated token ids, when the server reports them."""
-    if choice.get("token_ids") is not None:
-        return list(choice["token_ids"])
-    logprobs = choice.get("logprobs") or {}
-    if logprobs.get("token_ids") is not None:
-        return list(logprobs["token_ids"])
-    return None
+def plan(prompts: Sequence[Prompt], max_tokens: int,
+         endpoints: Sequence[Endpoint]) -> tuple[list[Case], list[str]]:
+    """The usable prompts, and why each other one is not."""
+    cases, unusable = [], []
+    for i, p in enumerate(prompts):
+        source = p.source or f"#{i}"
+        why = None
+        if p.messages is not None:
+            if not p.messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                         for m in p.messages):
+                why = "chat messages without a role each (or none at all)"
+            ask = Ask(max_tokens, messages=tuple(p.messages))
+        elif p.token_ids is not None:
+            refusing = [e.base_url for e in endpoints if not takes_ids(e)]
+            why = ("no token ids" if not p.token_ids else
+                   f"token ids, and {refusing[0]} takes text only (give --tokenizer)"
+                   if refusing else None)
+            ask = Ask(max_tokens, prompt=tuple(p.token_ids))
+        else:
+            why = "an empty prompt" if not p.text else None
+            ask = Ask(max_tokens, prompt=p.text)
+        if why is None:
+            cases.append(Case(i, source, ask))
+        else:
+            unusable.append(f"{source}: {why}")
+    return cases, unusable
 
 
-def compare_texts(base: dict, cand: dict, tokenizer, offset: int,
-                  policy: ComparePolicy) -> Divergence | None:
-    """The first difference between two generated texts, located as a token by tokenising
-    both texts (without a tokenizer: only the character position)."""
-    a, b = base.get("text") or "", cand.get("text") or ""
-    if a == b:
-        return None
-    char = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    if tokenizer is None:
-        return Divergence(None, -1, -1, a[char:char + 20], b[char:char + 20] or "(end)", None,
-                          "mismatch", char)
-    ta, tb = tokenizer.encode(a), tokenizer.encode(b)
-    at = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-    b_tok = ta[at] if at < len(ta) else -1
-    c_tok = tb[at] if at < len(tb) else -1
-    margin = None
-    if _ids(base) == ta and b_tok != -1:  # the baseline's logprobs index these very tokens
-        margin = _margin(base, at)
-    kind = "tie" if margin is not None and margin < policy.tie_threshold else "mismatch"
-    text = tokenizer.token_text
-    return Divergence(offset + at, b_tok, c_tok, "(end)" if b_tok == -1 else text(b_tok),
-                      "(end)" if c_tok == -1 else text(c_tok), margin, kind, char)
+class _Session:
+    """One comparison run: the HTTP client, both servers, the baseline's answers so far."""
+
+    def __init__(self, client: httpx.AsyncClient, baseline: Endpoint, candidate: Endpoint,
+                 policy: ComparePolicy, stream: bool) -> None:
+        self.client, self.baseline, self.candidate = client, baseline, candidate
+        self.policy, self.stream = policy, stream
+        self.reference: dict[str, asyncio.Task] = {}  # Ask.key() -> the baseline's answer
+
+    async def answers(self, ask: Ask) -> tuple[Answer, Answer]:
+        if ask.key() not in self.reference:
+            self.reference[ask.key()] = asyncio.ensure_future(
+                ask_server(self.client, self.baseline, ask, logprobs=True, stream=False))
+        base, cand = await asyncio.gather(
+            self.reference[ask.key()],
+            ask_server(self.client, self.candidate, ask, logprobs=False, stream=self.stream),
+            return_exceptions=True)
+        for side, got in (("baseline", base), ("candidate", cand)):
+            if isinstance(got, AnswerError):
+                raise AnswerError(got.name, f"{side}: {got.message}")
+            if isinstance(got, BaseException):
+                raise got
+        return base, cand
+
+    async def level(self, cases: list[Case], concurrency: int,
+                    on_result: Callable[[PromptResult], None] | None) -> list[PromptResult]:
+        """Every case, `concurrency` in flight: each worker takes the next when it is done."""
+        queue, results = iter(cases), []
+
+        async def worker() -> None:
+            for case in queue:
+                result = await compare_prompt(self, case, concurrency)
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(cases)))))
+        return sorted(results, key=lambda r: r.index)
 
 
-def _texts(choice: dict, position: int) -> dict[int, str]:
-    """Token id -> text at one position, from the baseline's logprobs (when it gives both)."""
-    logprobs = choice.get("logprobs") or {}
-    out = {}
-    ids, tokens = logprobs.get("token_ids"), logprobs.get("tokens")
-    if ids and tokens and position < len(ids):
-        out[ids[position]] = tokens[position]
-    by_id, by_text = logprobs.get("top_token_logprobs"), logprobs.get("top_logprobs")
-    if by_id and by_text and position < len(by_id) and position < len(by_text):
-        out.update(zip((e["token_id"] for e in by_id[position]), by_text[position]))
-    return out
-
-
-def _margin(choice: dict, position: int) -> float | None:
-    logprobs = choice.get("logprobs") or {}
-    by_id = logprobs.get("top_token_logprobs")
-    if by_id and position < len(by_id):
-        values = sorted((e["logprob"] for e in by_id[position]), reverse=True)
-    else:
-        top = logprobs.get("top_logprobs")
-        if not top or position >= len(top) or not top[position]:
-            return None
-        values = sorted(top[position].values(), reverse=True)
-    return values[0] - values[1] if len(values) >= 2 else None
-
-
-async def compare_prompt(client: httpx.AsyncClient, baseline: Endpoint, candidate: Endpoint,
-                         index: int, prompt: Prompt, max_tokens: int,
-                         policy: ComparePolicy) -> PromptResult:
-    result = PromptResult(index, True, 0)
-    current = list(prompt.token_ids) if prompt.token_ids is not None else prompt.text
-    budget = max_tokens
-    offset = 0  # output positions already settled before this round
+async def compare_prompt(session: _Session, case: Case, concurrency: int) -> PromptResult:
+    result = PromptResult(case.index, True, 0, concurrency=concurrency,
+                          endpoint="chat" if case.first.chat else "completions",
+                          source=case.source, prompt=case.prompt,
+                          max_tokens=case.first.max_tokens)
+    policy = session.policy
+    ask, offset = case.first, 0  # offset: output positions settled before this round
     try:
-        while budget > 0:
-            base, cand = await asyncio.gather(
-                _complete(client, baseline, current, budget, logprobs=True),
-                _complete(client, candidate, current, budget, logprobs=False))
-            base_ids, cand_ids = _ids(base), _ids(cand)
-            if base_ids is None or cand_ids is None:  # text with text; no resumption
-                result.compared = "text"
-                tokenizer = candidate.tokenizer or baseline.tokenizer
-                divergence = compare_texts(base, cand, tokenizer, offset, policy)
-                if tokenizer is not None:
-                    result.compared_tokens += tokenizer.count(base.get("text") or "") \
-                        if divergence is None else divergence.position - offset
-                if divergence is not None:
-                    result.exact = False
-                    result.divergences.append(divergence)
+        while ask.max_tokens > 0:
+            base, cand = await session.answers(ask)
+            if offset == 0:
+                result.prompt_tokens = base.prompt_tokens or cand.prompt_tokens or (
+                    len(base.prompt_ids) if base.prompt_ids else
+                    len(ask.prompt) if isinstance(ask.prompt, tuple) else None)
+                result.context = context_bucket(result.prompt_tokens)
+            by_ids = base.ids is not None and cand.ids is not None
+            result.compared = "ids" if by_ids else "text"
+            divergence = prompt_divergence(ask, base, cand, offset)
+            if divergence is None:
+                tokenizer = session.candidate.tokenizer or session.baseline.tokenizer
+                threshold = policy.tie_threshold
+                divergence, agreed = ids_round(base, cand, offset, threshold) if by_ids else \
+                    text_round(base, cand, tokenizer, offset, threshold)
+                result.compared_tokens += agreed
+            if divergence is None:
                 return result
-            result.compared = "ids"
-            at = next((i for i, (a, b) in enumerate(zip(base_ids, cand_ids)) if a != b), None)
-            if at is None:
-                result.compared_tokens += min(len(base_ids), len(cand_ids))
-                if len(base_ids) != len(cand_ids):
-                    at = min(len(base_ids), len(cand_ids))  # one stopped early
-                else:
-                    return result
             result.exact = False
-            margin = _margin(base, at) if at < len(base_ids) else None
-            kind = "tie" if margin is not None and margin < policy.tie_threshold else "mismatch"
-            b_tok = base_ids[at] if at < len(base_ids) else -1
-            c_tok = cand_ids[at] if at < len(cand_ids) else -1
-            texts = _texts(base, at)
-            result.divergences.append(Divergence(
-                offset + at, b_tok, c_tok, texts.get(b_tok, "?"),
-                texts.get(c_tok, "(end)" if c_tok == -1 else "?"), margin, kind))
-            result.compared_tokens += at
-            if len(result.divergences) >= policy.max_divergences or at >= len(base_ids):
-                return result
-            prefix_ids = base.get("prompt_token_ids")
-            if prefix_ids is None and prompt.token_ids is None:
+            result.divergences.append(divergence)
+            if not by_ids or divergence.kind != "tie" or \
+                    len(result.divergences) >= policy.max_divergences:
+                return result  # a text comparison does not resume
+            # resume after the tie: prompt + common prefix + the baseline's token, as ids
+            at = divergence.position - offset
+            prompt_ids = base.prompt_ids if base.prompt_ids is not None else (
+                list(ask.prompt) if isinstance(ask.prompt, tuple) else None)
+            if ask.chat or prompt_ids is None or not all(
+                    takes_ids(e) for e in (session.baseline, session.candidate)):
                 return result  # cannot resume without the prompt's ids
-            base_prompt = prefix_ids if prefix_ids is not None else current
-            current = list(base_prompt) + base_ids[: at + 1]
+            ask = Ask(ask.max_tokens - (at + 1), prompt=tuple(prompt_ids) + tuple(base.ids[: at + 1]))
             offset += at + 1
-            budget -= at + 1
-    except (ServerError, httpx.HTTPError) as exc:
-        result.error = str(exc)
+    except AnswerError as exc:
+        result.error, result.error_name = exc.message, exc.name
         result.exact = False
     return result
 
@@ -226,98 +236,86 @@ def compared_kind(results: list[PromptResult]) -> str:
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def verdict(results: list[PromptResult], policy: ComparePolicy) -> dict:
+def _counts(results: list[PromptResult]) -> dict:
     prompts = len(results)
-    errors = sum(1 for r in results if r.error)
     exact = sum(1 for r in results if r.exact and not r.error)
     ties = sum(1 for r in results for d in r.divergences if d.kind == "tie")
-    mismatches = sum(1 for r in results for d in r.divergences if d.kind == "mismatch")
-    tie_rate = ties / prompts if prompts else 0.0
-    if policy.policy == "strict":
-        passed = exact == prompts
+    return {"prompts": prompts, "exact": exact, "ties": ties,
+            "mismatches": sum(1 for r in results for d in r.divergences if d.kind == "mismatch"),
+            "errors": sum(1 for r in results if r.error),
+            "match_rate": exact / prompts if prompts else 0.0,
+            "tie_rate": ties / prompts if prompts else 0.0}
+
+
+def _reason(counts: dict, policy: ComparePolicy) -> str | None:
+    """Why one group of comparisons fails (None: it passes)."""
+    if counts["errors"]:
+        return "error"
+    if counts["mismatches"]:
+        return "mismatch"
+    if counts["ties"] and (policy.policy == "strict" or counts["tie_rate"] > policy.max_tie_rate):
+        return "ties"
+    return None
+
+
+def verdict(results: list[PromptResult], policy: ComparePolicy,
+            unusable: Sequence[str] = ()) -> dict:
+    results = sorted(results, key=lambda r: (r.concurrency, r.index))
+    levels = sorted({r.concurrency for r in results})
+    by_level = {str(c): _counts([r for r in results if r.concurrency == c]) for c in levels}
+    contexts = [name for name, _ in CONTEXT_BUCKETS] + [">8192", "unknown"]
+    by_context = {b: _counts(group) for b in contexts
+                  if (group := [r for r in results if r.context == b])}
+    failed = next((r for r in results if r.error), None)
+    first = next((d for r in results for d in r.divergences if d.kind == "mismatch"), None)
+    error = message = None
+    if not results:
+        error = "no_usable_prompts"
+        message = "no usable prompt" + (f" ({unusable[0]})" if unusable else "")
+    elif failed is not None:
+        error, message = failed.error_name, failed.error
+    if error is not None:
+        reason = error
     else:
-        passed = mismatches == 0 and errors == 0 and tie_rate <= policy.max_tie_rate
-    return {"prompts": prompts, "exact": exact, "ties": ties, "mismatches": mismatches,
-            "errors": errors, "match_rate": exact / prompts if prompts else 0.0,
-            "tie_rate": tie_rate, "policy": policy.policy,
-            "tie_threshold": policy.tie_threshold, "verdict": "pass" if passed else "fail",
+        reasons = {_reason(c, policy) for c in by_level.values()}
+        reason = "mismatch" if "mismatch" in reasons else "ties" if "ties" in reasons else None
+    return {**_counts(results), "policy": policy.policy, "tie_threshold": policy.tie_threshold,
+            "max_tie_rate": policy.max_tie_rate, "verdict": "fail" if reason else "pass",
+            "reason": reason, "error": error, "error_message": message,
             "compared": compared_kind(results),
             "compared_ids": sum(1 for r in results if r.compared == "ids" and not r.error),
-            "compared_text": sum(1 for r in results if r.compared == "text" and not r.error)}
+            "compared_text": sum(1 for r in results if r.compared == "text" and not r.error),
+            "distinct_prompts": len({(r.source, json.dumps(r.prompt, sort_keys=True))
+                                     for r in results}),
+            "unusable": len(unusable), "unusable_reasons": list(unusable[:5]),
+            "levels": levels, "by_concurrency": by_level, "by_context": by_context,
+            "first_mismatch": first.what if first else None,
+            "mismatch_what": dict(Counter(d.what for r in results for d in r.divergences
+                                          if d.kind == "mismatch")),
+            "errors_by_name": dict(Counter(r.error_name for r in results if r.error))}
 
 
-async def compare(baseline: Endpoint, candidate: Endpoint, prompts: list[Prompt],
-                  max_tokens: int, concurrency: int,
-                  policy: ComparePolicy) -> tuple[list[PromptResult], dict]:
-    """Compare every prompt, `concurrency` at a time (batching on the candidate)."""
-    semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=300,
-                                 limits=httpx.Limits(max_connections=2 * concurrency)) as client:
-        async def one(i: int, prompt: Prompt) -> PromptResult:
-            async with semaphore:
-                return await compare_prompt(client, baseline, candidate, i, prompt, max_tokens,
-                                            policy)
-
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return list(results), verdict(list(results), policy)
-
-
-def write_outputs(out: Path, results: list[PromptResult], summary: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "compare.jsonl").open("w") as f:
-        for r in results:
-            f.write(json.dumps(asdict(r)) + "\n")
-    (out / "compare_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    with (out / "compare_summary.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary))
-        writer.writeheader()
-        writer.writerow(summary)
-    (out / "compare.md").write_text(markdown(results, summary))
-
-
-def md_quote(text: str) -> str:
-    """`text` as one inline code span that cannot break a markdown table or line: control
-    characters written as escapes (repr), pipes escaped, a fence longer than any backtick run."""
-    body = repr(text)[1:-1].replace("|", "\\|")
-    if not body:
-        return "(empty)"
-    fence = "`" * (max((len(run) for run in re.findall("`+", body)), default=0) + 1)
-    pad = " " if body.startswith("`") or body.endswith("`") else ""
-    return f"{fence}{pad}{body}{pad}{fence}"
-
-
-COMPARED = {"ids": "token ids", "text": "text (a server reported no ids)",
-            "none": "nothing (error)"}
-
-
-def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
-    compared = summary["prompts"] - summary["errors"]
-    lines = [
-        "## HTTP equivalence",
-        "",
-        f"Verdict: **{summary['verdict']}** (policy `{summary['policy']}`, tie threshold "
-        f"{summary['tie_threshold']} logprob). Prompts {summary['prompts']}: compared "
-        f"{compared} ({summary['compared_ids']} by token ids, {summary['compared_text']} by "
-        f"text), errors {summary['errors']} (not comparisons); exact {summary['exact']} "
-        f"({100 * summary['match_rate']:.1f}%), ties {summary['ties']}, mismatches "
-        f"{summary['mismatches']}. Compared: **{summary['compared']}**.",
-        "",
-    ]
-    divergent = [(r, d) for r in results for d in r.divergences]
-    if divergent:
-        lines += ["| prompt | compared | position | baseline | candidate | margin | kind |",
-                  "|---|---|---|---|---|---|---|"]
-        for r, d in divergent[:shown]:
-            margin = "n/a" if d.margin is None else f"{d.margin:.4f}"
-            position = f"character {d.char_position}" if d.position is None else str(d.position)
-            lines.append(f"| {r.index} | {r.compared} | {position} | {d.baseline_token} "
-                         f"{md_quote(d.baseline_text)} | {d.candidate_token} "
-                         f"{md_quote(d.candidate_text)} | {margin} | {d.kind} |")
-        lines.append("")
-    lines += ["Per prompt:", "", "| prompt | compared | result |", "|---|---|---|"]
-    for r in results:
-        outcome = ("error: " + md_quote(r.error[:200])) if r.error else \
-            "exact" if r.exact else f"{len(r.divergences)} divergence(s)"
-        lines.append(f"| {r.index} | {COMPARED[r.compared if not r.error else 'none']} "
-                     f"| {outcome} |")
-    return "\n".join(lines) + "\n"
+async def compare(baseline: Endpoint, candidate: Endpoint, prompts: Sequence[Prompt],
+                  max_tokens: int, concurrency: int | Sequence[int], policy: ComparePolicy,
+                  stream: bool = True, timeout: float = 300.0,
+                  done: Mapping[str, PromptResult] | None = None,
+                  on_result: Callable[[PromptResult], None] | None = None,
+                  ) -> tuple[list[PromptResult], dict]:
+    """Compare every usable prompt at each concurrency level. `done`: comparisons already
+    made (by key, from an earlier run), kept as they are; `on_result` sees each new one."""
+    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
+    cases, unusable = plan(prompts, max_tokens, (baseline, candidate))
+    done = done or {}
+    results: list[PromptResult] = []
+    if cases:
+        limits = httpx.Limits(max_connections=2 * max(levels) + 2)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            session = _Session(client, baseline, candidate, policy, stream)
+            for level in levels:
+                keys = {c.index: comparison_key(level, c.source, c.prompt, max_tokens)
+                        for c in cases}
+                results += [done[keys[c.index]] for c in cases if keys[c.index] in done]
+                todo = [c for c in cases if keys[c.index] not in done]
+                results += await session.level(todo, level, on_result)
+    results.sort(key=lambda r: (r.concurrency, r.index))
+    return results, verdict(results, policy, unusable)

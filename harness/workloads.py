@@ -1,6 +1,7 @@
 """Workloads: synthetic prompts, JSONL datasets, built-in prompt sets; arrival processes.
 
-Everything is seeded, so two runs send the same prompts in the same order.
+Everything is seeded, so two runs send the same prompts in the same order. A prompt read
+from a file or a built-in set knows its source (`FILE:LINE`, `builtin:SET#INDEX`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import math
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -20,6 +21,7 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
     max_tokens: int | None = None  # per-prompt output length, when the dataset gives one
+    source: str | None = field(default=None, compare=False)  # where it was read
 
 
 class WorkloadError(ValueError):
@@ -57,11 +59,15 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{path}:{n}: not valid JSON ({exc})") from None
-        max_tokens = row.get("max_tokens", row.get("output_len"))
+        max_tokens = row.get("max_tokens", row.get("output_len")) if isinstance(row, dict) else None
+        source = f"{path}:{n}"
+        if not isinstance(row, dict):
+            raise WorkloadError(f"{source}: a JSON object per line, got {type(row).__name__}")
         if isinstance(row.get("prompt"), str):
-            prompts.append(Prompt(text=row["prompt"], max_tokens=max_tokens))
+            prompts.append(Prompt(text=row["prompt"], max_tokens=max_tokens, source=source))
         elif isinstance(row.get("messages"), list):
-            prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens))
+            prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens,
+                                  source=source))
         else:
             raise WorkloadError(f"{path}:{n}: needs a 'prompt' string or a 'messages' list")
     if not prompts:
@@ -73,14 +79,69 @@ BUILTIN_DIR = Path(__file__).parent / "prompts"
 
 
 def builtin(name: str) -> list[Prompt]:
-    """Built-in prompt sets shipped with the package: code, math, chat (and mixed)."""
+    """Built-in prompt sets shipped with the package: code, math, chat (and mixed), and the
+    HTTP gate's `gate` set (`gate:128,512`: only the prompts of those context lengths)."""
+    if name == "gate" or name.startswith("gate:"):
+        sizes = GATE_CONTEXTS
+        if name != "gate":
+            try:
+                sizes = tuple(int(s) for s in name[5:].split(","))
+            except ValueError:
+                sizes = ()
+            if not sizes or set(sizes) - set(GATE_CONTEXTS):
+                raise WorkloadError(f"built-in set '{name}': expected gate:SIZES with sizes "
+                                    f"from {', '.join(map(str, GATE_CONTEXTS))}")
+        return gate_prompts(sizes)
     names = sorted(p.stem for p in BUILTIN_DIR.glob("*.jsonl"))
-    if name == "mixed":
-        return [p for n in names for p in load_jsonl(BUILTIN_DIR / f"{n}.jsonl")]
-    if name not in names:
+    if name not in names + ["mixed"]:
         raise WorkloadError(f"unknown built-in prompt set '{name}', expected one of "
-                            f"{', '.join(names + ['mixed'])}")
-    return load_jsonl(BUILTIN_DIR / f"{name}.jsonl")
+                            f"{', '.join(names + ['mixed', 'gate', 'gate:128,512'])}")
+    return [replace(p, source=f"builtin:{n}#{i}") for n in (names if name == "mixed" else [name])
+            for i, p in enumerate(load_jsonl(BUILTIN_DIR / f"{n}.jsonl"))]
+
+
+# the HTTP gate's set: prompts of about these many tokens, this many of each
+GATE_CONTEXTS = (128, 512, 4096)
+GATE_COUNTS = {128: 12, 512: 12, 4096: 4}
+TOKENS_PER_WORD = 1.3  # English prose under a typical BPE vocabulary (Qwen, Llama 3)
+
+_SUBJECTS = ("the engine", "a draft model", "the target model", "each request", "the scheduler",
+             "a kernel", "the cache", "the server", "every block", "the client", "a reviewer",
+             "the benchmark")
+_VERBS = ("reads", "writes", "checks", "keeps", "drops", "sends", "counts", "holds", "builds",
+          "moves", "compares", "repeats")
+_OBJECTS = ("the next token", "a block of tokens", "the key-value cache", "one batch",
+            "the prompt", "its own state", "the logits", "a short answer", "the first chunk",
+            "every position", "the accepted prefix", "a list of numbers")
+_TAILS = ("before the step ends", "in one pass", "at the same time", "without a copy",
+          "when the batch is full", "after the verify", "for every row", "in a fixed order",
+          "while the queue grows", "once per second")
+_QUESTIONS = ("What does the passage say the scheduler does?",
+              "Which part of the passage mentions the cache?",
+              "Summarise the passage in one sentence.",
+              "What is the last thing the passage says?")
+
+
+def gate_prompts(sizes: tuple[int, ...] = GATE_CONTEXTS) -> list[Prompt]:
+    """Prompts of about 128, 512 and 4096 tokens (a passage of seeded sentences and one
+    question), interleaved so that a batch mixes lengths; the same text on every machine.
+    Sources are `builtin:gate#N`, numbered over the whole set, so a subset keeps them."""
+    order = [(size, k) for k in range(max(GATE_COUNTS.values())) for size in GATE_CONTEXTS
+             if k < GATE_COUNTS[size]]
+    prompts = []
+    for n, (size, k) in enumerate(order):
+        if size not in sizes:
+            continue
+        rng = random.Random(f"gate-{size}-{k}")
+        words, sentences = 0, []
+        while words < size / TOKENS_PER_WORD - 16:
+            sentence = " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _TAILS))
+            sentences.append(sentence[0].upper() + sentence[1:] + ".")
+            words += len(sentence.split())
+        text = (f"Passage {n + 1}:\n" + " ".join(sentences) + "\n\nQuestion: "
+                + rng.choice(_QUESTIONS) + "\nAnswer:")
+        prompts.append(Prompt(text=text, source=f"builtin:gate#{n}"))
+    return prompts
 
 
 def take(prompts: list[Prompt], num: int, seed: int) -> list[Prompt]:

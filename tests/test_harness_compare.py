@@ -1,6 +1,9 @@
 """The HTTP comparison compares like with like (harness/compare.py): ids with ids, else text
 with text, locating a text difference as a token with the tokenizer; it never claims ids it
-did not have, never counts an error as a comparison, and its markdown survives any text."""
+did not have, never counts an error as a comparison, and its markdown survives any text.
+Every field an answer reports must agree (ids and text, length, finish_reason, the prompt);
+a reply that is not an answer, or no usable prompt, is a named error, never a pass; every
+concurrency level sends every prompt to the candidate, and the baseline answers once."""
 
 from __future__ import annotations
 
@@ -12,13 +15,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from gates.lying_server import Reply, send_answer
 from harness.client import Endpoint
-from harness.compare import ComparePolicy, Divergence, PromptResult, compare, markdown, verdict
+from harness.compare import ComparePolicy, Divergence, PromptResult, compare, context_bucket, verdict
+from harness.compare_io import markdown
 from harness.server_kind import KNOWN
 from harness.tokens import TextTokenizer
 from harness.workloads import Prompt
 from reference_engine.demo import DEMO_TARGET
 
+from .completion_stub import Stub, completion
 from .openai_stub import serve as serve_text_only
 
 TEXT = "import os\nimport sys\n\n\ndef main(argv=None):\n    return 0\n"
@@ -42,11 +48,7 @@ def serve_ids(ids: list[int], tokenizer: TextTokenizer) -> tuple[ThreadingHTTPSe
             out = ids[: body["max_tokens"]]
             choice = {"index": 0, "text": tokenizer.decode(out), "token_ids": out,
                       "finish_reason": "length", "prompt_token_ids": [1, 2]}
-            data = json.dumps({"choices": [choice]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_answer(self, body, {"choices": [choice]})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -140,9 +142,153 @@ def test_markdown_quotes_any_text_without_breaking_the_table() -> None:
     rows = [line for line in text.splitlines() if line.startswith("|")]
     assert all(line.endswith("|") for line in rows)
     header = rows[0].count("|")
-    table = rows[: next(i for i, r in enumerate(rows) if r.startswith("| prompt | compared | result"))]
+    table = rows[: next(i for i, r in enumerate(rows) if r.startswith("| prompt | source |"))]
     for line in table:
         assert len(re.findall(r"(?<!\\)\|", line)) == header, line
     assert "\r" not in text and "\t" not in text
     per_prompt = [r for r in rows if r.startswith("| 1 |")][0]
-    assert len(re.findall(r"(?<!\\)\|", per_prompt)) == 4
+    assert len(re.findall(r"(?<!\\)\|", per_prompt)) == 7
+
+
+# ------------------------------------------------------------------ every field must agree
+def against(base_answer, cand_answer, prompts=None, policy=None, levels=1, stream=True):
+    """Compare two scripted servers: `*_answer(path, body) -> completion`."""
+    with Stub(base_answer) as base, Stub(cand_answer) as cand:
+        results, summary = asyncio.run(compare(
+            Endpoint(base.url), Endpoint(cand.url), prompts or [Prompt(token_ids=(5, 6))], 8,
+            levels, policy or ComparePolicy(), stream=stream))
+    return results, summary
+
+
+def near_tie_baseline(ids: list[int]):
+    """The baseline's answer, with every position all but tied (margin 0.01)."""
+    def answer(path: str, body: dict) -> dict:
+        data = completion(ids, prompt_tokens=2)
+        data["choices"][0]["logprobs"] = {"token_ids": ids, "tokens": [f"<{t}>" for t in ids],
+                                          "top_token_logprobs": [
+            [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": -1.01}]
+            for t in ids]}
+        return data
+    return answer
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_right_ids_with_the_wrong_text_fail(stream: bool) -> None:
+    results, summary = against(lambda p, b: completion([1, 2, 3], "abc"),
+                               lambda p, b: completion([1, 2, 3], "abX"), stream=stream)
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "text", summary
+    assert results[0].divergences[0].char_position == 2
+
+
+def test_other_ids_with_the_same_text_fail_even_at_a_near_tie() -> None:
+    policy = ComparePolicy(max_tie_rate=1.0)
+    _, summary = against(near_tie_baseline([1, 2, 3]),
+                         lambda p, b: completion([1, 9, 3], "<1><2><3>"), policy=policy)
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "ids_text", summary
+
+
+@pytest.mark.parametrize(("token", "kind"), [(3, "tie"), (7, "mismatch")])
+def test_a_near_tie_is_a_tie_only_when_the_candidate_took_the_runner_up(token: int,
+                                                                       kind: str) -> None:
+    results, _ = against(near_tie_baseline([1, 2, 3]),
+                         lambda p, b: completion([1, token, 3], prompt_tokens=2))
+    assert (results[0].divergences[0].what, results[0].divergences[0].kind) == ("token", kind)
+
+
+@pytest.mark.parametrize("cand_ids", [[1, 2], [1, 2, 3, 4]], ids=["short", "long"])
+def test_one_token_short_or_long_is_a_mismatch_never_a_tie(cand_ids: list[int]) -> None:
+    policy = ComparePolicy(max_tie_rate=1.0)  # ties would pass
+    results, summary = against(near_tie_baseline([1, 2, 3]),
+                               lambda p, b: completion(cand_ids, prompt_tokens=2), policy=policy)
+    d = results[0].divergences[0]
+    assert summary["verdict"] == "fail" and d.kind == "mismatch"
+    assert (d.what, d.position) == ("length", min(len(cand_ids), 3))
+
+
+def test_another_finish_reason_is_a_mismatch() -> None:
+    _, summary = against(lambda p, b: completion([1, 2]),
+                         lambda p, b: completion([1, 2], finish="stop"))
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "finish_reason"
+
+
+def test_a_candidate_that_saw_another_prompt_fails() -> None:
+    _, summary = against(lambda p, b: completion([1, 2], prompt_tokens=2),
+                         lambda p, b: completion([1, 2], prompt_tokens=3))
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "prompt"
+
+
+def test_text_answers_differing_only_in_the_usage_count_are_a_length_mismatch() -> None:
+    _, summary = against(lambda p, b: completion(None, "ab", completion_tokens=2),
+                         lambda p, b: completion(None, "ab", completion_tokens=3))
+    assert summary["compared"] == "text" and summary["first_mismatch"] == "length"
+
+
+@pytest.mark.parametrize(("reply", "name"), [
+    (Reply(200, b'{"choices": []}'), "empty_choices"),
+    (Reply(200, b'{"choices": [{"text": "a'), "malformed_body"),
+    (Reply(500, b'{"error": "boom"}'), "http_500"),
+    (Reply(200, b'{"error": {"message": "boom"}}'), "error_object"),
+])
+def test_a_reply_that_is_not_an_answer_is_a_named_error(reply: Reply, name: str) -> None:
+    results, summary = against(lambda p, b: completion([1, 2]), lambda p, b: reply, stream=False)
+    assert summary["verdict"] == "fail" and summary["error"] == summary["reason"] == name
+    assert results[0].error_name == name and results[0].error.startswith("candidate: ")
+
+
+def test_no_usable_prompt_is_an_error_never_a_pass() -> None:
+    results, summary = asyncio.run(compare(
+        Endpoint("http://127.0.0.1:9"), Endpoint("http://127.0.0.1:9"),
+        [Prompt(text=""), Prompt(messages=()), Prompt(token_ids=())], 8, 1, ComparePolicy()))
+    assert results == [] and summary["verdict"] == "fail"
+    assert summary["error"] == "no_usable_prompts" and summary["unusable"] == 3
+
+
+def test_chat_prompts_are_compared_over_chat_completions() -> None:
+    answer = lambda path, body: completion([4, 5], chat=path.endswith("/chat/completions"))  # noqa: E731
+    with Stub(answer) as base, Stub(answer) as cand:
+        results, summary = asyncio.run(compare(
+            Endpoint(base.url), Endpoint(cand.url),
+            [Prompt(messages=({"role": "user", "content": "hi"},))], 8, 1, ComparePolicy()))
+        assert base.paths == cand.paths == ["/v1/chat/completions"]
+        assert base.bodies[0]["top_logprobs"] == 2 and cand.bodies[0]["stream"] is True
+    assert summary["verdict"] == "pass" and results[0].endpoint == "chat"
+    assert summary["compared"] == "ids"
+
+
+# ------------------------------------------------------------------ concurrency and context
+def test_each_level_sends_every_prompt_to_the_candidate_and_the_baseline_answers_once() -> None:
+    prompts = [Prompt(text="p" * (i + 1)) for i in range(8)]
+
+    def answer(path: str, body: dict) -> dict:
+        return completion([1, 2, 3], prompt_tokens=len(body["prompt"]))
+
+    with Stub(answer) as base, Stub(answer, delay=0.05) as cand:
+        results, summary = asyncio.run(compare(Endpoint(base.url), Endpoint(cand.url), prompts,
+                                               8, [1, 4], ComparePolicy()))
+        assert len(base.bodies) == 8 and len(cand.bodies) == 16
+        assert cand.arrivals[:8] == [1] * 8 and cand.most == 4  # closed loop at each level
+    assert summary["verdict"] == "pass" and summary["levels"] == [1, 4]
+    assert {c: v["prompts"] for c, v in summary["by_concurrency"].items()} == {"1": 8, "4": 8}
+    assert [r.concurrency for r in results] == [1] * 8 + [4] * 8
+
+
+def test_comparisons_are_counted_per_context_bucket() -> None:
+    assert [context_bucket(n) for n in (None, 20, 256, 257, 1448, 5000, 9000)] == \
+        ["unknown", "~128", "~128", "~512", "~512", "~4096", ">8192"]
+    prompts = [Prompt(token_ids=tuple(range(n))) for n in (100, 600, 3000)]
+    # the server's usage.prompt_tokens counts when given, else the prompt's ids
+    _, summary = against(lambda p, b: completion([1], prompt_tokens=len(b["prompt"]) + 1000
+                                                 if len(b["prompt"]) == 100 else None),
+                         lambda p, b: completion([1], prompt_tokens=len(b["prompt"]) + 1000
+                                                 if len(b["prompt"]) == 100 else None),
+                         prompts=prompts)
+    assert {b: v["prompts"] for b, v in summary["by_context"].items()} == {"~512": 2, "~4096": 1}
+
+
+def test_markdown_has_a_table_per_level_and_per_context() -> None:
+    prompts = [Prompt(token_ids=tuple(range(n))) for n in (10, 600)]
+    results, summary = against(lambda p, b: completion([1]), lambda p, b: completion([1]),
+                               prompts=prompts, levels=[1, 2])
+    text = markdown(results, summary)
+    assert "| concurrency | prompts | exact |" in text and "| 2 | 2 | 2 |" in text
+    assert "| context | prompts | exact |" in text and "| ~512 | 2 | 2 |" in text

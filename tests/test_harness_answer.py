@@ -1,0 +1,138 @@
+"""An answer is read strictly (harness/answer.py): whole or streamed, completions or chat, a
+reply that is not an answer raises AnswerError with its class's name, never another
+exception, and an answer that contradicts itself is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.answer import ERRORS, Answer, AnswerError, error_class, margin, read_stream, read_whole
+
+
+def whole(**choice) -> bytes:
+    body = {"choices": [{"index": 0, "text": "ab", "token_ids": [1, 2], "finish_reason": "length",
+                         **choice}], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    return json.dumps(body).encode()
+
+
+def stream(*events, done: bool = True) -> str:
+    lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}" for e in events]
+    return "\n\n".join(lines + (["data: [DONE]"] if done else [])) + "\n\n"
+
+
+def chunk(text: str, ids: list[int] | None, finish: str | None = None, **extra) -> dict:
+    choice = {"index": 0, "text": text, "finish_reason": finish, **extra}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"choices": [choice]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
+def test_a_whole_and_a_streamed_answer_read_the_same() -> None:
+    a = read_whole(whole(), chat=False)
+    b = read_stream(stream(chunk("a", [1]), chunk("b", [2], "length"), USAGE), chat=False)
+    for answer in (a, b):
+        assert (answer.text, answer.ids, answer.finish_reason) == ("ab", [1, 2], "length")
+        assert (answer.completion_tokens, answer.prompt_tokens) == (2, 3)
+
+
+def test_chat_answers_are_read_from_message_and_delta() -> None:
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                         "token_ids": [5], "finish_reason": "stop"}]}
+    assert read_whole(json.dumps(body).encode(), chat=True).text == "hi"
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "hi"}, "token_ids": [5],
+                            "finish_reason": "stop"}]}]
+    answer = read_stream(stream(*events), chat=True)
+    assert (answer.text, answer.ids, answer.finish_reason) == ("hi", [5], "stop")
+
+
+def test_a_plain_openai_stream_without_done_is_whole_after_its_finish_reason() -> None:
+    answer = read_stream(stream(chunk("ab", None, "length"), done=False), chat=False)
+    assert answer.ids is None and answer.text == "ab"
+
+
+def test_the_same_finish_reason_again_without_a_token_is_no_fault() -> None:
+    answer = read_stream(stream(chunk("a", [1], "stop"), chunk("", [], "stop"), USAGE | {
+        "usage": {"completion_tokens": 1}}), chat=False)
+    assert (answer.ids, answer.finish_reason) == ([1], "stop")
+
+
+WHOLE_FAULTS = {
+    "not json": (b"<html>502</html>", "malformed_body"),
+    "cut in half": (whole()[:30], "malformed_body"),
+    "a list": (b"[1, 2]", "malformed_body"),
+    "no choices": (b'{"id": "x"}', "malformed_body"),
+    "empty choices": (b'{"choices": []}', "empty_choices"),
+    "error object": (b'{"error": {"message": "boom"}}', "error_object"),
+    "two choices": (json.dumps({"choices": [json.loads(whole())["choices"][0]] * 2}).encode(),
+                    "malformed_body"),
+    "text not a string": (whole(text=None), "malformed_body"),
+    "ids not integers": (whole(token_ids=["a"]), "malformed_body"),
+    "no finish_reason": (whole(finish_reason=None), "malformed_body"),
+    "usage not the ids": (json.dumps({**json.loads(whole()), "usage": {
+        "completion_tokens": 3}}).encode(), "inconsistent_answer"),
+    "usage not the prompt ids": (json.dumps({**json.loads(whole(prompt_token_ids=[7])),
+                                             "usage": {"prompt_tokens": 2}}).encode(),
+                                 "inconsistent_answer"),
+    "logprobs other ids": (whole(logprobs={"token_ids": [1, 3]}), "inconsistent_answer"),
+    "usage not a count": (json.dumps({**json.loads(whole()), "usage": {
+        "completion_tokens": "2"}}).encode(), "malformed_body"),
+}
+
+
+@pytest.mark.parametrize("fault", list(WHOLE_FAULTS))
+def test_a_whole_reply_that_is_not_an_answer_is_named(fault: str) -> None:
+    content, name = WHOLE_FAULTS[fault]
+    with pytest.raises(AnswerError) as caught:
+        read_whole(content, chat=False)
+    assert caught.value.name == name, caught.value
+
+
+STREAM_FAULTS = {
+    "not a stream": ("<html>502</html>", "malformed_body"),
+    "an event not JSON": (stream(chunk("a", [1]), "{cut"), "malformed_body"),
+    "no choice at all": (stream(USAGE), "empty_choices"),
+    "an error event": (stream(chunk("a", [1]), {"error": {"message": "boom"}}), "error_object"),
+    "no finish_reason": (stream(chunk("a", [1]), done=False), "truncated_stream"),
+    "done without a finish_reason": (stream(chunk("a", [1])), "truncated_stream"),
+    "tokens after the finish": (stream(chunk("a", [1], "length"), chunk("b", [2])),
+                                "malformed_body"),
+    "two finish_reasons": (stream(chunk("a", [1], "length"), chunk("", [], "stop")),
+                           "malformed_body"),
+    "ids in some chunks only": (stream(chunk("a", [1]), chunk("b", None, "length")),
+                                "malformed_body"),
+    "a duplicated chunk": (stream(chunk("a", [1]), chunk("a", [1]), chunk("b", [2], "length"),
+                                  USAGE), "inconsistent_answer"),
+    "a missing chunk": (stream(chunk("b", [2], "length"), USAGE), "inconsistent_answer"),
+    "two choices": (stream({"choices": [chunk("a", [1])["choices"][0]] * 2}), "malformed_body"),
+}
+
+
+@pytest.mark.parametrize("fault", list(STREAM_FAULTS))
+def test_a_stream_that_is_not_an_answer_is_named(fault: str) -> None:
+    body, name = STREAM_FAULTS[fault]
+    with pytest.raises(AnswerError) as caught:
+        read_stream(body, chat=False)
+    assert caught.value.name == name, caught.value
+
+
+def test_every_error_class_has_its_own_exit_status() -> None:
+    statuses = [status for status, _ in ERRORS.values()]
+    assert len(set(statuses)) == len(statuses) and not {0, 1, 2, 130} & set(statuses)
+    assert error_class("http_503") == "http_error" and error_class("timeout") == "timeout"
+
+
+def test_the_margin_is_read_from_completions_and_chat_logprobs() -> None:
+    completions = Answer("ab", [1, 2], "length", logprobs={
+        "top_token_logprobs": [[{"token_id": 1, "logprob": -0.1}, {"token_id": 9, "logprob": -0.3}]]})
+    chat = Answer("ab", [1, 2], "length", logprobs={"content": [
+        {"token": "a", "token_id": 1, "logprob": -0.1,
+         "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "z", "logprob": -0.6}]}]})
+    assert margin(completions, 0) == pytest.approx(0.2)
+    assert margin(chat, 0) == pytest.approx(0.5)
+    assert margin(chat, 1) is None

@@ -7,7 +7,7 @@ on an engine with a deliberate fault and assert that they raise.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,8 +15,10 @@ from reference_engine.kernels import select
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import GenerationResult, generate_plain, new_state, prefill
+from reference_engine.runtime.engine import EngineConfig
+from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import OracleProposer, SpecOptions, SpecResult, generate_speculative
+from reference_engine.runtime.speculative import SpecResult, generate_speculative
 from reference_engine.runtime.state import TargetState
 
 
@@ -79,7 +81,7 @@ def assert_lossless(
     pair: Pair,
     prompt: Sequence[int],
     params: SamplingParams,
-    options: SpecOptions,
+    options: EngineConfig,
     schedule: Sequence[int] | None = None,
     reference: GenerationResult | None = None,
     continuation: Sequence[int] | None = None,
@@ -94,8 +96,8 @@ def assert_lossless(
         truth = ref.output_ids if continuation is None else continuation
         oracle = OracleProposer(truth, schedule, target.config.vocab_size)
     try:
-        got = generate_speculative(target, pair.draft, list(prompt), params, options,
-                                   oracle=oracle, numerics=pair.numerics)
+        got = generate_speculative(target, pair.draft, list(prompt), params,
+                                   replace(options, numerics=pair.numerics), oracle=oracle)
     except (RuntimeError, IndexError) as exc:
         raise AssertionError(
             f"{pair.name}, B={options.block_size}, {options.commit_strategy}: speculative "
@@ -111,7 +113,7 @@ def assert_lossless(
 
 
 def assert_forced_acceptance(
-    pair: Pair, prompt: Sequence[int], options: SpecOptions, schedule: Sequence[int]
+    pair: Pair, prompt: Sequence[int], options: EngineConfig, schedule: Sequence[int]
 ) -> SpecResult:
     """With the oracle forcing `schedule`, output is lossless and the recorded acceptance
     lengths are exactly schedule + 1 (max_tokens chosen so no step is cut)."""
@@ -159,7 +161,7 @@ def plain_states(
 
 
 def speculative_states(
-    pair: Pair, prompt: Sequence[int], params: SamplingParams, options: SpecOptions,
+    pair: Pair, prompt: Sequence[int], params: SamplingParams, options: EngineConfig,
     schedule: Sequence[int] | None, reference: GenerationResult,
 ) -> dict[int, StateSnapshot]:
     states: dict[int, StateSnapshot] = {}
@@ -210,7 +212,7 @@ def run_engine(engine, requests: Sequence[EngineRequest], references: dict[str, 
                abort: dict[str, int] | None = None) -> dict[str, list[int]]:
     """Feed requests at their arrival steps, stream until done; returns each request's
     streamed tokens. `abort` maps request id -> the step at which it is aborted."""
-    from reference_engine.runtime.speculative import OracleProposer
+    from reference_engine.runtime.oracle import OracleProposer
 
     pending = sorted(requests, key=lambda r: r.arrival_step)
     streamed: dict[str, list[int]] = {r.request_id: [] for r in requests}

@@ -158,12 +158,13 @@ def verify_with(**kernels) -> Iterator[None]:
     correct = SpeculativeStep.verify
 
     def verify(self, rows, block):
-        own, graphs = self.ops, self.graphs
-        self.ops, self.graphs = replace(own, **kernels), None
+        runner = self.runner
+        own, graphs = runner.ops, runner.graphs
+        runner.ops, runner.graphs = replace(own, **kernels), None
         try:
             return correct(self, rows, block)
         finally:
-            self.ops, self.graphs = own, graphs
+            runner.ops, runner.graphs = own, graphs
 
     SpeculativeStep.verify = verify
     try:

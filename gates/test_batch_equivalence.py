@@ -96,7 +96,7 @@ def test_abort_mid_flight_leaves_the_others_identical(pair: Pair, workload) -> N
                             skip=list(aborted))
     for request_id in aborted:  # really cut mid-flight
         assert len(streamed[request_id]) < len(references[request_id])
-    assert engine.free_slots == [0, 1, 2, 3]
+    assert engine.scheduler.free_slots == [0, 1, 2, 3]
     with pytest.raises(RequestError, match="unknown request id"):
         engine.abort(longest[0].request_id)
 

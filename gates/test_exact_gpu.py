@@ -21,8 +21,8 @@ from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET
 from reference_engine.kernels import TORCH
 from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import OracleProposer
 
 from .exact import describe, divergences, model_ops, plain_with_logits, run_engine, verify_with
 from .prompts import gate_prompt_ids
@@ -92,7 +92,7 @@ def test_cuda_graphs_change_no_bit(demo, numerics: str) -> None:
     drafted = {}
     for eager in (False, True):
         engine = Engine(target, draft, EngineConfig(**common, enforce_eager=eager))
-        assert (engine.graphs is None) == eager
+        assert (not engine.runner.captured) == eager
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for rid, prompt in prompts.items():
             engine.add_request(rid, prompt, params)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from reference_engine.runtime.commit import COMMIT_STRATEGIES
-from reference_engine.runtime.speculative import SpecOptions
+from reference_engine.runtime.engine import EngineConfig
 
 from .checks import Pair, assert_forced_acceptance, require_block
 
@@ -21,7 +21,7 @@ def test_every_acceptance_length_occurs_and_matches_the_schedule(
     require_block(pair, block_size)
     schedule = list(range(block_size))  # accepted draft tokens 0 .. B-1
     random.Random(block_size).shuffle(schedule)
-    got = assert_forced_acceptance(pair, pair.prompts[1], SpecOptions(block_size, strategy),
+    got = assert_forced_acceptance(pair, pair.prompts[1], EngineConfig(block_size=block_size, commit_strategy=strategy),
                                    schedule)
     assert sorted(step.accepted for step in got.steps) == list(range(block_size))
     assert all(step.proposed == block_size - 1 for step in got.steps[:-1])

@@ -13,8 +13,8 @@ import pytest
 
 from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import EngineConfig
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import SpecOptions
 
 from .checks import Pair, assert_lossless, require_block
 
@@ -27,7 +27,7 @@ def test_speculative_equals_plain_greedy_over_the_grid(
     pair: Pair, block_size: int, strategy: str
 ) -> None:
     require_block(pair, block_size)
-    options = SpecOptions(block_size, strategy)
+    options = EngineConfig(block_size=block_size, commit_strategy=strategy)
     # max_tokens lands inside a block: not a multiple of any acceptance pattern's span
     params = SamplingParams(max_tokens=pair.max_tokens or 2 * block_size + block_size // 2 + 1,
                             ignore_eos=True)
@@ -62,7 +62,7 @@ def test_stop_inside_an_accepted_span_ends_where_plain_decode_ends(
         reference = generate_plain(pair.target, prompt, params)
         assert reference.output_ids == free.output_ids[: index + 1]
         assert reference.finish_reason == "stop"
-        got = assert_lossless(pair, prompt, params, SpecOptions(block_size, strategy),
+        got = assert_lossless(pair, prompt, params, EngineConfig(block_size=block_size, commit_strategy=strategy),
                               schedule=[block_size - 1], reference=reference,
                               continuation=free.output_ids)
     finally:
@@ -80,5 +80,5 @@ def test_first_token_stop_and_single_token_requests(pair: Pair) -> None:
         SamplingParams(max_tokens=1, ignore_eos=True),
         SamplingParams(max_tokens=5, stop_token_ids=(first.output_ids[0],), ignore_eos=True),
     ):
-        got = assert_lossless(pair, prompt, params, SpecOptions(4))
+        got = assert_lossless(pair, prompt, params, EngineConfig(block_size=4))
         assert got.acceptance_lengths == []

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import EngineConfig
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import SpecOptions
 
 from .checks import (
     Pair,
@@ -31,7 +31,7 @@ def lossless_catches(pair: Pair, fault: str, strategy: str = "replay") -> str:
                                        match="speculative output != plain greedy") as caught:
         for prompt in pair.prompts:
             for schedule in (None, MIXED):
-                assert_lossless(pair, prompt, params, SpecOptions(8, strategy), schedule)
+                assert_lossless(pair, prompt, params, EngineConfig(block_size=8, commit_strategy=strategy), schedule)
     return str(caught.value)
 
 
@@ -75,7 +75,7 @@ def test_forced_acceptance_gate_catches_a_lossless_but_wrong_acceptance(pair: Pa
     # output stays correct (the target supplies the token), only the acceptance is wrong
     with planted("never_accept_full_block"), pytest.raises(AssertionError,
                                                           match="acceptance lengths"):
-        assert_forced_acceptance(pair, pair.prompts[1], SpecOptions(8), list(range(8)))
+        assert_forced_acceptance(pair, pair.prompts[1], EngineConfig(block_size=8), list(range(8)))
 
 
 def test_state_equality_gate_catches_a_skipped_recurrent_state_rollback(pair: Pair) -> None:
@@ -90,7 +90,7 @@ def test_state_equality_gate_catches_a_skipped_recurrent_state_rollback(pair: Pa
     # a fault that corrupts the state also derails the output, so the first commits are
     # where the state check must already fire
     with planted("skip_state_rollback"):
-        got = speculative_states(pair, prompt, params, SpecOptions(8, "per_token"), [0, 3, 1], ref)
+        got = speculative_states(pair, prompt, params, EngineConfig(block_size=8, commit_strategy="per_token"), [0, 3, 1], ref)
     first = dict(sorted(got.items())[:1])
     with pytest.raises(AssertionError, match="recurrent|conv"):
         assert_states_close(expected, first, 1e-9, "faulty engine")

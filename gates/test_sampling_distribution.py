@@ -19,9 +19,10 @@ from collections import Counter
 import torch
 
 from reference_engine.runtime.decode import new_state, prefill
+from reference_engine.runtime.engine import EngineConfig
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sampling import accept_sampled, probabilities
-from reference_engine.runtime.speculative import SpecOptions, generate_speculative
+from reference_engine.runtime.speculative import generate_speculative
 
 from .conftest import SMALL_VOCAB as VOCAB
 from .faults import planted
@@ -79,7 +80,7 @@ def speculative_joint(target, draft, prompt, n_samples: int, seed: int, fault=No
     counts = Counter()
     with planted(fault):
         for _ in range(n_samples):
-            out = generate_speculative(target, draft, prompt, params, SpecOptions(4), generator=gen)
+            out = generate_speculative(target, draft, prompt, params, EngineConfig(block_size=4), generator=gen)
             counts[tuple(out.output_ids)] += 1
     return {k: v / n_samples for k, v in counts.items()}
 

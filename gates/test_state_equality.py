@@ -15,8 +15,8 @@ import pytest
 
 from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import EngineConfig
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import SpecOptions
 
 from .checks import (
     Pair,
@@ -50,7 +50,7 @@ def test_state_after_each_commit_equals_plain_decode(pair: Pair, reference, stra
     prompt, params, ref, expected = reference
     atol = state_tolerance(pair)
     schedule = SCHEDULE if proposer == "oracle" else None
-    got = speculative_states(pair, prompt, params, SpecOptions(BLOCK_SIZE, strategy),
+    got = speculative_states(pair, prompt, params, EngineConfig(block_size=BLOCK_SIZE, commit_strategy=strategy),
                              schedule, ref)
     compared = assert_states_close(expected, got, atol, f"{pair.name}/{strategy}")
     assert compared >= 4
@@ -60,7 +60,7 @@ def test_commit_strategies_agree_with_each_other(pair: Pair, reference) -> None:
     prompt, params, ref, _ = reference
     atol = state_tolerance(pair)
     by_strategy = {
-        s: speculative_states(pair, prompt, params, SpecOptions(BLOCK_SIZE, s), SCHEDULE, ref)
+        s: speculative_states(pair, prompt, params, EngineConfig(block_size=BLOCK_SIZE, commit_strategy=s), SCHEDULE, ref)
         for s in COMMIT_STRATEGIES
     }
     assert_states_close(by_strategy["per_token"], by_strategy["recompute"], 0.0,

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.runtime.engine import EngineConfig
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import SpecOptions, generate_speculative
+from reference_engine.runtime.speculative import generate_speculative
 
 from .faults import planted
 
@@ -60,7 +61,7 @@ def ours(target_dir, draft_dir, prompt, block_size, fault=None):
     draft = load_draft(draft_dir, target)
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     with planted(fault):
-        result = generate_speculative(target, draft, prompt, params, SpecOptions(block_size))
+        result = generate_speculative(target, draft, prompt, params, EngineConfig(block_size=block_size))
     return result.output_ids, result.acceptance_lengths, [list(s.drafted) for s in result.steps]
 
 

@@ -63,8 +63,8 @@ from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.engine import Engine, EngineConfig
 from .runtime.floor import weight_streaming_floor
+from .runtime.oracle import OracleProposer
 from .runtime.request import SamplingParams
-from .runtime.speculative import OracleProposer
 from .runtime.stats import PHASES
 from .shapes import TARGET_SHAPES, random_pair
 from .tokenizer import load_tokenizer
@@ -259,7 +259,7 @@ def run_once(engine: Engine, prompts, args: BenchArgs, concurrency: int,
         "mode": "plain" if draft is None else "dflash",
         "numerics": engine.numerics,
         "kernels": engine.ops.name,  # torch (the references) or triton
-        "cuda_graphs": engine.graphs is not None,
+        "cuda_graphs": engine.runner.captured,
         "concurrency": concurrency,
         "output_tokens_per_s": total / wall,
         "mean_acceptance_length": stats["spec"]["mean_acceptance_length"] if draft else 1.0,

@@ -26,8 +26,9 @@ from .errors import ReferenceEngineError, RequestError, exit_with
 from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.decode import generate_plain
+from .runtime.engine import EngineConfig
 from .runtime.request import SamplingParams
-from .runtime.speculative import SpecOptions, generate_speculative
+from .runtime.speculative import generate_speculative
 from .tokenizer import load_tokenizer
 
 
@@ -133,10 +134,10 @@ def run(args: GenerateArgs) -> dict:
     else:
         draft = load_draft(args.draft, model)
         block_size = draft.config.block_size if args.block_size is None else args.block_size
-        options = SpecOptions(block_size, args.commit_strategy)
+        options = EngineConfig(block_size=block_size, commit_strategy=args.commit_strategy,
+                               max_model_len=args.max_model_len, numerics=args.numerics)
         result = generate_speculative(model, draft, prompt_ids, params, options,
-                                      generator=generator, max_model_len=args.max_model_len,
-                                      numerics=args.numerics)
+                                      generator=generator)
         extra = {"acceptance_lengths": result.acceptance_lengths,
                  "block_size": options.block_size, "commit_strategy": options.commit_strategy}
     if tokenizer is None:

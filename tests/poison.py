@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 from reference_engine.models import CausalLM
 from reference_engine.runtime.engine import Engine
+from reference_engine.runtime.scheduler import Scheduler
 
 POISON = 13  # first prompt token of a poisoned request
 POISON_AFTER = 5  # committed tokens (prompt + output) before its logits turn NaN
@@ -30,11 +31,12 @@ _slots: set[int] = set()
 
 @contextmanager
 def poisoned() -> Iterator[None]:
-    forward, admit, release = CausalLM.forward, Engine._admit, Engine._release
+    forward, admit, release = CausalLM.forward, Scheduler.admit, Scheduler._release
 
     def poisoned_admit(self):
-        admit(self)
-        _slots.update(s.slot for s in self.active.values() if s.prompt_ids[0] == POISON)
+        admitted = admit(self)
+        _slots.update(s.slot for s in admitted if s.prompt_ids[0] == POISON)
+        return admitted
 
     def poisoned_release(self, seq):
         _slots.discard(seq.slot)
@@ -47,12 +49,12 @@ def poisoned() -> Iterator[None]:
                 out.logits[row] = float("nan")
         return out
 
-    CausalLM.forward, Engine._admit, Engine._release = (poisoned_forward, poisoned_admit,
-                                                         poisoned_release)
+    CausalLM.forward, Scheduler.admit, Scheduler._release = (poisoned_forward, poisoned_admit,
+                                                             poisoned_release)
     try:
         yield
     finally:
-        CausalLM.forward, Engine._admit, Engine._release = forward, admit, release
+        CausalLM.forward, Scheduler.admit, Scheduler._release = forward, admit, release
         _slots.clear()
 
 

@@ -22,9 +22,9 @@ from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
+from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Phase, Sequence
-from reference_engine.runtime.speculative import OracleProposer
 from reference_engine.runtime.stats import SpecCounters
 
 TinyCheckpoint = Callable[..., Path]
@@ -113,10 +113,10 @@ def test_requests_added_at_different_steps_finish_and_give_back_their_slots(
         assert engine.has_unfinished()
         engine.step()
         stats = engine.stats()
-        assert len(engine.free_slots) + stats["running"] == 2
+        assert len(engine.scheduler.free_slots) + stats["running"] == 2
         step += 1
         assert step < 100
-    assert engine.free_slots == [0, 1]
+    assert engine.scheduler.free_slots == [0, 1]
     stats = engine.stats()
     assert (stats["requests_finished"], stats["running"], stats["waiting"]) == (4, 0, 0)
     for rid, (prompt, params) in requests.items():
@@ -145,14 +145,14 @@ def test_abort_frees_the_slot_and_leaves_the_other_requests_alone(
     engine.step()
     engine.abort("drop")
     assert engine.get("queued").phase is Phase.WAITING
-    assert len(engine.free_slots) == 1
+    assert len(engine.scheduler.free_slots) == 1
     with pytest.raises(RequestError, match="unknown request id 'drop'"):
         engine.abort("drop")
     streamed = by_request(drain(engine))
     assert "drop" not in streamed
     for rid, prompt, n in (("keep", PROMPTS[0], 14), ("queued", PROMPTS[2], 5)):
         assert engine.collect(rid).output_ids == reference(target, prompt, greedy(n))
-    assert engine.free_slots == [0, 1]
+    assert engine.scheduler.free_slots == [0, 1]
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -265,10 +265,10 @@ def test_a_bad_request_is_refused_by_name_and_the_others_are_unaffected(
     for rid, (prompt, params) in good.items():
         engine.add_request(rid, prompt, params)
     engine.step()
-    before = (sorted(engine.known), len(engine.waiting), list(engine.free_slots))
+    before = (sorted(engine.scheduler.known), len(engine.scheduler.waiting), list(engine.scheduler.free_slots))
     with pytest.raises(RequestError, match=pattern):
         bad(engine)
-    assert (sorted(engine.known), len(engine.waiting), list(engine.free_slots)) == before
+    assert (sorted(engine.scheduler.known), len(engine.scheduler.waiting), list(engine.scheduler.free_slots)) == before
     drain(engine)
     for rid, (prompt, params) in good.items():
         assert engine.collect(rid).output_ids == reference(target, prompt, params), rid
@@ -603,7 +603,7 @@ def test_repetition_penalty_changes_greedy_output_and_falls_back_from_speculatio
 def test_the_cpu_engine_runs_eagerly_with_no_spare_slot(qwen3_checkpoint) -> None:
     target = load_target(qwen3_checkpoint, dtype=torch.float32)
     engine = Engine(target, None, EngineConfig(max_num_seqs=3))
-    assert engine.graphs is None and engine.state.num_slots == 3
+    assert not engine.runner.captured and engine.state.num_slots == 3
 
 
 @pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])

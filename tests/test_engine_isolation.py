@@ -73,7 +73,7 @@ def test_a_non_finite_row_fails_its_request_alone(pair, speculative: bool,
         # the freed slot serves the next request exactly
         again = run(engine, {"next": (PROMPTS[3], params())})["next"]
         assert again.output_ids == generate_plain(target, PROMPTS[3], params()).output_ids
-        assert engine.free_slots == [0, 1, 2, 3]
+        assert engine.scheduler.free_slots == [0, 1, 2, 3]
 
 
 def test_an_exception_in_one_requests_prefill_fails_that_request_alone(pair, monkeypatch) -> None:

@@ -12,8 +12,8 @@ from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
 from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import OracleProposer
 
 pytestmark = pytest.mark.gpu
 

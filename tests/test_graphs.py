@@ -10,32 +10,34 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reference_engine.runtime.forwards import Logits, StepInputs, Verified
 from reference_engine.runtime.graphs import EngineGraphs, _Graph, buckets_up_to, prefill_shapes, token_buckets
 
 PAD = 9
 
 
 class Recomputing:
-    """Stands in for a captured graph: replay() recomputes the outputs from the inputs."""
+    """Stands in for a captured verify: replay() recomputes the outputs from the inputs (its
+    "tokens" encode each row's ids, slot and valid length, its "logits" echo the positions)."""
 
-    def __init__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+    def __init__(self, inputs: StepInputs, outputs: Verified) -> None:
         self.inputs, self.outputs = inputs, outputs
 
     def replay(self) -> None:
         x = self.inputs
-        self.outputs["tokens"].copy_(x["ids"][:, -1] * 100 + x["slots"] * 10 + x["valid"])
-        self.outputs["positions"].copy_(x["positions"])
+        self.outputs.tokens.copy_(x.ids[:, -1] * 100 + x.slots * 10 + x.valid)
+        self.outputs.logits.copy_(x.positions)
 
 
 def graphs_with(bucket: int, width: int) -> EngineGraphs:
     g = EngineGraphs.__new__(EngineGraphs)
     g.pad_slot, g.device, g.buckets = PAD, torch.device("cpu"), (bucket,)
-    inputs = {"ids": torch.zeros(bucket, width, dtype=torch.int64),
-              "positions": torch.zeros(bucket, width, dtype=torch.int64),
-              "slots": torch.zeros(bucket, dtype=torch.int64),
-              "valid": torch.zeros(bucket, dtype=torch.int64)}
-    outputs = {"tokens": torch.zeros(bucket, dtype=torch.int64),
-               "positions": torch.zeros(bucket, width, dtype=torch.int64)}
+    inputs = StepInputs(ids=torch.zeros(bucket, width, dtype=torch.int64),
+                        positions=torch.zeros(bucket, width, dtype=torch.int64),
+                        slots=torch.zeros(bucket, dtype=torch.int64),
+                        valid=torch.zeros(bucket, dtype=torch.int64))
+    outputs = Verified(logits=torch.zeros(bucket, width, dtype=torch.int64), features=None,
+                       tokens=torch.zeros(bucket, dtype=torch.int64))
     g.verify_graphs = {bucket: _Graph(Recomputing(inputs, outputs), inputs, outputs)}
     g.decode_graphs, g.draft_graphs = {}, {}
     return g
@@ -52,14 +54,15 @@ def test_a_batch_replays_in_its_bucket_with_padding_rows_on_the_spare_slot() -> 
     ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     positions = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
     out = g.verify(ids, positions, torch.tensor([0, 2, 5]), torch.tensor([3, 2, 1]))
-    assert out["tokens"].tolist() == [303, 622, 951]  # only the batch's rows come back
+    assert out.tokens.tolist() == [303, 622, 951]  # only the batch's rows come back
+    assert out.logits.tolist() == positions.tolist()
     inputs = g.verify_graphs[4].inputs
-    assert inputs["slots"].tolist() == [0, 2, 5, PAD]
-    assert inputs["positions"][3].tolist() == [0, 1, 2] and inputs["valid"][3] == 1
+    assert inputs.slots.tolist() == [0, 2, 5, PAD]
+    assert inputs.positions[3].tolist() == [0, 1, 2] and inputs.valid[3] == 1
     # a smaller batch next: the rows it leaves become padding again
     out = g.verify(ids[:1], positions[:1], torch.tensor([4]), torch.tensor([3]))
-    assert out["tokens"].tolist() == [343]
-    assert inputs["slots"].tolist() == [4, PAD, PAD, PAD]
+    assert out.tokens.tolist() == [343]
+    assert inputs.slots.tolist() == [4, PAD, PAD, PAD]
 
 
 def test_shapes_without_a_graph_run_eagerly() -> None:
@@ -74,19 +77,20 @@ def test_shapes_without_a_graph_run_eagerly() -> None:
 class Counting:
     """Stands in for a captured commit: counts replays and keeps what it was given."""
 
-    def __init__(self, inputs: dict[str, torch.Tensor]) -> None:
+    def __init__(self, inputs: StepInputs) -> None:
         self.inputs, self.replays, self.seen = inputs, 0, []
 
     def replay(self) -> None:
         self.replays += 1
-        self.seen.append(self.inputs["processed"].tolist())
+        self.seen.append(self.inputs.processed.tolist())
 
 
 def with_commit(g: EngineGraphs, bucket: int) -> Counting:
-    inputs = {**g.verify_graphs[bucket].inputs,
-              "processed": torch.zeros(bucket, dtype=torch.int64)}
+    verify = g.verify_graphs[bucket].inputs
+    inputs = StepInputs(verify.ids, verify.positions, verify.slots, verify.valid,
+                        processed=torch.zeros(bucket, dtype=torch.int64))
     counting = Counting(inputs)
-    g.commit_graphs = {bucket: _Graph(counting, inputs, {})}
+    g.commit_graphs = {bucket: _Graph(counting, inputs, None)}
     g.verified_bucket = None
     return counting
 
@@ -109,12 +113,14 @@ def test_a_replaced_commit_phase_runs_eagerly() -> None:
     """A planted fault replaces a phase method after the capture: the step must run it, so
     the captured commit (the reference methods) is not replayed."""
     from gates.faults import planted
+    from reference_engine.runtime.model_runner import ModelRunner
     from reference_engine.runtime.speculate import SpeculativeStep
 
     g = graphs_with(bucket=4, width=3)
     commit = with_commit(g, 4)
     step = SpeculativeStep.__new__(SpeculativeStep)
-    step.graphs = g
+    step.runner = ModelRunner.__new__(ModelRunner)
+    step.runner.graphs = g
     ids = torch.ones(2, 3, dtype=torch.int64)
     for fault, replays in ((None, 1), ("feature_off_by_one", 1), ("skip_state_rollback", 1),
                            ("skip_length_rollback", 2)):
@@ -148,15 +154,14 @@ class Eager:
     def __init__(self, graphs: EngineGraphs, rows: int, tokens: int) -> None:
         self.graphs, self.replays = graphs, []
         self.inputs = graphs._prefill_inputs(rows, tokens)
-        self.outputs = {"logits": torch.zeros(rows, graphs.target.config.vocab_size,
-                                              dtype=graphs.state.dtype)}
+        self.outputs = Logits(torch.zeros(rows, graphs.target.config.vocab_size,
+                                          dtype=graphs.state.dtype))
 
     def replay(self) -> None:
         x = self.inputs
-        self.replays.append(tuple(zip(x["positions"][:, 0].tolist(), x["valid"].tolist(),
-                                      x["slots"].tolist())))
-        for name, value in self.graphs._prefill_body(x).items():
-            self.outputs[name].copy_(value)
+        self.replays.append(tuple(zip(x.positions[:, 0].tolist(), x.valid.tolist(),
+                                      x.slots.tolist())))
+        self.outputs.logits.copy_(self.graphs._prefill_body(x).logits)
 
 
 def prefill_graphs(engine, chunk: int, pad_slot: int) -> dict[tuple[int, int], Eager]:
@@ -172,7 +177,7 @@ def prefill_graphs(engine, chunk: int, pad_slot: int) -> dict[tuple[int, int], E
     g.prefill_buckets = token_buckets(chunk, engine.state.max_len)
     stand_ins = {s: Eager(g, *s) for s in prefill_shapes(g.buckets, g.prefill_buckets, chunk)}
     g.prefill_graphs = {s: _Graph(e, e.inputs, e.outputs) for s, e in stand_ins.items()}
-    engine.graphs = g
+    engine.runner.graphs = g
     return stand_ins
 
 
@@ -236,7 +241,7 @@ def test_a_batched_prefill_that_raises_fails_only_the_request_that_raises_alone(
     for e in stand_ins.values():
         correct = e.replay
         e.replay = lambda correct=correct, e=e: (
-            (_ for _ in ()).throw(RuntimeError("bad row")) if (e.inputs["ids"][:, 0] == 13).any()
+            (_ for _ in ()).throw(RuntimeError("bad row")) if (e.inputs.ids[:, 0] == 13).any()
             else correct())
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)

@@ -166,6 +166,49 @@ def test_imports_run_one_way(graph, source: str, forbidden: tuple[str, ...]) -> 
     assert violations(raw, source, forbidden) == []
 
 
+RUNTIME = "reference_engine.runtime"
+# inside the runtime: the engine composes the scheduler (who holds a slot), the model runner
+# (how a forward runs: graph or eager) and the speculative step; none of them reaches up
+RUNTIME_LAYERS = [
+    (f"{RUNTIME}.oracle", (RUNTIME,)),  # below everything in the runtime
+    (f"{RUNTIME}.forwards", (f"{RUNTIME}.graphs", f"{RUNTIME}.model_runner", f"{RUNTIME}.engine",
+                             f"{RUNTIME}.scheduler", f"{RUNTIME}.speculate")),
+    (f"{RUNTIME}.graphs", (f"{RUNTIME}.model_runner", f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
+                           f"{RUNTIME}.speculate", f"{RUNTIME}.speculative")),
+    (f"{RUNTIME}.model_runner", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
+                                 f"{RUNTIME}.speculate", f"{RUNTIME}.speculative")),
+    (f"{RUNTIME}.scheduler", (f"{RUNTIME}.engine", f"{RUNTIME}.model_runner", f"{RUNTIME}.graphs",
+                              f"{RUNTIME}.forwards", f"{RUNTIME}.speculate",
+                              f"{RUNTIME}.speculative", "torch")),
+    (f"{RUNTIME}.speculate", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
+                              f"{RUNTIME}.speculative")),
+    (f"{RUNTIME}.engine", (f"{RUNTIME}.speculative",)),
+]
+
+
+@pytest.mark.parametrize(("source", "forbidden"), RUNTIME_LAYERS,
+                         ids=[source.rsplit(".", 1)[1] for source, _ in RUNTIME_LAYERS])
+def test_the_runtime_layers_import_downward_only(graph, source: str,
+                                                  forbidden: tuple[str, ...]) -> None:
+    _, raw = graph
+    assert violations(raw, source, forbidden) == []
+
+
+def test_a_planted_upward_import_in_the_runtime_is_seen(tmp_path: Path) -> None:
+    """The layer rules on a copy of the package with one upward import added: the scheduler
+    reaching for the model runner."""
+    import shutil
+
+    shutil.copytree(ROOT / "reference_engine", tmp_path / "reference_engine",
+                    ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    scheduler = tmp_path / "reference_engine" / "runtime" / "scheduler.py"
+    scheduler.write_text(scheduler.read_text() + "\nfrom .model_runner import ModelRunner\n")
+    _, raw = import_graph(tmp_path, ("reference_engine",))
+    found = [v for source, forbidden in RUNTIME_LAYERS for v in violations(raw, source, forbidden)]
+    assert found == [f"{RUNTIME}.scheduler -> {RUNTIME}.model_runner",
+                     f"{RUNTIME}.scheduler -> {RUNTIME}.model_runner.ModelRunner"]
+
+
 def test_kernels_import_only_torch_triton_and_themselves(graph) -> None:
     _, raw = graph
     stdlib = set(sys.stdlib_module_names)

@@ -16,9 +16,9 @@ import torch
 from reference_engine import bench
 from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
 from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.profiling import RANGE_NAMES, NvtxRanges
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import OracleProposer
 from reference_engine.runtime.stats import PHASES
 from reports import nsys
 from reports.phases import (

@@ -8,9 +8,9 @@ import torch
 
 from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
 from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.profiling import DOMAIN, RANGE_NAMES, NvtxRanges
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import OracleProposer
 
 
 class FakeNvtx:

@@ -41,6 +41,7 @@ import torch
 from ..kernels import Kernels
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
+from .forwards import Logits, Proposals, StepInputs, Verified
 from .state import TargetState
 from .transfer import to_pinned
 
@@ -78,8 +79,8 @@ def prefill_shapes(row_buckets: tuple[int, ...], token_buckets: tuple[int, ...],
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]
-    outputs: dict[str, torch.Tensor]
+    inputs: StepInputs  # static input buffers
+    outputs: Logits | Proposals | Verified | None  # static output buffers (None: the commit)
 
 
 class EngineGraphs:
@@ -136,27 +137,28 @@ class EngineGraphs:
                   f"in {time.perf_counter() - start:.1f} s",
                   file=sys.stderr, flush=True)
 
-    def capture_commit(self, body: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
         """Capture `body` per bucket, after the verify graphs: it gets the verify graph's
-        static inputs (ids, positions, slots, valid) and outputs (logits, features, tokens)
-        and its own input `processed` [rows] (block tokens each row keeps)."""
+        static inputs, with its own `processed` [rows] (block tokens each row keeps), and
+        outputs."""
         start = time.perf_counter()
         for b in sorted(self.buckets, reverse=True):
             verify = self.verify_graphs[b]
             processed = torch.ones((b,), dtype=torch.int64, device=self.device)
+            inputs = StepInputs(verify.inputs.ids, verify.inputs.positions, verify.inputs.slots,
+                                verify.inputs.valid, processed=processed)
             self.commit_graphs[b] = self._capture(
-                b, self.block_size, lambda x, out=verify.outputs: body({**x, **out}) or {},
-                inputs={**verify.inputs, "processed": processed})
+                b, self.block_size, lambda x, out=verify.outputs: body(x, out), inputs=inputs)
         print(f"captured CUDA graphs (commit) in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
 
-    def _capture(self, rows: int, width: int, body, inputs=None) -> _Graph:
-        inputs = inputs or {
-            "ids": torch.zeros((rows, width), dtype=torch.int64, device=self.device),
-            "positions": torch.arange(width, device=self.device)[None].repeat(rows, 1),
-            "slots": torch.full((rows,), self.pad_slot, dtype=torch.int64, device=self.device),
-            "valid": torch.full((rows,), width, dtype=torch.int64, device=self.device),
-        }
+    def _capture(self, rows: int, width: int, body, inputs: StepInputs | None = None) -> _Graph:
+        inputs = inputs or StepInputs(
+            ids=torch.zeros((rows, width), dtype=torch.int64, device=self.device),
+            positions=torch.arange(width, device=self.device)[None].repeat(rows, 1),
+            slots=torch.full((rows,), self.pad_slot, dtype=torch.int64, device=self.device),
+            valid=torch.full((rows,), width, dtype=torch.int64, device=self.device),
+        )
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
@@ -172,7 +174,7 @@ class EngineGraphs:
         return self._capture(rows, tokens, self._prefill_body,
                              inputs=self._prefill_inputs(rows, tokens))
 
-    def _prefill_inputs(self, rows: int, tokens: int) -> dict[str, torch.Tensor]:
+    def _prefill_inputs(self, rows: int, tokens: int) -> StepInputs:
         """One buffer holds every input (a replay's inputs are one host-to-device copy):
         ids [rows, tokens], positions [rows, tokens], slots [rows], valid [rows]."""
         n = rows * tokens
@@ -180,71 +182,69 @@ class EngineGraphs:
         packed[n : 2 * n] = torch.arange(tokens, device=self.device).repeat(rows)
         packed[2 * n : 2 * n + rows] = self.pad_slot
         packed[2 * n + rows :] = tokens
-        return {"packed": packed, "ids": packed[:n].view(rows, tokens),
-                "positions": packed[n : 2 * n].view(rows, tokens),
-                "slots": packed[2 * n : 2 * n + rows], "valid": packed[2 * n + rows :]}
+        return StepInputs(ids=packed[:n].view(rows, tokens), positions=packed[n : 2 * n].view(rows, tokens),
+                          slots=packed[2 * n : 2 * n + rows], valid=packed[2 * n + rows :], packed=packed)
 
-    def _prefill_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _prefill_body(self, x: StepInputs) -> Logits:
         # kv_len: the capturable kernels bound each query by its position and ignore it; the
         # references read every row, masked by position
-        out = self.target(x["ids"], x["positions"], x["slots"], self.state, self.state.max_len,
+        out = self.target(x.ids, x.positions, x.slots, self.state, self.state.max_len,
                           capture_layers=self.capture_layers, last_only=True,
-                          valid_len=x["valid"], ops=self.ops)
+                          valid_len=x.valid, ops=self.ops)
         if self.draft is not None:  # the draft's context (unused if the request decodes plainly)
-            self.draft.append_context(out.features, x["positions"], x["slots"],
-                                      self.draft_state, self.ops)
-        return {"logits": out.logits[:, -1]}
+            self.draft.append_context(out.features, x.positions, x.slots, self.draft_state, self.ops)
+        return Logits(out.logits[:, -1])
 
-    def _decode_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = self.target(x["ids"], x["positions"], x["slots"], self.state, 1, ops=self.ops)
+    def _decode_body(self, x: StepInputs) -> Logits:
+        out = self.target(x.ids, x.positions, x.slots, self.state, 1, ops=self.ops)
         logits = out.logits[:, -1]
-        return {"logits": logits, "tokens": self.ops.greedy(logits)}
+        return Logits(logits, self.ops.greedy(logits))
 
-    def _draft_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _draft_body(self, x: StepInputs) -> Proposals:
         dcfg = self.draft.config
-        embeds = self.target.embed(x["ids"]) * dcfg.input_embedding_scale
-        hidden = self.draft(embeds, x["positions"], x["slots"], self.draft_state, 1,
-                            valid_len=x["valid"], ops=self.ops)
-        logits, tokens = self.draft.proposals(hidden, self.target.lm_head_weight, self.ops)
-        return {"logits": logits, "tokens": tokens}
+        embeds = self.target.embed(x.ids) * dcfg.input_embedding_scale
+        hidden = self.draft(embeds, x.positions, x.slots, self.draft_state, 1,
+                            valid_len=x.valid, ops=self.ops)
+        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops))
 
-    def _verify_body(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = self.target(x["ids"], x["positions"], x["slots"], self.state, 1,
-                          capture_layers=self.capture_layers, valid_len=x["valid"],
+    def _verify_body(self, x: StepInputs) -> Verified:
+        out = self.target(x.ids, x.positions, x.slots, self.state, 1,
+                          capture_layers=self.capture_layers, valid_len=x.valid,
                           record=self.record, ops=self.ops)
-        return {"logits": out.logits, "features": out.features, "tokens": self.ops.greedy(out.logits)}
+        return Verified(out.logits, out.features, self.ops.greedy(out.logits))
 
     # ------------------------------------------------------------------ replay
     def _bucket(self, rows: int) -> int | None:
         return next((b for b in sorted(self.buckets) if b >= rows), None)
 
     def _replay(self, graphs: dict[int, _Graph], ids: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, valid: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+                slots: torch.Tensor, valid: torch.Tensor | None):
         rows, width = ids.shape
         bucket = self._bucket(rows)
         if bucket is None or bucket not in graphs:
             return None
         g = graphs[bucket]
-        if g.inputs["ids"].shape[1] != width:
+        x = g.inputs
+        if x.ids.shape[1] != width:
             return None
-        g.inputs["ids"][:rows].copy_(ids)
-        g.inputs["positions"][:rows].copy_(positions)
-        g.inputs["slots"][:rows].copy_(slots)
+        x.ids[:rows].copy_(ids)
+        x.positions[:rows].copy_(positions)
+        x.slots[:rows].copy_(slots)
         if valid is not None:
-            g.inputs["valid"][:rows].copy_(valid)
+            x.valid[:rows].copy_(valid)
         if rows < bucket:  # padding rows: the spare slot, from position 0
-            g.inputs["ids"][rows:].zero_()
-            g.inputs["positions"][rows:].copy_(torch.arange(width, device=self.device))
-            g.inputs["slots"][rows:].fill_(self.pad_slot)
-            g.inputs["valid"][rows:].fill_(1)
+            x.ids[rows:].zero_()
+            x.positions[rows:].copy_(torch.arange(width, device=self.device))
+            x.slots[rows:].fill_(self.pad_slot)
+            x.valid[rows:].fill_(1)
         g.graph.replay()
-        return {name: t[:rows] for name, t in g.outputs.items()}
+        return g.outputs.head(rows)
 
     def prefill_fits(self, rows: int, longest: int) -> bool:
         """Whether a bucket holds `rows` chunks of at most `longest` tokens."""
         return any(r >= rows and t >= longest for r, t in self.prefill_graphs)
 
-    def prefill(self, chunks: list[tuple[list[int], int, int]]) -> dict[str, torch.Tensor] | None:
+    def prefill(self, chunks: list[tuple[list[int], int, int]]) -> Logits | None:
         """Prefill chunks (ids, start position, slot), one per row, in the smallest bucket
         that holds them, each padded to the bucket's tokens: the logits [rows, vocab] of
         each chunk's last token (a view of a static buffer), or None when no bucket fits
@@ -264,21 +264,21 @@ class EngineGraphs:
         host += [*range(tokens)] * pad
         host += [slot for _, _, slot in chunks] + [self.pad_slot] * pad
         host += [len(ids) for ids, _, _ in chunks] + [1] * pad
-        g.inputs["packed"].copy_(to_pinned(host), non_blocking=True)
+        g.inputs.packed.copy_(to_pinned(host), non_blocking=True)
         g.graph.replay()
-        return {name: t[:n] for name, t in g.outputs.items()}
+        return g.outputs.head(n)
 
-    def decode(self, ids, positions, slots) -> dict[str, torch.Tensor] | None:
+    def decode(self, ids, positions, slots) -> Logits | None:
         """ids, positions: [b, 1]; slots: [b]. Returns logits [b, vocab] and greedy tokens
         [b] (views of static buffers), or None when no graph fits."""
         return self._replay(self.decode_graphs, ids, positions, slots, None)
 
-    def propose(self, ids, positions, slots, valid) -> dict[str, torch.Tensor] | None:
+    def propose(self, ids, positions, slots, valid) -> Proposals | None:
         """The draft forward over full blocks [b, B]: draft logits [b, B-1, vocab] and greedy
         proposals [b, B-1], or None."""
         return self._replay(self.draft_graphs, ids, positions, slots, valid)
 
-    def verify(self, ids, positions, slots, valid) -> dict[str, torch.Tensor] | None:
+    def verify(self, ids, positions, slots, valid) -> Verified | None:
         """The verify forward over full blocks [b, B]: logits [b, B, vocab], features, greedy
         target tokens [b, B], or None."""
         out = self._replay(self.verify_graphs, ids, positions, slots, valid)
@@ -294,7 +294,7 @@ class EngineGraphs:
             return False
         g = self.commit_graphs[bucket]
         rows = processed.shape[0]
-        g.inputs["processed"][:rows].copy_(processed)
-        g.inputs["processed"][rows:].fill_(1)  # padding rows keep their anchor, on the spare slot
+        g.inputs.processed[:rows].copy_(processed)
+        g.inputs.processed[rows:].fill_(1)  # padding rows keep their anchor, on the spare slot
         g.graph.replay()
         return True

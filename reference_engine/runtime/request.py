@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import RequestError
 
 # What the sampling arithmetic can carry. Below GREEDY_BELOW a temperature is greedy (as
@@ -80,6 +82,12 @@ class SamplingParams:
         """Presence or frequency penalty or a logit bias (plain decode only)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that needs the logits on the host: the device argmax will do."""
+        return (self.greedy and self.logprobs is None and self.repetition_penalty == 1.0
+                and not self.penalised)
+
 
 def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int,
                     max_tokens: int) -> None:
@@ -101,3 +109,30 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int,
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
             f"{len(prompt_ids) + max_tokens} exceeds the context of {context_len} tokens"
         )
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int,
+                     context_len: int, with_oracle: bool) -> None:
+    """Reject what the engine cannot serve, before it takes the request."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+    validate_prompt(prompt_ids, vocab_size, context_len, params.max_tokens)
+    outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if outside:
+        raise RequestError(f"logit_bias token id(s) {outside[:5]} outside the vocabulary "
+                           f"[0, {vocab_size})")
+    if with_oracle and not params.greedy:
+        raise RequestError("the oracle proposer is greedy-only (temperature 0)")
+
+
+def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """A request's own generator: seeded, or from fresh entropy (the global one untouched)."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+        return generator
+    try:
+        generator.manual_seed(seed)
+    except (RuntimeError, OverflowError) as exc:
+        raise RequestError(f"seed {seed} is outside the generator's range: {exc}") from None
+    return generator

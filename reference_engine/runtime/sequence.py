@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .oracle import Proposer
 from .request import SamplingParams
 from .stats import SpecCounters
 
@@ -43,7 +44,7 @@ class Sequence:
     stops: frozenset[int]
     arrival_s: float
     speculative: bool
-    oracle: object | None = None  # OracleProposer, testing and benchmarks only
+    oracle: Proposer | None = None  # testing and benchmarks only (oracle.py)
     generator: torch.Generator | None = None
     phase: Phase = Phase.WAITING
     slot: int | None = None

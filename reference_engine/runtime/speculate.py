@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import TORCH, Kernels
-from ..models import CausalLM, ForwardOutput
+from ..kernels import Kernels
+from ..models import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
-from .commit import commit_hybrid, needs_snapshot, verify_record
-from .graphs import EngineGraphs
+from .commit import commit_hybrid, needs_snapshot
+from .forwards import StepInputs, Verified
+from .model_runner import ModelRunner
 from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
 from .state import TargetState
@@ -61,14 +62,6 @@ class Rows:
     kv_len: int  # attention rows a forward of this step may read
 
 
-@dataclass
-class VerifyOutput(ForwardOutput):
-    """A replayed verify's output: the forward's, and the greedy argmax of its logits that
-    the graph computed with them [b, N + 1]."""
-
-    tokens: torch.Tensor | None = None
-
-
 class SpeculativeStep:
     def __init__(
         self,
@@ -79,19 +72,18 @@ class SpeculativeStep:
         block_size: int,
         commit_strategy: str,
         timer: PhaseTimer,
-        ops: Kernels = TORCH,
-        graphs: EngineGraphs | None = None,
+        runner: ModelRunner,
     ) -> None:
         self.target, self.draft = target, draft
         self.state, self.draft_state = state, draft_state
         self.block_size = block_size
         self.commit_strategy = commit_strategy
         self.timer = timer
-        self.ops = ops  # the kernels every forward and the argmax run with
-        self.graphs = graphs  # captured draft and verify forwards for full blocks, or None
+        self.runner = runner  # the forwards, replayed from CUDA graphs where they fit
+        self.ops: Kernels = runner.ops  # the kernels every forward and the argmax run with
         # every block padded to B tokens (padding never counts, see the module docstring), so
         # that a last, shorter block still replays the captured full-block graphs
-        self.pad_blocks = graphs is not None
+        self.pad_blocks = runner.captured
         self.device = state.device
 
     def __call__(self, seqs: list[Sequence]) -> list[StepCommit]:
@@ -101,8 +93,7 @@ class SpeculativeStep:
         with self.timer.phase("verify"):
             out = self.verify(rows, block)
         with self.timer.phase("accept"):
-            accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits,
-                                          out.tokens if isinstance(out, VerifyOutput) else None)
+            accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits, out.tokens)
             processed = self.processed(rows, accepted)
             # the one host transfer of the step, read once the captured commit is queued
             b, N = len(seqs), proposals.shape[1]
@@ -146,18 +137,9 @@ class SpeculativeStep:
         dcfg, N = self.draft.config, rows.positions.shape[1] - 1
         block = to_device([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs],
                           self.device)
-        replayed = None
-        if self.graphs is not None:
-            replayed = self.graphs.propose(block, rows.positions, rows.slots, rows.n_t + 1)
-        if replayed is not None:
-            draft_logits = replayed["logits"]  # [b, N, vocab], until the next replay
-            proposals = replayed["tokens"].clone()  # [b, N]
-        else:
-            embeds = self.target.embed(block) * dcfg.input_embedding_scale
-            hidden = self.draft(embeds, rows.positions, rows.slots, self.draft_state,
-                                rows.kv_len, valid_len=rows.n_t + 1, ops=self.ops)
-            draft_logits, proposals = self.draft.proposals(hidden, self.target.lm_head_weight,
-                                                           self.ops)  # [b, N, vocab], [b, N]
+        drafted = self.runner.propose(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len)
+        draft_logits = drafted.logits  # [b, N, vocab], until the next replay
+        proposals = drafted.tokens.clone()  # [b, N]
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
         guesses = {}  # tests and benchmarks: the oracle's scheduled proposals, row -> ids
         for i, seq in enumerate(rows.seqs):
@@ -180,19 +162,13 @@ class SpeculativeStep:
         return block, proposals, draft_probs
 
     # ------------------------------------------------------------------ verify
-    def verify(self, rows: Rows, block: torch.Tensor) -> ForwardOutput:
+    def verify(self, rows: Rows, block: torch.Tensor) -> Verified:
         """One target forward over every block; captures the draft's context features and
-        keeps what the commit strategy needs."""
+        keeps what the commit strategy needs (a replayed one brings its argmax along, so
+        accept needs no second pass)."""
         if self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
             self.state.save_rows(rows.slot_ids)
-        if self.graphs is not None:
-            replayed = self.graphs.verify(block, rows.positions, rows.slots, rows.n_t + 1)
-            if replayed is not None:  # the graph's argmax comes along: accept needs no second pass
-                return VerifyOutput(replayed["logits"], replayed["features"], replayed["tokens"])
-        return self.target(block, rows.positions, rows.slots, self.state, rows.kv_len,
-                           capture_layers=self.draft.config.target_layer_ids,
-                           valid_len=rows.n_t + 1,
-                           record=verify_record(self.commit_strategy, self.target), ops=self.ops)
+        return self.runner.verify(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len)
 
     # ------------------------------------------------------------------ accept
     def accept(
@@ -267,28 +243,24 @@ class SpeculativeStep:
         B block positions: the rows past what a row kept are the next block's positions,
         which that block overwrites before anything reads them (as rows that keep fewer
         than the longest do in the eager commit)."""
-        if self.graphs is None:
-            return
         B = self.block_size
 
-        def body(x: dict[str, torch.Tensor]) -> None:
-            rows = Rows([], [], x["slots"], [], [], x["valid"] - 1, x["positions"], 1)
-            REFERENCE_PHASES["commit_state"](self, x["slots"], rows, x["ids"], x["processed"])
-            features = REFERENCE_PHASES["context_features"](self, x["features"], B, rows.n_t)
-            self.draft.append_context(features, x["positions"][:, :B], x["slots"],
-                                      self.draft_state, self.ops)
+        def body(x: StepInputs, verified: Verified) -> None:
+            rows = Rows([], [], x.slots, [], [], x.valid - 1, x.positions, 1)
+            REFERENCE_PHASES["commit_state"](self, x.slots, rows, x.ids, x.processed)
+            features = REFERENCE_PHASES["context_features"](self, verified.features, B, rows.n_t)
+            self.draft.append_context(features, x.positions[:, :B], x.slots, self.draft_state,
+                                      self.ops)
 
-        self.graphs.capture_commit(body)
+        self.runner.capture_commit(body)
 
     def commit_replayed(self, processed: torch.Tensor) -> bool:
         """The captured commit, when this step's verify replayed its graph and the commit's
         phase methods are still the reference ones (a replaced one, e.g. a planted fault,
         runs eagerly)."""
-        if self.graphs is None:
-            return False
         reference = all(getattr(type(self), name) is method
                         for name, method in REFERENCE_PHASES.items())
-        return self.graphs.commit(processed, replay=reference)
+        return self.runner.commit(processed, replay=reference)
 
 
 # the phase methods the captured commit runs, as defined above

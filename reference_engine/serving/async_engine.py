@@ -141,17 +141,17 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, done, None)
             elif kind == "abort":
                 request_id = command[1]
-                sequence = self.engine.known.get(request_id)
+                sequence = self.engine.scheduler.known.get(request_id)
                 if sequence is not None:  # else it finished already, and its Finished is out
                     self.engine.abort(request_id)
                 self._finish(request_id, sequence)
             elif kind == "end_all":
-                for request_id in list(self.engine.known):
+                for request_id in list(self.engine.scheduler.known):
                     self.engine.abort(request_id)
                 for request_id in list(self.streams):
                     self._finish(request_id, None, ShuttingDown(command[1]))
             elif kind == "stop":
-                for request_id, sequence in list(self.engine.known.items()):
+                for request_id, sequence in list(self.engine.scheduler.known.items()):
                     self.engine.abort(request_id)
                     self._finish(request_id, sequence)
                 self.running = False
@@ -177,7 +177,7 @@ class AsyncEngine:
                                                   RequestFailed("the engine loop stopped"))
 
     def _fail_all(self, reason: str) -> None:
-        for request_id in list(self.engine.known):
+        for request_id in list(self.engine.scheduler.known):
             try:
                 self.engine.abort(request_id)
             except ReferenceEngineError:

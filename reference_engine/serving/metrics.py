@@ -100,15 +100,15 @@ class ServerMetrics:
         self._advance("accepted", self.accepted, spec.accepted)
         for pos, count in spec.accepted_per_position.items():
             self._advance(f"pos{pos}", self.accepted_per_pos.labels(position=str(pos)), count)
-        for reason, count in engine.fallbacks.items():
+        for reason, count in engine.scheduler.fallbacks.items():
             self._advance(f"fallback:{reason}", self.fallbacks.labels(reason=reason), count)
         kind = "device_s_" if engine.device.type == "cuda" else "host_s_"
         for name, seconds in engine.timer.as_dict().items():
             if name.startswith(kind):
                 phase = name[len(kind):]
                 self._advance(name, self.phase_seconds.labels(phase=phase), seconds)
-        self.running.set(len(engine.active))
-        self.waiting.set(len(engine.waiting))
+        self.running.set(len(engine.scheduler.active))
+        self.waiting.set(len(engine.scheduler.waiting))
 
     def request(self, prompt_tokens: int, arrival_s: float) -> RequestMetrics:
         """The metrics of one request that arrived at `arrival_s` (time.monotonic())."""
@@ -116,8 +116,8 @@ class ServerMetrics:
 
     def render(self, engine: Engine) -> bytes:
         # gauges are read at scrape time too: an idle engine takes no step to refresh them
-        self.running.set(len(engine.active))
-        self.waiting.set(len(engine.waiting))
+        self.running.set(len(engine.scheduler.active))
+        self.waiting.set(len(engine.scheduler.waiting))
         return generate_latest(self.registry)
 
 

@@ -39,7 +39,7 @@ from ..errors import ReferenceEngineError, exit_with
 from ..kernels import NUMERICS
 from ..runtime.commit import COMMIT_STRATEGIES
 from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
-from ..runtime.speculative import OracleProposer
+from ..runtime.oracle import OracleProposer
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
 from .async_engine import AsyncEngine, Finished, RequestFailed, ShuttingDown
 from .chat_template import compile_chat_template, render_chat_template

@@ -1,0 +1,71 @@
+"""The engine's configuration: one frozen dataclass, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..kernels import NUMERICS
+from ..models import CausalLM
+from ..models.dflash import DFlashDraft
+from .commit import check_strategy
+
+ADMISSION_POLICIES = ("wait", "reject")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # slots, preallocated
+    max_model_len: int | None = None  # default: the target's max_position_embeddings
+    block_size: int | None = None  # DFlash block size; None with a draft: the draft's
+    commit_strategy: str = "replay"
+    prefill_chunk: int = 512
+    admission: str = "wait"  # "wait": queue; "reject": refuse when no slot is free
+    max_waiting: int = 1024  # queued requests beyond the free slots
+    # fallback to plain decode when a request's mean acceptance length stays below this
+    # after `fallback_after_steps` steps; None disables it (the default, as in the gates)
+    fallback_min_acceptance: float | None = None
+    fallback_after_steps: int = 8
+    # kernels: "exact" (batch- and verify-invariant, bit-exact DFlash in bf16 on CUDA) or
+    # "fast" (cuBLAS GEMMs, kernels/triton_ops.VENDOR); None: exact on CUDA. On the CPU the
+    # PyTorch references run.
+    numerics: str | None = None
+    # run every forward eagerly; by default the decode, draft, verify and commit of both
+    # numerics on CUDA replay CUDA graphs captured at start-up (graphs.py)
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.prefill_chunk <= 0:
+            raise ConfigError(f"prefill_chunk must be positive, got {self.prefill_chunk}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ConfigError(
+                f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
+        if self.block_size is not None and self.block_size < 2:
+            raise ConfigError(f"block size must be >= 2, got {self.block_size}")
+        check_strategy(self.commit_strategy)
+        if self.fallback_after_steps <= 0:
+            raise ConfigError(
+                f"fallback_after_steps must be positive, got {self.fallback_after_steps}"
+            )
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.numerics is not None and self.numerics not in NUMERICS:
+            raise ConfigError(
+                f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def block_size_for(self, target: CausalLM, draft: DFlashDraft | None) -> int:
+        """The DFlash block size with this draft (0 without one): the configured one, else
+        the draft's; the draft must fit the target."""
+        if draft is None:
+            return 0
+        draft.config.check_target(target.config)
+        block_size = self.block_size or draft.config.block_size
+        if block_size > draft.config.block_size:
+            raise ConfigError(f"block size {block_size} is larger than the draft supports "
+                              f"({draft.config.block_size})")
+        return block_size

@@ -1,0 +1,57 @@
+"""The typed inputs and outputs of the engine's forwards, eager or replayed from a CUDA graph
+(graphs.py), so that no caller indexes a dictionary by name.
+
+A replayed output's tensors are views of its graph's static buffers: valid until that graph
+replays again, which is after the step has used them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from ..models import ForwardOutput
+
+
+class _Rows:
+    def head(self, rows: int):
+        """The same output for the first `rows` rows (a bucket's padding rows dropped)."""
+        return replace(self, **{f.name: getattr(self, f.name)[:rows] for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+@dataclass
+class StepInputs:
+    """What a forward of a step reads; a graph's are its static input buffers."""
+
+    ids: torch.Tensor  # [rows, width] token ids
+    positions: torch.Tensor  # [rows, width]
+    slots: torch.Tensor  # [rows]
+    valid: torch.Tensor  # [rows] tokens of each row that count (the rest is padding)
+    packed: torch.Tensor | None = None  # prefill: one buffer behind the four (one copy a replay)
+    processed: torch.Tensor | None = None  # commit: block tokens each row keeps [rows]
+
+
+@dataclass
+class Logits(_Rows):
+    """A prefill chunk's or a decode step's next-token logits."""
+
+    logits: torch.Tensor  # [rows, vocab]
+    tokens: torch.Tensor | None = None  # [rows] the greedy argmax, when the forward took it
+
+
+@dataclass
+class Proposals(_Rows):
+    """The draft's forward over the blocks."""
+
+    logits: torch.Tensor  # [b, N, vocab] for the N draft slots
+    tokens: torch.Tensor  # [b, N] greedy proposals
+
+
+@dataclass
+class Verified(_Rows, ForwardOutput):
+    """The target's verify forward over the blocks: logits [b, N + 1, vocab], the draft's
+    context features, and the greedy argmax of the logits when the forward took it."""
+
+    tokens: torch.Tensor | None = None  # [b, N + 1]

@@ -1,0 +1,146 @@
+"""The model runner: every forward of the engine's steps (prefill, decode, draft, verify,
+commit), each run from a captured CUDA graph when one fits and eagerly otherwise. This is the
+one place that makes that choice; callers get the same typed outputs (forwards.py) either way.
+
+Graphs exist on CUDA for the kernel tables that can be captured (graphs.py says which and
+why), unless the engine was told to run eagerly. A shape no graph holds (a last block shorter
+than B, more rows than the largest bucket, a chunk past its slot's room) runs eagerly, and
+gives the same bits in the exact numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..kernels import Kernels
+from ..models import CausalLM
+from ..models.dflash import DFlashDraft, DraftState
+from .commit import verify_record
+from .forwards import Logits, Proposals, StepInputs, Verified
+from .graphs import EngineGraphs
+from .state import TargetState
+from .transfer import to_device
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: CausalLM,
+        draft: DFlashDraft | None,
+        state: TargetState,
+        draft_state: DraftState | None,
+        ops: Kernels,
+        commit_strategy: str,
+        max_rows: int,
+        block_size: int,
+        prefill_chunk: int,
+        use_graphs: bool,
+    ) -> None:
+        self.target, self.draft = target, draft
+        self.state, self.draft_state = state, draft_state
+        self.ops = ops
+        self.device = state.device
+        self.capture_layers = draft.config.target_layer_ids if draft is not None else ()
+        # what the verify keeps for the commit strategy (per-token states, inputs)
+        self.record = verify_record(commit_strategy, target) if draft is not None else None
+        self.graphs: EngineGraphs | None = None
+        if use_graphs:
+            # graphs pad a batch to its bucket with rows on the state's spare slot, max_rows
+            self.graphs = EngineGraphs(
+                target, draft, state, draft_state, ops, max_rows, pad_slot=max_rows,
+                block_size=block_size, capture_layers=self.capture_layers, record=self.record,
+                prefill_chunk=prefill_chunk)
+            self.graphs.capture()
+
+    @property
+    def captured(self) -> bool:
+        """Whether forwards replay CUDA graphs where a shape fits."""
+        return self.graphs is not None
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_groups(self, lengths: list[int]) -> list[list[int]]:
+        """First chunks of these lengths, in order, grouped so that each group fits one
+        captured prefill (indices into `lengths`); each alone without graphs."""
+        groups: list[list[int]] = []
+        for i, n in enumerate(lengths):
+            group = groups[-1] if groups else None
+            longest = max([n, *(lengths[j] for j in group or [])])
+            if group is not None and self.graphs is not None and \
+                    self.graphs.prefill_fits(len(group) + 1, longest):
+                group.append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def prefill_batch(self, chunks: list[tuple[list[int], int, int]]) -> torch.Tensor | None:
+        """First chunks (ids, start, slot) of several requests in one captured prefill: the
+        logits of each chunk's last token [rows, vocab], or None when no graph holds them."""
+        out = self.graphs.prefill(chunks) if self.graphs is not None else None
+        return None if out is None else out.logits
+
+    def prefill(self, ids: list[int], start: int, slot: int, speculative: bool) -> torch.Tensor:
+        """One prompt chunk of one request (and the draft's context from it, for a speculative
+        request): the logits of its last token [1, vocab]."""
+        replayed = self.graphs.prefill([(ids, start, slot)]) if self.graphs is not None else None
+        if replayed is not None:
+            return replayed.logits
+        end = start + len(ids)
+        slots = to_device([slot], self.device)
+        positions = torch.arange(start, end, device=self.device)[None]
+        out = self.target(to_device([ids], self.device), positions, slots, self.state, kv_len=end,
+                          capture_layers=self.capture_layers if speculative else (),
+                          last_only=True, ops=self.ops)
+        if speculative:
+            self.draft.append_context(out.features, positions, slots, self.draft_state, self.ops)
+        return out.logits[:, -1]
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               kv_len: int) -> Logits:
+        """One plain step: ids, positions [b, 1], slots [b]; logits [b, vocab] (and the greedy
+        tokens [b] when a graph took them)."""
+        replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
+        if replayed is not None:
+            return replayed
+        out = self.target(ids, positions, slots, self.state, kv_len=kv_len, ops=self.ops)
+        return Logits(out.logits[:, -1])
+
+    # ------------------------------------------------------------------ speculative step
+    def propose(self, block: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                valid: torch.Tensor, kv_len: int) -> Proposals:
+        """The draft's forward over every row's block [b, N + 1] (anchor and mask tokens):
+        its logits and greedy proposals for the N draft slots."""
+        replayed = (self.graphs.propose(block, positions, slots, valid)
+                    if self.graphs is not None else None)
+        if replayed is not None:
+            return replayed
+        embeds = self.target.embed(block) * self.draft.config.input_embedding_scale
+        hidden = self.draft(embeds, positions, slots, self.draft_state, kv_len, valid_len=valid,
+                            ops=self.ops)
+        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops))
+
+    def verify(self, block: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               valid: torch.Tensor, kv_len: int) -> Verified:
+        """The target's forward over every block [b, N + 1], keeping the draft's context
+        features and what the commit strategy needs."""
+        replayed = (self.graphs.verify(block, positions, slots, valid)
+                    if self.graphs is not None else None)
+        if replayed is not None:
+            return replayed
+        out = self.target(block, positions, slots, self.state, kv_len,
+                          capture_layers=self.capture_layers, valid_len=valid, record=self.record,
+                          ops=self.ops)
+        return Verified(out.logits, out.features)
+
+    def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
+        """Capture the commit `body` per batch bucket, reading the verify graphs' buffers."""
+        if self.graphs is not None:
+            self.graphs.capture_commit(body)
+
+    def commit(self, processed: torch.Tensor, replay: bool) -> bool:
+        """Replay the captured commit of this step's verify with `processed` [b] (block tokens
+        each row keeps); False when the verify ran eagerly or `replay` is False, and the caller
+        commits eagerly. Either way the step's verify is used up."""
+        return self.graphs is not None and self.graphs.commit(processed, replay=replay)

@@ -1,0 +1,158 @@
+"""The scheduler: which requests hold a slot, which wait, and which are done.
+
+Slots are preallocated (the engine's state has `max_num_seqs` of them); a request waits in
+arrival order until a slot is free at the start of a step, holds it through prefill and
+decode, and gives it back when it finishes or is aborted. Admission policy `wait` queues up
+to `max_waiting` requests beyond the free slots; `reject` refuses a request that would have
+to wait. A speculative request falls back to plain decode for good when it asks for
+something the speculative path does not serve (logprobs, penalties) or, when enabled, when
+its mean acceptance length stays low; `fallbacks` counts the reasons.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from ..errors import RequestError
+from .sequence import (
+    FALLBACK_LOGPROBS,
+    FALLBACK_LOW_ACCEPTANCE,
+    FALLBACK_PENALTIES,
+    FALLBACK_SAMPLING,
+    Phase,
+    Sequence,
+)
+
+
+class EngineFullError(RequestError):
+    """No room for a request (admission policy `reject`, or the waiting queue is full)."""
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, admission: str, max_waiting: int,
+                 fallback_min_acceptance: float | None, fallback_after_steps: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.admission, self.max_waiting = admission, max_waiting
+        self.fallback_min_acceptance = fallback_min_acceptance
+        self.fallback_after_steps = fallback_after_steps
+        self.free_slots = list(range(max_num_seqs))
+        self.waiting: deque[Sequence] = deque()
+        self.active: dict[str, Sequence] = {}  # with a slot
+        self.known: dict[str, Sequence] = {}  # every live request (waiting or active)
+        self.finished: dict[str, Sequence] = {}  # done, until the caller collects them
+        self.fallbacks: dict[str, int] = {}
+        self.finished_requests = 0
+
+    # ------------------------------------------------------------------ requests
+    def check_new(self, request_id: str) -> None:
+        """Raise RequestError for a duplicate id, EngineFullError when the policy refuses."""
+        if request_id in self.known or request_id in self.finished:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        # queued requests take the free slots first, at the next step
+        if self.admission == "reject" and len(self.waiting) >= len(self.free_slots):
+            raise EngineFullError(
+                f"no free slot for request {request_id!r}: all {self.max_num_seqs} "
+                "are busy or promised (admission policy 'reject')"
+            )
+        if len(self.waiting) - len(self.free_slots) >= self.max_waiting:
+            raise EngineFullError(f"waiting queue full ({self.max_waiting} requests); retry later")
+
+    def queue(self, seq: Sequence) -> None:
+        """Take a new request; a speculative one that asks for what only plain decode serves
+        falls back at once."""
+        params = seq.params
+        if seq.speculative:
+            if params.logprobs is not None:
+                self.fall_back(seq, FALLBACK_LOGPROBS)
+            elif params.repetition_penalty != 1.0:
+                self.fall_back(seq, FALLBACK_SAMPLING)
+            elif params.penalised:
+                self.fall_back(seq, FALLBACK_PENALTIES)
+        self.known[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Give free slots to waiting requests, in arrival order; returns those admitted."""
+        admitted = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            seq.phase = Phase.PREFILL
+            self.active[seq.request_id] = seq
+            admitted.append(seq)
+        return admitted
+
+    def abort(self, request_id: str) -> Sequence:
+        """Drop a request wherever it is; its slot is free for the next step."""
+        seq = self.known.pop(request_id, None)
+        if seq is None:
+            raise RequestError(f"unknown request id {request_id!r}")
+        if seq.phase is Phase.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self._release(seq)
+        seq.phase, seq.finish_reason = Phase.FINISHED, "abort"
+        return seq
+
+    def finish(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.phase = Phase.FINISHED
+        seq.finished_s = time.monotonic()
+        self.finished_requests += 1
+        self.known.pop(seq.request_id, None)
+        self.finished[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence:
+        if request_id in self.known:
+            return self.known[request_id]
+        if request_id in self.finished:
+            return self.finished[request_id]
+        raise RequestError(f"unknown request id {request_id!r}")
+
+    def collect(self, request_id: str) -> Sequence:
+        """Hand over a finished request and forget it."""
+        if request_id not in self.finished:
+            raise RequestError(f"request {request_id!r} is not finished")
+        return self.finished.pop(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None and self.active.pop(seq.request_id, None) is not None:
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+
+    # ------------------------------------------------------------------ the step's rows
+    def prefilling(self) -> list[Sequence]:
+        return [s for s in self.active.values() if s.phase is Phase.PREFILL]
+
+    def running(self) -> list[Sequence]:
+        """Requests past prefill that still decode, in slot-admission order."""
+        return [s for s in self.active.values()
+                if s.phase is Phase.RUNNING and s.finish_reason is None]
+
+    def finish_done(self) -> None:
+        """Finish every active request whose finish reason the step set."""
+        for seq in list(self.active.values()):
+            if seq.finish_reason is not None:
+                self.finish(seq)
+
+    # ------------------------------------------------------------------ fallbacks
+    def fall_back(self, seq: Sequence, reason: str) -> None:
+        """Move a speculative request to plain decode for the rest of its life."""
+        seq.speculative = False
+        seq.fallback_reason = reason
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def check_low_acceptance(self, seq: Sequence) -> None:
+        threshold = self.fallback_min_acceptance
+        if threshold is None or seq.spec.steps < self.fallback_after_steps:
+            return
+        if seq.spec.mean_acceptance_length < threshold:
+            self.fall_back(seq, FALLBACK_LOW_ACCEPTANCE)
+
+    def reset_stats(self) -> None:
+        self.finished_requests = 0
+        self.fallbacks = {}

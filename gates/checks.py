@@ -16,9 +16,9 @@ from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import GenerationResult, generate_plain, new_state, prefill
 from reference_engine.runtime.engine import EngineConfig
+from reference_engine.runtime.one_request import SpecResult, generate_speculative
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import SpecResult, generate_speculative
 from reference_engine.runtime.state import TargetState
 
 

@@ -17,7 +17,7 @@ from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import new_state
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculate import SpeculativeStep
+from reference_engine.runtime.speculative_step import SpeculativeStep
 
 
 def model_ops(model: CausalLM, numerics: str | None) -> Kernels:

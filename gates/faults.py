@@ -2,7 +2,7 @@
 
 A fault replaces one attribute (a method of a class, or a function of a module, looked up
 where the engine calls it) for the duration of a `with planted(name):` block; most replace
-a phase method of `SpeculativeStep` (reference_engine/runtime/speculate.py). The production
+a phase method of `SpeculativeStep` (reference_engine/runtime/speculative_step.py). The production
 code has no fault branches. `python -m gates.faulty_serve FAULT SERVE_ARGS...` starts our
 server with one planted, for the HTTP gate.
 
@@ -24,7 +24,7 @@ from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime.sampling import sample
-from reference_engine.runtime.speculate import SpeculativeStep
+from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.serving.metrics import RequestMetrics, ServerMetrics
 

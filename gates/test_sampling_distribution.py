@@ -20,9 +20,9 @@ import torch
 
 from reference_engine.runtime.decode import new_state, prefill
 from reference_engine.runtime.engine import EngineConfig
+from reference_engine.runtime.one_request import generate_speculative
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sampling import accept_sampled, probabilities
-from reference_engine.runtime.speculative import generate_speculative
 
 from .conftest import SMALL_VOCAB as VOCAB
 from .faults import planted

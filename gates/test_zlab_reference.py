@@ -14,8 +14,8 @@ import torch
 
 from reference_engine.checkpoint import load_draft, load_target
 from reference_engine.runtime.engine import EngineConfig
+from reference_engine.runtime.one_request import generate_speculative
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.speculative import generate_speculative
 
 from .faults import planted
 

@@ -27,8 +27,8 @@ from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.decode import generate_plain
 from .runtime.engine import EngineConfig
+from .runtime.one_request import generate_speculative
 from .runtime.request import SamplingParams
-from .runtime.speculative import generate_speculative
 from .tokenizer import load_tokenizer
 
 

@@ -4,7 +4,7 @@ real checkpoints: `random_pair("qwen3-8b", "cuda", torch.bfloat16)`.
 The sizes follow the published configs of the named models (Qwen3-8B; Qwen3.5-4B's text
 model) and a 5-layer block-16 DFlash draft shaped like z-lab's. Weights are random: a
 random draft is accepted about never, so benchmarks pair these with the oracle proposer
-at a chosen acceptance length (forced: see runtime/speculative.OracleProposer). Speed depends on shapes,
+at a chosen acceptance length (forced: see runtime/one_request.OracleProposer). Speed depends on shapes,
 not on weight values.
 """
 

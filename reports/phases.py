@@ -2,7 +2,7 @@
 source, Nsight Systems (NVTX ranges, reports/nsys.py) or the engine benchmark's built-in
 phase timer (its CSV's ms_<phase> and ms_step columns).
 
-Nesting (reference_engine/engine.py, speculate.py): a step runs schedule, prefill, decode,
+Nesting (reference_engine/engine.py, speculative_step.py): a step runs schedule, prefill, decode,
 draft, verify, accept and commit one after another, none inside another; `sample` runs
 inside `prefill` (a prompt's last chunk) and inside `decode`. So the step's time is the sum
 of the top-level phases plus `other`, the time inside a step but outside every phase

@@ -114,7 +114,7 @@ def test_a_replaced_commit_phase_runs_eagerly() -> None:
     the captured commit (the reference methods) is not replayed."""
     from gates.faults import planted
     from reference_engine.runtime.model_runner import ModelRunner
-    from reference_engine.runtime.speculate import SpeculativeStep
+    from reference_engine.runtime.speculative_step import SpeculativeStep
 
     g = graphs_with(bucket=4, width=3)
     commit = with_commit(g, 4)

@@ -172,17 +172,17 @@ RUNTIME = "reference_engine.runtime"
 RUNTIME_LAYERS = [
     (f"{RUNTIME}.oracle", (RUNTIME,)),  # below everything in the runtime
     (f"{RUNTIME}.forwards", (f"{RUNTIME}.graphs", f"{RUNTIME}.model_runner", f"{RUNTIME}.engine",
-                             f"{RUNTIME}.scheduler", f"{RUNTIME}.speculate")),
+                             f"{RUNTIME}.scheduler", f"{RUNTIME}.speculative_step")),
     (f"{RUNTIME}.graphs", (f"{RUNTIME}.model_runner", f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
-                           f"{RUNTIME}.speculate", f"{RUNTIME}.speculative")),
+                           f"{RUNTIME}.speculative_step", f"{RUNTIME}.one_request")),
     (f"{RUNTIME}.model_runner", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
-                                 f"{RUNTIME}.speculate", f"{RUNTIME}.speculative")),
+                                 f"{RUNTIME}.speculative_step", f"{RUNTIME}.one_request")),
     (f"{RUNTIME}.scheduler", (f"{RUNTIME}.engine", f"{RUNTIME}.model_runner", f"{RUNTIME}.graphs",
-                              f"{RUNTIME}.forwards", f"{RUNTIME}.speculate",
-                              f"{RUNTIME}.speculative", "torch")),
-    (f"{RUNTIME}.speculate", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
-                              f"{RUNTIME}.speculative")),
-    (f"{RUNTIME}.engine", (f"{RUNTIME}.speculative",)),
+                              f"{RUNTIME}.forwards", f"{RUNTIME}.speculative_step",
+                              f"{RUNTIME}.one_request", "torch")),
+    (f"{RUNTIME}.speculative_step", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
+                              f"{RUNTIME}.one_request")),
+    (f"{RUNTIME}.engine", (f"{RUNTIME}.one_request",)),
 ]
 
 

@@ -40,8 +40,9 @@ def value(page: Samples, name: str, **labels: str) -> float:
 def idle_engine(spec: SpecCounters | None = None):
     """What `on_step` reads of an engine, with nothing running."""
     timer = SimpleNamespace(as_dict=lambda: {})
-    return SimpleNamespace(spec_totals=spec or SpecCounters(), fallbacks={}, active={},
-                           waiting=[], timer=timer, device=torch.device("cpu"))
+    scheduler = SimpleNamespace(fallbacks={}, active={}, waiting=[])
+    return SimpleNamespace(spec_totals=spec or SpecCounters(), scheduler=scheduler, timer=timer,
+                           device=torch.device("cpu"))
 
 
 # ------------------------------------------------------------------ one request, counted once

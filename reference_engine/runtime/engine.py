@@ -12,7 +12,7 @@ batched forward for plain requests), speculate (one batched draft forward and on
 verify forward for speculative requests; each row accepts and commits its own count).
 Slots and state are preallocated; nothing grows during a run. The scheduler (scheduler.py)
 decides who holds a slot, the model runner (model_runner.py) how each forward runs (a CUDA
-graph or eager), the speculative step (speculate.py) what a DFlash step commits.
+graph or eager), the speculative step (speculative_step.py) what a DFlash step commits.
 
 One request's failure is its own (outputs.py): an exception in its prefill (a batched
 prefill that raises is retried row by row from reset slots) or in a forward, or a row whose
@@ -41,7 +41,7 @@ from .profiling import NvtxRanges
 from .request import SamplingParams, new_generator, validate_request
 from .scheduler import EngineFullError, Scheduler
 from .sequence import Phase, Sequence
-from .speculate import SpeculativeStep, StepCommit
+from .speculative_step import SpeculativeStep, StepCommit
 from .state import TargetState
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
@@ -156,17 +156,17 @@ class Engine:
         with self.timer.phase("prefill"):
             pending = self._prefill_batched(self.scheduler.prefilling(), outputs)
             for seq in pending:
-                with outputs.failing([seq], outputs):
+                with outputs.failing([seq]):
                     self._prefill(seq, outputs)
         running = self.scheduler.running()
         plain = [s for s in running if not s.speculative]
         spec = [s for s in running if s.speculative]
         if plain:
-            with self.timer.phase("decode"), outputs.failing(plain, outputs):
+            with self.timer.phase("decode"), outputs.failing(plain):
                 self._decode(plain, outputs)
         if spec:
             commits: list[StepCommit] = []
-            with outputs.failing(spec, outputs):
+            with outputs.failing(spec):
                 commits = self.speculative_step(spec)
             for seq, commit in zip(spec, commits):
                 self._record_speculative(seq, commit, outputs)

@@ -1,5 +1,5 @@
 """The oracle proposer: scheduled acceptance for tests and benchmarks, in place of the draft's
-proposals, behind the `Proposer` protocol the speculative step reads (speculate.py).
+proposals, behind the `Proposer` protocol the speculative step reads (speculative_step.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 with one slot, sized to the request.
 
 The step itself (draft -> verify -> accept -> commit, with the vocabulary: block, anchor,
-accepted, bonus, acceptance length) is speculate.py; oracle.py forces scheduled acceptance
+accepted, bonus, acceptance length) is speculative_step.py; oracle.py forces scheduled acceptance
 for tests and benchmarks.
 
 Reference: DFlash (arXiv 2602.06036); z-lab `dflash_generate`, whose per-step acceptance

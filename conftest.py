@@ -18,10 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
+import os
+
 import torch
 
-from reference_engine.checkpoint import make_tiny_target
+# Without CUDA every Triton kernel runs under Triton's interpreter: the variable must be set
+# before triton is first imported, by whichever test module comes first
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from reference_engine.checkpoint import make_tiny_target  # noqa: E402
 
 # --target-model / --draft-model / --gate-device / --gate-dtype for the gates
 pytest_plugins = ("gates.options",)

@@ -295,9 +295,6 @@ def test_the_triton_argmax_takes_the_lowest_id_on_ties_across_block_and_chunk_bo
     pytest.importorskip("triton")
     from reference_engine.kernels import argmax
 
-    if not CUDA and not type(argmax._chunk_max_kernel).__name__ == "InterpretedFunction":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: the argmax kernel "
-                    "is compiled and there is no CUDA device to run it")
     block, chunk = argmax.BLOCK_V, argmax.CHUNK_V
     vocab = 2 * chunk + block + 5  # three chunks, the last one ragged
     device = "cuda" if CUDA else "cpu"

@@ -10,18 +10,26 @@
   `[DONE]` (a 503 body when not streaming), closes the listening socket and exits. It exits
   as soon as nothing is in flight. No stream is cut mid-frame: uvicorn's own cancellation is
   only a backstop after the grace period. A second signal skips what is left of the grace.
+
+`Lifecycle` is the one home of that policy's state: the engine thread (started and stopped
+with the app), whether the server is draining, what /health reports, and what the deadline
+does; `GracefulServer` only decides when.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from types import FrameType
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .async_engine import AsyncEngine
+from .protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 BACKSTOP_S = 5.0  # after the grace period, how long the error events get to be written
@@ -98,3 +106,49 @@ class GracefulServer(uvicorn.Server):
         if not self.idle():
             self.on_deadline()
         super().handle_exit(sig, frame)
+
+
+class Lifecycle:
+    """The server's life: the engine thread runs while the app does (`lifespan`); from the
+    first signal it is draining (`admit` refuses new requests with 503, /health says so); at
+    the end of the grace period the requests left end with ShuttingDown (`deadline`)."""
+
+    def __init__(self, start_runner: Callable[[], AsyncEngine], grace_s: float) -> None:
+        self.start_runner = start_runner
+        self.grace_s = grace_s
+        self.runner: AsyncEngine | None = None  # the engine's own thread, from the app's startup
+        self.draining = False
+
+    @asynccontextmanager
+    async def lifespan(self, app) -> AsyncIterator[None]:
+        self.runner = self.start_runner()
+        yield
+        self.runner.shutdown()
+
+    def admit(self) -> None:
+        """Raise 503 for a new request once draining."""
+        if self.draining:
+            raise ProtocolError("the server is shutting down", None, 503, "service_unavailable")
+
+    def health(self) -> tuple[dict, int]:
+        """/health's body and status."""
+        if self.draining:
+            return {"status": "draining"}, 503
+        if self.runner is None or not self.runner.alive:
+            return {"status": "unhealthy", "reason": "the engine loop is not running"}, 503
+        return {"status": "ok"}, 200
+
+    def serve(self, config: uvicorn.Config) -> None:
+        """Run uvicorn until a signal and the drain it starts are over."""
+        GracefulServer(config, self.grace_s, self.drain, self.deadline, self.idle).run()
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def deadline(self) -> None:
+        if self.runner is not None:
+            self.runner.end_all(f"the server shut down before this request finished "
+                                f"(--shutdown-grace {self.grace_s:g} s)")
+
+    def idle(self) -> bool:
+        return self.runner is None or not self.runner.streams

@@ -14,50 +14,39 @@ in constant time; --api-key-scope all protects every endpoint but /health). A re
 engine fails gets 500 (an error event and [DONE] when streaming) and harms no other request.
 SIGTERM stops admitting (503), gives requests in flight --shutdown-grace seconds, then ends
 the rest with an error event and [DONE] (lifecycle.py).
+
+This module holds the options, the model and its engine behind the routes (`Server`) and
+`main`. The routes and the API key: app.py; one request's event stream: generation.py; the
+streamed and the whole reply made from it: replies.py; start, drain and shutdown: lifecycle.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hmac
+import itertools
 import json
 import logging
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+import uvicorn
 
 from ..checkpoint import DTYPES, load_draft, load_target, parse_dtype
 from ..errors import ReferenceEngineError, exit_with
 from ..kernels import NUMERICS
 from ..runtime.commit import COMMIT_STRATEGIES
-from ..runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
+from ..runtime.engine import Engine, EngineConfig
 from ..runtime.oracle import OracleProposer
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
-from .async_engine import AsyncEngine, Finished, RequestFailed, ShuttingDown
+from .app import create_app
+from .async_engine import AsyncEngine
 from .chat_template import compile_chat_template, render_chat_template
-from .lifecycle import BACKSTOP_S, GracefulServer, header_timeout_protocol
-from .limits import BodyLimits, MiB, decode_json, read_body
-from .metrics import FAILED, RequestMetrics, ServerMetrics
-from .protocol import (
-    ProtocolError,
-    chunk,
-    error_body,
-    full_response,
-    logprobs_body,
-    new_id,
-    parse_request,
-    spec_summary,
-    usage,
-)
-from .stop_strings import StopStringText
+from .lifecycle import BACKSTOP_S, Lifecycle, header_timeout_protocol
+from .limits import BodyLimits, MiB, decode_json
+from .metrics import ServerMetrics
+from .protocol import ParsedRequest, ProtocolError, new_id, parse_request
 
 
 @dataclass(frozen=True)
@@ -162,7 +151,8 @@ def _port(text: str) -> int:
 
 
 class Server:
-    """Model, tokenizer, engine thread and metrics behind the HTTP routes."""
+    """Model, tokenizer, engine and metrics behind the HTTP routes (app.py); the engine
+    thread, draining and shutdown are its `lifecycle` (lifecycle.py)."""
 
     def __init__(self, args: ServeArgs) -> None:
         device = torch.device(args.device)
@@ -188,10 +178,9 @@ class Server:
         self.name = args.served_model_name or Path(args.model).name
         self.api_key = args.api_key
         self.api_key_scope = args.api_key_scope
-        self.draining = False  # SIGTERM received: new requests get 503
         self.metrics = ServerMetrics()
-        self.runner: AsyncEngine | None = None
-        self.counter = 0
+        self.lifecycle = Lifecycle(self._start_runner, args.shutdown_grace)
+        self._request_numbers = itertools.count(1)  # the last part of each request id
         self.oracle_acceptance = args.oracle_acceptance
         if self.oracle_acceptance is not None:
             if draft is None:
@@ -206,8 +195,18 @@ class Server:
             [], self.oracle_acceptance, self.engine.block_size,
             self.engine.target.config.vocab_size, forced=True)
 
-    def start(self) -> None:
-        self.runner = AsyncEngine(self.engine, self.metrics.on_step, self.make_oracle)
+    def _start_runner(self) -> AsyncEngine:
+        return AsyncEngine(self.engine, self.metrics.on_step, self.make_oracle)
+
+    def new_request_id(self, chat: bool) -> str:
+        return f"{new_id(chat)}-{next(self._request_numbers)}"
+
+    def parse(self, raw: bytes, chat: bool) -> ParsedRequest:
+        """A request body as the engine takes it (ProtocolError: 400, 404). Slow for a large
+        body: the routes call it off the event loop."""
+        body = decode_json(raw, self.limits)
+        return parse_request(body, self.name, self.tokenize, chat, self.apply_chat_template,
+                             self.engine.target.config.vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
         # no token is longer than the vocabulary's longest, so a text too long for the
@@ -234,267 +233,23 @@ def _chat_template(model_dir: Path) -> str:
     return CHAT_TEMPLATE  # ChatML, documented default for tiny models
 
 
-def create_app(server: Server) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app):
-        server.start()
-        yield
-        server.runner.shutdown()
-
-    app = FastAPI(title="DFlash reference server", lifespan=lifespan)
-
-    def fail(exc: ProtocolError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.kind, exc.param, exc.code),
-                            status_code=exc.status)
-
-    def authorized(request: Request) -> bool:
-        if server.api_key is None:
-            return True
-        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-        # constant time: the comparison does not tell how much of a guess was right
-        return hmac.compare_digest(given, f"Bearer {server.api_key}".encode())
-
-    @app.middleware("http")
-    async def protect_everything(request: Request, call_next):
-        if (server.api_key_scope == "all" and request.url.path != "/health"
-                and not request.url.path.startswith("/v1/") and not authorized(request)):
-            return fail(ProtocolError("missing or wrong API key", None, 401,
-                                      "authentication_error"))
-        return await call_next(request)
-
-    @app.get("/health")
-    async def health():
-        if server.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if server.runner is None or not server.runner.alive:
-            return JSONResponse({"status": "unhealthy", "reason": "the engine loop is not running"},
-                                status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/info")
-    async def info():
-        """What a benchmark records about this server (harness meta.json, the report's run table)."""
-        engine = server.engine
-        return {"model": server.name, "torch": torch.__version__, "device": str(engine.device),
-                "dtype": str(engine.dtype).removeprefix("torch."), "numerics": engine.numerics,
-                "mode": "dflash" if engine.draft is not None else "plain",
-                "block_size": engine.block_size or None, "max_num_seqs": engine.config.max_num_seqs,
-                "threads": torch.get_num_threads()}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        if not authorized(request):
-            return fail(ProtocolError("missing or wrong API key", None, 401,
-                                      "authentication_error"))
-        return {"object": "list", "data": [{"id": server.name, "object": "model",
-                                            "owned_by": "reference_engine"}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(server.metrics.render(server.engine),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def generate(request: Request, chat: bool):
-        arrival_s = time.monotonic()
-        if not authorized(request):
-            return fail(ProtocolError("missing or wrong API key", None, 401,
-                                      "authentication_error"))
-        if server.draining:
-            return fail(ProtocolError("the server is shutting down", None, 503,
-                                      "service_unavailable"))
-        try:
-            raw = await read_body(request, server.limits)
-            # decoding and tokenising a large body take a while: not on the event loop
-            parsed = await asyncio.to_thread(_parse, server, raw, chat)
-        except ProtocolError as exc:
-            return fail(exc)
-        server.counter += 1
-        request_id = f"{new_id(chat)}-{server.counter}"
-        # the request's metrics, counted here: only this handler knows how the request ends
-        # for its client (a stop string cut, a client gone), and it ends each one exactly once
-        counted = server.metrics.request(len(parsed.prompt_ids), arrival_s)
-        try:
-            queue = await server.runner.submit(request_id, parsed.prompt_ids, parsed.params)
-        except EngineFullError as exc:
-            return fail(ProtocolError(str(exc), None, 429, "rate_limit_error"))
-        except ReferenceEngineError as exc:
-            return fail(ProtocolError(str(exc)))
-        except RequestFailed as exc:
-            counted.finish(FAILED)
-            return fail(ProtocolError(str(exc), None, 500, "server_error"))
-        text = StopStringText(server.detokenize, parsed.stop)
-
-        def close() -> None:  # however the response ends; a client gone leaves it unfinished
-            if not counted.finished:
-                server.runner.abort(request_id)
-                counted.finish("abort")
-
-        if parsed.stream:
-            return EventStream(stream_events(request_id, parsed, queue, text, counted), close)
-        try:
-            return await collect_response(request_id, parsed, queue, text, counted)
-        finally:
-            close()
-
-    def piece(parsed, out: StepOutput, text: StopStringText,
-              counted: RequestMetrics) -> tuple[str, list[int], dict | None]:
-        delta, ids = text.push(out.new_token_ids, out.finished)
-        counted.delivered(len(ids), out.time_s)
-        if text.stopped:
-            counted.finish("stop")
-        elif out.finished:
-            counted.finish(out.finish_reason)
-        lp = None
-        if parsed.logprobs is not None and out.new_logprobs:
-            lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
-                               out.new_logprobs[: len(ids)], lambda t: server.detokenize([t]),
-                               parsed.logprobs)
-        return delta, ids, lp
-
-    async def collect_response(request_id, parsed, queue, text, counted: RequestMetrics):
-        pieces, ids, entries, finish = [], [], [], None
-        while True:
-            item = await queue.get()
-            if isinstance(item, Finished):
-                counted.finish(_ended(item))
-                if isinstance(item.error, ShuttingDown):
-                    return fail(ProtocolError(str(item.error), None, 503, "service_unavailable"))
-                if item.error is not None:
-                    return fail(ProtocolError(f"engine error: {item.error}", None, 500,
-                                              "server_error"))
-                sequence = item.sequence
-                break
-            if text.stopped:
-                continue  # cut at a stop string: drain until the abort lands
-            delta, new_ids, _ = piece(parsed, item, text, counted)
-            pieces.append(delta)
-            ids.extend(new_ids)
-            if item.new_logprobs:
-                entries.extend(item.new_logprobs[: len(new_ids)])
-            finish = item.finish_reason
-            if text.stopped:
-                server.runner.abort(request_id)
-                finish = "stop"
-        lp = None
-        if parsed.logprobs is not None:
-            lp = logprobs_body(parsed.chat, [server.detokenize([t]) for t in ids], ids,
-                               entries, lambda t: server.detokenize([t]), parsed.logprobs)
-        return full_response(request_id, server.name, parsed.chat, "".join(pieces), ids,
-                             finish or "abort", lp, usage(len(parsed.prompt_ids), len(ids)),
-                             spec_summary(sequence), parsed.prompt_ids)
-
-    async def stream_events(request_id, parsed, queue, text, counted: RequestMetrics):
-        emitted, first = 0, True
-        while True:
-            item = await queue.get()
-            if isinstance(item, Finished):
-                counted.finish(_ended(item))
-                if isinstance(item.error, ShuttingDown):
-                    yield _sse(error_body(str(item.error), "service_unavailable", None, 503))
-                elif item.error is not None:
-                    yield _sse(error_body(f"engine error: {item.error}", "server_error",
-                                          None, 500))
-                elif parsed.include_usage:
-                    body = chunk(request_id, server.name, parsed.chat, "", [], None)
-                    body["choices"] = []
-                    body["usage"] = usage(len(parsed.prompt_ids), emitted)
-                    spec = spec_summary(item.sequence)
-                    if spec is not None:
-                        body["spec_decode"] = spec
-                    yield _sse(body)
-                yield "data: [DONE]\n\n"
-                return
-            if text.stopped:
-                continue  # cut at a stop string: drain until the abort lands
-            delta, ids, lp = piece(parsed, item, text, counted)
-            finish = "stop" if text.stopped else item.finish_reason
-            if text.stopped:
-                server.runner.abort(request_id)
-            emitted += len(ids)
-            body = chunk(request_id, server.name, parsed.chat, delta, ids, finish, lp,
-                         role=first)
-            first = False
-            if parsed.continuous_usage:
-                body["usage"] = usage(len(parsed.prompt_ids), emitted)
-            yield _sse(body)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, chat=True)
-
-    return app
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that calls `close` however it ends: streamed to the end, or cut short
-    by a client that went away (mid-stream, or before the first event was sent)."""
-
-    def __init__(self, events: AsyncIterator[str], close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self.close = close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.close()
-
-
-def _ended(item: Finished) -> str:
-    """How a request ended that its handler had not seen end (an error, or an abort: the
-    server shut down)."""
-    if item.error is not None and not isinstance(item.error, ShuttingDown):
-        return FAILED
-    return "abort"
-
-
-def _parse(server: Server, raw: bytes, chat: bool):
-    body = decode_json(raw, server.limits)
-    return parse_request(body, server.name, server.tokenize, chat, server.apply_chat_template,
-                         server.engine.target.config.vocab_size)
-
-
-def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = ServeArgs.parse(argv)
     try:
         server = Server(args)
     except ReferenceEngineError as exc:
         return exit_with(exc)
-    import uvicorn
-
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    app = create_app(server)
     mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"
     if server.oracle_acceptance is not None:
         mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
     print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            http=header_timeout_protocol(args.header_timeout),
+    config = uvicorn.Config(create_app(server), host=args.host, port=args.port,
+                            log_level="warning", http=header_timeout_protocol(args.header_timeout),
                             timeout_keep_alive=args.timeout_keep_alive,
                             timeout_graceful_shutdown=args.shutdown_grace + BACKSTOP_S)
-
-    def drain() -> None:
-        server.draining = True
-
-    def deadline() -> None:
-        if server.runner is not None:
-            server.runner.end_all(f"the server shut down before this request finished "
-                                  f"(--shutdown-grace {args.shutdown_grace:g} s)")
-
-    def idle() -> bool:
-        return server.runner is None or not server.runner.streams
-
-    GracefulServer(config, args.shutdown_grace, drain, deadline, idle).run()
+    server.lifecycle.serve(config)
     return 0
 
 

@@ -19,7 +19,10 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from reference_engine.serving.server import ServeArgs, Server, create_app, main
+from reference_engine.serving.app import create_app
+from reference_engine.serving.args import ServeArgs
+from reference_engine.serving.server import main
+from reference_engine.serving.service import Server
 from tests.poison import poisoned
 from tests.server_process import free_port
 

@@ -12,7 +12,9 @@ from fastapi.testclient import TestClient
 from starlette.routing import Route
 
 from reference_engine.checkpoint import make_tiny_draft
-from reference_engine.serving.server import ServeArgs, Server, create_app
+from reference_engine.serving.app import create_app
+from reference_engine.serving.args import ServeArgs
+from reference_engine.serving.service import Server
 
 KEY = "sekret"
 

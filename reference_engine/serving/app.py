@@ -28,7 +28,7 @@ from .protocol import ParsedRequest, ProtocolError
 from .replies import error_json, respond
 
 if TYPE_CHECKING:
-    from .server import Server
+    from .service import Server
 
 TITLE = "DFlash reference server"
 

@@ -31,7 +31,7 @@ from .stop_strings import StopStringText
 
 if TYPE_CHECKING:
     from ..runtime.sequence import Sequence
-    from .server import Server
+    from .service import Server
 
 
 @dataclass(frozen=True)

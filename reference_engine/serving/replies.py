@@ -22,7 +22,7 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from .server import Server
+    from .service import Server
 
 
 async def respond(server: Server, parsed: ParsedRequest, arrival_s: float) -> dict | EventStream:

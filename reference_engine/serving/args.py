@@ -1,0 +1,111 @@
+"""The server's command line: one frozen dataclass, built from argparse."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..checkpoint import DTYPES
+from ..kernels import NUMERICS
+from ..runtime.commit import COMMIT_STRATEGIES
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str
+    dflash_draft_model_path: str | None
+    block_size: int | None
+    commit_strategy: str
+    dtype: str
+    device: str
+    max_num_seqs: int
+    max_model_len: int | None
+    threads: int | None
+    max_waiting: int
+    host: str
+    port: int
+    api_key: str | None
+    served_model_name: str | None
+    oracle_acceptance: float | None
+    numerics: str | None
+    enforce_eager: bool
+    max_body_mb: float = 4.0
+    shutdown_grace: float = 5.0
+    api_key_scope: str = "api"
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = 10.0
+
+    @classmethod
+    def parse(cls, argv: list[str] | None) -> ServeArgs:
+        p = argparse.ArgumentParser(prog="python -m reference_engine.serve",
+                                    description="The OpenAI-compatible reference server.")
+        p.add_argument("--model", required=True,
+                       help="target checkpoint directory (Hugging Face layout)")
+        p.add_argument("--dflash-draft-model-path", default=None,
+                       help="DFlash draft checkpoint directory; without it, plain decode")
+        p.add_argument("--block-size", type=int, default=None,
+                       help="DFlash block size (anchor included; default: the draft's)")
+        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES,
+                       help="how hybrid (Gated DeltaNet) state reaches the accepted boundary")
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                       help="weights and activations")
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+        p.add_argument("--max-num-seqs", type=int, default=8,
+                       help="slots: requests decoded at once")
+        p.add_argument("--threads", type=_threads, default=None,
+                       help="CPU threads per operator (torch.set_num_threads; default: torch's). "
+                            "1 when a load generator shares the machine's few cores: "
+                            "threads that wait on each other for a busy core slow every step")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the target's max_position_embeddings)")
+        p.add_argument("--max-waiting", type=int, default=256,
+                       help="queued requests beyond the slots; more get HTTP 429")
+        p.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (loopback by default)")
+        p.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535")
+        p.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on the API (else 401)")
+        p.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the model directory's name)")
+        p.add_argument("--oracle-acceptance", type=float, default=None,
+                       help="benchmarks only: force this mean acceptance length on greedy "
+                       "requests (the draft still runs; output is not checked)")
+        p.add_argument("--numerics", choices=NUMERICS, default=None,
+                       help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
+                            "greedy bit for bit in bfloat16) or fast (cuBLAS matrix products); default "
+                            "exact on cuda; the CPU runs the PyTorch references")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="run every forward eagerly (no CUDA graphs)")
+        p.add_argument("--max-body-mb", type=float, default=4.0,
+                       help="largest request body in MiB; a larger one gets HTTP 413")
+        p.add_argument("--shutdown-grace", type=float, default=5.0,
+                       help="seconds that requests in flight get to finish after SIGTERM; "
+                       "then each ends with an error event and [DONE]")
+        p.add_argument("--api-key-scope", choices=("api", "all"), default="api",
+                       help="what --api-key protects: 'api' (/v1/*) or 'all' (also /metrics, "
+                       "/info, /docs, /openapi.json; /health stays open)")
+        p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+        p.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send a request's headers")
+        return cls(**vars(p.parse_args(argv)))
+
+
+def _threads(text: str) -> int:
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a thread count: {text!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {port}")
+    return port

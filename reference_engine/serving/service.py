@@ -1,0 +1,108 @@
+"""The served model: target, draft, tokenizer, engine and metrics behind the HTTP routes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..checkpoint import load_draft, load_target, parse_dtype
+from ..errors import ReferenceEngineError
+from ..runtime.engine import Engine, EngineConfig
+from ..runtime.oracle import OracleProposer
+from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
+from .async_engine import AsyncEngine
+from .chat_template import compile_chat_template, render_chat_template
+from .lifecycle import Lifecycle
+from .limits import BodyLimits, MiB, decode_json
+from .metrics import ServerMetrics
+from .protocol import ParsedRequest, ProtocolError, new_id, parse_request
+
+if TYPE_CHECKING:
+    from .args import ServeArgs
+
+
+class Server:
+    """Model, tokenizer, engine and metrics behind the HTTP routes (app.py); the engine
+    thread, draining and shutdown are its `lifecycle` (lifecycle.py)."""
+
+    def __init__(self, args: ServeArgs) -> None:
+        device = torch.device(args.device)
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ReferenceEngineError(f"--device {args.device}: no CUDA device available")
+        target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
+        draft = None
+        if args.dflash_draft_model_path:
+            draft = load_draft(args.dflash_draft_model_path, target)
+        elif args.block_size is not None:
+            raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
+        config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              block_size=args.block_size, commit_strategy=args.commit_strategy,
+                              max_waiting=args.max_waiting, numerics=args.numerics,
+                              enforce_eager=args.enforce_eager)
+        self.engine = Engine(target, draft, config)  # validates the pair and the options
+        self.tokenizer = load_tokenizer(args.model)
+        self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+        self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
+        self.limits = BodyLimits(max_bytes=int(args.max_body_mb * MiB))
+        self.name = args.served_model_name or Path(args.model).name
+        self.api_key = args.api_key
+        self.api_key_scope = args.api_key_scope
+        self.metrics = ServerMetrics()
+        self.lifecycle = Lifecycle(self._start_runner, args.shutdown_grace)
+        self._request_numbers = itertools.count(1)  # the last part of each request id
+        self.oracle_acceptance = args.oracle_acceptance
+        if self.oracle_acceptance is not None:
+            if draft is None:
+                raise ReferenceEngineError("--oracle-acceptance needs --dflash-draft-model-path")
+            OracleProposer.for_mean_acceptance([], self.oracle_acceptance,
+                                               self.engine.block_size, target.config.vocab_size)
+
+    def make_oracle(self, params) -> OracleProposer | None:
+        if self.oracle_acceptance is None or not params.greedy:
+            return None
+        return OracleProposer.for_mean_acceptance(
+            [], self.oracle_acceptance, self.engine.block_size,
+            self.engine.target.config.vocab_size, forced=True)
+
+    def _start_runner(self) -> AsyncEngine:
+        return AsyncEngine(self.engine, self.metrics.on_step, self.make_oracle)
+
+    def new_request_id(self, chat: bool) -> str:
+        return f"{new_id(chat)}-{next(self._request_numbers)}"
+
+    def parse(self, raw: bytes, chat: bool) -> ParsedRequest:
+        """A request body as the engine takes it (ProtocolError: 400, 404). Slow for a large
+        body: the routes call it off the event loop."""
+        body = decode_json(raw, self.limits)
+        return parse_request(body, self.name, self.tokenize, chat, self.apply_chat_template,
+                             self.engine.target.config.vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        # no token is longer than the vocabulary's longest, so a text too long for the
+        # context is refused without tokenising it
+        fewest = len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
+        if fewest >= self.engine.context_len:
+            raise ProtocolError(f"the prompt has at least {fewest} tokens but the context holds "
+                                f"{self.engine.context_len}", "prompt")
+        return self.tokenizer.encode_batch([text])[0].ids  # releases the GIL, unlike encode
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return render_chat_template(self.chat_template, messages)
+
+
+def _chat_template(model_dir: Path) -> str:
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return CHAT_TEMPLATE  # ChatML, documented default for tiny models

@@ -27,6 +27,8 @@ import os
 
 import pytest
 
+from reference_engine.engine_args import ENGINE_OPTIONS
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("dflash gates")
@@ -35,7 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--draft-model", default=os.environ.get("DFLASH_GATE_DRAFT"),
                     help="DFlash draft directory for --target-model (env DFLASH_GATE_DRAFT)")
     group.addoption("--gate-device", default=os.environ.get("DFLASH_GATE_DEVICE", "cpu"),
-                    help="device for the gate models (env DFLASH_GATE_DEVICE)")
+                    help=f"{ENGINE_OPTIONS['device'].help}, for the gate models "
+                    "(env DFLASH_GATE_DEVICE)")
     group.addoption("--baseline-url", default=os.environ.get("DFLASH_BASELINE_URL"),
                     help="HTTP gate: baseline server (DFlash off) (env DFLASH_BASELINE_URL)")
     group.addoption("--candidate-url", default=os.environ.get("DFLASH_CANDIDATE_URL"),
@@ -54,13 +57,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--compare-tokenizer", default=os.environ.get("DFLASH_COMPARE_TOKENIZER"),
                     help="HTTP gate: the model's tokenizer directory, for servers without ids")
     group.addoption("--gate-dtype", default=os.environ.get("DFLASH_GATE_DTYPE"),
-                    help="float64 | float32 | bfloat16; default float64 for tiny pairs, "
+                    choices=[None, *ENGINE_OPTIONS["dtype"].kwargs["choices"]],
+                    help=f"{ENGINE_OPTIONS['dtype'].help}: default float64 for tiny pairs, "
                     "bfloat16 for a user's checkpoints (env DFLASH_GATE_DTYPE)")
     group.addoption("--gate-numerics", default=os.environ.get("DFLASH_GATE_NUMERICS"),
-                    choices=[None, "exact", "fast"],
-                    help="kernels of the engine under test: exact (default on CUDA: "
-                    "divergences fail) or fast (vendor kernels: divergences are reported with "
-                    "their tie margins, and fail) (env DFLASH_GATE_NUMERICS)")
+                    choices=[None, *ENGINE_OPTIONS["numerics"].kwargs["choices"]],
+                    help=f"the engine under test's {ENGINE_OPTIONS['numerics'].help}; in fast "
+                    "numerics divergences are reported with their tie margins, and fail "
+                    "(env DFLASH_GATE_NUMERICS)")
     group.addoption("--gate-prompts", default=os.environ.get("DFLASH_GATE_PROMPTS"),
                     help="JSONL prompts for a user's pair: `prompt` (text), `messages` (chat, "
                     "the checkpoint's template) or `prompt_ids` per row; default: 32 of the "

@@ -56,11 +56,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
+from .checkpoint import load_draft, load_target, parse_dtype
 from .demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from .engine_args import NUMERICS_HELP, add_engine_options
 from .errors import ReferenceEngineError, exit_with
 from .kernels import NUMERICS
-from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.engine import Engine, EngineConfig
 from .runtime.floor import weight_streaming_floor
 from .runtime.oracle import OracleProposer
@@ -97,11 +97,10 @@ class BenchArgs:
     floor: bool
 
     @classmethod
-    def parse(cls, argv: list[str] | None) -> BenchArgs:
+    def parser(cls) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(prog="python scripts/bench_engine.py",
                                     description=__doc__.split("\n\n")[0])
-        p.add_argument("--model", help="target checkpoint directory")
-        p.add_argument("--draft", help="DFlash draft directory")
+        add_engine_options(p, "model", "draft")
         p.add_argument("--random-shape", choices=sorted(TARGET_SHAPES),
                        help="random-weight target and 5-layer block-16 draft of a real shape")
         p.add_argument("--prompts", help="JSONL prompts: `prompt_ids` (token ids) or `prompt` "
@@ -114,27 +113,31 @@ class BenchArgs:
         p.add_argument("--num-prompts", type=int, default=None)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--block-size", type=int, default=None)
-        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES)
-        p.add_argument("--dtype", default=None, choices=list(DTYPES),
-                       help="default: bfloat16 on cuda, float32 on cpu")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        add_engine_options(p, "block_size", "commit_strategy")
+        add_engine_options(p, "dtype", "device",
+                           dtype={"default": None,
+                                  "help": "weights and activations (default: bfloat16 on cuda, "
+                                          "float32 on cpu)"},
+                           device="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--profile-capture", action="store_true",
                        help="cudaProfilerStart/Stop around the measured repeats, for "
                             "nsys profile --capture-range=cudaProfilerApi")
         p.add_argument("--out", help="CSV file for the per-(mode, concurrency) rows")
-        p.add_argument("--numerics", default=None,
-                       help="kernels, comma-separated to compare them interleaved: exact "
-                            "(batch- and verify-invariant) and/or fast (cuBLAS matrix products); "
-                            "default: exact on cuda (the CPU runs the references)")
-        p.add_argument("--enforce-eager", action="store_true",
-                       help="run every forward eagerly (no CUDA graphs)")
+        # several numerics, comma-separated, are measured interleaved
+        add_engine_options(p, "numerics", "enforce_eager",
+                           numerics={"choices": None, "help": "comma-separated, to compare them "
+                                     "interleaved; each one of: " + NUMERICS_HELP})
         p.add_argument("--floor", action="store_true",
                        help="measure the weight-streaming floor (every weight read once, "
                             "graph-captured) per concurrency and give each step time as a "
                             "multiple of it")
+        return p
+
+    @classmethod
+    def parse(cls, argv: list[str] | None) -> BenchArgs:
+        p = cls.parser()
         ns = p.parse_args(argv)
         if ns.random_shape is not None and ns.model is not None:
             p.error("give either --model DIR --draft DIR or --random-shape NAME, not both")

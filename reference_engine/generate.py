@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import DTYPES, load_draft, load_target, parse_dtype
+from .checkpoint import load_draft, load_target, parse_dtype
+from .engine_args import add_engine_options
 from .errors import ReferenceEngineError, RequestError, exit_with
-from .kernels import NUMERICS
-from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.decode import generate_plain
 from .runtime.engine import EngineConfig
 from .runtime.one_request import generate_speculative
@@ -63,30 +62,22 @@ class GenerateArgs:
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(prog="python -m reference_engine.generate")
-        p.add_argument("--model", required=True, help="target model directory (HF layout)")
+        add_engine_options(p, "model", model={"required": True})
         prompt = p.add_mutually_exclusive_group(required=True)
         prompt.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
         prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
         p.add_argument("--max-tokens", type=int, required=True)
-        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--device", default="cpu")
+        add_engine_options(p, "dtype", "device")
         p.add_argument("--stop-ids", default="", help="extra stop token ids, comma-separated")
         p.add_argument("--ignore-eos", action="store_true")
-        p.add_argument("--max-model-len", type=int, default=None)
+        add_engine_options(p, "max_model_len")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
         p.add_argument("--seed", type=int, default=0, help="sampling seed")
-        p.add_argument("--draft", help="DFlash draft directory: speculative decoding")
-        p.add_argument("--block-size", type=int, default=None,
-                       help="tokens per draft block, anchor included (default: the draft's)")
-        p.add_argument("--commit-strategy", default="replay",
-                       help=f"hybrid targets: one of {', '.join(COMMIT_STRATEGIES)}")
+        add_engine_options(p, "draft", "block_size", "commit_strategy")
         p.add_argument("--json", action="store_true", help="print one JSON object")
-        p.add_argument("--numerics", choices=NUMERICS, default=None,
-                       help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
-                            "greedy bit for bit in bfloat16) or fast (cuBLAS matrix products); default "
-                            "exact on cuda; the CPU runs the PyTorch references")
+        add_engine_options(p, "numerics")
         return p
 
     @classmethod

@@ -151,7 +151,7 @@ def test_the_cycle_finder_finds_a_deliberately_added_cycle(tmp_path: Path) -> No
                                      "reference_engine.training", "reference_engine.checkpoint")),
         ("reference_engine.runtime", ("reference_engine.serving", "reference_engine.training",
                                       "reference_engine.generate", "reference_engine.bench",
-                                      "reference_engine.serve")),
+                                      "reference_engine.serve", "reference_engine.engine_args")),
         ("reference_engine.kernels", ("reference_engine.config", "reference_engine.models",
                                       "reference_engine.runtime", "reference_engine.serving",
                                       "reference_engine.errors", "reference_engine.checkpoint")),

@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..checkpoint import DTYPES
-from ..kernels import NUMERICS
-from ..runtime.commit import COMMIT_STRATEGIES
+from ..engine_args import add_engine_options
 
 
 @dataclass(frozen=True)
 class ServeArgs:
     model: str
-    dflash_draft_model_path: str | None
+    draft: str | None
     block_size: int | None
     commit_strategy: str
     dtype: str
@@ -37,27 +35,19 @@ class ServeArgs:
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
+        return cls(**vars(cls.parser().parse_args(argv)))
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(prog="python -m reference_engine.serve",
                                     description="The OpenAI-compatible reference server.")
-        p.add_argument("--model", required=True,
-                       help="target checkpoint directory (Hugging Face layout)")
-        p.add_argument("--dflash-draft-model-path", default=None,
-                       help="DFlash draft checkpoint directory; without it, plain decode")
-        p.add_argument("--block-size", type=int, default=None,
-                       help="DFlash block size (anchor included; default: the draft's)")
-        p.add_argument("--commit-strategy", default="replay", choices=COMMIT_STRATEGIES,
-                       help="how hybrid (Gated DeltaNet) state reaches the accepted boundary")
-        p.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                       help="weights and activations")
-        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-        p.add_argument("--max-num-seqs", type=int, default=8,
-                       help="slots: requests decoded at once")
+        add_engine_options(p, "model", "draft", "block_size", "commit_strategy", "dtype",
+                           "device", "max_num_seqs", model={"required": True})
         p.add_argument("--threads", type=_threads, default=None,
                        help="CPU threads per operator (torch.set_num_threads; default: torch's). "
                             "1 when a load generator shares the machine's few cores: "
                             "threads that wait on each other for a busy core slow every step")
-        p.add_argument("--max-model-len", type=int, default=None,
-                       help="context length (default: the target's max_position_embeddings)")
+        add_engine_options(p, "max_model_len")
         p.add_argument("--max-waiting", type=int, default=256,
                        help="queued requests beyond the slots; more get HTTP 429")
         p.add_argument("--host", default="127.0.0.1",
@@ -70,12 +60,7 @@ class ServeArgs:
         p.add_argument("--oracle-acceptance", type=float, default=None,
                        help="benchmarks only: force this mean acceptance length on greedy "
                        "requests (the draft still runs; output is not checked)")
-        p.add_argument("--numerics", choices=NUMERICS, default=None,
-                       help="kernels: exact (batch- and verify-invariant: DFlash equals plain "
-                            "greedy bit for bit in bfloat16) or fast (cuBLAS matrix products); default "
-                            "exact on cuda; the CPU runs the PyTorch references")
-        p.add_argument("--enforce-eager", action="store_true",
-                       help="run every forward eagerly (no CUDA graphs)")
+        add_engine_options(p, "numerics", "enforce_eager")
         p.add_argument("--max-body-mb", type=float, default=4.0,
                        help="largest request body in MiB; a larger one gets HTTP 413")
         p.add_argument("--shutdown-grace", type=float, default=5.0,
@@ -88,7 +73,7 @@ class ServeArgs:
                        help="seconds an idle keep-alive connection stays open")
         p.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection has to send a request's headers")
-        return cls(**vars(p.parse_args(argv)))
+        return p
 
 
 def _threads(text: str) -> int:

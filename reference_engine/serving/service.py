@@ -37,8 +37,8 @@ class Server:
             raise ReferenceEngineError(f"--device {args.device}: no CUDA device available")
         target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
         draft = None
-        if args.dflash_draft_model_path:
-            draft = load_draft(args.dflash_draft_model_path, target)
+        if args.draft:
+            draft = load_draft(args.draft, target)
         elif args.block_size is not None:
             raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

@@ -1,10 +1,11 @@
 """Shared pytest fixtures for tests/ and gates/: tiny checkpoints built once per session,
 and the `gpu` marker that skips CUDA-only tests on machines without a GPU.
 
-Use the factory for any variant:
+Use the factories for any variant:
 
-    def test_something(tiny_checkpoint):
+    def test_something(tiny_checkpoint, tiny_pair):
         path = tiny_checkpoint("qwen3_5", hidden=96, layers=5, tie_word_embeddings=True)
+        target_dir, draft_dir = tiny_pair("qwen3", block_size=4)
 
 Each distinct set of options is written once per session and shared, so a test must
 never modify the directory it gets; copy it first (`copy_checkpoint`) to corrupt it.
@@ -13,12 +14,11 @@ never modify the directory it gets; copy it first (`copy_checkpoint`) to corrupt
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import os
 
 import torch
 
@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from reference_engine.checkpoint import make_tiny_target  # noqa: E402
+from reference_engine.checkpoint.synthetic import make_tiny_draft, make_tiny_target  # noqa: E402
 
 # --target-model / --draft-model / --gate-device / --gate-dtype for the gates
 pytest_plugins = ("gates.options",)
@@ -92,6 +92,30 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
             out = tmp_path_factory.mktemp(_checkpoint_name(arch, changed), numbered=True)
             built[key] = make_tiny_target(out, arch=arch, **options)
         return built[key]
+
+    return make
+
+
+TinyPair = Callable[..., tuple[Path, Path]]
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_checkpoint: TinyCheckpoint,
+              tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
+    """`tiny_pair(arch="qwen3_5", block_size=8, draft_layers=2, draft_seed=0, **target_options)
+    -> (target_dir, draft_dir)`: a tiny target (`tiny_checkpoint`) and a DFlash draft for it
+    written by `make_tiny_draft`, each cached for the session by its options."""
+    built: dict[tuple, Path] = {}
+
+    def make(arch: str = "qwen3_5", block_size: int = 8, draft_layers: int = 2,
+             draft_seed: int = 0, **target_options: Any) -> tuple[Path, Path]:
+        target = tiny_checkpoint(arch, **target_options)
+        key = (target, block_size, draft_layers, draft_seed)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{target.name}-draft-b{block_size}", numbered=True)
+            built[key] = make_tiny_draft(out, target, block_size=block_size, layers=draft_layers,
+                                         seed=draft_seed)
+        return target, built[key]
 
     return make
 

@@ -13,13 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference_engine.checkpoint import (
-    load_draft,
-    load_target,
-    make_tiny_draft,
-    make_tiny_target,
-    parse_dtype,
-)
+from reference_engine.checkpoint import load_draft, load_target, parse_dtype
+from reference_engine.checkpoint.synthetic import make_tiny_draft, make_tiny_target
 
 from .checks import Pair
 from .prompts import gate_prompt_ids

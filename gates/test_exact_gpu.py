@@ -121,7 +121,7 @@ def test_demo_gate_fails_on_vendor_kernels_in_the_verify_path(demo, numerics: st
 def shaped(request: pytest.FixtureRequest, numerics: str):
     """A real-shaped random target (plain random init: its logits have near-ties), 16
     prompts of mixed lengths, and plain greedy with logits for each alone."""
-    from reference_engine.shapes import random_pair
+    from reference_engine.bench.shapes import random_pair
 
     target, draft = random_pair(request.param, "cuda", torch.bfloat16, seed=3, block_size=16)
     rng = random.Random(5)

@@ -32,13 +32,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reference_engine.checkpoint import (
-    load_draft,
-    load_target,
-    make_tiny_draft,
-    make_tiny_target,
-    write_safetensors,
-)
+from reference_engine.checkpoint import load_draft, load_target, write_safetensors
+from reference_engine.checkpoint.synthetic import make_tiny_draft, make_tiny_target
 from reference_engine.kernels import TORCH
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft

@@ -22,7 +22,7 @@ from harness.compare import ComparePolicy, compare
 from harness.server_kind import resolve
 from harness.tokens import TextTokenizer
 from harness.workloads import builtin, gate_prompts, load_jsonl, synthetic
-from reference_engine.checkpoint import make_tiny_draft
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from tests.server_process import ServerProcess
 
 from .faults import LIES

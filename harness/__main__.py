@@ -32,8 +32,8 @@ from .arguments import (
     positive_int,
     rate,
 )
-from .bench import LoadSpec, measure
 from .client import ENDPOINT_KINDS, Endpoint
+from .load import LoadSpec, measure
 from .outcome import verdict_line
 from .resume import prepare, read_request_rows, trim_torn_tail
 from .server_kind import SERVER_KINDS, resolve

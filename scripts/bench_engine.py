@@ -1,4 +1,4 @@
-"""Engine-level benchmark: plain vs DFlash. See reference_engine/bench.py for options."""
+"""Engine-level benchmark: plain vs DFlash. See reference_engine/bench/__init__.py for options."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The engine benchmark (bench.py), run in-process on tiny checkpoints: one CSV row per
+"""The engine benchmark (reference_engine/bench/), run in-process on tiny checkpoints: one CSV row per
 (mode, concurrency) with throughput, acceptance length, per-phase times and the step time
 they add up to; the table on stdout; random real-shaped pairs; one mode alone; the profiler
 capture range a no-op on the CPU; argument errors exit with code 2."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from reference_engine import bench
-from reference_engine.checkpoint import make_tiny_draft
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from reference_engine.errors import ReferenceEngineError
 from reference_engine.runtime.stats import PHASES

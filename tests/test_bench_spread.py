@@ -1,6 +1,6 @@
 """Every figure the engine benchmark prints carries its spread over the repeats (min and max),
 and repeats that disagree by more than 10% are warned about; the profile report built from
-its CSV says the same (bench.py, reports/phases.py)."""
+its CSV says the same (reference_engine/bench/, reports/phases.py)."""
 
 from __future__ import annotations
 

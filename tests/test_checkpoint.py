@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reference_engine.checkpoint import INDEX_FILE, SINGLE_FILE, load_target, make_tiny_target
+from reference_engine.checkpoint import INDEX_FILE, SINGLE_FILE, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_target
 from reference_engine.errors import CheckpointError, ConfigError
 from reference_engine.models import CausalLM
 from reference_engine.runtime.decode import new_state

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.bench.shapes import TARGET_SHAPES
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -24,7 +26,6 @@ from reference_engine.config import (
 )
 from reference_engine.errors import ConfigError
 from reference_engine.models import CausalLM
-from reference_engine.shapes import TARGET_SHAPES
 
 F, S = FULL_ATTENTION, SLIDING_ATTENTION
 TinyCheckpoint = Callable[..., Path]

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.errors import ConfigError, RequestError
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft

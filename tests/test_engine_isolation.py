@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.errors import RequestError
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft

@@ -1,4 +1,4 @@
-"""The weight-streaming floor (reference_engine/runtime/floor.py): which weights a decode
+"""The weight-streaming floor (reference_engine/bench/floor.py): which weights a decode
 step streams, and a measurement that counts their bytes; the engine benchmark's --floor."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from reference_engine import bench
+from reference_engine.bench.floor import streamed_weights, weight_streaming_floor
 from reference_engine.checkpoint import load_target
-from reference_engine.runtime.floor import streamed_weights, weight_streaming_floor
 
 
 def test_a_step_streams_every_matrix_and_the_embedding_only_as_a_tied_head(tiny_checkpoint) -> None:

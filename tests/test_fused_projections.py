@@ -16,7 +16,8 @@ import torch
 if not torch.cuda.is_available():  # the Triton table runs interpreted (before any kernel import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.kernels import TORCH
 from reference_engine.models import fuse_projections
 from reference_engine.models.dflash import DraftState

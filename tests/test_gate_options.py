@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reference_engine.checkpoint import make_tiny_draft
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 
 REPO = Path(__file__).resolve().parents[1]
 

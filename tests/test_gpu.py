@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
@@ -44,7 +45,7 @@ def test_batched_dflash_on_cuda_equals_plain_greedy(tiny_checkpoint, tmp_path, a
 
 
 def test_real_shaped_bfloat16_pair_runs_on_cuda() -> None:
-    from reference_engine.shapes import random_pair
+    from reference_engine.bench.shapes import random_pair
 
     target, draft = random_pair("qwen3.5-4b", "cuda", torch.bfloat16)
     engine = Engine(target, draft, EngineConfig(max_num_seqs=2, max_model_len=256))

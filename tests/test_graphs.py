@@ -189,7 +189,8 @@ def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkp
     padding, the logits are each chunk's last token's, the padded cache and draft-context
     rows are overwritten before they are read): the same tokens, and the same accepted
     counts (the draft's context is right), as the eager engine."""
-    from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+    from reference_engine.checkpoint import load_draft, load_target
+    from reference_engine.checkpoint.synthetic import make_tiny_draft
     from reference_engine.runtime.engine import Engine, EngineConfig
     from reference_engine.runtime.request import SamplingParams
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from reference_engine.checkpoint import make_tiny_draft
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 
 from .server_process import REPO
 

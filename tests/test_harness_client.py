@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from harness.bench import LoadSpec, measure, run_requests
 from harness.client import Endpoint, RequestRecord, StreamReader
+from harness.load import LoadSpec, measure, run_requests
 from harness.metrics import calculate_metrics, chunk_itl, per_token_itl, tpot
 from harness.workloads import synthetic
 

@@ -448,7 +448,8 @@ def test_the_switch_runs_references_off_cuda_and_triton_in_exact_mode_on_cuda() 
 def test_a_whole_model_runs_through_the_triton_table(tiny_checkpoint) -> None:
     """Every layer routes through the table: a hybrid target's prefill and decode and a
     draft's block pass with the Triton kernels equal the references (float32)."""
-    from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+    from reference_engine.checkpoint import load_draft, load_target
+    from reference_engine.checkpoint.synthetic import make_tiny_draft
     from reference_engine.kernels.triton_ops import TRITON
     from reference_engine.models.dflash import DraftState
     from reference_engine.runtime.decode import new_state

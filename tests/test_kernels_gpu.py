@@ -130,10 +130,10 @@ def test_fused_projections_give_the_bits_of_separate_ones() -> None:
     fused) gives the same logits, bit for bit, fused and unfused, in a prefill and a decode."""
     import copy
 
+    from reference_engine.bench.shapes import random_pair
     from reference_engine.kernels.triton_ops import TRITON
     from reference_engine.models import fuse_projections
     from reference_engine.runtime.decode import new_state
-    from reference_engine.shapes import random_pair
 
     target, _ = random_pair("qwen3.5-small", "cuda", torch.bfloat16, 0, block_size=8)
     fused = copy.deepcopy(target)

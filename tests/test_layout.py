@@ -151,7 +151,8 @@ def test_the_cycle_finder_finds_a_deliberately_added_cycle(tmp_path: Path) -> No
                                      "reference_engine.training", "reference_engine.checkpoint")),
         ("reference_engine.runtime", ("reference_engine.serving", "reference_engine.training",
                                       "reference_engine.generate", "reference_engine.bench",
-                                      "reference_engine.serve", "reference_engine.engine_args")),
+                                      "reference_engine.serve", "reference_engine.engine_args",
+                                      "reference_engine.checkpoint")),
         ("reference_engine.kernels", ("reference_engine.config", "reference_engine.models",
                                       "reference_engine.runtime", "reference_engine.serving",
                                       "reference_engine.errors", "reference_engine.checkpoint")),
@@ -242,3 +243,10 @@ def test_entry_points_keep_their_names(module: str) -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
+
+
+def test_the_checkpoint_loader_knows_nothing_of_synthetic_checkpoints(graph) -> None:
+    """Reading a user's checkpoint never goes through the code that writes random ones."""
+    _, raw = graph
+    loader = raw["reference_engine.checkpoint"]
+    assert not {n for n in loader if n.startswith("reference_engine.checkpoint.")}, loader

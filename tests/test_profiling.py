@@ -6,7 +6,8 @@ import time
 
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.profiling import DOMAIN, RANGE_NAMES, NvtxRanges

@@ -14,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_target, make_tiny_draft
+from reference_engine.checkpoint import load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.request import SamplingParams
 

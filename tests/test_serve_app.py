@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
-from reference_engine.checkpoint import make_tiny_draft
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.serving.app import create_app
 from reference_engine.serving.args import ServeArgs
 from reference_engine.serving.service import Server

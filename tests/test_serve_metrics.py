@@ -13,7 +13,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.engine import Engine, EngineConfig, StepOutput
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.stats import SpecCounters

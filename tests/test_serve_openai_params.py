@@ -10,7 +10,8 @@ import httpx
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_target, make_tiny_draft
+from reference_engine.checkpoint import load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.kernels import select
 from reference_engine.runtime.state import TargetState
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from harness.bench import LoadSpec, measure, run_requests
 from harness.client import Endpoint, payload
+from harness.load import LoadSpec, measure, run_requests
 from harness.server_kind import KNOWN, probe, resolve
 from harness.tokens import TextTokenizer
 from harness.workloads import Prompt, synthetic

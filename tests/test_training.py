@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference_engine.checkpoint import load_draft, load_target, make_tiny_draft
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.kernels.reference import gated_delta_chunked, gated_delta_recurrent
 from reference_engine.kernels.reference import l2_norm as l2_normalize
 from reference_engine.models.dflash import DraftState

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from .checkpoint import assemble_draft, assemble_target, random_weights
-from .config import DraftConfig, TargetConfig, published_target_layer_ids
-from .errors import ConfigError
-from .models import CausalLM, expected_shapes
-from .models.dflash import DFlashDraft, draft_expected_shapes
+from ..checkpoint import assemble_draft, assemble_target
+from ..checkpoint.synthetic import random_weights
+from ..config import DraftConfig, TargetConfig, published_target_layer_ids
+from ..errors import ConfigError
+from ..models import CausalLM, expected_shapes
+from ..models.dflash import DFlashDraft, draft_expected_shapes
 
 TARGET_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {

@@ -56,18 +56,18 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_draft, load_target, parse_dtype
-from .demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
-from .engine_args import NUMERICS_HELP, add_engine_options
-from .errors import ReferenceEngineError, exit_with
-from .kernels import NUMERICS
-from .runtime.engine import Engine, EngineConfig
-from .runtime.floor import weight_streaming_floor
-from .runtime.oracle import OracleProposer
-from .runtime.request import SamplingParams
-from .runtime.stats import PHASES
+from ..checkpoint import load_draft, load_target, parse_dtype
+from ..demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from ..engine_args import NUMERICS_HELP, add_engine_options
+from ..errors import ReferenceEngineError, exit_with
+from ..kernels import NUMERICS
+from ..runtime.engine import Engine, EngineConfig
+from ..runtime.oracle import OracleProposer
+from ..runtime.request import SamplingParams
+from ..runtime.stats import PHASES
+from ..tokenizer import load_tokenizer
+from .floor import weight_streaming_floor
 from .shapes import TARGET_SHAPES, random_pair
-from .tokenizer import load_tokenizer
 
 MODES = ("plain", "dflash")
 
@@ -495,6 +495,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""Tiny random checkpoints in the real on-disk formats, written by our own code for tests and
+loaded back through the same loader that reads real checkpoints; random weights for the
+benchmarks' real-shaped models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import DraftConfig, TargetConfig
+from ..errors import CheckpointError, ConfigError
+from ..models import expected_shapes
+from ..models.dflash import draft_expected_shapes
+from ..tokenizer import EOS_TOKEN, MASK_TOKEN, build_tiny_tokenizer, load_tokenizer, save_tokenizer
+from . import WRAPPER_PREFIX, read_config, write_safetensors
+
+
+def random_weights(
+    shapes: dict[str, tuple[int, ...]],
+    seed: int,
+    norm_offset: bool,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Random weights scaled so that models give varied, non-degenerate logits. Drawn in
+    float32 on `device` (real-shaped models straight on the GPU), then cast to `dtype`."""
+    tied = "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
+
+    out = {}
+    for name, shape in shapes.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("A_log"):
+            out[name] = torch.empty(shape, device=device).uniform_(0.0, 2.5, generator=gen)
+        elif name.endswith("dt_bias"):
+            out[name] = 1.0 + normal(shape, 0.1)
+        elif name.endswith("conv1d.weight"):
+            out[name] = normal(shape, 0.5)
+        elif len(shape) == 1:  # norm weights
+            offset_norm = norm_offset and not name.endswith("linear_attn.norm.weight")
+            out[name] = normal(shape, 0.1) + (0.0 if offset_norm else 1.0)
+        elif name.endswith("embed_tokens.weight"):
+            # tied embeddings double as the lm_head: unit scale would make the fed token's
+            # own logit dominate and greedy output repeat one token forever
+            out[name] = normal(shape, shape[-1] ** -0.5 if tied else 1.0)
+        elif leaf == "weight":
+            out[name] = normal(shape, shape[-1] ** -0.5)
+        else:  # biases
+            out[name] = normal(shape, 0.1)
+        out[name] = out[name].to(dtype)
+    return out
+
+
+def tiny_target_config(
+    arch: str, layers: int, hidden: int, vocab: int, tie: bool, eos_id: int
+) -> dict[str, Any]:
+    """A config.json dict in the real Hugging Face format for a tiny target."""
+    if hidden % 32:
+        raise ConfigError(f"--hidden must be a multiple of 32 for tiny models, got {hidden}")
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": tie,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+    }
+    if arch == "qwen3":
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **common,
+            "num_attention_heads": hidden // 16,
+            "num_key_value_heads": max(1, hidden // 32),
+            "head_dim": 16,
+            "rope_theta": 10000.0,
+            "rope_scaling": None,
+            "use_sliding_window": False,
+            "torch_dtype": "float32",
+        }
+    if arch == "qwen3_5":
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            **common,
+            "num_attention_heads": max(2, hidden // 32),
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "layer_types": [
+                "full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(layers)
+            ],
+            "linear_num_key_heads": max(1, hidden // 32),
+            "linear_num_value_heads": 2 * max(1, hidden // 32),
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+            "torch_dtype": "float32",
+        }
+    raise ConfigError(f"unknown --arch '{arch}', expected qwen3 or qwen3_5")
+
+
+def wrap_multimodal(text_config: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3.5 multimodal wrapper config around a text config."""
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text_config,
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32},
+        "tie_word_embeddings": text_config["tie_word_embeddings"],
+    }
+
+
+def make_tiny_target(
+    out: str | Path,
+    arch: str = "qwen3",
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 64,
+    vocab: int = 512,
+    tie_word_embeddings: bool = False,
+    multimodal_wrapper: bool = False,
+    shards: int = 1,
+    dtype: torch.dtype = torch.float32,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Write a tiny random target with a tiny tokenizer, in the real on-disk format.
+
+    `with_tokenizer=False` allows vocabularies too small for a byte-level BPE (statistical
+    tests want a handful of tokens); token-id prompts still work."""
+    out = Path(out)
+    if multimodal_wrapper and arch != "qwen3_5":
+        raise ConfigError("--multimodal-wrapper applies to --arch qwen3_5 only")
+    if layers <= 0 or vocab <= 0:
+        raise ConfigError(f"--layers and --vocab must be positive, got {layers} and {vocab}")
+    tokenizer = build_tiny_tokenizer(vocab) if with_tokenizer else None
+    eos_id = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else vocab - 2
+    raw = tiny_target_config(arch, layers, hidden, vocab, tie_word_embeddings, eos_id)
+    config = TargetConfig.from_hf(raw)
+    tensors = random_weights(expected_shapes(config), seed, config.norm_offset)
+    if multimodal_wrapper:
+        gen = torch.Generator().manual_seed(seed + 1)
+        tensors = {
+            (WRAPPER_PREFIX + n[len("model.") :] if n.startswith("model.") else n): t
+            for n, t in tensors.items()
+        }
+        # present in real checkpoints, ignored by text-only loading
+        tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=gen)
+        tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen)
+        raw = wrap_multimodal(raw)
+    write_safetensors(out, {n: t.to(dtype) for n, t in tensors.items()}, shards)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
+    return out
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """`count` distinct target layers spread over 0..N-2 (tiny targets are too shallow for
+    the published 1..N-3 spread to stay distinct)."""
+    top = max(num_target_layers - 2, 0)
+    ids = sorted({round(i * top / max(count - 1, 1)) for i in range(count)})
+    return ids
+
+
+def make_tiny_draft(
+    out: str | Path,
+    target: str | Path,
+    block_size: int = 8,
+    layers: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a tiny random DFlash draft matching the target in `target`."""
+    out = Path(out)
+    if block_size < 2:
+        raise ConfigError(f"--block-size must be >= 2, got {block_size}")
+    if layers <= 0:
+        raise ConfigError(f"--layers must be positive, got {layers}")
+    target_config = TargetConfig.from_hf(read_config(target))
+    try:
+        mask = load_tokenizer(target).token_to_id(MASK_TOKEN)
+    except CheckpointError:
+        mask = None
+    if mask is None:
+        mask = target_config.vocab_size - 1
+    hidden = target_config.hidden_size
+    head_dim = 16 if hidden % 16 == 0 else hidden
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": target_config.vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // head_dim,
+        "num_key_value_heads": max(1, hidden // head_dim // 2),
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "block_size": block_size,
+        "num_target_layers": target_config.num_hidden_layers,
+        "dflash_config": {
+            "target_layer_ids": spread_layer_ids(target_config.num_hidden_layers, 2),
+            "mask_token_id": mask,
+        },
+        "torch_dtype": "float32",
+    }
+    config = DraftConfig.from_hf(raw)
+    tensors = random_weights(draft_expected_shapes(config), seed, norm_offset=False)
+    write_safetensors(out, {n: t.to(dtype) for n, t in tensors.items()})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out

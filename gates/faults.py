@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -188,6 +188,43 @@ def _generation_tokens_per_delivery(correct):
     return delivered
 
 
+# ------------------------------------------------------------------ sampling and the draft
+def _full_block_bonus_from_last_draft_slot(correct):
+    def accept_sampled(self, proposals, draft_probs, target_probs, generator):
+        accepted, bonus = correct(self, proposals, draft_probs, target_probs, generator)
+        n = proposals.shape[0]
+        if int(accepted) == n:  # every proposal kept: the bonus comes from p_n, not p_{n-1}
+            bonus = sample(target_probs[n - 1], generator)
+        return accepted, bonus
+    return accept_sampled
+
+
+def _draft_q_at_temperature_one(correct):
+    def propose(self, rows):
+        params = [seq.params for seq in rows.seqs]
+        for seq in rows.seqs:
+            if not seq.params.greedy:
+                seq.params = replace(seq.params, temperature=1.0)
+        try:
+            return correct(self, rows)
+        finally:
+            for seq, p in zip(rows.seqs, params):
+                seq.params = p
+    return propose
+
+
+def _draft_context_from_next_row(correct):
+    def context_features(self, features, width, n_t):
+        return correct(self, features, width, n_t).roll(1, dims=0)  # alone: its own
+    return context_features
+
+
+def _draft_block_sees_padding(correct):
+    def forward(self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH):
+        return correct(self, block_embeds, positions, slots, state, kv_len, None, ops)
+    return forward
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault("hybrid: keep the Gated DeltaNet state of the whole verified "
                                  "block", "commit_state", _skip_state_rollback),
@@ -230,6 +267,20 @@ FAULTS: dict[str, Fault] = {
                                             "delivery, however many a step carried",
                                             "delivered", _generation_tokens_per_delivery,
                                             RequestMetrics),
+    "full_block_bonus_from_last_draft_slot": Fault(
+        "sampling: after a fully accepted block, draw the bonus from the target's distribution "
+        "at the last draft slot instead of the slot after it", "accept_sampled",
+        _full_block_bonus_from_last_draft_slot),
+    "draft_q_at_temperature_one": Fault(
+        "sampling: the draft's q and its proposals at temperature 1, whatever the request's "
+        "(lossless: costs acceptance only)", "propose", _draft_q_at_temperature_one),
+    "draft_context_from_next_row": Fault(
+        "batches: each row's new draft context is the previous row's features (lossless: "
+        "costs acceptance only)", "context_features", _draft_context_from_next_row),
+    "draft_block_sees_padding": Fault(
+        "batches: the draft's block attention also sees the padding of rows with fewer draft "
+        "slots (lossless: costs acceptance only)", "forward", _draft_block_sees_padding,
+        DFlashDraft),
 }
 
 

@@ -1,34 +1,50 @@
 """Gate: at temperature > 0 speculative sampling is lossless in distribution.
 
-Two levels, in the spirit of vLLM's rejection-sampler test:
-1. The pure acceptance rule: for random target p and draft q, the first committed token's
-   empirical distribution converges to p as samples grow (total variation shrinks roughly
-   as 1/sqrt(N)), and stays far from a perturbed reference.
-2. The engine: on a tiny target with a 16-token vocabulary, the empirical joint
-   distribution of the first two output tokens of speculative runs (the second one comes
-   from a draft/verify step) converges to the exact distribution computed from the target,
-   with top-k honoured identically in both paths.
-Seeds are fixed, so the gate is deterministic.
+1. The pure acceptance rule, in the spirit of vLLM's rejection-sampler test: for random
+   target p and draft q, the first committed token's empirical distribution converges to p
+   as samples grow (total variation shrinks roughly as 1/sqrt(N)), and stays far from a
+   perturbed reference.
+2. The engine over the grid: temperature {0.25, 0.7, 1.0, 1.5} x top_k {0, 20} x top_p
+   {1.0, 0.5}, on a tiny float64 target with a 32-token vocabulary (so that top-k 20 cuts)
+   and block size 4. Per cell, 200 sampled requests of 17 tokens (longer than a block) in
+   one batch with mixed prompts, half on the real draft, half on a close proposer that has
+   whole blocks accepted (at least 100 full blocks per cell, asserted, so the bonus after a
+   full block is drawn and checked). Checked against a reference written in the gate
+   (gates/sampling_reference.py): the draft's q and its proposals, every accepted proposal,
+   replacement and bonus, every output token and its top-k/top-p support
+   (gates/sampling_checks.py).
+
+False alarms: each cell runs TESTS_PER_CELL statistical tests at alpha = 1e-3 / (16 x
+TESTS_PER_CELL) each, so a correct engine fails the grid with probability at most 1e-3
+(Bonferroni; each test's chi-square or normal bound is conservative or asymptotically
+exact). Seeds are fixed, so the gate is deterministic: 1e-3 is the chance that a choice of
+seeds would fail a correct engine.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import Counter
-
+import pytest
 import torch
 
-from reference_engine.runtime.decode import new_state, prefill
-from reference_engine.runtime.engine import EngineConfig
-from reference_engine.runtime.one_request import generate_speculative
-from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.sampling import accept_sampled, probabilities
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.checkpoint.synthetic import make_tiny_draft
+from reference_engine.runtime.sampling import accept_sampled
 
 from .conftest import SMALL_VOCAB as VOCAB
-from .faults import planted
+from .sampling_checks import TESTS_PER_CELL, assert_sampling_lossless, run_cell
+from .sampling_reference import Cell
 
-TEMPERATURE = 1.0
-TOP_K = 6
+TEMPERATURES = (0.25, 0.7, 1.0, 1.5)
+TOP_KS = (0, 20)
+TOP_PS = (1.0, 0.5)
+GRID = tuple(Cell(t, k, p) for t in TEMPERATURES for k in TOP_KS for p in TOP_PS)
+ALPHA = 1e-3 / (len(GRID) * TESTS_PER_CELL)  # per test; the grid's false-alarm rate is 1e-3
+GRID_VOCAB = 32
+BLOCK_SIZE = 4
+ROWS = 200  # sampled requests per cell, one batch
+MAX_TOKENS = 17  # output tokens per request: up to four full blocks
+MIN_FULL_BLOCKS = 100  # per cell: the bonus after a full block is really drawn
+PROMPTS = ((3,), (1, 5), (7, 2, 9, 4, 11), (13, 8, 2))  # ids below both vocabularies
 
 
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,50 +73,34 @@ def test_acceptance_rule_converges_to_the_target_distribution() -> None:
     assert tv(empirical_first_token(p, q, 100000, seed=2), perturbed) > 5 * distances[2]
 
 
-def exact_joint(target, prompt: list[int]) -> dict[tuple[int, int], float]:
-    """P(t1, t2) under plain sampling with the same temperature and top-k."""
-    def probs_after(ids: list[int]) -> torch.Tensor:
-        state = new_state(target, len(ids) + 1)
-        logits, _ = prefill(target, state, 0, ids)
-        return probabilities(logits, TEMPERATURE, TOP_K)
-
-    first = probs_after(prompt)
-    joint = {}
-    for t1 in range(VOCAB):
-        if first[t1] > 0:
-            second = probs_after(prompt + [t1])
-            for t2 in range(VOCAB):
-                joint[(t1, t2)] = float(first[t1] * second[t2])
-    return joint
+@pytest.fixture(scope="module")
+def grid_pair(tiny_checkpoint, tmp_path_factory):
+    target_dir = tiny_checkpoint("qwen3", seed=3, layers=2, vocab=GRID_VOCAB,
+                                 with_tokenizer=False)
+    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("grid_draft"), target_dir,
+                                block_size=BLOCK_SIZE, layers=1, seed=5)
+    target = load_target(target_dir, dtype=torch.float64)
+    return target, load_draft(draft_dir, target)
 
 
-def speculative_joint(target, draft, prompt, n_samples: int, seed: int, fault=None):
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, ignore_eos=True)
-    counts = Counter()
-    with planted(fault):
-        for _ in range(n_samples):
-            out = generate_speculative(target, draft, prompt, params, EngineConfig(block_size=4), generator=gen)
-            counts[tuple(out.output_ids)] += 1
-    return {k: v / n_samples for k, v in counts.items()}
+def cell_id(cell: Cell) -> str:
+    return f"T{cell.temperature}-k{cell.top_k}-p{cell.top_p}"
 
 
-def joint_tv(a: dict, b: dict) -> float:
-    keys = set(a) | set(b)
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in keys)
+@pytest.mark.parametrize("cell", GRID, ids=cell_id)
+def test_speculative_sampling_is_lossless_over_the_grid(grid_pair, cell: Cell) -> None:
+    target, draft = grid_pair
+    run = run_cell(target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE,
+                   seed=GRID.index(cell) + 1)
+    assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
 
 
-SPEC_SAMPLES = 2000
-
-
-def assert_engine_sampling_lossless(target, draft, fault=None) -> None:
-    prompt = [1, 2, 3]
-    exact = exact_joint(target, prompt)
-    small = joint_tv(speculative_joint(target, draft, prompt, SPEC_SAMPLES // 8, 11, fault), exact)
-    large = joint_tv(speculative_joint(target, draft, prompt, SPEC_SAMPLES, 12, fault), exact)
-    # 36 outcomes: at 2000 samples the expected distance of a correct sampler is ~0.05
-    assert large < 0.08, f"speculative joint distribution is {large:.3f} from the target's"
-    assert large < small, f"no convergence: {small:.3f} at {SPEC_SAMPLES // 8}, {large:.3f}"
+def assert_engine_sampling_lossless(target, draft, fault: str | None = None) -> None:
+    """One cell (T = 1, top-k 6) of the grid's checks on another pair (the small-vocabulary
+    pair of gates/conftest.py, block size 4)."""
+    run = run_cell(target, draft, Cell(1.0, 6, 1.0), PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE,
+                   seed=len(GRID) + 1, fault=fault)
+    assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
 
 
 def test_engine_speculative_sampling_matches_plain_sampling(small_vocab_pair) -> None:
@@ -108,10 +108,23 @@ def test_engine_speculative_sampling_matches_plain_sampling(small_vocab_pair) ->
     assert_engine_sampling_lossless(target, draft)
 
 
-def test_top_k_support_is_respected(small_vocab_pair) -> None:
-    target, draft = small_vocab_pair
-    exact = exact_joint(target, [1, 2, 3])
-    got = speculative_joint(target, draft, [1, 2, 3], 200, 13)
-    assert set(got) <= {k for k, v in exact.items() if v > 0}
-    assert len({k for k in itertools.product(range(VOCAB), repeat=2) if exact.get(k, 0) > 0}) \
-        == TOP_K * TOP_K
+CATCHES = ("full_block_bonus_from_last_draft_slot", "draft_q_at_temperature_one",
+           "bonus_ignores_residual")
+
+
+@pytest.mark.parametrize(("fault", "cell", "check"), [
+    pytest.param("full_block_bonus_from_last_draft_slot", Cell(1.0, 0, 1.0), "joint distribution",
+                 id="full_block_bonus_from_last_draft_slot"),
+    # lossless (output, bonuses, replacements and acceptance pass): only the draft checks see it
+    pytest.param("draft_q_at_temperature_one", Cell(0.7, 20, 0.5), "the draft's q differs",
+                 id="draft_q_at_temperature_one"),
+    pytest.param("bonus_ignores_residual", Cell(1.5, 0, 1.0), "joint distribution",
+                 id="bonus_ignores_residual"),
+])
+def test_sampling_gate_catches_planted_faults(grid_pair, fault: str, cell: Cell,
+                                              check: str) -> None:
+    target, draft = grid_pair
+    run = run_cell(target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE,
+                   seed=GRID.index(cell) + 1, fault=fault)
+    with pytest.raises(AssertionError, match=check):
+        assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)

@@ -1,0 +1,216 @@
+"""Gate: the draft is batch-invariant. Every request's proposals (the draft's logits and its
+own greedy tokens at each step, keyed by the output position the step starts from) and the
+context features the draft receives (per committed position) are the same when it runs alone
+and when it runs in a batch of 16 with mixed prompt lengths, staggered arrivals, departures
+and slots taken over by later arrivals.
+
+Output equality cannot see a draft fault: the target verifies every proposal, so a draft
+that reads another row's context or positions, a departed request's rows, its own padding,
+or the wrong target layer only in batches costs acceptance and nothing else; on a random
+tiny draft, hardly even that. So this gate compares what the draft computes, not what the
+engine emits. Both proposers run: the real draft (its tokens are the proposals) and the
+oracle with mixed acceptance (each step keeps a different count, so rows of one batch commit
+different widths; the draft still runs and is compared).
+
+Tolerance: the CPU float64 kernels are not bit-for-bit batch-invariant (a GEMM's blocking
+follows its row count; about 2e-14 measured here), so values must agree within 1e-10 and
+tokens exactly. Faults of this class move the logits by far more: another row's context,
+features or positions, attention past a row's own block (padding, stale rows) or the wrong
+target layer in batches moved them by 0.05 to 1.4 where they first differed.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from reference_engine.models.dflash import DFlashDraft
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.speculative_step import SpeculativeStep
+
+from .checks import EngineRequest, Pair, assert_batch_equivalent, run_engine
+from .conftest import TINY_PAIRS
+from .faults import planted
+from .hooks import hooked
+
+BLOCK_SIZE = 8
+BATCH = 16
+REQUESTS = 24  # more than the batch holds: later arrivals take over departed rows' slots
+TOLERANCE = 1e-10  # float64; see the module docstring
+PROPOSERS = ("draft", "oracle")
+PROMPT_LENGTHS = (1, 6, 23, 48, 70, 130)  # the first four fit one prefill chunk
+MAX_TOKENS = 30
+PREFILL_CHUNK = 48
+
+
+@dataclass
+class DraftRecord:
+    """What the draft computed for each request of one run."""
+
+    # (request, output position at the step) -> (the draft's tokens [n], its logits [n, vocab])
+    proposals: dict[tuple[str, int], tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+    # (request, position) -> the context features last written there [n * hidden]
+    features: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    batch_sizes: list[int] = field(default_factory=list)  # rows of each draft forward
+    occupants: dict[int, set[str]] = field(default_factory=dict)  # slot -> requests it held
+
+
+def recording(record: DraftRecord, engine: Engine) -> AbstractContextManager[None]:
+    """Hooks that fill `record` from the draft's inputs and outputs while `engine` runs."""
+    step_logits: list[torch.Tensor] = []
+
+    def proposals(correct):
+        def wrapped(self, hidden, lm_head_weight, *args, **kwargs):
+            logits, tokens = correct(self, hidden, lm_head_weight, *args, **kwargs)
+            step_logits.append(logits)  # [b, N, vocab]
+            step_logits.append(tokens)  # [b, N]
+            return logits, tokens
+        return wrapped
+
+    def propose(correct):
+        def wrapped(self, rows):
+            step_logits.clear()
+            out = correct(self, rows)
+            logits, tokens = step_logits[:2]
+            record.batch_sizes.append(len(rows.seqs))
+            for i, seq in enumerate(rows.seqs):
+                record.occupants.setdefault(seq.slot, set()).add(seq.request_id)
+                n_i = rows.n[i]  # the row's real slots; the rest is padding
+                record.proposals[(seq.request_id, len(seq.output_ids))] = (
+                    tokens[i, :n_i].tolist(), logits[i, :n_i].clone())
+            return out
+        return wrapped
+
+    def append_context(correct):
+        def wrapped(self, features, positions, slots, *args, **kwargs):
+            owner = {seq.slot: seq.request_id for seq in engine.scheduler.active.values()}
+            for i, slot in enumerate(slots.tolist()):
+                row = features[i].clone()  # [T, n * hidden]
+                for j, position in enumerate(positions[i].tolist()):
+                    record.features[(owner[slot], position)] = row[j]
+            return correct(self, features, positions, slots, *args, **kwargs)
+        return wrapped
+
+    return hooked((DFlashDraft, "proposals", proposals), (SpeculativeStep, "propose", propose),
+                  (DFlashDraft, "append_context", append_context))
+
+
+def workload(pair: Pair, proposer: str) -> list[EngineRequest]:
+    """A full batch from the first step (one prefill chunk each), then later arrivals with
+    longer prompts (prefilled in chunks beside running rows) that wait for departed rows'
+    slots; output budgets from 2 to MAX_TOKENS tokens."""
+    rng = random.Random(5)
+    schedules = random.Random(6)
+    vocab = pair.target.config.vocab_size
+    requests = []
+    for i in range(REQUESTS):
+        first_wave = i < BATCH
+        length = rng.choice(PROMPT_LENGTHS[:4] if first_wave else PROMPT_LENGTHS)
+        prompt = tuple(rng.randrange(vocab - 16) for _ in range(length))
+        params = SamplingParams(max_tokens=rng.randint(2, MAX_TOKENS), ignore_eos=True)
+        schedule = (tuple(schedules.randrange(BLOCK_SIZE) for _ in range(5))
+                    if proposer == "oracle" else None)
+        arrival = 0 if first_wave else 2 * (i - BATCH + 1)
+        requests.append(EngineRequest(f"req{i}", prompt, params, arrival, schedule))
+    return requests
+
+
+def record_run(pair: Pair, requests: list[EngineRequest], references: dict[str, list[int]],
+               slots: int) -> tuple[DraftRecord, dict[str, list[int]]]:
+    """Run `requests` on a fresh engine of `slots` rows; returns what the draft computed and
+    each request's output."""
+    engine = Engine(pair.target, pair.draft, EngineConfig(
+        max_num_seqs=slots, block_size=BLOCK_SIZE, prefill_chunk=PREFILL_CHUNK,
+        max_model_len=max(PROMPT_LENGTHS) + MAX_TOKENS, enforce_eager=True))
+    record = DraftRecord()
+    with recording(record, engine):
+        streamed = run_engine(engine, requests, references)
+    return record, streamed
+
+
+def assert_draft_batch_invariant(alone: DraftRecord, batched: DraftRecord,
+                                 committed: dict[str, int], what: str) -> None:
+    """Every step the request ran alone ran in the batch from the same output position with
+    the same draft tokens and logits, and every committed position got the same features."""
+    for (request_id, position), (tokens, logits) in sorted(alone.proposals.items()):
+        got = batched.proposals.get((request_id, position))
+        if got is None:
+            raise AssertionError(f"{what}: request {request_id} drafted at output position "
+                                 f"{position} alone but not in the batch")
+        error = float((got[1] - logits).abs().max())
+        if got[0] != tokens or not error <= TOLERANCE:
+            raise AssertionError(
+                f"{what}: request {request_id}'s draft at output position {position} differs "
+                f"in the batch: tokens {got[0]} vs {tokens} alone, logits by {error:.3g} "
+                f"(tolerance {TOLERANCE:g})")
+    for (request_id, position), features in sorted(alone.features.items()):
+        if position >= committed[request_id]:
+            continue  # rows past the committed length are the next block's scratch
+        got = batched.features.get((request_id, position))
+        error = float("inf") if got is None else float((got - features).abs().max())
+        if not error <= TOLERANCE:
+            raise AssertionError(
+                f"{what}: request {request_id}'s draft context at position {position} differs "
+                f"in the batch by {error:.3g} (tolerance {TOLERANCE:g})")
+
+
+Workload = tuple[list[EngineRequest], dict[str, list[int]], DraftRecord, dict[str, int]]
+
+
+@pytest.fixture(scope="module")
+def alone_runs(pair: Pair) -> dict[str, Workload]:
+    """Per proposer: the requests (the same ones; the oracle's follow plain greedy
+    references), the references, what the draft computed for each request run alone on a
+    fresh engine (no slot history), and each request's committed length."""
+    if pair.name not in TINY_PAIRS:
+        pytest.skip("the draft batch-invariance gate compares float64 values: tiny pairs only")
+    requests = {proposer: workload(pair, proposer) for proposer in PROPOSERS}
+    references = {r.request_id: generate_plain(pair.target, list(r.prompt), r.params).output_ids
+                  for r in requests["oracle"]}
+    runs = {}
+    for proposer in PROPOSERS:
+        alone = DraftRecord()
+        committed: dict[str, int] = {}
+        for r in requests[proposer]:
+            one, streamed = record_run(pair, [EngineRequest(r.request_id, r.prompt, r.params,
+                                                            0, r.schedule)], references, 1)
+            alone.proposals.update(one.proposals)
+            alone.features.update(one.features)
+            # the positions the target ran, whose features the draft keeps
+            committed[r.request_id] = len(r.prompt) + len(streamed[r.request_id]) - 1
+        runs[proposer] = (requests[proposer], references, alone, committed)
+    return runs
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_draft_proposals_and_context_are_the_same_alone_and_in_a_batch(
+    pair: Pair, alone_runs, proposer: str
+) -> None:
+    requests, references, alone, committed = alone_runs[proposer]
+    batched, _ = record_run(pair, requests, references, BATCH)
+    # not vacuous: several steps per request, a full batch, slots that changed hands
+    assert len(alone.proposals) > 2 * REQUESTS
+    assert max(batched.batch_sizes) == BATCH
+    assert any(len(held) > 1 for held in batched.occupants.values())
+    assert_draft_batch_invariant(alone, batched, committed, f"{pair.name}, {proposer}")
+
+
+CATCHES = ("draft_context_from_next_row", "draft_block_sees_padding")
+
+
+@pytest.mark.parametrize("fault", CATCHES)
+def test_draft_invariance_gate_catches_faults_that_cost_only_acceptance(
+    pair: Pair, alone_runs, fault: str
+) -> None:
+    requests, references, alone, committed = alone_runs["draft"]
+    with planted(fault):
+        batched, streamed = record_run(pair, requests, references, BATCH)
+    assert_batch_equivalent(streamed, references, fault)  # output equality cannot see it
+    with pytest.raises(AssertionError, match="differs in the batch"):
+        assert_draft_batch_invariant(alone, batched, committed, fault)

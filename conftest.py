@@ -100,21 +100,26 @@ TinyPair = Callable[..., tuple[Path, Path]]
 
 
 @pytest.fixture(scope="session")
-def tiny_pair(tiny_checkpoint: TinyCheckpoint,
-              tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
+def tiny_pair(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
     """`tiny_pair(arch="qwen3_5", block_size=8, draft_layers=2, draft_seed=0, **target_options)
     -> (target_dir, draft_dir)`: a tiny target (`tiny_checkpoint`) and a DFlash draft for it
     written by `make_tiny_draft`, each cached for the session by its options."""
     built: dict[tuple, Path] = {}
 
-    def make(arch: str = "qwen3_5", block_size: int = 8, draft_layers: int = 2,
-             draft_seed: int = 0, **target_options: Any) -> tuple[Path, Path]:
+    def make(
+        arch: str = "qwen3_5",
+        block_size: int = 8,
+        draft_layers: int = 2,
+        draft_seed: int = 0,
+        **target_options: Any,
+    ) -> tuple[Path, Path]:
         target = tiny_checkpoint(arch, **target_options)
         key = (target, block_size, draft_layers, draft_seed)
         if key not in built:
             out = tmp_path_factory.mktemp(f"{target.name}-draft-b{block_size}", numbered=True)
-            built[key] = make_tiny_draft(out, target, block_size=block_size, layers=draft_layers,
-                                         seed=draft_seed)
+            built[key] = make_tiny_draft(
+                out, target, block_size=block_size, layers=draft_layers, seed=draft_seed
+            )
         return target, built[key]
 
     return make

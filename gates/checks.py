@@ -37,8 +37,7 @@ def require_block(pair: Pair, block_size: int) -> None:
     import pytest
 
     if block_size > pair.draft.config.block_size:
-        pytest.skip(f"{pair.name}: the draft supports block sizes up to "
-                    f"{pair.draft.config.block_size}")
+        pytest.skip(f"{pair.name}: the draft supports block sizes up to {pair.draft.config.block_size}")
 
 
 def state_tolerance(pair: Pair) -> float:
@@ -64,7 +63,10 @@ def top2_margin(target: CausalLM, ids: list[int], numerics: str | None = None) -
 
 
 def divergence(
-    target: CausalLM, prompt: Sequence[int], expected: list[int], got: list[int],
+    target: CausalLM,
+    prompt: Sequence[int],
+    expected: list[int],
+    got: list[int],
     numerics: str | None = None,
 ) -> str:
     i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), None)
@@ -96,8 +98,9 @@ def assert_lossless(
         truth = ref.output_ids if continuation is None else continuation
         oracle = OracleProposer(truth, schedule, target.config.vocab_size)
     try:
-        got = generate_speculative(target, pair.draft, list(prompt), params,
-                                   replace(options, numerics=pair.numerics), oracle=oracle)
+        got = generate_speculative(
+            target, pair.draft, list(prompt), params, replace(options, numerics=pair.numerics), oracle=oracle
+        )
     except (RuntimeError, IndexError) as exc:
         raise AssertionError(
             f"{pair.name}, B={options.block_size}, {options.commit_strategy}: speculative "
@@ -122,9 +125,7 @@ def assert_forced_acceptance(
     got = assert_lossless(pair, prompt, params, options, schedule)
     expected = [k + 1 for k in schedule]
     if got.acceptance_lengths != expected:
-        raise AssertionError(
-            f"acceptance lengths {got.acceptance_lengths} != scheduled {expected}"
-        )
+        raise AssertionError(f"acceptance lengths {got.acceptance_lengths} != scheduled {expected}")
     return got
 
 
@@ -145,9 +146,7 @@ def snapshot(state: TargetState, length: int, slot: int = 0) -> StateSnapshot:
     return out
 
 
-def plain_states(
-    target: CausalLM, prompt: Sequence[int], output: list[int]
-) -> dict[int, StateSnapshot]:
+def plain_states(target: CausalLM, prompt: Sequence[int], output: list[int]) -> dict[int, StateSnapshot]:
     """Plain decode's state at every committed length, prompt included."""
     from reference_engine.runtime.decode import decode_step
 
@@ -161,8 +160,12 @@ def plain_states(
 
 
 def speculative_states(
-    pair: Pair, prompt: Sequence[int], params: SamplingParams, options: EngineConfig,
-    schedule: Sequence[int] | None, reference: GenerationResult,
+    pair: Pair,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    options: EngineConfig,
+    schedule: Sequence[int] | None,
+    reference: GenerationResult,
 ) -> dict[int, StateSnapshot]:
     states: dict[int, StateSnapshot] = {}
 
@@ -172,8 +175,9 @@ def speculative_states(
     oracle = None
     if schedule is not None:
         oracle = OracleProposer(reference.output_ids, schedule, pair.target.config.vocab_size)
-    generate_speculative(pair.target, pair.draft, list(prompt), params, options,
-                         oracle=oracle, on_commit=record)
+    generate_speculative(
+        pair.target, pair.draft, list(prompt), params, options, oracle=oracle, on_commit=record
+    )
     return states
 
 
@@ -192,8 +196,7 @@ def assert_states_close(
             err = (tensor.double() - ref.double()).abs().max().item() if tensor.numel() else 0.0
             if not err <= atol:
                 raise AssertionError(
-                    f"{what}: at committed length {length}, {name} differs by {err:.3g} "
-                    f"(tolerance {atol:g})"
+                    f"{what}: at committed length {length}, {name} differs by {err:.3g} (tolerance {atol:g})"
                 )
     return len(got)
 
@@ -208,8 +211,12 @@ class EngineRequest:
     schedule: tuple[int, ...] | None = None  # oracle acceptance schedule, or the real draft
 
 
-def run_engine(engine, requests: Sequence[EngineRequest], references: dict[str, list[int]],
-               abort: dict[str, int] | None = None) -> dict[str, list[int]]:
+def run_engine(
+    engine,
+    requests: Sequence[EngineRequest],
+    references: dict[str, list[int]],
+    abort: dict[str, int] | None = None,
+) -> dict[str, list[int]]:
     """Feed requests at their arrival steps, stream until done; returns each request's
     streamed tokens. `abort` maps request id -> the step at which it is aborted."""
     from reference_engine.runtime.oracle import OracleProposer
@@ -223,8 +230,7 @@ def run_engine(engine, requests: Sequence[EngineRequest], references: dict[str, 
             r = pending.pop(0)
             oracle = None
             if r.schedule is not None:
-                oracle = OracleProposer(references[r.request_id], r.schedule,
-                                        engine.target.config.vocab_size)
+                oracle = OracleProposer(references[r.request_id], r.schedule, engine.target.config.vocab_size)
             engine.add_request(r.request_id, list(r.prompt), r.params, oracle=oracle)
         for request_id, at in list(abort.items()):
             if at == step:
@@ -238,16 +244,18 @@ def run_engine(engine, requests: Sequence[EngineRequest], references: dict[str, 
     return streamed
 
 
-def assert_batch_equivalent(streamed: dict[str, list[int]], references: dict[str, list[int]],
-                            what: str, skip: Sequence[str] = ()) -> None:
+def assert_batch_equivalent(
+    streamed: dict[str, list[int]], references: dict[str, list[int]], what: str, skip: Sequence[str] = ()
+) -> None:
     for request_id, expected in references.items():
         if request_id in skip:
             continue
         got = streamed[request_id]
         if got != expected:
-            i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b),
-                     min(len(got), len(expected)))
+            i = next(
+                (j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(got), len(expected))
+            )
             raise AssertionError(
                 f"{what}: request {request_id} differs from plain greedy alone at output "
-                f"position {i}: expected {expected[i:i + 3]}..., got {got[i:i + 3]}..."
+                f"position {i}: expected {expected[i : i + 3]}..., got {got[i : i + 3]}..."
             )

@@ -43,8 +43,9 @@ def tiny_pair_dirs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[Path, P
     out = {}
     for name, arch in (("dense", "qwen3"), ("hybrid", "qwen3_5")):
         target = tiny_checkpoint(arch)
-        draft = make_tiny_draft(tmp_path_factory.mktemp(f"draft_{name}"), target,
-                                block_size=TINY_BLOCK_SIZE, layers=2, seed=7)
+        draft = make_tiny_draft(
+            tmp_path_factory.mktemp(f"draft_{name}"), target, block_size=TINY_BLOCK_SIZE, layers=2, seed=7
+        )
         out[name] = (target, draft)
     return out
 
@@ -67,9 +68,14 @@ def pair(pair_name: str, request: pytest.FixtureRequest, tiny_pair_dirs) -> Pair
         target = load_target(target_dir, dtype=dtype, device=device)
         draft = load_draft(draft_dir, target)
         prompts = tuple(tuple(ids) for ids in gate_prompt_ids(config, target_dir, USER_PROMPTS))
-        loaded = Pair(f"user pair ({Path(target_dir).name})", target, draft, prompts,
-                      config.getoption("--gate-max-tokens") or USER_MAX_TOKENS,
-                      config.getoption("--gate-numerics"))
+        loaded = Pair(
+            f"user pair ({Path(target_dir).name})",
+            target,
+            draft,
+            prompts,
+            config.getoption("--gate-max-tokens") or USER_MAX_TOKENS,
+            config.getoption("--gate-numerics"),
+        )
     else:
         target_dir, draft_dir = tiny_pair_dirs[pair_name]
         target = load_target(target_dir, dtype=torch.float64)
@@ -81,10 +87,10 @@ def pair(pair_name: str, request: pytest.FixtureRequest, tiny_pair_dirs) -> Pair
 
 @pytest.fixture(scope="session")
 def small_vocab_pair(tmp_path_factory):
-    target_dir = make_tiny_target(tmp_path_factory.mktemp("smallvocab"), arch="qwen3", seed=3,
-                                  vocab=SMALL_VOCAB, with_tokenizer=False)
-    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("smallvocab_draft"), target_dir,
-                                block_size=4, seed=5)
+    target_dir = make_tiny_target(
+        tmp_path_factory.mktemp("smallvocab"), arch="qwen3", seed=3, vocab=SMALL_VOCAB, with_tokenizer=False
+    )
+    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("smallvocab_draft"), target_dir, block_size=4, seed=5)
     target = load_target(target_dir, dtype=torch.float64)
     return target, load_draft(draft_dir, target)
 
@@ -96,8 +102,7 @@ def demo_plain_server():
     from reference_engine.demo import DEMO_TARGET
     from tests.server_process import ServerProcess
 
-    server = ServerProcess("--model", str(DEMO_TARGET), "--dtype", "float32",
-                           "--served-model-name", "demo")
+    server = ServerProcess("--model", str(DEMO_TARGET), "--dtype", "float32", "--served-model-name", "demo")
     yield server
     server.stop()
 
@@ -108,8 +113,17 @@ def demo_dflash_server():
     from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET
     from tests.server_process import ServerProcess
 
-    server = ServerProcess("--model", str(DEMO_TARGET), "--dflash-draft-model-path",
-                           str(DEMO_DRAFT), "--block-size", "8", "--dtype", "float32",
-                           "--served-model-name", "demo")
+    server = ServerProcess(
+        "--model",
+        str(DEMO_TARGET),
+        "--dflash-draft-model-path",
+        str(DEMO_DRAFT),
+        "--block-size",
+        "8",
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "demo",
+    )
     yield server
     server.stop()

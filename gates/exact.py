@@ -26,8 +26,9 @@ def model_ops(model: CausalLM, numerics: str | None) -> Kernels:
 
 
 @torch.inference_mode()
-def plain_with_logits(target: CausalLM, prompt: list[int], max_tokens: int, ops: Kernels,
-                      prefill_chunk: int = 512) -> tuple[list[int], torch.Tensor]:
+def plain_with_logits(
+    target: CausalLM, prompt: list[int], max_tokens: int, ops: Kernels, prefill_chunk: int = 512
+) -> tuple[list[int], torch.Tensor]:
     """Plain greedy decode of one request alone (EOS ignored), prefilled in chunks of
     `prefill_chunk`. Returns (output ids, logits [max_tokens, vocab]): row k chose token k."""
     device = target.model.embed_tokens.weight.device
@@ -36,8 +37,15 @@ def plain_with_logits(target: CausalLM, prompt: list[int], max_tokens: int, ops:
     for start in range(0, len(prompt), prefill_chunk):
         ids = prompt[start : start + prefill_chunk]
         end = start + len(ids)
-        out = target(torch.tensor([ids], device=device), torch.arange(start, end, device=device)[None],
-                     slots, state, end, last_only=True, ops=ops)
+        out = target(
+            torch.tensor([ids], device=device),
+            torch.arange(start, end, device=device)[None],
+            slots,
+            state,
+            end,
+            last_only=True,
+            ops=ops,
+        )
         state.lengths[0] = end
     rows, tokens = [], []
     logits = out.logits[0, -1]
@@ -48,8 +56,14 @@ def plain_with_logits(target: CausalLM, prompt: list[int], max_tokens: int, ops:
         if k + 1 == max_tokens:
             break
         pos = state.lengths[0]
-        logits = target(torch.tensor([[token]], device=device), torch.tensor([[pos]], device=device),
-                        slots, state, pos + 1, ops=ops).logits[0, -1]
+        logits = target(
+            torch.tensor([[token]], device=device),
+            torch.tensor([[pos]], device=device),
+            slots,
+            state,
+            pos + 1,
+            ops=ops,
+        ).logits[0, -1]
         state.lengths[0] = pos + 1
     return tokens, torch.stack(rows)
 
@@ -63,8 +77,9 @@ class Divergence:
     margin: float  # the plain run's top-1 minus top-2 logit there
 
 
-def divergences(references: dict[str, list[int]], logits: dict[str, torch.Tensor],
-                outputs: dict[str, list[int]]) -> list[Divergence]:
+def divergences(
+    references: dict[str, list[int]], logits: dict[str, torch.Tensor], outputs: dict[str, list[int]]
+) -> list[Divergence]:
     found = []
     for rid, want in references.items():
         got = outputs[rid]
@@ -81,9 +96,11 @@ def divergences(references: dict[str, list[int]], logits: dict[str, torch.Tensor
 
 def describe(found: list[Divergence], total: int) -> str:
     lines = [f"{len(found)} of {total} requests differ from plain greedy:"]
-    lines += [f"  {d.request}: first at output {d.position}: plain {d.expected}, got {d.got}, "
-              f"plain top-2 margin {d.margin:.4g}{' (a near-tie)' if d.margin < 0.1 else ''}"
-              for d in found]
+    lines += [
+        f"  {d.request}: first at output {d.position}: plain {d.expected}, got {d.got}, "
+        f"plain top-2 margin {d.margin:.4g}{' (a near-tie)' if d.margin < 0.1 else ''}"
+        for d in found
+    ]
     return "\n".join(lines)
 
 
@@ -92,8 +109,13 @@ class VerifyLogitCheck:
     (anchor and block tokens 1..j) equals the plain continuation, the slot's verify logits must
     equal, bitwise, the logits plain decode produced for the same output position."""
 
-    def __init__(self, engine: Engine, prompts: dict[str, list[int]],
-                 references: dict[str, list[int]], logits: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prompts: dict[str, list[int]],
+        references: dict[str, list[int]],
+        logits: dict[str, torch.Tensor],
+    ) -> None:
         self.prompts, self.references, self.logits = prompts, references, logits
         self.compared = 0
         self.mismatches: list[str] = []
@@ -119,19 +141,28 @@ class VerifyLogitCheck:
                 self.compared += 1
                 if not torch.equal(verify_logits[i, j], plain[k]):
                     diff = (verify_logits[i, j].float() - plain[k].float()).abs().max().item()
-                    self.mismatches.append(f"{seq.request_id} output {k} (block slot {j}): "
-                                           f"max |diff| {diff:.3g}")
+                    self.mismatches.append(
+                        f"{seq.request_id} output {k} (block slot {j}): max |diff| {diff:.3g}"
+                    )
 
     def assert_bitwise(self) -> None:
         assert self.compared > 0, "no verify position was compared"
-        assert not self.mismatches, (f"{len(self.mismatches)} of {self.compared} verified "
-                                     "positions differ from plain decode's logits: "
-                                     + "; ".join(self.mismatches[:5]))
+        assert not self.mismatches, (
+            f"{len(self.mismatches)} of {self.compared} verified "
+            "positions differ from plain decode's logits: " + "; ".join(self.mismatches[:5])
+        )
 
 
-def run_engine(target: CausalLM, draft: DFlashDraft | None, prompts: dict[str, list[int]],
-               max_tokens: int, config: EngineConfig, arrivals: dict[str, int] | None = None,
-               oracles: dict | None = None, check: tuple | None = None) -> dict[str, list[int]]:
+def run_engine(
+    target: CausalLM,
+    draft: DFlashDraft | None,
+    prompts: dict[str, list[int]],
+    max_tokens: int,
+    config: EngineConfig,
+    arrivals: dict[str, int] | None = None,
+    oracles: dict | None = None,
+    check: tuple | None = None,
+) -> dict[str, list[int]]:
     """Run requests through one engine; request r joins at step arrivals[r] (default 0).
     `check` = (prompts, references, logits): verify logits are checked bitwise."""
     engine = Engine(target, draft, config)

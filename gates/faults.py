@@ -40,12 +40,14 @@ class Fault:
 def _skip_state_rollback(correct):
     def commit_state(self, slot_ids, rows, block, processed):
         return None  # the Gated DeltaNet state keeps the whole verified block
+
     return commit_state
 
 
 def _skip_length_rollback(correct):
     def processed(self, rows, accepted):
         return rows.n_t + 1  # rejected positions stay committed
+
     return processed
 
 
@@ -53,18 +55,21 @@ def _feature_off_by_one(correct):
     def context_features(self, features, width, n_t):
         rows = torch.minimum(torch.arange(width, device=features.device) + 1, n_t[:, None])
         return features.gather(1, rows[..., None].expand(-1, -1, features.shape[-1]))
+
     return context_features
 
 
 def _wrong_bonus_position(correct):
     def bonus_index(self, accepted, n_t):
         return (accepted + 1).clamp(max=n_t)
+
     return bonus_index
 
 
 def _never_accept_full_block(correct):
     def accept_greedy(self, proposals, target_tokens, n_t):
         return torch.minimum(correct(self, proposals, target_tokens, n_t), n_t - 1)
+
     return accept_greedy
 
 
@@ -72,12 +77,14 @@ def _bonus_ignores_residual(correct):
     def accept_sampled(self, proposals, draft_probs, target_probs, generator):
         accepted, _ = correct(self, proposals, draft_probs, target_probs, generator)
         return accepted, sample(target_probs[accepted], generator)  # p, not norm(p - q)
+
     return accept_sampled
 
 
 def _commit_wrong_slot(correct):
     def commit_state(self, slot_ids, rows, block, processed):
         return correct(self, slot_ids[1:] + slot_ids[:1], rows, block, processed)
+
     return commit_state
 
 
@@ -85,8 +92,8 @@ def _shared_positions(correct):
     def anchor_positions(self, seqs):
         starts = correct(self, seqs)
         return [starts[0]] * len(starts)
-    return anchor_positions
 
+    return anchor_positions
 
 
 # ------------------------------------------------------------------ exact ties
@@ -101,12 +108,14 @@ def _highest_id_wins(logits: torch.Tensor) -> torch.Tensor:
 def _plain_decode_highest_on_tie(correct):
     def greedy(logits):
         return correct(_highest_id_wins(logits))
+
     return greedy
 
 
 def _first_token_highest_on_tie(correct):
     def _prefilled(self, seqs, ends, logits, outputs):
         return correct(self, seqs, ends, _highest_id_wins(logits), outputs)
+
     return _prefilled
 
 
@@ -115,6 +124,7 @@ def _batched_rows_highest_on_tie(correct):
         if len(seqs) > 1:
             logits = torch.cat([logits[:1], _highest_id_wins(logits[1:])])
         return correct(logits, seqs)
+
     return choose_tokens
 
 
@@ -122,12 +132,14 @@ def _draft_highest_on_tie(correct):
     def proposals(self, hidden, lm_head_weight, ops=TORCH):
         logits, _ = correct(self, hidden, lm_head_weight, ops)
         return logits, ops.greedy(_highest_id_wins(logits))
+
     return proposals
 
 
 def _verify_highest_on_tie(correct):
     def accept(self, rows, proposals, draft_probs, logits, target_tokens=None):
         return correct(self, rows, proposals, draft_probs, _highest_id_wins(logits))
+
     return accept
 
 
@@ -138,6 +150,7 @@ def _stop_counted_twice(correct):
         correct(self, finish_reason)
         if first and finish_reason == "stop":
             self.metrics.requests.labels(finish_reason="stop").inc()
+
     return finish
 
 
@@ -148,6 +161,7 @@ def _abort_not_in_e2e(correct):
         self.finish_reason = finish_reason
         self.metrics.requests.labels(finish_reason=finish_reason).inc()
         self.metrics.prompt_tokens.inc(self.prompt_tokens)
+
     return finish
 
 
@@ -155,6 +169,7 @@ def _accepted_counts_bonus(correct):
     def record(self, proposed, accepted, acceptance_length):
         correct(self, proposed, accepted, acceptance_length)
         self.accepted += 1
+
     return record
 
 
@@ -170,21 +185,21 @@ class _PositionsFromZero:
     @property
     def spec_totals(self) -> SpecCounters:
         spec = self._engine.spec_totals
-        shifted = type(spec.accepted_per_position)(
-            {k - 1: v for k, v in spec.accepted_per_position.items()})
-        return SpecCounters(spec.steps, spec.proposed, spec.accepted, spec.acceptance_lengths,
-                            shifted)
+        shifted = type(spec.accepted_per_position)({k - 1: v for k, v in spec.accepted_per_position.items()})
+        return SpecCounters(spec.steps, spec.proposed, spec.accepted, spec.acceptance_lengths, shifted)
 
 
 def _positions_off_by_one(correct):
     def on_step(self, engine):
         return correct(self, _PositionsFromZero(engine))
+
     return on_step
 
 
 def _generation_tokens_per_delivery(correct):
     def delivered(self, count, time_s):
         return correct(self, min(count, 1), time_s)
+
     return delivered
 
 
@@ -196,6 +211,7 @@ def _full_block_bonus_from_last_draft_slot(correct):
         if int(accepted) == n:  # every proposal kept: the bonus comes from p_n, not p_{n-1}
             bonus = sample(target_probs[n - 1], generator)
         return accepted, bonus
+
     return accept_sampled
 
 
@@ -210,77 +226,130 @@ def _draft_q_at_temperature_one(correct):
         finally:
             for seq, p in zip(rows.seqs, params):
                 seq.params = p
+
     return propose
 
 
 def _draft_context_from_next_row(correct):
     def context_features(self, features, width, n_t):
         return correct(self, features, width, n_t).roll(1, dims=0)  # alone: its own
+
     return context_features
 
 
 def _draft_block_sees_padding(correct):
     def forward(self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH):
         return correct(self, block_embeds, positions, slots, state, kv_len, None, ops)
+
     return forward
 
 
 FAULTS: dict[str, Fault] = {
-    "skip_state_rollback": Fault("hybrid: keep the Gated DeltaNet state of the whole verified "
-                                 "block", "commit_state", _skip_state_rollback),
-    "skip_length_rollback": Fault("keep every verified position as committed, rejected ones too",
-                                  "processed", _skip_length_rollback),
-    "feature_off_by_one": Fault("feed the draft, for each committed position, the next one's "
-                                "features", "context_features", _feature_off_by_one),
-    "wrong_bonus_position": Fault("take the bonus from the target's choice one slot too far",
-                                  "bonus_index", _wrong_bonus_position),
-    "never_accept_full_block": Fault("reject the last draft token even when it matches",
-                                     "accept_greedy", _never_accept_full_block),
-    "bonus_ignores_residual": Fault("sampling: draw a rejected slot's replacement from p, not "
-                                    "p - q", "accept_sampled", _bonus_ignores_residual),
-    "commit_wrong_slot": Fault("engine: commit each row's state into the next row's slot",
-                               "commit_state", _commit_wrong_slot),
-    "shared_positions": Fault("engine: give every row of a batched step the first row's "
-                              "positions", "anchor_positions", _shared_positions),
-    "plain_decode_highest_on_tie": Fault("plain decode alone: break exact ties toward the "
-                                         "higher id", "greedy", _plain_decode_highest_on_tie,
-                                         decode_module),
-    "first_token_highest_on_tie": Fault("engine: the first token after prefill breaks exact ties "
-                                        "toward the higher id", "_prefilled",
-                                        _first_token_highest_on_tie, engine_module.Engine),
-    "batched_rows_highest_on_tie": Fault("engine: every row of a plain batch but the first breaks "
-                                         "exact ties toward the higher id", "choose_tokens",
-                                         _batched_rows_highest_on_tie, engine_module),
-    "draft_highest_on_tie": Fault("the draft proposes the higher id of an exact tie",
-                                  "proposals", _draft_highest_on_tie, DFlashDraft),
-    "verify_highest_on_tie": Fault("the verify breaks exact ties toward the higher id",
-                                   "accept", _verify_highest_on_tie),
-    "stop_counted_twice": Fault("metrics: a request that ends on a stop is counted twice",
-                                "finish", _stop_counted_twice, RequestMetrics),
-    "abort_not_in_e2e": Fault("metrics: an aborted request is left out of the e2e latency "
-                              "histogram", "finish", _abort_not_in_e2e, RequestMetrics),
-    "accepted_counts_bonus": Fault("statistics: accepted counts the bonus token",
-                                   "record", _accepted_counts_bonus, SpecCounters),
-    "positions_off_by_one": Fault("metrics: per-position acceptance labelled from 0",
-                                  "on_step", _positions_off_by_one, ServerMetrics),
-    "generation_tokens_per_delivery": Fault("metrics: one generation token counted per "
-                                            "delivery, however many a step carried",
-                                            "delivered", _generation_tokens_per_delivery,
-                                            RequestMetrics),
+    "skip_state_rollback": Fault(
+        "hybrid: keep the Gated DeltaNet state of the whole verified block",
+        "commit_state",
+        _skip_state_rollback,
+    ),
+    "skip_length_rollback": Fault(
+        "keep every verified position as committed, rejected ones too", "processed", _skip_length_rollback
+    ),
+    "feature_off_by_one": Fault(
+        "feed the draft, for each committed position, the next one's features",
+        "context_features",
+        _feature_off_by_one,
+    ),
+    "wrong_bonus_position": Fault(
+        "take the bonus from the target's choice one slot too far", "bonus_index", _wrong_bonus_position
+    ),
+    "never_accept_full_block": Fault(
+        "reject the last draft token even when it matches", "accept_greedy", _never_accept_full_block
+    ),
+    "bonus_ignores_residual": Fault(
+        "sampling: draw a rejected slot's replacement from p, not p - q",
+        "accept_sampled",
+        _bonus_ignores_residual,
+    ),
+    "commit_wrong_slot": Fault(
+        "engine: commit each row's state into the next row's slot", "commit_state", _commit_wrong_slot
+    ),
+    "shared_positions": Fault(
+        "engine: give every row of a batched step the first row's positions",
+        "anchor_positions",
+        _shared_positions,
+    ),
+    "plain_decode_highest_on_tie": Fault(
+        "plain decode alone: break exact ties toward the higher id",
+        "greedy",
+        _plain_decode_highest_on_tie,
+        decode_module,
+    ),
+    "first_token_highest_on_tie": Fault(
+        "engine: the first token after prefill breaks exact ties toward the higher id",
+        "_prefilled",
+        _first_token_highest_on_tie,
+        engine_module.Engine,
+    ),
+    "batched_rows_highest_on_tie": Fault(
+        "engine: every row of a plain batch but the first breaks exact ties toward the higher id",
+        "choose_tokens",
+        _batched_rows_highest_on_tie,
+        engine_module,
+    ),
+    "draft_highest_on_tie": Fault(
+        "the draft proposes the higher id of an exact tie", "proposals", _draft_highest_on_tie, DFlashDraft
+    ),
+    "verify_highest_on_tie": Fault(
+        "the verify breaks exact ties toward the higher id", "accept", _verify_highest_on_tie
+    ),
+    "stop_counted_twice": Fault(
+        "metrics: a request that ends on a stop is counted twice",
+        "finish",
+        _stop_counted_twice,
+        RequestMetrics,
+    ),
+    "abort_not_in_e2e": Fault(
+        "metrics: an aborted request is left out of the e2e latency histogram",
+        "finish",
+        _abort_not_in_e2e,
+        RequestMetrics,
+    ),
+    "accepted_counts_bonus": Fault(
+        "statistics: accepted counts the bonus token", "record", _accepted_counts_bonus, SpecCounters
+    ),
+    "positions_off_by_one": Fault(
+        "metrics: per-position acceptance labelled from 0", "on_step", _positions_off_by_one, ServerMetrics
+    ),
+    "generation_tokens_per_delivery": Fault(
+        "metrics: one generation token counted per delivery, however many a step carried",
+        "delivered",
+        _generation_tokens_per_delivery,
+        RequestMetrics,
+    ),
     "full_block_bonus_from_last_draft_slot": Fault(
         "sampling: after a fully accepted block, draw the bonus from the target's distribution "
-        "at the last draft slot instead of the slot after it", "accept_sampled",
-        _full_block_bonus_from_last_draft_slot),
+        "at the last draft slot instead of the slot after it",
+        "accept_sampled",
+        _full_block_bonus_from_last_draft_slot,
+    ),
     "draft_q_at_temperature_one": Fault(
         "sampling: the draft's q and its proposals at temperature 1, whatever the request's "
-        "(lossless: costs acceptance only)", "propose", _draft_q_at_temperature_one),
+        "(lossless: costs acceptance only)",
+        "propose",
+        _draft_q_at_temperature_one,
+    ),
     "draft_context_from_next_row": Fault(
         "batches: each row's new draft context is the previous row's features (lossless: "
-        "costs acceptance only)", "context_features", _draft_context_from_next_row),
+        "costs acceptance only)",
+        "context_features",
+        _draft_context_from_next_row,
+    ),
     "draft_block_sees_padding": Fault(
         "batches: the draft's block attention also sees the padding of rows with fewer draft "
-        "slots (lossless: costs acceptance only)", "forward", _draft_block_sees_padding,
-        DFlashDraft),
+        "slots (lossless: costs acceptance only)",
+        "forward",
+        _draft_block_sees_padding,
+        DFlashDraft,
+    ),
 }
 
 
@@ -309,47 +378,91 @@ def planted(name: str | None) -> Iterator[None]:
 from . import lying_server as _liar  # noqa: E402
 
 LIES: dict[str, _liar.Lie] = {
-    "text_wrong_ids_right": _liar.Lie("the right token ids with one character of the text "
-                                      "changed", ("mismatch:text",), answer=_liar.change_text),
-    "ids_wrong_text_right": _liar.Lie("the right text with the first token id changed",
-                                      ("mismatch:ids_text",), answer=_liar.change_first_id),
-    "another_token": _liar.Lie("another first token, text and usage in step with it",
-                               ("mismatch:token",), answer=_liar.other_first_token),
-    "one_token_short": _liar.Lie("stop one token early (ids, text and usage agree)",
-                                 ("mismatch:length",), answer=_liar.drop_last_token),
-    "one_token_long": _liar.Lie("one token more than the honest answer (ids, text and usage "
-                                "agree)", ("mismatch:length",), answer=_liar.repeat_last_token),
-    "wrong_finish_reason": _liar.Lie("the right tokens with the other finish_reason",
-                                     ("mismatch:finish_reason",),
-                                     answer=_liar.flip_finish_reason),
-    "usage_off_by_one": _liar.Lie("usage.completion_tokens one more than the tokens sent",
-                                  ("inconsistent_answer",), answer=_liar.usage_one_more),
-    "wrong_prompt_tokens": _liar.Lie("the right answer, claiming one prompt token more",
-                                     ("mismatch:prompt",), answer=_liar.prompt_one_more),
-    "answers_another_prompt": _liar.Lie("answer a different prompt (text or ids changed on the "
-                                        "way)", ("mismatch:prompt",), request=_liar.other_prompt),
-    "stale_answer": _liar.Lie("send the answer to the request before (a slot mix-up)",
-                              ("mismatch",), reply=_liar.stale_answer),
-    "empty_choices": _liar.Lie("HTTP 200 with choices: []", ("empty_choices",),
-                               body=_liar.empty_choices_body, events=_liar.empty_choices_events),
-    "error_object": _liar.Lie("HTTP 200 with an error object (a stream: an error event)",
-                              ("error_object",), body=_liar.error_body,
-                              events=_liar.error_events),
-    "not_json": _liar.Lie("HTTP 200 with an HTML page", ("malformed_body",),
-                          reply=_liar.not_json),
-    "cut_short": _liar.Lie("the body cut in half (a stream: ended before its finish_reason)",
-                           ("malformed_body", "truncated_stream"), body=_liar.cut_body,
-                           events=_liar.cut_stream),
+    "text_wrong_ids_right": _liar.Lie(
+        "the right token ids with one character of the text changed",
+        ("mismatch:text",),
+        answer=_liar.change_text,
+    ),
+    "ids_wrong_text_right": _liar.Lie(
+        "the right text with the first token id changed", ("mismatch:ids_text",), answer=_liar.change_first_id
+    ),
+    "another_token": _liar.Lie(
+        "another first token, text and usage in step with it",
+        ("mismatch:token",),
+        answer=_liar.other_first_token,
+    ),
+    "one_token_short": _liar.Lie(
+        "stop one token early (ids, text and usage agree)", ("mismatch:length",), answer=_liar.drop_last_token
+    ),
+    "one_token_long": _liar.Lie(
+        "one token more than the honest answer (ids, text and usage agree)",
+        ("mismatch:length",),
+        answer=_liar.repeat_last_token,
+    ),
+    "wrong_finish_reason": _liar.Lie(
+        "the right tokens with the other finish_reason",
+        ("mismatch:finish_reason",),
+        answer=_liar.flip_finish_reason,
+    ),
+    "usage_off_by_one": _liar.Lie(
+        "usage.completion_tokens one more than the tokens sent",
+        ("inconsistent_answer",),
+        answer=_liar.usage_one_more,
+    ),
+    "wrong_prompt_tokens": _liar.Lie(
+        "the right answer, claiming one prompt token more", ("mismatch:prompt",), answer=_liar.prompt_one_more
+    ),
+    "answers_another_prompt": _liar.Lie(
+        "answer a different prompt (text or ids changed on the way)",
+        ("mismatch:prompt",),
+        request=_liar.other_prompt,
+    ),
+    "stale_answer": _liar.Lie(
+        "send the answer to the request before (a slot mix-up)", ("mismatch",), reply=_liar.stale_answer
+    ),
+    "empty_choices": _liar.Lie(
+        "HTTP 200 with choices: []",
+        ("empty_choices",),
+        body=_liar.empty_choices_body,
+        events=_liar.empty_choices_events,
+    ),
+    "error_object": _liar.Lie(
+        "HTTP 200 with an error object (a stream: an error event)",
+        ("error_object",),
+        body=_liar.error_body,
+        events=_liar.error_events,
+    ),
+    "not_json": _liar.Lie("HTTP 200 with an HTML page", ("malformed_body",), reply=_liar.not_json),
+    "cut_short": _liar.Lie(
+        "the body cut in half (a stream: ended before its finish_reason)",
+        ("malformed_body", "truncated_stream"),
+        body=_liar.cut_body,
+        events=_liar.cut_stream,
+    ),
     "http_500": _liar.Lie("HTTP 500", ("http_500",), reply=_liar.http_500),
-    "two_choices": _liar.Lie("two choices where one was asked for", ("malformed_body",),
-                             body=_liar.two_choices_body, events=_liar.two_choices_events),
-    "null_text": _liar.Lie("a text that is not a string", ("malformed_body",),
-                           body=_liar.null_text_body, events=_liar.null_text_events),
-    "duplicated_chunk": _liar.Lie("a stream with its first token chunk sent twice",
-                                  ("inconsistent_answer", "mismatch"),
-                                  events=_liar.duplicate_chunk),
-    "missing_chunk": _liar.Lie("a stream without its first token chunk",
-                               ("inconsistent_answer", "mismatch"), events=_liar.drop_chunk),
-    "tokens_after_finish": _liar.Lie("a stream with a token chunk after the finish_reason",
-                                     ("malformed_body",), events=_liar.tokens_after_finish),
+    "two_choices": _liar.Lie(
+        "two choices where one was asked for",
+        ("malformed_body",),
+        body=_liar.two_choices_body,
+        events=_liar.two_choices_events,
+    ),
+    "null_text": _liar.Lie(
+        "a text that is not a string",
+        ("malformed_body",),
+        body=_liar.null_text_body,
+        events=_liar.null_text_events,
+    ),
+    "duplicated_chunk": _liar.Lie(
+        "a stream with its first token chunk sent twice",
+        ("inconsistent_answer", "mismatch"),
+        events=_liar.duplicate_chunk,
+    ),
+    "missing_chunk": _liar.Lie(
+        "a stream without its first token chunk", ("inconsistent_answer", "mismatch"), events=_liar.drop_chunk
+    ),
+    "tokens_after_finish": _liar.Lie(
+        "a stream with a token chunk after the finish_reason",
+        ("malformed_body",),
+        events=_liar.tokens_after_finish,
+    ),
 }

@@ -14,7 +14,8 @@ from .faults import FAULTS, planted
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in FAULTS:
-        sys.exit(f"usage: python -m gates.faulty_serve FAULT [serve options]; FAULT is one of "
-                 f"{', '.join(FAULTS)}")
+        sys.exit(
+            f"usage: python -m gates.faulty_serve FAULT [serve options]; FAULT is one of {', '.join(FAULTS)}"
+        )
     with planted(sys.argv[1]):
         sys.exit(main(sys.argv[2:]))

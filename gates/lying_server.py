@@ -27,6 +27,7 @@ import httpx
 @dataclass
 class Answer:
     """What the honest server generated, for a lie to edit in place."""
+
     text: str
     token_ids: list[int] | None
     finish_reason: str | None
@@ -56,8 +57,7 @@ class Lie:
     def forms(self) -> tuple[str, ...]:
         """The reply forms it lies in: `whole`, `stream` or both."""
         both = self.request or self.answer or self.reply
-        return tuple(f for f, hook in (("whole", self.body), ("stream", self.events))
-                     if both or hook)
+        return tuple(f for f, hook in (("whole", self.body), ("stream", self.events)) if both or hook)
 
 
 # ------------------------------------------------------------------ reading and writing replies
@@ -75,8 +75,7 @@ def parse_events(content: bytes) -> list:
 
 
 def write_events(events: list) -> bytes:
-    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n"
-                   for e in events).encode()
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
 
 
 def fold(events: list, chat: bool) -> Answer:
@@ -113,16 +112,22 @@ def unfold(answer: Answer, events: list, chat: bool) -> list:
     return out + ["[DONE]"]
 
 
-def edit_whole(data: dict, chat: bool, edit: Callable[[Answer], None],
-               decode: Callable[[list[int]], str] | None) -> dict:
+def edit_whole(
+    data: dict, chat: bool, edit: Callable[[Answer], None], decode: Callable[[list[int]], str] | None
+) -> dict:
     """Apply an answer edit to a whole reply's only choice."""
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices:
         return data
     choice = choices[0]
-    answer = Answer(choice["message"]["content"] if chat else choice["text"],
-                    choice.get("token_ids"), choice.get("finish_reason"), data.get("usage"),
-                    choice.get("prompt_token_ids"), decode)
+    answer = Answer(
+        choice["message"]["content"] if chat else choice["text"],
+        choice.get("token_ids"),
+        choice.get("finish_reason"),
+        data.get("usage"),
+        choice.get("prompt_token_ids"),
+        decode,
+    )
     edit(answer)
     if chat:
         choice["message"]["content"] = answer.text
@@ -150,10 +155,13 @@ def send_answer(handler: BaseHTTPRequestHandler, request: dict, data: dict) -> N
         return
     choice = data["choices"][0]
     chat = "message" in choice
-    answer = Answer(choice["message"]["content"] if chat else choice["text"],
-                    choice.get("token_ids"), choice.get("finish_reason"), data.get("usage"))
-    send_reply(handler, Reply(200, write_events(unfold(answer, [data], chat)),
-                              "text/event-stream"))
+    answer = Answer(
+        choice["message"]["content"] if chat else choice["text"],
+        choice.get("token_ids"),
+        choice.get("finish_reason"),
+        data.get("usage"),
+    )
+    send_reply(handler, Reply(200, write_events(unfold(answer, [data], chat)), "text/event-stream"))
 
 
 # ------------------------------------------------------------------ the server
@@ -174,8 +182,9 @@ class LyingServer:
 
             def do_GET(self) -> None:
                 r = liar.client.get(liar.upstream + self.path)
-                send_reply(self, Reply(r.status_code, r.content,
-                                       r.headers.get("content-type", "application/json")))
+                send_reply(
+                    self, Reply(r.status_code, r.content, r.headers.get("content-type", "application/json"))
+                )
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -244,7 +253,7 @@ def _consistent(answer: Answer) -> None:
 def change_text(answer: Answer) -> None:
     text = answer.text or " "
     k = len(text) // 2
-    answer.text = text[:k] + ("x" if text[k] != "x" else "y") + text[k + 1:]
+    answer.text = text[:k] + ("x" if text[k] != "x" else "y") + text[k + 1 :]
 
 
 def change_first_id(answer: Answer) -> None:
@@ -316,7 +325,7 @@ def error_body(data: dict) -> dict:
 def error_events(events: list) -> list:
     content = [i for i, e in enumerate(events) if isinstance(e, dict) and e.get("choices")]
     at = content[-1] if content else 0
-    return events[:at] + [error_body({})] + events[at + 1:]
+    return events[:at] + [error_body({})] + events[at + 1 :]
 
 
 def two_choices_body(data: dict) -> dict:
@@ -325,14 +334,16 @@ def two_choices_body(data: dict) -> dict:
 
 
 def two_choices_events(events: list) -> list:
-    return [two_choices_body(e) if isinstance(e, dict) and e.get("choices") else e
-            for e in events]
+    return [two_choices_body(e) if isinstance(e, dict) and e.get("choices") else e for e in events]
 
 
 def null_text_body(data: dict) -> dict:
     for choice in data.get("choices") or []:
-        for holder, key in ((choice.get("message"), "content"), (choice.get("delta"), "content"),
-                            (choice, "text")):
+        for holder, key in (
+            (choice.get("message"), "content"),
+            (choice.get("delta"), "content"),
+            (choice, "text"),
+        ):
             if isinstance(holder, dict) and key in holder:
                 holder[key] = 7 if key == "content" else None
                 break
@@ -344,9 +355,15 @@ def null_text_events(events: list) -> list:
 
 
 def _content_events(events: list) -> list[int]:
-    return [i for i, e in enumerate(events) if isinstance(e, dict) and any(
-        c.get("token_ids") or c.get("text") or (c.get("delta") or {}).get("content")
-        for c in e.get("choices") or [])]
+    return [
+        i
+        for i, e in enumerate(events)
+        if isinstance(e, dict)
+        and any(
+            c.get("token_ids") or c.get("text") or (c.get("delta") or {}).get("content")
+            for c in e.get("choices") or []
+        )
+    ]
 
 
 def duplicate_chunk(events: list) -> list:
@@ -359,7 +376,7 @@ def drop_chunk(events: list) -> list:
     content = _content_events(events)
     if len(content) < 2:
         return events
-    return events[: content[0]] + events[content[0] + 1:]
+    return events[: content[0]] + events[content[0] + 1 :]
 
 
 def tokens_after_finish(events: list) -> list:
@@ -369,7 +386,7 @@ def tokens_after_finish(events: list) -> list:
     extra = json.loads(json.dumps(events[content[-1]]))
     for choice in extra["choices"]:
         choice["finish_reason"] = None
-    return events[: content[-1] + 1] + [extra] + events[content[-1] + 1:]
+    return events[: content[-1] + 1] + [extra] + events[content[-1] + 1 :]
 
 
 def cut_body(data: dict) -> bytes:
@@ -379,8 +396,14 @@ def cut_body(data: dict) -> bytes:
 
 def cut_stream(events: list) -> list:
     """End the stream before the event that carries the finish_reason (and no [DONE])."""
-    at = next((i for i, e in enumerate(events) if isinstance(e, dict) and any(
-        c.get("finish_reason") for c in e.get("choices") or [])), len(events))
+    at = next(
+        (
+            i
+            for i, e in enumerate(events)
+            if isinstance(e, dict) and any(c.get("finish_reason") for c in e.get("choices") or [])
+        ),
+        len(events),
+    )
     return events[:at]
 
 

@@ -30,15 +30,13 @@ from .faults import FAULTS, planted
 
 
 @contextmanager
-def serving_here(fault: str | None, serve_args: Sequence[str],
-                 timeout: float = 60.0) -> Iterator[str]:
+def serving_here(fault: str | None, serve_args: Sequence[str], timeout: float = 60.0) -> Iterator[str]:
     """Our server (its app, engine thread and uvicorn) on a free loopback port of this
     process, poisoned and with `fault` planted until the block ends; yields its URL."""
     port = free_port()
     with poisoned(), planted(fault):
         server = Server(ServeArgs.parse([*serve_args, "--port", str(port)]))
-        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=port,
-                                log_level="warning")
+        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning")
         http = uvicorn.Server(config)
         thread = threading.Thread(target=http.run, name="server", daemon=True)
         thread.start()
@@ -56,7 +54,9 @@ def serving_here(fault: str | None, serve_args: Sequence[str],
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in (*FAULTS, "none"):
-        sys.exit(f"usage: python -m gates.poisoned_serve FAULT|none [serve options]; FAULT is "
-                 f"one of {', '.join(FAULTS)}")
+        sys.exit(
+            f"usage: python -m gates.poisoned_serve FAULT|none [serve options]; FAULT is "
+            f"one of {', '.join(FAULTS)}"
+        )
     with poisoned(), planted(None if sys.argv[1] == "none" else sys.argv[1]):
         sys.exit(main(sys.argv[2:]))

@@ -33,6 +33,5 @@ def gate_prompt_ids(config: pytest.Config, tokenizer_dir, count: int) -> list[li
     else:
         prompts = builtin("mixed")[:count]
     tokenizer = load_tokenizer(tokenizer_dir)
-    texts = [p.text if p.text is not None else "\n".join(m["content"] for m in p.messages)
-             for p in prompts]
+    texts = [p.text if p.text is not None else "\n".join(m["content"] for m in p.messages) for p in prompts]
     return [tokenizer.encode(text).ids for text in texts]

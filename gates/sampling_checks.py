@@ -100,9 +100,17 @@ class CellRun:
     q_error_at: str = "nowhere"
 
 
-def run_cell(target: CausalLM, draft: DFlashDraft, cell: Cell, prompts: Sequence[Sequence[int]],
-             rows: int, max_tokens: int, block_size: int, seed: int,
-             fault: str | None = None) -> CellRun:
+def run_cell(
+    target: CausalLM,
+    draft: DFlashDraft,
+    cell: Cell,
+    prompts: Sequence[Sequence[int]],
+    rows: int,
+    max_tokens: int,
+    block_size: int,
+    seed: int,
+    fault: str | None = None,
+) -> CellRun:
     """`rows` sampled requests in one batch, the prompts in turn; even rows keep the real
     draft's proposals, odd rows take the close proposer's. Seeds are fixed."""
     reference = TargetReference(target, cell)
@@ -116,6 +124,7 @@ def run_cell(target: CausalLM, draft: DFlashDraft, cell: Cell, prompts: Sequence
             logits, tokens = correct(self, hidden, lm_head_weight, *args, **kwargs)
             captured["logits"] = logits  # [b, N, vocab]
             return logits, tokens
+
         return proposals
 
     def check_draft(rows_, proposals: torch.Tensor, draft_probs: list) -> None:
@@ -141,7 +150,8 @@ def run_cell(target: CausalLM, draft: DFlashDraft, cell: Cell, prompts: Sequence
             if mine:
                 drafted, qs = close.propose(
                     [rows_.seqs[i].prompt_ids + rows_.seqs[i].output_ids for i in mine],
-                    [rows_.n[i] for i in mine])
+                    [rows_.n[i] for i in mine],
+                )
                 for i, tokens, q in zip(mine, drafted, qs):
                     proposals[i, : len(tokens)] = torch.tensor(tokens, device=proposals.device)
                     draft_probs[i] = q.to(proposals.device)
@@ -150,26 +160,49 @@ def run_cell(target: CausalLM, draft: DFlashDraft, cell: Cell, prompts: Sequence
                 q = draft_probs[i]
                 if q is not None:
                     run.proposed[(seq.request_id, len(seq.output_ids))] = (
-                        proposals[i, : rows_.n[i]].tolist(), q.double().cpu())
+                        proposals[i, : rows_.n[i]].tolist(),
+                        q.double().cpu(),
+                    )
             return block, proposals, draft_probs
+
         return propose
 
     longest = max(len(p) for p in prompts)
-    engine = Engine(target, draft, EngineConfig(
-        max_num_seqs=rows, block_size=block_size, prefill_chunk=longest,
-        max_model_len=longest + max_tokens, enforce_eager=True))
-    with planted(fault), hooked((DFlashDraft, "proposals", record_logits),
-                                (SpeculativeStep, "propose", record_and_replace)):
+    engine = Engine(
+        target,
+        draft,
+        EngineConfig(
+            max_num_seqs=rows,
+            block_size=block_size,
+            prefill_chunk=longest,
+            max_model_len=longest + max_tokens,
+            enforce_eager=True,
+        ),
+    )
+    with (
+        planted(fault),
+        hooked((DFlashDraft, "proposals", record_logits), (SpeculativeStep, "propose", record_and_replace)),
+    ):
         for i in range(rows):
-            engine.add_request(str(i), list(prompts[i % len(prompts)]), SamplingParams(
-                max_tokens=max_tokens, temperature=cell.temperature, top_k=cell.top_k,
-                top_p=cell.top_p, ignore_eos=True, seed=seed * 1_000_003 + i))
+            engine.add_request(
+                str(i),
+                list(prompts[i % len(prompts)]),
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=cell.temperature,
+                    top_k=cell.top_k,
+                    top_p=cell.top_p,
+                    ignore_eos=True,
+                    seed=seed * 1_000_003 + i,
+                ),
+            )
         while engine.has_unfinished():
             engine.step()
     for i in range(rows):
         seq = engine.collect(str(i))
-        run.requests.append(Request(str(i), list(prompts[i % len(prompts)]), seq.output_ids,
-                                    seq.steps, seq.finish_reason))
+        run.requests.append(
+            Request(str(i), list(prompts[i % len(prompts)]), seq.output_ids, seq.steps, seq.finish_reason)
+        )
     return run
 
 
@@ -196,14 +229,17 @@ def cell_draws(run: CellRun) -> CellDraws:
         at = 1  # the first output token came from prefill
         for step in r.steps:
             if (r.request_id, at) not in run.proposed:
-                raise AssertionError(f"{run.cell}: request {r.request_id} committed a step at "
-                                     f"output {at} whose proposals were never recorded")
+                raise AssertionError(
+                    f"{run.cell}: request {r.request_id} committed a step at "
+                    f"output {at} whose proposals were never recorded"
+                )
             drafted, q = run.proposed[(r.request_id, at)]  # q: [n, vocab]
             a, n, kept = step.accepted, step.proposed, step.acceptance_length
             if r.output[at : at + min(a, kept)] != drafted[: min(a, kept)]:
                 raise AssertionError(
                     f"{run.cell}: request {r.request_id} at output {at} accepted {a} but "
-                    f"committed {r.output[at:at + a]}, not its proposals {drafted[:a]}")
+                    f"committed {r.output[at : at + a]}, not its proposals {drafted[:a]}"
+                )
             decided = min(a + 1, n)
             x = torch.tensor(drafted[:decided])[:, None]
             ratio = probs[at : at + decided].gather(1, x)[:, 0] / q[:decided].gather(1, x)[:, 0]
@@ -212,12 +248,16 @@ def cell_draws(run: CellRun) -> CellDraws:
                 after = at + a
                 where = f"request {r.request_id} output {after}"
                 if a == n:
-                    draws.bonuses.add(probs[after : after + 1], r.output[after : after + 1],
-                                      f"{where}, a bonus")
+                    draws.bonuses.add(
+                        probs[after : after + 1], r.output[after : after + 1], f"{where}, a bonus"
+                    )
                     draws.full_blocks += n == run.block_size - 1
                 else:
-                    draws.residuals.add(reference_residual(probs[after], q[a])[None],
-                                        r.output[after : after + 1], f"{where}, a replacement")
+                    draws.residuals.add(
+                        reference_residual(probs[after], q[a])[None],
+                        r.output[after : after + 1],
+                        f"{where}, a replacement",
+                    )
             at += kept
     return draws
 
@@ -232,22 +272,31 @@ def assert_sampling_lossless(run: CellRun, alpha: float, min_full_blocks: int) -
     cell = run.cell
     for r in run.requests:
         if r.finish_reason != "length" or len(r.output) != run.max_tokens:
-            raise AssertionError(f"{cell}: request {r.request_id} ended '{r.finish_reason}' "
-                                 f"after {len(r.output)} tokens, expected {run.max_tokens}")
+            raise AssertionError(
+                f"{cell}: request {r.request_id} ended '{r.finish_reason}' "
+                f"after {len(r.output)} tokens, expected {run.max_tokens}"
+            )
     if not run.q_error <= Q_TOLERANCE:
-        raise AssertionError(f"{cell}: the draft's q differs from the reference distribution "
-                             f"of its logits by {run.q_error:.3g} at {run.q_error_at}")
+        raise AssertionError(
+            f"{cell}: the draft's q differs from the reference distribution "
+            f"of its logits by {run.q_error:.3g} at {run.q_error_at}"
+        )
     draws = cell_draws(run)
     assert_in_support(run.draft_q, f"{cell}, draft proposals")
     assert_in_support(draws.outputs, f"{cell}, output (outside the top-k/top-p set)")
     assert_in_support(draws.residuals, f"{cell}, replacements (outside the residual)")
     if draws.full_blocks < min_full_blocks:
-        raise AssertionError(f"{cell}: {draws.full_blocks} full blocks were accepted, fewer "
-                             f"than the {min_full_blocks} the bonus check needs")
+        raise AssertionError(
+            f"{cell}: {draws.full_blocks} full blocks were accepted, fewer "
+            f"than the {min_full_blocks} the bonus check needs"
+        )
     assert_distributed_as(run.draft_q, f"{cell}, draft proposals against their q", alpha)
     assert_distributed_as(draws.outputs, f"{cell}, output tokens", alpha)
-    assert_rate(boundary_rate(draws.outputs), f"{cell}, output tokens that are the last of "
-                "their top-k/top-p set", alpha)
+    assert_rate(
+        boundary_rate(draws.outputs),
+        f"{cell}, output tokens that are the last of their top-k/top-p set",
+        alpha,
+    )
     assert_distributed_as(draws.bonuses, f"{cell}, bonuses after fully accepted blocks", alpha)
     assert_distributed_as(draws.residuals, f"{cell}, replacements of rejected proposals", alpha)
     assert_rate(draws.acceptance, f"{cell}, accepted proposals", alpha)

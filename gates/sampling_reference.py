@@ -86,8 +86,7 @@ class TargetReference:
         missing = sorted({k for k in keys if k not in self.cache})
         # a run caches every prefix of its rows: run only the rows no other row extends (in
         # sorted order a row's extensions follow it)
-        longest = [k for i, k in enumerate(missing)
-                   if i + 1 == len(missing) or missing[i + 1][: len(k)] != k]
+        longest = [k for i, k in enumerate(missing) if i + 1 == len(missing) or missing[i + 1][: len(k)] != k]
         if longest:
             self._run(longest)
         return torch.stack([self.cache[k] for k in keys])
@@ -97,9 +96,14 @@ class TargetReference:
         width = max(len(r) for r in rows)
         ids = torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], device=device)
         state = new_state(self.target, width, num_slots=len(rows))
-        out = self.target(ids, torch.arange(width, device=device).expand(len(rows), -1),
-                          torch.arange(len(rows), device=device), state, width,
-                          valid_len=torch.tensor([len(r) for r in rows], device=device))
+        out = self.target(
+            ids,
+            torch.arange(width, device=device).expand(len(rows), -1),
+            torch.arange(len(rows), device=device),
+            state,
+            width,
+            valid_len=torch.tensor([len(r) for r in rows], device=device),
+        )
         probs = reference_probabilities(out.logits, self.cell)  # [rows, width, vocab]
         for i, row in enumerate(rows):
             for t in range(len(row)):
@@ -162,7 +166,8 @@ def assert_in_support(draws: Draws, what: str) -> None:
             raise AssertionError(
                 f"{what}: the speculative joint distribution puts mass outside the reference "
                 f"support: sampled token {int(tokens[j])} at {where} (draw {j}), support "
-                f"{support}")
+                f"{support}"
+            )
 
 
 def rank_test(draws: Draws) -> tuple[float, int, float, list[tuple[str, float, int]]]:
@@ -188,8 +193,11 @@ def rank_test(draws: Draws) -> tuple[float, int, float, list[tuple[str, float, i
     shown = [(f"{a}" if a == b else f"{a}-{b}", e, o) for a, b, e, o in bins]
     if df <= 0:
         return statistic, df, 1.0, shown
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                      torch.tensor(statistic / 2, dtype=torch.float64)))
+    p = float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
     return statistic, df, p, shown
 
 
@@ -201,7 +209,8 @@ def assert_distributed_as(draws: Draws, what: str, alpha: float) -> None:
         raise AssertionError(
             f"{what}: the speculative joint distribution departs from the reference: rank "
             f"chi-square {statistic:.1f} on {df} degrees of freedom, p = {p:.3g} < alpha "
-            f"{alpha:.3g} over {len(draws)} draws (observed vs expected by rank: {shown})")
+            f"{alpha:.3g} over {len(draws)} draws (observed vs expected by rank: {shown})"
+        )
 
 
 def boundary_rate(draws: Draws) -> Rate:
@@ -223,4 +232,5 @@ def assert_rate(rate: Rate, what: str, alpha: float) -> None:
         raise AssertionError(
             f"{what}: the speculative joint distribution departs from the reference: "
             f"{rate.observed} times where {rate.expected:.1f} are expected (z = {rate.z:.1f}, "
-            f"bound {z_bound(alpha):.1f} for alpha {alpha:.3g})")
+            f"bound {z_bound(alpha):.1f} for alpha {alpha:.3g})"
+        )

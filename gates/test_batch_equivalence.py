@@ -31,22 +31,24 @@ def make_requests(pair: Pair, oracle: bool, count: int = 16, seed: int = 0):
         prompt = tuple(rng.randrange(vocab - 16) for _ in range(rng.choice((1, 5, 23, 70, 130))))
         params = SamplingParams(max_tokens=rng.randint(1, 28), ignore_eos=True)
         schedule = tuple(schedules.randrange(BLOCK_SIZE) for _ in range(6)) if oracle else None
-        requests.append(EngineRequest(f"req{i}", prompt, params, arrival_step=2 * i,
-                                      schedule=schedule))
+        requests.append(EngineRequest(f"req{i}", prompt, params, arrival_step=2 * i, schedule=schedule))
     return requests
 
 
 @pytest.fixture(scope="module")
 def workload(pair: Pair):
     requests = {kind: make_requests(pair, kind == "oracle") for kind in ("draft", "oracle")}
-    references = {r.request_id: generate_plain(pair.target, list(r.prompt), r.params).output_ids
-                  for r in requests["draft"]}
+    references = {
+        r.request_id: generate_plain(pair.target, list(r.prompt), r.params).output_ids
+        for r in requests["draft"]
+    }
     return requests, references
 
 
 def engine_for(pair: Pair, concurrency: int, strategy: str = "replay", **options) -> Engine:
-    config = EngineConfig(max_num_seqs=concurrency, block_size=BLOCK_SIZE,
-                          commit_strategy=strategy, prefill_chunk=48, **options)
+    config = EngineConfig(
+        max_num_seqs=concurrency, block_size=BLOCK_SIZE, commit_strategy=strategy, prefill_chunk=48, **options
+    )
     return Engine(pair.target, pair.draft, config)
 
 
@@ -68,12 +70,14 @@ def test_fallbacks_keep_producing_plain_decode_output(pair: Pair, workload) -> N
     requests, references = workload
     engine = engine_for(pair, 8, fallback_min_acceptance=1.5, fallback_after_steps=2)
     chosen = requests["draft"][:6]
-    logprob_request = EngineRequest("logprobs", chosen[3].prompt,
-                                    SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2), 1)
+    logprob_request = EngineRequest(
+        "logprobs", chosen[3].prompt, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2), 1
+    )
     refs = {r.request_id: references[r.request_id] for r in chosen}
     # asking for logprobs must not change the tokens
-    refs["logprobs"] = generate_plain(pair.target, list(logprob_request.prompt),
-                                      replace(logprob_request.params, logprobs=None)).output_ids
+    refs["logprobs"] = generate_plain(
+        pair.target, list(logprob_request.prompt), replace(logprob_request.params, logprobs=None)
+    ).output_ids
     streamed = run_engine(engine, [*chosen, logprob_request], refs)
     assert_batch_equivalent(streamed, refs, f"{pair.name} with fallbacks")
     stats = engine.stats()["fallbacks"]
@@ -87,13 +91,14 @@ def test_fallbacks_keep_producing_plain_decode_output(pair: Pair, workload) -> N
 def test_abort_mid_flight_leaves_the_others_identical(pair: Pair, workload) -> None:
     requests, references = workload
     engine = engine_for(pair, 4)
-    batch = [EngineRequest(r.request_id, r.prompt, r.params, i, r.schedule)
-             for i, r in enumerate(requests["oracle"][:8])]
+    batch = [
+        EngineRequest(r.request_id, r.prompt, r.params, i, r.schedule)
+        for i, r in enumerate(requests["oracle"][:8])
+    ]
     longest = sorted(batch, key=lambda r: -r.params.max_tokens)[:2]
     aborted = {r.request_id: r.arrival_step + 3 for r in longest}
     streamed = run_engine(engine, batch, references, abort=aborted)
-    assert_batch_equivalent(streamed, {k: references[k] for k in streamed}, "abort",
-                            skip=list(aborted))
+    assert_batch_equivalent(streamed, {k: references[k] for k in streamed}, "abort", skip=list(aborted))
     for request_id in aborted:  # really cut mid-flight
         assert len(streamed[request_id]) < len(references[request_id])
     assert engine.scheduler.free_slots == [0, 1, 2, 3]
@@ -110,9 +115,11 @@ def test_admission_waits_or_refuses_per_policy(pair: Pair, workload) -> None:
     with pytest.raises(EngineFullError, match="no free slot"):
         refuse.add_request("c", [1, 2, 3], SamplingParams(max_tokens=4))
     waiting = engine_for(pair, 2)
-    streamed = run_engine(waiting, [
-        EngineRequest(r.request_id, r.prompt, r.params, 0) for r in requests["draft"][:6]
-    ], references)
+    streamed = run_engine(
+        waiting,
+        [EngineRequest(r.request_id, r.prompt, r.params, 0) for r in requests["draft"][:6]],
+        references,
+    )
     assert_batch_equivalent(streamed, {k: references[k] for k in streamed}, "queued admission")
 
 

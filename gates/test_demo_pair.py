@@ -40,9 +40,16 @@ def demo():
 
 def run(target, draft, prompts, block_size=None, fault=None) -> tuple[list[list[int]], float]:
     """All prompts through one engine (a continuous batch); outputs and mean acceptance."""
-    engine = Engine(target, draft, EngineConfig(
-        max_num_seqs=len(prompts), block_size=block_size, commit_strategy="per_token",
-        max_model_len=max(map(len, prompts)) + MAX_TOKENS))
+    engine = Engine(
+        target,
+        draft,
+        EngineConfig(
+            max_num_seqs=len(prompts),
+            block_size=block_size,
+            commit_strategy="per_token",
+            max_model_len=max(map(len, prompts)) + MAX_TOKENS,
+        ),
+    )
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -67,15 +74,19 @@ def assert_identical(demo, plain: list[list[int]], outputs: list[list[int]], wha
         if got != expected:  # equal ids decode to equal bytes
             problems.append(divergence(target, prompt, expected, got))
     if problems:
-        raise AssertionError(f"{what}: {len(problems)} of {len(prompts)} held-out prompts: DFlash "
-                             "output != plain greedy; " + "; ".join(problems))
+        raise AssertionError(
+            f"{what}: {len(problems)} of {len(prompts)} held-out prompts: DFlash "
+            "output != plain greedy; " + "; ".join(problems)
+        )
 
 
 def assert_acceptance(mean: float, block_size: int) -> None:
     floor = ACCEPTANCE_FLOOR[block_size]
     if mean < floor:
-        raise AssertionError(f"B={block_size}: mean acceptance length {mean:.3f} fell below "
-                             f"the floor {floor} (the draft drafts worse than when measured)")
+        raise AssertionError(
+            f"B={block_size}: mean acceptance length {mean:.3f} fell below "
+            f"the floor {floor} (the draft drafts worse than when measured)"
+        )
 
 
 @pytest.mark.parametrize("block_size", sorted(ACCEPTANCE_FLOOR))

@@ -71,6 +71,7 @@ def recording(record: DraftRecord, engine: Engine) -> AbstractContextManager[Non
             step_logits.append(logits)  # [b, N, vocab]
             step_logits.append(tokens)  # [b, N]
             return logits, tokens
+
         return wrapped
 
     def propose(correct):
@@ -83,8 +84,11 @@ def recording(record: DraftRecord, engine: Engine) -> AbstractContextManager[Non
                 record.occupants.setdefault(seq.slot, set()).add(seq.request_id)
                 n_i = rows.n[i]  # the row's real slots; the rest is padding
                 record.proposals[(seq.request_id, len(seq.output_ids))] = (
-                    tokens[i, :n_i].tolist(), logits[i, :n_i].clone())
+                    tokens[i, :n_i].tolist(),
+                    logits[i, :n_i].clone(),
+                )
             return out
+
         return wrapped
 
     def append_context(correct):
@@ -95,10 +99,14 @@ def recording(record: DraftRecord, engine: Engine) -> AbstractContextManager[Non
                 for j, position in enumerate(positions[i].tolist()):
                     record.features[(owner[slot], position)] = row[j]
             return correct(self, features, positions, slots, *args, **kwargs)
+
         return wrapped
 
-    return hooked((DFlashDraft, "proposals", proposals), (SpeculativeStep, "propose", propose),
-                  (DFlashDraft, "append_context", append_context))
+    return hooked(
+        (DFlashDraft, "proposals", proposals),
+        (SpeculativeStep, "propose", propose),
+        (DFlashDraft, "append_context", append_context),
+    )
 
 
 def workload(pair: Pair, proposer: str) -> list[EngineRequest]:
@@ -114,41 +122,53 @@ def workload(pair: Pair, proposer: str) -> list[EngineRequest]:
         length = rng.choice(PROMPT_LENGTHS[:4] if first_wave else PROMPT_LENGTHS)
         prompt = tuple(rng.randrange(vocab - 16) for _ in range(length))
         params = SamplingParams(max_tokens=rng.randint(2, MAX_TOKENS), ignore_eos=True)
-        schedule = (tuple(schedules.randrange(BLOCK_SIZE) for _ in range(5))
-                    if proposer == "oracle" else None)
+        schedule = tuple(schedules.randrange(BLOCK_SIZE) for _ in range(5)) if proposer == "oracle" else None
         arrival = 0 if first_wave else 2 * (i - BATCH + 1)
         requests.append(EngineRequest(f"req{i}", prompt, params, arrival, schedule))
     return requests
 
 
-def record_run(pair: Pair, requests: list[EngineRequest], references: dict[str, list[int]],
-               slots: int) -> tuple[DraftRecord, dict[str, list[int]]]:
+def record_run(
+    pair: Pair, requests: list[EngineRequest], references: dict[str, list[int]], slots: int
+) -> tuple[DraftRecord, dict[str, list[int]]]:
     """Run `requests` on a fresh engine of `slots` rows; returns what the draft computed and
     each request's output."""
-    engine = Engine(pair.target, pair.draft, EngineConfig(
-        max_num_seqs=slots, block_size=BLOCK_SIZE, prefill_chunk=PREFILL_CHUNK,
-        max_model_len=max(PROMPT_LENGTHS) + MAX_TOKENS, enforce_eager=True))
+    engine = Engine(
+        pair.target,
+        pair.draft,
+        EngineConfig(
+            max_num_seqs=slots,
+            block_size=BLOCK_SIZE,
+            prefill_chunk=PREFILL_CHUNK,
+            max_model_len=max(PROMPT_LENGTHS) + MAX_TOKENS,
+            enforce_eager=True,
+        ),
+    )
     record = DraftRecord()
     with recording(record, engine):
         streamed = run_engine(engine, requests, references)
     return record, streamed
 
 
-def assert_draft_batch_invariant(alone: DraftRecord, batched: DraftRecord,
-                                 committed: dict[str, int], what: str) -> None:
+def assert_draft_batch_invariant(
+    alone: DraftRecord, batched: DraftRecord, committed: dict[str, int], what: str
+) -> None:
     """Every step the request ran alone ran in the batch from the same output position with
     the same draft tokens and logits, and every committed position got the same features."""
     for (request_id, position), (tokens, logits) in sorted(alone.proposals.items()):
         got = batched.proposals.get((request_id, position))
         if got is None:
-            raise AssertionError(f"{what}: request {request_id} drafted at output position "
-                                 f"{position} alone but not in the batch")
+            raise AssertionError(
+                f"{what}: request {request_id} drafted at output position "
+                f"{position} alone but not in the batch"
+            )
         error = float((got[1] - logits).abs().max())
         if got[0] != tokens or not error <= TOLERANCE:
             raise AssertionError(
                 f"{what}: request {request_id}'s draft at output position {position} differs "
                 f"in the batch: tokens {got[0]} vs {tokens} alone, logits by {error:.3g} "
-                f"(tolerance {TOLERANCE:g})")
+                f"(tolerance {TOLERANCE:g})"
+            )
     for (request_id, position), features in sorted(alone.features.items()):
         if position >= committed[request_id]:
             continue  # rows past the committed length are the next block's scratch
@@ -157,7 +177,8 @@ def assert_draft_batch_invariant(alone: DraftRecord, batched: DraftRecord,
         if not error <= TOLERANCE:
             raise AssertionError(
                 f"{what}: request {request_id}'s draft context at position {position} differs "
-                f"in the batch by {error:.3g} (tolerance {TOLERANCE:g})")
+                f"in the batch by {error:.3g} (tolerance {TOLERANCE:g})"
+            )
 
 
 Workload = tuple[list[EngineRequest], dict[str, list[int]], DraftRecord, dict[str, int]]
@@ -171,15 +192,18 @@ def alone_runs(pair: Pair) -> dict[str, Workload]:
     if pair.name not in TINY_PAIRS:
         pytest.skip("the draft batch-invariance gate compares float64 values: tiny pairs only")
     requests = {proposer: workload(pair, proposer) for proposer in PROPOSERS}
-    references = {r.request_id: generate_plain(pair.target, list(r.prompt), r.params).output_ids
-                  for r in requests["oracle"]}
+    references = {
+        r.request_id: generate_plain(pair.target, list(r.prompt), r.params).output_ids
+        for r in requests["oracle"]
+    }
     runs = {}
     for proposer in PROPOSERS:
         alone = DraftRecord()
         committed: dict[str, int] = {}
         for r in requests[proposer]:
-            one, streamed = record_run(pair, [EngineRequest(r.request_id, r.prompt, r.params,
-                                                            0, r.schedule)], references, 1)
+            one, streamed = record_run(
+                pair, [EngineRequest(r.request_id, r.prompt, r.params, 0, r.schedule)], references, 1
+            )
             alone.proposals.update(one.proposals)
             alone.features.update(one.features)
             # the positions the target ran, whose features the draft keeps

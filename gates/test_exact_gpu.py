@@ -63,18 +63,29 @@ def demo(request: pytest.FixtureRequest, numerics: str):
 
 @pytest.mark.parametrize("strategy", COMMIT_STRATEGIES)
 @pytest.mark.parametrize("block_size", [4, 8, 16])
-def test_demo_pair_dflash_equals_plain_greedy_in_bfloat16(demo, numerics: str, block_size: int,
-                                                          strategy: str) -> None:
+def test_demo_pair_dflash_equals_plain_greedy_in_bfloat16(
+    demo, numerics: str, block_size: int, strategy: str
+) -> None:
     target, draft, prompts, max_tokens, plain = demo
     if block_size > draft.config.block_size:
         pytest.skip(f"the draft supports block sizes up to {draft.config.block_size}")
     references = {rid: out for rid, (out, _) in plain.items()}
     logits = {rid: lg for rid, (_, lg) in plain.items()}
-    config = EngineConfig(max_num_seqs=len(prompts), block_size=block_size,
-                          commit_strategy=strategy, numerics=numerics,
-                          max_model_len=max(map(len, prompts.values())) + max_tokens)
-    outputs = run_engine(target, draft, prompts, max_tokens, config,
-                         check=(prompts, references, logits) if numerics != "fast" else None)
+    config = EngineConfig(
+        max_num_seqs=len(prompts),
+        block_size=block_size,
+        commit_strategy=strategy,
+        numerics=numerics,
+        max_model_len=max(map(len, prompts.values())) + max_tokens,
+    )
+    outputs = run_engine(
+        target,
+        draft,
+        prompts,
+        max_tokens,
+        config,
+        check=(prompts, references, logits) if numerics != "fast" else None,
+    )
     found = divergences(references, logits, outputs)
     assert not found, describe(found, len(prompts))
 
@@ -86,8 +97,12 @@ def test_cuda_graphs_change_no_bit(demo, numerics: str) -> None:
         pytest.skip("only the exact numerics promise the bits of the eager forwards")
     target, draft, prompts, max_tokens, plain = demo
     references = {rid: out for rid, (out, _) in plain.items()}
-    common = dict(max_num_seqs=len(prompts), block_size=8, commit_strategy="per_token",
-                  max_model_len=max(map(len, prompts.values())) + max_tokens)
+    common = dict(
+        max_num_seqs=len(prompts),
+        block_size=8,
+        commit_strategy="per_token",
+        max_model_len=max(map(len, prompts.values())) + max_tokens,
+    )
     assert run_engine(target, None, prompts, max_tokens, EngineConfig(**common)) == references
     drafted = {}
     for eager in (False, True):
@@ -109,8 +124,12 @@ def test_demo_gate_fails_on_vendor_kernels_in_the_verify_path(demo, numerics: st
     target, draft, prompts, max_tokens, plain = demo
     references = {rid: out for rid, (out, _) in plain.items()}
     logits = {rid: lg for rid, (_, lg) in plain.items()}
-    config = EngineConfig(max_num_seqs=len(prompts), block_size=8, commit_strategy="per_token",
-                          max_model_len=max(map(len, prompts.values())) + max_tokens)
+    config = EngineConfig(
+        max_num_seqs=len(prompts),
+        block_size=8,
+        commit_strategy="per_token",
+        max_model_len=max(map(len, prompts.values())) + max_tokens,
+    )
     with verify_with(linear=TORCH.linear, attention=TORCH.attention, rms_norm=TORCH.rms_norm):
         outputs = run_engine(target, draft, prompts, max_tokens, config)
     assert divergences(references, logits, outputs), "the vendor kernels changed nothing"
@@ -126,11 +145,13 @@ def shaped(request: pytest.FixtureRequest, numerics: str):
     target, draft = random_pair(request.param, "cuda", torch.bfloat16, seed=3, block_size=16)
     rng = random.Random(5)
     vocab = target.config.vocab_size
-    prompts = {f"r{i}": [rng.randrange(vocab - 1) for _ in range(rng.randint(5, 160))]
-               for i in range(SHAPE_REQUESTS)}
+    prompts = {
+        f"r{i}": [rng.randrange(vocab - 1) for _ in range(rng.randint(5, 160))] for i in range(SHAPE_REQUESTS)
+    }
     ops = model_ops(target, numerics)
-    plain = {rid: plain_with_logits(target, p, SHAPE_TOKENS, ops, prefill_chunk=64)
-             for rid, p in prompts.items()}
+    plain = {
+        rid: plain_with_logits(target, p, SHAPE_TOKENS, ops, prefill_chunk=64) for rid, p in prompts.items()
+    }
     yield request.param, target, draft, prompts, plain
     del target, draft
     torch.cuda.empty_cache()
@@ -141,20 +162,29 @@ def shaped_run(shaped, numerics: str, concurrency: int, strategy: str = "per_tok
     references = {rid: out for rid, (out, _) in plain.items()}
     logits = {rid: lg for rid, (_, lg) in plain.items()}
     rng = random.Random(concurrency)
-    oracles = {rid: OracleProposer(references[rid], [rng.randrange(16) for _ in range(7)],
-                                   target.config.vocab_size) for rid in prompts}
+    oracles = {
+        rid: OracleProposer(references[rid], [rng.randrange(16) for _ in range(7)], target.config.vocab_size)
+        for rid in prompts
+    }
     arrivals = {rid: 3 * i for i, rid in enumerate(prompts)}  # staggered: rows join and leave
-    config = EngineConfig(max_num_seqs=concurrency, block_size=16, commit_strategy=strategy,
-                          prefill_chunk=64, numerics=numerics,
-                          max_model_len=max(map(len, prompts.values())) + SHAPE_TOKENS)
-    outputs = run_engine(target, draft, prompts, SHAPE_TOKENS, config, arrivals, oracles,
-                         check=(prompts, references, logits))
+    config = EngineConfig(
+        max_num_seqs=concurrency,
+        block_size=16,
+        commit_strategy=strategy,
+        prefill_chunk=64,
+        numerics=numerics,
+        max_model_len=max(map(len, prompts.values())) + SHAPE_TOKENS,
+    )
+    outputs = run_engine(
+        target, draft, prompts, SHAPE_TOKENS, config, arrivals, oracles, check=(prompts, references, logits)
+    )
     return references, logits, outputs
 
 
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 def test_real_shapes_dflash_equals_plain_alone_and_verify_logits_are_bitwise(
-        shaped, numerics: str, concurrency: int) -> None:
+    shaped, numerics: str, concurrency: int
+) -> None:
     strategy = "per_token" if concurrency != 4 else "recompute"
     references, logits, outputs = shaped_run(shaped, numerics, concurrency, strategy)
     found = divergences(references, logits, outputs)
@@ -170,6 +200,7 @@ def test_real_shape_gate_fails_on_a_vendor_matmul_in_verify(shaped, numerics: st
 
 def split_k_when_many_rows(exact_linear):
     """A fault in the style of vendor GEMMs: more than one row reduces K in two halves."""
+
     def linear(x, weight, bias=None):
         if x.reshape(-1, x.shape[-1]).shape[0] == 1:
             return exact_linear(x, weight, bias)
@@ -177,6 +208,7 @@ def split_k_when_many_rows(exact_linear):
         lo = exact_linear(x[..., :half].contiguous(), weight[:, :half].contiguous()).float()
         hi = exact_linear(x[..., half:].contiguous(), weight[:, half:].contiguous(), bias).float()
         return (lo + hi).to(x.dtype)
+
     return linear
 
 
@@ -184,15 +216,18 @@ def test_real_shape_gate_fails_on_a_split_k_matmul(shaped, numerics: str) -> Non
     if numerics == "fast":
         pytest.skip("the fault is a kernel of the exact table")
     exact = model_ops(shaped[1], numerics)
-    with verify_with(linear=split_k_when_many_rows(exact.linear)), \
-            pytest.raises(AssertionError, match="differ"):
+    with (
+        verify_with(linear=split_k_when_many_rows(exact.linear)),
+        pytest.raises(AssertionError, match="differ"),
+    ):
         shaped_run(shaped, numerics, 4)
 
 
 # ----------------------------------------------------------------------------- 9: batch invariance
 @torch.inference_mode()
-def batched_plain_logits(target, prompts: dict[str, list[int]], max_tokens: int, ops,
-                         prefill_chunk: int) -> dict[str, torch.Tensor]:
+def batched_plain_logits(
+    target, prompts: dict[str, list[int]], max_tokens: int, ops, prefill_chunk: int
+) -> dict[str, torch.Tensor]:
     """Plain greedy of every request in one batch whose rows join (staggered) and leave:
     one target forward per step over the rows then running. Returns each request's logits."""
     from reference_engine.runtime.decode import new_state
@@ -210,20 +245,31 @@ def batched_plain_logits(target, prompts: dict[str, list[int]], max_tokens: int,
                 for start in range(0, len(prompt), prefill_chunk):
                     chunk = prompt[start : start + prefill_chunk]
                     end = start + len(chunk)
-                    out = target(torch.tensor([chunk], device=device),
-                                 torch.arange(start, end, device=device)[None],
-                                 torch.tensor([slot], device=device), state, end, last_only=True,
-                                 ops=ops)
+                    out = target(
+                        torch.tensor([chunk], device=device),
+                        torch.arange(start, end, device=device)[None],
+                        torch.tensor([slot], device=device),
+                        state,
+                        end,
+                        last_only=True,
+                        ops=ops,
+                    )
                     state.lengths[slot] = end
                 rows[rid].append(out.logits[0, -1])
                 last[rid] = int(ops.greedy(out.logits[0, -1]))
-        running = [s for s, rid in enumerate(ids) if rid in last and len(rows[rid]) < max_tokens
-                   and step > 2 * s]
+        running = [
+            s for s, rid in enumerate(ids) if rid in last and len(rows[rid]) < max_tokens and step > 2 * s
+        ]
         if running:
             lengths = [state.lengths[s] for s in running]
-            out = target(torch.tensor([[last[ids[s]]] for s in running], device=device),
-                         torch.tensor([[n] for n in lengths], device=device),
-                         torch.tensor(running, device=device), state, max(lengths) + 1, ops=ops)
+            out = target(
+                torch.tensor([[last[ids[s]]] for s in running], device=device),
+                torch.tensor([[n] for n in lengths], device=device),
+                torch.tensor(running, device=device),
+                state,
+                max(lengths) + 1,
+                ops=ops,
+            )
             for i, s in enumerate(running):
                 state.lengths[s] += 1
                 rows[ids[s]].append(out.logits[i, -1])
@@ -235,12 +281,13 @@ def batched_plain_logits(target, prompts: dict[str, list[int]], max_tokens: int,
 def assert_batch_invariant(target, prompts, plain, ops) -> None:
     batched = batched_plain_logits(target, prompts, SHAPE_TOKENS, ops, prefill_chunk=48)
     differing = [rid for rid in prompts if not torch.equal(batched[rid], plain[rid][1])]
-    assert not differing, (f"{len(differing)} of {len(prompts)} requests' logits differ alone "
-                           f"(prefill chunk 64) and in a batch (prefill chunk 48): {differing}")
+    assert not differing, (
+        f"{len(differing)} of {len(prompts)} requests' logits differ alone "
+        f"(prefill chunk 64) and in a batch (prefill chunk 48): {differing}"
+    )
 
 
-def test_logits_are_the_same_alone_in_a_batch_and_for_two_prefill_chunk_sizes(
-        shaped, numerics: str) -> None:
+def test_logits_are_the_same_alone_in_a_batch_and_for_two_prefill_chunk_sizes(shaped, numerics: str) -> None:
     _, target, _, prompts, plain = shaped
     assert_batch_invariant(target, prompts, plain, model_ops(target, numerics))
 

@@ -71,8 +71,7 @@ class TiePair:
 def write_tie_checkpoint(out: Path, arch: str, tied: bool) -> Path:
     """A tiny target whose head rows TWIN.. are copies of rows ..TWIN, as safetensors +
     config.json."""
-    make_tiny_target(out, arch=arch, vocab=VOCAB, tie_word_embeddings=tied, seed=11,
-                     with_tokenizer=False)
+    make_tiny_target(out, arch=arch, vocab=VOCAB, tie_word_embeddings=tied, seed=11, with_tokenizer=False)
     tensors = load_file(out / "model.safetensors")
     head = tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]  # [vocab, hidden]
     head[TWIN:] = head[:TWIN]
@@ -89,7 +88,8 @@ def lowest_id_output(target: CausalLM, prompt: tuple[int, ...], max_tokens: int)
         best = (logits == logits.max()).nonzero().flatten().tolist()
         assert len(best) == 2 and best[1] == best[0] + TWIN, (
             f"step {step} after {len(prompt)} prompt tokens: the maximum is at ids {best}, "
-            f"not an exact tie between v and v + {TWIN}; the tie checkpoint is not what it claims")
+            f"not an exact tie between v and v + {TWIN}; the tie checkpoint is not what it claims"
+        )
         out.append(best[0])
         ids.append(best[0])
     return out
@@ -103,8 +103,9 @@ def tie_pair_named(name: str, tmp_path_factory: pytest.TempPathFactory) -> TiePa
     if name not in _built:
         arch, tied = TIE_PAIRS[name]
         target_dir = write_tie_checkpoint(tmp_path_factory.mktemp(f"ties_{name}"), arch, tied)
-        draft_dir = make_tiny_draft(tmp_path_factory.mktemp(f"ties_{name}_draft"), target_dir,
-                                    block_size=BLOCK_SIZE, seed=3)
+        draft_dir = make_tiny_draft(
+            tmp_path_factory.mktemp(f"ties_{name}_draft"), target_dir, block_size=BLOCK_SIZE, seed=3
+        )
         target = load_target(target_dir, dtype=torch.float64)
         expected = {p: lowest_id_output(target, p, MAX_TOKENS) for p in PROMPTS}
         _built[name] = TiePair(name, target, load_draft(draft_dir, target), expected)
@@ -129,8 +130,7 @@ def assert_lowest(got: list[int], expected: list[int], path: str) -> None:
         raise AssertionError(f"{path}: {len(got)} tokens, expected {len(expected)}")
     what = "the first token after prefill" if i == 0 else f"output token {i}"
     twin = " (the higher id of the exact tie)" if got[i] == expected[i] + TWIN else ""
-    raise AssertionError(f"{path}: {what} is {got[i]}{twin}, the lowest id of the tie is "
-                         f"{expected[i]}")
+    raise AssertionError(f"{path}: {what} is {got[i]}{twin}, the lowest id of the tie is {expected[i]}")
 
 
 # ------------------------------------------------------------------ the paths
@@ -140,15 +140,20 @@ def plain_decode_alone(pair: TiePair) -> None:
         assert_lowest(got, expected, f"plain decode alone, prompt of {len(prompt)}")
 
 
-def engine_outputs(pair: TiePair, draft: DFlashDraft | None, prompts: list[tuple[int, ...]],
-                   sampling: list[SamplingParams],
-                   schedule: tuple[int, ...] | None = None) -> dict[str, list[int]]:
+def engine_outputs(
+    pair: TiePair,
+    draft: DFlashDraft | None,
+    prompts: list[tuple[int, ...]],
+    sampling: list[SamplingParams],
+    schedule: tuple[int, ...] | None = None,
+) -> dict[str, list[int]]:
     """Each prompt's streamed output, all of them in one continuous batch."""
-    engine = Engine(pair.target, draft, EngineConfig(max_num_seqs=len(prompts),
-                                                     block_size=BLOCK_SIZE,
-                                                     prefill_chunk=PREFILL_CHUNK))
-    requests = [EngineRequest(str(i), p, s, 0, schedule)
-                for i, (p, s) in enumerate(zip(prompts, sampling))]
+    engine = Engine(
+        pair.target,
+        draft,
+        EngineConfig(max_num_seqs=len(prompts), block_size=BLOCK_SIZE, prefill_chunk=PREFILL_CHUNK),
+    )
+    requests = [EngineRequest(str(i), p, s, 0, schedule) for i, (p, s) in enumerate(zip(prompts, sampling))]
     references = {str(i): pair.expected[p] for i, p in enumerate(prompts)}
     return run_engine(engine, requests, references)
 
@@ -161,19 +166,21 @@ def engine_first_tokens(pair: TiePair) -> None:
             got = engine_outputs(pair, draft, batch, [params(1)] * len(batch))
             where = "alone" if len(batch) == 1 else f"in a batch of {len(batch)}"
             for i, prompt in enumerate(batch):
-                assert_lowest(got[str(i)], pair.expected[prompt][:1],
-                              f"{mode} engine, prompt of {len(prompt)} {where}")
+                assert_lowest(
+                    got[str(i)], pair.expected[prompt][:1], f"{mode} engine, prompt of {len(prompt)} {where}"
+                )
 
 
 def engine_batched_rows(pair: TiePair) -> None:
     prompts = list(pair.expected)
     # all greedy: the device argmax; a row with logprobs: the per-row choice for every row
-    for sampling, how in (([params()] * 3, "device argmax"),
-                          ([params(), params(logprobs=1), params()], "per-row choice")):
+    for sampling, how in (
+        ([params()] * 3, "device argmax"),
+        ([params(), params(logprobs=1), params()], "per-row choice"),
+    ):
         got = engine_outputs(pair, None, prompts, sampling)
         for i, prompt in enumerate(prompts):
-            assert_lowest(got[str(i)], pair.expected[prompt],
-                          f"batched plain decode ({how}), row {i}")
+            assert_lowest(got[str(i)], pair.expected[prompt], f"batched plain decode ({how}), row {i}")
 
 
 @contextmanager
@@ -200,12 +207,15 @@ def assert_proposals_lowest(seen: list[tuple[torch.Tensor, torch.Tensor]], path:
     for step, (logits, tokens) in enumerate(seen):
         top = logits.max(dim=-1).values  # [b, B-1]
         low = tokens % TWIN
-        tie = (logits.gather(-1, low[..., None])[..., 0] == top) & \
-              (logits.gather(-1, (low + TWIN)[..., None])[..., 0] == top)
+        tie = (logits.gather(-1, low[..., None])[..., 0] == top) & (
+            logits.gather(-1, (low + TWIN)[..., None])[..., 0] == top
+        )
         assert tie.all(), f"{path}: step {step}: a draft slot's maximum is not the exact tie"
         bad = (tokens >= TWIN).nonzero().tolist()
-        assert not bad, (f"{path}: step {step}: the draft proposed the higher id of an exact "
-                         f"tie at (row, slot) {bad[:4]}: {tokens[tuple(zip(*bad[:1]))].tolist()}")
+        assert not bad, (
+            f"{path}: step {step}: the draft proposed the higher id of an exact "
+            f"tie at (row, slot) {bad[:4]}: {tokens[tuple(zip(*bad[:1]))].tolist()}"
+        )
 
 
 def speculative_own_draft(pair: TiePair) -> None:
@@ -215,8 +225,11 @@ def speculative_own_draft(pair: TiePair) -> None:
         with recorded_proposals() as seen:
             got = engine_outputs(pair, pair.draft, batch, [params()] * len(batch))
         for i, prompt in enumerate(batch):
-            assert_lowest(got[str(i)], pair.expected[prompt],
-                          f"speculative decode (the draft's proposals) {where}, row {i}")
+            assert_lowest(
+                got[str(i)],
+                pair.expected[prompt],
+                f"speculative decode (the draft's proposals) {where}, row {i}",
+            )
         assert_proposals_lowest(seen, f"the draft's proposals {where}")
 
 
@@ -226,8 +239,9 @@ def speculative_verify(pair: TiePair) -> None:
         where = "alone" if len(batch) == 1 else f"in a batch of {len(batch)}"
         got = engine_outputs(pair, pair.draft, batch, [params()] * len(batch), SCHEDULE)
         for i, prompt in enumerate(batch):
-            assert_lowest(got[str(i)], pair.expected[prompt],
-                          f"verify at every block position {where}, row {i}")
+            assert_lowest(
+                got[str(i)], pair.expected[prompt], f"verify at every block position {where}, row {i}"
+            )
 
 
 PATHS: dict[str, Callable[[TiePair], None]] = {
@@ -248,13 +262,11 @@ def assert_every_path_takes_the_lowest_id(pair: TiePair) -> None:
         except AssertionError as exc:
             failures.append(f"[{name}] {exc}")
     if failures:
-        raise AssertionError(f"{pair.name}: exact ties broken against the lowest id:\n"
-                             + "\n".join(failures))
+        raise AssertionError(f"{pair.name}: exact ties broken against the lowest id:\n" + "\n".join(failures))
 
 
 # ------------------------------------------------------------------ the gate
-def test_the_checkpoint_holds_an_exact_tie_at_every_step_and_loads_as_written(
-        tie_pair: TiePair) -> None:
+def test_the_checkpoint_holds_an_exact_tie_at_every_step_and_loads_as_written(tie_pair: TiePair) -> None:
     head = tie_pair.target.lm_head_weight  # [vocab, hidden]
     assert torch.equal(head[:TWIN], head[TWIN:])
     assert tie_pair.target.config.tie_word_embeddings == TIE_PAIRS[tie_pair.name][1]
@@ -266,23 +278,21 @@ def test_plain_decode_alone_takes_the_lowest_id_on_every_exact_tie(tie_pair: Tie
     plain_decode_alone(tie_pair)
 
 
-def test_the_first_token_after_prefill_takes_the_lowest_id_alone_and_in_a_batch(
-        tie_pair: TiePair) -> None:
+def test_the_first_token_after_prefill_takes_the_lowest_id_alone_and_in_a_batch(tie_pair: TiePair) -> None:
     engine_first_tokens(tie_pair)
 
 
 def test_batched_decode_rows_take_the_lowest_id_by_device_argmax_and_per_row_choice(
-        tie_pair: TiePair) -> None:
+    tie_pair: TiePair,
+) -> None:
     engine_batched_rows(tie_pair)
 
 
-def test_speculative_decode_and_the_drafts_proposals_take_the_lowest_id(
-        tie_pair: TiePair) -> None:
+def test_speculative_decode_and_the_drafts_proposals_take_the_lowest_id(tie_pair: TiePair) -> None:
     speculative_own_draft(tie_pair)
 
 
-def test_the_verify_takes_the_lowest_id_at_every_block_position_alone_and_batched(
-        tie_pair: TiePair) -> None:
+def test_the_verify_takes_the_lowest_id_at_every_block_position_alone_and_batched(tie_pair: TiePair) -> None:
     speculative_verify(tie_pair)
 
 
@@ -313,8 +323,13 @@ def test_the_triton_argmax_takes_the_lowest_id_on_ties_across_block_and_chunk_bo
 
 
 # the faults of this gate's class: one path breaks exact ties toward the higher id
-CATCHES = ("plain_decode_highest_on_tie", "first_token_highest_on_tie",
-           "batched_rows_highest_on_tie", "draft_highest_on_tie", "verify_highest_on_tie")
+CATCHES = (
+    "plain_decode_highest_on_tie",
+    "first_token_highest_on_tie",
+    "batched_rows_highest_on_tie",
+    "draft_highest_on_tie",
+    "verify_highest_on_tie",
+)
 CAUGHT_IN = {  # each fault, and a path the gate must name for it
     "plain_decode_highest_on_tie": "plain decode alone",
     "first_token_highest_on_tie": "the first token after prefill",
@@ -326,7 +341,8 @@ CAUGHT_IN = {  # each fault, and a path the gate must name for it
 
 @pytest.mark.parametrize("fault", CATCHES)
 def test_the_gate_catches_a_path_that_breaks_exact_ties_toward_the_higher_id(
-        tmp_path_factory, fault: str) -> None:
+    tmp_path_factory, fault: str
+) -> None:
     pair = tie_pair_named("dense", tmp_path_factory)
     with planted(fault), pytest.raises(AssertionError) as caught:
         assert_every_path_takes_the_lowest_id(pair)

@@ -21,7 +21,8 @@ def test_every_acceptance_length_occurs_and_matches_the_schedule(
     require_block(pair, block_size)
     schedule = list(range(block_size))  # accepted draft tokens 0 .. B-1
     random.Random(block_size).shuffle(schedule)
-    got = assert_forced_acceptance(pair, pair.prompts[1], EngineConfig(block_size=block_size, commit_strategy=strategy),
-                                   schedule)
+    got = assert_forced_acceptance(
+        pair, pair.prompts[1], EngineConfig(block_size=block_size, commit_strategy=strategy), schedule
+    )
     assert sorted(step.accepted for step in got.steps) == list(range(block_size))
     assert all(step.proposed == block_size - 1 for step in got.steps[:-1])

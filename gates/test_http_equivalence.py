@@ -31,8 +31,9 @@ from .lying_server import LyingServer, send_answer
 MAX_TOKENS = 24
 
 
-def run_compare(baseline: Endpoint, candidate: Endpoint, prompts, policy: ComparePolicy,
-                concurrency: int = 4):
+def run_compare(
+    baseline: Endpoint, candidate: Endpoint, prompts, policy: ComparePolicy, concurrency: int = 4
+):
     return asyncio.run(compare(baseline, candidate, prompts, MAX_TOKENS, concurrency, policy))
 
 
@@ -60,8 +61,13 @@ def test_user_servers_are_equivalent(request) -> None:
 
     def endpoint(url: str) -> Endpoint:
         found = resolve(kind, url, model, key)
-        return Endpoint(url, model or (found.models[0] if found.models else None),
-                        api_key=key, server=found.kind, tokenizer=tokenizer)
+        return Endpoint(
+            url,
+            model or (found.models[0] if found.models else None),
+            api_key=key,
+            server=found.kind,
+            tokenizer=tokenizer,
+        )
 
     results, summary = run_compare(endpoint(base), endpoint(cand), prompts, policy)
     first = next((d for r in results for d in r.divergences), None)
@@ -76,29 +82,44 @@ def baseline_server(tiny_dirs):
 
 
 @pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
-def test_our_dflash_server_matches_our_plain_server_exactly(baseline_server, tiny_dirs,
-                                                            strategy: str) -> None:
-    candidate = ServerProcess("--model", str(tiny_dirs[0]), "--dflash-draft-model-path",
-                              str(tiny_dirs[1]), "--dtype", "float64", "--commit-strategy",
-                              strategy)
+def test_our_dflash_server_matches_our_plain_server_exactly(
+    baseline_server, tiny_dirs, strategy: str
+) -> None:
+    candidate = ServerProcess(
+        "--model",
+        str(tiny_dirs[0]),
+        "--dflash-draft-model-path",
+        str(tiny_dirs[1]),
+        "--dtype",
+        "float64",
+        "--commit-strategy",
+        strategy,
+    )
     try:
-        results, summary = run_compare(Endpoint(baseline_server.url),
-                                       Endpoint(candidate.url), prompts_for_us(),
-                                       ComparePolicy("strict"))
+        results, summary = run_compare(
+            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy("strict")
+        )
     finally:
         candidate.stop()
     assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
     assert summary["compared"] == "ids" and summary["compared_ids"] == summary["prompts"]
 
 
-def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_server,
-                                                                       tiny_dirs) -> None:
-    candidate = ServerProcess("skip_state_rollback", "--model", str(tiny_dirs[0]),
-                              "--dflash-draft-model-path", str(tiny_dirs[1]), "--dtype", "float64",
-                              module="gates.faulty_serve")
+def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_server, tiny_dirs) -> None:
+    candidate = ServerProcess(
+        "skip_state_rollback",
+        "--model",
+        str(tiny_dirs[0]),
+        "--dflash-draft-model-path",
+        str(tiny_dirs[1]),
+        "--dtype",
+        "float64",
+        module="gates.faulty_serve",
+    )
     try:
-        results, summary = run_compare(Endpoint(baseline_server.url), Endpoint(candidate.url),
-                                       prompts_for_us(), ComparePolicy())
+        results, summary = run_compare(
+            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy()
+        )
     finally:
         candidate.stop()
     assert summary["verdict"] == "fail" and summary["mismatches"] > 0
@@ -107,11 +128,19 @@ def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_
 
 
 def test_our_dflash_server_is_exact_at_each_concurrency_and_context_of_the_gate_set(
-        demo_plain_server, demo_dflash_server) -> None:
+    demo_plain_server, demo_dflash_server
+) -> None:
     prompts = gate_prompts((128, 512))[:4]  # the demo target holds 4096 tokens in all
-    results, summary = asyncio.run(compare(Endpoint(demo_plain_server.url),
-                                           Endpoint(demo_dflash_server.url), prompts, 16, [1, 4],
-                                           ComparePolicy("strict")))
+    results, summary = asyncio.run(
+        compare(
+            Endpoint(demo_plain_server.url),
+            Endpoint(demo_dflash_server.url),
+            prompts,
+            16,
+            [1, 4],
+            ComparePolicy("strict"),
+        )
+    )
     assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"] == 8, summary
     assert {c: v["exact"] for c, v in summary["by_concurrency"].items()} == {"1": 4, "4": 4}
     assert {b: v["exact"] for b, v in summary["by_context"].items()} == {"~128": 4, "~512": 4}
@@ -135,17 +164,30 @@ def scripted_server(sequence: list[int], with_logprobs: bool):
                 prompt = PROMPT
             settled = len(prompt) - len(PROMPT)
             ids = sequence[settled : settled + body["max_tokens"]]
-            choice = {"token_ids": ids, "prompt_token_ids": prompt, "finish_reason": "length",
-                      "text": "".join(f"<{t}>" for t in ids)}
+            choice = {
+                "token_ids": ids,
+                "prompt_token_ids": prompt,
+                "finish_reason": "length",
+                "text": "".join(f"<{t}>" for t in ids),
+            }
             if with_logprobs and body.get("logprobs"):
                 tops = []
                 for pos in range(settled, settled + len(ids)):
                     margin = 0.01 if pos == 2 else 3.0  # position 2: all but tied with 99
-                    tops.append([{"token_id": sequence[pos], "logprob": -0.5},
-                                 {"token_id": CAND[pos] if CAND[pos] != sequence[pos] else 1,
-                                  "logprob": -0.5 - margin}])
-                choice["logprobs"] = {"token_ids": ids, "tokens": [str(t) for t in ids],
-                                      "top_token_logprobs": tops}
+                    tops.append(
+                        [
+                            {"token_id": sequence[pos], "logprob": -0.5},
+                            {
+                                "token_id": CAND[pos] if CAND[pos] != sequence[pos] else 1,
+                                "logprob": -0.5 - margin,
+                            },
+                        ]
+                    )
+                choice["logprobs"] = {
+                    "token_ids": ids,
+                    "tokens": [str(t) for t in ids],
+                    "top_token_logprobs": tops,
+                }
             send_answer(self, body, {"choices": [choice]})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -159,9 +201,16 @@ def test_a_near_tie_is_a_tie_and_resumption_finds_the_later_mismatch() -> None:
     try:
         from harness.workloads import Prompt
 
-        results, summary = asyncio.run(compare(
-            Endpoint(base_url), Endpoint(cand_url), [Prompt(token_ids=tuple(PROMPT))],
-            len(BASE), 1, ComparePolicy()))
+        results, summary = asyncio.run(
+            compare(
+                Endpoint(base_url),
+                Endpoint(cand_url),
+                [Prompt(token_ids=tuple(PROMPT))],
+                len(BASE),
+                1,
+                ComparePolicy(),
+            )
+        )
     finally:
         base.shutdown()
         cand.shutdown()
@@ -175,9 +224,16 @@ def test_a_near_tie_is_a_tie_and_resumption_finds_the_later_mismatch() -> None:
         base, base_url = scripted_server(BASE, with_logprobs=True)
         cand, cand_url = scripted_server(only_tie, with_logprobs=False)
         try:
-            _, summary = asyncio.run(compare(
-                Endpoint(base_url), Endpoint(cand_url), [Prompt(token_ids=tuple(PROMPT))] * 40,
-                len(BASE), 4, ComparePolicy(policy, max_tie_rate=1.0)))
+            _, summary = asyncio.run(
+                compare(
+                    Endpoint(base_url),
+                    Endpoint(cand_url),
+                    [Prompt(token_ids=tuple(PROMPT))] * 40,
+                    len(BASE),
+                    4,
+                    ComparePolicy(policy, max_tie_rate=1.0),
+                )
+            )
         finally:
             base.shutdown()
             cand.shutdown()
@@ -198,10 +254,29 @@ def test_compare_command_exit_codes_and_files(tmp_path) -> None:
         out = tmp_path / f"out-{code}"
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "harness", "compare", "--baseline", base_url,
-                 "--candidate", cand_url, "--prompts", str(prompts), "--max-tokens", "8",
-                 "--policy", policy, "--out", str(out)],
-                cwd=REPO, capture_output=True, text=True, timeout=120)
+                [
+                    sys.executable,
+                    "-m",
+                    "harness",
+                    "compare",
+                    "--baseline",
+                    base_url,
+                    "--candidate",
+                    cand_url,
+                    "--prompts",
+                    str(prompts),
+                    "--max-tokens",
+                    "8",
+                    "--policy",
+                    policy,
+                    "--out",
+                    str(out),
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         finally:
             base.shutdown()
             cand.shutdown()
@@ -215,27 +290,63 @@ def test_compare_command_exit_codes_and_files(tmp_path) -> None:
 
 # ------------------------------------------------------------------ lying candidates
 # every lie this module plants (gates/faults.py, LIES) and sees `harness compare` fail on
-CATCHES_LIES = ("text_wrong_ids_right", "ids_wrong_text_right", "another_token",
-                "one_token_short", "one_token_long", "wrong_finish_reason", "usage_off_by_one",
-                "wrong_prompt_tokens", "answers_another_prompt", "stale_answer",
-                "empty_choices", "error_object", "not_json", "cut_short", "http_500",
-                "two_choices", "null_text", "duplicated_chunk", "missing_chunk",
-                "tokens_after_finish")
-LIE_PROMPTS = [{"prompt": "The cache holds"},
-               {"prompt": "A draft model proposes a block of tokens and the target"},
-               {"messages": [{"role": "user", "content": "What is a key-value cache?"}]}]
+CATCHES_LIES = (
+    "text_wrong_ids_right",
+    "ids_wrong_text_right",
+    "another_token",
+    "one_token_short",
+    "one_token_long",
+    "wrong_finish_reason",
+    "usage_off_by_one",
+    "wrong_prompt_tokens",
+    "answers_another_prompt",
+    "stale_answer",
+    "empty_choices",
+    "error_object",
+    "not_json",
+    "cut_short",
+    "http_500",
+    "two_choices",
+    "null_text",
+    "duplicated_chunk",
+    "missing_chunk",
+    "tokens_after_finish",
+)
+LIE_PROMPTS = [
+    {"prompt": "The cache holds"},
+    {"prompt": "A draft model proposes a block of tokens and the target"},
+    {"messages": [{"role": "user", "content": "What is a key-value cache?"}]},
+]
 
 
-def harness_compare(baseline: str, candidate: str, prompts: Path, out: Path,
-                    *extra: str) -> tuple[int, dict, str]:
+def harness_compare(
+    baseline: str, candidate: str, prompts: Path, out: Path, *extra: str
+) -> tuple[int, dict, str]:
     """`python -m harness compare`, in this process: exit status, summary, stderr."""
     from harness.__main__ import main
 
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        code = main(["compare", "--baseline", baseline, "--candidate", candidate,
-                     "--server-kind", "ours", "--prompts", str(prompts), "--max-tokens", "6",
-                     "--concurrency", "1", "--out", str(out), *extra])
+        code = main(
+            [
+                "compare",
+                "--baseline",
+                baseline,
+                "--candidate",
+                candidate,
+                "--server-kind",
+                "ours",
+                "--prompts",
+                str(prompts),
+                "--max-tokens",
+                "6",
+                "--concurrency",
+                "1",
+                "--out",
+                str(out),
+                *extra,
+            ]
+        )
     summary = json.loads((out / "compare_summary.json").read_text())
     return code, summary, err.getvalue()
 
@@ -250,8 +361,9 @@ def lie_prompts(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("form", ["stream", "whole"])
 def test_an_honest_proxy_passes(baseline_server, lie_prompts, tmp_path, form: str) -> None:
     with LyingServer(baseline_server.url, None) as proxy:
-        code, summary, err = harness_compare(baseline_server.url, proxy.url, lie_prompts,
-                                             tmp_path, f"--{'no-' * (form == 'whole')}stream")
+        code, summary, err = harness_compare(
+            baseline_server.url, proxy.url, lie_prompts, tmp_path, f"--{'no-' * (form == 'whole')}stream"
+        )
     assert code == 0 and summary["exact"] == summary["prompts"] == len(LIE_PROMPTS), err
     assert summary["compared"] == "ids" and err.splitlines()[-1].startswith("pass: ")
 
@@ -260,11 +372,13 @@ LIE_CASES = [(name, form) for name in sorted(LIES) for form in LIES[name].forms]
 
 
 @pytest.mark.parametrize(("lie", "form"), LIE_CASES, ids=[f"{n}-{f}" for n, f in LIE_CASES])
-def test_the_gate_fails_loudly_on_a_lying_candidate(baseline_server, tiny_dirs, lie_prompts,
-                                                    tmp_path, lie: str, form: str) -> None:
+def test_the_gate_fails_loudly_on_a_lying_candidate(
+    baseline_server, tiny_dirs, lie_prompts, tmp_path, lie: str, form: str
+) -> None:
     with LyingServer(baseline_server.url, LIES[lie], TextTokenizer(tiny_dirs[0])) as liar:
-        code, summary, err = harness_compare(baseline_server.url, liar.url, lie_prompts,
-                                             tmp_path, f"--{'no-' * (form == 'whole')}stream")
+        code, summary, err = harness_compare(
+            baseline_server.url, liar.url, lie_prompts, tmp_path, f"--{'no-' * (form == 'whole')}stream"
+        )
     reason = summary["reason"]
     named = {reason, f"{reason}:{summary['first_mismatch']}"}
     assert summary["verdict"] == "fail" and named & set(LIES[lie].expect), (lie, named, err)
@@ -284,7 +398,8 @@ def test_every_lie_is_caught_by_some_gate_test() -> None:
             assert f'"{name}"' in path.read_text(), f"{path.name} claims {name} but never names it"
     assert sorted(caught) == sorted(LIES), (
         f"lies no gate catches: {sorted(set(LIES) - set(caught))}; "
-        f"claimed but not registered: {sorted(set(caught) - set(LIES))}")
+        f"claimed but not registered: {sorted(set(caught) - set(LIES))}"
+    )
     planted = {name for name, _ in LIE_CASES}
     assert planted == set(LIES) and all(LIES[n].forms for n in LIES), "a lie that lies nowhere"
 
@@ -292,8 +407,7 @@ def test_every_lie_is_caught_by_some_gate_test() -> None:
 def test_no_usable_prompt_is_an_error_never_a_pass(baseline_server, tmp_path) -> None:
     prompts = tmp_path / "unusable.jsonl"
     prompts.write_text('{"prompt": ""}\n{"messages": []}\n')
-    code, summary, err = harness_compare(baseline_server.url, baseline_server.url, prompts,
-                                         tmp_path / "out")
+    code, summary, err = harness_compare(baseline_server.url, baseline_server.url, prompts, tmp_path / "out")
     assert code == ERRORS["no_usable_prompts"][0] and summary["verdict"] == "fail"
     assert summary["error"] == "no_usable_prompts" and summary["unusable"] == 2
     assert err.splitlines()[-1].startswith("error: no_usable_prompts: ")

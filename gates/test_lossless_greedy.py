@@ -23,14 +23,13 @@ BLOCK_SIZES = (2, 4, 8, 16)
 
 @pytest.mark.parametrize("strategy", COMMIT_STRATEGIES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_speculative_equals_plain_greedy_over_the_grid(
-    pair: Pair, block_size: int, strategy: str
-) -> None:
+def test_speculative_equals_plain_greedy_over_the_grid(pair: Pair, block_size: int, strategy: str) -> None:
     require_block(pair, block_size)
     options = EngineConfig(block_size=block_size, commit_strategy=strategy)
     # max_tokens lands inside a block: not a multiple of any acceptance pattern's span
-    params = SamplingParams(max_tokens=pair.max_tokens or 2 * block_size + block_size // 2 + 1,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=pair.max_tokens or 2 * block_size + block_size // 2 + 1, ignore_eos=True
+    )
     mixed = [block_size - 1, 0, block_size // 2, 1]
     for prompt in pair.prompts:
         reference = generate_plain(pair.target, list(prompt), params, numerics=pair.numerics)
@@ -62,9 +61,15 @@ def test_stop_inside_an_accepted_span_ends_where_plain_decode_ends(
         reference = generate_plain(pair.target, prompt, params)
         assert reference.output_ids == free.output_ids[: index + 1]
         assert reference.finish_reason == "stop"
-        got = assert_lossless(pair, prompt, params, EngineConfig(block_size=block_size, commit_strategy=strategy),
-                              schedule=[block_size - 1], reference=reference,
-                              continuation=free.output_ids)
+        got = assert_lossless(
+            pair,
+            prompt,
+            params,
+            EngineConfig(block_size=block_size, commit_strategy=strategy),
+            schedule=[block_size - 1],
+            reference=reference,
+            continuation=free.output_ids,
+        )
     finally:
         if stop_kind == "eos":
             pair.target.config = original

@@ -43,8 +43,18 @@ from .poisoned_serve import serving_here
 BLOCK_SIZE = 8
 MAX_TOKENS = 24
 TIMEOUT = 60
-SERVE = ("--model", str(DEMO_TARGET), "--dflash-draft-model-path", str(DEMO_DRAFT),
-         "--block-size", str(BLOCK_SIZE), "--dtype", "float32", "--threads", "1")
+SERVE = (
+    "--model",
+    str(DEMO_TARGET),
+    "--dflash-draft-model-path",
+    str(DEMO_DRAFT),
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--dtype",
+    "float32",
+    "--threads",
+    "1",
+)
 SUCCESS, FAILURE = "dflash:request_success_total", "dflash:request_failure_total"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -59,8 +69,7 @@ def metrics_server():
 
 def prompts() -> list[list[int]]:
     """Held-out demo prompts, 20 tokens each, none that starts the planted failure."""
-    return [p["prompt_ids"][:20] for p in demo_prompts()
-            if p["prompt_ids"][0] not in (POISON, KILL)]
+    return [p["prompt_ids"][:20] for p in demo_prompts() if p["prompt_ids"][0] not in (POISON, KILL)]
 
 
 # ------------------------------------------------------------------ HTTP
@@ -84,8 +93,14 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict) -> Reply:
         if r.status_code != 200:
             return Reply(r.status_code, error=data["error"])
         choice = data["choices"][0]
-        return Reply(200, choice["finish_reason"], choice["token_ids"], choice["text"],
-                     data["usage"], data.get("spec_decode"))
+        return Reply(
+            200,
+            choice["finish_reason"],
+            choice["token_ids"],
+            choice["text"],
+            data["usage"],
+            data.get("spec_decode"),
+        )
     reply = Reply(0, ids=[])
     body["stream_options"] = {"include_usage": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -93,7 +108,7 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict) -> Reply:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 reply.error = event["error"]
             elif event.get("choices"):
@@ -119,8 +134,11 @@ def scrape(url: str) -> str:
 
 
 def samples(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 class Diff:
@@ -146,7 +164,8 @@ def assert_counted(d: Diff, finishes: Counter, failures: int, with_token: int, w
     got = Counter({k: int(v) for k, v in d.by_label(SUCCESS, "finish_reason").items()})
     assert got == finishes and d(FAILURE) == failures, (
         f"{what}: request_success_total moved by {dict(got)} and request_failure_total by "
-        f"{d(FAILURE):g}; the requests ended {dict(finishes)} with {failures} failed")
+        f"{d(FAILURE):g}; the requests ended {dict(finishes)} with {failures} failed"
+    )
     total = sum(finishes.values()) + failures
     e2e = d("dflash:e2e_request_latency_seconds_count")
     ttft = d("dflash:time_to_first_token_seconds_count")
@@ -165,7 +184,8 @@ def step_acceptance(reply: Reply, stop_token: bool) -> list[int]:
     proposed = sum(min(B - 1, n) for n in left)
     assert spec["proposed"] == proposed, (
         f"{spec['steps']} steps with {left} tokens left propose {proposed} draft tokens, "
-        f"spec_decode says {spec['proposed']}")
+        f"spec_decode says {spec['proposed']}"
+    )
     accepted = [n - 1 for n in lengths[:-1]]  # no cut before a request's last step
     last = spec["accepted"] - sum(accepted)
     low = lengths[-1] - 1
@@ -177,7 +197,8 @@ def step_acceptance(reply: Reply, stop_token: bool) -> list[int]:
         high = low
     assert low <= last <= high, (
         f"accepted {spec['accepted']} over steps committing {lengths}: the last step accepted "
-        f"{last}, expected {low}..{high} (is the bonus counted as accepted?)")
+        f"{last}, expected {low}..{high} (is the bonus counted as accepted?)"
+    )
     return accepted + [last]
 
 
@@ -186,31 +207,35 @@ def assert_acceptance_from_counters(d: Diff, replies: list[Reply], stop_tokens: 
     per_step = [a for i, r in enumerate(replies) for a in step_acceptance(r, i in stop_tokens)]
     steps, accepted = len(per_step), sum(per_step)
     proposed = sum(r.spec["proposed"] for r in replies)
-    counters = {"drafts": d("dflash:spec_decode_num_drafts_total"),
-                "draft tokens": d("dflash:spec_decode_num_draft_tokens_total"),
-                "accepted": d("dflash:spec_decode_num_accepted_tokens_total")}
+    counters = {
+        "drafts": d("dflash:spec_decode_num_drafts_total"),
+        "draft tokens": d("dflash:spec_decode_num_draft_tokens_total"),
+        "accepted": d("dflash:spec_decode_num_accepted_tokens_total"),
+    }
     summed = {"drafts": steps, "draft tokens": proposed, "accepted": accepted}
     assert counters == summed, f"counter differences {counters} != per-request sums {summed}"
-    positions = {int(k): v for k, v in
-                 d.by_label("dflash:spec_decode_num_accepted_tokens_per_pos_total",
-                            "position").items()}
+    positions = {
+        int(k): v
+        for k, v in d.by_label("dflash:spec_decode_num_accepted_tokens_per_pos_total", "position").items()
+    }
     expected = {k: sum(a >= k for a in per_step) for k in range(1, BLOCK_SIZE)}
     expected = {k: v for k, v in expected.items() if v}
     assert positions == expected, (
-        f"accepted_per_pos differences {positions} != steps accepting position k (1-based) "
-        f"{expected}")
+        f"accepted_per_pos differences {positions} != steps accepting position k (1-based) {expected}"
+    )
     harness = acceptance_from_counters(*(spec_snapshot(t) for t in d.texts))
     assert harness["acceptance_length"] == pytest.approx(1 + accepted / steps)
     assert harness["acceptance_rate"] == pytest.approx(accepted / proposed)
     assert harness["acceptance_per_position"] == pytest.approx(
-        [v / steps for _, v in sorted(expected.items())])
+        [v / steps for _, v in sorted(expected.items())]
+    )
 
 
 # ------------------------------------------------------------------ the phases
 def stop_string(text: str) -> tuple[str, int] | None:
     """A clean two-character stop string from the middle of `text`, and where it starts."""
     for at in range(len(text) // 3, len(text) - 2):
-        stop = text[at:at + 2]
+        stop = text[at : at + 2]
         if stop.strip() and "\ufffd" not in stop and text.find(stop) == at:
             return stop, at
     return None
@@ -235,16 +260,20 @@ def finish_reasons_and_acceptance(url: str) -> None:
     assert all(r.status == 200 for r in replies), [r.error for r in replies]
     for reply, (stop, at), full in zip(replies, cuts, lengths):
         assert (reply.finish, reply.text) == ("stop", full.text[:at]), (stop, reply)
-    assert replies[2].finish == "stop" and replies[2].ids == ids[:ids.index(stop_id) + 1]
+    assert replies[2].finish == "stop" and replies[2].ids == ids[: ids.index(stop_id) + 1]
     everything = lengths + replies
     d = Diff(before, after)
     assert_counted(d, Counter(r.finish for r in everything), 0, len(everything), "phase 1")
-    usage = {"prompt": sum(r.usage["prompt_tokens"] for r in everything),
-             "generation": sum(r.usage["completion_tokens"] for r in everything),
-             "inter-token latencies": sum(r.usage["completion_tokens"] - 1 for r in everything)}
-    counted = {"prompt": d("dflash:prompt_tokens_total"),
-               "generation": d("dflash:generation_tokens_total"),
-               "inter-token latencies": d("dflash:inter_token_latency_seconds_count")}
+    usage = {
+        "prompt": sum(r.usage["prompt_tokens"] for r in everything),
+        "generation": sum(r.usage["completion_tokens"] for r in everything),
+        "inter-token latencies": sum(r.usage["completion_tokens"] - 1 for r in everything),
+    }
+    counted = {
+        "prompt": d("dflash:prompt_tokens_total"),
+        "generation": d("dflash:generation_tokens_total"),
+        "inter-token latencies": d("dflash:inter_token_latency_seconds_count"),
+    }
     assert counted == usage, f"token counters moved by {counted}, the requests' usage says {usage}"
     assert all(len(r.ids) == r.usage["completion_tokens"] for r in everything)
     assert_acceptance_from_counters(d, everything, stop_tokens={len(lengths) + 2})
@@ -254,8 +283,7 @@ def engine_failures(url: str) -> None:
     """Requests the engine fails, streamed and not: counted as failures, nowhere else."""
     poisoned = [POISON, 40, 41]
     before = scrape(url)
-    replies = run(url, [{"prompt": poisoned, "stream": True},
-                        {"prompt": poisoned, "stream": False}])
+    replies = run(url, [{"prompt": poisoned, "stream": True}, {"prompt": poisoned, "stream": False}])
     after = scrape(url)
     assert replies[0].error is not None and replies[0].ids, replies[0]
     assert replies[1].status == 500, replies[1]
@@ -268,8 +296,7 @@ def engine_failures(url: str) -> None:
 def client_abort(url: str) -> None:
     """A client that hangs up mid-stream: counted once, as abort, once it is noticed."""
     before = scrape(url)
-    body = {"prompt": prompts()[6], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"prompt": prompts()[6], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     events = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
         for line in r.iter_lines():
@@ -307,8 +334,7 @@ def assert_metrics_count_what_happened(url: str) -> None:
 
 
 # ------------------------------------------------------------------ the gate
-def test_finish_reasons_tokens_and_acceptance_counters_equal_the_per_request_figures(
-        metrics_server) -> None:
+def test_finish_reasons_tokens_and_acceptance_counters_equal_the_per_request_figures(metrics_server) -> None:
     finish_reasons_and_acceptance(metrics_server.url)
 
 
@@ -335,7 +361,6 @@ CATCHES = tuple(CAUGHT_AS)
 @pytest.mark.parametrize("fault", CATCHES)
 def test_the_gate_catches_a_metric_counted_wrong(fault: str) -> None:
     # in this process: a subprocess per fault would spend most of its time importing
-    with serving_here(fault, SERVE) as url, pytest.raises(AssertionError,
-                                                          match="metrics wrong") as caught:
+    with serving_here(fault, SERVE) as url, pytest.raises(AssertionError, match="metrics wrong") as caught:
         assert_metrics_count_what_happened(url)
     assert CAUGHT_AS[fault] in str(caught.value), str(caught.value)

@@ -44,12 +44,26 @@ def transformers_command() -> list[str]:
 def transformers_server():
     port = free_port()
     # one intra-op thread: on a small machine it shares the cores with our server
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [*transformers_command(), "serve", "--device", "cpu", "--dtype", "float32",
-         "--host", "127.0.0.1", "--port", str(port), str(DEMO_TARGET)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        [
+            *transformers_command(),
+            "serve",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            str(DEMO_TARGET),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     try:
@@ -83,22 +97,37 @@ def prompts_file(tmp_path_factory) -> Path:
 
 
 def harness(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def compare(baseline: str, candidate: str, prompts: Path, out: Path) -> tuple[int, dict, str]:
-    done = harness("compare", "--baseline", baseline, "--candidate", candidate,
-                   "--tokenizer", str(DEMO_TARGET), "--prompts", str(prompts),
-                   "--max-tokens", str(MAX_TOKENS), "--policy", "strict", "--out", str(out))
+    done = harness(
+        "compare",
+        "--baseline",
+        baseline,
+        "--candidate",
+        candidate,
+        "--tokenizer",
+        str(DEMO_TARGET),
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--policy",
+        "strict",
+        "--out",
+        str(out),
+    )
     summary = json.loads((out / "compare_summary.json").read_text())
     return done.returncode, summary, done.stdout + done.stderr
 
 
 def test_the_gate_passes_against_transformers_serve_on_the_same_weights(
-        transformers_server, demo_dflash_server, prompts_file, tmp_path) -> None:
-    code, summary, log = compare(transformers_server, demo_dflash_server.url, prompts_file,
-                                 tmp_path / "same")
+    transformers_server, demo_dflash_server, prompts_file, tmp_path
+) -> None:
+    code, summary, log = compare(transformers_server, demo_dflash_server.url, prompts_file, tmp_path / "same")
     assert "server kind openai" in log and "server kind ours" in log, log
     assert code == 0, log
     assert summary["exact"] == summary["prompts"] == NUM_PROMPTS and summary["errors"] == 0
@@ -122,9 +151,11 @@ def other_weights_server(tmp_path_factory):
 
 
 def test_the_gate_fails_against_a_server_with_other_weights(
-        transformers_server, other_weights_server, prompts_file, tmp_path) -> None:
-    code, summary, log = compare(transformers_server, other_weights_server.url, prompts_file,
-                                 tmp_path / "other")
+    transformers_server, other_weights_server, prompts_file, tmp_path
+) -> None:
+    code, summary, log = compare(
+        transformers_server, other_weights_server.url, prompts_file, tmp_path / "other"
+    )
     assert code == 1, log
     assert summary["mismatches"] > 0 and summary["errors"] == 0
     assert "first divergence: position" in log
@@ -135,9 +166,25 @@ def test_the_gate_fails_against_a_server_with_other_weights(
 
 def test_harness_bench_measures_transformers_serve(transformers_server, tmp_path) -> None:
     out = tmp_path / "bench"
-    done = harness("bench", "--base-url", transformers_server, "--tokenizer", str(DEMO_TARGET),
-                   "--builtin", "code", "--concurrency", "2", "--num-prompts", "4",
-                   "--output-len", "16", "--warmup", "1", "--out", str(out))
+    done = harness(
+        "bench",
+        "--base-url",
+        transformers_server,
+        "--tokenizer",
+        str(DEMO_TARGET),
+        "--builtin",
+        "code",
+        "--concurrency",
+        "2",
+        "--num-prompts",
+        "4",
+        "--output-len",
+        "16",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     row = next(csv.DictReader((out / "summary.csv").open()))
     assert (row["completed"], row["failed"]) == ("4", "0"), row["errors"]

@@ -27,18 +27,25 @@ MIXED = [7, 0, 3, 1, 5, 2]
 
 def lossless_catches(pair: Pair, fault: str, strategy: str = "replay") -> str:
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    with planted(fault), pytest.raises(AssertionError,
-                                       match="speculative output != plain greedy") as caught:
+    with planted(fault), pytest.raises(AssertionError, match="speculative output != plain greedy") as caught:
         for prompt in pair.prompts:
             for schedule in (None, MIXED):
-                assert_lossless(pair, prompt, params, EngineConfig(block_size=8, commit_strategy=strategy), schedule)
+                assert_lossless(
+                    pair, prompt, params, EngineConfig(block_size=8, commit_strategy=strategy), schedule
+                )
     return str(caught.value)
 
 
 # the faults this module's tests plant and see caught; every gate module that plants faults
 # names them in its own CATCHES
-CATCHES = ("skip_state_rollback", "skip_length_rollback", "wrong_bonus_position",
-           "never_accept_full_block", "feature_off_by_one", "bonus_ignores_residual")
+CATCHES = (
+    "skip_state_rollback",
+    "skip_length_rollback",
+    "wrong_bonus_position",
+    "never_accept_full_block",
+    "feature_off_by_one",
+    "bonus_ignores_residual",
+)
 
 
 def test_every_fault_is_caught_by_some_gate_test() -> None:
@@ -51,12 +58,12 @@ def test_every_fault_is_caught_by_some_gate_test() -> None:
             assert f'"{name}"' in path.read_text(), f"{path.name} claims {name} but never names it"
     assert sorted(caught) == sorted(FAULTS), (
         f"faults no gate catches: {sorted(set(FAULTS) - set(caught))}; "
-        f"claimed but not planted anywhere: {sorted(set(caught) - set(FAULTS))}")
+        f"claimed but not planted anywhere: {sorted(set(caught) - set(FAULTS))}"
+    )
 
 
 @pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
-def test_lossless_gate_catches_a_skipped_recurrent_state_rollback(pair: Pair,
-                                                                  strategy: str) -> None:
+def test_lossless_gate_catches_a_skipped_recurrent_state_rollback(pair: Pair, strategy: str) -> None:
     if not pair.target.config.is_hybrid:
         pytest.skip("dense targets have no recurrent state")
     message = lossless_catches(pair, "skip_state_rollback", strategy)
@@ -73,8 +80,7 @@ def test_lossless_gate_catches_a_wrong_bonus_position(pair: Pair) -> None:
 
 def test_forced_acceptance_gate_catches_a_lossless_but_wrong_acceptance(pair: Pair) -> None:
     # output stays correct (the target supplies the token), only the acceptance is wrong
-    with planted("never_accept_full_block"), pytest.raises(AssertionError,
-                                                          match="acceptance lengths"):
+    with planted("never_accept_full_block"), pytest.raises(AssertionError, match="acceptance lengths"):
         assert_forced_acceptance(pair, pair.prompts[1], EngineConfig(block_size=8), list(range(8)))
 
 
@@ -84,13 +90,16 @@ def test_state_equality_gate_catches_a_skipped_recurrent_state_rollback(pair: Pa
     prompt = pair.prompts[1]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = generate_plain(pair.target, list(prompt), params)
-    longer = generate_plain(pair.target, list(prompt),
-                            SamplingParams(max_tokens=40, ignore_eos=True)).output_ids
+    longer = generate_plain(
+        pair.target, list(prompt), SamplingParams(max_tokens=40, ignore_eos=True)
+    ).output_ids
     expected = plain_states(pair.target, prompt, longer)
     # a fault that corrupts the state also derails the output, so the first commits are
     # where the state check must already fire
     with planted("skip_state_rollback"):
-        got = speculative_states(pair, prompt, params, EngineConfig(block_size=8, commit_strategy="per_token"), [0, 3, 1], ref)
+        got = speculative_states(
+            pair, prompt, params, EngineConfig(block_size=8, commit_strategy="per_token"), [0, 3, 1], ref
+        )
     first = dict(sorted(got.items())[:1])
     with pytest.raises(AssertionError, match="recurrent|conv"):
         assert_states_close(expected, first, 1e-9, "faulty engine")

@@ -54,10 +54,12 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
 def empirical_first_token(p, q, n_samples: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     n = q.shape[0]
-    draft = torch.multinomial(q.expand(n_samples, n, VOCAB).reshape(-1, VOCAB), 1,
-                              generator=gen).reshape(n_samples, n)
-    accepted, bonus = accept_sampled(draft, q.expand(n_samples, n, VOCAB),
-                                     p.expand(n_samples, n + 1, VOCAB), gen)
+    draft = torch.multinomial(q.expand(n_samples, n, VOCAB).reshape(-1, VOCAB), 1, generator=gen).reshape(
+        n_samples, n
+    )
+    accepted, bonus = accept_sampled(
+        draft, q.expand(n_samples, n, VOCAB), p.expand(n_samples, n + 1, VOCAB), gen
+    )
     first = torch.where(accepted > 0, draft[:, 0], bonus)
     return torch.bincount(first, minlength=VOCAB).double() / n_samples
 
@@ -75,10 +77,10 @@ def test_acceptance_rule_converges_to_the_target_distribution() -> None:
 
 @pytest.fixture(scope="module")
 def grid_pair(tiny_checkpoint, tmp_path_factory):
-    target_dir = tiny_checkpoint("qwen3", seed=3, layers=2, vocab=GRID_VOCAB,
-                                 with_tokenizer=False)
-    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("grid_draft"), target_dir,
-                                block_size=BLOCK_SIZE, layers=1, seed=5)
+    target_dir = tiny_checkpoint("qwen3", seed=3, layers=2, vocab=GRID_VOCAB, with_tokenizer=False)
+    draft_dir = make_tiny_draft(
+        tmp_path_factory.mktemp("grid_draft"), target_dir, block_size=BLOCK_SIZE, layers=1, seed=5
+    )
     target = load_target(target_dir, dtype=torch.float64)
     return target, load_draft(draft_dir, target)
 
@@ -90,16 +92,24 @@ def cell_id(cell: Cell) -> str:
 @pytest.mark.parametrize("cell", GRID, ids=cell_id)
 def test_speculative_sampling_is_lossless_over_the_grid(grid_pair, cell: Cell) -> None:
     target, draft = grid_pair
-    run = run_cell(target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE,
-                   seed=GRID.index(cell) + 1)
+    run = run_cell(target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE, seed=GRID.index(cell) + 1)
     assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
 
 
 def assert_engine_sampling_lossless(target, draft, fault: str | None = None) -> None:
     """One cell (T = 1, top-k 6) of the grid's checks on another pair (the small-vocabulary
     pair of gates/conftest.py, block size 4)."""
-    run = run_cell(target, draft, Cell(1.0, 6, 1.0), PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE,
-                   seed=len(GRID) + 1, fault=fault)
+    run = run_cell(
+        target,
+        draft,
+        Cell(1.0, 6, 1.0),
+        PROMPTS,
+        ROWS,
+        MAX_TOKENS,
+        BLOCK_SIZE,
+        seed=len(GRID) + 1,
+        fault=fault,
+    )
     assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
 
 
@@ -108,23 +118,34 @@ def test_engine_speculative_sampling_matches_plain_sampling(small_vocab_pair) ->
     assert_engine_sampling_lossless(target, draft)
 
 
-CATCHES = ("full_block_bonus_from_last_draft_slot", "draft_q_at_temperature_one",
-           "bonus_ignores_residual")
+CATCHES = ("full_block_bonus_from_last_draft_slot", "draft_q_at_temperature_one", "bonus_ignores_residual")
 
 
-@pytest.mark.parametrize(("fault", "cell", "check"), [
-    pytest.param("full_block_bonus_from_last_draft_slot", Cell(1.0, 0, 1.0), "joint distribution",
-                 id="full_block_bonus_from_last_draft_slot"),
-    # lossless (output, bonuses, replacements and acceptance pass): only the draft checks see it
-    pytest.param("draft_q_at_temperature_one", Cell(0.7, 20, 0.5), "the draft's q differs",
-                 id="draft_q_at_temperature_one"),
-    pytest.param("bonus_ignores_residual", Cell(1.5, 0, 1.0), "joint distribution",
-                 id="bonus_ignores_residual"),
-])
-def test_sampling_gate_catches_planted_faults(grid_pair, fault: str, cell: Cell,
-                                              check: str) -> None:
+@pytest.mark.parametrize(
+    ("fault", "cell", "check"),
+    [
+        pytest.param(
+            "full_block_bonus_from_last_draft_slot",
+            Cell(1.0, 0, 1.0),
+            "joint distribution",
+            id="full_block_bonus_from_last_draft_slot",
+        ),
+        # lossless (output, bonuses, replacements and acceptance pass): only the draft checks see it
+        pytest.param(
+            "draft_q_at_temperature_one",
+            Cell(0.7, 20, 0.5),
+            "the draft's q differs",
+            id="draft_q_at_temperature_one",
+        ),
+        pytest.param(
+            "bonus_ignores_residual", Cell(1.5, 0, 1.0), "joint distribution", id="bonus_ignores_residual"
+        ),
+    ],
+)
+def test_sampling_gate_catches_planted_faults(grid_pair, fault: str, cell: Cell, check: str) -> None:
     target, draft = grid_pair
-    run = run_cell(target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE,
-                   seed=GRID.index(cell) + 1, fault=fault)
+    run = run_cell(
+        target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE, seed=GRID.index(cell) + 1, fault=fault
+    )
     with pytest.raises(AssertionError, match=check):
         assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)

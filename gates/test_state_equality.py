@@ -45,13 +45,15 @@ def reference(pair: Pair):
 
 @pytest.mark.parametrize("strategy", COMMIT_STRATEGIES)
 @pytest.mark.parametrize("proposer", ["draft", "oracle"])
-def test_state_after_each_commit_equals_plain_decode(pair: Pair, reference, strategy: str,
-                                                     proposer: str) -> None:
+def test_state_after_each_commit_equals_plain_decode(
+    pair: Pair, reference, strategy: str, proposer: str
+) -> None:
     prompt, params, ref, expected = reference
     atol = state_tolerance(pair)
     schedule = SCHEDULE if proposer == "oracle" else None
-    got = speculative_states(pair, prompt, params, EngineConfig(block_size=BLOCK_SIZE, commit_strategy=strategy),
-                             schedule, ref)
+    got = speculative_states(
+        pair, prompt, params, EngineConfig(block_size=BLOCK_SIZE, commit_strategy=strategy), schedule, ref
+    )
     compared = assert_states_close(expected, got, atol, f"{pair.name}/{strategy}")
     assert compared >= 4
 
@@ -60,10 +62,10 @@ def test_commit_strategies_agree_with_each_other(pair: Pair, reference) -> None:
     prompt, params, ref, _ = reference
     atol = state_tolerance(pair)
     by_strategy = {
-        s: speculative_states(pair, prompt, params, EngineConfig(block_size=BLOCK_SIZE, commit_strategy=s), SCHEDULE, ref)
+        s: speculative_states(
+            pair, prompt, params, EngineConfig(block_size=BLOCK_SIZE, commit_strategy=s), SCHEDULE, ref
+        )
         for s in COMMIT_STRATEGIES
     }
-    assert_states_close(by_strategy["per_token"], by_strategy["recompute"], 0.0,
-                        "per_token vs recompute")
-    assert_states_close(by_strategy["per_token"], by_strategy["replay"], atol,
-                        "per_token vs replay")
+    assert_states_close(by_strategy["per_token"], by_strategy["recompute"], 0.0, "per_token vs recompute")
+    assert_states_close(by_strategy["per_token"], by_strategy["replay"], atol, "per_token vs replay")

@@ -25,18 +25,28 @@ NUM_PROMPTS = 8
 ABSENT = "\u00a7never\u00a7"
 
 
-async def _request(client: httpx.AsyncClient, url: str, prompt: list[int], stream: bool,
-                   stop: list[str] | None) -> dict:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+async def _request(
+    client: httpx.AsyncClient, url: str, prompt: list[int], stream: bool, stop: list[str] | None
+) -> dict:
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stop:
         body["stop"] = stop
     if not stream:
         r = await client.post(url + "/v1/completions", json=body)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
-        return {"text": choice["text"], "ids": choice["token_ids"],
-                "finish": choice["finish_reason"], "chunks": [len(choice["token_ids"])]}
+        return {
+            "text": choice["text"],
+            "ids": choice["token_ids"],
+            "finish": choice["finish_reason"],
+            "chunks": [len(choice["token_ids"])],
+        }
     text, ids, finish, chunks = "", [], None, []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -70,7 +80,7 @@ def stop_cases(ids: list[int], chunks: list[int], decode) -> dict[str, str]:
     prefix = [decode(ids[:k]) for k in range(len(ids) + 1)]
 
     def span(a: int, b: int) -> str:
-        return prefix[b][len(prefix[a]):]
+        return prefix[b][len(prefix[a]) :]
 
     bounds = [sum(chunks[: i + 1]) for i in range(len(chunks))]
     inner = [b for b in bounds if 4 <= b <= len(ids) - 4]
@@ -115,39 +125,58 @@ def continuations(demo_plain_server, demo_dflash_server):
 
 
 def test_stop_strings_cut_exactly_and_do_not_depend_on_chunking(
-        continuations, demo_plain_server, demo_dflash_server) -> None:
+    continuations, demo_plain_server, demo_dflash_server
+) -> None:
     decode = load_tokenizer(DEMO_TARGET).decode
     cases = []
     for prompt, ids, chunks in continuations:
         for name, stop in stop_cases(ids, chunks, decode).items():
             cases.append((prompt, name, stop, expected(ids, [stop], decode)))
     servers = {"plain": demo_plain_server.url, "dflash": demo_dflash_server.url}
-    jobs = [(url, prompt, stream, [stop]) for prompt, _, stop, _ in cases
-            for url in servers.values() for stream in (False, True)]
+    jobs = [
+        (url, prompt, stream, [stop])
+        for prompt, _, stop, _ in cases
+        for url in servers.values()
+        for stream in (False, True)
+    ]
     results = iter(_run_all(jobs))
     failures, leaks, differ = [], 0, 0
     for _prompt, name, stop, want in cases:
-        got = {f"{server}/{'stream' if stream else 'full'}": next(results)
-               for server in servers for stream in (False, True)}
-        bad = {k: (g["text"], g["ids"], g["finish"]) for k, g in got.items()
-               if (g["text"], g["ids"], g["finish"]) != (want["text"], want["ids"], want["finish"])}
-        if any(want["finish"] == "stop" and g["text"] != want["text"] and
-               g["text"].startswith(want["text"]) for g in got.values()):
+        got = {
+            f"{server}/{'stream' if stream else 'full'}": next(results)
+            for server in servers
+            for stream in (False, True)
+        }
+        bad = {
+            k: (g["text"], g["ids"], g["finish"])
+            for k, g in got.items()
+            if (g["text"], g["ids"], g["finish"]) != (want["text"], want["ids"], want["finish"])
+        }
+        if any(
+            want["finish"] == "stop" and g["text"] != want["text"] and g["text"].startswith(want["text"])
+            for g in got.values()
+        ):
             leaks += 1
         if got["plain/stream"]["text"] != got["dflash/stream"]["text"]:
             differ += 1
         if bad:
-            failures.append(f"{name} stop={stop!r}: want {want['text'][-30:]!r} "
-                            f"({want['finish']}), got {bad}")
-    print(f"stop-string sweep: {len(cases)} cases, {len(failures)} wrong, {leaks} leak part of "
-          f"the stop string, {differ} differ between plain and DFlash streams")
+            failures.append(
+                f"{name} stop={stop!r}: want {want['text'][-30:]!r} ({want['finish']}), got {bad}"
+            )
+    print(
+        f"stop-string sweep: {len(cases)} cases, {len(failures)} wrong, {leaks} leak part of "
+        f"the stop string, {differ} differ between plain and DFlash streams"
+    )
     assert len(cases) >= 56
-    assert not failures, (f"{len(failures)} of {len(cases)} cases wrong ({leaks} leak, {differ} "
-                          f"plain != DFlash):\n" + "\n".join(failures[:10]))
+    assert not failures, (
+        f"{len(failures)} of {len(cases)} cases wrong ({leaks} leak, {differ} "
+        f"plain != DFlash):\n" + "\n".join(failures[:10])
+    )
 
 
-def test_several_stop_strings_the_first_to_complete_wins(continuations, demo_plain_server,
-                                                         demo_dflash_server) -> None:
+def test_several_stop_strings_the_first_to_complete_wins(
+    continuations, demo_plain_server, demo_dflash_server
+) -> None:
     decode = load_tokenizer(DEMO_TARGET).decode
     prompt, ids, _ = continuations[0]
     late, early = decode(ids[10:14]), decode(ids[6:8])
@@ -156,5 +185,7 @@ def test_several_stop_strings_the_first_to_complete_wins(continuations, demo_pla
     assert want["finish"] == "stop" and len(want["ids"]) < 14
     for url in (demo_plain_server.url, demo_dflash_server.url):
         for got in _run_all([(url, prompt, s, stops) for s in (False, True)]):
-            assert (got["text"], got["ids"], got["finish"]) == \
-                (want["text"], want["ids"], want["finish"]), (url, got)
+            assert (got["text"], got["ids"], got["finish"]) == (want["text"], want["ids"], want["finish"]), (
+                url,
+                got,
+            )

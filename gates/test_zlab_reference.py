@@ -20,8 +20,7 @@ from reference_engine.runtime.request import SamplingParams
 from .faults import planted
 
 dflash_model = pytest.importorskip(
-    "dflash.model", reason="z-lab's dflash 0.1.0 is not installed (pip install --no-deps "
-    "dflash==0.1.0)"
+    "dflash.model", reason="z-lab's dflash 0.1.0 is not installed (pip install --no-deps dflash==0.1.0)"
 )
 transformers = pytest.importorskip("transformers")
 
@@ -48,12 +47,17 @@ def zlab_generate(target_dir, draft_dir, prompt: list[int], block_size: int, fau
     dflash_model._cuda_time = time.perf_counter
     try:
         stats = dflash_model.dflash_generate(
-            draft.eval(), target.eval(), torch.tensor([prompt]), MAX_NEW_TOKENS, None,
-            block_size=block_size, return_stats=True,
+            draft.eval(),
+            target.eval(),
+            torch.tensor([prompt]),
+            MAX_NEW_TOKENS,
+            None,
+            block_size=block_size,
+            return_stats=True,
         )
     finally:
         dflash_model._cuda_time = original
-    return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths), draft.drafted
+    return stats.output_ids[0, len(prompt) :].tolist(), list(stats.acceptance_lengths), draft.drafted
 
 
 def ours(target_dir, draft_dir, prompt, block_size, fault=None):
@@ -66,12 +70,12 @@ def ours(target_dir, draft_dir, prompt, block_size, fault=None):
 
 
 def assert_matches_zlab(target_dir, draft_dir, prompt, block_size, fault=None) -> None:
-    their_ids, their_lengths, their_drafts = zlab_generate(target_dir, draft_dir, prompt,
-                                                           block_size)
+    their_ids, their_lengths, their_drafts = zlab_generate(target_dir, draft_dir, prompt, block_size)
     our_ids, our_lengths, our_drafts = ours(target_dir, draft_dir, prompt, block_size, fault)
     assert our_ids == their_ids, f"output ids differ: ours {our_ids}, z-lab {their_ids}"
     assert our_lengths == their_lengths, (
-        f"acceptance lengths differ: ours {our_lengths}, z-lab {their_lengths}")
+        f"acceptance lengths differ: ours {our_lengths}, z-lab {their_lengths}"
+    )
     for step, (a, b) in enumerate(zip(our_drafts, their_drafts)):
         assert a == b, f"step {step}: drafted tokens differ: ours {a}, z-lab {b}"
 

@@ -42,12 +42,18 @@ from .workloads import WorkloadError, builtin, load_jsonl, synthetic, take
 
 
 def _peer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server-kind", default="auto", choices=SERVER_KINDS,
-                   help="which OpenAI extensions the server(s) accept (auto: probe /v1/models, "
-                   "/metrics and one tiny request; unknown servers get plain OpenAI)")
-    p.add_argument("--tokenizer", default=None,
-                   help="the model's tokenizer directory (tokenizer.json), for servers that "
-                   "report no token ids")
+    p.add_argument(
+        "--server-kind",
+        default="auto",
+        choices=SERVER_KINDS,
+        help="which OpenAI extensions the server(s) accept (auto: probe /v1/models, "
+        "/metrics and one tiny request; unknown servers get plain OpenAI)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the model's tokenizer directory (tokenizer.json), for servers that report no token ids",
+    )
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -55,12 +61,17 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     _peer_args(p)
     p.add_argument("--endpoint", default="completions", choices=ENDPOINT_KINDS)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=concurrency_list, default="1,4,8,16",
-                   help="comma-separated levels, each >= 1")
-    p.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="measured requests per concurrency, the same prompts at every level "
-                   "(default: a dataset's whole set, repeated until it reaches the highest "
-                   "concurrency; synthetic: 4 x the highest concurrency, >= 8)")
+    p.add_argument(
+        "--concurrency", type=concurrency_list, default="1,4,8,16", help="comma-separated levels, each >= 1"
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help="measured requests per concurrency, the same prompts at every level "
+        "(default: a dataset's whole set, repeated until it reaches the highest "
+        "concurrency; synthetic: 4 x the highest concurrency, >= 8)",
+    )
     p.add_argument("--input-len", type=positive_int, default=64)
     p.add_argument("--output-len", type=positive_int, default=64)
     source = p.add_mutually_exclusive_group()
@@ -69,20 +80,30 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", action="store_true", help="synthetic prompts as text, not ids")
     p.add_argument("--warmup", type=non_negative_int, default=2)
     p.add_argument("--repeats", type=positive_int, default=1)
-    p.add_argument("--request-rate", type=positive_float, default=math.inf,
-                   help="arrivals per second (default: all at once)")
-    p.add_argument("--burstiness", type=positive_float, default=1.0,
-                   help="gamma shape; 1 = Poisson")
+    p.add_argument(
+        "--request-rate",
+        type=positive_float,
+        default=math.inf,
+        help="arrivals per second (default: all at once)",
+    )
+    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="per request, seconds")
-    p.add_argument("--max-failure-rate", type=rate, default=0.0,
-                   help="exit 1 when a run fails more than this share of its requests "
-                   "(default 0: any failed request fails the benchmark)")
+    p.add_argument(
+        "--max-failure-rate",
+        type=rate,
+        default=0.0,
+        help="exit 1 when a run fails more than this share of its requests "
+        "(default 0: any failed request fails the benchmark)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2e-ms", type=float, default=None)
-    p.add_argument("--resume", action="store_true",
-                   help="keep the runs already done in DIR; measure failed and incomplete ones again")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already done in DIR; measure failed and incomplete ones again",
+    )
     p.add_argument("--notes", default=None, help="recorded in meta.json and the report")
     p.add_argument("--out", default="results/run", help="output directory")
 
@@ -90,55 +111,79 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 def _compare_epilog() -> str:
     from .answer import ERRORS
 
-    lines = ["exit status:", "  0   pass",
-             "  1   fail: an answer differs (mismatch), or ties above --max-tie-rate "
-             "(strict: any tie)", "  2   bad arguments or prompts file"]
+    lines = [
+        "exit status:",
+        "  0   pass",
+        "  1   fail: an answer differs (mismatch), or ties above --max-tie-rate (strict: any tie)",
+        "  2   bad arguments or prompts file",
+    ]
     for name, (status, what) in ERRORS.items():
         lines.append(f"  {status:<3} {what if name == 'http_error' else f'{name}: {what}'}")
-    lines += ["  130 interrupted: the comparisons made are in DIR/compare.jsonl; rerun with "
-              "--resume",
-              "A run with errors exits with the status of its first error (by concurrency "
-              "level, then prompt);",
-              "stderr gets one line: `pass: ...`, `fail: REASON: ...` or `error: NAME: ...`."]
+    lines += [
+        "  130 interrupted: the comparisons made are in DIR/compare.jsonl; rerun with --resume",
+        "A run with errors exits with the status of its first error (by concurrency level, then prompt);",
+        "stderr gets one line: `pass: ...`, `fail: REASON: ...` or `error: NAME: ...`.",
+    ]
     return "\n".join(lines)
 
 
 def _compare_parser(sub) -> None:
-    c = sub.add_parser("compare", help="token-by-token equivalence of two servers",
-                       description="Every prompt decoded greedily by both servers; the "
-                       "answers compared token by token (ids and text, length, finish_reason, "
-                       "prompt counts), divergences triaged as ties or mismatches.",
-                       epilog=_compare_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--baseline", required=True, type=base_url,
-                   help="baseline base URL (DFlash off)")
-    c.add_argument("--candidate", required=True, type=base_url,
-                   help="candidate base URL (DFlash on)")
+    c = sub.add_parser(
+        "compare",
+        help="token-by-token equivalence of two servers",
+        description="Every prompt decoded greedily by both servers; the "
+        "answers compared token by token (ids and text, length, finish_reason, "
+        "prompt counts), divergences triaged as ties or mismatches.",
+        epilog=_compare_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("--baseline", required=True, type=base_url, help="baseline base URL (DFlash off)")
+    c.add_argument("--candidate", required=True, type=base_url, help="candidate base URL (DFlash on)")
     c.add_argument("--model", default=None)
     c.add_argument("--api-key", default=None)
     _peer_args(c)
     source = c.add_mutually_exclusive_group()
-    source.add_argument("--prompts", help="JSONL with 'prompt' (text) or 'messages' (chat, sent "
-                        "to /v1/chat/completions) per line")
-    source.add_argument("--builtin", default=None,
-                        help="code, math, chat, mixed, or the gate set: gate (prompts of about "
-                        "128, 512 and 4096 tokens) or gate:128,512 (those lengths only)")
-    c.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="a seeded subset of this many (default: the whole set)")
+    source.add_argument(
+        "--prompts",
+        help="JSONL with 'prompt' (text) or 'messages' (chat, sent to /v1/chat/completions) per line",
+    )
+    source.add_argument(
+        "--builtin",
+        default=None,
+        help="code, math, chat, mixed, or the gate set: gate (prompts of about "
+        "128, 512 and 4096 tokens) or gate:128,512 (those lengths only)",
+    )
+    c.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=None,
+        help="a seeded subset of this many (default: the whole set)",
+    )
     c.add_argument("--max-tokens", type=positive_int, default=64)
-    c.add_argument("--concurrency", type=concurrency_list, default=[4],
-                   help="comma-separated levels, e.g. 1,8,16: at each the candidate gets every "
-                   "prompt, N in flight (closed loop); the baseline answers each prompt once")
-    c.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask the candidate for streamed answers (default) or whole ones")
+    c.add_argument(
+        "--concurrency",
+        type=concurrency_list,
+        default=[4],
+        help="comma-separated levels, e.g. 1,8,16: at each the candidate gets every "
+        "prompt, N in flight (closed loop); the baseline answers each prompt once",
+    )
+    c.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask the candidate for streamed answers (default) or whole ones",
+    )
     c.add_argument("--timeout", type=positive_float, default=300.0, help="per request, seconds")
     c.add_argument("--policy", default="tie-tolerant", choices=["strict", "tie-tolerant"])
     c.add_argument("--tie-threshold", type=float, default=0.1)
     c.add_argument("--max-tie-rate", type=float, default=0.05)
     c.add_argument("--max-divergences", type=positive_int, default=5)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--resume", action="store_true",
-                   help="keep the comparisons already in DIR/compare.jsonl (those without an "
-                   "error) and make the rest")
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the comparisons already in DIR/compare.jsonl (those without an error) and make the rest",
+    )
     c.add_argument("--out", default="results/compare")
 
 
@@ -149,25 +194,41 @@ def run_compare(args) -> int:
     from .compare_io import RowLog, exit_status, verdict_line, write_outputs
 
     pool = load_jsonl(args.prompts) if args.prompts else builtin(args.builtin or "mixed")
-    prompts = take(pool, min(args.num_prompts, len(pool)), args.seed) if args.num_prompts \
-        else pool
-    policy = ComparePolicy(args.policy, args.tie_threshold, args.max_tie_rate,
-                           args.max_divergences)
+    prompts = take(pool, min(args.num_prompts, len(pool)), args.seed) if args.num_prompts else pool
+    policy = ComparePolicy(args.policy, args.tie_threshold, args.max_tie_rate, args.max_divergences)
     tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
-    baseline, candidate = (endpoint_for(url, args, "completions", tokenizer)
-                           for url in (args.baseline, args.candidate))
+    baseline, candidate = (
+        endpoint_for(url, args, "completions", tokenizer) for url in (args.baseline, args.candidate)
+    )
     out = Path(args.out)
     log = RowLog(out, args.resume)
     if args.resume:
-        print(f"resume: {len(log.kept)} comparisons kept, {log.dropped} lines dropped "
-              "(errors are compared again)", file=sys.stderr)
+        print(
+            f"resume: {len(log.kept)} comparisons kept, {log.dropped} lines dropped "
+            "(errors are compared again)",
+            file=sys.stderr,
+        )
     try:
-        results, summary = asyncio.run(compare(
-            baseline, candidate, prompts, args.max_tokens, args.concurrency, policy,
-            stream=args.stream, timeout=args.timeout, done=log.kept, on_result=log.append))
+        results, summary = asyncio.run(
+            compare(
+                baseline,
+                candidate,
+                prompts,
+                args.max_tokens,
+                args.concurrency,
+                policy,
+                stream=args.stream,
+                timeout=args.timeout,
+                done=log.kept,
+                on_result=log.append,
+            )
+        )
     except KeyboardInterrupt:
-        print(f"\ninterrupted: {len(log.kept) + log.written} comparisons kept in "
-              f"{log.path}; rerun with --resume to make the rest", file=sys.stderr)
+        print(
+            f"\ninterrupted: {len(log.kept) + log.written} comparisons kept in "
+            f"{log.path}; rerun with --resume to make the rest",
+            file=sys.stderr,
+        )
         return 130
     finally:
         log.close()
@@ -175,16 +236,23 @@ def run_compare(args) -> int:
     print(json.dumps(summary, indent=2))
     first = next((d for r in results for d in r.divergences), None)
     if first is not None:
-        print(f"first divergence: position {first.position}, baseline {first.baseline_token} "
-              f"vs candidate {first.candidate_token}, margin {first.margin}, {first.kind} "
-              f"({first.what})")
+        print(
+            f"first divergence: position {first.position}, baseline {first.baseline_token} "
+            f"vs candidate {first.candidate_token}, margin {first.margin}, {first.kind} "
+            f"({first.what})"
+        )
     for level in args.concurrency:
         if level > summary["distinct_prompts"] > 0:
-            print(f"note: concurrency {level} with {summary['distinct_prompts']} prompts: at "
-                  f"most {summary['distinct_prompts']} in flight", file=sys.stderr)
+            print(
+                f"note: concurrency {level} with {summary['distinct_prompts']} prompts: at "
+                f"most {summary['distinct_prompts']} in flight",
+                file=sys.stderr,
+            )
     if summary["unusable"]:
-        print(f"note: {summary['unusable']} prompts cannot be sent (first: "
-              f"{summary['unusable_reasons'][0]})", file=sys.stderr)
+        print(
+            f"note: {summary['unusable']} prompts cannot be sent (first: {summary['unusable_reasons'][0]})",
+            file=sys.stderr,
+        )
     print(verdict_line(results, summary), file=sys.stderr)
     return exit_status(summary)
 
@@ -211,9 +279,12 @@ def parser() -> argparse.ArgumentParser:
         group = ab.add_mutually_exclusive_group(required=True)
         group.add_argument(f"--{side}-url", type=base_url, help=f"attach to server {side.upper()}")
         group.add_argument(f"--{side}-cmd", help=f"start server {side.upper()} ({{port}} filled in)")
-        ab.add_argument(f"--{side}-label", default=None,
-                        help=f"what server {side.upper()} is, named in the report (e.g. "
-                        f"{'plain' if side == 'a' else 'dflash'})")
+        ab.add_argument(
+            f"--{side}-label",
+            default=None,
+            help=f"what server {side.upper()} is, named in the report (e.g. "
+            f"{'plain' if side == 'a' else 'dflash'})",
+        )
     _workload_args(ab)
     return p
 
@@ -247,46 +318,68 @@ def measured_count(args) -> int:
 
 def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of) -> list[dict]:
     concurrencies = args.concurrency
-    slo = {k: v for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms),
-                             ("e2e", args.slo_e2e_ms)) if v is not None}
+    slo = {
+        k: v
+        for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms), ("e2e", args.slo_e2e_ms))
+        if v is not None
+    }
     count = measured_count(args)
-    planned = {(label, c, r): count for c in concurrencies for r in range(args.repeats)
-               for label in servers}
+    planned = {(label, c, r): count for c in concurrencies for r in range(args.repeats) for label in servers}
     skip: set = set()
     if args.resume:
         resumed = prepare(out, planned, args.max_failure_rate)
         skip = resumed.done
         if resumed.redo or resumed.dropped_lines:
-            print(f"resume: {len(skip)} runs kept, {len(planned) - len(skip)} to measure "
-                  f"({len(resumed.redo)} failed or incomplete cleared, "
-                  f"{resumed.dropped_lines} torn lines dropped)", file=sys.stderr)
+            print(
+                f"resume: {len(skip)} runs kept, {len(planned) - len(skip)} to measure "
+                f"({len(resumed.redo)} failed or incomplete cleared, "
+                f"{resumed.dropped_lines} torn lines dropped)",
+                file=sys.stderr,
+            )
     trim_torn_tail(out / "requests.jsonl")
     summaries = []
     for c in concurrencies:
         prompts = prompts_for(args, args.warmup + count)  # the same for A and B
-        spec = LoadSpec(concurrency=c, num_prompts=count, output_len=args.output_len,
-                        warmup=args.warmup, request_rate=args.request_rate,
-                        burstiness=args.burstiness, timeout_s=args.timeout, seed=args.seed,
-                        slo_ms=slo)
+        spec = LoadSpec(
+            concurrency=c,
+            num_prompts=count,
+            output_len=args.output_len,
+            warmup=args.warmup,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            timeout_s=args.timeout,
+            seed=args.seed,
+            slo_ms=slo,
+        )
         for repeat in range(args.repeats):
             for label, server in servers.items():  # interleaved A, B, A, B
                 if (label, c, repeat) in skip:
                     continue
                 endpoint = endpoint_of(label)  # probed on first use only
                 labels = {"label": label, "concurrency": c, "repeat": repeat}
-                summaries.append(measure(endpoint, prompts, spec, out, labels,
-                                         server.url + "/metrics"))
+                summaries.append(measure(endpoint, prompts, spec, out, labels, server.url + "/metrics"))
     return summaries
 
 
 def print_table(summaries: list[dict]) -> None:
-    cols = ["label", "concurrency", "repeat", "completed", "failed", "output_tokens_per_s",
-            "ttft_ms_median", "tpot_ms_mean", "itl_token_ms_mean", "itl_chunk_ms_mean",
-            "acceptance_length"]
+    cols = [
+        "label",
+        "concurrency",
+        "repeat",
+        "completed",
+        "failed",
+        "output_tokens_per_s",
+        "ttft_ms_median",
+        "tpot_ms_mean",
+        "itl_token_ms_mean",
+        "itl_chunk_ms_mean",
+        "acceptance_length",
+    ]
     print(" | ".join(cols))
     for s in summaries:
-        print(" | ".join(f"{s.get(c):.2f}" if isinstance(s.get(c), float) else str(s.get(c, ""))
-                         for c in cols))
+        print(
+            " | ".join(f"{s.get(c):.2f}" if isinstance(s.get(c), float) else str(s.get(c, "")) for c in cols)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,8 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def endpoint_of(label: str) -> Endpoint:
             if label not in endpoints:
-                endpoints[label] = endpoint_for(servers[label].url, args, args.endpoint,
-                                                tokenizer)
+                endpoints[label] = endpoint_for(servers[label].url, args, args.endpoint, tokenizer)
             return endpoints[label]
 
         meta = metadata(argv, servers, args.notes)
@@ -338,17 +430,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         kept, _ = read_request_rows(out / "requests.jsonl")
-        print(f"\ninterrupted: {len(kept)} measured requests kept in {out}; "
-              "rerun with --resume to measure the rest", file=sys.stderr)
+        print(
+            f"\ninterrupted: {len(kept)} measured requests kept in {out}; "
+            "rerun with --resume to measure the rest",
+            file=sys.stderr,
+        )
         return 130
     finally:
         for server in servers.values():
             server.stop()
-    planned = [r for r in rows if r["label"] in servers and int(r["concurrency"])
-               in args.concurrency and int(r["repeat"]) < args.repeats]
+    planned = [
+        r
+        for r in rows
+        if r["label"] in servers
+        and int(r["concurrency"]) in args.concurrency
+        and int(r["repeat"]) < args.repeats
+    ]
     failure = verdict_line(planned, args.max_failure_rate)
-    if failure is not None and fresh and not any(int(float(r.get("completed") or 0))
-                                                  for r in rows):
+    if failure is not None and fresh and not any(int(float(r.get("completed") or 0)) for r in rows):
         shutil.rmtree(out, ignore_errors=True)  # nothing was measured: leave no stub folder
         print(f"error: {failure}; nothing measured, {out} removed", file=sys.stderr)
         return 1
@@ -356,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from reports.markdown import build_report
     except ImportError:  # reports needs pandas and matplotlib; rebuild later with them
-        print("report not built (reports needs pandas and matplotlib): python -m reports "
-              f"{out}")
+        print(f"report not built (reports needs pandas and matplotlib): python -m reports {out}")
     else:
         print(f"report: {build_report(out)}")
     print(f"results: {out}")

@@ -22,9 +22,15 @@ from pathlib import Path
 
 import httpx
 
-RATIO_METRICS = ("output_tokens_per_s", "request_throughput", "ttft_ms_median",
-                 "tpot_ms_median", "itl_token_ms_median", "itl_chunk_ms_median",
-                 "e2e_ms_median")
+RATIO_METRICS = (
+    "output_tokens_per_s",
+    "request_throughput",
+    "ttft_ms_median",
+    "tpot_ms_median",
+    "itl_token_ms_median",
+    "itl_chunk_ms_median",
+    "e2e_ms_median",
+)
 
 
 def free_port() -> int:
@@ -56,8 +62,10 @@ class ManagedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"server {' '.join(self.command)} exited with "
-                                   f"{self.process.returncode} before it became healthy")
+                raise RuntimeError(
+                    f"server {' '.join(self.command)} exited with "
+                    f"{self.process.returncode} before it became healthy"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -76,8 +84,9 @@ class ManagedServer:
                 self.process.kill()
 
 
-def bootstrap_ratio(a: list[float], b: list[float], seed: int = 0,
-                    samples: int = 2000) -> tuple[float, float, float]:
+def bootstrap_ratio(
+    a: list[float], b: list[float], seed: int = 0, samples: int = 2000
+) -> tuple[float, float, float]:
     """Ratio of medians b/a with a 95% bootstrap interval (repeats resampled)."""
     rng = random.Random(seed)
     point = statistics.median(b) / statistics.median(a)
@@ -94,16 +103,31 @@ def ratios(summaries: list[dict], out: Path) -> list[dict]:
     concurrencies = sorted({s["concurrency"] for s in summaries})
     for c in concurrencies:
         for metric in RATIO_METRICS:
-            a = [s[metric] for s in summaries if s["label"] == "A" and s["concurrency"] == c
-                 and s.get(metric) == s.get(metric)]
-            b = [s[metric] for s in summaries if s["label"] == "B" and s["concurrency"] == c
-                 and s.get(metric) == s.get(metric)]
+            a = [
+                s[metric]
+                for s in summaries
+                if s["label"] == "A" and s["concurrency"] == c and s.get(metric) == s.get(metric)
+            ]
+            b = [
+                s[metric]
+                for s in summaries
+                if s["label"] == "B" and s["concurrency"] == c and s.get(metric) == s.get(metric)
+            ]
             if not a or not b or statistics.median(a) == 0:
                 continue
             point, low, high = bootstrap_ratio(a, b)
-            rows.append({"metric": metric, "concurrency": c, "a_median": statistics.median(a),
-                         "b_median": statistics.median(b), "ratio": point, "ci_low": low,
-                         "ci_high": high, "within_noise": low <= 1.0 <= high})
+            rows.append(
+                {
+                    "metric": metric,
+                    "concurrency": c,
+                    "a_median": statistics.median(a),
+                    "b_median": statistics.median(b),
+                    "ratio": point,
+                    "ci_low": low,
+                    "ci_high": high,
+                    "within_noise": low <= 1.0 <= high,
+                }
+            )
     if rows:
         with out.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -115,25 +139,46 @@ def ratios(summaries: list[dict], out: Path) -> list[dict]:
 def metadata(argv: list[str], servers: dict[str, ManagedServer], notes: str | None) -> dict:
     def git_commit() -> str | None:
         try:
-            return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                  cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+            return (
+                subprocess.run(
+                    ["git", "rev-parse", "HEAD"],
+                    capture_output=True,
+                    text=True,
+                    cwd=Path(__file__).parent,
+                    timeout=5,
+                ).stdout.strip()
+                or None
+            )
         except OSError:
             return None
 
     gpu = None
     try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=5).stdout.strip() or None
+        gpu = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         pass
     return {
         "command": [sys.executable, "-m", "harness", *argv],
-        "servers": {k: {"url": s.url, "command": s.command, **server_info(s.url)}
-                    for k, s in servers.items()},
-        "python": sys.version.split()[0], "httpx": httpx.__version__,
-        "host": platform.node(), "platform": platform.platform(), "user": getpass.getuser(),
-        "gpu": gpu, "git_commit": git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "notes": notes,
+        "servers": {
+            k: {"url": s.url, "command": s.command, **server_info(s.url)} for k, s in servers.items()
+        },
+        "python": sys.version.split()[0],
+        "httpx": httpx.__version__,
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "user": getpass.getuser(),
+        "gpu": gpu,
+        "git_commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "notes": notes,
     }
 
 

@@ -63,6 +63,7 @@ class AnswerError(Exception):
 class Ask:
     """One request: a completion of `prompt` (text or token ids) or a chat reply to
     `messages`, at most `max_tokens` tokens, greedy."""
+
     max_tokens: int
     prompt: str | tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
@@ -92,14 +93,15 @@ def takes_ids(endpoint: Endpoint) -> bool:
 
 
 def request_body(endpoint: Endpoint, ask: Ask, logprobs: bool, stream: bool) -> dict:
-    body: dict = {"max_tokens": ask.max_tokens, "temperature": 0,
-                  **endpoint.accepts.extras(ignore_eos=False)}
+    body: dict = {"max_tokens": ask.max_tokens, "temperature": 0, **endpoint.accepts.extras(ignore_eos=False)}
     if ask.chat:
         body["messages"] = list(ask.messages)
     elif isinstance(ask.prompt, tuple) and not endpoint.accepts.prompt_ids:
         if endpoint.tokenizer is None:
-            raise ValueError(f"{endpoint.base_url} ({endpoint.accepts.name}) takes no token-id "
-                             "prompts: give text prompts or --tokenizer")
+            raise ValueError(
+                f"{endpoint.base_url} ({endpoint.accepts.name}) takes no token-id "
+                "prompts: give text prompts or --tokenizer"
+            )
         body["prompt"] = endpoint.tokenizer.decode(list(ask.prompt))
     else:
         body["prompt"] = list(ask.prompt) if isinstance(ask.prompt, tuple) else ask.prompt
@@ -112,14 +114,14 @@ def request_body(endpoint: Endpoint, ask: Ask, logprobs: bool, stream: bool) -> 
     return body
 
 
-async def ask_server(client: httpx.AsyncClient, endpoint: Endpoint, ask: Ask, logprobs: bool,
-                     stream: bool) -> Answer:
+async def ask_server(
+    client: httpx.AsyncClient, endpoint: Endpoint, ask: Ask, logprobs: bool, stream: bool
+) -> Answer:
     """Send one request and read the reply; raises AnswerError when it is not an answer."""
     path = "/v1/chat/completions" if ask.chat else "/v1/completions"
     body = request_body(endpoint, ask, logprobs, stream)
     try:
-        r = await client.post(endpoint.base_url.rstrip("/") + path, json=body,
-                              headers=endpoint.headers())
+        r = await client.post(endpoint.base_url.rstrip("/") + path, json=body, headers=endpoint.headers())
     except httpx.TimeoutException:
         raise AnswerError("timeout", f"no reply within {client.timeout.read} s") from None
     except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
@@ -128,8 +130,7 @@ async def ask_server(client: httpx.AsyncClient, endpoint: Endpoint, ask: Ask, lo
     except httpx.HTTPError as exc:
         raise AnswerError("connection_error", f"{type(exc).__name__}: {exc}") from None
     if r.status_code != 200:
-        raise AnswerError(f"http_{r.status_code}",
-                          f"HTTP {r.status_code}: {r.text[:200]!r}")
+        raise AnswerError(f"http_{r.status_code}", f"HTTP {r.status_code}: {r.text[:200]!r}")
     try:
         return read_stream(r.text, ask.chat) if stream else read_whole(r.content, ask.chat)
     except (LookupError, TypeError, ValueError, AttributeError) as exc:  # a shape not foreseen
@@ -166,14 +167,14 @@ def read_whole(content: bytes, chat: bool) -> Answer:
     if not isinstance(finish, str) or not finish:
         raise AnswerError("malformed_body", f"finish_reason {finish!r}, not a reason")
     completion, prompt = _usage(data.get("usage"))
-    prompt_ids = _ids(choice.get("prompt_token_ids", data.get("prompt_token_ids")),
-                      "prompt_token_ids")
+    prompt_ids = _ids(choice.get("prompt_token_ids", data.get("prompt_token_ids")), "prompt_token_ids")
     logprob_ids = _logprob_ids(logprobs)
     if ids is None:
         ids = logprob_ids
     elif logprob_ids is not None and logprob_ids != ids:
-        raise AnswerError("inconsistent_answer",
-                          f"logprobs name token ids {logprob_ids[:8]}..., the answer {ids[:8]}...")
+        raise AnswerError(
+            "inconsistent_answer", f"logprobs name token ids {logprob_ids[:8]}..., the answer {ids[:8]}..."
+        )
     return _consistent(Answer(text, ids, finish, completion, prompt, prompt_ids, logprobs))
 
 
@@ -192,8 +193,7 @@ def read_stream(body: str, chat: bool) -> Answer:
         try:
             event = json.loads(data)
         except ValueError:
-            raise AnswerError("malformed_body", f"event {len(events)} is not JSON: "
-                              f"{data[:120]!r}") from None
+            raise AnswerError("malformed_body", f"event {len(events)} is not JSON: {data[:120]!r}") from None
         if not isinstance(event, dict):
             raise AnswerError("malformed_body", f"event {len(events)} is not an object")
         _no_error(event, "an error event in the stream")
@@ -223,8 +223,9 @@ def read_stream(body: str, chat: bool) -> Answer:
             piece = _text(choice.get("text"), f"event {n} text")
         chunk_ids = _ids(choice.get("token_ids"), f"event {n} token_ids")
         if finish is not None and (piece or chunk_ids):
-            raise AnswerError("malformed_body", f"event {n} carries tokens after the "
-                              f"finish_reason {finish!r}")
+            raise AnswerError(
+                "malformed_body", f"event {n} carries tokens after the finish_reason {finish!r}"
+            )
         if chunk_ids is not None:
             with_ids = True
             ids += chunk_ids
@@ -234,21 +235,24 @@ def read_stream(body: str, chat: bool) -> Answer:
         reason = choice.get("finish_reason")
         if reason is not None and reason != finish:  # the same one again, with no token: fine
             if finish is not None:
-                raise AnswerError("malformed_body", f"event {n}: a second finish_reason "
-                                  f"{reason!r} after {finish!r}")
+                raise AnswerError(
+                    "malformed_body", f"event {n}: a second finish_reason {reason!r} after {finish!r}"
+                )
             if not isinstance(reason, str) or not reason:
                 raise AnswerError("malformed_body", f"event {n}: finish_reason {reason!r}")
             finish = reason
     if not chosen:
-        raise AnswerError("empty_choices", f"no event of the stream ({len(events)}) carried a "
-                          "choice")
+        raise AnswerError("empty_choices", f"no event of the stream ({len(events)}) carried a choice")
     if finish is None:
-        raise AnswerError("truncated_stream", "no finish_reason before [DONE]" if done else
-                          f"the stream ended before a finish_reason, after {len(pieces)} chunks")
+        raise AnswerError(
+            "truncated_stream",
+            "no finish_reason before [DONE]"
+            if done
+            else f"the stream ended before a finish_reason, after {len(pieces)} chunks",
+        )
     if with_ids and without_ids:
         raise AnswerError("malformed_body", "token_ids in some chunks only")
-    return _consistent(Answer("".join(pieces), ids if with_ids else None, finish, completion,
-                              prompt))
+    return _consistent(Answer("".join(pieces), ids if with_ids else None, finish, completion, prompt))
 
 
 def _no_error(data: dict, what: str) -> None:
@@ -258,8 +262,7 @@ def _no_error(data: dict, what: str) -> None:
 
 def _one_choice(choices: list, where: str) -> dict:
     if len(choices) > 1:
-        raise AnswerError("malformed_body", f"{where}: {len(choices)} choices where one was "
-                          "asked for")
+        raise AnswerError("malformed_body", f"{where}: {len(choices)} choices where one was asked for")
     if not isinstance(choices[0], dict):
         raise AnswerError("malformed_body", f"{where}: a choice that is not an object")
     return choices[0]
@@ -276,10 +279,8 @@ def _text(value, what: str, none_ok: bool = False) -> str:
 def _ids(value, what: str) -> list[int] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                              for t in value):
-        raise AnswerError("malformed_body", f"{what} is not a list of integers: "
-                          f"{str(value)[:80]}")
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise AnswerError("malformed_body", f"{what} is not a list of integers: {str(value)[:80]}")
     return list(value)
 
 
@@ -292,8 +293,7 @@ def _usage(value) -> tuple[int | None, int | None]:
     counts = []
     for name in ("completion_tokens", "prompt_tokens"):
         count = value.get(name)
-        if count is not None and (not isinstance(count, int) or isinstance(count, bool)
-                                  or count < 0):
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
             raise AnswerError("malformed_body", f"usage.{name} is {count!r}, not a count")
         counts.append(count)
     return counts[0], counts[1]
@@ -312,14 +312,24 @@ def _logprob_ids(logprobs: dict | None) -> list[int] | None:
 
 
 def _consistent(answer: Answer) -> Answer:
-    if answer.ids is not None and answer.completion_tokens is not None \
-            and answer.completion_tokens != len(answer.ids):
-        raise AnswerError("inconsistent_answer", f"usage.completion_tokens is "
-                          f"{answer.completion_tokens} for {len(answer.ids)} token ids")
-    if answer.prompt_ids is not None and answer.prompt_tokens is not None \
-            and answer.prompt_tokens != len(answer.prompt_ids):
-        raise AnswerError("inconsistent_answer", f"usage.prompt_tokens is "
-                          f"{answer.prompt_tokens} for {len(answer.prompt_ids)} prompt ids")
+    if (
+        answer.ids is not None
+        and answer.completion_tokens is not None
+        and answer.completion_tokens != len(answer.ids)
+    ):
+        raise AnswerError(
+            "inconsistent_answer",
+            f"usage.completion_tokens is {answer.completion_tokens} for {len(answer.ids)} token ids",
+        )
+    if (
+        answer.prompt_ids is not None
+        and answer.prompt_tokens is not None
+        and answer.prompt_tokens != len(answer.prompt_ids)
+    ):
+        raise AnswerError(
+            "inconsistent_answer",
+            f"usage.prompt_tokens is {answer.prompt_tokens} for {len(answer.prompt_ids)} prompt ids",
+        )
     return answer
 
 
@@ -331,23 +341,37 @@ def _positions(answer: Answer) -> list[list[tuple[int | None, str | None, float]
         out = []
         for entry in logprobs.get("content") or []:
             tops = (entry.get("top_logprobs") or []) if isinstance(entry, dict) else []
-            out.append([(e.get("token_id"), e.get("token"), e["logprob"]) for e in tops
-                        if isinstance(e, dict) and isinstance(e.get("logprob"), (int, float))])
+            out.append(
+                [
+                    (e.get("token_id"), e.get("token"), e["logprob"])
+                    for e in tops
+                    if isinstance(e, dict) and isinstance(e.get("logprob"), (int, float))
+                ]
+            )
         return out
     by_id, by_text = logprobs.get("top_token_logprobs"), logprobs.get("top_logprobs")
     if isinstance(by_id, list) and by_id:
         out = []
         for n, entries in enumerate(by_id):
-            entries = [e for e in entries or [] if isinstance(e, dict)
-                       and isinstance(e.get("logprob"), (int, float))]
+            entries = [
+                e for e in entries or [] if isinstance(e, dict) and isinstance(e.get("logprob"), (int, float))
+            ]
             top = by_text[n] if isinstance(by_text, list) and n < len(by_text) else None
             names = list(top) if isinstance(top, dict) and len(top) == len(entries) else []
-            out.append([(e.get("token_id"), names[k] if names else None, e["logprob"])
-                        for k, e in enumerate(entries)])
+            out.append(
+                [
+                    (e.get("token_id"), names[k] if names else None, e["logprob"])
+                    for k, e in enumerate(entries)
+                ]
+            )
         return out
     if isinstance(by_text, list) and by_text:
-        return [[(None, t, lp) for t, lp in top.items() if isinstance(lp, (int, float))]
-                if isinstance(top, dict) else [] for top in by_text]
+        return [
+            [(None, t, lp) for t, lp in top.items() if isinstance(lp, (int, float))]
+            if isinstance(top, dict)
+            else []
+            for top in by_text
+        ]
     return None
 
 
@@ -386,8 +410,7 @@ def token_pieces(answer: Answer) -> list[str] | None:
     `content[i].token`)."""
     logprobs = answer.logprobs or {}
     if "content" in logprobs:
-        pieces = [e.get("token") if isinstance(e, dict) else None
-                  for e in logprobs.get("content") or []]
+        pieces = [e.get("token") if isinstance(e, dict) else None for e in logprobs.get("content") or []]
     else:
         pieces = logprobs.get("tokens")
     if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):

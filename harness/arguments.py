@@ -10,6 +10,7 @@ import httpx
 
 def _checked(parse, ok, expected: str):
     """An argparse type: `parse` the text, then require `ok(value)`; refusals say `expected`."""
+
     def convert(text: str):
         try:
             value = parse(text)
@@ -18,6 +19,7 @@ def _checked(parse, ok, expected: str):
         if not ok(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
+
     return convert
 
 
@@ -28,14 +30,15 @@ rate = _checked(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")  # a f
 
 
 def concurrency_list(text: str) -> list[int]:
-    """"1,4,8,16": each level a whole number >= 1."""
+    """ "1,4,8,16": each level a whole number >= 1."""
     levels = []
     for part in text.split(","):
         try:
             value = int(part)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected comma-separated whole numbers >= 1, got {text!r}") from None
+                f"expected comma-separated whole numbers >= 1, got {text!r}"
+            ) from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"concurrency must be >= 1, got {value}")
         levels.append(value)
@@ -49,8 +52,7 @@ def base_url(text: str) -> str:
     except (httpx.InvalidURL, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"not a valid URL: {text!r} ({exc})") from None
     if url.scheme not in ("http", "https") or not url.host:
-        raise argparse.ArgumentTypeError(
-            f"expected http://HOST[:PORT] or https://HOST[:PORT], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected http://HOST[:PORT] or https://HOST[:PORT], got {text!r}")
     if url.port is not None and not 1 <= url.port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {url.port} in {text!r}")
     return text

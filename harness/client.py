@@ -48,8 +48,9 @@ class Endpoint:
 
     def __post_init__(self) -> None:
         if self.kind not in ENDPOINT_KINDS:
-            raise ValueError(f"unknown endpoint kind '{self.kind}', expected one of "
-                             f"{', '.join(ENDPOINT_KINDS)}")
+            raise ValueError(
+                f"unknown endpoint kind '{self.kind}', expected one of {', '.join(ENDPOINT_KINDS)}"
+            )
 
     @property
     def url(self) -> str:
@@ -83,20 +84,37 @@ class RequestRecord:
         return {**labels, **asdict(self)}
 
 
-def payload(endpoint: Endpoint, prompt: Prompt, max_tokens: int, ignore_eos: bool = True,
-            temperature: float = 0.0, extra: dict | None = None) -> dict:
+def payload(
+    endpoint: Endpoint,
+    prompt: Prompt,
+    max_tokens: int,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    extra: dict | None = None,
+) -> dict:
     """The streaming request body for this endpoint kind."""
     if endpoint.kind == "sglang":
-        body: dict = {"stream": True, "sampling_params": {
-            "max_new_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos}}
+        body: dict = {
+            "stream": True,
+            "sampling_params": {
+                "max_new_tokens": max_tokens,
+                "temperature": temperature,
+                "ignore_eos": ignore_eos,
+            },
+        }
         if prompt.token_ids is not None:
             body["input_ids"] = list(prompt.token_ids)
         else:
             body["text"] = prompt.text if prompt.text is not None else _flatten(prompt.messages)
     else:
         accepts = endpoint.accepts
-        body = {"max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                "stream_options": accepts.stream_options(), **accepts.extras(ignore_eos)}
+        body = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": accepts.stream_options(),
+            **accepts.extras(ignore_eos),
+        }
         if endpoint.model:
             body["model"] = endpoint.model
         if endpoint.kind == "chat":
@@ -107,12 +125,13 @@ def payload(endpoint: Endpoint, prompt: Prompt, max_tokens: int, ignore_eos: boo
                 body["prompt"] = list(prompt.token_ids)
             elif prompt.token_ids is not None:
                 if endpoint.tokenizer is None:
-                    raise ValueError(f"the server ({accepts.name}) takes no token-id prompts: "
-                                     "send text (--text, a dataset) or give --tokenizer")
+                    raise ValueError(
+                        f"the server ({accepts.name}) takes no token-id prompts: "
+                        "send text (--text, a dataset) or give --tokenizer"
+                    )
                 body["prompt"] = endpoint.tokenizer.decode(list(prompt.token_ids))
             else:
-                body["prompt"] = prompt.text if prompt.text is not None else \
-                    _flatten(prompt.messages)
+                body["prompt"] = prompt.text if prompt.text is not None else _flatten(prompt.messages)
     body.update(extra or {})
     return body
 
@@ -238,8 +257,9 @@ class StreamReader:
         record.output_tokens = sum(record.chunk_tokens)
         record.done_marker = self.done  # a clean end without [DONE] is plain OpenAI; accepted
         if not self.done and not self.counter.finished:
-            record.error = (f"the stream ended before [DONE] or a finish_reason after "
-                            f"{record.output_tokens} tokens")
+            record.error = (
+                f"the stream ended before [DONE] or a finish_reason after {record.output_tokens} tokens"
+            )
             return record
         if record.output_tokens == 0:
             record.error = "the stream ended without a token"
@@ -248,15 +268,17 @@ class StreamReader:
         return record
 
 
-async def send(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index: int,
-               run_start: float, timeout: float) -> RequestRecord:
+async def send(
+    client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index: int, run_start: float, timeout: float
+) -> RequestRecord:
     """Send one streaming request and time it. Never raises: failures are recorded."""
     sent = time.perf_counter()
     record = RequestRecord(index=index, send_s=sent - run_start)
     reader = StreamReader(endpoint, record)
     try:
-        async with client.stream("POST", endpoint.url, json=body, headers=endpoint.headers(),
-                                 timeout=timeout) as response:
+        async with client.stream(
+            "POST", endpoint.url, json=body, headers=endpoint.headers(), timeout=timeout
+        ) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"

@@ -92,8 +92,7 @@ class PromptResult:
         return comparison_key(self.concurrency, self.source, self.prompt, self.max_tokens)
 
 
-def comparison_key(concurrency: int, source: str | None, prompt: dict | None,
-                   max_tokens: int | None) -> str:
+def comparison_key(concurrency: int, source: str | None, prompt: dict | None, max_tokens: int | None) -> str:
     """What identifies one comparison across runs (for --resume)."""
     return json.dumps([concurrency, source, prompt, max_tokens], sort_keys=True)
 
@@ -101,6 +100,7 @@ def comparison_key(concurrency: int, source: str | None, prompt: dict | None,
 @dataclass(frozen=True)
 class Case:
     """One usable prompt, numbered in the given order."""
+
     index: int
     source: str
     first: Ask
@@ -114,23 +114,29 @@ class Case:
         return {"text": self.first.prompt}
 
 
-def plan(prompts: Sequence[Prompt], max_tokens: int,
-         endpoints: Sequence[Endpoint]) -> tuple[list[Case], list[str]]:
+def plan(
+    prompts: Sequence[Prompt], max_tokens: int, endpoints: Sequence[Endpoint]
+) -> tuple[list[Case], list[str]]:
     """The usable prompts, and why each other one is not."""
     cases, unusable = [], []
     for i, p in enumerate(prompts):
         source = p.source or f"#{i}"
         why = None
         if p.messages is not None:
-            if not p.messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                         for m in p.messages):
+            if not p.messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in p.messages
+            ):
                 why = "chat messages without a role each (or none at all)"
             ask = Ask(max_tokens, messages=tuple(p.messages))
         elif p.token_ids is not None:
             refusing = [e.base_url for e in endpoints if not takes_ids(e)]
-            why = ("no token ids" if not p.token_ids else
-                   f"token ids, and {refusing[0]} takes text only (give --tokenizer)"
-                   if refusing else None)
+            why = (
+                "no token ids"
+                if not p.token_ids
+                else f"token ids, and {refusing[0]} takes text only (give --tokenizer)"
+                if refusing
+                else None
+            )
             ask = Ask(max_tokens, prompt=tuple(p.token_ids))
         else:
             why = "an empty prompt" if not p.text else None
@@ -145,8 +151,14 @@ def plan(prompts: Sequence[Prompt], max_tokens: int,
 class _Session:
     """One comparison run: the HTTP client, both servers, the baseline's answers so far."""
 
-    def __init__(self, client: httpx.AsyncClient, baseline: Endpoint, candidate: Endpoint,
-                 policy: ComparePolicy, stream: bool) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        baseline: Endpoint,
+        candidate: Endpoint,
+        policy: ComparePolicy,
+        stream: bool,
+    ) -> None:
         self.client, self.baseline, self.candidate = client, baseline, candidate
         self.policy, self.stream = policy, stream
         self.reference: dict[str, asyncio.Task] = {}  # Ask.key() -> the baseline's answer
@@ -154,11 +166,13 @@ class _Session:
     async def answers(self, ask: Ask) -> tuple[Answer, Answer]:
         if ask.key() not in self.reference:
             self.reference[ask.key()] = asyncio.ensure_future(
-                ask_server(self.client, self.baseline, ask, logprobs=True, stream=False))
+                ask_server(self.client, self.baseline, ask, logprobs=True, stream=False)
+            )
         base, cand = await asyncio.gather(
             self.reference[ask.key()],
             ask_server(self.client, self.candidate, ask, logprobs=False, stream=self.stream),
-            return_exceptions=True)
+            return_exceptions=True,
+        )
         for side, got in (("baseline", base), ("candidate", cand)):
             if isinstance(got, AnswerError):
                 raise AnswerError(got.name, f"{side}: {got.message}")
@@ -166,8 +180,9 @@ class _Session:
                 raise got
         return base, cand
 
-    async def level(self, cases: list[Case], concurrency: int,
-                    on_result: Callable[[PromptResult], None] | None) -> list[PromptResult]:
+    async def level(
+        self, cases: list[Case], concurrency: int, on_result: Callable[[PromptResult], None] | None
+    ) -> list[PromptResult]:
         """Every case, `concurrency` in flight: each worker takes the next when it is done."""
         queue, results = iter(cases), []
 
@@ -183,19 +198,33 @@ class _Session:
 
 
 async def compare_prompt(session: _Session, case: Case, concurrency: int) -> PromptResult:
-    result = PromptResult(case.index, True, 0, concurrency=concurrency,
-                          endpoint="chat" if case.first.chat else "completions",
-                          source=case.source, prompt=case.prompt,
-                          max_tokens=case.first.max_tokens)
+    result = PromptResult(
+        case.index,
+        True,
+        0,
+        concurrency=concurrency,
+        endpoint="chat" if case.first.chat else "completions",
+        source=case.source,
+        prompt=case.prompt,
+        max_tokens=case.first.max_tokens,
+    )
     policy = session.policy
     ask, offset = case.first, 0  # offset: output positions settled before this round
     try:
         while ask.max_tokens > 0:
             base, cand = await session.answers(ask)
             if offset == 0:
-                result.prompt_tokens = base.prompt_tokens or cand.prompt_tokens or (
-                    len(base.prompt_ids) if base.prompt_ids else
-                    len(ask.prompt) if isinstance(ask.prompt, tuple) else None)
+                result.prompt_tokens = (
+                    base.prompt_tokens
+                    or cand.prompt_tokens
+                    or (
+                        len(base.prompt_ids)
+                        if base.prompt_ids
+                        else len(ask.prompt)
+                        if isinstance(ask.prompt, tuple)
+                        else None
+                    )
+                )
                 result.context = context_bucket(result.prompt_tokens)
             by_ids = base.ids is not None and cand.ids is not None
             result.compared = "ids" if by_ids else "text"
@@ -203,22 +232,30 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
             if divergence is None:
                 tokenizer = session.candidate.tokenizer or session.baseline.tokenizer
                 threshold = policy.tie_threshold
-                divergence, agreed = ids_round(base, cand, offset, threshold) if by_ids else \
-                    text_round(base, cand, tokenizer, offset, threshold)
+                divergence, agreed = (
+                    ids_round(base, cand, offset, threshold)
+                    if by_ids
+                    else text_round(base, cand, tokenizer, offset, threshold)
+                )
                 result.compared_tokens += agreed
             if divergence is None:
                 return result
             result.exact = False
             result.divergences.append(divergence)
-            if not by_ids or divergence.kind != "tie" or \
-                    len(result.divergences) >= policy.max_divergences:
+            if not by_ids or divergence.kind != "tie" or len(result.divergences) >= policy.max_divergences:
                 return result  # a text comparison does not resume
             # resume after the tie: prompt + common prefix + the baseline's token, as ids
             at = divergence.position - offset
-            prompt_ids = base.prompt_ids if base.prompt_ids is not None else (
-                list(ask.prompt) if isinstance(ask.prompt, tuple) else None)
-            if ask.chat or prompt_ids is None or not all(
-                    takes_ids(e) for e in (session.baseline, session.candidate)):
+            prompt_ids = (
+                base.prompt_ids
+                if base.prompt_ids is not None
+                else (list(ask.prompt) if isinstance(ask.prompt, tuple) else None)
+            )
+            if (
+                ask.chat
+                or prompt_ids is None
+                or not all(takes_ids(e) for e in (session.baseline, session.candidate))
+            ):
                 return result  # cannot resume without the prompt's ids
             ask = Ask(ask.max_tokens - (at + 1), prompt=tuple(prompt_ids) + tuple(base.ids[: at + 1]))
             offset += at + 1
@@ -240,11 +277,15 @@ def _counts(results: list[PromptResult]) -> dict:
     prompts = len(results)
     exact = sum(1 for r in results if r.exact and not r.error)
     ties = sum(1 for r in results for d in r.divergences if d.kind == "tie")
-    return {"prompts": prompts, "exact": exact, "ties": ties,
-            "mismatches": sum(1 for r in results for d in r.divergences if d.kind == "mismatch"),
-            "errors": sum(1 for r in results if r.error),
-            "match_rate": exact / prompts if prompts else 0.0,
-            "tie_rate": ties / prompts if prompts else 0.0}
+    return {
+        "prompts": prompts,
+        "exact": exact,
+        "ties": ties,
+        "mismatches": sum(1 for r in results for d in r.divergences if d.kind == "mismatch"),
+        "errors": sum(1 for r in results if r.error),
+        "match_rate": exact / prompts if prompts else 0.0,
+        "tie_rate": ties / prompts if prompts else 0.0,
+    }
 
 
 def _reason(counts: dict, policy: ComparePolicy) -> str | None:
@@ -258,14 +299,12 @@ def _reason(counts: dict, policy: ComparePolicy) -> str | None:
     return None
 
 
-def verdict(results: list[PromptResult], policy: ComparePolicy,
-            unusable: Sequence[str] = ()) -> dict:
+def verdict(results: list[PromptResult], policy: ComparePolicy, unusable: Sequence[str] = ()) -> dict:
     results = sorted(results, key=lambda r: (r.concurrency, r.index))
     levels = sorted({r.concurrency for r in results})
     by_level = {str(c): _counts([r for r in results if r.concurrency == c]) for c in levels}
     contexts = [name for name, _ in CONTEXT_BUCKETS] + [">8192", "unknown"]
-    by_context = {b: _counts(group) for b in contexts
-                  if (group := [r for r in results if r.context == b])}
+    by_context = {b: _counts(group) for b in contexts if (group := [r for r in results if r.context == b])}
     failed = next((r for r in results if r.error), None)
     first = next((d for r in results for d in r.divergences if d.kind == "mismatch"), None)
     error = message = None
@@ -279,28 +318,44 @@ def verdict(results: list[PromptResult], policy: ComparePolicy,
     else:
         reasons = {_reason(c, policy) for c in by_level.values()}
         reason = "mismatch" if "mismatch" in reasons else "ties" if "ties" in reasons else None
-    return {**_counts(results), "policy": policy.policy, "tie_threshold": policy.tie_threshold,
-            "max_tie_rate": policy.max_tie_rate, "verdict": "fail" if reason else "pass",
-            "reason": reason, "error": error, "error_message": message,
-            "compared": compared_kind(results),
-            "compared_ids": sum(1 for r in results if r.compared == "ids" and not r.error),
-            "compared_text": sum(1 for r in results if r.compared == "text" and not r.error),
-            "distinct_prompts": len({(r.source, json.dumps(r.prompt, sort_keys=True))
-                                     for r in results}),
-            "unusable": len(unusable), "unusable_reasons": list(unusable[:5]),
-            "levels": levels, "by_concurrency": by_level, "by_context": by_context,
-            "first_mismatch": first.what if first else None,
-            "mismatch_what": dict(Counter(d.what for r in results for d in r.divergences
-                                          if d.kind == "mismatch")),
-            "errors_by_name": dict(Counter(r.error_name for r in results if r.error))}
+    return {
+        **_counts(results),
+        "policy": policy.policy,
+        "tie_threshold": policy.tie_threshold,
+        "max_tie_rate": policy.max_tie_rate,
+        "verdict": "fail" if reason else "pass",
+        "reason": reason,
+        "error": error,
+        "error_message": message,
+        "compared": compared_kind(results),
+        "compared_ids": sum(1 for r in results if r.compared == "ids" and not r.error),
+        "compared_text": sum(1 for r in results if r.compared == "text" and not r.error),
+        "distinct_prompts": len({(r.source, json.dumps(r.prompt, sort_keys=True)) for r in results}),
+        "unusable": len(unusable),
+        "unusable_reasons": list(unusable[:5]),
+        "levels": levels,
+        "by_concurrency": by_level,
+        "by_context": by_context,
+        "first_mismatch": first.what if first else None,
+        "mismatch_what": dict(
+            Counter(d.what for r in results for d in r.divergences if d.kind == "mismatch")
+        ),
+        "errors_by_name": dict(Counter(r.error_name for r in results if r.error)),
+    }
 
 
-async def compare(baseline: Endpoint, candidate: Endpoint, prompts: Sequence[Prompt],
-                  max_tokens: int, concurrency: int | Sequence[int], policy: ComparePolicy,
-                  stream: bool = True, timeout: float = 300.0,
-                  done: Mapping[str, PromptResult] | None = None,
-                  on_result: Callable[[PromptResult], None] | None = None,
-                  ) -> tuple[list[PromptResult], dict]:
+async def compare(
+    baseline: Endpoint,
+    candidate: Endpoint,
+    prompts: Sequence[Prompt],
+    max_tokens: int,
+    concurrency: int | Sequence[int],
+    policy: ComparePolicy,
+    stream: bool = True,
+    timeout: float = 300.0,
+    done: Mapping[str, PromptResult] | None = None,
+    on_result: Callable[[PromptResult], None] | None = None,
+) -> tuple[list[PromptResult], dict]:
     """Compare every usable prompt at each concurrency level. `done`: comparisons already
     made (by key, from an earlier run), kept as they are; `on_result` sees each new one."""
     levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
@@ -312,8 +367,7 @@ async def compare(baseline: Endpoint, candidate: Endpoint, prompts: Sequence[Pro
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             session = _Session(client, baseline, candidate, policy, stream)
             for level in levels:
-                keys = {c.index: comparison_key(level, c.source, c.prompt, max_tokens)
-                        for c in cases}
+                keys = {c.index: comparison_key(level, c.source, c.prompt, max_tokens) for c in cases}
                 results += [done[keys[c.index]] for c in cases if keys[c.index] in done]
                 todo = [c for c in cases if keys[c.index] not in done]
                 results += await session.level(todo, level, on_result)

@@ -30,8 +30,7 @@ def result_from_row(row: dict) -> PromptResult | None:
     """A comparison read back from compare.jsonl (None: not a row of ours)."""
     try:
         divergences = [Divergence(**d) for d in row.get("divergences") or []]
-        return PromptResult(**{**{k: v for k, v in row.items() if k in _FIELDS},
-                               "divergences": divergences})
+        return PromptResult(**{**{k: v for k, v in row.items() if k in _FIELDS}, "divergences": divergences})
     except TypeError:
         return None
 
@@ -73,13 +72,29 @@ def write_outputs(out: Path, results: list[PromptResult], summary: dict) -> None
     """The summary files and compare.md (compare.jsonl is the RowLog's)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    columns = ["scope", "concurrency", "context", "prompts", "exact", "ties", "mismatches",
-               "errors", "match_rate", "tie_rate", "verdict", "reason"]
+    columns = [
+        "scope",
+        "concurrency",
+        "context",
+        "prompts",
+        "exact",
+        "ties",
+        "mismatches",
+        "errors",
+        "match_rate",
+        "tie_rate",
+        "verdict",
+        "reason",
+    ]
     rows = [{"scope": "all", "concurrency": "all", "context": "all", **summary}]
-    rows += [{"scope": "concurrency", "concurrency": c, "context": "all", **counts}
-             for c, counts in summary["by_concurrency"].items()]
-    rows += [{"scope": "context", "concurrency": "all", "context": b, **counts}
-             for b, counts in summary["by_context"].items()]
+    rows += [
+        {"scope": "concurrency", "concurrency": c, "context": "all", **counts}
+        for c, counts in summary["by_concurrency"].items()
+    ]
+    rows += [
+        {"scope": "context", "concurrency": "all", "context": b, **counts}
+        for b, counts in summary["by_context"].items()
+    ]
     with (out / "compare_summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -99,22 +114,32 @@ def verdict_line(results: list[PromptResult], summary: dict) -> str:
     n, levels = summary["prompts"], ", ".join(str(c) for c in summary["levels"]) or "none"
     if summary["error"]:
         failed = next((r for r in results if r.error), None)
-        where = f" (prompt {failed.source} at c={failed.concurrency}; {summary['errors']} of " \
-            f"{n} comparisons failed)" if failed else ""
+        where = (
+            f" (prompt {failed.source} at c={failed.concurrency}; {summary['errors']} of "
+            f"{n} comparisons failed)"
+            if failed
+            else ""
+        )
         return f"error: {summary['error']}: {summary['error_message']}{where}"
     if summary["verdict"] == "pass":
-        return (f"pass: {summary['exact']} of {n} comparisons exact, {summary['ties']} ties "
-                f"(concurrency {levels}; policy {summary['policy']})")
+        return (
+            f"pass: {summary['exact']} of {n} comparisons exact, {summary['ties']} ties "
+            f"(concurrency {levels}; policy {summary['policy']})"
+        )
     if summary["reason"] == "ties":
         worst = max(summary["by_concurrency"].items(), key=lambda kv: kv[1]["tie_rate"])
-        return (f"fail: ties: {summary['ties']} ties; tie rate {worst[1]['tie_rate']:.3f} at "
-                f"c={worst[0]} (policy {summary['policy']}, --max-tie-rate "
-                f"{summary['max_tie_rate']})")
+        return (
+            f"fail: ties: {summary['ties']} ties; tie rate {worst[1]['tie_rate']:.3f} at "
+            f"c={worst[0]} (policy {summary['policy']}, --max-tie-rate "
+            f"{summary['max_tie_rate']})"
+        )
     r, d = next((r, d) for r in results for d in r.divergences if d.kind == "mismatch")
     differ = sum(1 for r in results if any(d.kind == "mismatch" for d in r.divergences))
-    return (f"fail: mismatch: {differ} of {n} comparisons differ (first: prompt {r.source} "
-            f"at c={r.concurrency}, {d.what} at position {d.position}: baseline "
-            f"{d.baseline_text!r}, candidate {d.candidate_text!r})")
+    return (
+        f"fail: mismatch: {differ} of {n} comparisons differ (first: prompt {r.source} "
+        f"at c={r.concurrency}, {d.what} at position {d.position}: baseline "
+        f"{d.baseline_text!r}, candidate {d.candidate_text!r})"
+    )
 
 
 def md_quote(text: str) -> str:
@@ -128,15 +153,15 @@ def md_quote(text: str) -> str:
     return f"{fence}{pad}{body}{pad}{fence}"
 
 
-COMPARED = {"ids": "token ids", "text": "text (a server reported no ids)",
-            "none": "nothing (error)"}
+COMPARED = {"ids": "token ids", "text": "text (a server reported no ids)", "none": "nothing (error)"}
 
 
 def _group_table(title: str, groups: dict[str, dict]) -> list[str]:
-    lines = [f"| {title} | prompts | exact | ties | mismatches | errors |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {name} | {c['prompts']} | {c['exact']} | {c['ties']} | {c['mismatches']} "
-              f"| {c['errors']} |" for name, c in groups.items()]
+    lines = [f"| {title} | prompts | exact | ties | mismatches | errors |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {name} | {c['prompts']} | {c['exact']} | {c['ties']} | {c['mismatches']} | {c['errors']} |"
+        for name, c in groups.items()
+    ]
     return lines + [""]
 
 
@@ -158,28 +183,45 @@ def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
     if summary.get("error"):
         lines += [f"Error `{summary['error']}`: {md_quote(summary['error_message'] or '')}", ""]
     if summary.get("unusable"):
-        lines += [f"Unusable prompts: {summary['unusable']} (first: "
-                  f"{md_quote(summary['unusable_reasons'][0])}).", ""]
+        lines += [
+            f"Unusable prompts: {summary['unusable']} (first: {md_quote(summary['unusable_reasons'][0])}).",
+            "",
+        ]
     if len(summary.get("by_concurrency", {})) > 1 or len(summary.get("by_context", {})) > 1:
         lines += _group_table("concurrency", summary["by_concurrency"])
         lines += _group_table("context", summary["by_context"])
     divergent = [(r, d) for r in results for d in r.divergences]
     if divergent:
-        lines += ["| prompt | c | compared | what | position | baseline | candidate | margin "
-                  "| kind |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| prompt | c | compared | what | position | baseline | candidate | margin | kind |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r, d in divergent[:shown]:
             margin = "n/a" if d.margin is None else f"{d.margin:.4f}"
             position = f"character {d.char_position}" if d.position is None else str(d.position)
-            lines.append(f"| {r.index} | {r.concurrency} | {r.compared} | {d.what} | {position} "
-                         f"| {d.baseline_token} {md_quote(d.baseline_text)} | "
-                         f"{d.candidate_token} {md_quote(d.candidate_text)} | {margin} | "
-                         f"{d.kind} |")
+            lines.append(
+                f"| {r.index} | {r.concurrency} | {r.compared} | {d.what} | {position} "
+                f"| {d.baseline_token} {md_quote(d.baseline_text)} | "
+                f"{d.candidate_token} {md_quote(d.candidate_text)} | {margin} | "
+                f"{d.kind} |"
+            )
         lines.append("")
-    lines += ["Per prompt:", "", "| prompt | source | c | context | compared | result |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "Per prompt:",
+        "",
+        "| prompt | source | c | context | compared | result |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
-        outcome = (f"error {r.error_name or ''}: " + md_quote(r.error[:200])) if r.error else \
-            "exact" if r.exact else f"{len(r.divergences)} divergence(s)"
-        lines.append(f"| {r.index} | {md_quote(r.source or '')} | {r.concurrency} | {r.context} "
-                     f"| {COMPARED[r.compared if not r.error else 'none']} | {outcome} |")
+        outcome = (
+            (f"error {r.error_name or ''}: " + md_quote(r.error[:200]))
+            if r.error
+            else "exact"
+            if r.exact
+            else f"{len(r.divergences)} divergence(s)"
+        )
+        lines.append(
+            f"| {r.index} | {md_quote(r.source or '')} | {r.concurrency} | {r.context} "
+            f"| {COMPARED[r.compared if not r.error else 'none']} | {outcome} |"
+        )
     return "\n".join(lines) + "\n"

@@ -42,15 +42,22 @@ class Divergence:
     what: str = "token"  # what differed (see the module doc)
 
 
-def _divergence(base: Answer, cand: Answer, at: int, offset: int, kind: str, what: str,
-                margin_: float | None = None) -> Divergence:
+def _divergence(
+    base: Answer, cand: Answer, at: int, offset: int, kind: str, what: str, margin_: float | None = None
+) -> Divergence:
     b_tok = base.ids[at] if base.ids and at < len(base.ids) else -1
     c_tok = cand.ids[at] if cand.ids and at < len(cand.ids) else -1
     texts = token_texts(base, at)
-    return Divergence(offset + at, b_tok, c_tok,
-                      "(end)" if b_tok == -1 else texts.get(b_tok, "?"),
-                      "(end)" if c_tok == -1 else texts.get(c_tok, "?"), margin_, kind,
-                      what=what)
+    return Divergence(
+        offset + at,
+        b_tok,
+        c_tok,
+        "(end)" if b_tok == -1 else texts.get(b_tok, "?"),
+        "(end)" if c_tok == -1 else texts.get(c_tok, "?"),
+        margin_,
+        kind,
+        what=what,
+    )
 
 
 def _first_char_difference(a: str, b: str) -> int:
@@ -63,8 +70,17 @@ def _text_divergence(base: Answer, cand: Answer, what: str | None = None) -> Div
     char = _first_char_difference(base.text, cand.text)
     if what is None:
         what = "length" if char == min(len(base.text), len(cand.text)) else "text"
-    return Divergence(None, -1, -1, base.text[char:char + 20] or "(end)",
-                      cand.text[char:char + 20] or "(end)", None, "mismatch", char, what)
+    return Divergence(
+        None,
+        -1,
+        -1,
+        base.text[char : char + 20] or "(end)",
+        cand.text[char : char + 20] or "(end)",
+        None,
+        "mismatch",
+        char,
+        what,
+    )
 
 
 def prompt_divergence(ask: Ask, base: Answer, cand: Answer, offset: int) -> Divergence | None:
@@ -78,13 +94,15 @@ def prompt_divergence(ask: Ask, base: Answer, cand: Answer, offset: int) -> Dive
     for a, b, name in pairs:
         if a is not None and b is not None and a != b:
             shown = [len(x) if isinstance(x, list) else x for x in (a, b)]
-            return Divergence(offset, -1, -1, f"{shown[0]} {name}", f"{shown[1]} {name}",
-                              None, "mismatch", what="prompt")
+            return Divergence(
+                offset, -1, -1, f"{shown[0]} {name}", f"{shown[1]} {name}", None, "mismatch", what="prompt"
+            )
     return None
 
 
-def compare_texts(base: Answer, cand: Answer, tokenizer, offset: int,
-                  tie_threshold: float) -> Divergence | None:
+def compare_texts(
+    base: Answer, cand: Answer, tokenizer, offset: int, tie_threshold: float
+) -> Divergence | None:
     """The first difference between two generated texts, located as a token by tokenising
     both texts (without a tokenizer: only the character position). A text that is a prefix
     of the other is a `length` mismatch."""
@@ -104,8 +122,17 @@ def compare_texts(base: Answer, cand: Answer, tokenizer, offset: int,
     what = "length" if -1 in (b_tok, c_tok) or char == min(len(a), len(b)) else "token"
     kind = "mismatch" if what == "length" else _triage(base, at, c_tok, margin_, tie_threshold)
     text = tokenizer.token_text
-    return Divergence(offset + at, b_tok, c_tok, "(end)" if b_tok == -1 else text(b_tok),
-                      "(end)" if c_tok == -1 else text(c_tok), margin_, kind, char, what)
+    return Divergence(
+        offset + at,
+        b_tok,
+        c_tok,
+        "(end)" if b_tok == -1 else text(b_tok),
+        "(end)" if c_tok == -1 else text(c_tok),
+        margin_,
+        kind,
+        char,
+        what,
+    )
 
 
 def _same_ending(base: Answer, cand: Answer, at: int, offset: int) -> Divergence | None:
@@ -113,13 +140,22 @@ def _same_ending(base: Answer, cand: Answer, at: int, offset: int) -> Divergence
     if base.text != cand.text:
         return _text_divergence(base, cand, "text")
     if base.finish_reason != cand.finish_reason:
-        return Divergence(offset + at, -1, -1, base.finish_reason, cand.finish_reason, None,
-                          "mismatch", what="finish_reason")
+        return Divergence(
+            offset + at,
+            -1,
+            -1,
+            base.finish_reason,
+            cand.finish_reason,
+            None,
+            "mismatch",
+            what="finish_reason",
+        )
     return None
 
 
-def text_round(base: Answer, cand: Answer, tokenizer, offset: int,
-               tie_threshold: float) -> tuple[Divergence | None, int]:
+def text_round(
+    base: Answer, cand: Answer, tokenizer, offset: int, tie_threshold: float
+) -> tuple[Divergence | None, int]:
     """The divergence of one round compared by text (a server reported no ids), and the
     tokens agreed before it (known with a tokenizer only)."""
     divergence = compare_texts(base, cand, tokenizer, offset, tie_threshold)
@@ -130,13 +166,13 @@ def text_round(base: Answer, cand: Answer, tokenizer, offset: int,
     divergence = _same_ending(base, cand, agreed, offset)
     counts = (base.completion_tokens, cand.completion_tokens)
     if divergence is None and None not in counts and counts[0] != counts[1]:
-        divergence = Divergence(offset, -1, -1, f"{counts[0]} tokens", f"{counts[1]} tokens",
-                                None, "mismatch", what="length")
+        divergence = Divergence(
+            offset, -1, -1, f"{counts[0]} tokens", f"{counts[1]} tokens", None, "mismatch", what="length"
+        )
     return divergence, agreed
 
 
-def ids_round(base: Answer, cand: Answer, offset: int,
-              tie_threshold: float) -> tuple[Divergence | None, int]:
+def ids_round(base: Answer, cand: Answer, offset: int, tie_threshold: float) -> tuple[Divergence | None, int]:
     """The divergence of one round compared by ids (None: the same answer), and the
     tokens agreed before it."""
     base_ids, cand_ids = base.ids, cand.ids
@@ -157,8 +193,7 @@ def ids_round(base: Answer, cand: Answer, offset: int,
     return _divergence(base, cand, at, offset, kind, "token", margin_), at
 
 
-def _triage(base: Answer, at: int, cand_token: int, margin_: float | None,
-            tie_threshold: float) -> str:
+def _triage(base: Answer, at: int, cand_token: int, margin_: float | None, tie_threshold: float) -> str:
     """A tie: the baseline's top two all but equal, and the candidate took the other one
     (when the baseline lists its alternatives by id); else a mismatch."""
     if margin_ is None or margin_ >= tie_threshold:

@@ -47,19 +47,21 @@ class Progress:
         width = 30
         filled = int(width * self.done / max(self.total, 1))
         rate = self.done / max(time.perf_counter() - self.start, 1e-9)
-        sys.stderr.write(f"\r  {self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                         f"{self.done}/{self.total} {rate:.1f} req/s failed {self.failed}")
+        sys.stderr.write(
+            f"\r  {self.label} [{'#' * filled}{'.' * (width - filled)}] "
+            f"{self.done}/{self.total} {rate:.1f} req/s failed {self.failed}"
+        )
         if self.done == self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
 
-async def run_requests(endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec,
-                       on_record=None, label: str = "") -> tuple[list[RequestRecord], float]:
+async def run_requests(
+    endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, on_record=None, label: str = ""
+) -> tuple[list[RequestRecord], float]:
     """Send the prompts with at most `concurrency` in flight; returns records (in prompt
     order) and the wall time from the first send to the last completion."""
-    limits = httpx.Limits(max_connections=spec.concurrency,
-                          max_keepalive_connections=spec.concurrency)
+    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
     semaphore = asyncio.Semaphore(spec.concurrency)
     progress = Progress(len(prompts), label) if label else None
     records: list[RequestRecord | None] = [None] * len(prompts)
@@ -85,25 +87,30 @@ async def run_requests(endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec
     return records, duration
 
 
-def measure(endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, out_dir: Path,
-            labels: dict, metrics_url: str | None) -> dict:
+def measure(
+    endpoint: Endpoint,
+    prompts: list[Prompt],
+    spec: LoadSpec,
+    out_dir: Path,
+    labels: dict,
+    metrics_url: str | None,
+) -> dict:
     """Warm up, snapshot counters, run, snapshot again; write rows; return the summary."""
     out_dir.mkdir(parents=True, exist_ok=True)
     warm = prompts[: spec.warmup]
     if warm:
-        asyncio.run(run_requests(endpoint, warm, LoadSpec(**{**spec.__dict__,
-                                                              "request_rate": math.inf})))
+        asyncio.run(run_requests(endpoint, warm, LoadSpec(**{**spec.__dict__, "request_rate": math.inf})))
     before = scrape(metrics_url) if metrics_url else None
     requests_file = out_dir / "requests.jsonl"
 
     with requests_file.open("a") as sink:
+
         def keep(record: RequestRecord) -> None:  # as each completes: nothing is lost
             sink.write(json.dumps(record.as_row(**labels)) + "\n")
             sink.flush()
 
         name = f"{labels.get('label', '')} c={spec.concurrency}".strip()
-        records, duration = asyncio.run(
-            run_requests(endpoint, prompts[spec.warmup:], spec, keep, name))
+        records, duration = asyncio.run(run_requests(endpoint, prompts[spec.warmup :], spec, keep, name))
     after = scrape(metrics_url) if metrics_url else None
     summary = {**labels, **calculate_metrics(records, duration, spec.slo_ms)}
     acceptance = acceptance_from_requests(records)
@@ -121,13 +128,30 @@ def measure(endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, out_dir: 
 
 
 SUMMARY_COLUMNS = [
-    "label", "concurrency", "repeat", "completed", "failed", "duration_s",
-    "request_throughput", "output_tokens_per_s",
-    *[f"{m}_{s}" for m in ("ttft_ms", "tpot_ms", "itl_token_ms", "itl_chunk_ms", "e2e_ms")
-      for s in ("mean", "median", "p90", "p99")],
-    "achieved_concurrency", "goodput_requests_per_s", "acceptance_length", "acceptance_rate",
-    "acceptance_per_position", "acceptance_histogram", "acceptance_source", "errors",
-    "count_source", "server_kind", "streams_without_done",
+    "label",
+    "concurrency",
+    "repeat",
+    "completed",
+    "failed",
+    "duration_s",
+    "request_throughput",
+    "output_tokens_per_s",
+    *[
+        f"{m}_{s}"
+        for m in ("ttft_ms", "tpot_ms", "itl_token_ms", "itl_chunk_ms", "e2e_ms")
+        for s in ("mean", "median", "p90", "p99")
+    ],
+    "achieved_concurrency",
+    "goodput_requests_per_s",
+    "acceptance_length",
+    "acceptance_rate",
+    "acceptance_per_position",
+    "acceptance_histogram",
+    "acceptance_source",
+    "errors",
+    "count_source",
+    "server_kind",
+    "streams_without_done",
 ]
 
 
@@ -137,8 +161,7 @@ def append_summary(path: Path, row: dict) -> None:
         writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
         if new:
             writer.writeheader()
-        writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v
-                         for k, v in row.items()})
+        writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
 
 
 def done_runs(path: Path) -> set[tuple[str, int, int]]:

@@ -29,9 +29,12 @@ def summarize(values: Sequence[float], prefix: str) -> dict[str, float]:
     if not values:
         return {f"{prefix}_{s}": math.nan for s in STATS}
     a = np.asarray(values, dtype=float)
-    return {f"{prefix}_mean": float(a.mean()), f"{prefix}_median": float(np.median(a)),
-            f"{prefix}_p90": float(np.percentile(a, 90)),
-            f"{prefix}_p99": float(np.percentile(a, 99))}
+    return {
+        f"{prefix}_mean": float(a.mean()),
+        f"{prefix}_median": float(np.median(a)),
+        f"{prefix}_p90": float(np.percentile(a, 90)),
+        f"{prefix}_p99": float(np.percentile(a, 99)),
+    }
 
 
 def per_token_itl(record: RequestRecord) -> list[float]:
@@ -54,8 +57,9 @@ def tpot(record: RequestRecord) -> float | None:
     return (record.e2e_s - record.ttft_s) / (record.output_tokens - 1)
 
 
-def calculate_metrics(records: Sequence[RequestRecord], duration_s: float,
-                      slo_ms: dict[str, float] | None = None) -> dict[str, float]:
+def calculate_metrics(
+    records: Sequence[RequestRecord], duration_s: float, slo_ms: dict[str, float] | None = None
+) -> dict[str, float]:
     ok = [r for r in records if r.success]
     ms = 1000.0
     row: dict[str, float] = {
@@ -63,10 +67,8 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float,
         "failed": len(records) - len(ok),
         "duration_s": duration_s,
         "request_throughput": len(ok) / duration_s if duration_s > 0 else math.nan,
-        "output_tokens_per_s": sum(r.output_tokens for r in ok) / duration_s
-        if duration_s > 0 else math.nan,
-        "achieved_concurrency": sum(r.e2e_s or 0 for r in ok) / duration_s
-        if duration_s > 0 else math.nan,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / duration_s if duration_s > 0 else math.nan,
+        "achieved_concurrency": sum(r.e2e_s or 0 for r in ok) / duration_s if duration_s > 0 else math.nan,
     }
     row |= summarize([r.ttft_s * ms for r in ok if r.ttft_s is not None], "ttft_ms")
     row |= summarize([t * ms for r in ok if (t := tpot(r)) is not None], "tpot_ms")
@@ -76,8 +78,7 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float,
     if slo_ms:
         good = 0
         for r in ok:
-            values = {"ttft": (r.ttft_s or 0) * ms, "tpot": (tpot(r) or 0) * ms,
-                      "e2e": (r.e2e_s or 0) * ms}
+            values = {"ttft": (r.ttft_s or 0) * ms, "tpot": (tpot(r) or 0) * ms, "e2e": (r.e2e_s or 0) * ms}
             good += all(values[k] <= v for k, v in slo_ms.items())
         row["goodput_requests_per_s"] = good / duration_s if duration_s > 0 else math.nan
     return row

@@ -29,8 +29,10 @@ FAMILIES = {
     "accepted": "spec_decode_num_accepted_tokens",
     "per_pos": "spec_decode_num_accepted_tokens_per_pos",
 }
-SGLANG_GAUGES = {"acceptance_length": "sglang:spec_accept_length",
-                 "acceptance_rate": "sglang:spec_accept_rate"}
+SGLANG_GAUGES = {
+    "acceptance_length": "sglang:spec_accept_length",
+    "acceptance_rate": "sglang:spec_accept_rate",
+}
 
 Snapshot = dict[str, float]  # "drafts" / "accepted" / "pos:3" / "sglang:..." -> value
 
@@ -47,7 +49,7 @@ def parse(text: str) -> Snapshot:
             for prefix in PREFIXES:
                 if not name.startswith(prefix):
                     continue
-                base = name[len(prefix):].removesuffix("_total")
+                base = name[len(prefix) :].removesuffix("_total")
                 for key, family_name in FAMILIES.items():
                     if base != family_name:
                         continue
@@ -80,7 +82,8 @@ def acceptance_from_counters(before: Snapshot | None, after: Snapshot | None) ->
         return {
             "acceptance_length": 1.0 + d.get("accepted", 0.0) / drafts,
             "acceptance_rate": d.get("accepted", 0.0) / d["draft_tokens"]
-            if d.get("draft_tokens") else float("nan"),
+            if d.get("draft_tokens")
+            else float("nan"),
             "acceptance_per_position": [d[f"pos:{k}"] / drafts for k in positions],
             "acceptance_source": "prometheus",
         }
@@ -100,13 +103,11 @@ def acceptance_from_requests(records: Sequence[RequestRecord]) -> dict:
         proposed = sum(s["proposed"] for s in ours)
         return {
             "acceptance_length": sum(lengths) / steps if steps else float("nan"),
-            "acceptance_rate": sum(s["accepted"] for s in ours) / proposed
-            if proposed else float("nan"),
+            "acceptance_rate": sum(s["accepted"] for s in ours) / proposed if proposed else float("nan"),
             "acceptance_histogram": dict(sorted(Tally(lengths).items())),
             "acceptance_source": "per-request",
         }
-    sglang = [r.meta_info for r in records if r.success and r.meta_info
-              and r.meta_info.get("spec_verify_ct")]
+    sglang = [r.meta_info for r in records if r.success and r.meta_info and r.meta_info.get("spec_verify_ct")]
     if sglang:
         verify = sum(m["spec_verify_ct"] for m in sglang)
         tokens = sum(m["completion_tokens"] for m in sglang)

@@ -72,9 +72,11 @@ def prepare(out: Path, planned: dict[Run, int], max_failure_rate: float) -> Resu
     done = set()
     for row in summary_rows:
         run = run_of(row)
-        if run in planned and failure_rate(row) <= max_failure_rate and \
-                int(float(row.get("completed") or 0)) + int(float(row.get("failed") or 0)) \
-                == planned[run]:
+        if (
+            run in planned
+            and failure_rate(row) <= max_failure_rate
+            and int(float(row.get("completed") or 0)) + int(float(row.get("failed") or 0)) == planned[run]
+        ):
             done.add(run)
     redo = set(planned) - done
     rows, dropped = read_request_rows(out / REQUESTS)

@@ -42,8 +42,7 @@ class ServerKind:
 
     def __post_init__(self) -> None:
         if self.name not in SERVER_KINDS[1:]:
-            raise ValueError(f"unknown server kind '{self.name}', expected one of "
-                             f"{', '.join(SERVER_KINDS)}")
+            raise ValueError(f"unknown server kind '{self.name}', expected one of {', '.join(SERVER_KINDS)}")
 
     def extras(self, ignore_eos: bool) -> dict:
         """Fields beyond plain OpenAI to add to a completions or chat body."""
@@ -61,25 +60,35 @@ class ServerKind:
         return options
 
     def as_dict(self) -> dict:
-        return {"server_kind": self.name, "ignore_eos": self.ignore_eos,
-                "continuous_usage": self.continuous_usage,
-                "ids_in_responses": self.ids_in_responses or self.return_token_ids,
-                "prompt_ids": self.prompt_ids, "evidence": self.evidence}
+        return {
+            "server_kind": self.name,
+            "ignore_eos": self.ignore_eos,
+            "continuous_usage": self.continuous_usage,
+            "ids_in_responses": self.ids_in_responses or self.return_token_ids,
+            "prompt_ids": self.prompt_ids,
+            "evidence": self.evidence,
+        }
 
 
 KNOWN = {
-    "ours": ServerKind("ours", ignore_eos=True, continuous_usage=True, prompt_ids=True,
-                       ids_in_responses=True),
-    "vllm": ServerKind("vllm", ignore_eos=True, continuous_usage=True, return_token_ids=True,
-                       prompt_ids=True, ids_in_responses=True),
+    "ours": ServerKind(
+        "ours", ignore_eos=True, continuous_usage=True, prompt_ids=True, ids_in_responses=True
+    ),
+    "vllm": ServerKind(
+        "vllm",
+        ignore_eos=True,
+        continuous_usage=True,
+        return_token_ids=True,
+        prompt_ids=True,
+        ids_in_responses=True,
+    ),
     "sglang": ServerKind("sglang", ignore_eos=True, continuous_usage=True, prompt_ids=True),
     "lmdeploy": ServerKind("lmdeploy", ignore_eos=True, prompt_ids=True),
     # the OpenAI API takes a prompt as token ids; a server that refuses them (4xx) is noted
     "openai": ServerKind("openai", prompt_ids=True),
 }
 OWNERS = {"reference_engine": "ours", "vllm": "vllm", "sglang": "sglang", "lmdeploy": "lmdeploy"}
-METRIC_PREFIXES = {"dflash:": "ours", "vllm:": "vllm", "sglang:": "sglang",
-                   "lmdeploy:": "lmdeploy"}
+METRIC_PREFIXES = {"dflash:": "ours", "vllm:": "vllm", "sglang:": "sglang", "lmdeploy:": "lmdeploy"}
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,12 @@ def _first_choice(response: httpx.Response) -> dict:
     except ValueError:
         return {}
     choices = body.get("choices") if isinstance(body, dict) else None
-    return choices[0] if isinstance(choices, list) and choices and \
-        isinstance(choices[0], dict) else {}
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
 
 
-def probe(base_url: str, model: str | None = None, api_key: str | None = None,
-          timeout: float = 60.0) -> ProbeResult:
+def probe(
+    base_url: str, model: str | None = None, api_key: str | None = None, timeout: float = 60.0
+) -> ProbeResult:
     """Decide a server's kind from what it says about itself and one tiny request."""
     base = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -133,8 +142,13 @@ def probe(base_url: str, model: str | None = None, api_key: str | None = None,
         else:
             notes.append(f"/metrics: {'no answer' if r is None else r.status_code}")
         kind = KNOWN[guess or "openai"]
-        body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0, "stream": False,
-                **kind.extras(ignore_eos=True)}
+        body = {
+            "prompt": "Hello",
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            **kind.extras(ignore_eos=True),
+        }
         if model or models:
             body["model"] = model or models[0]
         try:
@@ -143,8 +157,7 @@ def probe(base_url: str, model: str | None = None, api_key: str | None = None,
             notes.append(f"probe request failed ({type(exc).__name__}): plain OpenAI")
             return ProbeResult(replace(KNOWN["openai"], evidence="; ".join(notes)), models)
         if r.status_code != 200 and kind.name != "openai":
-            notes.append(f"a request with {kind.name} extensions got HTTP {r.status_code}: "
-                         "plain OpenAI")
+            notes.append(f"a request with {kind.name} extensions got HTTP {r.status_code}: plain OpenAI")
             kind = KNOWN["openai"]
         elif r.status_code == 200:
             choice = _first_choice(r)
@@ -156,8 +169,7 @@ def probe(base_url: str, model: str | None = None, api_key: str | None = None,
         if kind.name == "openai":
             ids_body = {k: v for k, v in body.items() if k != "prompt"} | {"prompt": [1, 2]}
             try:
-                status = client.post(base + "/v1/completions", json=ids_body,
-                                     headers=headers).status_code
+                status = client.post(base + "/v1/completions", json=ids_body, headers=headers).status_code
             except httpx.HTTPError:
                 status = None
             refused = status is not None and 400 <= status < 500  # else: not known, try them
@@ -166,12 +178,10 @@ def probe(base_url: str, model: str | None = None, api_key: str | None = None,
     return ProbeResult(replace(kind, evidence="; ".join(notes)), models)
 
 
-def resolve(name: str, base_url: str, model: str | None = None,
-            api_key: str | None = None) -> ProbeResult:
+def resolve(name: str, base_url: str, model: str | None = None, api_key: str | None = None) -> ProbeResult:
     """`--server-kind NAME`: a named kind as is, or `auto`: probe."""
     if name == "auto":
         return probe(base_url, model, api_key)
     if name not in KNOWN:
-        raise ValueError(f"unknown server kind '{name}', expected one of "
-                         f"{', '.join(SERVER_KINDS)}")
+        raise ValueError(f"unknown server kind '{name}', expected one of {', '.join(SERVER_KINDS)}")
     return ProbeResult(replace(KNOWN[name], evidence="given"), ())

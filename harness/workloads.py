@@ -28,21 +28,24 @@ class WorkloadError(ValueError):
     pass
 
 
-_WORDS = ("the model drafts a block of tokens and the target verifies them in one pass "
-          "accepted tokens stay rejected ones are replaced by the target choice").split()
+_WORDS = (
+    "the model drafts a block of tokens and the target verifies them in one pass "
+    "accepted tokens stay rejected ones are replaced by the target choice"
+).split()
 
 
-def synthetic(num: int, input_len: int, seed: int, as_text: bool = False,
-              vocab_size: int = 400) -> list[Prompt]:
+def synthetic(
+    num: int, input_len: int, seed: int, as_text: bool = False, vocab_size: int = 400
+) -> list[Prompt]:
     """`num` prompts of `input_len` random token ids (or about that many words of text)."""
     if num <= 0 or input_len <= 0:
         raise WorkloadError(f"synthetic workload needs num and input_len > 0, got {num}, {input_len}")
     rng = random.Random(seed)
     if as_text:
-        return [Prompt(text=" ".join(rng.choice(_WORDS) for _ in range(input_len)))
-                for _ in range(num)]
-    return [Prompt(token_ids=tuple(rng.randrange(1, vocab_size) for _ in range(input_len)))
-            for _ in range(num)]
+        return [Prompt(text=" ".join(rng.choice(_WORDS) for _ in range(input_len))) for _ in range(num)]
+    return [
+        Prompt(token_ids=tuple(rng.randrange(1, vocab_size) for _ in range(input_len))) for _ in range(num)
+    ]
 
 
 def load_jsonl(path: str | Path) -> list[Prompt]:
@@ -66,8 +69,7 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
         if isinstance(row.get("prompt"), str):
             prompts.append(Prompt(text=row["prompt"], max_tokens=max_tokens, source=source))
         elif isinstance(row.get("messages"), list):
-            prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens,
-                                  source=source))
+            prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens, source=source))
         else:
             raise WorkloadError(f"{path}:{n}: needs a 'prompt' string or a 'messages' list")
     if not prompts:
@@ -89,15 +91,22 @@ def builtin(name: str) -> list[Prompt]:
             except ValueError:
                 sizes = ()
             if not sizes or set(sizes) - set(GATE_CONTEXTS):
-                raise WorkloadError(f"built-in set '{name}': expected gate:SIZES with sizes "
-                                    f"from {', '.join(map(str, GATE_CONTEXTS))}")
+                raise WorkloadError(
+                    f"built-in set '{name}': expected gate:SIZES with sizes "
+                    f"from {', '.join(map(str, GATE_CONTEXTS))}"
+                )
         return gate_prompts(sizes)
     names = sorted(p.stem for p in BUILTIN_DIR.glob("*.jsonl"))
     if name not in names + ["mixed"]:
-        raise WorkloadError(f"unknown built-in prompt set '{name}', expected one of "
-                            f"{', '.join(names + ['mixed', 'gate', 'gate:128,512'])}")
-    return [replace(p, source=f"builtin:{n}#{i}") for n in (names if name == "mixed" else [name])
-            for i, p in enumerate(load_jsonl(BUILTIN_DIR / f"{n}.jsonl"))]
+        raise WorkloadError(
+            f"unknown built-in prompt set '{name}', expected one of "
+            f"{', '.join(names + ['mixed', 'gate', 'gate:128,512'])}"
+        )
+    return [
+        replace(p, source=f"builtin:{n}#{i}")
+        for n in (names if name == "mixed" else [name])
+        for i, p in enumerate(load_jsonl(BUILTIN_DIR / f"{n}.jsonl"))
+    ]
 
 
 # the HTTP gate's set: prompts of about these many tokens, this many of each
@@ -105,29 +114,75 @@ GATE_CONTEXTS = (128, 512, 4096)
 GATE_COUNTS = {128: 12, 512: 12, 4096: 4}
 TOKENS_PER_WORD = 1.3  # English prose under a typical BPE vocabulary (Qwen, Llama 3)
 
-_SUBJECTS = ("the engine", "a draft model", "the target model", "each request", "the scheduler",
-             "a kernel", "the cache", "the server", "every block", "the client", "a reviewer",
-             "the benchmark")
-_VERBS = ("reads", "writes", "checks", "keeps", "drops", "sends", "counts", "holds", "builds",
-          "moves", "compares", "repeats")
-_OBJECTS = ("the next token", "a block of tokens", "the key-value cache", "one batch",
-            "the prompt", "its own state", "the logits", "a short answer", "the first chunk",
-            "every position", "the accepted prefix", "a list of numbers")
-_TAILS = ("before the step ends", "in one pass", "at the same time", "without a copy",
-          "when the batch is full", "after the verify", "for every row", "in a fixed order",
-          "while the queue grows", "once per second")
-_QUESTIONS = ("What does the passage say the scheduler does?",
-              "Which part of the passage mentions the cache?",
-              "Summarise the passage in one sentence.",
-              "What is the last thing the passage says?")
+_SUBJECTS = (
+    "the engine",
+    "a draft model",
+    "the target model",
+    "each request",
+    "the scheduler",
+    "a kernel",
+    "the cache",
+    "the server",
+    "every block",
+    "the client",
+    "a reviewer",
+    "the benchmark",
+)
+_VERBS = (
+    "reads",
+    "writes",
+    "checks",
+    "keeps",
+    "drops",
+    "sends",
+    "counts",
+    "holds",
+    "builds",
+    "moves",
+    "compares",
+    "repeats",
+)
+_OBJECTS = (
+    "the next token",
+    "a block of tokens",
+    "the key-value cache",
+    "one batch",
+    "the prompt",
+    "its own state",
+    "the logits",
+    "a short answer",
+    "the first chunk",
+    "every position",
+    "the accepted prefix",
+    "a list of numbers",
+)
+_TAILS = (
+    "before the step ends",
+    "in one pass",
+    "at the same time",
+    "without a copy",
+    "when the batch is full",
+    "after the verify",
+    "for every row",
+    "in a fixed order",
+    "while the queue grows",
+    "once per second",
+)
+_QUESTIONS = (
+    "What does the passage say the scheduler does?",
+    "Which part of the passage mentions the cache?",
+    "Summarise the passage in one sentence.",
+    "What is the last thing the passage says?",
+)
 
 
 def gate_prompts(sizes: tuple[int, ...] = GATE_CONTEXTS) -> list[Prompt]:
     """Prompts of about 128, 512 and 4096 tokens (a passage of seeded sentences and one
     question), interleaved so that a batch mixes lengths; the same text on every machine.
     Sources are `builtin:gate#N`, numbered over the whole set, so a subset keeps them."""
-    order = [(size, k) for k in range(max(GATE_COUNTS.values())) for size in GATE_CONTEXTS
-             if k < GATE_COUNTS[size]]
+    order = [
+        (size, k) for k in range(max(GATE_COUNTS.values())) for size in GATE_CONTEXTS if k < GATE_COUNTS[size]
+    ]
     prompts = []
     for n, (size, k) in enumerate(order):
         if size not in sizes:
@@ -138,8 +193,13 @@ def gate_prompts(sizes: tuple[int, ...] = GATE_CONTEXTS) -> list[Prompt]:
             sentence = " ".join(rng.choice(part) for part in (_SUBJECTS, _VERBS, _OBJECTS, _TAILS))
             sentences.append(sentence[0].upper() + sentence[1:] + ".")
             words += len(sentence.split())
-        text = (f"Passage {n + 1}:\n" + " ".join(sentences) + "\n\nQuestion: "
-                + rng.choice(_QUESTIONS) + "\nAnswer:")
+        text = (
+            f"Passage {n + 1}:\n"
+            + " ".join(sentences)
+            + "\n\nQuestion: "
+            + rng.choice(_QUESTIONS)
+            + "\nAnswer:"
+        )
         prompts.append(Prompt(text=text, source=f"builtin:gate#{n}"))
     return prompts
 

@@ -40,9 +40,7 @@ def _rope_theta(raw: dict[str, Any], where: str) -> float:
     scaling = raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
     if rope_type not in (None, "default"):
-        raise ConfigError(
-            f"{where}: rope type '{rope_type}' is not supported (only the default RoPE)"
-        )
+        raise ConfigError(f"{where}: rope type '{rope_type}' is not supported (only the default RoPE)")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"{where}: 'rope_theta' must be a positive number, got {theta!r}")
@@ -107,9 +105,7 @@ class TargetConfig:
         )
         for i, kind in enumerate(self.layer_types):
             if kind not in allowed:
-                raise ConfigError(
-                    f"{where}: layer_types[{i}] = '{kind}' is not one of {list(allowed)}"
-                )
+                raise ConfigError(f"{where}: layer_types[{i}] = '{kind}' is not one of {list(allowed)}")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ConfigError(
                 f"{where}: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
@@ -180,8 +176,7 @@ class TargetConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_TARGET_TYPES:
             raise ConfigError(
-                f"unknown model_type {model_type!r}; supported targets: "
-                f"{', '.join(SUPPORTED_TARGET_TYPES)}"
+                f"unknown model_type {model_type!r}; supported targets: {', '.join(SUPPORTED_TARGET_TYPES)}"
             )
         outer = raw
         if model_type == "qwen3_5":
@@ -208,8 +203,7 @@ class TargetConfig:
             if layer_types is None:
                 interval = _positive_int(raw, "full_attention_interval", where, default=4)
                 layer_types = [
-                    FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-                    for i in range(num_layers)
+                    FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)
                 ]
             linear = dict(
                 linear_num_key_heads=_positive_int(raw, "linear_num_key_heads", where),
@@ -243,9 +237,7 @@ class TargetConfig:
             head_dim=_positive_int({"head_dim": head_dim}, "head_dim", where),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw, where),
-            max_position_embeddings=_positive_int(
-                raw, "max_position_embeddings", where, default=32768
-            ),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", where, default=32768),
             tie_word_embeddings=bool(tie),
             layer_types=tuple(layer_types),
             partial_rotary_factor=float(partial),
@@ -263,9 +255,7 @@ def published_target_layer_ids(num_target_layers: int, num_draft_layers: int) ->
         return (num_target_layers // 2,)
     start, end = 1, num_target_layers - 3
     span = end - start
-    return tuple(
-        round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)
-    )
+    return tuple(round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
 @dataclass(frozen=True)
@@ -313,15 +303,13 @@ class DraftConfig:
         for i, kind in enumerate(self.layer_types):
             if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
                 raise ConfigError(
-                    f"{where}: layer_types[{i}] = '{kind}' is not full_attention or "
-                    "sliding_attention"
+                    f"{where}: layer_types[{i}] = '{kind}' is not full_attention or sliding_attention"
                 )
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(
-                f"{where}: mask_token_id {self.mask_token_id} outside the vocabulary "
-                f"[0, {self.vocab_size})"
+                f"{where}: mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})"
             )
 
     @property
@@ -359,9 +347,7 @@ class DraftConfig:
             head_dim=_positive_int(raw, "head_dim", where, default=hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(raw, where),
-            max_position_embeddings=_positive_int(
-                raw, "max_position_embeddings", where, default=32768
-            ),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", where, default=32768),
             block_size=_positive_int(dflash, "block_size", where, default=raw.get("block_size", 16)),
             num_target_layers=num_target,
             target_layer_ids=ids,
@@ -372,9 +358,7 @@ class DraftConfig:
             input_embedding_scale=float(
                 dflash.get("input_embedding_scale", raw.get("input_embedding_scale", 1.0))
             ),
-            output_multiplier=float(
-                dflash.get("output_multiplier", raw.get("output_multiplier", 1.0))
-            ),
+            output_multiplier=float(dflash.get("output_multiplier", raw.get("output_multiplier", 1.0))),
             final_logit_softcapping=float(softcap) if softcap else None,
         )
 
@@ -382,13 +366,11 @@ class DraftConfig:
         """Reject a draft/target pair that cannot work together."""
         if self.hidden_size != target.hidden_size:
             raise ConfigError(
-                f"draft hidden_size {self.hidden_size} does not match the target's "
-                f"{target.hidden_size}"
+                f"draft hidden_size {self.hidden_size} does not match the target's {target.hidden_size}"
             )
         if self.vocab_size != target.vocab_size:
             raise ConfigError(
-                f"draft vocab_size {self.vocab_size} does not match the target's "
-                f"{target.vocab_size}"
+                f"draft vocab_size {self.vocab_size} does not match the target's {target.vocab_size}"
             )
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
         if bad:

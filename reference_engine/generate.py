@@ -103,8 +103,9 @@ def run(args: GenerateArgs) -> dict:
         try:
             args.prompt.encode("utf-8")
         except UnicodeEncodeError:
-            raise RequestError("--prompt is not valid UTF-8 text (check the shell's locale or "
-                               "the bytes passed)") from None
+            raise RequestError(
+                "--prompt is not valid UTF-8 text (check the shell's locale or the bytes passed)"
+            ) from None
         prompt_ids = tokenizer.encode(args.prompt).ids
     else:
         prompt_ids = parse_id_list(args.prompt_ids, "--prompt-ids")
@@ -120,17 +121,29 @@ def run(args: GenerateArgs) -> dict:
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     extra = {}
     if args.draft is None:
-        result = generate_plain(model, prompt_ids, params, max_model_len=args.max_model_len,
-                                generator=generator, numerics=args.numerics)
+        result = generate_plain(
+            model,
+            prompt_ids,
+            params,
+            max_model_len=args.max_model_len,
+            generator=generator,
+            numerics=args.numerics,
+        )
     else:
         draft = load_draft(args.draft, model)
         block_size = draft.config.block_size if args.block_size is None else args.block_size
-        options = EngineConfig(block_size=block_size, commit_strategy=args.commit_strategy,
-                               max_model_len=args.max_model_len, numerics=args.numerics)
-        result = generate_speculative(model, draft, prompt_ids, params, options,
-                                      generator=generator)
-        extra = {"acceptance_lengths": result.acceptance_lengths,
-                 "block_size": options.block_size, "commit_strategy": options.commit_strategy}
+        options = EngineConfig(
+            block_size=block_size,
+            commit_strategy=args.commit_strategy,
+            max_model_len=args.max_model_len,
+            numerics=args.numerics,
+        )
+        result = generate_speculative(model, draft, prompt_ids, params, options, generator=generator)
+        extra = {
+            "acceptance_lengths": result.acceptance_lengths,
+            "block_size": options.block_size,
+            "commit_strategy": options.commit_strategy,
+        }
     if tokenizer is None:
         try:
             tokenizer = load_tokenizer(args.model)

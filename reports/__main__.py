@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m reports",
         description="Build report.md and PNG plots from a benchmark results directory.",
         epilog="python -m reports profile DIR: profile.md and a phase-breakdown plot from nsys "
-        "stats CSVs or engine benchmark CSVs (python -m reports profile --help).")
+        "stats CSVs or engine benchmark CSVs (python -m reports profile --help).",
+    )
     parser.add_argument("directory", type=Path, help="results directory holding summary.csv")
     args = parser.parse_args(argv)
     try:

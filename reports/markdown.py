@@ -104,9 +104,11 @@ def _header(results: ResultSet) -> str:
     meta = results.meta
     summary = results.summary
     repeats = summary.groupby(["label", "concurrency"]).size()
-    lines = [f"Labels: {', '.join(map(results.display, results.labels))}; concurrency: "
-                  f"{', '.join(map(str, results.concurrencies))}; repeats per point: "
-                  f"{_span(repeats.min(), repeats.max())} ({len(summary)} rows in `{SUMMARY}`)."]
+    lines = [
+        f"Labels: {', '.join(map(results.display, results.labels))}; concurrency: "
+        f"{', '.join(map(str, results.concurrencies))}; repeats per point: "
+        f"{_span(repeats.min(), repeats.max())} ({len(summary)} rows in `{SUMMARY}`)."
+    ]
     # a single-server run has no A/B file to miss
     missing = [name for name in results.missing if not (name == AB and len(results.labels) == 1)]
     if missing:
@@ -130,8 +132,11 @@ def _metadata(meta: dict[str, Any]) -> str:
         (long if is_command or len(text) > LONG_VALUE or "\n" in text else short).append((key, text))
     out = []
     if short:
-        out.append(markdown_table(["Field", "Value"], [[k, f"`{v}`" if k.endswith("commit") else v]
-                                                       for k, v in short], right=()))
+        out.append(
+            markdown_table(
+                ["Field", "Value"], [[k, f"`{v}`" if k.endswith("commit") else v] for k, v in short], right=()
+            )
+        )
     for key, text in long:
         out.append(f"`{key}`:\n\n```\n{text}\n```")
     return "\n\n".join(out)
@@ -150,23 +155,32 @@ def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
 def _ratios(results: ResultSet) -> str:
     title = "## A/B ratios (B/A)\n\n"
     if results.ab is not None and not results.ab.empty:
-        return (title + "Medians over repeats; B/A with a bootstrap 95% interval. For latencies "
-                "a ratio below 1 is better, for throughput above 1.\n\n" + ratio_table(results.ab))
+        return (
+            title + "Medians over repeats; B/A with a bootstrap 95% interval. For latencies "
+            "a ratio below 1 is better, for throughput above 1.\n\n" + ratio_table(results.ab)
+        )
     if len(results.labels) == 1:
         return ""  # a single-server run has nothing to compare
-    return (title + f"`{AB}` is absent or unreadable: no intervals. The ratio column of the "
-            "tables below is a plain ratio of medians.")
+    return (
+        title + f"`{AB}` is absent or unreadable: no intervals. The ratio column of the "
+        "tables below is a plain ratio of medians."
+    )
 
 
 def _results(results: ResultSet) -> str:
-    parts = ["## Results by concurrency", "Median over the n repeats of each label. Throughput "
-             "shows the min–max range over repeats in parentheses."]
+    parts = [
+        "## Results by concurrency",
+        "Median over the n repeats of each label. Throughput "
+        "shows the min–max range over repeats in parentheses.",
+    ]
     for concurrency, table in results_tables(results).items():
         parts += [f"### Concurrency {concurrency}", table]
     acceptance = results.summary.get("acceptance_length")
     if acceptance is None or acceptance.isna().all():
-        parts.append("No acceptance metrics in `summary.csv`: the servers expose no speculative "
-                     "decoding counters or per-request statistics.")
+        parts.append(
+            "No acceptance metrics in `summary.csv`: the servers expose no speculative "
+            "decoding counters or per-request statistics."
+        )
     return "\n\n".join(parts)
 
 
@@ -182,13 +196,22 @@ def _token_counts(results: ResultSet) -> str:
         sources = sorted({str(s) for s in part["count_source"].dropna()})
         kinds = sorted({str(s) for s in part.get("server_kind", []) if isinstance(s, str)})
         no_done = part.get("streams_without_done")
-        rows.append([label, ", ".join(kinds) or "–", ", ".join(sources) or "–",
-                     "–" if no_done is None else str(int(no_done.fillna(0).sum()))])
-    table = markdown_table(["label", "server kind", "token counts from", "streams without [DONE]"],
-                           rows, right=())
-    return ("## Token counts\n\n`server_ids`, `usage` and `meta_info` are the server's own counts; "
-            "`tokenizer` tokenises the streamed text with the model's tokenizer (`--tokenizer`); "
-            "`estimated` counts one token per text chunk.\n\n" + table)
+        rows.append(
+            [
+                label,
+                ", ".join(kinds) or "–",
+                ", ".join(sources) or "–",
+                "–" if no_done is None else str(int(no_done.fillna(0).sum())),
+            ]
+        )
+    table = markdown_table(
+        ["label", "server kind", "token counts from", "streams without [DONE]"], rows, right=()
+    )
+    return (
+        "## Token counts\n\n`server_ids`, `usage` and `meta_info` are the server's own counts; "
+        "`tokenizer` tokenises the streamed text with the model's tokenizer (`--tokenizer`); "
+        "`estimated` counts one token per text chunk.\n\n" + table
+    )
 
 
 def _failures(results: ResultSet) -> str:
@@ -218,8 +241,10 @@ def _equivalence(results: ResultSet) -> str:
         return "## HTTP equivalence\n\n" + _demote_headings(results.compare_md.strip(), levels=2)
     if results.compare_summary:
         rows = [[k, v if isinstance(v, str) else json.dumps(v)] for k, v in _flatten(results.compare_summary)]
-        return (f"## HTTP equivalence\n\nFrom `{COMPARE_SUMMARY}` (`{COMPARE_MD}` absent).\n\n"
-                + markdown_table(["Field", "Value"], rows, right=()))
+        return (
+            f"## HTTP equivalence\n\nFrom `{COMPARE_SUMMARY}` (`{COMPARE_MD}` absent).\n\n"
+            + markdown_table(["Field", "Value"], rows, right=())
+        )
     return ""
 
 
@@ -231,7 +256,7 @@ def _demote_headings(text: str, levels: int) -> str:
             fenced = not fenced
         heading = None if fenced else re.match(r"(#{1,6}) ", line)
         if heading:
-            line = "#" * min(6, len(heading.group(1)) + levels) + line[len(heading.group(1)):]
+            line = "#" * min(6, len(heading.group(1)) + levels) + line[len(heading.group(1)) :]
         out.append(line)
     return "\n".join(out)
 

@@ -28,8 +28,7 @@ import pandas as pd
 REPORTS = ("nvtx_sum", "nvtx_gpu_proj_sum", "cuda_gpu_kern_sum")
 DOMAIN = "dflash"
 # reference_engine/profiling.py RANGE_NAMES (reports import no engine code; a test pins them)
-RANGE_NAMES = ("step", "schedule", "prefill", "decode", "draft", "verify", "accept", "commit",
-               "sample")
+RANGE_NAMES = ("step", "schedule", "prefill", "decode", "draft", "verify", "accept", "commit", "sample")
 STYLES = ("pushpop", "push/pop", "startend", "start/end")
 UNIT_MS = {"ns": 1e-6, "us": 1e-3, "μs": 1e-3, "ms": 1.0, "s": 1e3, "sec": 1e3}
 PROCESSING = re.compile(r"^Processing \[.*\] with \[(?:.*/)?(?P<report>[A-Za-z0-9_]+)(?:\.py)?\]")
@@ -132,7 +131,7 @@ def _table(text: str, report: str) -> pd.DataFrame | None:
             continue
         width = len(_cells(line))
         rows = []
-        for body in lines[start + 1:]:
+        for body in lines[start + 1 :]:
             cells = _cells(body)
             if len(cells) != width:  # a blank line, or the next report's preamble
                 break
@@ -159,7 +158,7 @@ def phase_of(range_name: str) -> str | None:
     for style in STYLES:
         for prefix in (f"{style}:", f"[{style}]"):
             if lowered.startswith(prefix):
-                name = name[len(prefix):].strip()
+                name = name[len(prefix) :].strip()
                 lowered = name.lower()
     domain, colon, rest = name.partition(":")
     if not colon:
@@ -215,8 +214,9 @@ def load_capture(directory: Path, label: str) -> Capture:
         label=label,
         ranges=None if ranges is None else phase_table(ranges, ("total_ms",)),
         gpu=None if gpu is None else phase_table(gpu, ("gpu_ms", "range_ms")),
-        kernels=None if kernels is None else
-        kernels.sort_values("total_ms", ascending=False, kind="stable").reset_index(drop=True),
+        kernels=None
+        if kernels is None
+        else kernels.sort_values("total_ms", ascending=False, kind="stable").reset_index(drop=True),
         missing=tuple(r for r in REPORTS if tables[r] is None),
     )
 

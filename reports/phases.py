@@ -64,17 +64,19 @@ def breakdown(times: PhaseTimes) -> pd.DataFrame:
 
     def row(phase: str, total: float, summed: bool, inside: str = "") -> None:
         instances = times.instances.get(phase)
-        rows.append({
-            "phase": phase,
-            "instances": instances,
-            "total_ms": total,
-            "mean_ms": total / instances if instances else math.nan,
-            "share_pct": 100 * total / times.step_ms if times.step_ms else math.nan,
-            "gpu_ms": times.gpu_ms.get(phase, math.nan),
-            "per_token_ms": total / times.output_tokens if times.output_tokens else math.nan,
-            "summed": summed,
-            "inside": inside,
-        })
+        rows.append(
+            {
+                "phase": phase,
+                "instances": instances,
+                "total_ms": total,
+                "mean_ms": total / instances if instances else math.nan,
+                "share_pct": 100 * total / times.step_ms if times.step_ms else math.nan,
+                "gpu_ms": times.gpu_ms.get(phase, math.nan),
+                "per_token_ms": total / times.output_tokens if times.output_tokens else math.nan,
+                "summed": summed,
+                "inside": inside,
+            }
+        )
 
     ran = [p for p in TOP_LEVEL if times.phase_ms.get(p) or times.instances.get(p)]
     for phase in ran:
@@ -103,14 +105,17 @@ def load_profiles(directory: Path, source: str = "auto") -> list[PhaseTimes]:
     if labels:
         profiles = [from_capture(load_capture(directory, label), bench) for label in labels]
     elif source == "nsys":
-        raise ProfileError(f"no nsys captures in {directory} (expected <mode>-c<concurrency>"
-                           f"_nvtx_sum.csv from `nsys stats --output`, or <label>.txt)")
+        raise ProfileError(
+            f"no nsys captures in {directory} (expected <mode>-c<concurrency>"
+            f"_nvtx_sum.csv from `nsys stats --output`, or <label>.txt)"
+        )
     else:
         profiles = [from_bench_row(r) for r in bench.values()]
     if not profiles:
         raise ProfileError(
             f"nothing to profile in {directory}: no nsys captures (<label>_nvtx_sum.csv) and "
-            f"no engine benchmark CSV with columns {', '.join(BENCH_COLUMNS)}")
+            f"no engine benchmark CSV with columns {', '.join(BENCH_COLUMNS)}"
+        )
     return sorted(profiles, key=_order)
 
 
@@ -118,8 +123,9 @@ def bench_rows(directory: Path) -> dict[tuple[str, int], dict]:
     """(mode, concurrency) -> the engine benchmark's row, from every CSV in `directory` that
     is one (files named after a capture, `<label>.csv`, come last and so win)."""
     rows: dict[tuple[str, int], dict] = {}
-    paths = [p for p in sorted(directory.glob("*.csv"))
-             if not any(p.name.endswith(f"_{r}.csv") for r in REPORTS)]
+    paths = [
+        p for p in sorted(directory.glob("*.csv")) if not any(p.name.endswith(f"_{r}.csv") for r in REPORTS)
+    ]
     paths.sort(key=lambda p: LABEL.match(p.stem) is not None)
     for path in paths:
         try:
@@ -141,11 +147,15 @@ def from_bench_row(row: dict) -> PhaseTimes:
     phases = {p: float(row[f"ms_{p}"]) for p in (*TOP_LEVEL, *NESTED) if f"ms_{p}" in row}
     instances = {p: int(row[f"n_{p}"]) for p in phases if _known(row.get(f"n_{p}"))}
     clock = row.get("phase_clock", "")
-    notes = [f"{row['file']}: medians over {row.get('repeats', '?')} repeat(s), each column on "
-             "its own, so `other` also holds the differences between medians"]
+    notes = [
+        f"{row['file']}: medians over {row.get('repeats', '?')} repeat(s), each column on "
+        "its own, so `other` also holds the differences between medians"
+    ]
     if clock == "cuda_events":
-        notes.append("phases in CUDA-event time, step in host wall time: `other` is the step's "
-                     "time outside every phase's GPU work (launch gaps, bookkeeping)")
+        notes.append(
+            "phases in CUDA-event time, step in host wall time: `other` is the step's "
+            "time outside every phase's GPU work (launch gaps, bookkeeping)"
+        )
     notes += _spread_notes(row)
     steps = row.get("steps")
     tokens = row.get("output_tokens")
@@ -176,12 +186,13 @@ def _spread_notes(row: dict) -> list[str]:
             continue
         low, high, median = float(low), float(high), float(median)
         spread = (high - low) / median
-        note = (f"{label} {column}: median {median:.1f} {unit}, min {low:.1f}, max {high:.1f} "
-                "over the repeats")
+        note = f"{label} {column}: median {median:.1f} {unit}, min {low:.1f}, max {high:.1f} over the repeats"
         if spread > SPREAD_WARNING:
-            note = (f"**warning: repeats disagree by {spread:.0%}** ({label} {column}: median "
-                    f"{median:.1f} {unit}, min {low:.1f}, max {high:.1f}); the figures of this "
-                    "run are not stable")
+            note = (
+                f"**warning: repeats disagree by {spread:.0%}** ({label} {column}: median "
+                f"{median:.1f} {unit}, min {low:.1f}, max {high:.1f}); the figures of this "
+                "run are not stable"
+            )
         notes.append(note)
     return notes
 
@@ -192,11 +203,12 @@ def from_capture(capture: Capture, bench: dict[tuple[str, int], dict]) -> PhaseT
     the same run (tokens of one run x its repeats), when there is one."""
     mode, concurrency = _mode_and_concurrency(capture.label)
     notes = [f"{capture.label}: {r} absent or empty" for r in capture.missing]
-    ranges = capture.ranges if capture.ranges is not None else pd.DataFrame(
-        columns=["instances", "total_ms"])
+    ranges = capture.ranges if capture.ranges is not None else pd.DataFrame(columns=["instances", "total_ms"])
     if STEP not in ranges.index:
-        notes.append(f"{capture.label}: no `{STEP}` range, so no step total (were DFLASH_NVTX=1 "
-                     "and the nvtx package there?)")
+        notes.append(
+            f"{capture.label}: no `{STEP}` range, so no step total (were DFLASH_NVTX=1 "
+            "and the nvtx package there?)"
+        )
     gpu = capture.gpu if capture.gpu is not None else pd.DataFrame(columns=["gpu_ms"])
     tokens = None
     row = bench.get((mode, concurrency)) if concurrency is not None else None

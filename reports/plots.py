@@ -78,11 +78,22 @@ def throughput(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Co
         if rows.empty:
             continue
         median = rows["output_tokens_per_s"].to_numpy()
-        spread = np.vstack([median - rows["output_tokens_per_s_min"].to_numpy(),
-                            rows["output_tokens_per_s_max"].to_numpy() - median])
-        ax.errorbar(rows.index.to_numpy(), median, yerr=spread, color=colors[label],
-                    marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)],
-                    capsize=4, label=f"{results.display(label)} (n={int(rows['n'].max())})")
+        spread = np.vstack(
+            [
+                median - rows["output_tokens_per_s_min"].to_numpy(),
+                rows["output_tokens_per_s_max"].to_numpy() - median,
+            ]
+        )
+        ax.errorbar(
+            rows.index.to_numpy(),
+            median,
+            yerr=spread,
+            color=colors[label],
+            marker=MARKERS[i % len(MARKERS)],
+            linestyle=LINESTYLES[i % len(LINESTYLES)],
+            capsize=4,
+            label=f"{results.display(label)} (n={int(rows['n'].max())})",
+        )
     _concurrency_axis(ax, results.concurrencies)
     ax.set_ylabel("output tokens/s")
     ax.set_ylim(bottom=0)
@@ -91,10 +102,12 @@ def throughput(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Co
     return "Median over repeats; error bars span the minimum and maximum repeat."
 
 
-def latency_percentiles(figure: Figure, results: ResultSet, agg: pd.DataFrame,
-                        colors: Colors) -> str | Skip:
-    metrics = [(m, t) for m, t in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"))
-               if any(_has(agg, f"{m}_{s}") for s, _, _ in PERCENTILES)]
+def latency_percentiles(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Colors) -> str | Skip:
+    metrics = [
+        (m, t)
+        for m, t in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"))
+        if any(_has(agg, f"{m}_{s}") for s, _, _ in PERCENTILES)
+    ]
     if not metrics:
         return Skip("no TTFT or TPOT percentiles in summary.csv")
     axes = figure.subplots(1, len(metrics), squeeze=False)[0]
@@ -104,9 +117,14 @@ def latency_percentiles(figure: Figure, results: ResultSet, agg: pd.DataFrame,
             for stat, name, style in PERCENTILES:
                 column = f"{metric}_{stat}"
                 if column in rows.columns and rows[column].notna().any():
-                    ax.plot(rows.index.to_numpy(), rows[column].to_numpy(), linestyle=style,
-                            marker=MARKERS[i % len(MARKERS)],
-                            color=colors[label], label=f"{results.display(label)} {name}")
+                    ax.plot(
+                        rows.index.to_numpy(),
+                        rows[column].to_numpy(),
+                        linestyle=style,
+                        marker=MARKERS[i % len(MARKERS)],
+                        color=colors[label],
+                        label=f"{results.display(label)} {name}",
+                    )
         _concurrency_axis(ax, results.concurrencies)
         ax.set_ylabel("ms")
         ax.set_ylim(bottom=0)
@@ -126,29 +144,38 @@ def itl_bars(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Colo
     width = 0.8 / len(bars)
     for i, (label, kind) in enumerate(bars):
         values = [_get(agg, label, c, f"itl_{kind}_ms_mean") for c in concurrencies]
-        ax.bar(x - 0.4 + (i + 0.5) * width, values, width, color=colors[label],
-               alpha=1.0 if kind == "token" else 0.5, hatch="" if kind == "token" else "//",
-               edgecolor="black", linewidth=0.5,
-               label=f"{results.display(label)} per {kind}")
+        ax.bar(
+            x - 0.4 + (i + 0.5) * width,
+            values,
+            width,
+            color=colors[label],
+            alpha=1.0 if kind == "token" else 0.5,
+            hatch="" if kind == "token" else "//",
+            edgecolor="black",
+            linewidth=0.5,
+            label=f"{results.display(label)} per {kind}",
+        )
     ax.set_xticks(x, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrency")
     ax.set_ylabel("mean ITL (ms)")
     ax.set_title("Per-token vs chunk inter-token latency")
     ax.legend(fontsize="small")
-    return ("Mean per-token ITL (each chunk gap split among the tokens it carries) next to the "
-            "mean raw chunk gap; they differ when chunks carry several tokens.")
+    return (
+        "Mean per-token ITL (each chunk gap split among the tokens it carries) next to the "
+        "mean raw chunk gap; they differ when chunks carry several tokens."
+    )
 
 
-def itl_distribution(figure: Figure, results: ResultSet, agg: pd.DataFrame,
-                     colors: Colors) -> str | Skip:
+def itl_distribution(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Colors) -> str | Skip:
     if not results.itl:
         reason = "requests.jsonl absent" if results.requests is None else "no chunk timings in requests.jsonl"
         return Skip(reason)
     concurrencies = sorted({c for _, c in results.itl})
     cols = min(4, len(concurrencies))
     # shared axes: the panels are read against each other
-    axes = figure.subplots((len(concurrencies) + cols - 1) // cols, cols, squeeze=False, sharey=True,
-                           sharex=True).ravel()
+    axes = figure.subplots(
+        (len(concurrencies) + cols - 1) // cols, cols, squeeze=False, sharey=True, sharex=True
+    ).ravel()
     quantiles = np.linspace(0, 1, 201)
     widest = 0.0
     for ax, concurrency in zip(axes, concurrencies):
@@ -160,8 +187,13 @@ def itl_distribution(figure: Figure, results: ResultSet, agg: pd.DataFrame,
             series = ((samples.token_ms, "-", "per token"), (samples.chunk_ms, "--", "chunk"))
             for values, style, name in series:
                 if values.size:
-                    ax.plot(np.quantile(values, quantiles), quantiles, linestyle=style,
-                            color=colors[label], label=f"{results.display(label)} {name}")
+                    ax.plot(
+                        np.quantile(values, quantiles),
+                        quantiles,
+                        linestyle=style,
+                        color=colors[label],
+                        label=f"{results.display(label)} {name}",
+                    )
                     right = max(right, float(np.quantile(values, CLIP_QUANTILE)))
         ax.set_title(f"concurrency {concurrency}", fontsize="medium")
         ax.set_xlabel("ITL (ms)")
@@ -169,17 +201,18 @@ def itl_distribution(figure: Figure, results: ResultSet, agg: pd.DataFrame,
         widest = max(widest, right)
     # one stalled request must not squash the body of the distribution against the axis
     axes[0].set_xlim(0, widest * 1.1 or None)
-    for ax in axes[len(concurrencies):]:
+    for ax in axes[len(concurrencies) :]:
         ax.set_visible(False)
     axes[0].set_ylabel("cumulative share (tokens or gaps)")
     axes[0].legend(fontsize="small")
     figure.suptitle("ITL distribution (CDF), all repeats")
-    return (f"From requests.jsonl: successful requests, every repeat pooled; the x axis ends "
-            f"near the p{CLIP_QUANTILE * 100:g} gap.")
+    return (
+        f"From requests.jsonl: successful requests, every repeat pooled; the x axis ends "
+        f"near the p{CLIP_QUANTILE * 100:g} gap."
+    )
 
 
-def acceptance_histogram(figure: Figure, results: ResultSet, agg: pd.DataFrame,
-                         colors: Colors) -> str | Skip:
+def acceptance_histogram(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Colors) -> str | Skip:
     hists = acceptance_histograms(results.summary)
     if not hists:
         return Skip("no acceptance_histogram in summary.csv (server exposes no per-request acceptance)")
@@ -191,9 +224,16 @@ def acceptance_histogram(figure: Figure, results: ResultSet, agg: pd.DataFrame,
         total = sum(hist.values())
         shares = [hist.get(length, 0.0) / total for length in lengths]
         mean = sum(length * n for length, n in hist.items()) / total
-        ax.bar(np.arange(len(lengths)) - 0.4 + (i + 0.5) * width, shares, width, color=colors[label],
-               hatch=HATCHES[i % len(HATCHES)], edgecolor="black", linewidth=0.5,
-               label=f"{results.display(label)} (mean {mean:.2f}, {total:,.0f} steps)")
+        ax.bar(
+            np.arange(len(lengths)) - 0.4 + (i + 0.5) * width,
+            shares,
+            width,
+            color=colors[label],
+            hatch=HATCHES[i % len(HATCHES)],
+            edgecolor="black",
+            linewidth=0.5,
+            label=f"{results.display(label)} (mean {mean:.2f}, {total:,.0f} steps)",
+        )
     ax.set_xticks(np.arange(len(lengths)), [str(length) for length in lengths])
     ax.set_xlabel("acceptance length (committed tokens per step, bonus included)")
     ax.set_ylabel("share of steps")
@@ -202,8 +242,7 @@ def acceptance_histogram(figure: Figure, results: ResultSet, agg: pd.DataFrame,
     return "Steps by acceptance length, summed over concurrencies and repeats."
 
 
-def acceptance_positions(figure: Figure, results: ResultSet, agg: pd.DataFrame,
-                         colors: Colors) -> str | Skip:
+def acceptance_positions(figure: Figure, results: ResultSet, agg: pd.DataFrame, colors: Colors) -> str | Skip:
     rates = acceptance_per_position(results.summary)
     if not rates:
         return Skip("no acceptance_per_position in summary.csv (server exposes no per-position counters)")
@@ -213,9 +252,14 @@ def acceptance_positions(figure: Figure, results: ResultSet, agg: pd.DataFrame,
         keys = [k for k in rates if k[0] == label]
         for i, key in enumerate(keys):  # marker and line style tell concurrencies apart
             positions = np.arange(1, len(rates[key]) + 1)
-            ax.plot(positions, rates[key], marker=MARKERS[i % len(MARKERS)],
-                    linestyle=LINESTYLES[i % len(LINESTYLES)], color=colors[label],
-                    label=f"c={key[1]}")
+            ax.plot(
+                positions,
+                rates[key],
+                marker=MARKERS[i % len(MARKERS)],
+                linestyle=LINESTYLES[i % len(LINESTYLES)],
+                color=colors[label],
+                label=f"c={key[1]}",
+            )
         ax.set_xticks(np.arange(1, max(len(rates[k]) for k in keys) + 1))
         ax.set_xlabel("draft position")
         ax.grid(alpha=0.3)

@@ -61,10 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m reports profile",
         description="Build profile.md and plots/phase_breakdown.png from nsys stats CSVs "
-                    "(<mode>-c<concurrency>_nvtx_sum.csv ...) or engine benchmark CSVs.")
+        "(<mode>-c<concurrency>_nvtx_sum.csv ...) or engine benchmark CSVs.",
+    )
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--source", choices=("auto", "nsys", "timer"), default="auto",
-                        help="auto: nsys captures when there are any, else benchmark CSVs")
+    parser.add_argument(
+        "--source",
+        choices=("auto", "nsys", "timer"),
+        default="auto",
+        help="auto: nsys captures when there are any, else benchmark CSVs",
+    )
     parser.add_argument("--top-kernels", type=int, default=TOP_KERNELS)
     args = parser.parse_args(argv)
     try:
@@ -84,25 +89,30 @@ def build_profile(directory: Path, source: str = "auto", top: int = TOP_KERNELS)
     plot_dir.mkdir(exist_ok=True)
     caption = draw_breakdown(plot_dir / PLOT, profiles)
     commands = directory / COMMANDS
-    text = render_profile(directory.name, profiles, caption,
-                          commands.read_text() if commands.is_file() else None, top)
+    text = render_profile(
+        directory.name, profiles, caption, commands.read_text() if commands.is_file() else None, top
+    )
     path = directory / PROFILE
     path.write_text(text)
     return path
 
 
-def render_profile(name: str, profiles: list[PhaseTimes], plot_caption: str,
-                   commands: str | None, top: int) -> str:
+def render_profile(
+    name: str, profiles: list[PhaseTimes], plot_caption: str, commands: str | None, top: int
+) -> str:
     source = profiles[0].source
-    lines = [f"# Phase profile: {name}", "",
-             f"Runs: {', '.join(p.label for p in profiles)}. "
-             f"Source: {'Nsight Systems' if source == 'nsys' else 'built-in phase timer'}.", ""]
+    lines = [
+        f"# Phase profile: {name}",
+        "",
+        f"Runs: {', '.join(p.label for p in profiles)}. "
+        f"Source: {'Nsight Systems' if source == 'nsys' else 'built-in phase timer'}.",
+        "",
+    ]
     notes = list(dict.fromkeys(n for p in profiles for n in p.notes))
     if notes:
         lines += ["Notes:", "", *[f"- {n}" for n in notes], ""]
     lines += ["## Definitions", "", DEFINITIONS[source], SHARED_DEFINITIONS, ""]
-    lines += ["## Phase breakdown", "", f"![Phase breakdown]({PLOTS_DIR}/{PLOT})", "",
-              plot_caption, ""]
+    lines += ["## Phase breakdown", "", f"![Phase breakdown]({PLOTS_DIR}/{PLOT})", "", plot_caption, ""]
     by_concurrency: dict[int | None, list[PhaseTimes]] = {}
     for p in profiles:
         by_concurrency.setdefault(p.concurrency, []).append(p)
@@ -125,8 +135,9 @@ def side_by_side(group: list[PhaseTimes]) -> str:
     per_token = all(t.output_tokens for t in group)
     unit = "ms/token" if per_token else "ms"
     tables = {t.label: breakdown(t) for t in group}
-    phases = [p for p in (*TOP_LEVEL, OTHER, *NESTED, STEP)
-              if any(p in table.index for table in tables.values())]
+    phases = [
+        p for p in (*TOP_LEVEL, OTHER, *NESTED, STEP) if any(p in table.index for table in tables.values())
+    ]
     gpu = {t.label for t in group if t.gpu_ms}
     header = ["Phase"]
     for t in group:
@@ -157,9 +168,13 @@ def detail_table(times: PhaseTimes) -> str:
     header += ["GPU proj (ms)"] if gpu else []
     rows = []
     for phase, r in table.iterrows():
-        row = [_phase_title(phase, r.inside),
-               "n/a" if r.instances is None or pd.isna(r.instances) else str(int(r.instances)),
-               fmt(r.total_ms, 2), fmt(r.mean_ms, 3), fmt(r.share_pct, 1)]
+        row = [
+            _phase_title(phase, r.inside),
+            "n/a" if r.instances is None or pd.isna(r.instances) else str(int(r.instances)),
+            fmt(r.total_ms, 2),
+            fmt(r.mean_ms, 3),
+            fmt(r.share_pct, 1),
+        ]
         rows.append(row + ([fmt(r.gpu_ms, 2)] if gpu else []))
     return markdown_table(header, rows)
 
@@ -168,14 +183,15 @@ def kernel_summary(times: PhaseTimes, top: int) -> str:
     total = times.kernels["total_ms"].sum()
     launches = int(times.kernels["instances"].sum())
     share = fmt(100 * total / times.step_ms, 1) if times.step_ms else "n/a"
-    line = (f"All kernels: {fmt(total, 2)} ms of GPU time in {launches} launches, {share}% of "
-            f"the step time.")
+    line = f"All kernels: {fmt(total, 2)} ms of GPU time in {launches} launches, {share}% of the step time."
     if times.step_ms and total > times.step_ms:
-        line += (" **More kernel time than step time: the capture holds GPU work outside the "
-                 "engine's steps (graph capture, a warm-up), so this "
-                 "share does not say how busy the steps kept the GPU; open the capture range "
-                 "after the engine is built and warmed up, as scripts/bench_engine.py "
-                 "--profile-capture does.**")
+        line += (
+            " **More kernel time than step time: the capture holds GPU work outside the "
+            "engine's steps (graph capture, a warm-up), so this "
+            "share does not say how busy the steps kept the GPU; open the capture range "
+            "after the engine is built and warmed up, as scripts/bench_engine.py "
+            "--profile-capture does.**"
+        )
     return line + f" Top {min(len(times.kernels), top)} by total time:"
 
 
@@ -187,10 +203,12 @@ def kernel_table(times: PhaseTimes, top: int) -> str | None:
         name = str(k.kernel)
         if len(name) > KERNEL_NAME_CHARS:
             name = name[: KERNEL_NAME_CHARS - 1] + "…"
-        rows.append([f"`{name}`", str(int(k.instances)), fmt(k.total_ms, 2),
-                     fmt(k.share_pct, 1), fmt(k.mean_us, 1)])
-    return markdown_table(["Kernel", "Instances", "Total (ms)", "Share of kernel time (%)",
-                           "Mean (us)"], rows)
+        rows.append(
+            [f"`{name}`", str(int(k.instances)), fmt(k.total_ms, 2), fmt(k.share_pct, 1), fmt(k.mean_us, 1)]
+        )
+    return markdown_table(
+        ["Kernel", "Instances", "Total (ms)", "Share of kernel time (%)", "Mean (us)"], rows
+    )
 
 
 def draw_breakdown(path: Path, profiles: list[PhaseTimes]) -> str:
@@ -202,8 +220,7 @@ def draw_breakdown(path: Path, profiles: list[PhaseTimes]) -> str:
         unit, scales = "ms per engine step", [1 / p.steps for p in profiles]
     else:
         unit, scales = "ms (all steps)", [1.0 for _ in profiles]
-    figure = Figure(figsize=(max(6.0, 1.1 * len(profiles) + 2.5), 4.5), dpi=100,
-                    layout="constrained")
+    figure = Figure(figsize=(max(6.0, 1.1 * len(profiles) + 2.5), 4.5), dpi=100, layout="constrained")
     ax = figure.add_subplot()
     x = list(range(len(profiles)))
     bottoms = [0.0] * len(profiles)
@@ -225,8 +242,10 @@ def draw_breakdown(path: Path, profiles: list[PhaseTimes]) -> str:
     FigureCanvasAgg(figure)
     figure.savefig(path, format="png", metadata={"Software": None})
     source = "host time per NVTX range" if profiles[0].source == "nsys" else "built-in timer"
-    caption = (f"One bar per mode and concurrency; segments are the top-level phases and "
-               f"`other` in {unit} ({source}), so each bar is the step time in that unit.")
+    caption = (
+        f"One bar per mode and concurrency; segments are the top-level phases and "
+        f"`other` in {unit} ({source}), so each bar is the step time in that unit."
+    )
     if clipped:
         caption += f" A negative `other` is drawn as 0 ({', '.join(clipped)})."
     return caption

@@ -29,12 +29,28 @@ OPTIONAL_FILES = (AB, REQUESTS, META, COMPARE_MD, COMPARE_SUMMARY)
 STATS = ("mean", "median", "p90", "p99")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_token_ms", "itl_chunk_ms", "e2e_ms")
 # summary.csv columns that hold text or JSON; every other known column is numeric
-TEXT_COLUMNS = ("label", "acceptance_per_position", "acceptance_histogram", "acceptance_source", "errors",
-                "count_source", "server_kind")
+TEXT_COLUMNS = (
+    "label",
+    "acceptance_per_position",
+    "acceptance_histogram",
+    "acceptance_source",
+    "errors",
+    "count_source",
+    "server_kind",
+)
 NUMERIC_COLUMNS = (
-    "concurrency", "repeat", "completed", "failed", "duration_s", "request_throughput",
-    "output_tokens_per_s", *[f"{m}_{s}" for m in LATENCIES for s in STATS],
-    "achieved_concurrency", "goodput_requests_per_s", "acceptance_length", "acceptance_rate",
+    "concurrency",
+    "repeat",
+    "completed",
+    "failed",
+    "duration_s",
+    "request_throughput",
+    "output_tokens_per_s",
+    *[f"{m}_{s}" for m in LATENCIES for s in STATS],
+    "achieved_concurrency",
+    "goodput_requests_per_s",
+    "acceptance_length",
+    "acceptance_rate",
 )
 # columns whose spread over repeats is shown (error bars, ranges), not only their median
 SPREAD_COLUMNS = ("output_tokens_per_s", "request_throughput")
@@ -102,8 +118,9 @@ def load_results(directory: Path) -> ResultSet:
     problems: list[str] = []
     summary = _read_summary(directory / SUMMARY, problems)
     missing = tuple(name for name in OPTIONAL_FILES if not (directory / name).is_file())
-    requests, itl, outputs = ((None, {}, {}) if REQUESTS in missing
-                              else _read_requests(directory / REQUESTS, problems))
+    requests, itl, outputs = (
+        (None, {}, {}) if REQUESTS in missing else _read_requests(directory / REQUESTS, problems)
+    )
     meta = {} if META in missing else _read_json_object(directory / META, problems) or {}
     return ResultSet(
         directory=directory,
@@ -113,7 +130,8 @@ def load_results(directory: Path) -> ResultSet:
         itl=itl,
         meta=meta,
         compare_md=None if COMPARE_MD in missing else (directory / COMPARE_MD).read_text(),
-        compare_summary=None if COMPARE_SUMMARY in missing
+        compare_summary=None
+        if COMPARE_SUMMARY in missing
         else _read_json_object(directory / COMPARE_SUMMARY, problems),
         missing=missing,
         problems=tuple(problems),
@@ -172,8 +190,12 @@ def acceptance_per_position(summary: pd.DataFrame) -> dict[tuple[str, int], list
 
 def _read_summary(path: Path, problems: list[str]) -> pd.DataFrame:
     try:
-        df = pd.read_csv(path, dtype={c: str for c in TEXT_COLUMNS}, keep_default_na=False,
-                         na_values=["", "nan", "NaN", "None", "null"])
+        df = pd.read_csv(
+            path,
+            dtype={c: str for c in TEXT_COLUMNS},
+            keep_default_na=False,
+            na_values=["", "nan", "NaN", "None", "null"],
+        )
     except pd.errors.EmptyDataError as e:
         raise ResultsError(f"{path} is empty") from e
     absent = [c for c in ("label", "concurrency") if c not in df.columns]
@@ -198,11 +220,13 @@ def _read_summary(path: Path, problems: list[str]) -> pd.DataFrame:
     if "acceptance_per_position" in df.columns:
         df["acceptance_per_position"] = [
             _rates(v, f"{path.name} row {i + 2} acceptance_per_position", problems)
-            for i, v in enumerate(df["acceptance_per_position"])]
+            for i, v in enumerate(df["acceptance_per_position"])
+        ]
     if "acceptance_histogram" in df.columns:
         df["acceptance_histogram"] = [
             _histogram(v, f"{path.name} row {i + 2} acceptance_histogram", problems)
-            for i, v in enumerate(df["acceptance_histogram"])]
+            for i, v in enumerate(df["acceptance_histogram"])
+        ]
     return df
 
 
@@ -226,8 +250,9 @@ def _read_ab(path: Path, problems: list[str]) -> pd.DataFrame | None:
     return df.reset_index(drop=True)
 
 
-def _read_requests(path: Path, problems: list[str]
-                   ) -> tuple[pd.DataFrame | None, dict[tuple[str, int], ItlSamples], dict]:
+def _read_requests(
+    path: Path, problems: list[str]
+) -> tuple[pd.DataFrame | None, dict[tuple[str, int], ItlSamples], dict]:
     rows: list[dict[str, Any]] = []
     outputs: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
     token_ms: dict[tuple[str, int], list[float]] = {}
@@ -243,13 +268,24 @@ def _read_requests(path: Path, problems: list[str]
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 bad += 1  # a run killed mid-write leaves a torn last line
                 continue
-            rows.append({"label": key[0], "concurrency": key[1], "repeat": record.get("repeat"),
-                         "success": bool(record.get("success")), "error": record.get("error")})
-            if record.get("success") and isinstance(record.get("index"), int) and \
-                    isinstance(record.get("repeat"), int):
+            rows.append(
+                {
+                    "label": key[0],
+                    "concurrency": key[1],
+                    "repeat": record.get("repeat"),
+                    "success": bool(record.get("success")),
+                    "error": record.get("error"),
+                }
+            )
+            if (
+                record.get("success")
+                and isinstance(record.get("index"), int)
+                and isinstance(record.get("repeat"), int)
+            ):
                 ids = record.get("token_ids")
-                outputs[(*key, record["repeat"], record["index"])] = \
+                outputs[(*key, record["repeat"], record["index"])] = (
                     tuple(ids) if isinstance(ids, list) else None
+                )
             times = record.get("chunk_times_s") or []
             tokens = record.get("chunk_tokens") or []
             if record.get("success") and len(times) == len(tokens):
@@ -262,8 +298,10 @@ def _read_requests(path: Path, problems: list[str]
                         token_ms.setdefault(key, []).extend([gap_ms / tokens[i]] * tokens[i])
     if bad:
         problems.append(f"{path.name}: skipped {bad} unreadable line(s)")
-    itl = {key: ItlSamples(np.asarray(token_ms.get(key, []), dtype=float), np.asarray(gaps, dtype=float))
-           for key, gaps in chunk_ms.items()}
+    itl = {
+        key: ItlSamples(np.asarray(token_ms.get(key, []), dtype=float), np.asarray(gaps, dtype=float))
+        for key, gaps in chunk_ms.items()
+    }
     return (pd.DataFrame(rows) if rows else None), itl, outputs
 
 

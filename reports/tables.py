@@ -51,8 +51,13 @@ METRIC_TITLES = {
     "e2e_ms": "E2E",
 }
 STAT_TITLES = {"mean": "mean", "median": "p50", "p90": "p90", "p99": "p99"}
-HIGHER_IS_BETTER = ("output_tokens_per_s", "request_throughput", "goodput_requests_per_s",
-                    "acceptance_length", "acceptance_rate")
+HIGHER_IS_BETTER = (
+    "output_tokens_per_s",
+    "request_throughput",
+    "goodput_requests_per_s",
+    "acceptance_length",
+    "acceptance_rate",
+)
 
 
 def markdown_table(header: list[str], rows: list[list[str]], right: Collection[int] | None = None) -> str:
@@ -79,8 +84,10 @@ def results_tables(results: ResultSet) -> dict[int, str]:
     tables: dict[int, str] = {}
     for concurrency in results.concurrencies:
         present = [label for label in labels if (label, concurrency) in agg.index]
-        header = ["Metric", *[f"{results.display(label)} (n={int(agg.loc[(label, concurrency), 'n'])})"
-                              for label in present]]
+        header = [
+            "Metric",
+            *[f"{results.display(label)} (n={int(agg.loc[(label, concurrency), 'n'])})" for label in present],
+        ]
         pair = len(present) == 2
         if pair:
             header.append(f"{present[1]}/{present[0]}")
@@ -91,8 +98,9 @@ def results_tables(results: ResultSet) -> dict[int, str]:
                 continue
             cells = [fmt(v, row.digits) for v in values]
             if row.column in agg.columns and f"{row.column}_min" in agg.columns:
-                cells = [_with_range(agg, label, concurrency, row, cell)
-                         for label, cell in zip(present, cells)]
+                cells = [
+                    _with_range(agg, label, concurrency, row, cell) for label, cell in zip(present, cells)
+                ]
             if pair:
                 cells.append(_ratio(values[0], values[1]))
             rows.append([row.title, *cells])
@@ -115,12 +123,24 @@ def ratio_table(ab: pd.DataFrame) -> str:
     rows = []
     for r in ab.itertuples(index=False):
         digits = 1 if "per_s" in r.metric else 2
-        ci = (f"[{fmt(r.ci_low, 3)}, {fmt(r.ci_high, 3)}]"
-              if not (math.isnan(r.ci_low) or math.isnan(r.ci_high)) else MISSING)
+        ci = (
+            f"[{fmt(r.ci_low, 3)}, {fmt(r.ci_high, 3)}]"
+            if not (math.isnan(r.ci_low) or math.isnan(r.ci_high))
+            else MISSING
+        )
         noise = {True: "yes", False: "no", None: MISSING}[r.within_noise]
-        rows.append([metric_title(r.metric), str(r.concurrency), fmt(r.a_median, digits),
-                     fmt(r.b_median, digits), fmt(r.ratio, 3), ci, noise,
-                     _verdict(r.metric, r.ratio, r.within_noise)])
+        rows.append(
+            [
+                metric_title(r.metric),
+                str(r.concurrency),
+                fmt(r.a_median, digits),
+                fmt(r.b_median, digits),
+                fmt(r.ratio, 3),
+                ci,
+                noise,
+                _verdict(r.metric, r.ratio, r.within_noise),
+            ]
+        )
     return markdown_table(header, rows, right=range(1, 6))
 
 
@@ -149,7 +169,7 @@ def metric_title(metric: str) -> str:
     base = _base(metric)
     if base not in METRIC_TITLES:
         return metric
-    stat = metric[len(base):].lstrip("_")
+    stat = metric[len(base) :].lstrip("_")
     unit = " (ms)" if base.endswith("_ms") else " (tok/s)" if base == "output_tokens_per_s" else " (req/s)"
     return " ".join(filter(None, [METRIC_TITLES[base], STAT_TITLES.get(stat, stat)])) + unit
 

@@ -30,8 +30,10 @@ def verdict_section(results: ResultSet) -> str:
         if named:
             lines.append(f"{a} is **{results.name(a)}**, {b} is **{results.name(b)}**.")
         else:
-            lines.append(f"{a} and {b} are not named (`harness ab --a-label ... --b-label ...` "
-                         f"names them); ratios are {b}/{a}.")
+            lines.append(
+                f"{a} and {b} are not named (`harness ab --a-label ... --b-label ...` "
+                f"names them); ratios are {b}/{a}."
+            )
         lines.append("")
         lines += [f"- {sentence}" for sentence in _speedups(results, agg, a, b)]
         lines.append(f"- {_identical(results, a, b)}")
@@ -58,8 +60,11 @@ def _speedups(results: ResultSet, agg: pd.DataFrame, a: str, b: str) -> list[str
     for c in results.concurrencies:
         if c in rows:
             ratio, low, high, noise = rows[c]
-            interval = (f" (95% interval {fmt(low, 2)}–{fmt(high, 2)})"
-                        if not (math.isnan(low) or math.isnan(high)) else "")
+            interval = (
+                f" (95% interval {fmt(low, 2)}–{fmt(high, 2)})"
+                if not (math.isnan(low) or math.isnan(high))
+                else ""
+            )
         else:
             va, vb = _get(agg, a, c), _get(agg, b, c)
             if va is None or vb is None or va == 0:
@@ -69,8 +74,10 @@ def _speedups(results: ResultSet, agg: pd.DataFrame, a: str, b: str) -> list[str
             reading = "no clear difference, within run-to-run noise"
         else:
             reading = f"{results.name(b)} is {'faster' if ratio > 1 else 'slower'}"
-        out.append(f"Concurrency {c}: {results.name(b)} delivers {fmt(ratio, 2)}x the output "
-                   f"throughput of {results.name(a)}{interval}: {reading}.")
+        out.append(
+            f"Concurrency {c}: {results.name(b)} delivers {fmt(ratio, 2)}x the output "
+            f"throughput of {results.name(a)}{interval}: {reading}."
+        )
     return out
 
 
@@ -91,20 +98,29 @@ def _identical(results: ResultSet, a: str, b: str) -> str:
             continue
         pairs += 1
         if ids_a != ids_b:
-            first = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y),
-                         min(len(ids_a), len(ids_b)))
-            mismatches.append(f"c={c} repeat {repeat} request {index} (first difference at "
-                              f"output token {first})")
+            first = next(
+                (i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b))
+            )
+            mismatches.append(
+                f"c={c} repeat {repeat} request {index} (first difference at output token {first})"
+            )
     if not pairs:
-        return ("Outputs not compared: the servers reported no token ids"
-                if without_ids else "Outputs not compared: no request succeeded on both sides.")
+        return (
+            "Outputs not compared: the servers reported no token ids"
+            if without_ids
+            else "Outputs not compared: no request succeeded on both sides."
+        )
     if not mismatches:
-        return (f"Outputs identical: {pairs}/{pairs} requests (the same token ids from "
-                f"{results.name(a)} and {results.name(b)} for every request both completed).")
+        return (
+            f"Outputs identical: {pairs}/{pairs} requests (the same token ids from "
+            f"{results.name(a)} and {results.name(b)} for every request both completed)."
+        )
     listed = "; ".join(mismatches[:MISMATCHES_LISTED])
     more = f"; and {len(mismatches) - MISMATCHES_LISTED} more" if len(mismatches) > MISMATCHES_LISTED else ""
-    return (f"**Outputs differ**: {len(mismatches)} of {pairs} requests: {listed}{more} "
-            f"(identical: {pairs - len(mismatches)}/{pairs}).")
+    return (
+        f"**Outputs differ**: {len(mismatches)} of {pairs} requests: {listed}{more} "
+        f"(identical: {pairs - len(mismatches)}/{pairs})."
+    )
 
 
 def _acceptance(results: ResultSet, agg: pd.DataFrame) -> str | None:
@@ -117,8 +133,11 @@ def _acceptance(results: ResultSet, agg: pd.DataFrame) -> str | None:
             if value is not None:
                 parts.append(f"{fmt(value, 2)} at c={c}")
         if parts:
-            return (f"Mean acceptance length of {results.name(label)} (bonus token included): "
-                    + ", ".join(parts) + ".")
+            return (
+                f"Mean acceptance length of {results.name(label)} (bonus token included): "
+                + ", ".join(parts)
+                + "."
+            )
     return None
 
 
@@ -132,11 +151,15 @@ def _prompt_sets(results: ResultSet) -> str | None:
     per_level = {c: sorted(set(sent[summary["concurrency"] == c])) for c in results.concurrencies}
     counts = sorted({n for v in per_level.values() for n in v})
     if len(counts) == 1:
-        return (f"Prompts: {counts[0]} requests at every concurrency (the harness sends the same "
-                "prompts at every level when the count is the same).")
+        return (
+            f"Prompts: {counts[0]} requests at every concurrency (the harness sends the same "
+            "prompts at every level when the count is the same)."
+        )
     listed = ", ".join(f"c={c}: {'/'.join(map(str, v))}" for c, v in per_level.items())
-    return (f"**Prompt sets differ between concurrencies** ({listed} requests): differences "
-            "between concurrencies (acceptance above all) partly come from the different subsets.")
+    return (
+        f"**Prompt sets differ between concurrencies** ({listed} requests): differences "
+        "between concurrencies (acceptance above all) partly come from the different subsets."
+    )
 
 
 def _saturation(results: ResultSet) -> str | None:
@@ -151,28 +174,37 @@ def _saturation(results: ResultSet) -> str | None:
     if worst is None:
         return None
     share, label, c = worst
-    return (f"**Warning: the client may have been saturated.** {share:.0%} of the gaps between "
-            f"token-bearing chunks of {results.display(label)} at concurrency {c} were under "
-            f"{SATURATED_GAP_MS} ms: chunks queued up on the client and were read in bursts, "
-            "so ITL, TTFT and E2E there measure the client as much as the server. Run the "
-            "client on another machine or with fewer concurrent streams.")
+    return (
+        f"**Warning: the client may have been saturated.** {share:.0%} of the gaps between "
+        f"token-bearing chunks of {results.display(label)} at concurrency {c} were under "
+        f"{SATURATED_GAP_MS} ms: chunks queued up on the client and were read in bursts, "
+        "so ITL, TTFT and E2E there measure the client as much as the server. Run the "
+        "client on another machine or with fewer concurrent streams."
+    )
 
 
 def _closed_loop_ttft(results: ResultSet, agg: pd.DataFrame) -> str | None:
     if len(results.labels) != 2:
         return None
     a, b = results.labels
-    levels = [c for c in results.concurrencies if c > 1
-              and (va := _get(agg, a, c, "ttft_ms_median")) is not None
-              and (vb := _get(agg, b, c, "ttft_ms_median")) is not None and vb < va]
+    levels = [
+        c
+        for c in results.concurrencies
+        if c > 1
+        and (va := _get(agg, a, c, "ttft_ms_median")) is not None
+        and (vb := _get(agg, b, c, "ttft_ms_median")) is not None
+        and vb < va
+    ]
     if not levels:
         return None
-    return (f"**Note on TTFT at concurrency {', '.join(map(str, levels))}:** "
-            f"{results.name(b)} shows a lower median TTFT there. The load is a closed loop (a "
-            "fixed number of clients, each sending its next request when the last one ends), "
-            "so TTFT includes the wait for a free slot, and a server whose requests last "
-            "longer admits new ones at a different rhythm. A lower TTFT under this load is "
-            "not by itself a win; compare throughput and E2E latency.")
+    return (
+        f"**Note on TTFT at concurrency {', '.join(map(str, levels))}:** "
+        f"{results.name(b)} shows a lower median TTFT there. The load is a closed loop (a "
+        "fixed number of clients, each sending its next request when the last one ends), "
+        "so TTFT includes the wait for a free slot, and a server whose requests last "
+        "longer admits new ones at a different rhythm. A lower TTFT under this load is "
+        "not by itself a win; compare throughput and E2E latency."
+    )
 
 
 def _get(agg: pd.DataFrame, label: str, c: int, column: str = "output_tokens_per_s") -> float | None:

@@ -21,8 +21,13 @@ from reference_engine.kernels.matmul import CONFIGURATIONS, Tiles, matmul
 from reference_engine.kernels.norms import rms_norm
 
 # the engine's matrices (q/k/v and gate/up fused), Qwen3-8B
-PROJECTIONS = {"qkv 8B": (6144, 4096), "o 8B": (4096, 4096), "gate/up 8B": (24576, 4096),
-               "down 8B": (4096, 12288), "lm_head 8B": (151936, 4096)}
+PROJECTIONS = {
+    "qkv 8B": (6144, 4096),
+    "o 8B": (4096, 4096),
+    "gate/up 8B": (24576, 4096),
+    "down 8B": (4096, 12288),
+    "lm_head 8B": (151936, 4096),
+}
 
 
 def median_ms(fn, *args) -> float:
@@ -42,8 +47,13 @@ def sweep(bw: float) -> None:
     row counts on both sides of each switch: median us per M, the best per M, and whether
     every configuration gives the bits of the first (it must: no tile changes an element's
     sum, see kernels/matmul.py)."""
-    extra = (Tiles(16, 32, 256, 4, 5), Tiles(64, 128, 64, 4, 4), Tiles(128, 128, 64, 8, 3),
-             Tiles(128, 64, 64, 4, 4), Tiles(256, 128, 64, 8, 3))
+    extra = (
+        Tiles(16, 32, 256, 4, 5),
+        Tiles(64, 128, 64, 4, 4),
+        Tiles(128, 128, 64, 8, 3),
+        Tiles(128, 64, 64, 4, 4),
+        Tiles(256, 128, 64, 8, 3),
+    )
     configs = (*CONFIGURATIONS, *extra)
     row_counts = (1, 16, 32, 64, 128, 256)
     print("M, then us per configuration (engine's first):", ", ".join(map(str, configs)))
@@ -57,15 +67,20 @@ def sweep(bw: float) -> None:
             cublas = 1000 * median_ms(ref.linear, x, w)
             engine = 1000 * median_ms(matmul, x, w)
             best = min(range(len(configs)), key=times.__getitem__)
-            print(f"{name:<10} M={m:<4} engine {engine:7.1f} cuBLAS {cublas:7.1f} best {times[best]:7.1f} "
-                  f"{configs[best]} | all bits equal: {same} | " + " ".join(f"{t:.1f}" for t in times))
+            print(
+                f"{name:<10} M={m:<4} engine {engine:7.1f} cuBLAS {cublas:7.1f} best {times[best]:7.1f} "
+                f"{configs[best]} | all bits equal: {same} | " + " ".join(f"{t:.1f}" for t in times)
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_kernels.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="CSV of every row")
-    p.add_argument("--sweep", action="store_true",
-                   help="also time matmul tile configurations (and whether row bits agree)")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time matmul tile configurations (and whether row bits agree)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
@@ -80,39 +95,66 @@ def main(argv: list[str] | None = None) -> int:
             exact = median_ms(matmul, x, w)
             fast = median_ms(ref.linear, x, w)
             floor = (N * K + M * K + M * N) * 2 / bw / 1e6
-            rows.append({"kernel": "matmul", "shape": f"{name} M={M}", "exact_ms": exact, "fast_ms": fast,
-                         "memory_floor_ms": floor})
+            rows.append(
+                {
+                    "kernel": "matmul",
+                    "shape": f"{name} M={M}",
+                    "exact_ms": exact,
+                    "fast_ms": fast,
+                    "memory_floor_ms": floor,
+                }
+            )
     if args.sweep:
         sweep(bw)
-    x, w = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(4096, device="cuda",
-                                                                                  dtype=torch.bfloat16)
-    rows.append({"kernel": "rms_norm", "shape": "64x4096",
-                 "exact_ms": median_ms(rms_norm, x, w, 1e-6, False),
-                 "fast_ms": median_ms(ref.rms_norm, x, w, 1e-6, False), "memory_floor_ms": 0.0})
+    x, w = (
+        torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16),
+        torch.randn(4096, device="cuda", dtype=torch.bfloat16),
+    )
+    rows.append(
+        {
+            "kernel": "rms_norm",
+            "shape": "64x4096",
+            "exact_ms": median_ms(rms_norm, x, w, 1e-6, False),
+            "fast_ms": median_ms(ref.rms_norm, x, w, 1e-6, False),
+            "memory_floor_ms": 0.0,
+        }
+    )
     kc = torch.randn(16, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     for b, T, ctx in ((1, 1, 1024), (1, 16, 1024), (16, 1, 1024), (16, 16, 1024)):
         q = torch.randn(b, T, 32, 128, device="cuda", dtype=torch.bfloat16)
         slots = torch.arange(b, device="cuda")
         pos = (ctx + torch.arange(T, device="cuda"))[None].expand(b, T).contiguous()
-        rows.append({"kernel": "attention", "shape": f"b={b} T={T} ctx={ctx}",
-                     "exact_ms": median_ms(attention, q, kc, vc, slots, pos, ctx + T, 0.088),
-                     "fast_ms": median_ms(ref.attention, q, kc, vc, slots, pos, ctx + T, 0.088),
-                     "memory_floor_ms": b * (ctx + T) * 8 * 128 * 2 * 2 / bw / 1e6})
+        rows.append(
+            {
+                "kernel": "attention",
+                "shape": f"b={b} T={T} ctx={ctx}",
+                "exact_ms": median_ms(attention, q, kc, vc, slots, pos, ctx + T, 0.088),
+                "fast_ms": median_ms(ref.attention, q, kc, vc, slots, pos, ctx + T, 0.088),
+                "memory_floor_ms": b * (ctx + T) * 8 * 128 * 2 * 2 / bw / 1e6,
+            }
+        )
     for b, T in ((1, 1), (1, 16), (16, 16)):
         H, D = 32, 128
         q = torch.nn.functional.normalize(torch.randn(b, T, H, D, device="cuda"), dim=-1)
         k = torch.nn.functional.normalize(torch.randn(b, T, H, D, device="cuda"), dim=-1)
         v, g = torch.randn(b, T, H, D, device="cuda"), -torch.rand(b, T, H, device="cuda")
         beta, s = torch.rand(b, T, H, device="cuda"), torch.randn(b, H, D, D, device="cuda")
-        rows.append({"kernel": "gated_delta", "shape": f"b={b} T={T} H=32 128x128",
-                     "exact_ms": median_ms(gated_delta, q, k, v, g, beta, s),
-                     "fast_ms": median_ms(ref.gated_delta, q, k, v, g, beta, s),
-                     "memory_floor_ms": b * H * D * D * 4 * 2 / bw / 1e6})
+        rows.append(
+            {
+                "kernel": "gated_delta",
+                "shape": f"b={b} T={T} H=32 128x128",
+                "exact_ms": median_ms(gated_delta, q, k, v, g, beta, s),
+                "fast_ms": median_ms(ref.gated_delta, q, k, v, g, beta, s),
+                "memory_floor_ms": b * H * D * D * 4 * 2 / bw / 1e6,
+            }
+        )
     print(f"{'kernel':<12} {'shape':<26} {'exact ms':>9} {'fast ms':>9} {'exact/fast':>10} {'floor ms':>9}")
     for r in rows:
-        print(f"{r['kernel']:<12} {r['shape']:<26} {r['exact_ms']:9.4f} {r['fast_ms']:9.4f} "
-              f"{r['exact_ms'] / r['fast_ms']:10.2f} {r['memory_floor_ms']:9.4f}")
+        print(
+            f"{r['kernel']:<12} {r['shape']:<26} {r['exact_ms']:9.4f} {r['fast_ms']:9.4f} "
+            f"{r['exact_ms'] / r['fast_ms']:10.2f} {r['memory_floor_ms']:9.4f}"
+        )
     if args.out:
         with open(args.out, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -15,15 +15,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from gates.lying_server import Reply, send_answer, send_reply
 
 
-def completion(ids: list[int] | None, text: str | None = None, finish: str = "length",
-               prompt_tokens: int | None = None, chat: bool = False, **usage) -> dict:
+def completion(
+    ids: list[int] | None,
+    text: str | None = None,
+    finish: str = "length",
+    prompt_tokens: int | None = None,
+    chat: bool = False,
+    **usage,
+) -> dict:
     text = "".join(f"<{t}>" for t in ids or []) if text is None else text
     choice: dict = {"index": 0, "finish_reason": finish}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
     if ids is not None:
         choice["token_ids"] = ids
-    counts = {"completion_tokens": len(ids) if ids is not None else None,
-              "prompt_tokens": prompt_tokens, **usage}
+    counts = {
+        "completion_tokens": len(ids) if ids is not None else None,
+        "prompt_tokens": prompt_tokens,
+        **usage,
+    }
     return {"choices": [choice], "usage": {k: v for k, v in counts.items() if v is not None}}
 
 

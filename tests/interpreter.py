@@ -43,9 +43,14 @@ def row_invariant_dots() -> Iterator[None]:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         rows = []
         for i in range(a.data.shape[-2]):
-            one = tile_dot(self, TensorHandle(a.data[..., i : i + 1, :], a.dtype.scalar), b,
-                           TensorHandle(d.data[..., i : i + 1, :], d.dtype.scalar),
-                           input_precision, max_num_imprecise_acc)
+            one = tile_dot(
+                self,
+                TensorHandle(a.data[..., i : i + 1, :], a.dtype.scalar),
+                b,
+                TensorHandle(d.data[..., i : i + 1, :], d.dtype.scalar),
+                input_precision,
+                max_num_imprecise_acc,
+            )
             rows.append(one.data)
         return TensorHandle(np.concatenate(rows, axis=-2), d.dtype.scalar)
 

@@ -10,13 +10,31 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-KNOWN_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "stream",
-                "stream_options", "logprobs", "stop", "seed", "n", "echo", "best_of",
-                "presence_penalty", "frequency_penalty", "logit_bias", "user", "suffix"}
+KNOWN_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "stop",
+    "seed",
+    "n",
+    "echo",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "suffix",
+}
 
 
-def serve(pieces_for: Callable[[str, int], list[str]], bodies: list[dict] | None = None,
-          owned_by: str = "local") -> tuple[ThreadingHTTPServer, str]:
+def serve(
+    pieces_for: Callable[[str, int], list[str]], bodies: list[dict] | None = None, owned_by: str = "local"
+) -> tuple[ThreadingHTTPServer, str]:
     """`pieces_for(prompt, max_tokens)`: the output, one string per token; `bodies`
     collects the requests; `owned_by`: what /v1/models says."""
 
@@ -36,8 +54,13 @@ def serve(pieces_for: Callable[[str, int], list[str]], bodies: list[dict] | None
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                self.reply(200, {"object": "list", "data": [
-                    {"id": "stub-model", "object": "model", "owned_by": owned_by}]})
+                self.reply(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": "stub-model", "object": "model", "owned_by": owned_by}],
+                    },
+                )
             else:
                 self.reply(404, {"detail": "Not Found"})
 
@@ -53,12 +76,17 @@ def serve(pieces_for: Callable[[str, int], list[str]], bodies: list[dict] | None
             if not isinstance(body.get("prompt"), str):
                 return self.reply(422, {"detail": "prompt must be a string."})
             pieces = pieces_for(body["prompt"], body.get("max_tokens", 16))
-            usage = {"prompt_tokens": 3, "completion_tokens": len(pieces),
-                     "total_tokens": 3 + len(pieces)}
+            usage = {"prompt_tokens": 3, "completion_tokens": len(pieces), "total_tokens": 3 + len(pieces)}
             if not body.get("stream"):
-                return self.reply(200, {"id": "x", "object": "text_completion", "choices": [
-                    {"index": 0, "text": "".join(pieces), "finish_reason": "length"}],
-                    "usage": usage})
+                return self.reply(
+                    200,
+                    {
+                        "id": "x",
+                        "object": "text_completion",
+                        "choices": [{"index": 0, "text": "".join(pieces), "finish_reason": "length"}],
+                        "usage": usage,
+                    },
+                )
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
@@ -67,8 +95,11 @@ def serve(pieces_for: Callable[[str, int], list[str]], bodies: list[dict] | None
                 event = {"object": "text_completion", "choices": [{"index": 0, "text": piece}]}
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                 self.wfile.flush()
-            last = {"object": "text_completion", "usage": usage,
-                    "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+            last = {
+                "object": "text_completion",
+                "usage": usage,
+                "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+            }
             self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())  # and no [DONE]
             self.wfile.flush()
             self.close_connection = True

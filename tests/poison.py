@@ -26,6 +26,7 @@ KILL = 14  # first prompt token of a request that kills the engine thread (`kill
 class EngineKilled(BaseException):
     """Not an Exception: nothing in the engine catches it, so the engine thread dies."""
 
+
 _slots: set[int] = set()
 
 
@@ -49,8 +50,11 @@ def poisoned() -> Iterator[None]:
                 out.logits[row] = float("nan")
         return out
 
-    CausalLM.forward, Scheduler.admit, Scheduler._release = (poisoned_forward, poisoned_admit,
-                                                             poisoned_release)
+    CausalLM.forward, Scheduler.admit, Scheduler._release = (
+        poisoned_forward,
+        poisoned_admit,
+        poisoned_release,
+    )
     try:
         yield
     finally:

@@ -21,14 +21,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, timeout: float = 60.0,
-                 module: str = "reference_engine.serve") -> None:
+    def __init__(self, *args: str, timeout: float = 60.0, module: str = "reference_engine.serve") -> None:
         """`module`: what `python -m` runs (gates.faulty_serve plants a fault first)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--port", str(self.port)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

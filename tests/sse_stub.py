@@ -14,8 +14,15 @@ class Script:
     first byte), `die_at` (close the connection before that chunk), `fail_every` (every
     k-th request gets HTTP 500 instead of a stream)."""
 
-    def __init__(self, chunks, malformed_at=None, hang_s=0.0, die_at=None,
-                 metrics_text: str = "", fail_every: int | None = None) -> None:
+    def __init__(
+        self,
+        chunks,
+        malformed_at=None,
+        hang_s=0.0,
+        die_at=None,
+        metrics_text: str = "",
+        fail_every: int | None = None,
+    ) -> None:
         self.chunks = chunks
         self.malformed_at, self.hang_s, self.die_at = malformed_at, hang_s, die_at
         self.metrics_text = metrics_text
@@ -29,12 +36,13 @@ def events(script: Script) -> list[tuple[float, str]]:
     one per scripted chunk, then the usage chunk and [DONE] at once."""
     out = []
     for i, (delay, ids) in enumerate(script.chunks):
-        event = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids,
-                              "finish_reason": None}]}
+        event = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids, "finish_reason": None}]}
         line = "{broken" if script.malformed_at == i else json.dumps(event)
         out.append((delay, f"data: {line}\n\n"))
-    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens":
-                                      sum(len(ids) for _, ids in script.chunks)}}
+    usage = {
+        "choices": [],
+        "usage": {"prompt_tokens": 3, "completion_tokens": sum(len(ids) for _, ids in script.chunks)},
+    }
     out.append((0.0, f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"))
     return out
 
@@ -47,7 +55,7 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
             pass
 
         def do_GET(self) -> None:
-            body = (script.metrics_text if self.path == "/metrics" else '{"status":"ok"}')
+            body = script.metrics_text if self.path == "/metrics" else '{"status":"ok"}'
             data = body.encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))

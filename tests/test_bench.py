@@ -23,13 +23,21 @@ from reference_engine.tokenizer import load_tokenizer
 TinyCheckpoint = Callable[..., Path]
 PHASE_COLUMNS = [f"ms_{phase}" for phase in PHASES]
 TOP_LEVEL = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit")  # no sample
-TABLE_HEADER = " | ".join(["mode", "numerics", "concurrency", "output_tokens_per_s",
-                           "mean_acceptance_length", "ms_per_step", *PHASE_COLUMNS])
+TABLE_HEADER = " | ".join(
+    [
+        "mode",
+        "numerics",
+        "concurrency",
+        "output_tokens_per_s",
+        "mean_acceptance_length",
+        "ms_per_step",
+        *PHASE_COLUMNS,
+    ]
+)
 
 
 @pytest.fixture(scope="module")
-def pair_dirs(tiny_checkpoint: TinyCheckpoint,
-              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def pair_dirs(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     model = tiny_checkpoint("qwen3")
     draft = make_tiny_draft(tmp_path_factory.mktemp("bench_draft") / "draft", model, block_size=8)
     return model, draft
@@ -42,11 +50,30 @@ def checkpoint_run(pair_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPa
     out = tmp_path_factory.mktemp("bench") / "bench.csv"
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        code = bench.main([
-            "--model", str(model), "--draft", str(draft), "--oracle-acceptance", "3",
-            "--concurrency", "1,2", "--repeats", "1", "--input-len", "8", "--output-len", "12",
-            "--dtype", "float32", "--device", "cpu", "--out", str(out),
-        ])
+        code = bench.main(
+            [
+                "--model",
+                str(model),
+                "--draft",
+                str(draft),
+                "--oracle-acceptance",
+                "3",
+                "--concurrency",
+                "1,2",
+                "--repeats",
+                "1",
+                "--input-len",
+                "8",
+                "--output-len",
+                "12",
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
     return code, buffer.getvalue(), rows
@@ -56,7 +83,10 @@ def test_the_benchmark_exits_0_and_writes_one_row_per_mode_and_concurrency(check
     code, stdout, rows = checkpoint_run
     assert code == 0
     assert [(r["mode"], int(r["concurrency"])) for r in rows] == [
-        ("plain", 1), ("dflash", 1), ("plain", 2), ("dflash", 2)
+        ("plain", 1),
+        ("dflash", 1),
+        ("plain", 2),
+        ("dflash", 2),
     ]
     for column in ("output_tokens_per_s", "mean_acceptance_length", *PHASE_COLUMNS):
         assert column in rows[0], column
@@ -118,11 +148,26 @@ def test_the_printed_table_has_the_header_and_one_line_per_row(checkpoint_run) -
 
 
 def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench.main([
-        "--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
-        "--concurrency", "1", "--repeats", "1", "--input-len", "8", "--output-len", "8",
-        "--oracle-acceptance", "4",
-    ])
+    code = bench.main(
+        [
+            "--random-shape",
+            "qwen3-small",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--concurrency",
+            "1",
+            "--repeats",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--oracle-acceptance",
+            "4",
+        ]
+    )
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert TABLE_HEADER in lines
@@ -134,14 +179,35 @@ def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixt
 
 
 def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     out = tmp_path / "dflash.csv"
-    code = bench.main([
-        "--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
-        "--concurrency", "1,2", "--repeats", "1", "--input-len", "8", "--output-len", "8",
-        "--oracle-acceptance", "4", "--modes", "dflash", "--profile-capture", "--out", str(out),
-    ])
+    code = bench.main(
+        [
+            "--random-shape",
+            "qwen3-small",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--concurrency",
+            "1,2",
+            "--repeats",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--oracle-acceptance",
+            "4",
+            "--modes",
+            "dflash",
+            "--profile-capture",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     stdout = capsys.readouterr().out
     assert "--profile-capture: no CUDA device (cpu)" in stdout and "a no-op here" in stdout
@@ -158,17 +224,30 @@ def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(
         (["--model", "m"], "--model needs --draft"),
         (["--draft", "d"], "--draft needs --model"),
         (["--model", "m", "--draft", "d", "--random-shape", "qwen3-small"], "give either"),
-        (["--random-shape", "qwen3-small", "--concurrency", "1,x"],
-         "--concurrency must be comma-separated integers, got '1,x'"),
+        (
+            ["--random-shape", "qwen3-small", "--concurrency", "1,x"],
+            "--concurrency must be comma-separated integers, got '1,x'",
+        ),
         (["--random-shape", "qwen3-small", "--concurrency", "0"], "must be positive"),
         (["--random-shape", "qwen3-small", "--repeats", "0"], "must be positive"),
         (["--random-shape", "no-such-shape"], "invalid choice"),
-        (["--random-shape", "qwen3-small", "--modes", "plain,fast"],
-         "--modes must be distinct values of plain, dflash, got 'plain,fast'"),
+        (
+            ["--random-shape", "qwen3-small", "--modes", "plain,fast"],
+            "--modes must be distinct values of plain, dflash, got 'plain,fast'",
+        ),
         (["--random-shape", "qwen3-small", "--modes", "dflash,dflash"], "--modes must be distinct"),
     ],
-    ids=["model-without-draft", "draft-without-model", "model-and-shape", "concurrency-not-int",
-         "concurrency-zero", "repeats-zero", "unknown-shape", "unknown-mode", "repeated-mode"],
+    ids=[
+        "model-without-draft",
+        "draft-without-model",
+        "model-and-shape",
+        "concurrency-not-int",
+        "concurrency-zero",
+        "repeats-zero",
+        "unknown-shape",
+        "unknown-mode",
+        "repeated-mode",
+    ],
 )
 def test_bad_arguments_exit_with_code_2_and_say_why(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
@@ -182,8 +261,20 @@ def test_bad_arguments_exit_with_code_2_and_say_why(
 def test_a_missing_checkpoint_is_one_error_line_with_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = bench.main(["--model", str(tmp_path / "none"), "--draft", str(tmp_path / "none"),
-                       "--device", "cpu", "--concurrency", "1", "--repeats", "1"])
+    code = bench.main(
+        [
+            "--model",
+            str(tmp_path / "none"),
+            "--draft",
+            str(tmp_path / "none"),
+            "--device",
+            "cpu",
+            "--concurrency",
+            "1",
+            "--repeats",
+            "1",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no config.json" in err
@@ -192,12 +283,12 @@ def test_a_missing_checkpoint_is_one_error_line_with_code_2(
 
 def test_without_a_model_the_demo_pair_and_its_held_out_prompts_are_the_default() -> None:
     args = bench.BenchArgs.parse(["--concurrency", "1"])
-    assert (args.model, args.draft, args.prompts) == (
-        str(DEMO_TARGET), str(DEMO_DRAFT), str(DEMO_PROMPTS))
+    assert (args.model, args.draft, args.prompts) == (str(DEMO_TARGET), str(DEMO_DRAFT), str(DEMO_PROMPTS))
 
 
 def test_prompts_come_from_a_jsonl_file_as_ids_or_text_in_order_and_cycled(
-        pair_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    pair_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
     model, _ = pair_dirs
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt_ids": [5, 6, 7]}\n\n{"prompt": "def greedy(logits):"}\n')
@@ -206,12 +297,16 @@ def test_prompts_come_from_a_jsonl_file_as_ids_or_text_in_order_and_cycled(
     assert prompts == [[5, 6, 7], encoded, [5, 6, 7]]
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("", "no prompts"), ('{"text": "x"}\n', "needs `prompt_ids` or `prompt`"),
-    ('{"prompt_ids": [1]}\n{oops\n', "prompts.jsonl:2: not valid JSON"),
-    ("[1, 2]\n", "prompts.jsonl:1: each row must be a JSON object")])
-def test_a_prompts_file_without_usable_rows_is_an_error(tmp_path: Path, text: str,
-                                                       message: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no prompts"),
+        ('{"text": "x"}\n', "needs `prompt_ids` or `prompt`"),
+        ('{"prompt_ids": [1]}\n{oops\n', "prompts.jsonl:2: not valid JSON"),
+        ("[1, 2]\n", "prompts.jsonl:1: each row must be a JSON object"),
+    ],
+)
+def test_a_prompts_file_without_usable_rows_is_an_error(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text(text)
     with pytest.raises(ReferenceEngineError, match=message):
@@ -224,9 +319,26 @@ def test_the_benchmark_runs_the_given_prompts(pair_dirs: tuple[Path, Path], tmp_
     path.write_text('{"prompt_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]}\n')
     out = tmp_path / "bench.csv"
     with contextlib.redirect_stdout(io.StringIO()):
-        code = bench.main(["--model", str(model), "--draft", str(draft), "--prompts", str(path),
-                           "--concurrency", "1", "--repeats", "1", "--output-len", "6",
-                           "--device", "cpu", "--out", str(out)])
+        code = bench.main(
+            [
+                "--model",
+                str(model),
+                "--draft",
+                str(draft),
+                "--prompts",
+                str(path),
+                "--concurrency",
+                "1",
+                "--repeats",
+                "1",
+                "--output-len",
+                "6",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
     assert code == 0
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -234,9 +346,11 @@ def test_the_benchmark_runs_the_given_prompts(pair_dirs: tuple[Path, Path], tmp_
 
 
 def test_a_missing_prompts_file_is_one_error_line_with_code_2(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench.main(["--prompts", str(tmp_path / "none.jsonl"), "--device", "cpu",
-                       "--concurrency", "1", "--repeats", "1"])
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = bench.main(
+        ["--prompts", str(tmp_path / "none.jsonl"), "--device", "cpu", "--concurrency", "1", "--repeats", "1"]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --prompts ") and "no such file" in err
@@ -244,15 +358,36 @@ def test_a_missing_prompts_file_is_one_error_line_with_code_2(
 
 def test_numerics_are_compared_interleaved_and_named_in_every_row(tmp_path: Path) -> None:
     out = tmp_path / "numerics.csv"
-    code = bench.main([
-        "--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
-        "--concurrency", "1", "--repeats", "1", "--input-len", "8", "--output-len", "4",
-        "--numerics", "exact,fast", "--modes", "plain", "--out", str(out),
-    ])
+    code = bench.main(
+        [
+            "--random-shape",
+            "qwen3-small",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--concurrency",
+            "1",
+            "--repeats",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--numerics",
+            "exact,fast",
+            "--modes",
+            "plain",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = list(csv.DictReader(out.open()))
     assert [(r["mode"], r["numerics"], r["kernels"]) for r in rows] == [
-        ("plain", "exact", "torch"), ("plain", "fast", "torch")]  # the CPU runs the references
+        ("plain", "exact", "torch"),
+        ("plain", "fast", "torch"),
+    ]  # the CPU runs the references
     assert all(float(r["ms_per_step"]) > 0 and r["cuda_graphs"] == "False" for r in rows)
 
 
@@ -267,29 +402,53 @@ def test_the_speedups_follow_from_the_rows_and_are_printed(checkpoint_run) -> No
     """DFlash over plain per concurrency: the tok/s ratio, and the decode steps' own ratio
     (acceptance length x plain step / DFlash step), computed from the CSV's columns."""
     _, stdout, rows = checkpoint_run
-    typed = [{k: (float(v) if k.startswith(("ms_", "output_", "mean_")) else v) for k, v in r.items()}
-             for r in rows]
+    typed = [
+        {k: (float(v) if k.startswith(("ms_", "output_", "mean_")) else v) for k, v in r.items()}
+        for r in rows
+    ]
     table = bench.speedups(typed)
     assert [(r["numerics"], r["concurrency"]) for r in table] == [("fast", "1"), ("fast", "2")]
     for r in table:
-        plain, spec = (next(x for x in typed if x["mode"] == m and x["concurrency"] == r["concurrency"])
-                       for m in ("plain", "dflash"))
+        plain, spec = (
+            next(x for x in typed if x["mode"] == m and x["concurrency"] == r["concurrency"])
+            for m in ("plain", "dflash")
+        )
         assert r["tok_s"] == spec["output_tokens_per_s"] / plain["output_tokens_per_s"]
-        assert abs(r["decode"] - spec["mean_acceptance_length"] * plain["ms_per_decode_step"]
-                   / spec["ms_per_decode_step"]) < 1e-12
+        assert (
+            abs(
+                r["decode"]
+                - spec["mean_acceptance_length"] * plain["ms_per_decode_step"] / spec["ms_per_decode_step"]
+            )
+            < 1e-12
+        )
     assert "DFlash/plain tok/s | DFlash/plain decode steps | DFlash step / plain step" in stdout
 
 
 def test_no_speedup_row_for_runs_without_decode_steps() -> None:
-    rows = [{"mode": "plain", "numerics": "fast", "concurrency": 1, "output_tokens_per_s": 5.0,
-             "ms_per_decode_step": 0.0, "mean_acceptance_length": 1.0},
-            {"mode": "dflash", "numerics": "fast", "concurrency": 1, "output_tokens_per_s": 5.0,
-             "ms_per_decode_step": 0.0, "mean_acceptance_length": 0.0}]
+    rows = [
+        {
+            "mode": "plain",
+            "numerics": "fast",
+            "concurrency": 1,
+            "output_tokens_per_s": 5.0,
+            "ms_per_decode_step": 0.0,
+            "mean_acceptance_length": 1.0,
+        },
+        {
+            "mode": "dflash",
+            "numerics": "fast",
+            "concurrency": 1,
+            "output_tokens_per_s": 5.0,
+            "ms_per_decode_step": 0.0,
+            "mean_acceptance_length": 0.0,
+        },
+    ]
     assert bench.speedups(rows) == []
 
 
 def test_each_mode_keeps_one_engine_per_concurrency_and_every_run_counts_only_itself(
-    pair_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+    pair_dirs: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A warm-up and two repeats per mode on one engine each (built, graphs captured, once
     per concurrency, outside the runs): every run's counts are its own, the same in each
@@ -305,22 +464,46 @@ def test_each_mode_keeps_one_engine_per_concurrency_and_every_run_counts_only_it
         result = run_once(engine, *args, **kwargs)
         stats = engine.stats()
         histogram = stats["spec"]["acceptance_length_histogram"]
-        runs.append({**result["row"], "finished": stats["requests_finished"],
-                     "committed": sum(k * n for k, n in histogram.items())})
+        runs.append(
+            {
+                **result["row"],
+                "finished": stats["requests_finished"],
+                "committed": sum(k * n for k, n in histogram.items()),
+            }
+        )
         return result
 
     monkeypatch.setattr(bench, "Engine", counting_engine)
     monkeypatch.setattr(bench, "run_once", recording_run)
     model, draft = pair_dirs
     with contextlib.redirect_stdout(io.StringIO()):
-        assert bench.main([
-            "--model", str(model), "--draft", str(draft), "--oracle-acceptance", "3",
-            "--concurrency", "1,2", "--repeats", "2", "--input-len", "8", "--output-len", "12",
-            "--dtype", "float32", "--device", "cpu",
-        ]) == 0
+        assert (
+            bench.main(
+                [
+                    "--model",
+                    str(model),
+                    "--draft",
+                    str(draft),
+                    "--oracle-acceptance",
+                    "3",
+                    "--concurrency",
+                    "1,2",
+                    "--repeats",
+                    "2",
+                    "--input-len",
+                    "8",
+                    "--output-len",
+                    "12",
+                    "--dtype",
+                    "float32",
+                    "--device",
+                    "cpu",
+                ]
+            )
+            == 0
+        )
     assert built == [("plain", 1), ("dflash", 1), ("plain", 2), ("dflash", 2)]
-    counts = ("steps", "output_tokens", "mean_acceptance_length",
-              *[f"n_{phase}" for phase in PHASES])
+    counts = ("steps", "output_tokens", "mean_acceptance_length", *[f"n_{phase}" for phase in PHASES])
     for mode in ("plain", "dflash"):
         for c in (1, 2):
             rows = [r for r in runs if r["mode"] == mode and r["concurrency"] == c]

@@ -11,18 +11,31 @@ from reports.phases import from_bench_row
 
 
 def run_row(tokens_per_s: float, ms_step: float) -> dict:
-    return {"mode": "dflash", "numerics": "exact", "concurrency": 4,
-            "output_tokens_per_s": tokens_per_s, "ms_per_step": ms_step / 40,
-            "mean_acceptance_length": 2.5, **{f"ms_{p}": 10.0 for p in bench.PHASES},
-            "ms_step": ms_step, "phase_clock": "host", "steps": 40, "output_tokens": 256,
-            "wall_s": 1.0}
+    return {
+        "mode": "dflash",
+        "numerics": "exact",
+        "concurrency": 4,
+        "output_tokens_per_s": tokens_per_s,
+        "ms_per_step": ms_step / 40,
+        "mean_acceptance_length": 2.5,
+        **{f"ms_{p}": 10.0 for p in bench.PHASES},
+        "ms_step": ms_step,
+        "phase_clock": "host",
+        "steps": 40,
+        "output_tokens": 256,
+        "wall_s": 1.0,
+    }
 
 
 def test_medians_carry_min_and_max_and_disagreeing_repeats_are_warned_about(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     steady = bench.median_row([run_row(100.0, 50.0), run_row(102.0, 51.0), run_row(101.0, 50.5)])
-    assert (steady["output_tokens_per_s"], steady["output_tokens_per_s_min"],
-            steady["output_tokens_per_s_max"]) == (101.0, 100.0, 102.0)
+    assert (
+        steady["output_tokens_per_s"],
+        steady["output_tokens_per_s_min"],
+        steady["output_tokens_per_s_max"],
+    ) == (101.0, 100.0, 102.0)
     noisy = bench.median_row([run_row(100.0, 50.0), run_row(130.0, 51.0), run_row(110.0, 50.5)])
     bench.print_table([steady])
     calm = capsys.readouterr().out
@@ -30,8 +43,10 @@ def test_medians_carry_min_and_max_and_disagreeing_repeats_are_warned_about(
     bench.print_table([noisy])
     out = capsys.readouterr().out
     assert "110.0 (100.0-130.0)" in out
-    assert ("# warning: repeats disagree by more than 10%: dflash c=4 output_tokens_per_s "
-            "110.0 (100.0-130.0, 27% of the median)") in out
+    assert (
+        "# warning: repeats disagree by more than 10%: dflash c=4 output_tokens_per_s "
+        "110.0 (100.0-130.0, 27% of the median)"
+    ) in out
 
 
 def test_the_profile_report_names_the_spread_and_warns_when_repeats_disagree() -> None:

@@ -33,9 +33,7 @@ def all_logits(model: CausalLM, ids: list[int] = PROMPT) -> torch.Tensor:
     """Logits at every prompt position from a fresh state. [len(ids), vocab]"""
     ids = [t % model.config.vocab_size for t in ids]
     state = new_state(model, len(ids))
-    out = model(
-        torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), state, len(ids)
-    )
+    out = model(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), state, len(ids))
     return out.logits[0]
 
 
@@ -57,7 +55,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "reference_engine.checkpoint", *args],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=120,
     )
 
 
@@ -190,8 +192,20 @@ def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
 ) -> None:
     out = tmp_path / "tiny"
     done = run_cli(
-        "make-tiny", "--arch", arch, "--out", str(out),
-        "--seed", "5", "--layers", "3", "--hidden", "96", "--vocab", "300", *flags,
+        "make-tiny",
+        "--arch",
+        arch,
+        "--out",
+        str(out),
+        "--seed",
+        "5",
+        "--layers",
+        "3",
+        "--hidden",
+        "96",
+        "--vocab",
+        "300",
+        *flags,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)
@@ -206,7 +220,11 @@ def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
     assert model.config.tie_word_embeddings == ("--tie-word-embeddings" in flags)
     # the CLI writes what the Python API writes for the same options
     same = tiny_checkpoint(
-        arch, seed=5, layers=3, hidden=96, vocab=300,
+        arch,
+        seed=5,
+        layers=3,
+        hidden=96,
+        vocab=300,
         tie_word_embeddings="--tie-word-embeddings" in flags,
         multimodal_wrapper="--multimodal-wrapper" in flags,
     )

@@ -14,8 +14,7 @@ from .server_process import REPO
 
 
 def cli(*argv: str | bytes) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, timeout=120)
 
 
 def one_error_line(done: subprocess.CompletedProcess, message: str) -> None:
@@ -33,14 +32,26 @@ def pair(tiny_checkpoint, tmp_path_factory):
 
 def test_generate_block_size_0_is_refused_not_replaced_by_the_drafts(pair) -> None:
     target, draft = pair
-    done = cli("reference_engine.generate", "--model", str(target), "--draft", str(draft),
-               "--prompt-ids", "1,2", "--max-tokens", "2", "--block-size", "0")
+    done = cli(
+        "reference_engine.generate",
+        "--model",
+        str(target),
+        "--draft",
+        str(draft),
+        "--prompt-ids",
+        "1,2",
+        "--max-tokens",
+        "2",
+        "--block-size",
+        "0",
+    )
     one_error_line(done, "block size must be >= 2, got 0")
 
 
 def test_generate_a_prompt_that_is_not_utf8_is_one_error_line(pair) -> None:
-    done = cli("reference_engine.generate", "--model", str(pair[0]), "--prompt", b"caf\xe9",
-               "--max-tokens", "2")
+    done = cli(
+        "reference_engine.generate", "--model", str(pair[0]), "--prompt", b"caf\xe9", "--max-tokens", "2"
+    )
     one_error_line(done, "--prompt is not valid UTF-8")
 
 

@@ -242,8 +242,7 @@ def test_eos_token_id_list_and_absence() -> None:
 
 
 def test_qwen3_sliding_window_applies_from_max_window_layers() -> None:
-    raw = qwen3(num_hidden_layers=4, use_sliding_window=True, sliding_window=128,
-                max_window_layers=2)
+    raw = qwen3(num_hidden_layers=4, use_sliding_window=True, sliding_window=128, max_window_layers=2)
     c = TargetConfig.from_hf(raw)
     assert c.layer_types == (F, F, S, S)
     assert c.sliding_window == 128
@@ -339,8 +338,6 @@ def test_wrapper_without_text_config_is_rejected() -> None:
         "missing-linear-field",
     ],
 )
-def test_field_out_of_range_is_rejected_with_field_and_value(
-    raw: dict[str, Any], pattern: str
-) -> None:
+def test_field_out_of_range_is_rejected_with_field_and_value(raw: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         TargetConfig.from_hf(raw)

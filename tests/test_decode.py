@@ -53,8 +53,9 @@ def first_new_index(tokens: list[int], start: int = 1) -> int:
 def recompute_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """Last-position logits of the whole sequence from an empty state. [vocab]"""
     state = new_state(model, len(ids))
-    out = model(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), state,
-                len(ids), last_only=True)
+    out = model(
+        torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), state, len(ids), last_only=True
+    )
     return out.logits[0, -1]
 
 
@@ -68,7 +69,7 @@ def test_cached_decode_equals_recomputing_the_whole_sequence(model: CausalLM) ->
         token = int(greedy(logits))
         ids.append(token)
         logits = decode_step(model, state, 0, token)
-    assert len(set(ids[len(PROMPT):])) > 1
+    assert len(set(ids[len(PROMPT) :])) > 1
 
 
 def test_generate_plain_output_is_the_greedy_chain_of_prefill_and_decode_steps(
@@ -146,9 +147,7 @@ def test_generate_plain_stops_at_max_tokens_with_finish_reason_length(
     assert out.finish_reason == FINISH_LENGTH
 
 
-def test_generate_plain_stops_at_a_stop_id_and_includes_it(
-    model: CausalLM, reference: list[int]
-) -> None:
+def test_generate_plain_stops_at_a_stop_id_and_includes_it(model: CausalLM, reference: list[int]) -> None:
     k = first_new_index(reference, start=2)
     params = SamplingParams(max_tokens=LONG, stop_token_ids=(reference[k], 99999))
     out = generate_plain(model, PROMPT, params)
@@ -157,18 +156,14 @@ def test_generate_plain_stops_at_a_stop_id_and_includes_it(
     assert out.finish_reason == FINISH_STOP
 
 
-def test_stop_id_on_the_first_token_gives_a_one_token_output(
-    model: CausalLM, reference: list[int]
-) -> None:
+def test_stop_id_on_the_first_token_gives_a_one_token_output(model: CausalLM, reference: list[int]) -> None:
     params = SamplingParams(max_tokens=LONG, stop_token_ids=(reference[0],))
     out = generate_plain(model, PROMPT, params)
     assert out.output_ids == [reference[0]]
     assert out.finish_reason == FINISH_STOP
 
 
-def test_stop_on_the_last_allowed_token_reports_stop(
-    model: CausalLM, reference: list[int]
-) -> None:
+def test_stop_on_the_last_allowed_token_reports_stop(model: CausalLM, reference: list[int]) -> None:
     k = first_new_index(reference)
     params = SamplingParams(max_tokens=k + 1, stop_token_ids=(reference[k],))
     out = generate_plain(model, PROMPT, params)
@@ -212,17 +207,13 @@ def test_stop_ids_join_eos_and_request_stops_unless_eos_is_ignored(model: Causal
     assert stop_ids(model, SamplingParams(stop_token_ids=(4,), ignore_eos=True)) == {4}
 
 
-def test_generate_plain_fits_exactly_into_the_context(
-    model: CausalLM, reference: list[int]
-) -> None:
+def test_generate_plain_fits_exactly_into_the_context(model: CausalLM, reference: list[int]) -> None:
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = generate_plain(model, PROMPT, params, max_model_len=len(PROMPT) + 3)
     assert out.output_ids == reference[:3]
 
 
-def test_sampling_with_top_k_1_gives_the_greedy_output(
-    model: CausalLM, reference: list[int]
-) -> None:
+def test_sampling_with_top_k_1_gives_the_greedy_output(model: CausalLM, reference: list[int]) -> None:
     params = SamplingParams(max_tokens=LONG, temperature=1.3, top_k=1, ignore_eos=True)
     out = generate_plain(model, PROMPT, params, generator=torch.Generator().manual_seed(3))
     assert out.output_ids == reference

@@ -51,8 +51,12 @@ DRAFT_RAW: dict[str, Any] = {
 TARGET = TargetConfig.from_hf(TARGET_SHAPES["qwen3-8b"])  # 36 layers, hidden 4096
 
 
-def draft_raw(dflash: dict[str, Any] | None = None, drop: tuple[str, ...] = (),
-              drop_dflash: tuple[str, ...] = (), **changes: Any) -> dict[str, Any]:
+def draft_raw(
+    dflash: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    drop_dflash: tuple[str, ...] = (),
+    **changes: Any,
+) -> dict[str, Any]:
     """DRAFT_RAW with top-level `changes`, dflash_config entries updated by `dflash`, and
     the named top-level / dflash_config keys removed."""
     raw = copy.deepcopy(DRAFT_RAW)
@@ -92,15 +96,15 @@ def test_target_layer_ids_are_read_from_the_top_level_without_a_dflash_entry() -
 def test_without_target_layer_ids_the_published_spread_is_used() -> None:
     config = DraftConfig.from_hf(draft_raw(drop_dflash=("target_layer_ids",)))
     assert config.target_layer_ids == published_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
-    one = DraftConfig.from_hf(draft_raw(drop_dflash=("target_layer_ids",), num_hidden_layers=1,
-                                        num_target_layers=28))
+    one = DraftConfig.from_hf(
+        draft_raw(drop_dflash=("target_layer_ids",), num_hidden_layers=1, num_target_layers=28)
+    )
     assert one.target_layer_ids == (14,)
 
 
 @pytest.mark.parametrize(
     ("num_target", "num_draft", "expected"),
-    [(36, 5, (1, 9, 17, 25, 33)), (28, 1, (14,)), (36, 1, (18,)), (28, 3, (1, 13, 25)),
-     (36, 2, (1, 33))],
+    [(36, 5, (1, 9, 17, 25, 33)), (28, 1, (14,)), (36, 1, (18,)), (28, 3, (1, 13, 25)), (36, 2, (1, 33))],
 )
 def test_published_target_layer_ids_spread_over_1_to_n_minus_3(
     num_target: int, num_draft: int, expected: tuple[int, ...]
@@ -139,10 +143,14 @@ def test_block_size_comes_from_dflash_config_then_top_level_then_16(
 
 
 def test_embedding_scale_output_multiplier_and_softcapping_are_parsed() -> None:
-    nested = DraftConfig.from_hf(draft_raw(
-        dflash={"input_embedding_scale": 2.0, "output_multiplier": 0.5},
-        input_embedding_scale=9.0, output_multiplier=9.0, final_logit_softcapping=30,
-    ))
+    nested = DraftConfig.from_hf(
+        draft_raw(
+            dflash={"input_embedding_scale": 2.0, "output_multiplier": 0.5},
+            input_embedding_scale=9.0,
+            output_multiplier=9.0,
+            final_logit_softcapping=30,
+        )
+    )
     assert nested.input_embedding_scale == 2.0
     assert nested.output_multiplier == 0.5
     assert nested.final_logit_softcapping == 30.0
@@ -164,25 +172,42 @@ def test_sliding_window_is_kept_only_with_a_sliding_attention_layer() -> None:
 @pytest.mark.parametrize(
     ("raw", "pattern"),
     [
-        (draft_raw(architectures=["Qwen3ForCausalLM"]),
-         r"not a DFlash draft: architectures \['Qwen3ForCausalLM'\] does not name DFlashDraftModel"),
+        (
+            draft_raw(architectures=["Qwen3ForCausalLM"]),
+            r"not a DFlash draft: architectures \['Qwen3ForCausalLM'\] does not name DFlashDraftModel",
+        ),
         (draft_raw(drop=("architectures",)), r"not a DFlash draft: architectures None"),
         (draft_raw(dflash={"block_size": 1}), r"block_size must be >= 2, got 1"),
         (draft_raw(drop=("block_size",), block_size=1), r"block_size must be >= 2, got 1"),
         (draft_raw(dflash={"block_size": 0}), r"'block_size' must be a positive integer, got 0"),
-        (draft_raw(dflash={"mask_token_id": 151936}),
-         r"mask_token_id 151936 outside the vocabulary \[0, 151936\)"),
+        (
+            draft_raw(dflash={"mask_token_id": 151936}),
+            r"mask_token_id 151936 outside the vocabulary \[0, 151936\)",
+        ),
         (draft_raw(dflash={"mask_token_id": -1}), r"mask_token_id -1 outside the vocabulary"),
         (draft_raw(layer_types=[F, F, F]), r"layer_types has 3 entries, expected num_hidden_layers = 5"),
         (draft_raw(layer_types=[F, F, "linear_attention", F, F]), r"layer_types\[2\] = 'linear_attention'"),
         (draft_raw(layer_types=[S, F, F, F, F]), r"sliding_attention layers need a positive sliding_window"),
-        (draft_raw(num_attention_heads=12),
-         r"num_attention_heads 12 is not a multiple of num_key_value_heads 8"),
+        (
+            draft_raw(num_attention_heads=12),
+            r"num_attention_heads 12 is not a multiple of num_key_value_heads 8",
+        ),
         (draft_raw(drop=("num_target_layers",)), r"required field 'num_target_layers' is missing"),
     ],
-    ids=["wrong-architecture", "no-architectures", "block-1", "top-level-block-1", "block-0",
-         "mask-past-vocab", "negative-mask", "layer-types-length", "linear-layer",
-         "sliding-without-window", "heads-not-multiple", "no-num-target-layers"],
+    ids=[
+        "wrong-architecture",
+        "no-architectures",
+        "block-1",
+        "top-level-block-1",
+        "block-0",
+        "mask-past-vocab",
+        "negative-mask",
+        "layer-types-length",
+        "linear-layer",
+        "sliding-without-window",
+        "heads-not-multiple",
+        "no-num-target-layers",
+    ],
 )
 def test_bad_draft_config_is_rejected_with_field_and_value(raw: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
@@ -192,21 +217,27 @@ def test_bad_draft_config_is_rejected_with_field_and_value(raw: dict[str, Any], 
 @pytest.mark.parametrize(
     ("raw", "pattern"),
     [
-        (draft_raw(hidden_size=2048, head_dim=64),
-         r"draft hidden_size 2048 does not match the target's 4096"),
+        (
+            draft_raw(hidden_size=2048, head_dim=64),
+            r"draft hidden_size 2048 does not match the target's 4096",
+        ),
         (draft_raw(vocab_size=152064), r"draft vocab_size 152064 does not match the target's 151936"),
-        (draft_raw(dflash={"target_layer_ids": [1, 9, 17, 25, 40]}),
-         r"draft target_layer_ids \[1, 9, 17, 25, 40\] out of range for a 36-layer target"),
-        (draft_raw(dflash={"target_layer_ids": [-1, 9, 17, 25, 33]}),
-         r"draft target_layer_ids \[-1, 9, 17, 25, 33\] out of range for a 36-layer target"),
-        (draft_raw(num_target_layers=28, dflash={"target_layer_ids": [1, 7, 13, 19, 25]}),
-         r"built for a 28-layer target \(num_target_layers\), the target has 36 layers"),
+        (
+            draft_raw(dflash={"target_layer_ids": [1, 9, 17, 25, 40]}),
+            r"draft target_layer_ids \[1, 9, 17, 25, 40\] out of range for a 36-layer target",
+        ),
+        (
+            draft_raw(dflash={"target_layer_ids": [-1, 9, 17, 25, 33]}),
+            r"draft target_layer_ids \[-1, 9, 17, 25, 33\] out of range for a 36-layer target",
+        ),
+        (
+            draft_raw(num_target_layers=28, dflash={"target_layer_ids": [1, 7, 13, 19, 25]}),
+            r"built for a 28-layer target \(num_target_layers\), the target has 36 layers",
+        ),
     ],
     ids=["hidden", "vocab", "layer-id-past-the-end", "negative-layer-id", "num-target-layers"],
 )
-def test_check_target_rejects_a_draft_that_does_not_fit_the_target(
-    raw: dict[str, Any], pattern: str
-) -> None:
+def test_check_target_rejects_a_draft_that_does_not_fit_the_target(raw: dict[str, Any], pattern: str) -> None:
     config = DraftConfig.from_hf(raw)
     with pytest.raises(ConfigError, match=pattern):
         config.check_target(TARGET)
@@ -232,28 +263,33 @@ def edited_draft(draft_dir: Path, tmp_path: Path, **changes: Any) -> Path:
     return out
 
 
-def test_draft_logits_are_scaled_by_output_multiplier(target: CausalLM, draft_dir: Path,
-                                                     tmp_path: Path) -> None:
+def test_draft_logits_are_scaled_by_output_multiplier(
+    target: CausalLM, draft_dir: Path, tmp_path: Path
+) -> None:
     plain = load_draft(draft_dir, target)
     scaled = load_draft(edited_draft(draft_dir, tmp_path, output_multiplier=2.5), target)
     assert scaled.config.output_multiplier == 2.5
-    hidden = torch.randn(2, 7, target.config.hidden_size, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(0))  # [batch, B - 1, hidden]
+    hidden = torch.randn(
+        2, 7, target.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )  # [batch, B - 1, hidden]
     base = plain.logits(hidden, target.lm_head_weight)  # [2, 7, vocab]
     assert base.shape == (2, 7, target.config.vocab_size)
-    torch.testing.assert_close(scaled.logits(hidden, target.lm_head_weight), 2.5 * base,
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        scaled.logits(hidden, target.lm_head_weight), 2.5 * base, rtol=1e-12, atol=1e-12
+    )
 
 
-def test_draft_logits_are_soft_capped_after_the_multiplier(target: CausalLM, draft_dir: Path,
-                                                           tmp_path: Path) -> None:
+def test_draft_logits_are_soft_capped_after_the_multiplier(
+    target: CausalLM, draft_dir: Path, tmp_path: Path
+) -> None:
     plain = load_draft(draft_dir, target)
     capped = load_draft(
         edited_draft(draft_dir, tmp_path, output_multiplier=2.5, final_logit_softcapping=3.0),
         target,
     )
-    hidden = torch.randn(3, 5, target.config.hidden_size, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(
+        3, 5, target.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
     base = plain.logits(hidden, target.lm_head_weight)
     assert (2.5 * base).abs().max() > 6.0  # the cap really bites
     got = capped.logits(hidden, target.lm_head_weight)
@@ -263,13 +299,15 @@ def test_draft_logits_are_soft_capped_after_the_multiplier(target: CausalLM, dra
     assert torch.equal(got.argmax(-1), base.argmax(-1))
 
 
-def test_proposals_are_the_logits_and_argmax_of_block_slots_1_to_b_minus_1(target: CausalLM,
-                                                                          draft_dir: Path) -> None:
+def test_proposals_are_the_logits_and_argmax_of_block_slots_1_to_b_minus_1(
+    target: CausalLM, draft_dir: Path
+) -> None:
     """`DFlashDraft.proposals` takes the logits of every block position and drops the
     anchor's: what remains must be slot 1..B-1's, and the greedy tokens their argmax."""
     draft = load_draft(draft_dir, target)
-    hidden = torch.randn(3, 8, target.config.hidden_size, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(2))  # [batch, B, hidden]
+    hidden = torch.randn(
+        3, 8, target.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2)
+    )  # [batch, B, hidden]
     logits, tokens = draft.proposals(hidden, target.lm_head_weight)
     want = draft.logits(hidden[:, 1:], target.lm_head_weight)  # [3, 7, vocab]
     assert logits.shape == want.shape and tokens.shape == (3, 7)

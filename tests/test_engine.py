@@ -46,16 +46,17 @@ def target(tiny_checkpoint: TinyCheckpoint) -> CausalLM:
 
 
 @pytest.fixture(scope="module")
-def draft(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory,
-          target: CausalLM) -> DFlashDraft:
+def draft(
+    tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory, target: CausalLM
+) -> DFlashDraft:
     out = tmp_path_factory.mktemp("engine_draft") / "draft"
-    return load_draft(make_tiny_draft(out, tiny_checkpoint("qwen3"), block_size=BLOCK_SIZE),
-                      target)
+    return load_draft(make_tiny_draft(out, tiny_checkpoint("qwen3"), block_size=BLOCK_SIZE), target)
 
 
 @pytest.fixture(scope="module")
-def hybrid(tiny_checkpoint: TinyCheckpoint,
-           tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, DFlashDraft]:
+def hybrid(
+    tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[CausalLM, DFlashDraft]:
     """A Qwen3.5 (Gated DeltaNet + attention) target and its draft."""
     path = tiny_checkpoint("qwen3_5")
     target = load_target(path, dtype=torch.float64)
@@ -100,8 +101,12 @@ def test_requests_added_at_different_steps_finish_and_give_back_their_slots(
     target: CausalLM, draft: DFlashDraft, speculative: bool
 ) -> None:
     engine = make_engine(target, draft if speculative else None, max_num_seqs=2)
-    requests = {"a": (PROMPTS[0], greedy(10)), "b": (PROMPTS[1], greedy(6)),
-                "c": (PROMPTS[2], greedy(12)), "d": (PROMPTS[3], greedy(3))}
+    requests = {
+        "a": (PROMPTS[0], greedy(10)),
+        "b": (PROMPTS[1], greedy(6)),
+        "c": (PROMPTS[2], greedy(12)),
+        "d": (PROMPTS[3], greedy(3)),
+    }
     arrivals = {0: ["a"], 1: ["b"], 3: ["c", "d"]}
     assert not engine.has_unfinished()
     step = 0
@@ -157,15 +162,12 @@ def test_abort_frees_the_slot_and_leaves_the_other_requests_alone(
 
 
 # ----------------------------------------------------------------------------- streaming
-def test_step_outputs_stream_each_requests_tokens_in_order(
-    target: CausalLM, draft: DFlashDraft
-) -> None:
+def test_step_outputs_stream_each_requests_tokens_in_order(target: CausalLM, draft: DFlashDraft) -> None:
     """Full-block oracle acceptance: steps commit B tokens at once; the stream of each
     request concatenates to its output, times never go back, and only the last is final."""
     full = reference(target, PROMPTS[0], greedy(21))
     engine = make_engine(target, draft, max_num_seqs=3)
-    engine.add_request("oracle", PROMPTS[0], greedy(21),
-                       oracle=OracleProposer(full, [BLOCK_SIZE - 1], VOCAB))
+    engine.add_request("oracle", PROMPTS[0], greedy(21), oracle=OracleProposer(full, [BLOCK_SIZE - 1], VOCAB))
     engine.add_request("draft", PROMPTS[1], greedy(9))
     streamed = by_request(drain(engine))
     for rid, expected in (("oracle", full), ("draft", reference(target, PROMPTS[1], greedy(9)))):
@@ -188,8 +190,12 @@ def test_a_stop_token_inside_an_accepted_block_ends_the_stream_there(
     end = full.index(stop)
     assert end > 1
     engine = make_engine(target, draft, max_num_seqs=1)
-    engine.add_request("r", PROMPTS[0], greedy(24, stop_token_ids=(stop,)),
-                       oracle=OracleProposer(full, [BLOCK_SIZE - 1], VOCAB))
+    engine.add_request(
+        "r",
+        PROMPTS[0],
+        greedy(24, stop_token_ids=(stop,)),
+        oracle=OracleProposer(full, [BLOCK_SIZE - 1], VOCAB),
+    )
     outs = drain(engine)
     last = outs[-1]
     assert last.finished and last.finish_reason == "stop"
@@ -208,8 +214,7 @@ def test_chunked_prefill_gives_the_plain_decode_output(
     else:
         target, draft = request.getfixturevalue("hybrid")
     chunk = 8
-    engine = make_engine(target, draft if speculative else None, max_num_seqs=2,
-                         prefill_chunk=chunk)
+    engine = make_engine(target, draft if speculative else None, max_num_seqs=2, prefill_chunk=chunk)
     engine.add_request("long", LONG_PROMPT, greedy(12))
     engine.add_request("short", PROMPTS[2], greedy(12))
     first_step = {}
@@ -219,41 +224,65 @@ def test_chunked_prefill_gives_the_plain_decode_output(
             first_step.setdefault(out.request_id, step)
         step += 1
     # one chunk per step: the first token comes with the last chunk
-    assert first_step == {"long": math.ceil(len(LONG_PROMPT) / chunk) - 1,
-                          "short": math.ceil(len(PROMPTS[2]) / chunk) - 1}
+    assert first_step == {
+        "long": math.ceil(len(LONG_PROMPT) / chunk) - 1,
+        "short": math.ceil(len(PROMPTS[2]) / chunk) - 1,
+    }
     assert engine.collect("long").output_ids == reference(target, LONG_PROMPT, greedy(12))
     assert engine.collect("short").output_ids == reference(target, PROMPTS[2], greedy(12))
 
 
 # ----------------------------------------------------------------------------- bad input
 BAD_REQUESTS = [
-    (lambda e: e.add_request("x", [1, 2], SamplingParams(temperature=-1)),
-     r"temperature must be >= 0, got -1"),
-    (lambda e: e.add_request("x", [1, 2], SamplingParams(top_p=0)),
-     r"top_p must be in \(0, 1\], got 0"),
-    (lambda e: e.add_request("x", [1, 2], SamplingParams(top_k=-1)),
-     r"top_k must be >= 0 \(0 disables it\), got -1"),
-    (lambda e: e.add_request("x", [1, 2], SamplingParams(max_tokens=0)),
-     r"max_tokens must be positive, got 0"),
-    (lambda e: e.add_request("x", [1, 2], {"max_tokens": 4}),
-     r"params must be SamplingParams, got dict"),
-    (lambda e: e.add_request("x", list(range(50)), greedy(20)),
-     r"prompt \(50 tokens\) \+ max_tokens \(20\) = 70 exceeds the context of 64 tokens"),
-    (lambda e: e.add_request("x", list(range(64)), greedy(1)),
-     r"the prompt has 64 tokens but the context holds 64"),
+    (
+        lambda e: e.add_request("x", [1, 2], SamplingParams(temperature=-1)),
+        r"temperature must be >= 0, got -1",
+    ),
+    (lambda e: e.add_request("x", [1, 2], SamplingParams(top_p=0)), r"top_p must be in \(0, 1\], got 0"),
+    (
+        lambda e: e.add_request("x", [1, 2], SamplingParams(top_k=-1)),
+        r"top_k must be >= 0 \(0 disables it\), got -1",
+    ),
+    (
+        lambda e: e.add_request("x", [1, 2], SamplingParams(max_tokens=0)),
+        r"max_tokens must be positive, got 0",
+    ),
+    (lambda e: e.add_request("x", [1, 2], {"max_tokens": 4}), r"params must be SamplingParams, got dict"),
+    (
+        lambda e: e.add_request("x", list(range(50)), greedy(20)),
+        r"prompt \(50 tokens\) \+ max_tokens \(20\) = 70 exceeds the context of 64 tokens",
+    ),
+    (
+        lambda e: e.add_request("x", list(range(64)), greedy(1)),
+        r"the prompt has 64 tokens but the context holds 64",
+    ),
     (lambda e: e.add_request("x", [], greedy(4)), r"the prompt is empty"),
-    (lambda e: e.add_request("x", [1, 512, 3, 9999], greedy(4)),
-     r"prompt token id\(s\) \[512, 9999\] outside the vocabulary \[0, 512\)"),
-    (lambda e: e.add_request("x", [4, -1], greedy(4)),
-     r"prompt token id\(s\) \[-1\] outside the vocabulary"),
+    (
+        lambda e: e.add_request("x", [1, 512, 3, 9999], greedy(4)),
+        r"prompt token id\(s\) \[512, 9999\] outside the vocabulary \[0, 512\)",
+    ),
+    (lambda e: e.add_request("x", [4, -1], greedy(4)), r"prompt token id\(s\) \[-1\] outside the vocabulary"),
     (lambda e: e.add_request("good1", [1, 2], greedy(4)), r"duplicate request id 'good1'"),
     (lambda e: e.abort("nope"), r"unknown request id 'nope'"),
     (lambda e: e.collect("good1"), r"request 'good1' is not finished"),
     (lambda e: e.get("nope"), r"unknown request id 'nope'"),
 ]
-BAD_IDS = ["temperature", "top_p", "top_k", "max_tokens", "params-type", "past-context",
-           "prompt-fills-context", "empty-prompt", "out-of-vocab", "negative-id", "duplicate-id",
-           "abort-unknown", "collect-unfinished", "get-unknown"]
+BAD_IDS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "params-type",
+    "past-context",
+    "prompt-fills-context",
+    "empty-prompt",
+    "out-of-vocab",
+    "negative-id",
+    "duplicate-id",
+    "abort-unknown",
+    "collect-unfinished",
+    "get-unknown",
+]
 
 
 @pytest.mark.parametrize(("bad", "pattern"), BAD_REQUESTS, ids=BAD_IDS)
@@ -261,22 +290,32 @@ def test_a_bad_request_is_refused_by_name_and_the_others_are_unaffected(
     target: CausalLM, draft: DFlashDraft, bad: Callable[[Engine], object], pattern: str
 ) -> None:
     engine = make_engine(target, draft, max_num_seqs=2, max_model_len=64)
-    good = {"good1": (PROMPTS[0], greedy(10)), "good2": (PROMPTS[1], greedy(8)),
-            "good3": (PROMPTS[3], greedy(6))}
+    good = {
+        "good1": (PROMPTS[0], greedy(10)),
+        "good2": (PROMPTS[1], greedy(8)),
+        "good3": (PROMPTS[3], greedy(6)),
+    }
     for rid, (prompt, params) in good.items():
         engine.add_request(rid, prompt, params)
     engine.step()
-    before = (sorted(engine.scheduler.known), len(engine.scheduler.waiting), list(engine.scheduler.free_slots))
+    before = (
+        sorted(engine.scheduler.known),
+        len(engine.scheduler.waiting),
+        list(engine.scheduler.free_slots),
+    )
     with pytest.raises(RequestError, match=pattern):
         bad(engine)
-    assert (sorted(engine.scheduler.known), len(engine.scheduler.waiting), list(engine.scheduler.free_slots)) == before
+    assert (
+        sorted(engine.scheduler.known),
+        len(engine.scheduler.waiting),
+        list(engine.scheduler.free_slots),
+    ) == before
     drain(engine)
     for rid, (prompt, params) in good.items():
         assert engine.collect(rid).output_ids == reference(target, prompt, params), rid
 
 
-def test_a_finished_but_uncollected_id_is_still_taken(target: CausalLM,
-                                                     draft: DFlashDraft) -> None:
+def test_a_finished_but_uncollected_id_is_still_taken(target: CausalLM, draft: DFlashDraft) -> None:
     engine = make_engine(target, draft, max_num_seqs=2)
     engine.add_request("short", PROMPTS[1], greedy(1))
     engine.add_request("other", PROMPTS[0], greedy(6))
@@ -300,8 +339,9 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
     engine.add_request("good", PROMPTS[0], greedy(8))
     oracle = OracleProposer(reference(target, PROMPTS[1], greedy(8)), [3], VOCAB)
     with pytest.raises((RequestError, ConfigError), match="greedy"):
-        engine.add_request("sampled", PROMPTS[1],
-                           SamplingParams(max_tokens=8, temperature=0.8, seed=0), oracle=oracle)
+        engine.add_request(
+            "sampled", PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.8, seed=0), oracle=oracle
+        )
     drain(engine)
     assert engine.collect("good").output_ids == reference(target, PROMPTS[0], greedy(8))
 
@@ -314,15 +354,22 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
         ({"prefill_chunk": 0}, r"prefill_chunk must be positive, got 0"),
         ({"admission": "bogus"}, r"admission must be one of wait, reject, got 'bogus'"),
         ({"block_size": 1}, r"block size must be >= 2, got 1"),
-        ({"commit_strategy": "eager"},
-         r"unknown commit strategy 'eager', expected one of replay, per_token, recompute"),
+        (
+            {"commit_strategy": "eager"},
+            r"unknown commit strategy 'eager', expected one of replay, per_token, recompute",
+        ),
         ({"fallback_after_steps": 0}, r"fallback_after_steps must be positive, got 0"),
     ],
-    ids=["max_num_seqs", "prefill_chunk", "admission", "block_size", "commit_strategy",
-         "fallback_after_steps"],
+    ids=[
+        "max_num_seqs",
+        "prefill_chunk",
+        "admission",
+        "block_size",
+        "commit_strategy",
+        "fallback_after_steps",
+    ],
 )
-def test_engine_config_out_of_range_is_rejected_with_the_value(options: dict,
-                                                               pattern: str) -> None:
+def test_engine_config_out_of_range_is_rejected_with_the_value(options: dict, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         EngineConfig(**options)
 
@@ -376,8 +423,7 @@ def test_reject_admission_counts_requests_already_queued_for_a_slot(target: Caus
         engine.add_request("c", PROMPTS[2], greedy(4))
 
 
-def test_the_waiting_queue_is_bounded_by_max_waiting(target: CausalLM,
-                                                    draft: DFlashDraft) -> None:
+def test_the_waiting_queue_is_bounded_by_max_waiting(target: CausalLM, draft: DFlashDraft) -> None:
     engine = make_engine(target, draft, max_num_seqs=1, max_waiting=2)
     engine.add_request("a", PROMPTS[0], greedy(5))
     engine.step()  # a holds the only slot
@@ -403,8 +449,7 @@ def test_mean_acceptance_length_includes_the_bonus_token() -> None:
     assert counters.as_dict()["acceptance_length_histogram"] == {1: 1, 4: 1}
 
 
-def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM,
-                                                       draft: DFlashDraft) -> None:
+def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM, draft: DFlashDraft) -> None:
     """Schedule [3], block 8: every step accepts 3 (fewer only when the budget leaves fewer
     to draft), so only positions 1..3 are ever accepted."""
     budgets = {"a": (PROMPTS[0], 14), "b": (PROMPTS[1], 11), "c": (PROMPTS[2], 19)}
@@ -416,9 +461,15 @@ def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM,
     stats = engine.stats()
     assert set(stats) == {"requests_finished", "running", "waiting", "spec", "fallbacks", "phases"}
     spec = stats["spec"]
-    assert set(spec) == {"steps", "proposed", "accepted", "mean_acceptance_length",
-                         "acceptance_rate", "acceptance_length_histogram",
-                         "accepted_per_position"}
+    assert set(spec) == {
+        "steps",
+        "proposed",
+        "accepted",
+        "mean_acceptance_length",
+        "acceptance_rate",
+        "acceptance_length_histogram",
+        "accepted_per_position",
+    }
     for phase in ("prefill", "draft", "verify", "commit", "sample", "schedule"):
         assert stats["phases"][f"host_s_{phase}"] > 0, phase
     assert stats["fallbacks"] == {}
@@ -452,15 +503,16 @@ def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM,
     assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["proposed"])
     for seq in seqs:
         assert seq.spec.steps == len(seq.steps)
-        assert seq.spec.mean_acceptance_length == pytest.approx(
-            (len(seq.output_ids) - 1) / len(seq.steps))
+        assert seq.spec.mean_acceptance_length == pytest.approx((len(seq.output_ids) - 1) / len(seq.steps))
 
 
 def test_reset_stats_starts_every_statistic_afresh_and_waits_for_an_idle_engine(
-    target: CausalLM, draft: DFlashDraft,
+    target: CausalLM,
+    draft: DFlashDraft,
 ) -> None:
     """After a reset the same workload gives the statistics of a fresh engine (phase times
     aside); a reset while a request runs is refused and changes nothing."""
+
     def workload(engine: Engine) -> dict:
         truth = reference(target, PROMPTS[0], greedy(9))
         engine.add_request("a", PROMPTS[0], greedy(9), oracle=OracleProposer(truth, [2], VOCAB))
@@ -497,8 +549,9 @@ def run_alone(engine: Engine, prompt: list[int], params: SamplingParams) -> list
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
-def test_seeded_sampling_requests_are_reproducible(target: CausalLM, draft: DFlashDraft,
-                                                   speculative: bool) -> None:
+def test_seeded_sampling_requests_are_reproducible(
+    target: CausalLM, draft: DFlashDraft, speculative: bool
+) -> None:
     d = draft if speculative else None
     first = run_alone(make_engine(target, d), PROMPTS[0], sampled(1234))
     again = run_alone(make_engine(target, d), PROMPTS[0], sampled(1234))
@@ -530,8 +583,9 @@ def test_an_unseeded_sampling_request_leaves_the_global_torch_rng_alone(
 
 # ----------------------------------------------------------------------------- logprobs
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
-def test_logprobs_hold_the_chosen_token_and_the_top_k(target: CausalLM, draft: DFlashDraft,
-                                                      speculative: bool) -> None:
+def test_logprobs_hold_the_chosen_token_and_the_top_k(
+    target: CausalLM, draft: DFlashDraft, speculative: bool
+) -> None:
     engine = make_engine(target, draft if speculative else None, max_num_seqs=2)
     engine.add_request("lp", PROMPTS[0], greedy(10, logprobs=3))
     engine.add_request("plain", PROMPTS[1], greedy(10))
@@ -559,8 +613,9 @@ def test_logprobs_hold_the_chosen_token_and_the_top_k(target: CausalLM, draft: D
 
 def test_sampled_logprobs_include_the_sampled_token(target: CausalLM) -> None:
     engine = make_engine(target, None)
-    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.5, seed=3,
-                                                       logprobs=2, ignore_eos=True))
+    engine.add_request(
+        "r", PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.5, seed=3, logprobs=2, ignore_eos=True)
+    )
     outs = drain(engine)
     entries = [e for out in outs for e in out.new_logprobs]
     tokens = [t for out in outs for t in out.new_token_ids]
@@ -620,19 +675,20 @@ def test_blocks_padded_to_full_length_stay_lossless(qwen3_5_checkpoint, tmp_path
     engine.speculative_step.pad_blocks = True
     widths = []
     correct = engine.speculative_step.propose
-    engine.speculative_step.propose = lambda rows: (widths.append(rows.positions.shape[1]),
-                                                    correct(rows))[1]
+    engine.speculative_step.propose = lambda rows: (widths.append(rows.positions.shape[1]), correct(rows))[1]
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params,
-                           oracle=OracleProposer(refs[i], [7, 2, 5], target.config.vocab_size))
+        engine.add_request(
+            str(i), p, params, oracle=OracleProposer(refs[i], [7, 2, 5], target.config.vocab_size)
+        )
     while engine.has_unfinished():
         engine.step()
     assert [engine.collect(str(i)).output_ids for i in range(2)] == refs
     assert set(widths) == {8}
 
 
-def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(qwen3_5_checkpoint,
-                                                                         tmp_path) -> None:
+def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(
+    qwen3_5_checkpoint, tmp_path
+) -> None:
     target = load_target(qwen3_5_checkpoint, dtype=torch.float64)
     draft = load_draft(make_tiny_draft(tmp_path / "draft", qwen3_5_checkpoint, block_size=4), target)
     correct = draft.logits

@@ -18,17 +18,42 @@ def actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    return {"serve": ServeArgs.parser(), "bench": BenchArgs.parser(),
-            "generate": GenerateArgs.parser()}
+    return {"serve": ServeArgs.parser(), "bench": BenchArgs.parser(), "generate": GenerateArgs.parser()}
 
 
 SHARED = {
-    "serve": ("model", "draft", "block_size", "commit_strategy", "dtype", "device",
-              "max_num_seqs", "max_model_len", "numerics", "enforce_eager"),
-    "generate": ("model", "draft", "block_size", "commit_strategy", "dtype", "device",
-                 "max_model_len", "numerics"),
-    "bench": ("model", "draft", "block_size", "commit_strategy", "dtype", "device", "numerics",
-              "enforce_eager"),
+    "serve": (
+        "model",
+        "draft",
+        "block_size",
+        "commit_strategy",
+        "dtype",
+        "device",
+        "max_num_seqs",
+        "max_model_len",
+        "numerics",
+        "enforce_eager",
+    ),
+    "generate": (
+        "model",
+        "draft",
+        "block_size",
+        "commit_strategy",
+        "dtype",
+        "device",
+        "max_model_len",
+        "numerics",
+    ),
+    "bench": (
+        "model",
+        "draft",
+        "block_size",
+        "commit_strategy",
+        "dtype",
+        "device",
+        "numerics",
+        "enforce_eager",
+    ),
 }
 
 
@@ -45,8 +70,9 @@ def test_every_command_takes_the_engine_options_under_their_one_definition(comma
 def test_the_draft_answers_to_both_of_its_names_everywhere() -> None:
     for parser in parsers().values():
         for flag in ("--draft", "--dflash-draft-model-path"):
-            ns, _ = parser.parse_known_args(["--model", "m", flag, "d", "--max-tokens", "1",
-                                             "--prompt-ids", "1"])
+            ns, _ = parser.parse_known_args(
+                ["--model", "m", flag, "d", "--max-tokens", "1", "--prompt-ids", "1"]
+            )
             assert ns.draft == "d", flag
 
 

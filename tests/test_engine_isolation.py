@@ -30,8 +30,9 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_checkpoint: TinyCheckpoint,
-         tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, DFlashDraft]:
+def pair(
+    tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[CausalLM, DFlashDraft]:
     path = tiny_checkpoint("qwen3_5")
     target = load_target(path, dtype=torch.float64)
     out = tmp_path_factory.mktemp("isolation_draft") / "draft"
@@ -54,8 +55,7 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_a_non_finite_row_fails_its_request_alone(pair, speculative: bool,
-                                                  temperature: float) -> None:
+def test_a_non_finite_row_fails_its_request_alone(pair, speculative: bool, temperature: float) -> None:
     target, draft = pair
     config = EngineConfig(max_num_seqs=4, block_size=4 if speculative else None)
     poison = [POISON, 40, 41]
@@ -95,21 +95,31 @@ def test_an_exception_in_one_requests_prefill_fails_that_request_alone(pair, mon
 
 
 def test_sample_marks_a_row_that_is_not_a_distribution_without_failing_the_others() -> None:
-    probs = torch.tensor([[0.0, 1.0, 0.0], [float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0],
-                          [float("inf"), 0.0, 0.0], [0.0, 0.0, 1.0]])
+    probs = torch.tensor(
+        [
+            [0.0, 1.0, 0.0],
+            [float("nan"), 0.5, 0.5],
+            [0.0, 0.0, 0.0],
+            [float("inf"), 0.0, 0.0],
+            [0.0, 0.0, 1.0],
+        ]
+    )
     drawn = sample(probs, torch.Generator().manual_seed(0)).tolist()
     assert drawn == [1, NOT_A_DISTRIBUTION, NOT_A_DISTRIBUTION, NOT_A_DISTRIBUTION, 2]
 
 
-@pytest.mark.parametrize(("options", "pattern"), [
-    ({"temperature": 1.0, "seed": 2**70}, r"seed must be an integer in \[-2\*\*63"),
-    ({"temperature": 1.0, "seed": -(2**64)}, r"seed must be an integer"),
-    ({"temperature": float("inf")}, r"temperature must be finite"),
-    ({"repetition_penalty": 1e-300}, r"repetition_penalty must be in \[0.01, 100.0\]"),
-    ({"repetition_penalty": 1e9}, r"repetition_penalty must be in \[0.01, 100.0\]"),
-], ids=["seed-too-large", "seed-too-small", "infinite-temperature", "tiny-penalty", "huge-penalty"])
-def test_sampling_values_the_arithmetic_cannot_carry_are_refused(options: dict,
-                                                                 pattern: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"temperature": 1.0, "seed": 2**70}, r"seed must be an integer in \[-2\*\*63"),
+        ({"temperature": 1.0, "seed": -(2**64)}, r"seed must be an integer"),
+        ({"temperature": float("inf")}, r"temperature must be finite"),
+        ({"repetition_penalty": 1e-300}, r"repetition_penalty must be in \[0.01, 100.0\]"),
+        ({"repetition_penalty": 1e9}, r"repetition_penalty must be in \[0.01, 100.0\]"),
+    ],
+    ids=["seed-too-large", "seed-too-small", "infinite-temperature", "tiny-penalty", "huge-penalty"],
+)
+def test_sampling_values_the_arithmetic_cannot_carry_are_refused(options: dict, pattern: str) -> None:
     with pytest.raises(RequestError, match=pattern):
         SamplingParams(**options)
 
@@ -118,8 +128,7 @@ def test_a_tiny_positive_temperature_is_served_as_greedy(pair) -> None:
     target, _ = pair
     assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=1e-4).greedy
     engine = Engine(target, None, EngineConfig(max_num_seqs=2))
-    done = run(engine, {"tiny": (PROMPTS[0], params(temperature=1e-30)),
-                        "zero": (PROMPTS[1], params())})
+    done = run(engine, {"tiny": (PROMPTS[0], params(temperature=1e-30)), "zero": (PROMPTS[1], params())})
     assert done["tiny"].output_ids == generate_plain(target, PROMPTS[0], params()).output_ids
     assert done["zero"].output_ids == generate_plain(target, PROMPTS[1], params()).output_ids
 

@@ -48,9 +48,30 @@ def test_the_floor_counts_the_bytes_it_streams_and_its_spread(tiny_checkpoint) -
 
 def test_the_benchmark_gives_each_step_as_a_multiple_of_the_floor(tmp_path: Path, capsys) -> None:
     out = tmp_path / "floor.csv"
-    assert bench.main(["--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
-                       "--concurrency", "1", "--repeats", "1", "--input-len", "8",
-                       "--output-len", "4", "--floor", "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--random-shape",
+                "qwen3-small",
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+                "--concurrency",
+                "1",
+                "--repeats",
+                "1",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--floor",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = list(csv.DictReader(out.open()))
     for row in rows:
         ratio = float(row["ms_per_decode_step"]) / float(row["floor_ms"])

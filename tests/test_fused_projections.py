@@ -23,8 +23,10 @@ from reference_engine.models import fuse_projections
 from reference_engine.models.dflash import DraftState
 from reference_engine.runtime.decode import new_state
 
-pytestmark = [pytest.mark.kernels,
-              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -35,8 +37,7 @@ def forward_all(target, draft, ops) -> tuple[torch.Tensor, ...]:
     slots = torch.tensor([0], device=DEVICE)
     state = new_state(target, 16)
     positions = torch.arange(7, device=DEVICE)[None]
-    out = target(prompt, positions, slots, state, 7, capture_layers=draft.config.target_layer_ids,
-                 ops=ops)
+    out = target(prompt, positions, slots, state, 7, capture_layers=draft.config.target_layer_ids, ops=ops)
     step = target(prompt[:, :1], torch.tensor([[7]], device=DEVICE), slots, state, 8, ops=ops)
     dstate = DraftState(draft.config, 1, 16, torch.float32, DEVICE)
     draft.append_context(out.features, positions, slots, dstate, ops)

@@ -17,7 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 def run_gates(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, **(env or {})},
     )
 
@@ -26,15 +29,31 @@ def test_gates_run_on_user_checkpoints_given_by_options(tiny_checkpoint, tmp_pat
     target = tiny_checkpoint("qwen3_5")
     draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "2 + 2 ="}\n'
-                       '{"messages": [{"role": "user", "content": "hello"}]}\n')
-    done = run_gates([
-        "-q", "gates/test_lossless_greedy.py", "gates/test_state_equality.py",
-        "-k", "grid and replay or state_after_each_commit and replay",
-        "--target-model", str(target), "--draft-model", str(draft),
-        "--gate-device", "cpu", "--gate-dtype", "float32",
-        "--gate-prompts", str(prompts), "--gate-max-tokens", "12",
-    ])
+    prompts.write_text(
+        '{"prompt": "def f(x):"}\n{"prompt": "2 + 2 ="}\n'
+        '{"messages": [{"role": "user", "content": "hello"}]}\n'
+    )
+    done = run_gates(
+        [
+            "-q",
+            "gates/test_lossless_greedy.py",
+            "gates/test_state_equality.py",
+            "-k",
+            "grid and replay or state_after_each_commit and replay",
+            "--target-model",
+            str(target),
+            "--draft-model",
+            str(draft),
+            "--gate-device",
+            "cpu",
+            "--gate-dtype",
+            "float32",
+            "--gate-prompts",
+            str(prompts),
+            "--gate-max-tokens",
+            "12",
+        ]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
     # blocks larger than the user's draft supports are skipped, not failed
@@ -46,8 +65,12 @@ def test_gates_read_the_environment_variables(tiny_checkpoint, tmp_path) -> None
     draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
     done = run_gates(
         ["gates/test_lossless_greedy.py", "-k", "first_token", "-v"],
-        env={"DFLASH_GATE_TARGET": str(target), "DFLASH_GATE_DRAFT": str(draft),
-             "DFLASH_GATE_DTYPE": "float32", "DFLASH_GATE_MAX_TOKENS": "8"},
+        env={
+            "DFLASH_GATE_TARGET": str(target),
+            "DFLASH_GATE_DRAFT": str(draft),
+            "DFLASH_GATE_DTYPE": "float32",
+            "DFLASH_GATE_MAX_TOKENS": "8",
+        },
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[user]" in done.stdout
@@ -74,8 +97,9 @@ def test_a_user_pair_runs_32_prompts_of_the_mixed_set_by_default(tiny_checkpoint
     assert ids[0] == load_tokenizer(target).encode(text).ids
 
 
-def test_gate_prompts_take_ids_text_or_messages_and_the_demo_is_the_default(tiny_checkpoint,
-                                                                          tmp_path) -> None:
+def test_gate_prompts_take_ids_text_or_messages_and_the_demo_is_the_default(
+    tiny_checkpoint, tmp_path
+) -> None:
     from gates.prompts import gate_prompt_ids
     from reference_engine.demo import demo_prompts
 

@@ -34,13 +34,15 @@ def generate_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "reference_engine.generate", *args],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=120,
     )
 
 
-def main_in_process(
-    capsys: pytest.CaptureFixture[str], *args: str
-) -> tuple[int, str, str]:
+def main_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `main(args)`."""
     code = main(list(args))
     captured = capsys.readouterr()
@@ -55,8 +57,18 @@ def in_process(path: Path, prompt_ids: list[int], **params: object) -> list[int]
 # ----------------------------------------------------------------------------- output
 def test_json_output_for_a_text_prompt(qwen3_checkpoint: Path) -> None:
     path = qwen3_checkpoint
-    done = generate_cli("--model", str(path), "--prompt", PROMPT_TEXT, "--max-tokens", "10",
-                        "--dtype", "float64", "--ignore-eos", "--json")
+    done = generate_cli(
+        "--model",
+        str(path),
+        "--prompt",
+        PROMPT_TEXT,
+        "--max-tokens",
+        "10",
+        "--dtype",
+        "float64",
+        "--ignore-eos",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     tokenizer = load_tokenizer(path)
@@ -71,15 +83,22 @@ def test_json_output_for_a_text_prompt(qwen3_checkpoint: Path) -> None:
 
 
 def test_json_output_for_token_ids_equals_generate_plain(qwen3_5_checkpoint: Path) -> None:
-    done = generate_cli("--model", str(qwen3_5_checkpoint), "--prompt-ids",
-                        ",".join(map(str, PROMPT_IDS)), "--max-tokens", "12",
-                        "--dtype", "float64", "--ignore-eos", "--json")
+    done = generate_cli(
+        "--model",
+        str(qwen3_5_checkpoint),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT_IDS)),
+        "--max-tokens",
+        "12",
+        "--dtype",
+        "float64",
+        "--ignore-eos",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["prompt_ids"] == PROMPT_IDS
-    assert out["output_ids"] == in_process(
-        qwen3_5_checkpoint, PROMPT_IDS, max_tokens=12, ignore_eos=True
-    )
+    assert out["output_ids"] == in_process(qwen3_5_checkpoint, PROMPT_IDS, max_tokens=12, ignore_eos=True)
     assert out["text"] == load_tokenizer(qwen3_5_checkpoint).decode(out["output_ids"])
 
 
@@ -89,8 +108,18 @@ def test_stop_ids_end_the_output_with_the_stop_token(
     reference = in_process(qwen3_checkpoint, PROMPT_IDS, max_tokens=12, ignore_eos=True)
     k = next(k for k in range(2, 12) if reference[k] not in reference[:k])
     code, stdout, stderr = main_in_process(
-        capsys, "--model", str(qwen3_checkpoint), "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
-        "--max-tokens", "12", "--dtype", "float64", "--stop-ids", f"{reference[k]},9999", "--json",
+        capsys,
+        "--model",
+        str(qwen3_checkpoint),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT_IDS)),
+        "--max-tokens",
+        "12",
+        "--dtype",
+        "float64",
+        "--stop-ids",
+        f"{reference[k]},9999",
+        "--json",
     )
     assert code == 0, stderr
     out = json.loads(stdout)
@@ -99,12 +128,20 @@ def test_stop_ids_end_the_output_with_the_stop_token(
 
 
 def test_plain_text_mode_prints_the_decoded_text(qwen3_checkpoint: Path) -> None:
-    done = generate_cli("--model", str(qwen3_checkpoint), "--prompt", PROMPT_TEXT,
-                        "--max-tokens", "6", "--dtype", "float64", "--ignore-eos")
+    done = generate_cli(
+        "--model",
+        str(qwen3_checkpoint),
+        "--prompt",
+        PROMPT_TEXT,
+        "--max-tokens",
+        "6",
+        "--dtype",
+        "float64",
+        "--ignore-eos",
+    )
     assert done.returncode == 0, done.stderr
     tokenizer = load_tokenizer(qwen3_checkpoint)
-    ids = in_process(qwen3_checkpoint, tokenizer.encode(PROMPT_TEXT).ids, max_tokens=6,
-                     ignore_eos=True)
+    ids = in_process(qwen3_checkpoint, tokenizer.encode(PROMPT_TEXT).ids, max_tokens=6, ignore_eos=True)
     assert done.stdout == tokenizer.decode(ids) + "\n"
 
 
@@ -114,8 +151,17 @@ def test_without_a_tokenizer_token_ids_still_work_and_plain_mode_prints_ids(
     path = copy_checkpoint(qwen3_checkpoint)
     (path / "tokenizer.json").unlink()
     ids = in_process(path, PROMPT_IDS, max_tokens=5, ignore_eos=True)
-    args = ("--model", str(path), "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
-            "--max-tokens", "5", "--dtype", "float64", "--ignore-eos")
+    args = (
+        "--model",
+        str(path),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT_IDS)),
+        "--max-tokens",
+        "5",
+        "--dtype",
+        "float64",
+        "--ignore-eos",
+    )
     assert main_in_process(capsys, *args) == (0, " ".join(map(str, ids)) + "\n", "")
     code, stdout, stderr = main_in_process(capsys, *args, "--json")
     assert code == 0
@@ -141,15 +187,16 @@ def assert_one_error_line(code: int, stdout: str, stderr: str, message: str) -> 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prompt-ids", "1,2,3,4,5,6", "--max-model-len", "6"],
-         "the prompt has 6 tokens but the context holds 6"),
+        (
+            ["--prompt-ids", "1,2,3,4,5,6", "--max-model-len", "6"],
+            "the prompt has 6 tokens but the context holds 6",
+        ),
         (["--prompt-ids", ""], "the prompt is empty"),
         (["--prompt-ids", "1,512,3"], "prompt token id(s) [512] outside the vocabulary [0, 512)"),
         (["--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens must be positive, got 0"),
         (["--prompt-ids", "1,2", "--device", "nonsense"], "nonsense"),
     ],
-    ids=["prompt-fills-context", "empty-ids", "id-past-vocab", "max-tokens-zero",
-         "unknown-device"],
+    ids=["prompt-fills-context", "empty-ids", "id-past-vocab", "max-tokens-zero", "unknown-device"],
 )
 def test_bad_request_is_one_error_line_with_exit_code_2(
     qwen3_checkpoint: Path, args: list[str], message: str
@@ -168,8 +215,10 @@ def test_missing_model_directory_is_one_error_line_with_exit_code_2(tmp_path: Pa
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prompt-ids", "1,2,3", "--max-model-len", "5"],
-         "prompt (3 tokens) + max_tokens (4) = 7 exceeds the context of 5 tokens"),
+        (
+            ["--prompt-ids", "1,2,3", "--max-model-len", "5"],
+            "prompt (3 tokens) + max_tokens (4) = 7 exceeds the context of 5 tokens",
+        ),
         (["--prompt", ""], "the prompt is empty"),
         (["--prompt-ids=-1,2"], "prompt token id(s) [-1] outside the vocabulary [0, 512)"),
         (["--prompt-ids", "1,x,3"], "--prompt-ids must be comma-separated integers, got '1,x,3'"),
@@ -178,8 +227,16 @@ def test_missing_model_directory_is_one_error_line_with_exit_code_2(tmp_path: Pa
         (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0, got -1.0"),
         (["--prompt-ids", "1,2", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
     ],
-    ids=["output-past-context", "empty-text", "negative-id", "non-integer-id",
-         "non-integer-stop-id", "max-tokens-negative", "negative-temperature", "zero-top-p"],
+    ids=[
+        "output-past-context",
+        "empty-text",
+        "negative-id",
+        "non-integer-id",
+        "non-integer-stop-id",
+        "max-tokens-negative",
+        "negative-temperature",
+        "zero-top-p",
+    ],
 )
 def test_more_bad_requests_are_one_error_line_with_exit_code_2(
     qwen3_checkpoint: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str

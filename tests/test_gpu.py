@@ -21,22 +21,28 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("strategy", COMMIT_STRATEGIES)
-def test_batched_dflash_on_cuda_equals_plain_greedy(tiny_checkpoint, tmp_path, arch: str,
-                                                    strategy: str) -> None:
+def test_batched_dflash_on_cuda_equals_plain_greedy(
+    tiny_checkpoint, tmp_path, arch: str, strategy: str
+) -> None:
     target_dir = tiny_checkpoint(arch)
     draft_dir = make_tiny_draft(tmp_path / "draft", target_dir, block_size=8)
     target = load_target(target_dir, dtype=torch.float64, device="cuda")
     draft = load_draft(draft_dir, target)
     rng = random.Random(0)
-    requests = [([rng.randrange(400) for _ in range(rng.randint(1, 90))],
-                 SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True))
-                for _ in range(12)]
+    requests = [
+        (
+            [rng.randrange(400) for _ in range(rng.randint(1, 90))],
+            SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True),
+        )
+        for _ in range(12)
+    ]
     refs = [generate_plain(target, p, sp).output_ids for p, sp in requests]
     engine = Engine(target, draft, EngineConfig(max_num_seqs=8, commit_strategy=strategy))
     for i, ((prompt, params), ref) in enumerate(zip(requests, refs)):
         schedule = [rng.randrange(8) for _ in range(5)]
-        engine.add_request(str(i), prompt, params,
-                           oracle=OracleProposer(ref, schedule, 512) if i % 2 else None)
+        engine.add_request(
+            str(i), prompt, params, oracle=OracleProposer(ref, schedule, 512) if i % 2 else None
+        )
     while engine.has_unfinished():
         engine.step()
     for i, ref in enumerate(refs):

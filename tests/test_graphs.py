@@ -32,12 +32,17 @@ class Recomputing:
 def graphs_with(bucket: int, width: int) -> EngineGraphs:
     g = EngineGraphs.__new__(EngineGraphs)
     g.pad_slot, g.device, g.buckets = PAD, torch.device("cpu"), (bucket,)
-    inputs = StepInputs(ids=torch.zeros(bucket, width, dtype=torch.int64),
-                        positions=torch.zeros(bucket, width, dtype=torch.int64),
-                        slots=torch.zeros(bucket, dtype=torch.int64),
-                        valid=torch.zeros(bucket, dtype=torch.int64))
-    outputs = Verified(logits=torch.zeros(bucket, width, dtype=torch.int64), features=None,
-                       tokens=torch.zeros(bucket, dtype=torch.int64))
+    inputs = StepInputs(
+        ids=torch.zeros(bucket, width, dtype=torch.int64),
+        positions=torch.zeros(bucket, width, dtype=torch.int64),
+        slots=torch.zeros(bucket, dtype=torch.int64),
+        valid=torch.zeros(bucket, dtype=torch.int64),
+    )
+    outputs = Verified(
+        logits=torch.zeros(bucket, width, dtype=torch.int64),
+        features=None,
+        tokens=torch.zeros(bucket, dtype=torch.int64),
+    )
     g.verify_graphs = {bucket: _Graph(Recomputing(inputs, outputs), inputs, outputs)}
     g.decode_graphs, g.draft_graphs = {}, {}
     return g
@@ -87,8 +92,13 @@ class Counting:
 
 def with_commit(g: EngineGraphs, bucket: int) -> Counting:
     verify = g.verify_graphs[bucket].inputs
-    inputs = StepInputs(verify.ids, verify.positions, verify.slots, verify.valid,
-                        processed=torch.zeros(bucket, dtype=torch.int64))
+    inputs = StepInputs(
+        verify.ids,
+        verify.positions,
+        verify.slots,
+        verify.valid,
+        processed=torch.zeros(bucket, dtype=torch.int64),
+    )
     counting = Counting(inputs)
     g.commit_graphs = {bucket: _Graph(counting, inputs, None)}
     g.verified_bucket = None
@@ -122,8 +132,12 @@ def test_a_replaced_commit_phase_runs_eagerly() -> None:
     step.runner = ModelRunner.__new__(ModelRunner)
     step.runner.graphs = g
     ids = torch.ones(2, 3, dtype=torch.int64)
-    for fault, replays in ((None, 1), ("feature_off_by_one", 1), ("skip_state_rollback", 1),
-                           ("skip_length_rollback", 2)):
+    for fault, replays in (
+        (None, 1),
+        ("feature_off_by_one", 1),
+        ("skip_state_rollback", 1),
+        ("skip_length_rollback", 2),
+    ):
         with planted(fault):
             g.verify(ids, ids, torch.tensor([0, 1]), torch.tensor([3, 3]))
             step.commit_replayed(torch.tensor([2, 3]))
@@ -154,13 +168,11 @@ class Eager:
     def __init__(self, graphs: EngineGraphs, rows: int, tokens: int) -> None:
         self.graphs, self.replays = graphs, []
         self.inputs = graphs._prefill_inputs(rows, tokens)
-        self.outputs = Logits(torch.zeros(rows, graphs.target.config.vocab_size,
-                                          dtype=graphs.state.dtype))
+        self.outputs = Logits(torch.zeros(rows, graphs.target.config.vocab_size, dtype=graphs.state.dtype))
 
     def replay(self) -> None:
         x = self.inputs
-        self.replays.append(tuple(zip(x.positions[:, 0].tolist(), x.valid.tolist(),
-                                      x.slots.tolist())))
+        self.replays.append(tuple(zip(x.positions[:, 0].tolist(), x.valid.tolist(), x.slots.tolist())))
         self.outputs.logits.copy_(self.graphs._prefill_body(x).logits)
 
 
@@ -168,8 +180,12 @@ def prefill_graphs(engine, chunk: int, pad_slot: int) -> dict[tuple[int, int], E
     """Give a CPU engine prefill graphs (stand-ins running the real body) for `chunk`, with
     padding rows on `pad_slot` (a slot no request of the test takes)."""
     g = EngineGraphs.__new__(EngineGraphs)
-    g.target, g.draft, g.state, g.draft_state = (engine.target, engine.draft, engine.state,
-                                                 engine.draft_state)
+    g.target, g.draft, g.state, g.draft_state = (
+        engine.target,
+        engine.draft,
+        engine.state,
+        engine.draft_state,
+    )
     g.ops, g.pad_slot, g.device = engine.ops, pad_slot, engine.device
     g.capture_layers = engine.draft.config.target_layer_ids if engine.draft is not None else ()
     g.buckets = buckets_up_to(engine.config.max_num_seqs)
@@ -182,8 +198,7 @@ def prefill_graphs(engine, chunk: int, pad_slot: int) -> dict[tuple[int, int], E
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkpoint,
-                                                        tmp_path) -> None:
+def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkpoint, tmp_path) -> None:
     """First chunks batched into one bucket (a padding row on a free slot), a later chunk
     alone; chunks padded to 32 or 16 tokens (the Gated DeltaNet and conv states skip the
     padding, the logits are each chunk's last token's, the padded cache and draft-context
@@ -197,8 +212,11 @@ def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkp
     checkpoint = tiny_checkpoint(family)
     target = load_target(checkpoint, dtype=torch.float64)
     draft = load_draft(make_tiny_draft(tmp_path / "draft", checkpoint, block_size=4), target)
-    prompts = {"a": [5, 9, 3, 77, 12], "b": [(7 * i + 3) % 500 for i in range(40)],
-               "c": [(11 * i + 1) % 500 for i in range(32)]}
+    prompts = {
+        "a": [5, 9, 3, 77, 12],
+        "b": [(7 * i + 3) % 500 for i in range(40)],
+        "c": [(11 * i + 1) % 500 for i in range(32)],
+    }
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     config = EngineConfig(max_num_seqs=4, prefill_chunk=32, max_model_len=60)
     runs, replays = {}, None
@@ -213,20 +231,21 @@ def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkp
                 engine.step()
             runs[padded, spec is None] = {
                 rid: (engine.get(rid).output_ids, [s.accepted for s in engine.get(rid).steps])
-                for rid in prompts}
+                for rid in prompts
+            }
             if padded and spec is not None:
                 replays = sorted(r for e in stand_ins.values() for r in e.replays)
     assert runs[True, True] == runs[False, True]  # plain
     assert runs[True, False] == runs[False, False]  # DFlash
     assert {rid: out for rid, (out, _) in runs[False, False].items()} == {
-        rid: out for rid, (out, _) in runs[False, True].items()}
+        rid: out for rid, (out, _) in runs[False, True].items()
+    }
     # rows of (start, valid, slot): the three first chunks and a padding row in (4, 32),
     # then b's last 8 tokens alone in (1, 16)
     assert replays == [((0, 5, 0), (0, 32, 1), (0, 32, 2), (0, 1, 3)), ((32, 8, 1),)]
 
 
-def test_a_batched_prefill_that_raises_fails_only_the_request_that_raises_alone(
-        qwen3_5_checkpoint) -> None:
+def test_a_batched_prefill_that_raises_fails_only_the_request_that_raises_alone(qwen3_5_checkpoint) -> None:
     """The batch's rows are reset and retried one by one: the row that raises again fails,
     the others give what they give without it."""
     from reference_engine.checkpoint import load_target
@@ -242,8 +261,8 @@ def test_a_batched_prefill_that_raises_fails_only_the_request_that_raises_alone(
     for e in stand_ins.values():
         correct = e.replay
         e.replay = lambda correct=correct, e=e: (
-            (_ for _ in ()).throw(RuntimeError("bad row")) if (e.inputs.ids[:, 0] == 13).any()
-            else correct())
+            (_ for _ in ()).throw(RuntimeError("bad row")) if (e.inputs.ids[:, 0] == 13).any() else correct()
+        )
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
     while engine.has_unfinished():

@@ -22,21 +22,42 @@ def ab_run(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("ab_out")
     serve = f"{sys.executable} -m reference_engine.serve --model {target}"
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "ab",
-         "--a-cmd", f"{serve} --port {{port}}",
-         "--b-cmd", f"{serve} --dflash-draft-model-path {draft} --oracle-acceptance 3.5 "
-                    "--port {port}",
-         "--concurrency", "1,3", "--num-prompts", "6", "--output-len", "12", "--repeats", "2",
-         "--builtin", "math", "--notes", "test run", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "ab",
+            "--a-cmd",
+            f"{serve} --port {{port}}",
+            "--b-cmd",
+            f"{serve} --dflash-draft-model-path {draft} --oracle-acceptance 3.5 --port {{port}}",
+            "--concurrency",
+            "1,3",
+            "--num-prompts",
+            "6",
+            "--output-len",
+            "12",
+            "--repeats",
+            "2",
+            "--builtin",
+            "math",
+            "--notes",
+            "test run",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return out, done.stdout
 
 
 def test_all_result_files_are_written(ab_run) -> None:
     out, stdout = ab_run
-    for name in ("requests.jsonl", "summary.csv", "summary.json", "ab.csv", "meta.json",
-                 "report.md"):
+    for name in ("requests.jsonl", "summary.csv", "summary.json", "ab.csv", "meta.json", "report.md"):
         assert (out / name).is_file(), name
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert len(rows) == 2 * 2 * 2  # labels x concurrencies x repeats
@@ -55,15 +76,19 @@ def test_acceptance_from_prometheus_equals_the_servers_own_statistics(ab_run) ->
             assert row["acceptance_length"] == ""
             continue
         assert row["acceptance_source"] == "prometheus"
-        mine = [r["spec_decode"] for r in requests if r["label"] == "B"
-                and r["concurrency"] == int(row["concurrency"]) and r["repeat"] == int(row["repeat"])
-                and r["spec_decode"]]
+        mine = [
+            r["spec_decode"]
+            for r in requests
+            if r["label"] == "B"
+            and r["concurrency"] == int(row["concurrency"])
+            and r["repeat"] == int(row["repeat"])
+            and r["spec_decode"]
+        ]
         steps = sum(s["steps"] for s in mine)
         accepted = sum(s["accepted"] for s in mine)
         # the counters were differenced around exactly these requests (warm-up excluded)
         assert float(row["acceptance_length"]) == pytest.approx(1 + accepted / steps)
-        assert float(row["acceptance_rate"]) == pytest.approx(
-            accepted / sum(s["proposed"] for s in mine))
+        assert float(row["acceptance_rate"]) == pytest.approx(accepted / sum(s["proposed"] for s in mine))
         hist = json.loads(row["acceptance_histogram"])
         assert sum(hist.values()) == steps
 
@@ -72,10 +97,30 @@ def test_resume_skips_runs_already_measured(ab_run, tiny_checkpoint) -> None:
     out, _ = ab_run
     before = (out / "summary.csv").read_text()
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "bench", "--base-url", "http://127.0.0.1:9",
-         "--label", "A", "--concurrency", "1,3", "--num-prompts", "6", "--repeats", "2",
-         "--resume", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "bench",
+            "--base-url",
+            "http://127.0.0.1:9",
+            "--label",
+            "A",
+            "--concurrency",
+            "1,3",
+            "--num-prompts",
+            "6",
+            "--repeats",
+            "2",
+            "--resume",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     # every (A, c, repeat) is already there: nothing is sent (the URL is dead on purpose)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "summary.csv").read_text() == before

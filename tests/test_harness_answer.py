@@ -12,8 +12,10 @@ from harness.answer import ERRORS, Answer, AnswerError, error_class, margin, rea
 
 
 def whole(**choice) -> bytes:
-    body = {"choices": [{"index": 0, "text": "ab", "token_ids": [1, 2], "finish_reason": "length",
-                         **choice}], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    body = {
+        "choices": [{"index": 0, "text": "ab", "token_ids": [1, 2], "finish_reason": "length", **choice}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    }
     return json.dumps(body).encode()
 
 
@@ -41,12 +43,21 @@ def test_a_whole_and_a_streamed_answer_read_the_same() -> None:
 
 
 def test_chat_answers_are_read_from_message_and_delta() -> None:
-    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                         "token_ids": [5], "finish_reason": "stop"}]}
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "token_ids": [5],
+                "finish_reason": "stop",
+            }
+        ]
+    }
     assert read_whole(json.dumps(body).encode(), chat=True).text == "hi"
-    events = [{"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"content": "hi"}, "token_ids": [5],
-                            "finish_reason": "stop"}]}]
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "hi"}, "token_ids": [5], "finish_reason": "stop"}]},
+    ]
     answer = read_stream(stream(*events), chat=True)
     assert (answer.text, answer.ids, answer.finish_reason) == ("hi", [5], "stop")
 
@@ -57,8 +68,10 @@ def test_a_plain_openai_stream_without_done_is_whole_after_its_finish_reason() -
 
 
 def test_the_same_finish_reason_again_without_a_token_is_no_fault() -> None:
-    answer = read_stream(stream(chunk("a", [1], "stop"), chunk("", [], "stop"), USAGE | {
-        "usage": {"completion_tokens": 1}}), chat=False)
+    answer = read_stream(
+        stream(chunk("a", [1], "stop"), chunk("", [], "stop"), USAGE | {"usage": {"completion_tokens": 1}}),
+        chat=False,
+    )
     assert (answer.ids, answer.finish_reason) == ([1], "stop")
 
 
@@ -69,19 +82,26 @@ WHOLE_FAULTS = {
     "no choices": (b'{"id": "x"}', "malformed_body"),
     "empty choices": (b'{"choices": []}', "empty_choices"),
     "error object": (b'{"error": {"message": "boom"}}', "error_object"),
-    "two choices": (json.dumps({"choices": [json.loads(whole())["choices"][0]] * 2}).encode(),
-                    "malformed_body"),
+    "two choices": (
+        json.dumps({"choices": [json.loads(whole())["choices"][0]] * 2}).encode(),
+        "malformed_body",
+    ),
     "text not a string": (whole(text=None), "malformed_body"),
     "ids not integers": (whole(token_ids=["a"]), "malformed_body"),
     "no finish_reason": (whole(finish_reason=None), "malformed_body"),
-    "usage not the ids": (json.dumps({**json.loads(whole()), "usage": {
-        "completion_tokens": 3}}).encode(), "inconsistent_answer"),
-    "usage not the prompt ids": (json.dumps({**json.loads(whole(prompt_token_ids=[7])),
-                                             "usage": {"prompt_tokens": 2}}).encode(),
-                                 "inconsistent_answer"),
+    "usage not the ids": (
+        json.dumps({**json.loads(whole()), "usage": {"completion_tokens": 3}}).encode(),
+        "inconsistent_answer",
+    ),
+    "usage not the prompt ids": (
+        json.dumps({**json.loads(whole(prompt_token_ids=[7])), "usage": {"prompt_tokens": 2}}).encode(),
+        "inconsistent_answer",
+    ),
     "logprobs other ids": (whole(logprobs={"token_ids": [1, 3]}), "inconsistent_answer"),
-    "usage not a count": (json.dumps({**json.loads(whole()), "usage": {
-        "completion_tokens": "2"}}).encode(), "malformed_body"),
+    "usage not a count": (
+        json.dumps({**json.loads(whole()), "usage": {"completion_tokens": "2"}}).encode(),
+        "malformed_body",
+    ),
 }
 
 
@@ -100,14 +120,13 @@ STREAM_FAULTS = {
     "an error event": (stream(chunk("a", [1]), {"error": {"message": "boom"}}), "error_object"),
     "no finish_reason": (stream(chunk("a", [1]), done=False), "truncated_stream"),
     "done without a finish_reason": (stream(chunk("a", [1])), "truncated_stream"),
-    "tokens after the finish": (stream(chunk("a", [1], "length"), chunk("b", [2])),
-                                "malformed_body"),
-    "two finish_reasons": (stream(chunk("a", [1], "length"), chunk("", [], "stop")),
-                           "malformed_body"),
-    "ids in some chunks only": (stream(chunk("a", [1]), chunk("b", None, "length")),
-                                "malformed_body"),
-    "a duplicated chunk": (stream(chunk("a", [1]), chunk("a", [1]), chunk("b", [2], "length"),
-                                  USAGE), "inconsistent_answer"),
+    "tokens after the finish": (stream(chunk("a", [1], "length"), chunk("b", [2])), "malformed_body"),
+    "two finish_reasons": (stream(chunk("a", [1], "length"), chunk("", [], "stop")), "malformed_body"),
+    "ids in some chunks only": (stream(chunk("a", [1]), chunk("b", None, "length")), "malformed_body"),
+    "a duplicated chunk": (
+        stream(chunk("a", [1]), chunk("a", [1]), chunk("b", [2], "length"), USAGE),
+        "inconsistent_answer",
+    ),
     "a missing chunk": (stream(chunk("b", [2], "length"), USAGE), "inconsistent_answer"),
     "two choices": (stream({"choices": [chunk("a", [1])["choices"][0]] * 2}), "malformed_body"),
 }
@@ -128,11 +147,29 @@ def test_every_error_class_has_its_own_exit_status() -> None:
 
 
 def test_the_margin_is_read_from_completions_and_chat_logprobs() -> None:
-    completions = Answer("ab", [1, 2], "length", logprobs={
-        "top_token_logprobs": [[{"token_id": 1, "logprob": -0.1}, {"token_id": 9, "logprob": -0.3}]]})
-    chat = Answer("ab", [1, 2], "length", logprobs={"content": [
-        {"token": "a", "token_id": 1, "logprob": -0.1,
-         "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "z", "logprob": -0.6}]}]})
+    completions = Answer(
+        "ab",
+        [1, 2],
+        "length",
+        logprobs={
+            "top_token_logprobs": [[{"token_id": 1, "logprob": -0.1}, {"token_id": 9, "logprob": -0.3}]]
+        },
+    )
+    chat = Answer(
+        "ab",
+        [1, 2],
+        "length",
+        logprobs={
+            "content": [
+                {
+                    "token": "a",
+                    "token_id": 1,
+                    "logprob": -0.1,
+                    "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "z", "logprob": -0.6}],
+                }
+            ]
+        },
+    )
     assert margin(completions, 0) == pytest.approx(0.2)
     assert margin(chat, 0) == pytest.approx(0.5)
     assert margin(chat, 1) is None

@@ -87,8 +87,14 @@ def test_a_server_dying_mid_stream_is_a_counted_failure_and_rows_are_kept(tmp_pa
     server, url = serve(Script(CHUNKS, die_at=2))
     try:
         spec = LoadSpec(concurrency=2, num_prompts=4, output_len=9, warmup=0, timeout_s=2.0)
-        summary = measure(Endpoint(url), synthetic(4, 4, 0), spec, tmp_path,
-                          {"label": "A", "concurrency": 2, "repeat": 0}, None)
+        summary = measure(
+            Endpoint(url),
+            synthetic(4, 4, 0),
+            spec,
+            tmp_path,
+            {"label": "A", "concurrency": 2, "repeat": 0},
+            None,
+        )
     finally:
         server.shutdown()
     assert summary["failed"] == 4 and summary["completed"] == 0

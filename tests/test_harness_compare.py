@@ -46,8 +46,13 @@ def serve_ids(ids: list[int], tokenizer: TextTokenizer) -> tuple[ThreadingHTTPSe
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             out = ids[: body["max_tokens"]]
-            choice = {"index": 0, "text": tokenizer.decode(out), "token_ids": out,
-                      "finish_reason": "length", "prompt_token_ids": [1, 2]}
+            choice = {
+                "index": 0,
+                "text": tokenizer.decode(out),
+                "token_ids": out,
+                "finish_reason": "length",
+                "prompt_token_ids": [1, 2],
+            }
             send_answer(self, body, {"choices": [choice]})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -64,8 +69,10 @@ def test_text_is_compared_with_text_when_the_baseline_offers_no_ids(tokenizer) -
     base, base_url = serve_text_only(lambda p, n: [tokenizer.decode([t]) for t in ids[:n]])
     cand, cand_url = serve_ids(ids, tokenizer)
     try:
-        results, summary = run(Endpoint(base_url, server=KNOWN["openai"], tokenizer=tokenizer),
-                               Endpoint(cand_url, server=KNOWN["ours"], tokenizer=tokenizer))
+        results, summary = run(
+            Endpoint(base_url, server=KNOWN["openai"], tokenizer=tokenizer),
+            Endpoint(cand_url, server=KNOWN["ours"], tokenizer=tokenizer),
+        )
     finally:
         base.shutdown()
         cand.shutdown()
@@ -77,8 +84,7 @@ def test_text_is_compared_with_text_when_the_baseline_offers_no_ids(tokenizer) -
 
 
 @pytest.mark.parametrize("with_tokenizer", [True, False])
-def test_a_text_difference_is_located_as_the_first_differing_token(tokenizer,
-                                                                   with_tokenizer: bool) -> None:
+def test_a_text_difference_is_located_as_the_first_differing_token(tokenizer, with_tokenizer: bool) -> None:
     ids = tokenizer.encode(TEXT)
     other = tokenizer.encode("import os\nimport re\n\n\ndef main(argv=None):\n    return 0\n")
     at = next(i for i, (a, b) in enumerate(zip(ids, other)) if a != b)
@@ -86,8 +92,10 @@ def test_a_text_difference_is_located_as_the_first_differing_token(tokenizer,
     cand, cand_url = serve_ids(other, tokenizer)
     tok = tokenizer if with_tokenizer else None
     try:
-        results, summary = run(Endpoint(base_url, server=KNOWN["openai"], tokenizer=tok),
-                               Endpoint(cand_url, server=KNOWN["ours"], tokenizer=tok))
+        results, summary = run(
+            Endpoint(base_url, server=KNOWN["openai"], tokenizer=tok),
+            Endpoint(cand_url, server=KNOWN["ours"], tokenizer=tok),
+        )
     finally:
         base.shutdown()
         cand.shutdown()
@@ -95,8 +103,7 @@ def test_a_text_difference_is_located_as_the_first_differing_token(tokenizer,
     first = results[0].divergences[0]
     assert first.char_position == TEXT.index("sys")
     if with_tokenizer:
-        assert (first.position, first.baseline_token, first.candidate_token) == \
-            (at, ids[at], other[at])
+        assert (first.position, first.baseline_token, first.candidate_token) == (at, ids[at], other[at])
         assert first.baseline_text == tokenizer.decode([ids[at]])
     else:
         assert first.position is None and first.baseline_text.startswith("sys")
@@ -135,8 +142,9 @@ def test_errors_are_not_comparisons_and_no_ids_are_claimed(tokenizer) -> None:
 
 def test_markdown_quotes_any_text_without_breaking_the_table() -> None:
     nasty = "a|b\n`c``\r\td"
-    result = PromptResult(0, False, 3, [Divergence(3, 7, 8, nasty, "|", 0.5, "mismatch")],
-                          error=None, compared="ids")
+    result = PromptResult(
+        0, False, 3, [Divergence(3, 7, 8, nasty, "|", 0.5, "mismatch")], error=None, compared="ids"
+    )
     failed = PromptResult(1, False, 0, error="HTTP 422: {\n 'detail': 'x|y'\n}")
     text = markdown([result, failed], verdict([result, failed], ComparePolicy()))
     rows = [line for line in text.splitlines() if line.startswith("|")]
@@ -154,81 +162,102 @@ def test_markdown_quotes_any_text_without_breaking_the_table() -> None:
 def against(base_answer, cand_answer, prompts=None, policy=None, levels=1, stream=True):
     """Compare two scripted servers: `*_answer(path, body) -> completion`."""
     with Stub(base_answer) as base, Stub(cand_answer) as cand:
-        results, summary = asyncio.run(compare(
-            Endpoint(base.url), Endpoint(cand.url), prompts or [Prompt(token_ids=(5, 6))], 8,
-            levels, policy or ComparePolicy(), stream=stream))
+        results, summary = asyncio.run(
+            compare(
+                Endpoint(base.url),
+                Endpoint(cand.url),
+                prompts or [Prompt(token_ids=(5, 6))],
+                8,
+                levels,
+                policy or ComparePolicy(),
+                stream=stream,
+            )
+        )
     return results, summary
 
 
 def near_tie_baseline(ids: list[int]):
     """The baseline's answer, with every position all but tied (margin 0.01)."""
+
     def answer(path: str, body: dict) -> dict:
         data = completion(ids, prompt_tokens=2)
-        data["choices"][0]["logprobs"] = {"token_ids": ids, "tokens": [f"<{t}>" for t in ids],
-                                          "top_token_logprobs": [
-            [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": -1.01}]
-            for t in ids]}
+        data["choices"][0]["logprobs"] = {
+            "token_ids": ids,
+            "tokens": [f"<{t}>" for t in ids],
+            "top_token_logprobs": [
+                [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": -1.01}] for t in ids
+            ],
+        }
         return data
+
     return answer
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_the_right_ids_with_the_wrong_text_fail(stream: bool) -> None:
-    results, summary = against(lambda p, b: completion([1, 2, 3], "abc"),
-                               lambda p, b: completion([1, 2, 3], "abX"), stream=stream)
+    results, summary = against(
+        lambda p, b: completion([1, 2, 3], "abc"), lambda p, b: completion([1, 2, 3], "abX"), stream=stream
+    )
     assert summary["verdict"] == "fail" and summary["first_mismatch"] == "text", summary
     assert results[0].divergences[0].char_position == 2
 
 
 def test_other_ids_with_the_same_text_fail_even_at_a_near_tie() -> None:
     policy = ComparePolicy(max_tie_rate=1.0)
-    _, summary = against(near_tie_baseline([1, 2, 3]),
-                         lambda p, b: completion([1, 9, 3], "<1><2><3>"), policy=policy)
+    _, summary = against(
+        near_tie_baseline([1, 2, 3]), lambda p, b: completion([1, 9, 3], "<1><2><3>"), policy=policy
+    )
     assert summary["verdict"] == "fail" and summary["first_mismatch"] == "ids_text", summary
 
 
 @pytest.mark.parametrize(("token", "kind"), [(3, "tie"), (7, "mismatch")])
-def test_a_near_tie_is_a_tie_only_when_the_candidate_took_the_runner_up(token: int,
-                                                                       kind: str) -> None:
-    results, _ = against(near_tie_baseline([1, 2, 3]),
-                         lambda p, b: completion([1, token, 3], prompt_tokens=2))
+def test_a_near_tie_is_a_tie_only_when_the_candidate_took_the_runner_up(token: int, kind: str) -> None:
+    results, _ = against(
+        near_tie_baseline([1, 2, 3]), lambda p, b: completion([1, token, 3], prompt_tokens=2)
+    )
     assert (results[0].divergences[0].what, results[0].divergences[0].kind) == ("token", kind)
 
 
 @pytest.mark.parametrize("cand_ids", [[1, 2], [1, 2, 3, 4]], ids=["short", "long"])
 def test_one_token_short_or_long_is_a_mismatch_never_a_tie(cand_ids: list[int]) -> None:
     policy = ComparePolicy(max_tie_rate=1.0)  # ties would pass
-    results, summary = against(near_tie_baseline([1, 2, 3]),
-                               lambda p, b: completion(cand_ids, prompt_tokens=2), policy=policy)
+    results, summary = against(
+        near_tie_baseline([1, 2, 3]), lambda p, b: completion(cand_ids, prompt_tokens=2), policy=policy
+    )
     d = results[0].divergences[0]
     assert summary["verdict"] == "fail" and d.kind == "mismatch"
     assert (d.what, d.position) == ("length", min(len(cand_ids), 3))
 
 
 def test_another_finish_reason_is_a_mismatch() -> None:
-    _, summary = against(lambda p, b: completion([1, 2]),
-                         lambda p, b: completion([1, 2], finish="stop"))
+    _, summary = against(lambda p, b: completion([1, 2]), lambda p, b: completion([1, 2], finish="stop"))
     assert summary["verdict"] == "fail" and summary["first_mismatch"] == "finish_reason"
 
 
 def test_a_candidate_that_saw_another_prompt_fails() -> None:
-    _, summary = against(lambda p, b: completion([1, 2], prompt_tokens=2),
-                         lambda p, b: completion([1, 2], prompt_tokens=3))
+    _, summary = against(
+        lambda p, b: completion([1, 2], prompt_tokens=2), lambda p, b: completion([1, 2], prompt_tokens=3)
+    )
     assert summary["verdict"] == "fail" and summary["first_mismatch"] == "prompt"
 
 
 def test_text_answers_differing_only_in_the_usage_count_are_a_length_mismatch() -> None:
-    _, summary = against(lambda p, b: completion(None, "ab", completion_tokens=2),
-                         lambda p, b: completion(None, "ab", completion_tokens=3))
+    _, summary = against(
+        lambda p, b: completion(None, "ab", completion_tokens=2),
+        lambda p, b: completion(None, "ab", completion_tokens=3),
+    )
     assert summary["compared"] == "text" and summary["first_mismatch"] == "length"
 
 
-@pytest.mark.parametrize(("reply", "name"), [
-    (Reply(200, b'{"choices": []}'), "empty_choices"),
-    (Reply(200, b'{"choices": [{"text": "a'), "malformed_body"),
-    (Reply(500, b'{"error": "boom"}'), "http_500"),
-    (Reply(200, b'{"error": {"message": "boom"}}'), "error_object"),
-])
+@pytest.mark.parametrize(
+    ("reply", "name"),
+    [
+        (Reply(200, b'{"choices": []}'), "empty_choices"),
+        (Reply(200, b'{"choices": [{"text": "a'), "malformed_body"),
+        (Reply(500, b'{"error": "boom"}'), "http_500"),
+        (Reply(200, b'{"error": {"message": "boom"}}'), "error_object"),
+    ],
+)
 def test_a_reply_that_is_not_an_answer_is_a_named_error(reply: Reply, name: str) -> None:
     results, summary = against(lambda p, b: completion([1, 2]), lambda p, b: reply, stream=False)
     assert summary["verdict"] == "fail" and summary["error"] == summary["reason"] == name
@@ -236,9 +265,16 @@ def test_a_reply_that_is_not_an_answer_is_a_named_error(reply: Reply, name: str)
 
 
 def test_no_usable_prompt_is_an_error_never_a_pass() -> None:
-    results, summary = asyncio.run(compare(
-        Endpoint("http://127.0.0.1:9"), Endpoint("http://127.0.0.1:9"),
-        [Prompt(text=""), Prompt(messages=()), Prompt(token_ids=())], 8, 1, ComparePolicy()))
+    results, summary = asyncio.run(
+        compare(
+            Endpoint("http://127.0.0.1:9"),
+            Endpoint("http://127.0.0.1:9"),
+            [Prompt(text=""), Prompt(messages=()), Prompt(token_ids=())],
+            8,
+            1,
+            ComparePolicy(),
+        )
+    )
     assert results == [] and summary["verdict"] == "fail"
     assert summary["error"] == "no_usable_prompts" and summary["unusable"] == 3
 
@@ -246,9 +282,16 @@ def test_no_usable_prompt_is_an_error_never_a_pass() -> None:
 def test_chat_prompts_are_compared_over_chat_completions() -> None:
     answer = lambda path, body: completion([4, 5], chat=path.endswith("/chat/completions"))  # noqa: E731
     with Stub(answer) as base, Stub(answer) as cand:
-        results, summary = asyncio.run(compare(
-            Endpoint(base.url), Endpoint(cand.url),
-            [Prompt(messages=({"role": "user", "content": "hi"},))], 8, 1, ComparePolicy()))
+        results, summary = asyncio.run(
+            compare(
+                Endpoint(base.url),
+                Endpoint(cand.url),
+                [Prompt(messages=({"role": "user", "content": "hi"},))],
+                8,
+                1,
+                ComparePolicy(),
+            )
+        )
         assert base.paths == cand.paths == ["/v1/chat/completions"]
         assert base.bodies[0]["top_logprobs"] == 2 and cand.bodies[0]["stream"] is True
     assert summary["verdict"] == "pass" and results[0].endpoint == "chat"
@@ -263,8 +306,9 @@ def test_each_level_sends_every_prompt_to_the_candidate_and_the_baseline_answers
         return completion([1, 2, 3], prompt_tokens=len(body["prompt"]))
 
     with Stub(answer) as base, Stub(answer, delay=0.05) as cand:
-        results, summary = asyncio.run(compare(Endpoint(base.url), Endpoint(cand.url), prompts,
-                                               8, [1, 4], ComparePolicy()))
+        results, summary = asyncio.run(
+            compare(Endpoint(base.url), Endpoint(cand.url), prompts, 8, [1, 4], ComparePolicy())
+        )
         assert len(base.bodies) == 8 and len(cand.bodies) == 16
         assert cand.arrivals[:8] == [1] * 8 and cand.most == 4  # closed loop at each level
     assert summary["verdict"] == "pass" and summary["levels"] == [1, 4]
@@ -273,22 +317,34 @@ def test_each_level_sends_every_prompt_to_the_candidate_and_the_baseline_answers
 
 
 def test_comparisons_are_counted_per_context_bucket() -> None:
-    assert [context_bucket(n) for n in (None, 20, 256, 257, 1448, 5000, 9000)] == \
-        ["unknown", "~128", "~128", "~512", "~512", "~4096", ">8192"]
+    assert [context_bucket(n) for n in (None, 20, 256, 257, 1448, 5000, 9000)] == [
+        "unknown",
+        "~128",
+        "~128",
+        "~512",
+        "~512",
+        "~4096",
+        ">8192",
+    ]
     prompts = [Prompt(token_ids=tuple(range(n))) for n in (100, 600, 3000)]
     # the server's usage.prompt_tokens counts when given, else the prompt's ids
-    _, summary = against(lambda p, b: completion([1], prompt_tokens=len(b["prompt"]) + 1000
-                                                 if len(b["prompt"]) == 100 else None),
-                         lambda p, b: completion([1], prompt_tokens=len(b["prompt"]) + 1000
-                                                 if len(b["prompt"]) == 100 else None),
-                         prompts=prompts)
+    _, summary = against(
+        lambda p, b: completion(
+            [1], prompt_tokens=len(b["prompt"]) + 1000 if len(b["prompt"]) == 100 else None
+        ),
+        lambda p, b: completion(
+            [1], prompt_tokens=len(b["prompt"]) + 1000 if len(b["prompt"]) == 100 else None
+        ),
+        prompts=prompts,
+    )
     assert {b: v["prompts"] for b, v in summary["by_context"].items()} == {"~512": 2, "~4096": 1}
 
 
 def test_markdown_has_a_table_per_level_and_per_context() -> None:
     prompts = [Prompt(token_ids=tuple(range(n))) for n in (10, 600)]
-    results, summary = against(lambda p, b: completion([1]), lambda p, b: completion([1]),
-                               prompts=prompts, levels=[1, 2])
+    results, summary = against(
+        lambda p, b: completion([1]), lambda p, b: completion([1]), prompts=prompts, levels=[1, 2]
+    )
     text = markdown(results, summary)
     assert "| concurrency | prompts | exact |" in text and "| 2 | 2 | 2 |" in text
     assert "| context | prompts | exact |" in text and "| ~512 | 2 | 2 |" in text

@@ -23,8 +23,9 @@ from .server_process import REPO
 
 
 def answer(path: str, body: dict) -> dict:
-    return completion([1, 2, 3], prompt_tokens=len(body.get("prompt") or "x"),
-                      chat=path.endswith("/chat/completions"))
+    return completion(
+        [1, 2, 3], prompt_tokens=len(body.get("prompt") or "x"), chat=path.endswith("/chat/completions")
+    )
 
 
 def prompts_file(tmp_path: Path, rows: list[dict]) -> Path:
@@ -34,8 +35,22 @@ def prompts_file(tmp_path: Path, rows: list[dict]) -> Path:
 
 
 def args(base: str, cand: str, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return ["compare", "--baseline", base, "--candidate", cand, "--server-kind", "ours",
-            "--prompts", str(prompts), "--max-tokens", "4", "--out", str(out), *extra]
+    return [
+        "compare",
+        "--baseline",
+        base,
+        "--candidate",
+        cand,
+        "--server-kind",
+        "ours",
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        "4",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def rows(out: Path) -> list[dict]:
@@ -52,12 +67,22 @@ def test_an_interrupted_compare_keeps_its_rows_and_resume_makes_the_rest(tmp_pat
         return answer(path, body)
 
     with Stub(answer) as base, Stub(stalls_on_the_third) as stalled:
-        proc = subprocess.Popen([sys.executable, "-m", "harness", *args(
-            base.url, stalled.url, prompts, out, "--concurrency", "1")], cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "harness",
+                *args(base.url, stalled.url, prompts, out, "--concurrency", "1"),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (
-                (out / "compare.jsonl").exists() and len(rows(out)) == 2 and len(stalled.bodies) == 3):
+            (out / "compare.jsonl").exists() and len(rows(out)) == 2 and len(stalled.bodies) == 3
+        ):
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
@@ -67,8 +92,7 @@ def test_an_interrupted_compare_keeps_its_rows_and_resume_makes_the_rest(tmp_pat
     assert [r["source"] for r in kept] == [f"{prompts}:1", f"{prompts}:2"]
     assert [r["prompt"] for r in kept] == [{"text": "prompt 0"}, {"text": "prompt 1"}]
     with Stub(answer) as base, Stub(answer) as cand:
-        assert main(args(base.url, cand.url, prompts, out, "--concurrency", "1",
-                         "--resume")) == 0
+        assert main(args(base.url, cand.url, prompts, out, "--concurrency", "1", "--resume")) == 0
         assert [b["prompt"] for b in cand.bodies] == ["prompt 2", "prompt 3"]
     summary = json.loads((out / "compare_summary.json").read_text())
     assert summary["prompts"] == summary["exact"] == 4 and len(rows(out)) == 4
@@ -77,8 +101,10 @@ def test_an_interrupted_compare_keeps_its_rows_and_resume_makes_the_rest(tmp_pat
 def test_resume_compares_again_what_failed_and_drops_a_torn_line(tmp_path) -> None:
     prompts = prompts_file(tmp_path, [{"prompt": "a"}, {"prompt": "b"}])
     out = tmp_path / "out"
-    with Stub(answer) as base, Stub(lambda p, b: Reply(503, b"busy") if b["prompt"] == "b"
-                                    else answer(p, b)) as cand:
+    with (
+        Stub(answer) as base,
+        Stub(lambda p, b: Reply(503, b"busy") if b["prompt"] == "b" else answer(p, b)) as cand,
+    ):
         assert main(args(base.url, cand.url, prompts, out)) == ERRORS["http_error"][0]
     with (out / "compare.jsonl").open("a") as f:
         f.write('{"index": 7, "exa')
@@ -98,8 +124,7 @@ def test_each_concurrency_level_is_a_row_of_its_own(tmp_path) -> None:
     out = tmp_path / "out"
     with Stub(answer) as base, Stub(answer) as cand:
         assert main(args(base.url, cand.url, prompts, out, "--concurrency", "1,2")) == 0
-    assert sorted((r["concurrency"], r["index"]) for r in rows(out)) == \
-        [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert sorted((r["concurrency"], r["index"]) for r in rows(out)) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     csv_rows = (out / "compare_summary.csv").read_text().splitlines()
     assert csv_rows[0].startswith("scope,concurrency,context")
     assert any(r.startswith("concurrency,2,all,2,2,") for r in csv_rows)
@@ -108,9 +133,18 @@ def test_each_concurrency_level_is_a_row_of_its_own(tmp_path) -> None:
 def test_an_error_exits_with_its_status_and_one_line_never_a_traceback(tmp_path) -> None:
     prompts = prompts_file(tmp_path, [{"prompt": "a"}])
     with Stub(answer) as base, Stub(lambda p, b: Reply(200, b'{"choices": []}')) as cand:
-        done = subprocess.run([sys.executable, "-m", "harness", *args(
-            base.url, cand.url, prompts, tmp_path / "out", "--no-stream")], cwd=REPO,
-            capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "harness",
+                *args(base.url, cand.url, prompts, tmp_path / "out", "--no-stream"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == ERRORS["empty_choices"][0], done.stderr
     assert done.stderr.splitlines()[-1].startswith("error: empty_choices: candidate: ")
     assert "Traceback" not in done.stderr
@@ -129,8 +163,23 @@ def test_no_usable_prompt_exits_with_its_status(tmp_path, capsys) -> None:
 def test_the_builtin_chat_set_is_compared_over_chat(tmp_path) -> None:
     out = tmp_path / "out"
     with Stub(answer) as base, Stub(answer) as cand:
-        code = main(["compare", "--baseline", base.url, "--candidate", cand.url, "--server-kind",
-                     "ours", "--builtin", "chat", "--num-prompts", "3", "--out", str(out)])
+        code = main(
+            [
+                "compare",
+                "--baseline",
+                base.url,
+                "--candidate",
+                cand.url,
+                "--server-kind",
+                "ours",
+                "--builtin",
+                "chat",
+                "--num-prompts",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
         assert set(cand.paths) == {"/v1/chat/completions"}
     summary = json.loads((out / "compare_summary.json").read_text())
     assert code == 0 and summary["prompts"] == summary["exact"] == 3
@@ -143,5 +192,4 @@ def test_the_help_names_every_exit_status() -> None:
     for name, (status, _) in ERRORS.items():
         assert f"  {status:<3} " in text and (name in text or name == "http_error")
     with pytest.raises(SystemExit):
-        main(["compare", "--baseline", "http://x:1", "--candidate", "http://x:1",
-              "--concurrency", "0"])
+        main(["compare", "--baseline", "http://x:1", "--candidate", "http://x:1", "--concurrency", "0"])

@@ -23,13 +23,13 @@ from .server_process import REPO, free_port
 from .sse_stub import Script, serve
 
 CHUNKS = [(0.0, [1]), (0.0, [2, 3])]
-RUN = ["--concurrency", "1,2", "--num-prompts", "4", "--output-len", "3", "--warmup", "0",
-       "--input-len", "4"]
+RUN = ["--concurrency", "1,2", "--num-prompts", "4", "--output-len", "3", "--warmup", "0", "--input-len", "4"]
 
 
 def harness(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def keys(out: Path) -> list[tuple]:
@@ -49,8 +49,7 @@ def last_line(text: str) -> str:
 # ------------------------------------------------------------------ exit status
 def test_a_closed_port_fails_with_one_line_and_leaves_no_stub_folder(tmp_path, capsys) -> None:
     out = tmp_path / "dead"
-    status = main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", *RUN,
-                   "--out", str(out)])
+    status = main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", *RUN, "--out", str(out)])
     err = capsys.readouterr().err
     assert status == 1
     assert last_line(err).startswith("error: benchmark failed: no request completed")
@@ -58,8 +57,7 @@ def test_a_closed_port_fails_with_one_line_and_leaves_no_stub_folder(tmp_path, c
     assert not out.exists()
 
 
-def test_failed_requests_above_the_threshold_fail_the_benchmark_and_keep_the_files(
-        tmp_path, capsys) -> None:
+def test_failed_requests_above_the_threshold_fail_the_benchmark_and_keep_the_files(tmp_path, capsys) -> None:
     server, url = serve(Script(CHUNKS, fail_every=4))
     try:
         out = tmp_path / "quarter"
@@ -70,23 +68,34 @@ def test_failed_requests_above_the_threshold_fail_the_benchmark_and_keep_the_fil
         assert (out / "summary.csv").exists() and (out / "report.md").exists()
         # a quarter of the requests fail: tolerated under --max-failure-rate 0.3
         out = tmp_path / "tolerated"
-        assert main(["bench", "--base-url", url, *RUN, "--max-failure-rate", "0.3",
-                     "--out", str(out)]) == 0
+        assert main(["bench", "--base-url", url, *RUN, "--max-failure-rate", "0.3", "--out", str(out)]) == 0
     finally:
         server.shutdown()
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--concurrency", "0"], "concurrency must be >= 1, got 0"),
-    (["--concurrency", "1,x"], "expected comma-separated whole numbers"),
-    (["--output-len", "0"], "expected a whole number >= 1, got 0"),
-    (["--num-prompts", "-2"], "expected a whole number >= 1, got -2"),
-    (["--max-failure-rate", "2"], "expected a fraction in [0, 1], got 2.0"),
-    (["--base-url", "http://127.0.0.1:99999"], "port must be in 1-65535, got 99999"),
-    (["--base-url", "http://127.0.0.1:abc"], "not a valid URL"),
-    (["--base-url", "127.0.0.1:8000"], "expected http://HOST[:PORT]"),
-], ids=["concurrency-0", "concurrency-text", "output-len-0", "num-prompts-negative",
-        "failure-rate", "port-99999", "port-text", "no-scheme"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--concurrency", "0"], "concurrency must be >= 1, got 0"),
+        (["--concurrency", "1,x"], "expected comma-separated whole numbers"),
+        (["--output-len", "0"], "expected a whole number >= 1, got 0"),
+        (["--num-prompts", "-2"], "expected a whole number >= 1, got -2"),
+        (["--max-failure-rate", "2"], "expected a fraction in [0, 1], got 2.0"),
+        (["--base-url", "http://127.0.0.1:99999"], "port must be in 1-65535, got 99999"),
+        (["--base-url", "http://127.0.0.1:abc"], "not a valid URL"),
+        (["--base-url", "127.0.0.1:8000"], "expected http://HOST[:PORT]"),
+    ],
+    ids=[
+        "concurrency-0",
+        "concurrency-text",
+        "output-len-0",
+        "num-prompts-negative",
+        "failure-rate",
+        "port-99999",
+        "port-text",
+        "no-scheme",
+    ],
+)
 def test_bad_arguments_are_refused_at_once_without_a_traceback(argv, message, tmp_path) -> None:
     base = ["--base-url", "http://127.0.0.1:9"] if "--base-url" not in argv else []
     start = time.monotonic()
@@ -102,8 +111,7 @@ def test_resume_measures_failed_and_interrupted_runs_again_without_duplicates(tm
     out = tmp_path / "run"
     flaky, flaky_url = serve(Script(CHUNKS, fail_every=3))
     try:
-        assert main(["bench", "--base-url", flaky_url, *RUN, "--repeats", "2",
-                     "--out", str(out)]) == 1
+        assert main(["bench", "--base-url", flaky_url, *RUN, "--repeats", "2", "--out", str(out)]) == 1
     finally:
         flaky.shutdown()
     # an interrupt: the last summary row is gone and requests.jsonl ends in a torn line cut
@@ -114,19 +122,36 @@ def test_resume_measures_failed_and_interrupted_runs_again_without_duplicates(tm
         f.write('{"label": "A", "concurrency": 1, "repeat": 0, "error": "caf\u00e9'.encode()[:-1])
     healthy, url = serve(Script(CHUNKS))
     try:
-        assert main(["bench", "--base-url", url, *RUN, "--repeats", "2", "--resume",
-                     "--out", str(out)]) == 0
+        assert main(["bench", "--base-url", url, *RUN, "--repeats", "2", "--resume", "--out", str(out)]) == 0
         rows = summary(out)
-        assert sorted((r["concurrency"], r["repeat"]) for r in rows) == \
-            [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")]
+        assert sorted((r["concurrency"], r["repeat"]) for r in rows) == [
+            ("1", "0"),
+            ("1", "1"),
+            ("2", "0"),
+            ("2", "1"),
+        ]
         assert all(r["failed"] == "0" and r["completed"] == "4" for r in rows)
         found = keys(out)
         assert len(found) == len(set(found)) == 2 * 2 * 4
         assert read_request_rows(out / "requests.jsonl")[1] == 0  # no torn line left
         # nothing left to do: a second resume sends nothing (the URL is dead on purpose)
         before = (out / "requests.jsonl").read_bytes()
-        assert main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", *RUN,
-                     "--repeats", "2", "--resume", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "--base-url",
+                    f"http://127.0.0.1:{free_port()}",
+                    *RUN,
+                    "--repeats",
+                    "2",
+                    "--resume",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert (out / "requests.jsonl").read_bytes() == before
     finally:
         healthy.shutdown()
@@ -147,9 +172,29 @@ def test_ctrl_c_ends_with_one_line_and_keeps_every_measured_row(tmp_path) -> Non
     out = tmp_path / "interrupted"
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "harness", "bench", "--base-url", url, "--concurrency", "1",
-             "--num-prompts", "50", "--warmup", "0", "--output-len", "2", "--out", str(out)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "harness",
+                "bench",
+                "--base-url",
+                url,
+                "--concurrency",
+                "1",
+                "--num-prompts",
+                "50",
+                "--warmup",
+                "0",
+                "--output-len",
+                "2",
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(keys(out) if out.exists() else []) < 2:
             time.sleep(0.05)
@@ -173,16 +218,42 @@ def test_ab_names_the_sides_and_sends_the_whole_dataset_at_every_concurrency(tmp
     b, b_url = serve(Script(CHUNKS))
     out = tmp_path / "ab"
     try:
-        assert main(["ab", "--a-url", a_url, "--b-url", b_url, "--a-label", "plain",
-                     "--b-label", "dflash", "--dataset", str(dataset), "--concurrency", "1,2,8",
-                     "--warmup", "1", "--output-len", "3", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "ab",
+                    "--a-url",
+                    a_url,
+                    "--b-url",
+                    b_url,
+                    "--a-label",
+                    "plain",
+                    "--b-label",
+                    "dflash",
+                    "--dataset",
+                    str(dataset),
+                    "--concurrency",
+                    "1,2,8",
+                    "--warmup",
+                    "1",
+                    "--output-len",
+                    "3",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         a.shutdown()
         b.shutdown()
     assert json.loads((out / "meta.json").read_text())["labels"] == {"A": "plain", "B": "dflash"}
     # the whole set at every level, repeated up to the highest concurrency (8 -> 2 x 5)
-    assert {(r["concurrency"], int(r["completed"])) for r in summary(out)} == \
-        {("1", 10), ("2", 10), ("8", 10)}
+    assert {(r["concurrency"], int(r["completed"])) for r in summary(out)} == {
+        ("1", 10),
+        ("2", 10),
+        ("8", 10),
+    }
     report = (out / "report.md").read_text()
     assert "A is **plain**, B is **dflash**." in report
     assert "Outputs identical: 30/30 requests" in report

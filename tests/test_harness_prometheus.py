@@ -8,8 +8,9 @@ from harness.client import RequestRecord
 from harness.prometheus import acceptance_from_counters, acceptance_from_requests, parse
 
 
-def counters(prefix: str, drafts: float, draft_tokens: float, accepted: float,
-             per_pos: list[float], labels: str) -> str:
+def counters(
+    prefix: str, drafts: float, draft_tokens: float, accepted: float, per_pos: list[float], labels: str
+) -> str:
     lines = [
         f"# TYPE {prefix}spec_decode_num_drafts counter",
         f"{prefix}spec_decode_num_drafts_total{{{labels}}} {drafts}",
@@ -19,16 +20,21 @@ def counters(prefix: str, drafts: float, draft_tokens: float, accepted: float,
         f"{prefix}spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
         f"# TYPE {prefix}spec_decode_num_accepted_tokens_per_pos counter",
     ]
-    lines += [f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{k}"}} '
-              f"{v}" for k, v in enumerate(per_pos)]
+    lines += [
+        f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{k}"}} {v}'
+        for k, v in enumerate(per_pos)
+    ]
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.parametrize("prefix,labels", [
-    ("vllm:", 'engine="0",model_name="Qwen/Qwen3-8B"'),
-    ("lmdeploy:", 'model_name="qwen"'),
-    ("dflash:", 'server="ref"'),
-])
+@pytest.mark.parametrize(
+    "prefix,labels",
+    [
+        ("vllm:", 'engine="0",model_name="Qwen/Qwen3-8B"'),
+        ("lmdeploy:", 'model_name="qwen"'),
+        ("dflash:", 'server="ref"'),
+    ],
+)
 def test_differences_give_acceptance_length_rate_and_per_position(prefix, labels) -> None:
     # lifetime totals before the run must not leak into the result
     before = parse(counters(prefix, 1000, 15000, 4000, [900, 700, 500], labels))
@@ -42,23 +48,28 @@ def test_differences_give_acceptance_length_rate_and_per_position(prefix, labels
 
 
 def test_label_sets_are_summed() -> None:
-    text = (counters("vllm:", 10, 100, 30, [8], 'engine="0"')
-            .replace("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n", "")
-            + counters("vllm:", 20, 200, 60, [16], 'engine="1"').split("\n", 1)[1])
+    text = (
+        counters("vllm:", 10, 100, 30, [8], 'engine="0"').replace(
+            "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n", ""
+        )
+        + counters("vllm:", 20, 200, 60, [16], 'engine="1"').split("\n", 1)[1]
+    )
     snap = parse(text)
     assert snap["drafts"] == 30 and snap["accepted"] == 90
 
 
 def test_sglang_gauges_and_meta_info() -> None:
-    text = ("# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length{model_name=\"m\"} 3.2\n"
-            "# TYPE sglang:spec_accept_rate gauge\nsglang:spec_accept_rate{model_name=\"m\"} 0.4\n")
+    text = (
+        '# TYPE sglang:spec_accept_length gauge\nsglang:spec_accept_length{model_name="m"} 3.2\n'
+        '# TYPE sglang:spec_accept_rate gauge\nsglang:spec_accept_rate{model_name="m"} 0.4\n'
+    )
     got = acceptance_from_counters(parse(""), parse(text))
     assert got["acceptance_length"] == pytest.approx(3.2)
     assert "not differenced" in got["acceptance_source"]
-    records = [RequestRecord(0, 0.0, success=True, meta_info={"spec_verify_ct": 10,
-                                                               "completion_tokens": 35}),
-               RequestRecord(1, 0.0, success=True, meta_info={"spec_verify_ct": 5,
-                                                              "completion_tokens": 10})]
+    records = [
+        RequestRecord(0, 0.0, success=True, meta_info={"spec_verify_ct": 10, "completion_tokens": 35}),
+        RequestRecord(1, 0.0, success=True, meta_info={"spec_verify_ct": 5, "completion_tokens": 10}),
+    ]
     assert acceptance_from_requests(records)["acceptance_length"] == pytest.approx(45 / 15)
 
 

@@ -53,8 +53,10 @@ from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
 from reference_engine.models.layers import RotaryEmbedding  # noqa: E402
 from tests.interpreter import row_invariant_dots  # noqa: E402
 
-pytestmark = [pytest.mark.kernels,
-              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
 DEVICE = "cuda" if CUDA else "cpu"
 DOT_DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 ROW_DTYPES = [torch.float32, torch.bfloat16]
@@ -94,11 +96,17 @@ def test_every_triton_launch_pins_the_compiler_options() -> None:
     launches, unpinned = 0, []
     for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
-                    isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id.endswith("_kernel")
+            ):
                 launches += 1
-                if not any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "LAUNCH"
-                           for k in node.keywords):
+                if not any(
+                    k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "LAUNCH"
+                    for k in node.keywords
+                ):
                     unpinned.append(f"{path.name}:{node.lineno}")
     assert launches >= 13 and not unpinned, f"launches without **LAUNCH: {unpinned}"
 
@@ -135,8 +143,12 @@ def test_the_column_tile_depends_on_the_weight_shape_only() -> None:
 
 
 def test_the_tiles_switch_with_the_row_count_in_half_precision_and_never_in_float32() -> None:
-    shapes = {"narrow": (4096, 4096), "deep": (4096, DEEP_K), "wide": (WIDE_N, DEEP_K),
-              "vocab": (VOCAB_N, 4096)}
+    shapes = {
+        "narrow": (4096, 4096),
+        "deep": (4096, DEEP_K),
+        "wide": (WIDE_N, DEEP_K),
+        "vocab": (VOCAB_N, 4096),
+    }
     assert set(shapes) == set(MANY_ROW_TILES)
     for dtype in (torch.bfloat16, torch.float16):
         for name, (N, K) in shapes.items():
@@ -242,16 +254,22 @@ def attention_inputs_case(dtype, heads: int, kv_heads: int, dim: int, rotary_dim
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "rotary_dim", "offset", "gated"),
-                         [(4, 2, 64, 64, False, False), (4, 2, 48, 16, True, True)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "rotary_dim", "offset", "gated"),
+    [(4, 2, 64, 64, False, False), (4, 2, 48, 16, True, True)],
+)
 def test_attention_inputs_equal_the_reference(dtype, heads, kv_heads, dim, rotary_dim, offset, gated) -> None:
     q, k, v, (qw, kw), cos, sin, positions, slots = attention_inputs_case(
-        dtype, heads, kv_heads, dim, rotary_dim, gated)
-    caches = {name: [torch.zeros(4, 10, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
-              for name in ("triton", "reference")}
+        dtype, heads, kv_heads, dim, rotary_dim, gated
+    )
+    caches = {
+        name: [torch.zeros(4, 10, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+        for name in ("triton", "reference")
+    }
     got = attention_inputs(q, k, v, qw, kw, 1e-6, offset, cos, sin, *caches["triton"], slots, positions)
-    want = ref.attention_inputs(q, k, v, qw, kw, 1e-6, offset, cos, sin, *caches["reference"], slots,
-                                positions)
+    want = ref.attention_inputs(
+        q, k, v, qw, kw, 1e-6, offset, cos, sin, *caches["reference"], slots, positions
+    )
     assert_close(got, want, dtype)
     (k_got, v_got), (k_want, v_want) = caches["triton"], caches["reference"]
     assert_close(k_got, k_want, dtype)
@@ -261,8 +279,10 @@ def test_attention_inputs_equal_the_reference(dtype, heads, kv_heads, dim, rotar
     assert (k_got[~written] == 0).all() and (v_got[~written] == 0).all()  # no stray write
     # keys and values alone (the draft's context rows): the same cache contents
     k_only, v_only = torch.zeros_like(k_got), torch.zeros_like(v_got)
-    assert attention_inputs(None, k, v, None, kw, 1e-6, offset, cos, sin, k_only, v_only, slots,
-                            positions) is None
+    assert (
+        attention_inputs(None, k, v, None, kw, 1e-6, offset, cos, sin, k_only, v_only, slots, positions)
+        is None
+    )
     assert torch.equal(k_only, k_got) and torch.equal(v_only, v_got)
 
 
@@ -298,8 +318,9 @@ def test_copy_rows_and_conv_state_at_equal_the_reference() -> None:
 
 # ----------------------------------------------------------------------------- attention
 def cache(dtype, slots: int = 3, length: int = 150, kv_heads: int = 2, dim: int = 24):
-    return rand(slots, length, kv_heads, dim, dtype=dtype), rand(slots, length, kv_heads, dim,
-                                                                  dtype=dtype, seed=1)
+    return rand(slots, length, kv_heads, dim, dtype=dtype), rand(
+        slots, length, kv_heads, dim, dtype=dtype, seed=1
+    )
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
@@ -349,8 +370,7 @@ def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_state
     out, final = gated_delta(q, k, v, g, beta, state, valid, got_states)
     # the per-token recurrence, which the kernel follows step for step (padded tokens' outputs
     # included; the chunked reference the CPU runs gives its own there)
-    want_out, want_final = ref.gated_delta_recurrent(q, k, v, g, beta, state, valid,
-                                                     want_states)
+    want_out, want_final = ref.gated_delta_recurrent(q, k, v, g, beta, state, valid, want_states)
     assert_close(out, want_out, torch.float32)
     assert_close(final, want_final, torch.float32)
     assert_close(got_states, want_states, torch.float32)
@@ -419,8 +439,9 @@ def test_gated_delta_steps_give_the_same_bits_as_one_block() -> None:
     block_out, block_final = gated_delta(q, k, v, g, beta, state)
     s = state
     for t in range(4):
-        out, s = gated_delta(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
-                             beta[:, t : t + 1], s)
+        out, s = gated_delta(
+            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], s
+        )
         assert torch.equal(out[:, 0], block_out[:, t])
     assert torch.equal(s, block_final)
 
@@ -456,15 +477,23 @@ def test_a_whole_model_runs_through_the_triton_table(tiny_checkpoint) -> None:
 
     target_dir = tiny_checkpoint("qwen3_5")
     target = load_target(target_dir, dtype=torch.float32, device=DEVICE)
-    draft = load_draft(make_tiny_draft(target_dir.parent / "triton_table_draft", target_dir,
-                                       block_size=4), target)
+    draft = load_draft(
+        make_tiny_draft(target_dir.parent / "triton_table_draft", target_dir, block_size=4), target
+    )
     prompt = torch.tensor([[5, 9, 3, 77, 12, 40, 8]], device=DEVICE)
     slots = torch.tensor([0], device=DEVICE)
     results = {}
     for ops in (kernels.TORCH, TRITON):
         state = new_state(target, 16)
-        out = target(prompt, torch.arange(7, device=DEVICE)[None], slots, state, 7,
-                     capture_layers=draft.config.target_layer_ids, ops=ops)
+        out = target(
+            prompt,
+            torch.arange(7, device=DEVICE)[None],
+            slots,
+            state,
+            7,
+            capture_layers=draft.config.target_layer_ids,
+            ops=ops,
+        )
         step = target(prompt[:, :1], torch.tensor([[7]], device=DEVICE), slots, state, 8, ops=ops)
         dstate = DraftState(draft.config, 1, 16, torch.float32, DEVICE)
         draft.append_context(out.features, torch.arange(7, device=DEVICE)[None], slots, dstate, ops)

@@ -69,13 +69,15 @@ def test_attention_bits_alone_in_a_verify_block_and_in_a_batch(heads: int, kv_he
     k_cache = randn(slots, length, kv_heads, dim, seed=1)
     v_cache = randn(slots, length, kv_heads, dim, seed=2)
     q = randn(3, B, heads, dim, seed=3)
-    positions = torch.tensor([[1000 + t for t in range(B)], [5 + t for t in range(B)],
-                              [1500 + t for t in range(B)]], device="cuda")
+    positions = torch.tensor(
+        [[1000 + t for t in range(B)], [5 + t for t in range(B)], [1500 + t for t in range(B)]], device="cuda"
+    )
     slot_ids = torch.tensor([2, 0, 3], device="cuda")
     block = attention(q, k_cache, v_cache, slot_ids, positions, 1516, dim**-0.5)
     for t in (0, 7, 15):  # decode of one token alone, row 0
-        alone = attention(q[:1, t : t + 1], k_cache, v_cache, slot_ids[:1], positions[:1, t : t + 1],
-                          1001 + t, dim**-0.5)
+        alone = attention(
+            q[:1, t : t + 1], k_cache, v_cache, slot_ids[:1], positions[:1, t : t + 1], 1001 + t, dim**-0.5
+        )
         assert torch.equal(alone[0, 0], block[0, t]), f"token {t} of the block moved"
     one_row = attention(q[:1], k_cache, v_cache, slot_ids[:1], positions[:1], 1016, dim**-0.5)
     assert torch.equal(one_row[0], block[0])
@@ -97,8 +99,9 @@ def test_gated_delta_bits_per_token_and_per_block() -> None:
     out, final = gated_delta(q, k, v, g, beta, s0, torch.full((b,), T, device="cuda"), states)
     s = s0[:1]
     for t in range(T):  # row 0 decoded one token at a time, alone
-        o, s = gated_delta(q[:1, t : t + 1], k[:1, t : t + 1], v[:1, t : t + 1], g[:1, t : t + 1],
-                           beta[:1, t : t + 1], s)
+        o, s = gated_delta(
+            q[:1, t : t + 1], k[:1, t : t + 1], v[:1, t : t + 1], g[:1, t : t + 1], beta[:1, t : t + 1], s
+        )
         assert torch.equal(o[0, 0], out[0, t]) and torch.equal(s[0], states[0, t])
     assert torch.equal(s[0], final[0])
     want_out, want_final = ref.gated_delta(q, k, v, g, beta, s0)

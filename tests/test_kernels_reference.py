@@ -20,8 +20,9 @@ from reference_engine.kernels.reference import (
 ATOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
-def delta_inputs(batch: int, T: int, dtype: torch.dtype, seed: int = 0, heads: int = 3,
-                 k_dim: int = 16, v_dim: int = 24):
+def delta_inputs(
+    batch: int, T: int, dtype: torch.dtype, seed: int = 0, heads: int = 3, k_dim: int = 16, v_dim: int = 24
+):
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -41,15 +42,19 @@ def states_buffer(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize(("T", "chunk", "valid"), [
-    (2, 64, [1, 2, 2]),  # the smallest verify block
-    (8, 64, [8, 1, 5]),  # a B = 8 verify, rows of different lengths
-    (16, 64, [0, 16, 9]),  # a row with no real token keeps its state
-    (70, 16, [70, 33, 16]),  # more tokens than a chunk: rows end in different chunks
-    (45, 64, None),  # a prefill chunk, every token real
-])
+@pytest.mark.parametrize(
+    ("T", "chunk", "valid"),
+    [
+        (2, 64, [1, 2, 2]),  # the smallest verify block
+        (8, 64, [8, 1, 5]),  # a B = 8 verify, rows of different lengths
+        (16, 64, [0, 16, 9]),  # a row with no real token keeps its state
+        (70, 16, [70, 33, 16]),  # more tokens than a chunk: rows end in different chunks
+        (45, 64, None),  # a prefill chunk, every token real
+    ],
+)
 def test_chunked_form_equals_the_recurrence_with_padded_rows_and_per_token_states(
-        dtype: torch.dtype, T: int, chunk: int, valid: list[int] | None) -> None:
+    dtype: torch.dtype, T: int, chunk: int, valid: list[int] | None
+) -> None:
     q, k, v, g, beta, state = delta_inputs(3, T, dtype)
     valid_len = None if valid is None else torch.tensor(valid)
     want_states, got_states = states_buffer(q, v), states_buffer(q, v)
@@ -78,7 +83,8 @@ def test_the_final_state_without_per_token_states_is_the_same(dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_rerun_over_the_processed_tokens_reaches_the_per_token_state_bit_for_bit(
-        dtype: torch.dtype) -> None:
+    dtype: torch.dtype,
+) -> None:
     """The `recompute` commit reruns a verify block with fewer real tokens; it must land on
     the very state the `per_token` commit picks from the verify's per-token states."""
     q, k, v, g, beta, state = delta_inputs(3, 8, dtype, seed=2)

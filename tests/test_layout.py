@@ -61,8 +61,9 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> tuple[dict[str, set[s
     known = set(modules)
     for module, path in modules.items():
         raw[module] = imported_names(module, path)
-        edges[module] = {name for name in imported_names(module, path, known)
-                         if name in modules and name != module}
+        edges[module] = {
+            name for name in imported_names(module, path, known) if name in modules and name != module
+        }
     return edges, raw
 
 
@@ -76,7 +77,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -95,13 +96,16 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def violations(raw: dict[str, set[str]], source: str, forbidden: tuple[str, ...]) -> list[str]:
     """'module -> name' for every import by a module under `source` of a name under `forbidden`."""
+
     def under(name: str, prefix: str) -> bool:
         return name == prefix or name.startswith(prefix + ".")
 
     return sorted(
         f"{module} -> {name}"
-        for module, names in raw.items() if under(module, source)
-        for name in names if any(under(name, f) for f in forbidden)
+        for module, names in raw.items()
+        if under(module, source)
+        for name in names
+        if any(under(name, f) for f in forbidden)
     )
 
 
@@ -127,8 +131,9 @@ def test_the_cycle_finder_finds_a_deliberately_added_cycle(tmp_path: Path) -> No
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .sub.b import thing\n")
-    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\n"
-                                      "if TYPE_CHECKING:\n    from ..c import other\n")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import other\n"
+    )
     (pkg / "c.py").write_text("def f():\n    from . import a\n")
     edges, _ = import_graph(tmp_path, ("pkg",))
     assert find_cycle(edges) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
@@ -147,15 +152,38 @@ def test_the_cycle_finder_finds_a_deliberately_added_cycle(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("source", "forbidden"),
     [
-        ("reference_engine.models", ("reference_engine.runtime", "reference_engine.serving",
-                                     "reference_engine.training", "reference_engine.checkpoint")),
-        ("reference_engine.runtime", ("reference_engine.serving", "reference_engine.training",
-                                      "reference_engine.generate", "reference_engine.bench",
-                                      "reference_engine.serve", "reference_engine.engine_args",
-                                      "reference_engine.checkpoint")),
-        ("reference_engine.kernels", ("reference_engine.config", "reference_engine.models",
-                                      "reference_engine.runtime", "reference_engine.serving",
-                                      "reference_engine.errors", "reference_engine.checkpoint")),
+        (
+            "reference_engine.models",
+            (
+                "reference_engine.runtime",
+                "reference_engine.serving",
+                "reference_engine.training",
+                "reference_engine.checkpoint",
+            ),
+        ),
+        (
+            "reference_engine.runtime",
+            (
+                "reference_engine.serving",
+                "reference_engine.training",
+                "reference_engine.generate",
+                "reference_engine.bench",
+                "reference_engine.serve",
+                "reference_engine.engine_args",
+                "reference_engine.checkpoint",
+            ),
+        ),
+        (
+            "reference_engine.kernels",
+            (
+                "reference_engine.config",
+                "reference_engine.models",
+                "reference_engine.runtime",
+                "reference_engine.serving",
+                "reference_engine.errors",
+                "reference_engine.checkpoint",
+            ),
+        ),
         ("reference_engine", ("harness", "gates", "reports", "tests")),
         ("harness", ("reference_engine", "gates", "torch")),  # it may build a report
         ("reports", ("reference_engine", "harness", "gates", "torch")),
@@ -172,25 +200,56 @@ RUNTIME = "reference_engine.runtime"
 # (how a forward runs: graph or eager) and the speculative step; none of them reaches up
 RUNTIME_LAYERS = [
     (f"{RUNTIME}.oracle", (RUNTIME,)),  # below everything in the runtime
-    (f"{RUNTIME}.forwards", (f"{RUNTIME}.graphs", f"{RUNTIME}.model_runner", f"{RUNTIME}.engine",
-                             f"{RUNTIME}.scheduler", f"{RUNTIME}.speculative_step")),
-    (f"{RUNTIME}.graphs", (f"{RUNTIME}.model_runner", f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
-                           f"{RUNTIME}.speculative_step", f"{RUNTIME}.one_request")),
-    (f"{RUNTIME}.model_runner", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
-                                 f"{RUNTIME}.speculative_step", f"{RUNTIME}.one_request")),
-    (f"{RUNTIME}.scheduler", (f"{RUNTIME}.engine", f"{RUNTIME}.model_runner", f"{RUNTIME}.graphs",
-                              f"{RUNTIME}.forwards", f"{RUNTIME}.speculative_step",
-                              f"{RUNTIME}.one_request", "torch")),
-    (f"{RUNTIME}.speculative_step", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler",
-                              f"{RUNTIME}.one_request")),
+    (
+        f"{RUNTIME}.forwards",
+        (
+            f"{RUNTIME}.graphs",
+            f"{RUNTIME}.model_runner",
+            f"{RUNTIME}.engine",
+            f"{RUNTIME}.scheduler",
+            f"{RUNTIME}.speculative_step",
+        ),
+    ),
+    (
+        f"{RUNTIME}.graphs",
+        (
+            f"{RUNTIME}.model_runner",
+            f"{RUNTIME}.engine",
+            f"{RUNTIME}.scheduler",
+            f"{RUNTIME}.speculative_step",
+            f"{RUNTIME}.one_request",
+        ),
+    ),
+    (
+        f"{RUNTIME}.model_runner",
+        (
+            f"{RUNTIME}.engine",
+            f"{RUNTIME}.scheduler",
+            f"{RUNTIME}.speculative_step",
+            f"{RUNTIME}.one_request",
+        ),
+    ),
+    (
+        f"{RUNTIME}.scheduler",
+        (
+            f"{RUNTIME}.engine",
+            f"{RUNTIME}.model_runner",
+            f"{RUNTIME}.graphs",
+            f"{RUNTIME}.forwards",
+            f"{RUNTIME}.speculative_step",
+            f"{RUNTIME}.one_request",
+            "torch",
+        ),
+    ),
+    (f"{RUNTIME}.speculative_step", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler", f"{RUNTIME}.one_request")),
     (f"{RUNTIME}.engine", (f"{RUNTIME}.one_request",)),
 ]
 
 
-@pytest.mark.parametrize(("source", "forbidden"), RUNTIME_LAYERS,
-                         ids=[source.rsplit(".", 1)[1] for source, _ in RUNTIME_LAYERS])
-def test_the_runtime_layers_import_downward_only(graph, source: str,
-                                                  forbidden: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("source", "forbidden"), RUNTIME_LAYERS, ids=[source.rsplit(".", 1)[1] for source, _ in RUNTIME_LAYERS]
+)
+def test_the_runtime_layers_import_downward_only(graph, source: str, forbidden: tuple[str, ...]) -> None:
     _, raw = graph
     assert violations(raw, source, forbidden) == []
 
@@ -200,14 +259,19 @@ def test_a_planted_upward_import_in_the_runtime_is_seen(tmp_path: Path) -> None:
     reaching for the model runner."""
     import shutil
 
-    shutil.copytree(ROOT / "reference_engine", tmp_path / "reference_engine",
-                    ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    shutil.copytree(
+        ROOT / "reference_engine",
+        tmp_path / "reference_engine",
+        ignore=shutil.ignore_patterns("assets", "__pycache__"),
+    )
     scheduler = tmp_path / "reference_engine" / "runtime" / "scheduler.py"
     scheduler.write_text(scheduler.read_text() + "\nfrom .model_runner import ModelRunner\n")
     _, raw = import_graph(tmp_path, ("reference_engine",))
     found = [v for source, forbidden in RUNTIME_LAYERS for v in violations(raw, source, forbidden)]
-    assert found == [f"{RUNTIME}.scheduler -> {RUNTIME}.model_runner",
-                     f"{RUNTIME}.scheduler -> {RUNTIME}.model_runner.ModelRunner"]
+    assert found == [
+        f"{RUNTIME}.scheduler -> {RUNTIME}.model_runner",
+        f"{RUNTIME}.scheduler -> {RUNTIME}.model_runner.ModelRunner",
+    ]
 
 
 def test_kernels_import_only_torch_triton_and_themselves(graph) -> None:
@@ -215,7 +279,8 @@ def test_kernels_import_only_torch_triton_and_themselves(graph) -> None:
     stdlib = set(sys.stdlib_module_names)
     bad = sorted(
         f"{module} -> {name}"
-        for module, names in raw.items() if module.startswith("reference_engine.kernels")
+        for module, names in raw.items()
+        if module.startswith("reference_engine.kernels")
         for name in names
         if name.split(".")[0] not in {"torch", "triton", "__future__"} | stdlib
         and not name.startswith("reference_engine.kernels")
@@ -224,23 +289,35 @@ def test_kernels_import_only_torch_triton_and_themselves(graph) -> None:
 
 
 def test_the_direction_check_sees_a_forbidden_import() -> None:
-    raw = {"reference_engine.models.layers": {"torch", "reference_engine.runtime.state"},
-           "reference_engine.runtime.engine": {"reference_engine.models"}}
+    raw = {
+        "reference_engine.models.layers": {"torch", "reference_engine.runtime.state"},
+        "reference_engine.runtime.engine": {"reference_engine.models"},
+    }
     assert violations(raw, "reference_engine.models", ("reference_engine.runtime",)) == [
-        "reference_engine.models.layers -> reference_engine.runtime.state"]
+        "reference_engine.models.layers -> reference_engine.runtime.state"
+    ]
 
 
 def test_no_planted_fault_branch_in_the_engine() -> None:
-    found = subprocess.run(["git", "grep", "-n", "fault ==", "--", "reference_engine"], cwd=ROOT,
-                           capture_output=True, text=True)
+    found = subprocess.run(
+        ["git", "grep", "-n", "fault ==", "--", "reference_engine"], cwd=ROOT, capture_output=True, text=True
+    )
     assert found.returncode == 1 and found.stdout == "", found.stdout
 
 
-@pytest.mark.parametrize("module", ["reference_engine.serve", "reference_engine.generate",
-                                    "reference_engine.checkpoint", "reference_engine.bench"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "reference_engine.serve",
+        "reference_engine.generate",
+        "reference_engine.checkpoint",
+        "reference_engine.bench",
+    ],
+)
 def test_entry_points_keep_their_names(module: str) -> None:
-    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
 

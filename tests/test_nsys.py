@@ -19,8 +19,10 @@ from reports.phases import STEP, breakdown, from_capture
 FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
 LABELS = sorted(p.name[: -len("_nvtx_sum.csv")] for p in FIXTURES.glob("*_nvtx_sum.csv"))
 GENERATING = "Generating SQLite file {label}.sqlite from {label}.nsys-rep\n"
-PROCESSING = ("Processing [{label}.sqlite] with [/opt/nvidia/nsight-systems/2025.3.1/host-linux-x64/"
-              "reports/{report}.py]... \n")
+PROCESSING = (
+    "Processing [{label}.sqlite] with [/opt/nvidia/nsight-systems/2025.3.1/host-linux-x64/"
+    "reports/{report}.py]... \n"
+)
 
 
 def rows(label: str, report: str) -> list[dict[str, str]]:
@@ -75,8 +77,11 @@ def test_host_and_gpu_times_per_phase_equal_the_files(label: str) -> None:
     assert capture.ranges["total_ms"].to_dict() == pytest.approx(host, rel=1e-12)
     gpu = expected_ms(label, "nvtx_gpu_proj_sum", "Total Proj Time (ns)")
     assert capture.gpu["gpu_ms"].to_dict() == pytest.approx(gpu, rel=1e-12)
-    instances = {r["Range"].removeprefix("dflash:"): int(r["Instances"])
-                 for r in rows(label, "nvtx_sum") if r["Range"].startswith("dflash:")}
+    instances = {
+        r["Range"].removeprefix("dflash:"): int(r["Instances"])
+        for r in rows(label, "nvtx_sum")
+        if r["Range"].startswith("dflash:")
+    }
     assert capture.ranges["instances"].astype(int).to_dict() == instances
 
 
@@ -98,8 +103,11 @@ def test_columns_in_another_order_parse_the_same(tmp_path: Path) -> None:
         with open(FIXTURES / f"dflash-c1_{report}.csv", newline="") as f:
             header, *body = list(csv.reader(f))
         order = list(reversed(range(len(header))))
-        write_csv(tmp_path / f"dflash-c1_{report}.csv", [header[i] for i in order],
-                  [[r[i] for i in order] for r in body])
+        write_csv(
+            tmp_path / f"dflash-c1_{report}.csv",
+            [header[i] for i in order],
+            [[r[i] for i in order] for r in body],
+        )
     moved, original = load_capture(tmp_path, "dflash-c1"), load_capture(FIXTURES, "dflash-c1")
     pd.testing.assert_frame_equal(moved.ranges, original.ranges)
     pd.testing.assert_frame_equal(moved.gpu, original.gpu)
@@ -109,8 +117,11 @@ def test_columns_in_another_order_parse_the_same(tmp_path: Path) -> None:
 def test_a_preamble_before_the_header_is_skipped(tmp_path: Path) -> None:
     for report in REPORTS:
         text = (FIXTURES / f"plain-c1_{report}.csv").read_text()
-        preamble = ("NOTICE: Existing SQLite export found.\n" + GENERATING.format(label="plain-c1")
-                    + PROCESSING.format(label="plain-c1", report=report))
+        preamble = (
+            "NOTICE: Existing SQLite export found.\n"
+            + GENERATING.format(label="plain-c1")
+            + PROCESSING.format(label="plain-c1", report=report)
+        )
         (tmp_path / f"plain-c1_{report}.csv").write_text(preamble + text)
     with_preamble, original = load_capture(tmp_path, "plain-c1"), load_capture(FIXTURES, "plain-c1")
     pd.testing.assert_frame_equal(with_preamble.ranges, original.ranges)
@@ -144,9 +155,14 @@ def test_other_domains_are_dropped_and_the_default_domain_counts(tmp_path: Path)
         row[total], row[count], row[name] = str(ns), "3", range_name
         return row
 
-    body += [extra(":verify", 5_000_000), extra("PushPop:dflash:verify", 1_000_000),
-             extra("other:verify", 7_000_000), extra("NCCL:step", 9_000_000),
-             extra(":mixer: MoE", 11_000_000), extra("dflash:not_a_phase", 13_000_000)]
+    body += [
+        extra(":verify", 5_000_000),
+        extra("PushPop:dflash:verify", 1_000_000),
+        extra("other:verify", 7_000_000),
+        extra("NCCL:step", 9_000_000),
+        extra(":mixer: MoE", 11_000_000),
+        extra("dflash:not_a_phase", 13_000_000),
+    ]
     write_csv(path, header, body)
     ranges = load_capture(tmp_path, "dflash-c1").ranges
     original = load_capture(FIXTURES, "dflash-c1").ranges
@@ -156,20 +172,33 @@ def test_other_domains_are_dropped_and_the_default_domain_counts(tmp_path: Path)
     assert list(ranges.index) == list(original.index)
 
 
-@pytest.mark.parametrize(("name", "phase"), [
-    ("dflash:verify", "verify"), (":verify", "verify"), ("verify", "verify"),
-    ("dflash:step", "step"), ("PushPop:dflash:draft", "draft"), ("[StartEnd] :commit", "commit"),
-    ("Push/Pop: dflash:sample", "sample"), ("nccl:verify", None), (":mixer: MoE", None),
-    ("dflash:forward", None), (":dflash/draft", None), ("", None),
-])
+@pytest.mark.parametrize(
+    ("name", "phase"),
+    [
+        ("dflash:verify", "verify"),
+        (":verify", "verify"),
+        ("verify", "verify"),
+        ("dflash:step", "step"),
+        ("PushPop:dflash:draft", "draft"),
+        ("[StartEnd] :commit", "commit"),
+        ("Push/Pop: dflash:sample", "sample"),
+        ("nccl:verify", None),
+        (":mixer: MoE", None),
+        ("dflash:forward", None),
+        (":dflash/draft", None),
+        ("", None),
+    ],
+)
 def test_range_names_map_to_phases(name: str, phase: str | None) -> None:
     assert phase_of(name) == phase
 
 
 def test_time_units_come_from_the_header() -> None:
-    text = ("Time (%),Total Time (us),Instances,Avg (us),Style,Range\n"
-            "60.0,1500.5,3,500.2,PushPop,dflash:verify\n"
-            "40.0,1000,2,500,PushPop,dflash:draft\n")
+    text = (
+        "Time (%),Total Time (us),Instances,Avg (us),Style,Range\n"
+        "60.0,1500.5,3,500.2,PushPop,dflash:verify\n"
+        "40.0,1000,2,500,PushPop,dflash:draft\n"
+    )
     table = read_table(text, "nvtx_sum")
     assert table["total_ms"].tolist() == pytest.approx([1.5005, 1.0])
     seconds = read_table(text.replace("(us)", "(s)"), "nvtx_sum")
@@ -192,7 +221,8 @@ def test_an_absent_or_skipped_report_is_missing_not_fatal(tmp_path: Path) -> Non
     copy_label("plain-c1", tmp_path)
     (tmp_path / "plain-c1_cuda_gpu_kern_sum.csv").unlink()
     (tmp_path / "plain-c1_nvtx_gpu_proj_sum.csv").write_text(
-        "SKIPPED: plain-c1.sqlite does not contain GPU projection data.\n")
+        "SKIPPED: plain-c1.sqlite does not contain GPU projection data.\n"
+    )
     capture = load_capture(tmp_path, "plain-c1")
     assert capture.missing == ("nvtx_gpu_proj_sum", "cuda_gpu_kern_sum")
     assert capture.ranges is not None and capture.gpu is None and capture.kernels is None

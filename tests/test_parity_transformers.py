@@ -102,8 +102,9 @@ class Trace:
 
 
 @torch.inference_mode()
-def run_both(path: Path, shape: Shape, dtype: torch.dtype,
-             plant: Callable[[torch.nn.Module], None] | None = None) -> Trace:
+def run_both(
+    path: Path, shape: Shape, dtype: torch.dtype, plant: Callable[[torch.nn.Module], None] | None = None
+) -> Trace:
     """`plant` breaks one layer of our model first (the planted-fault tests)."""
     hf = hf_class(shape.arch).from_pretrained(path, dtype=dtype, attn_implementation="eager")
     hf.eval()
@@ -116,9 +117,7 @@ def run_both(path: Path, shape: Shape, dtype: torch.dtype,
     forced = torch.randint(0, vocab, (DECODE_STEPS,), generator=gen).tolist()
 
     state = new_state(ours, PROMPT_LEN + DECODE_STEPS)
-    out = ours(
-        prompt[None], torch.arange(PROMPT_LEN)[None], torch.tensor([0]), state, kv_len=PROMPT_LEN
-    )
+    out = ours(prompt[None], torch.arange(PROMPT_LEN)[None], torch.tensor([0]), state, kv_len=PROMPT_LEN)
     state.lengths[0] = PROMPT_LEN
     hf_out = hf(input_ids=prompt[None], use_cache=True)
     ours_prefill, hf_prefill = out.logits[0], hf_out.logits[0]
@@ -152,9 +151,7 @@ def run_both(path: Path, shape: Shape, dtype: torch.dtype,
     params=[(s, d) for s in SHAPES for d in DTYPES],
     ids=[f"{s.id}-{str(d).removeprefix('torch.')}" for s in SHAPES for d in DTYPES],
 )
-def case(
-    request: pytest.FixtureRequest, tiny_checkpoint: Callable[..., Path]
-) -> tuple[Trace, torch.dtype]:
+def case(request: pytest.FixtureRequest, tiny_checkpoint: Callable[..., Path]) -> tuple[Trace, torch.dtype]:
     shape, dtype = request.param
     path = tiny_checkpoint(
         shape.arch,
@@ -186,9 +183,7 @@ def test_decode_logits_match_transformers_cache_for_every_step(
 ) -> None:
     trace, dtype = case
     assert trace.ours_decode.shape == (DECODE_STEPS, 512)
-    per_step = [
-        relative_error(o, h) for o, h in zip(trace.ours_decode, trace.hf_decode, strict=True)
-    ]
+    per_step = [relative_error(o, h) for o, h in zip(trace.ours_decode, trace.hf_decode, strict=True)]
     worst = max(range(DECODE_STEPS), key=per_step.__getitem__)
     assert per_step[worst] <= REL_TOL[dtype], (
         f"decode step {worst}: relative error {per_step[worst]:.3g} > {REL_TOL[dtype]}"
@@ -246,8 +241,13 @@ def test_parity_gate_fails_on_a_deliberately_broken_layer(
     arch: str, plant: Callable[[torch.nn.Module], None], tiny_checkpoint: Callable[..., Path]
 ) -> None:
     shape = next(s for s in SHAPES if s.arch == arch)
-    path = tiny_checkpoint(arch, seed=shape.seed, layers=shape.layers, hidden=shape.hidden,
-                           tie_word_embeddings=shape.tie_word_embeddings)
+    path = tiny_checkpoint(
+        arch,
+        seed=shape.seed,
+        layers=shape.layers,
+        hidden=shape.hidden,
+        tie_word_embeddings=shape.tie_word_embeddings,
+    )
     trace = run_both(path, shape, torch.float64, plant)
     err = relative_error(trace.ours_prefill, trace.hf_prefill)
     assert err > 100 * REL_TOL[torch.float64], f"{plant.__name__} went unnoticed ({err:.3g})"

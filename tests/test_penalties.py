@@ -12,8 +12,7 @@ from reference_engine.runtime.request import SamplingParams
 
 def test_penalties_count_generated_tokens_and_bias_adds() -> None:
     logits = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
-                            logit_bias=((0, 10.0), (3, -1.0)))
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((0, 10.0), (3, -1.0)))
     out = apply_penalties(logits, [2, 2, 3], params)
     # token 2: twice -> 3 - 0.5 - 0.5; token 3: once -> 4 - 0.5 - 0.25 - 1; token 0: + 10
     assert out.tolist() == [11.0, 2.0, 2.0, 2.25]
@@ -26,8 +25,15 @@ def test_nothing_to_apply_returns_the_same_row() -> None:
     assert apply_penalties(logits, [], SamplingParams(presence_penalty=1.0)) is logits
 
 
-@pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
-                                    {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3.0},
+        {"logit_bias": ((1, 101.0),)},
+        {"logit_bias": ((-1, 1.0),)},
+    ],
+)
 def test_out_of_range_values_are_refused(kwargs: dict) -> None:
     with pytest.raises(RequestError):
         SamplingParams(**kwargs)

@@ -67,8 +67,7 @@ def test_the_nesting_is_the_engines(tiny_checkpoint, tmp_path: Path) -> None:
         fake = FakeNvtx()
         engine = Engine(target, spec, EngineConfig(max_num_seqs=2), NvtxRanges(True, fake))
         oracle = OracleProposer(list(range(100, 120)), [2], 512) if spec else None
-        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True),
-                           oracle=oracle)
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), oracle=oracle)
         while engine.has_unfinished():
             engine.step()
         for name, where in parents(fake.events).items():
@@ -82,16 +81,36 @@ def test_the_nesting_is_the_engines(tiny_checkpoint, tmp_path: Path) -> None:
 
 def test_other_closes_the_sum_and_nested_phases_stay_out_of_it() -> None:
     times = PhaseTimes(
-        label="dflash-c4", mode="dflash", concurrency=4, source="nsys", step_ms=100.0,
-        phase_ms={"schedule": 1.0, "prefill": 9.0, "draft": 20.0, "verify": 40.0,
-                  "accept": 10.0, "commit": 15.0, "sample": 2.0},
+        label="dflash-c4",
+        mode="dflash",
+        concurrency=4,
+        source="nsys",
+        step_ms=100.0,
+        phase_ms={
+            "schedule": 1.0,
+            "prefill": 9.0,
+            "draft": 20.0,
+            "verify": 40.0,
+            "accept": 10.0,
+            "commit": 15.0,
+            "sample": 2.0,
+        },
         instances={STEP: 10, "draft": 10, "sample": 4},
         gpu_ms={STEP: 90.0, "draft": 25.0, "verify": 45.0},
         output_tokens=50,
     )
     table = breakdown(times)
-    assert list(table.index) == ["schedule", "prefill", "draft", "verify", "accept", "commit",
-                                 OTHER, "sample", STEP]
+    assert list(table.index) == [
+        "schedule",
+        "prefill",
+        "draft",
+        "verify",
+        "accept",
+        "commit",
+        OTHER,
+        "sample",
+        STEP,
+    ]
     assert table.loc[OTHER, "total_ms"] == pytest.approx(5.0)
     assert table[table.summed]["total_ms"].sum() == pytest.approx(100.0)
     assert table.loc["sample", "inside"] == "prefill, decode"
@@ -108,11 +127,28 @@ def cpu_bench_csv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real engine benchmark on the CPU: a small random Qwen3 shape, tiny lengths."""
     directory = tmp_path_factory.mktemp("profile")
     with contextlib.redirect_stdout(io.StringIO()):
-        code = bench.main([
-            "--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
-            "--concurrency", "1,2", "--repeats", "1", "--input-len", "8", "--output-len", "8",
-            "--oracle-acceptance", "4", "--out", str(directory / "bench.csv"),
-        ])
+        code = bench.main(
+            [
+                "--random-shape",
+                "qwen3-small",
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+                "--concurrency",
+                "1,2",
+                "--repeats",
+                "1",
+                "--input-len",
+                "8",
+                "--output-len",
+                "8",
+                "--oracle-acceptance",
+                "4",
+                "--out",
+                str(directory / "bench.csv"),
+            ]
+        )
     assert code == 0
     return directory
 
@@ -134,8 +170,11 @@ def test_a_cpu_benchmark_csv_breaks_down_to_its_step_time(cpu_bench_csv: Path) -
         assert times.output_tokens == row["output_tokens"]
         speculative = {"draft", "verify", "accept", "commit"}
         ran = set(table.index) - {OTHER, STEP, "sample"}
-        assert ran == ({"schedule", "prefill", "decode"} if row["mode"] == "plain"
-                       else {"schedule", "prefill"} | speculative)
+        assert ran == (
+            {"schedule", "prefill", "decode"}
+            if row["mode"] == "plain"
+            else {"schedule", "prefill"} | speculative
+        )
 
 
 def test_benchmark_rows_of_other_csvs_and_older_benchmarks_are_ignored(tmp_path: Path) -> None:
@@ -150,9 +189,18 @@ def test_benchmark_rows_of_other_csvs_and_older_benchmarks_are_ignored(tmp_path:
 
 
 def test_a_gpu_benchmark_row_says_its_phases_are_cuda_event_time() -> None:
-    row = {"mode": "dflash", "concurrency": 8, "ms_step": 10.0, "ms_verify": 6.0,
-           "ms_draft": 3.0, "phase_clock": "cuda_events", "steps": 4, "output_tokens": 20,
-           "repeats": 3, "file": "bench.csv"}
+    row = {
+        "mode": "dflash",
+        "concurrency": 8,
+        "ms_step": 10.0,
+        "ms_verify": 6.0,
+        "ms_draft": 3.0,
+        "phase_clock": "cuda_events",
+        "steps": 4,
+        "output_tokens": 20,
+        "repeats": 3,
+        "file": "bench.csv",
+    }
     times = from_bench_row(row)
     assert any("CUDA-event time" in note for note in times.notes)
     assert breakdown(times).loc[OTHER, "total_ms"] == pytest.approx(1.0)

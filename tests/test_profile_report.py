@@ -21,12 +21,28 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
 SCRIPT = ROOT / "scripts" / "profile.sh"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-NSYS_FOLDERS = ("/opt/nvidia/nsight-systems/*/bin/nsys",
-                "/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys",
-                "/usr/local/cuda*/bin/nsys", "/usr/local/cuda*/nsight-systems*/bin/nsys")
-TINY_WORKLOAD = ["--random-shape", "qwen3-small", "--dtype", "float32", "--device", "cpu",
-                 "--input-len", "8", "--output-len", "8", "--repeats", "1",
-                 "--oracle-acceptance", "4"]
+NSYS_FOLDERS = (
+    "/opt/nvidia/nsight-systems/*/bin/nsys",
+    "/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys",
+    "/usr/local/cuda*/bin/nsys",
+    "/usr/local/cuda*/nsight-systems*/bin/nsys",
+)
+TINY_WORKLOAD = [
+    "--random-shape",
+    "qwen3-small",
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--input-len",
+    "8",
+    "--output-len",
+    "8",
+    "--repeats",
+    "1",
+    "--oracle-acceptance",
+    "4",
+]
 
 
 @pytest.fixture
@@ -36,8 +52,9 @@ def captures(tmp_path: Path) -> Path:
     return directory
 
 
-def test_the_cli_builds_profile_md_and_the_plot_from_nsys_csvs(captures: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_builds_profile_md_and_the_plot_from_nsys_csvs(
+    captures: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["profile", str(captures)]) == 0
     assert capsys.readouterr().out.strip() == str(captures / "profile.md")
     text = (captures / "profile.md").read_text()
@@ -73,7 +90,7 @@ def test_kernel_time_past_the_step_time_is_flagged_as_work_outside_the_steps(
     text = (captures / "profile.md").read_text()
     flagged = [line for line in text.splitlines() if "More kernel time than step time" in line]
     assert len(flagged) == 1
-    dflash_c1 = text[text.index("### dflash-c1"):text.index("## Concurrency 8")]
+    dflash_c1 = text[text.index("### dflash-c1") : text.index("## Concurrency 8")]
     assert flagged[0] in dflash_c1 and flagged[0].startswith("All kernels: ")
 
 
@@ -93,21 +110,29 @@ def test_without_token_counts_the_tables_are_in_ms_and_the_plot_per_step(capture
 
 
 def test_a_directory_with_nothing_to_profile_exits_2_with_one_error_line(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "reports", "profile", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "reports", "profile", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("error: nothing to profile") and len(done.stderr.splitlines()) == 1
 
 
 def run_script(args: list[str], env: dict[str, str], timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["/bin/bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(
+        ["/bin/bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout
+    )
 
 
 def test_without_nsys_the_script_says_how_to_get_it_and_exits_2(tmp_path: Path) -> None:
-    done = run_script(["--out", str(tmp_path / "out"), *TINY_WORKLOAD],
-                      {"PATH": str(tmp_path / "empty"), "NSYS": str(tmp_path / "nowhere" / "nsys")})
+    done = run_script(
+        ["--out", str(tmp_path / "out"), *TINY_WORKLOAD],
+        {"PATH": str(tmp_path / "empty"), "NSYS": str(tmp_path / "nowhere" / "nsys")},
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: nsys (Nsight Systems) not found: NSYS=")
     assert "install Nsight Systems" in done.stderr and "make profile NSYS=none" in done.stderr
@@ -122,8 +147,7 @@ def test_with_nsys_nowhere_the_script_lists_where_it_looked(tmp_path: Path) -> N
 
 
 def test_workload_arguments_the_script_owns_are_refused(tmp_path: Path) -> None:
-    done = run_script([*TINY_WORKLOAD, "--concurrency", "4"], {"PATH": os.environ["PATH"],
-                                                                "NSYS": "none"})
+    done = run_script([*TINY_WORKLOAD, "--concurrency", "4"], {"PATH": os.environ["PATH"], "NSYS": "none"})
     assert done.returncode == 2 and "--concurrency is set by scripts/profile.sh" in done.stderr
 
 

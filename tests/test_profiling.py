@@ -53,15 +53,18 @@ def test_a_dflash_run_emits_the_phase_ranges_in_order(tiny_checkpoint, tmp_path)
     fake = FakeNvtx()
     engine = Engine(target, draft, EngineConfig(max_num_seqs=2), NvtxRanges(True, fake))
     prompt = [5, 6, 7]
-    engine.add_request("a", prompt, SamplingParams(max_tokens=9, ignore_eos=True),
-                       oracle=OracleProposer(list(range(100, 120)), [3], 512))
+    engine.add_request(
+        "a",
+        prompt,
+        SamplingParams(max_tokens=9, ignore_eos=True),
+        oracle=OracleProposer(list(range(100, 120)), [3], 512),
+    )
     while engine.has_unfinished():
         engine.step()
     per_step = steps(fake.events)
     assert {name for step in per_step for name in step} <= set(RANGE_NAMES)
     # the prompt's last chunk and the first speculative step share the first engine step
-    assert per_step[0] == ["schedule", "prefill", "sample", "draft", "verify", "accept",
-                           "commit"]
+    assert per_step[0] == ["schedule", "prefill", "sample", "draft", "verify", "accept", "commit"]
     for step in per_step[1:]:
         assert step == ["schedule", "prefill", "draft", "verify", "accept", "commit"]
     assert len(per_step) == len(engine.collect("a").steps)

@@ -38,8 +38,10 @@ def test_the_verdict_comes_first_and_names_the_sides_with_the_speedup(tmp_path) 
     assert text.index("## Verdict") < text.index("## Run") < text.index("## Results by concurrency")
     part = verdict(text)
     assert "A is **plain**, B is **dflash**." in part
-    assert ("Concurrency 1: dflash delivers 2.24x the output throughput of plain "
-            "(95% interval 2.21–2.28): dflash is faster.") in part
+    assert (
+        "Concurrency 1: dflash delivers 2.24x the output throughput of plain "
+        "(95% interval 2.21–2.28): dflash is faster."
+    ) in part
     assert "Concurrency 4: dflash delivers 2.12x" in part
     # B 4 repeat 1 request 0 failed: 2 concurrencies x 2 repeats x 3 requests - 1 = 11 pairs
     assert "Outputs identical: 11/11 requests" in part
@@ -49,8 +51,10 @@ def test_the_verdict_comes_first_and_names_the_sides_with_the_speedup(tmp_path) 
 
 def test_mismatched_outputs_are_counted_and_listed(tmp_path) -> None:
     directory = write_results(tmp_path / "run")
-    set_token_ids(directory, lambda r: [1, 2, 3] if (r["label"], r["concurrency"], r["index"])
-                  != ("B", 1, 2) else [1, 9, 3])
+    set_token_ids(
+        directory,
+        lambda r: [1, 2, 3] if (r["label"], r["concurrency"], r["index"]) != ("B", 1, 2) else [1, 9, 3],
+    )
     part = verdict(build_report(directory).read_text())
     assert "**Outputs differ**: 2 of 11 requests" in part
     assert "c=1 repeat 0 request 2 (first difference at output token 1)" in part
@@ -73,6 +77,7 @@ def sent(completed: int):
         # the fixture's one failed request is part of the 8 sent, as the harness counts
         row["completed"] = str(completed - int(row["failed"]))
         return row
+
     return change
 
 

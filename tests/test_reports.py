@@ -23,23 +23,35 @@ NOTE = "oracle acceptance 4.0 on a tiny random pair"
 STATS = ("mean", "median", "p90", "p99")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_token_ms", "itl_chunk_ms", "e2e_ms")
 # output tok/s per (label, concurrency): repeats 0 and 1; medians 102.5, 381.5, 230.0, 810.0
-THROUGHPUT = {("A", 1): (101.5, 103.5), ("A", 4): (380.0, 383.0),
-              ("B", 1): (229.0, 231.0), ("B", 4): (800.0, 820.0)}
+THROUGHPUT = {
+    ("A", 1): (101.5, 103.5),
+    ("A", 4): (380.0, 383.0),
+    ("B", 1): (229.0, 231.0),
+    ("B", 4): (800.0, 820.0),
+}
 
 
 def summary_row(label: str, concurrency: int, repeat: int, acceptance: bool) -> dict:
     spec = acceptance and label != "A"
     tokens_per_s = THROUGHPUT.get((label, concurrency), THROUGHPUT[("A", concurrency)])[repeat]
-    row = {"label": label, "concurrency": concurrency, "repeat": repeat, "completed": 8,
-           "failed": 1 if (label, concurrency, repeat) == ("B", 4, 1) else 0, "duration_s": 10.0,
-           "request_throughput": tokens_per_s / 128, "output_tokens_per_s": tokens_per_s,
-           "achieved_concurrency": concurrency * 0.95, "goodput_requests_per_s": "",
-           "acceptance_length": 3.5 + repeat * 0.25 if spec else "",
-           "acceptance_rate": 0.42 if spec else "",
-           "acceptance_per_position": json.dumps([0.9, 0.7, 0.5 - 0.1 * repeat]) if spec else "",
-           "acceptance_histogram": json.dumps({"1": 10, "2": 20, "4": 30 + repeat}) if spec else "",
-           "acceptance_source": "prometheus" if spec else "",
-           "errors": "HTTP 500: boom" if (label, concurrency, repeat) == ("B", 4, 1) else ""}
+    row = {
+        "label": label,
+        "concurrency": concurrency,
+        "repeat": repeat,
+        "completed": 8,
+        "failed": 1 if (label, concurrency, repeat) == ("B", 4, 1) else 0,
+        "duration_s": 10.0,
+        "request_throughput": tokens_per_s / 128,
+        "output_tokens_per_s": tokens_per_s,
+        "achieved_concurrency": concurrency * 0.95,
+        "goodput_requests_per_s": "",
+        "acceptance_length": 3.5 + repeat * 0.25 if spec else "",
+        "acceptance_rate": 0.42 if spec else "",
+        "acceptance_per_position": json.dumps([0.9, 0.7, 0.5 - 0.1 * repeat]) if spec else "",
+        "acceptance_histogram": json.dumps({"1": 10, "2": 20, "4": 30 + repeat}) if spec else "",
+        "acceptance_source": "prometheus" if spec else "",
+        "errors": "HTTP 500: boom" if (label, concurrency, repeat) == ("B", 4, 1) else "",
+    }
     scale = (2.0 if label == "A" else 1.0) * (1 + concurrency / 8)
     for i, metric in enumerate(LATENCIES):
         for j, stat in enumerate(STATS):
@@ -53,15 +65,32 @@ def request_rows(label: str, concurrency: int, repeat: int) -> list[dict]:
         tokens = [1, 3, 3, 1] if label == "B" else [1, 1, 1, 1]
         times = [0.05, 0.08, 0.11, 0.12] if label == "B" else [0.05, 0.06, 0.07, 0.08]
         failed = (label, concurrency, repeat, i) == ("B", 4, 1, 0)
-        rows.append({"label": label, "concurrency": concurrency, "repeat": repeat, "index": i,
-                     "success": not failed, "error": "HTTP 500: boom" if failed else None,
-                     "ttft_s": times[0], "e2e_s": times[-1], "chunk_times_s": times,
-                     "chunk_tokens": tokens, "output_tokens": sum(tokens)})
+        rows.append(
+            {
+                "label": label,
+                "concurrency": concurrency,
+                "repeat": repeat,
+                "index": i,
+                "success": not failed,
+                "error": "HTTP 500: boom" if failed else None,
+                "ttft_s": times[0],
+                "e2e_s": times[-1],
+                "chunk_times_s": times,
+                "chunk_tokens": tokens,
+                "output_tokens": sum(tokens),
+            }
+        )
     return rows
 
 
-def write_results(directory: Path, labels: tuple[str, ...] = ("A", "B"), acceptance: bool = True,
-                  ab: bool = True, requests: bool = True, meta: bool = True) -> Path:
+def write_results(
+    directory: Path,
+    labels: tuple[str, ...] = ("A", "B"),
+    acceptance: bool = True,
+    ab: bool = True,
+    requests: bool = True,
+    meta: bool = True,
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     points = [(label, c, r) for c in (1, 4) for r in (0, 1) for label in labels]
     rows = [summary_row(*point, acceptance=acceptance) for point in points]
@@ -72,8 +101,18 @@ def write_results(directory: Path, labels: tuple[str, ...] = ("A", "B"), accepta
     if ab:
         with (directory / "ab.csv").open("w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["metric", "concurrency", "a_median", "b_median", "ratio", "ci_low",
-                             "ci_high", "within_noise"])
+            writer.writerow(
+                [
+                    "metric",
+                    "concurrency",
+                    "a_median",
+                    "b_median",
+                    "ratio",
+                    "ci_low",
+                    "ci_high",
+                    "within_noise",
+                ]
+            )
             writer.writerow(["output_tokens_per_s", 1, 102.5, 230.0, 2.2439, 2.2101, 2.2784, "false"])
             writer.writerow(["output_tokens_per_s", 4, 381.5, 810.0, 2.1232, 2.0917, 2.1519, "false"])
             writer.writerow(["ttft_ms_median", 1, 36.25, 18.625, 0.5138, 0.4712, 1.0391, "true"])
@@ -84,11 +123,20 @@ def write_results(directory: Path, labels: tuple[str, ...] = ("A", "B"), accepta
                 for row in request_rows(*point):
                     f.write(json.dumps(row) + "\n")
     if meta:
-        (directory / "meta.json").write_text(json.dumps({
-            "notes": NOTE, "git_commit": "abc1234", "gpu": "NVIDIA H200",
-            "commands": {"A": "python -m reference_engine.serve --port 8001",
-                         "B": "python -m reference_engine.serve --port 8002 --draft tiny/draft"},
-            "versions": {"python": "3.12.3", "vllm": None}}))
+        (directory / "meta.json").write_text(
+            json.dumps(
+                {
+                    "notes": NOTE,
+                    "git_commit": "abc1234",
+                    "gpu": "NVIDIA H200",
+                    "commands": {
+                        "A": "python -m reference_engine.serve --port 8001",
+                        "B": "python -m reference_engine.serve --port 8002 --draft tiny/draft",
+                    },
+                    "versions": {"python": "3.12.3", "vllm": None},
+                }
+            )
+        )
     return directory
 
 
@@ -98,8 +146,14 @@ def results_dir(tmp_path: Path) -> Path:
 
 
 def test_cli_writes_report_with_tables_notes_definitions_and_plots(results_dir: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "reports", str(results_dir)], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "reports", str(results_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     report = results_dir / "report.md"
     assert done.stdout.strip() == str(report)
@@ -198,8 +252,14 @@ def test_acceptance_histogram_sums_and_per_position_takes_the_median_over_repeat
 
 
 def test_missing_directory_exits_2_with_one_error_line(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "reports", str(tmp_path / "nope")], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "reports", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("error:") and len(done.stderr.strip().splitlines()) == 1
     assert "does not exist" in done.stderr
@@ -219,8 +279,16 @@ def test_summary_without_label_column_is_an_error(tmp_path: Path) -> None:
 
 
 def test_reports_imports_no_torch_engine_or_harness() -> None:
-    code = ("import sys, reports.__main__; bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'reference_engine', 'harness')]; assert not bad, bad")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    code = (
+        "import sys, reports.__main__; bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'reference_engine', 'harness')]; assert not bad, bad"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr

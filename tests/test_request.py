@@ -53,8 +53,15 @@ def test_valid_prompt_passes() -> None:
         ([1] * 9, 1, r"the prompt has 9 tokens but the context holds 8"),
         ([1] * 4, 5, r"prompt \(4 tokens\) \+ max_tokens \(5\) = 9 exceeds the context of 8"),
     ],
-    ids=["empty", "id-equal-vocab", "negative-id", "float-id", "fills-context",
-         "past-context", "output-past-context"],
+    ids=[
+        "empty",
+        "id-equal-vocab",
+        "negative-id",
+        "float-id",
+        "fills-context",
+        "past-context",
+        "output-past-context",
+    ],
 )
 def test_invalid_prompt_is_rejected_with_what_was_wrong(
     prompt: list[Any], max_tokens: int, pattern: str

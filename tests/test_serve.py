@@ -40,8 +40,16 @@ def plain_server(pair_dirs):
 
 @pytest.fixture(scope="module")
 def dflash_server(pair_dirs):
-    server = ServerProcess("--model", str(pair_dirs[0]), "--dflash-draft-model-path",
-                           str(pair_dirs[1]), "--dtype", "float64", "--max-num-seqs", "8")
+    server = ServerProcess(
+        "--model",
+        str(pair_dirs[0]),
+        "--dflash-draft-model-path",
+        str(pair_dirs[1]),
+        "--dtype",
+        "float64",
+        "--max-num-seqs",
+        "8",
+    )
     yield server
     server.stop()
 
@@ -69,7 +77,7 @@ def stream_chunks(url: str, path: str = "/v1/completions", **body) -> list[dict]
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
-                payload = line[len("data: "):]
+                payload = line[len("data: ") :]
                 chunks.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
     return chunks
 
@@ -85,8 +93,9 @@ def test_health_and_models(plain_server) -> None:
 
 
 @pytest.mark.parametrize("which", ["plain", "dflash"])
-def test_non_streaming_and_streaming_equal_plain_greedy(plain_server, dflash_server, target,
-                                                        which: str) -> None:
+def test_non_streaming_and_streaming_equal_plain_greedy(
+    plain_server, dflash_server, target, which: str
+) -> None:
     server = plain_server if which == "plain" else dflash_server
     for prompt in PROMPTS:
         expected = plain_ids(target, prompt)
@@ -112,14 +121,22 @@ def test_text_prompt_and_chat_template(dflash_server, target, pair_dirs) -> None
     import jinja2
 
     messages = [{"role": "user", "content": "What is a cache?"}]
-    rendered = jinja2.Environment().from_string(CHAT_TEMPLATE).render(
-        messages=messages, add_generation_prompt=True)
-    chat = httpx.post(dflash_server.url + "/v1/chat/completions", timeout=60, json={
-        "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}).json()
+    rendered = (
+        jinja2.Environment().from_string(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    )
+    chat = httpx.post(
+        dflash_server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0},
+    ).json()
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["token_ids"] == plain_ids(target, tokenizer.encode(rendered).ids)
-    chunks = stream_chunks(dflash_server.url, "/v1/chat/completions", messages=messages,
-                           stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = stream_chunks(
+        dflash_server.url,
+        "/v1/chat/completions",
+        messages=messages,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == MAX_TOKENS
     assert "spec_decode" in chunks[-2]
@@ -152,8 +169,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def test_prometheus_counters_move_by_exactly_the_engine_statistics(dflash_server) -> None:
     before = scrape(dflash_server.url)
-    specs = [complete(dflash_server.url, prompt=p, max_tokens=9).json()["spec_decode"]
-             for p in PROMPTS]
+    specs = [complete(dflash_server.url, prompt=p, max_tokens=9).json()["spec_decode"] for p in PROMPTS]
     time.sleep(0.2)  # the engine thread updates counters right after the step
     after = scrape(dflash_server.url)
 
@@ -163,12 +179,13 @@ def test_prometheus_counters_move_by_exactly_the_engine_statistics(dflash_server
     assert diff("dflash:spec_decode_num_drafts_total") == sum(s["steps"] for s in specs)
     assert diff("dflash:spec_decode_num_draft_tokens_total") == sum(s["proposed"] for s in specs)
     assert diff("dflash:spec_decode_num_accepted_tokens_total") == sum(s["accepted"] for s in specs)
-    per_pos = sum(diff(k) for k in after if k.startswith(
-        "dflash:spec_decode_num_accepted_tokens_per_pos_total"))
+    per_pos = sum(
+        diff(k) for k in after if k.startswith("dflash:spec_decode_num_accepted_tokens_per_pos_total")
+    )
     assert per_pos == sum(s["accepted"] for s in specs)
     assert diff('dflash:request_success_total{finish_reason="length"}') == len(PROMPTS)
     assert diff("dflash:generation_tokens_total") == 9 * len(PROMPTS)
-    assert "dflash:time_to_first_token_seconds_bucket{le=\"0.0005\"}" in after
+    assert 'dflash:time_to_first_token_seconds_bucket{le="0.0005"}' in after
 
 
 # ------------------------------------------------------------------ robustness
@@ -193,11 +210,14 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("what,body", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
-def test_bad_requests_get_400_and_the_server_keeps_serving(dflash_server, target, what,
-                                                           body) -> None:
+def test_bad_requests_get_400_and_the_server_keeps_serving(dflash_server, target, what, body) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(dflash_server.url + "/v1/completions", content=content, timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        dflash_server.url + "/v1/completions",
+        content=content,
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400, (what, r.text)
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
@@ -209,37 +229,45 @@ def test_api_key_is_required_when_set(pair_dirs) -> None:
     server = ServerProcess("--model", str(pair_dirs[0]), "--api-key", "sekret")
     try:
         assert complete(server.url, prompt="hi").status_code == 401
-        wrong = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
-                           headers={"Authorization": "Bearer nope"})
+        wrong = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}
+        )
         assert wrong.status_code == 401
         assert wrong.json()["error"]["type"] == "authentication_error"
-        good = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                          headers={"Authorization": "Bearer sekret"}, timeout=30)
+        good = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"Authorization": "Bearer sekret"},
+            timeout=30,
+        )
         assert good.status_code == 200
     finally:
         server.stop()
 
 
 def test_disconnect_frees_the_slot_and_overload_gets_429(pair_dirs) -> None:
-    server = ServerProcess("--model", str(pair_dirs[0]), "--max-num-seqs", "2",
-                           "--max-waiting", "1", "--max-model-len", "4096")
+    server = ServerProcess(
+        "--model", str(pair_dirs[0]), "--max-num-seqs", "2", "--max-waiting", "1", "--max-model-len", "4096"
+    )
     try:
         long = {"prompt": [7, 8, 9], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
         # two clients read one chunk each, then hang up mid-stream
         for _ in range(2):
-            with httpx.stream("POST", server.url + "/v1/completions",
-                              json={**long, "stream": True}, timeout=30) as r:
+            with httpx.stream(
+                "POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=30
+            ) as r:
                 next(r.iter_lines())
         deadline = time.monotonic() + 20
-        while scrape(server.url).get("dflash:num_requests_running", 0) and \
-                time.monotonic() < deadline:
+        while scrape(server.url).get("dflash:num_requests_running", 0) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert scrape(server.url)["dflash:num_requests_running"] == 0
 
         async def burst() -> list[int]:
             async with httpx.AsyncClient(timeout=60) as client:
-                tasks = [client.post(server.url + "/v1/completions",
-                                     json={**long, "max_tokens": 200}) for _ in range(6)]
+                tasks = [
+                    client.post(server.url + "/v1/completions", json={**long, "max_tokens": 200})
+                    for _ in range(6)
+                ]
                 return [r.status_code for r in await asyncio.gather(*tasks)]
 
         codes = asyncio.run(burst())
@@ -251,8 +279,7 @@ def test_disconnect_frees_the_slot_and_overload_gets_429(pair_dirs) -> None:
 
 def test_sigterm_shuts_down_cleanly_with_a_request_in_flight(pair_dirs) -> None:
     server = ServerProcess("--model", str(pair_dirs[0]), "--max-model-len", "4096")
-    body = {"prompt": [7, 8, 9], "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"prompt": [7, 8, 9], "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         next(lines)
@@ -273,9 +300,20 @@ def test_startup_rejects_a_mismatched_pair(tiny_checkpoint, tmp_path) -> None:
     other = tiny_checkpoint("qwen3_5", hidden=96)
     draft = make_tiny_draft(tmp_path / "draft", tiny_checkpoint("qwen3_5"), block_size=4)
     done = subprocess.run(
-        [sys.executable, "-m", "reference_engine.serve", "--model", str(other),
-         "--dflash-draft-model-path", str(draft)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "reference_engine.serve",
+            "--model",
+            str(other),
+            "--dflash-draft-model-path",
+            str(draft),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert re.search(r"hidden_size 64 does not match the target's 96", done.stderr)
     assert "Traceback" not in done.stderr
@@ -289,8 +327,7 @@ def test_64_concurrent_streams_lose_and_duplicate_nothing(dflash_server, target)
     async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
         tokens = []
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
-        async with client.stream("POST", dflash_server.url + "/v1/completions",
-                                 json=body) as r:
+        async with client.stream("POST", dflash_server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":

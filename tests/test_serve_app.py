@@ -37,17 +37,33 @@ def protected(path: str, scope: str) -> bool:
 @pytest.mark.parametrize("scope", ["api", "all"])
 def test_every_protected_route_refuses_a_missing_or_wrong_key(pair_dirs, scope: str) -> None:
     app = app_for("--model", str(pair_dirs[0]), "--api-key", KEY, "--api-key-scope", scope)
-    routes = [(route.path, method) for route in app.routes if isinstance(route, Route)
-              for method in sorted(route.methods)]
+    routes = [
+        (route.path, method)
+        for route in app.routes
+        if isinstance(route, Route)
+        for method in sorted(route.methods)
+    ]
     paths = {path for path, _ in routes}
-    assert {"/health", "/info", "/metrics", "/docs", "/openapi.json", "/v1/models",
-            "/v1/completions", "/v1/chat/completions"} <= paths
+    assert {
+        "/health",
+        "/info",
+        "/metrics",
+        "/docs",
+        "/openapi.json",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+    } <= paths
     client = TestClient(app)  # no lifespan: no engine thread, and none is needed here
     for path, method in routes:
-        headers = {"no key": {}, "wrong key": {"Authorization": f"Bearer {KEY}x"},
-                   "right key": {"Authorization": f"Bearer {KEY}"}}
-        replies = {what: client.request(method, path, headers=h, content=b"{}")
-                   for what, h in headers.items()}
+        headers = {
+            "no key": {},
+            "wrong key": {"Authorization": f"Bearer {KEY}x"},
+            "right key": {"Authorization": f"Bearer {KEY}"},
+        }
+        replies = {
+            what: client.request(method, path, headers=h, content=b"{}") for what, h in headers.items()
+        }
         if not protected(path, scope):
             assert replies["no key"].status_code != 401, (path, method)
             continue
@@ -55,8 +71,12 @@ def test_every_protected_route_refuses_a_missing_or_wrong_key(pair_dirs, scope: 
             assert replies[what].status_code == 401, (path, method, what)
             if method != "HEAD":
                 error = replies[what].json()["error"]
-                assert error == {"message": "missing or wrong API key",
-                                 "type": "authentication_error", "param": None, "code": 401}
+                assert error == {
+                    "message": "missing or wrong API key",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": 401,
+                }
         assert replies["right key"].status_code != 401, (path, method)
 
 
@@ -76,8 +96,12 @@ def full(client: TestClient, path: str, body: dict) -> dict:
     data = r.json()
     choice = data["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
-    return {"ids": choice["token_ids"], "text": text, "finish_reason": choice["finish_reason"],
-            "usage": data["usage"]}
+    return {
+        "ids": choice["token_ids"],
+        "text": text,
+        "finish_reason": choice["finish_reason"],
+        "usage": data["usage"],
+    }
 
 
 def streamed(client: TestClient, path: str, body: dict) -> dict:
@@ -85,7 +109,7 @@ def streamed(client: TestClient, path: str, body: dict) -> dict:
     got = {"ids": [], "text": "", "finish_reason": None, "usage": None}
     with client.stream("POST", path, json=body) as r:
         assert r.status_code == 200
-        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     for event in map(json.loads, events[:-1]):
         assert "error" not in event, event
@@ -101,17 +125,23 @@ def streamed(client: TestClient, path: str, body: dict) -> dict:
 
 def clean_stop(text: str) -> str | None:
     """Two characters from the middle of `text` that first occur there."""
-    return next((text[i:i + 2] for i in range(3, len(text) - 2)
-                 if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]
-                 and text.find(text[i:i + 2]) == i), None)
+    return next(
+        (
+            text[i : i + 2]
+            for i in range(3, len(text) - 2)
+            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+        ),
+        None,
+    )
 
 
 def test_streamed_and_whole_replies_to_a_greedy_request_are_the_same(client) -> None:
     greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    requests = [("/v1/completions", {**greedy, "prompt": [200, 3, 8, 77, 150, 42]}),
-                ("/v1/completions", {**greedy, "prompt": "Hello world", "max_tokens": 1}),
-                ("/v1/chat/completions", {**greedy, "messages": [{"role": "user",
-                                                                  "content": "What is a cache?"}]})]
+    requests = [
+        ("/v1/completions", {**greedy, "prompt": [200, 3, 8, 77, 150, 42]}),
+        ("/v1/completions", {**greedy, "prompt": "Hello world", "max_tokens": 1}),
+        ("/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": "What is a cache?"}]}),
+    ]
     stop = clean_stop(full(client, *requests[0])["text"])
     if stop is not None:
         requests.append(("/v1/completions", {**requests[0][1], "stop": [stop]}))

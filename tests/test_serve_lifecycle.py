@@ -16,8 +16,7 @@ import pytest
 
 from .server_process import ServerProcess
 
-LONG = {"prompt": [7, 8, 9], "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
-        "stream": True}
+LONG = {"prompt": [7, 8, 9], "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +30,25 @@ def read_stream(url: str, body: dict, into: list, started: threading.Event) -> N
         into.append(r.status_code)
         for line in r.iter_lines():
             if line.startswith("data: "):
-                into.append(line[len("data: "):])
+                into.append(line[len("data: ") :])
                 started.set()
 
 
 def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(model_dir) -> None:
-    server = ServerProcess("--model", str(model_dir), "--max-model-len", "4096",
-                           "--max-num-seqs", "1", "--shutdown-grace", "1.5")
+    server = ServerProcess(
+        "--model", str(model_dir), "--max-model-len", "4096", "--max-num-seqs", "1", "--shutdown-grace", "1.5"
+    )
     long, queued = [], []
     started = threading.Event()
     threads = [threading.Thread(target=read_stream, args=(server.url, LONG, long, started))]
     threads[0].start()
     assert started.wait(30)
     # the only slot is busy: this one waits in the queue (200 headers, no token yet)
-    threads.append(threading.Thread(target=read_stream, args=(
-        server.url, {**LONG, "max_tokens": 2000}, queued, threading.Event())))
+    threads.append(
+        threading.Thread(
+            target=read_stream, args=(server.url, {**LONG, "max_tokens": 2000}, queued, threading.Event())
+        )
+    )
     threads[-1].start()
     time.sleep(0.3)
     start = time.monotonic()
@@ -67,8 +70,7 @@ def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(mo
 
 def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_dir) -> None:
     server = ServerProcess("--model", str(model_dir), "--shutdown-grace", "20")
-    body = {"prompt": [5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"prompt": [5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     events: list = []
     started = threading.Event()
     reader = threading.Thread(target=read_stream, args=(server.url, body, events, started))
@@ -77,8 +79,7 @@ def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     # draining: the server still listens, and a new request is refused with 503
-    refused = httpx.post(server.url + "/v1/completions", json={"prompt": [5], "max_tokens": 2},
-                         timeout=10)
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "service_unavailable"
     assert httpx.get(server.url + "/health", timeout=10).status_code == 503
@@ -91,13 +92,11 @@ def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_
 
 
 def test_api_key_scope_all_protects_every_endpoint_but_health(model_dir) -> None:
-    server = ServerProcess("--model", str(model_dir), "--api-key", "sekret",
-                           "--api-key-scope", "all")
+    server = ServerProcess("--model", str(model_dir), "--api-key", "sekret", "--api-key-scope", "all")
     try:
         for path in ("/metrics", "/docs", "/openapi.json", "/info", "/v1/models"):
             assert httpx.get(server.url + path, timeout=10).status_code == 401, path
-            good = httpx.get(server.url + path, timeout=10,
-                             headers={"Authorization": "Bearer sekret"})
+            good = httpx.get(server.url + path, timeout=10, headers={"Authorization": "Bearer sekret"})
             assert good.status_code == 200, path
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
         wrong = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer sekreT"})

@@ -30,8 +30,11 @@ def samples(text: str | bytes) -> Samples:
     """Every sample of a Prometheus text page, keyed by (name, sorted labels)."""
     if isinstance(text, bytes):
         text = text.decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(page: Samples, name: str, **labels: str) -> float:
@@ -42,14 +45,14 @@ def idle_engine(spec: SpecCounters | None = None):
     """What `on_step` reads of an engine, with nothing running."""
     timer = SimpleNamespace(as_dict=lambda: {})
     scheduler = SimpleNamespace(fallbacks={}, active={}, waiting=[])
-    return SimpleNamespace(spec_totals=spec or SpecCounters(), scheduler=scheduler, timer=timer,
-                           device=torch.device("cpu"))
+    return SimpleNamespace(
+        spec_totals=spec or SpecCounters(), scheduler=scheduler, timer=timer, device=torch.device("cpu")
+    )
 
 
 # ------------------------------------------------------------------ one request, counted once
 @pytest.mark.parametrize("reason", ["stop", "length", "abort", FAILED])
-def test_a_request_is_counted_once_in_its_finish_reason_and_in_each_histogram(
-        reason: str) -> None:
+def test_a_request_is_counted_once_in_its_finish_reason_and_in_each_histogram(reason: str) -> None:
     metrics = ServerMetrics()
     counted = metrics.request(prompt_tokens=5, arrival_s=10.0)
     counted.delivered(1, 10.25)
@@ -60,8 +63,7 @@ def test_a_request_is_counted_once_in_its_finish_reason_and_in_each_histogram(
     success = value(page, "dflash:request_success_total", finish_reason=reason)
     assert success == (0 if reason == FAILED else 1)
     assert value(page, "dflash:request_failure_total") == (1 if reason == FAILED else 0)
-    assert sum(v for (name, _), v in page.items() if name == "dflash:request_success_total") \
-        == success
+    assert sum(v for (name, _), v in page.items() if name == "dflash:request_success_total") == success
     assert value(page, "dflash:prompt_tokens_total") == 5
     assert value(page, "dflash:generation_tokens_total") == 4
     assert value(page, "dflash:time_to_first_token_seconds_count") == 1
@@ -98,8 +100,11 @@ def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset()
     assert value(page, "dflash:spec_decode_num_drafts_total") == 3
     assert value(page, "dflash:spec_decode_num_draft_tokens_total") == 21
     assert value(page, "dflash:spec_decode_num_accepted_tokens_total") == 11  # no bonus
-    per_pos = {int(dict(labels)["position"]): v for (name, labels), v in page.items()
-               if name == "dflash:spec_decode_num_accepted_tokens_per_pos_total"}
+    per_pos = {
+        int(dict(labels)["position"]): v
+        for (name, labels), v in page.items()
+        if name == "dflash:spec_decode_num_accepted_tokens_per_pos_total"
+    }
     assert per_pos == {1: 3, 2: 2, 3: 2, 4: 1, 5: 1, 6: 1, 7: 1}
 
 
@@ -107,20 +112,17 @@ def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset()
 @pytest.fixture(scope="module")
 def pair_dirs(tiny_checkpoint, tmp_path_factory):
     target = tiny_checkpoint("qwen3")
-    return target, make_tiny_draft(tmp_path_factory.mktemp("metrics_draft"), target,
-                                   block_size=4)
+    return target, make_tiny_draft(tmp_path_factory.mktemp("metrics_draft"), target, block_size=4)
 
 
-def test_a_request_aborted_mid_stream_ends_with_its_sequence_and_counted_steps(
-        pair_dirs) -> None:
+def test_a_request_aborted_mid_stream_ends_with_its_sequence_and_counted_steps(pair_dirs) -> None:
     target = load_target(pair_dirs[0], dtype=torch.float64)
     engine = Engine(target, load_draft(pair_dirs[1], target), EngineConfig(max_num_seqs=2))
     seen: list[int] = []  # engine steps counted when each output was posted
     runner = AsyncEngine(engine, on_step=lambda e: seen.append(e.spec_totals.steps))
 
     async def run() -> tuple[list[StepOutput], list[int], Finished]:
-        out = await runner.submit("a", [5, 6, 7], SamplingParams(max_tokens=200,
-                                                                 ignore_eos=True))
+        out = await runner.submit("a", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
         outputs = [await out.get() for _ in range(3)]  # the first token, then two steps
         counted = list(seen)
         runner.abort("a")  # what the server does when a stop string ends the output
@@ -143,8 +145,9 @@ def test_a_request_aborted_mid_stream_ends_with_its_sequence_and_counted_steps(
 # ------------------------------------------------------------------ over HTTP
 @pytest.fixture(scope="module")
 def server(pair_dirs):
-    server = ServerProcess("--model", str(pair_dirs[0]), "--dflash-draft-model-path",
-                           str(pair_dirs[1]), "--dtype", "float64")
+    server = ServerProcess(
+        "--model", str(pair_dirs[0]), "--dflash-draft-model-path", str(pair_dirs[1]), "--dtype", "float64"
+    )
     yield server
     server.stop()
 
@@ -153,26 +156,33 @@ def test_requests_ended_by_a_stop_string_or_a_disconnect_are_counted(server) -> 
     body = {"prompt": [5, 17, 99], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     full = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
     text = full["choices"][0]["text"]
-    stop = next((text[i:i + 2] for i in range(3, len(text) - 2)
-                 if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]
-                 and text.find(text[i:i + 2]) == i), None)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(3, len(text) - 2)
+            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+        ),
+        None,
+    )
     if stop is None:
         pytest.skip(f"no clean stop string in {text!r}")
     before = samples(httpx.get(server.url + "/metrics").text)
-    cut = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]},
-                     timeout=60).json()
+    cut = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
     assert cut["choices"][0]["finish_reason"] == "stop"
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={**body, "stop": [stop], "stream": True}) as r:
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", timeout=60, json={**body, "stop": [stop], "stream": True}
+    ) as r:
         assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={**body, "max_tokens": 2000, "stream": True}) as r:
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", timeout=60, json={**body, "max_tokens": 2000, "stream": True}
+    ) as r:
         next(r.iter_lines())  # one event, then hang up
     deadline = time.monotonic() + 20
     while True:
         after = samples(httpx.get(server.url + "/metrics").text)
-        aborted = value(after, "dflash:request_success_total", finish_reason="abort") - \
-            value(before, "dflash:request_success_total", finish_reason="abort")
+        aborted = value(after, "dflash:request_success_total", finish_reason="abort") - value(
+            before, "dflash:request_success_total", finish_reason="abort"
+        )
         if aborted or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -30,8 +30,9 @@ def pair_dirs(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(pair_dirs):
     plain = ServerProcess("--model", str(pair_dirs[0]), "--dtype", "float64")
-    dflash = ServerProcess("--model", str(pair_dirs[0]), "--dflash-draft-model-path",
-                           str(pair_dirs[1]), "--dtype", "float64")
+    dflash = ServerProcess(
+        "--model", str(pair_dirs[0]), "--dflash-draft-model-path", str(pair_dirs[1]), "--dtype", "float64"
+    )
     yield plain, dflash
     plain.stop()
     dflash.stop()
@@ -52,14 +53,21 @@ def next_logits(target, ids: list[int]) -> torch.Tensor:
     """The target's next-token logits after `ids`: one forward over the whole sequence in a
     fresh state (no engine, no cache reuse)."""
     state = TargetState(target.config, 1, len(ids) + 1, torch.float64)
-    out = target(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), state,
-                 kv_len=len(ids), last_only=True, ops=select("exact", torch.device("cpu"),
-                                                             torch.float64))
+    out = target(
+        torch.tensor([ids]),
+        torch.arange(len(ids))[None],
+        torch.tensor([0]),
+        state,
+        kv_len=len(ids),
+        last_only=True,
+        ops=select("exact", torch.device("cpu"), torch.float64),
+    )
     return out.logits[0, -1]  # [vocab]
 
 
-def penalised_greedy(target, prompt: list[int], presence: float, frequency: float,
-                     bias: dict[int, float]) -> list[int]:
+def penalised_greedy(
+    target, prompt: list[int], presence: float, frequency: float, bias: dict[int, float]
+) -> list[int]:
     """OpenAI's definition, step by step: logit[t] - presence * (t generated) - frequency *
     (times t generated) + bias[t], argmax with the lowest id on a tie."""
     out: list[int] = []
@@ -74,18 +82,21 @@ def penalised_greedy(target, prompt: list[int], presence: float, frequency: floa
     return out
 
 
-@pytest.mark.parametrize("params", [
-    {"presence_penalty": 1.5},
-    {"frequency_penalty": 0.8},
-    {"presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"17": 3.0}},
-])
-def test_penalties_follow_the_openai_definition_on_plain_and_dflash(servers, target,
-                                                                    params: dict) -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.8},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"17": 3.0}},
+    ],
+)
+def test_penalties_follow_the_openai_definition_on_plain_and_dflash(servers, target, params: dict) -> None:
     plain, dflash = servers
     greedy = complete(plain.url, prompt=PROMPT).json()["choices"][0]["token_ids"]
     bias = {int(k): v for k, v in params.get("logit_bias", {}).items()}
-    expected = penalised_greedy(target, PROMPT, params.get("presence_penalty", 0.0),
-                                params.get("frequency_penalty", 0.0), bias)
+    expected = penalised_greedy(
+        target, PROMPT, params.get("presence_penalty", 0.0), params.get("frequency_penalty", 0.0), bias
+    )
     assert penalised_greedy(target, PROMPT, 0.0, 0.0, {}) == greedy  # the reference holds
     assert expected != greedy  # the parameters matter for this prompt
     for server in (plain, dflash):
@@ -105,17 +116,19 @@ def test_logit_bias_forces_and_bans_tokens(servers) -> None:
         assert greedy[0] not in banned["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"echo": True}, "echo"),
-    ({"best_of": 3}, "best_of"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": "x"}, "frequency_penalty"),
-    ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"999999": 1}}, "logit_bias"),
-])
-def test_what_is_not_implemented_or_invalid_is_a_clear_400(servers, body: dict,
-                                                           param: str) -> None:
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"echo": True}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "x"}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ],
+)
+def test_what_is_not_implemented_or_invalid_is_a_clear_400(servers, body: dict, param: str) -> None:
     r = complete(servers[1].url, prompt=PROMPT, **body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -128,10 +141,13 @@ def test_echo_false_and_best_of_one_are_fine(servers) -> None:
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "hi"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
 def test_an_unknown_model_is_404(servers, path: str, body: dict) -> None:
     r = complete(servers[0].url, path, model="no-such-model", **body)
     assert r.status_code == 404, r.text
@@ -143,8 +159,13 @@ def test_an_unknown_model_is_404(servers, path: str, body: dict) -> None:
 @pytest.mark.parametrize("top", [0, 2])
 def test_chat_top_logprobs_gives_exactly_that_many_alternatives(servers, top: int) -> None:
     for server in servers:
-        body = complete(server.url, "/v1/chat/completions", logprobs=True, top_logprobs=top,
-                        messages=[{"role": "user", "content": "hi"}]).json()
+        body = complete(
+            server.url,
+            "/v1/chat/completions",
+            logprobs=True,
+            top_logprobs=top,
+            messages=[{"role": "user", "content": "hi"}],
+        ).json()
         content = body["choices"][0]["logprobs"]["content"]
         assert len(content) == MAX_TOKENS
         assert all(len(entry["top_logprobs"]) == top for entry in content)
@@ -156,8 +177,13 @@ def test_every_dflash_response_carries_spec_decode_with_its_fallback_reason(serv
     assert complete(dflash.url, prompt=PROMPT).json()["spec_decode"]["fallback_reason"] is None
     body = complete(dflash.url, prompt=PROMPT, logprobs=1).json()
     assert body["spec_decode"]["fallback_reason"] == "logprobs"
-    chat = complete(dflash.url, "/v1/chat/completions", logprobs=True, top_logprobs=1,
-                    messages=[{"role": "user", "content": "hi"}]).json()
+    chat = complete(
+        dflash.url,
+        "/v1/chat/completions",
+        logprobs=True,
+        top_logprobs=1,
+        messages=[{"role": "user", "content": "hi"}],
+    ).json()
     assert chat["spec_decode"]["fallback_reason"] == "logprobs"
     short = complete(dflash.url, prompt=PROMPT, max_tokens=1).json()  # done in prefill
     assert short["spec_decode"]["steps"] == 0

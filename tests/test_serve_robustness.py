@@ -44,8 +44,9 @@ def target(model_dir):
 def server(model_dir):
     """Our server with a planted poison (tests/poison.py): prompts starting with POISON turn
     NaN after a few tokens, prompts starting with KILL take the engine thread down."""
-    server = ServerProcess("--model", str(model_dir), "--dtype", "float64", "--max-num-seqs", "4",
-                           module="tests.poison")
+    server = ServerProcess(
+        "--model", str(model_dir), "--dtype", "float64", "--max-num-seqs", "4", module="tests.poison"
+    )
     yield server
     server.stop()
 
@@ -57,28 +58,28 @@ def expected(target, prompt: list[int]) -> list[int]:
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict) -> list:
     """Every SSE event of one streamed completion ("[DONE]" as the string)."""
-    body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **body,
-            "stream": True}
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **body, "stream": True}
     events = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
 
 def tokens(events: list) -> list[int]:
-    return [t for e in events if isinstance(e, dict) and e.get("choices")
-            for t in e["choices"][0]["token_ids"]]
+    return [
+        t for e in events if isinstance(e, dict) and e.get("choices") for t in e["choices"][0]["token_ids"]
+    ]
 
 
 # ------------------------------------------------------------------ engine isolation
-def test_a_request_whose_arithmetic_fails_ends_alone_with_an_error_event(model_dir,
-                                                                         target) -> None:
-    server = ServerProcess("--model", str(model_dir), "--dtype", "float64", "--max-num-seqs", "4",
-                           module="tests.poison")
+def test_a_request_whose_arithmetic_fails_ends_alone_with_an_error_event(model_dir, target) -> None:
+    server = ServerProcess(
+        "--model", str(model_dir), "--dtype", "float64", "--max-num-seqs", "4", module="tests.poison"
+    )
     try:
         check_isolation(server, target)
     finally:
@@ -92,15 +93,19 @@ def check_isolation(server: ServerProcess, target) -> None:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             return await asyncio.gather(
                 stream(client, server.url, {"prompt": [POISON, 40, 41]}),
-                *(stream(client, server.url, {"prompt": p}) for p in PROMPTS))
+                *(stream(client, server.url, {"prompt": p}) for p in PROMPTS),
+            )
 
     bad, *good = asyncio.run(run())
     assert bad[-1] == "[DONE]" and "error" in bad[-2]
     assert "not finite" in bad[-2]["error"]["message"]
     assert [tokens(events) for events in good] == [expected(target, p) for p in PROMPTS]
     assert all(events[-1] == "[DONE]" and "error" not in events[-2] for events in good)
-    plain = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT, json={
-        "prompt": [POISON, 40, 41], "max_tokens": MAX_TOKENS, "ignore_eos": True})
+    plain = httpx.post(
+        server.url + "/v1/completions",
+        timeout=TIMEOUT,
+        json={"prompt": [POISON, 40, 41], "max_tokens": MAX_TOKENS, "ignore_eos": True},
+    )
     assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
     time.sleep(0.2)
     after = scrape(server.url)
@@ -117,10 +122,12 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_neighbour(model_dir) -> None:
     body = {"prompt": PROMPTS[0], "temperature": 1e-40, "seed": 3}
     server = ServerProcess("--model", str(model_dir), "--dtype", "float32")
     try:
+
         async def run():
             async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-                return await asyncio.gather(stream(client, server.url, body),
-                                            stream(client, server.url, {"prompt": PROMPTS[1]}))
+                return await asyncio.gather(
+                    stream(client, server.url, body), stream(client, server.url, {"prompt": PROMPTS[1]})
+                )
 
         tiny, neighbour = asyncio.run(run())
 
@@ -137,13 +144,15 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_neighbour(model_dir) -> None:
 def test_health_is_unhealthy_when_the_engine_loop_is_gone(model_dir) -> None:
     server = ServerProcess("--model", str(model_dir), "--dtype", "float64", module="tests.poison")
     try:
-        r = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
-                       json={"prompt": [KILL, 1], "max_tokens": 2})
+        r = httpx.post(
+            server.url + "/v1/completions", timeout=TIMEOUT, json={"prompt": [KILL, 1], "max_tokens": 2}
+        )
         assert r.status_code == 500
         health = httpx.get(server.url + "/health", timeout=TIMEOUT)
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
-        later = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
-                           json={"prompt": PROMPTS[0], "max_tokens": 2})
+        later = httpx.post(
+            server.url + "/v1/completions", timeout=TIMEOUT, json={"prompt": PROMPTS[0], "max_tokens": 2}
+        )
         assert later.status_code == 500  # refused at once, not left hanging
     finally:
         server.stop()
@@ -162,10 +171,18 @@ HOSTILE = [
     ("tiny repetition penalty", {"prompt": "hi", "repetition_penalty": 1e-300}),
     ("string for a boolean", {"prompt": "hi", "ignore_eos": "false"}),
     ("number for stream", {"prompt": "hi", "stream": 1}),
-    ("string in stream_options", {"prompt": "hi", "stream": True,
-                                  "stream_options": {"include_usage": "yes"}}),
-    ("image content part", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+    (
+        "string in stream_options",
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+    ),
+    (
+        "image content part",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}
+            ]
+        },
+    ),
 ]
 
 
@@ -173,12 +190,16 @@ HOSTILE = [
 def test_hostile_bodies_get_400_and_the_server_keeps_serving(server, target, what, body) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     path = "/v1/chat/completions" if b'"messages"' in content else "/v1/completions"
-    r = httpx.post(server.url + path, content=content, timeout=TIMEOUT,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + path, content=content, timeout=TIMEOUT, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400, (what, r.status_code, r.text[:300])
     assert r.json()["error"]["type"] == "invalid_request_error"
-    ok = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT, json={
-        "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    ok = httpx.post(
+        server.url + "/v1/completions",
+        timeout=TIMEOUT,
+        json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+    )
     assert ok.json()["choices"][0]["token_ids"] == expected(target, PROMPTS[0])
 
 
@@ -187,6 +208,7 @@ def test_a_body_over_the_limit_gets_413_at_once_and_others_are_not_stalled(serve
 
     async def run():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+
             async def health_gaps() -> float:
                 worst, end = 0.0, time.monotonic() + 1.5
                 while time.monotonic() < end:
@@ -195,8 +217,9 @@ def test_a_body_over_the_limit_gets_413_at_once_and_others_are_not_stalled(serve
                     worst = max(worst, time.monotonic() - t)
                 return worst
 
-            big = client.post(server.url + "/v1/completions", content=huge,
-                              headers={"content-type": "application/json"})
+            big = client.post(
+                server.url + "/v1/completions", content=huge, headers={"content-type": "application/json"}
+            )
             return await asyncio.gather(big, health_gaps())
 
     start = time.monotonic()
@@ -212,6 +235,7 @@ def test_a_large_prompt_under_the_limit_does_not_stall_the_event_loop(server) ->
 
     async def run():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+
             async def health_gaps() -> float:
                 worst, end = 0.0, time.monotonic() + 2.0
                 while time.monotonic() < end:
@@ -231,9 +255,11 @@ def test_a_large_prompt_under_the_limit_does_not_stall_the_event_loop(server) ->
 # ------------------------------------------------------------------ chat content
 def test_chat_content_as_a_list_of_text_parts_equals_the_string(server) -> None:
     def ids(content) -> list[int]:
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT, json={
-            "messages": [{"role": "user", "content": content}], "max_tokens": 4,
-            "temperature": 0})
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=TIMEOUT,
+            json={"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["token_ids"]
 
@@ -259,8 +285,7 @@ def test_a_template_reaching_for_python_is_refused_by_the_sandbox(template, tmp_
     assert not marker.exists()
 
 
-def test_a_checkpoint_whose_template_runs_code_fails_the_request_not_the_server(
-        model_dir, tmp_path) -> None:
+def test_a_checkpoint_whose_template_runs_code_fails_the_request_not_the_server(model_dir, tmp_path) -> None:
     checkpoint = tmp_path / "evil"
     shutil.copytree(model_dir, checkpoint)
     marker = tmp_path / "pwned"
@@ -270,12 +295,19 @@ def test_a_checkpoint_whose_template_runs_code_fails_the_request_not_the_server(
     config_path.write_text(json.dumps(config))
     server = ServerProcess("--model", str(checkpoint))
     try:
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=TIMEOUT,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 400, r.text
         assert "chat template failed" in r.json()["error"]["message"]
-        assert httpx.post(server.url + "/v1/completions", timeout=TIMEOUT, json={
-            "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(
+                server.url + "/v1/completions", timeout=TIMEOUT, json={"prompt": "hi", "max_tokens": 2}
+            ).status_code
+            == 200
+        )
     finally:
         server.stop()
     assert not marker.exists()

@@ -45,8 +45,7 @@ def test_an_unknown_server_is_spoken_to_in_plain_openai(strict_server) -> None:
 
 
 def test_named_kinds_send_their_extensions() -> None:
-    vllm = payload(Endpoint("http://x", server=resolve("vllm", "http://x").kind),
-                   Prompt(token_ids=(1, 2)), 8)
+    vllm = payload(Endpoint("http://x", server=resolve("vllm", "http://x").kind), Prompt(token_ids=(1, 2)), 8)
     assert vllm["ignore_eos"] and vllm["return_token_ids"] and vllm["prompt"] == [1, 2]
     assert vllm["stream_options"]["continuous_usage_stats"]
     lmdeploy = payload(Endpoint("http://x", server=KNOWN["lmdeploy"]), Prompt(text="a"), 8)
@@ -65,13 +64,20 @@ def test_a_refused_extension_downgrades_the_guess_to_plain_openai(tokenizer) -> 
     assert found.kind.name == "openai" and "vllm extensions got HTTP 422" in found.kind.evidence
 
 
-def test_bench_against_a_strict_server_counts_tokens_with_the_tokenizer(strict_server, tokenizer,
-                                                                         tmp_path) -> None:
+def test_bench_against_a_strict_server_counts_tokens_with_the_tokenizer(
+    strict_server, tokenizer, tmp_path
+) -> None:
     url, bodies, ids = strict_server
     endpoint = Endpoint(url, "stub-model", server=probe(url).kind, tokenizer=tokenizer)
     spec = LoadSpec(concurrency=2, num_prompts=4, output_len=10, warmup=0, timeout_s=10.0)
-    summary = measure(endpoint, synthetic(4, 6, 0, as_text=True), spec, tmp_path,
-                      {"label": "A", "concurrency": 2, "repeat": 0}, url + "/metrics")
+    summary = measure(
+        endpoint,
+        synthetic(4, 6, 0, as_text=True),
+        spec,
+        tmp_path,
+        {"label": "A", "concurrency": 2, "repeat": 0},
+        url + "/metrics",
+    )
     assert summary["completed"] == 4 and summary["failed"] == 0, summary["errors"]
     assert summary["count_source"] == "tokenizer"
     assert summary["streams_without_done"] == 4 and summary["server_kind"] == "openai"
@@ -81,8 +87,7 @@ def test_bench_against_a_strict_server_counts_tokens_with_the_tokenizer(strict_s
     assert record.output_tokens == 10 == record.usage_completion_tokens
     assert record.chunk_tokens == [1] * 10  # one token per chunk, as the server streamed
     # no tokenizer: one token per text chunk, said so
-    records, _ = asyncio.run(run_requests(Endpoint(url, server=KNOWN["openai"]),
-                                          [Prompt(text="x")], spec))
+    records, _ = asyncio.run(run_requests(Endpoint(url, server=KNOWN["openai"]), [Prompt(text="x")], spec))
     assert records[0].success and records[0].count_source == "estimated"
     assert records[0].estimated_counts
 

@@ -39,18 +39,22 @@ def test_accept_greedy_first_mismatch_accepts_none_and_the_bonus_is_the_first_ta
 
 
 def test_accept_greedy_counts_each_row_of_a_batch_on_its_own() -> None:
-    target = torch.tensor([
-        [10, 11, 12, 13],
-        [20, 21, 22, 23],
-        [30, 31, 32, 33],
-        [40, 41, 42, 43],
-    ])  # [4, n + 1 = 4]
-    draft = torch.tensor([
-        [10, 11, 12],  # all 3
-        [20, 0, 22],  # 1
-        [0, 31, 32],  # 0
-        [40, 41, 0],  # 2
-    ])
+    target = torch.tensor(
+        [
+            [10, 11, 12, 13],
+            [20, 21, 22, 23],
+            [30, 31, 32, 33],
+            [40, 41, 42, 43],
+        ]
+    )  # [4, n + 1 = 4]
+    draft = torch.tensor(
+        [
+            [10, 11, 12],  # all 3
+            [20, 0, 22],  # 1
+            [0, 31, 32],  # 0
+            [40, 41, 0],  # 2
+        ]
+    )
     accepted, bonus = accept_greedy(draft, target)
     assert accepted.tolist() == [3, 1, 0, 2]
     assert bonus.tolist() == [13, 21, 30, 42]
@@ -103,8 +107,7 @@ def test_top_k_zero_or_at_least_the_vocabulary_cuts_nothing() -> None:
         (1.0, [0, 1, 2, 3]),
     ],
 )
-def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_top_p(top_p: float,
-                                                                   kept: list[int]) -> None:
+def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_top_p(top_p: float, kept: list[int]) -> None:
     base = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
     order = torch.tensor([2, 0, 3, 1])  # tokens shuffled: token order[j] has base[j]
     logits = torch.empty(4, dtype=torch.float64)
@@ -124,8 +127,9 @@ def test_top_k_applies_before_top_p() -> None:
     assert torch.nonzero(probs).flatten().tolist() == [0]
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"),
-                         [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)]
+)
 def test_probability_rows_sum_to_one(temperature: float, top_k: int, top_p: float) -> None:
     logits = 4 * torch.randn(2, 3, 100, generator=gen())
     probs = probabilities(logits, temperature, top_k, top_p)
@@ -136,8 +140,12 @@ def test_probability_rows_sum_to_one(temperature: float, top_k: int, top_p: floa
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
-    [(torch.float64, torch.float64), (torch.float32, torch.float32),
-     (torch.bfloat16, torch.float32), (torch.float16, torch.float32)],
+    [
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
 )
 def test_probabilities_are_float32_or_wider(dtype: torch.dtype, expected: torch.dtype) -> None:
     logits = torch.randn(10, generator=gen()).to(dtype)

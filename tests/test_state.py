@@ -226,7 +226,10 @@ def test_state_allocates_kv_for_attention_layers_and_recurrent_state_for_linear_
             assert state.k_cache[i] is None and state.v_cache[i] is None
             assert state.conv[i].shape == (3, c.conv_dim, c.linear_conv_kernel_dim - 1)
             assert state.recurrent[i].shape == (
-                3, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+                3,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
             )
             # half-precision models accumulate the recurrent state in float32
             assert state.recurrent[i].dtype == torch.float32

@@ -16,13 +16,12 @@ def decode(ids: list[int]) -> str:
     return "".join(VOCAB[i] for i in ids)
 
 
-def run(ids: list[int], stops: tuple[str, ...], sizes: list[int]) -> tuple[list[str], list[int],
-                                                                          bool]:
+def run(ids: list[int], stops: tuple[str, ...], sizes: list[int]) -> tuple[list[str], list[int], bool]:
     """Feed `ids` in chunks of `sizes` (cycled); returns the emitted pieces, ids, stopped."""
     stream = StopStringText(decode, stops)
     pieces, out, at = [], [], 0
     for size in itertools.cycle(sizes):
-        chunk = ids[at: at + size]
+        chunk = ids[at : at + size]
         at += size
         text, new = stream.push(chunk, final=at >= len(ids))
         pieces.append(text)
@@ -35,15 +34,19 @@ def run(ids: list[int], stops: tuple[str, ...], sizes: list[int]) -> tuple[list[
 IDS = [0, 1, 2, 3, 4, 5, 6, 7]  # "Hello world! END\n"
 
 
-@pytest.mark.parametrize("stop, text, kept", [
-    ("world", "Hello ", 4),          # spans two tokens
-    ("o w", "Hell", 3),              # starts inside a token
-    ("!", "Hello world", 5),         # one token
-    ("END\n", "Hello world! ", 8),   # ends the output
-    ("absent", "Hello world! END\n", 8),
-])
+@pytest.mark.parametrize(
+    "stop, text, kept",
+    [
+        ("world", "Hello ", 4),  # spans two tokens
+        ("o w", "Hell", 3),  # starts inside a token
+        ("!", "Hello world", 5),  # one token
+        ("END\n", "Hello world! ", 8),  # ends the output
+        ("absent", "Hello world! END\n", 8),
+    ],
+)
 def test_text_never_contains_a_stop_string_part_and_chunking_does_not_matter(
-        stop: str, text: str, kept: int) -> None:
+    stop: str, text: str, kept: int
+) -> None:
     results = set()
     for sizes in ([1], [2], [3], [8], [1, 4], [5, 1]):
         pieces, ids, stopped = run(IDS, (stop,), sizes)

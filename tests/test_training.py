@@ -121,8 +121,13 @@ def draft_in_the_engine(target, draft, seq: torch.Tensor, p: int, length: int) -
     dstate = DraftState(cfg, 1, len(seq), torch.float64)
     draft.append_context(features[None], torch.arange(p)[None], torch.tensor([0]), dstate)
     block = torch.tensor([[seq[p].item()] + [cfg.mask_token_id] * (length - 1)])
-    hidden = draft(target.embed(block) * cfg.input_embedding_scale,
-                   torch.arange(p, p + length)[None], torch.tensor([0]), dstate, p + length)
+    hidden = draft(
+        target.embed(block) * cfg.input_embedding_scale,
+        torch.arange(p, p + length)[None],
+        torch.tensor([0]),
+        dstate,
+        p + length,
+    )
     return draft.logits(hidden[:, 1:], target.lm_head_weight)[0]  # [length-1, vocab]
 
 
@@ -142,11 +147,13 @@ def test_block_logits_and_labels_are_what_the_engine_drafts_and_verifies(hybrid_
         n = lengths[i].item() - 1
         ref = draft_in_the_engine(target, draft, seqs[row], p, n + 1)
         torch.testing.assert_close(logits[i, :n], ref, rtol=0, atol=1e-9)
-        plain = generate_plain(target, seqs[row, : p + 1].tolist(),
-                               SamplingParams(max_tokens=1, ignore_eos=True))
+        plain = generate_plain(
+            target, seqs[row, : p + 1].tolist(), SamplingParams(max_tokens=1, ignore_eos=True)
+        )
         assert labels[i, 0].item() == plain.output_ids[0]
-        full = target(seqs[row : row + 1], torch.arange(40)[None], torch.tensor([0]),
-                      new_state(target, 40), 40).logits[0]
+        full = target(
+            seqs[row : row + 1], torch.arange(40)[None], torch.tensor([0]), new_state(target, 40), 40
+        ).logits[0]
         assert labels[i].tolist() == full[p : p + B - 1].argmax(-1).tolist()
 
 
@@ -166,8 +173,9 @@ def test_block_loss_weights_early_slots_and_ignores_slots_past_a_blocks_length()
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def make_wheel_corpus(folder: Path, packages=("json", "email", "http", "logging", "xml"),
-                      heldout=("http",)) -> tuple[Path, Path]:
+def make_wheel_corpus(
+    folder: Path, packages=("json", "email", "http", "logging", "xml"), heldout=("http",)
+) -> tuple[Path, Path]:
     """Wheels built here from standard-library packages (plus a vendored copy of the held-out
     one inside the first), served from file:// URLs, and their lock. Returns (lock, source)."""
     source = folder / "index"
@@ -180,14 +188,20 @@ def make_wheel_corpus(folder: Path, packages=("json", "email", "http", "logging"
                 archive.write(path, f"{name}/{path.relative_to(STDLIB / name).as_posix()}")
             if i == 0 and name not in heldout:
                 vendored = next((STDLIB / heldout[0]).glob("*.py"))
-                archive.writestr(f"{name}/_vendor/{heldout[0]}/{vendored.name}",
-                                 vendored.read_text())
+                archive.writestr(f"{name}/_vendor/{heldout[0]}/{vendored.name}", vendored.read_text())
             archive.writestr(f"{name}-1.0.dist-info/METADATA", "Name: x\n")
         data = (source / filename).read_bytes()
-        rows.append({"name": name, "version": "1.0", "filename": filename,
-                     "url": (source / filename).as_uri(),
-                     "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                     "heldout": name in heldout})
+        rows.append(
+            {
+                "name": name,
+                "version": "1.0",
+                "filename": filename,
+                "url": (source / filename).as_uri(),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "heldout": name in heldout,
+            }
+        )
     lock = folder / "lock.json"
     lock.write_text(json.dumps({"cutoff": "2026-01-01", "index": "test", "wheels": rows}))
     return lock, source
@@ -202,15 +216,21 @@ def test_the_corpus_is_the_locked_wheels_split_by_package(tmp_path: Path) -> Non
     assert not any(p.startswith("http-1.0") for p in corpus.train)
     # a vendored copy of a held-out package never reaches the train set; no metadata files
     assert not any("_vendor" in p or "dist-info" in p for p in corpus.train)
-    assert corpus.text("json-1.0-py3-none-any.whl:json/decoder.py") == (
-        STDLIB / "json" / "decoder.py").read_text()
+    assert (
+        corpus.text("json-1.0-py3-none-any.whl:json/decoder.py")
+        == (STDLIB / "json" / "decoder.py").read_text()
+    )
     # the cache is reused (nothing fetched), and the real lock pins real wheels
     Corpus.from_lock(tmp_path / "cache", lock, log=logs.append)
     assert len(logs) == 5
     wheels = read_lock()
     assert len(wheels) >= 50 and sum(w.heldout for w in wheels) >= 5
-    assert all(w.url.startswith("https://files.pythonhosted.org/") and len(w.sha256) == 64
-               and w.filename.endswith("-none-any.whl") for w in wheels)
+    assert all(
+        w.url.startswith("https://files.pythonhosted.org/")
+        and len(w.sha256) == 64
+        and w.filename.endswith("-none-any.whl")
+        for w in wheels
+    )
 
 
 def test_a_wheel_that_does_not_match_its_hash_is_refused(tmp_path: Path) -> None:
@@ -239,10 +259,20 @@ def test_a_checkpoint_in_parts_resumes_a_loop_to_the_same_weights(tmp_path: Path
             x = torch.randn(4, 8, generator=gen)
             return (model(x) - x).pow(2).mean()
 
-        fit = optimise(model, 12, 1e-2, loss_at, lambda m: None, "t",
-                       validate=lambda: model.weight.abs().sum().item(), validate_every=4,
-                       checkpoint=Checkpoint(folder, "t", part_bytes=700),
-                       checkpoint_every=5, generator=gen, deadline=deadline)
+        fit = optimise(
+            model,
+            12,
+            1e-2,
+            loss_at,
+            lambda m: None,
+            "t",
+            validate=lambda: model.weight.abs().sum().item(),
+            validate_every=4,
+            checkpoint=Checkpoint(folder, "t", part_bytes=700),
+            checkpoint_every=5,
+            generator=gen,
+            deadline=deadline,
+        )
         return model.state_dict(), fit
 
     want, want_fit = run(tmp_path / "a", None)
@@ -268,13 +298,29 @@ def test_block_lengths_are_full_blocks_or_a_last_blocks_length() -> None:
     assert abs(counts[8].item() - counts[16].item()) < 0.05 * 20000
 
 
-def smoke(out: Path, lock: Path, cache: Path, *extra: str, seed: int = 0
-          ) -> subprocess.CompletedProcess:
+def smoke(out: Path, lock: Path, cache: Path, *extra: str, seed: int = 0) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train_demo_pair.py"), "--smoke", "--device",
-         "cpu", "--seed", str(seed), "--out", str(out), "--corpus-lock", str(lock),
-         "--corpus-cache", str(cache), *extra],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train_demo_pair.py"),
+            "--smoke",
+            "--device",
+            "cpu",
+            "--seed",
+            str(seed),
+            "--out",
+            str(out),
+            "--corpus-lock",
+            str(lock),
+            "--corpus-cache",
+            str(cache),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -292,13 +338,18 @@ def smoke_pair(tmp_path_factory, wheel_corpus) -> Path:
     return out
 
 
-def test_smoke_recipe_writes_a_loadable_pair_reproducibly(tmp_path: Path, wheel_corpus,
-                                                           smoke_pair: Path) -> None:
+def test_smoke_recipe_writes_a_loadable_pair_reproducibly(
+    tmp_path: Path, wheel_corpus, smoke_pair: Path
+) -> None:
     lock, cache = wheel_corpus
     second = smoke(tmp_path / "b", lock, cache)
     assert second.returncode == 0, second.stderr
-    for name in ("target/model.safetensors", "draft/model.safetensors",
-                 "target/tokenizer.json", "heldout_prompts.jsonl"):
+    for name in (
+        "target/model.safetensors",
+        "draft/model.safetensors",
+        "target/tokenizer.json",
+        "heldout_prompts.jsonl",
+    ):
         assert (smoke_pair / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     results = json.loads((smoke_pair / "training.json").read_text())
     assert set(results["acceptance"]) == {"2", "4"}
@@ -312,8 +363,7 @@ def test_smoke_recipe_writes_a_loadable_pair_reproducibly(tmp_path: Path, wheel_
     assert draft.config.block_size == 4 and target.config.is_hybrid
 
 
-def test_a_recipe_run_in_parts_equals_one_run(tmp_path: Path, wheel_corpus,
-                                              smoke_pair: Path) -> None:
+def test_a_recipe_run_in_parts_equals_one_run(tmp_path: Path, wheel_corpus, smoke_pair: Path) -> None:
     """--stop-after target, then a --max-minutes 0 stop inside the draft loop, then the
     same command again: the same files as one uninterrupted run."""
     lock, cache = wheel_corpus
@@ -334,9 +384,20 @@ def test_a_recipe_run_in_parts_equals_one_run(tmp_path: Path, wheel_corpus,
 
 def test_recipe_rejects_bad_settings(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train_demo_pair.py"), "--smoke",
-         "--prompt-len", "60", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train_demo_pair.py"),
+            "--smoke",
+            "--prompt-len",
+            "60",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert run.returncode == 2
     assert "seq_len must hold a prompt and one block" in run.stderr
 
@@ -355,12 +416,19 @@ def test_a_chunked_forward_refuses_padding_and_recording() -> None:
     rotary = RotaryEmbedding(4, 10000.0)
     positions = torch.zeros(1, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="a chunked forward takes full rows"):
-        ForwardContext(None, torch.tensor([0]), positions, 2, rotary, torch.float32,
-                       valid_len=torch.tensor([1]), chunked=True)
+        ForwardContext(
+            None,
+            torch.tensor([0]),
+            positions,
+            2,
+            rotary,
+            torch.float32,
+            valid_len=torch.tensor([1]),
+            chunked=True,
+        )
 
 
-def test_pin_takes_the_newest_final_pure_python_wheel_before_the_cutoff(tmp_path, monkeypatch
-                                                                       ) -> None:
+def test_pin_takes_the_newest_final_pure_python_wheel_before_the_cutoff(tmp_path, monkeypatch) -> None:
     """`pin` against a stand-in of PyPI's JSON simple index: prereleases, yanked files,
     platform wheels, sdists and uploads after the cut-off are passed over."""
     import io
@@ -368,17 +436,28 @@ def test_pin_takes_the_newest_final_pure_python_wheel_before_the_cutoff(tmp_path
     from reference_engine.training import corpus
 
     def wheel(name, upload="2026-01-01T00:00:00", yanked=False):
-        return {"filename": name, "url": f"https://files.example/{name}", "yanked": yanked,
-                "hashes": {"sha256": "ab" * 32}, "size": 10, "upload-time": upload}
+        return {
+            "filename": name,
+            "url": f"https://files.example/{name}",
+            "yanked": yanked,
+            "hashes": {"sha256": "ab" * 32},
+            "size": 10,
+            "upload-time": upload,
+        }
 
-    files = {"pkg": [wheel("pkg-1.0-py3-none-any.whl"), wheel("pkg-1.2-py3-none-any.whl"),
-                     wheel("pkg-1.3rc1-py3-none-any.whl"),
-                     wheel("pkg-1.4-py3-none-any.whl", yanked=True),
-                     wheel("pkg-1.5-cp312-cp312-manylinux_2_17_x86_64.whl"),
-                     wheel("pkg-1.6.tar.gz"),
-                     wheel("pkg-1.7-py3-none-any.whl", upload="2026-12-01T00:00:00")],
-             "other": [wheel("other-2.0-py2.py3-none-any.whl")],
-             "native": [wheel("native-1.0-cp312-cp312-win_amd64.whl")]}
+    files = {
+        "pkg": [
+            wheel("pkg-1.0-py3-none-any.whl"),
+            wheel("pkg-1.2-py3-none-any.whl"),
+            wheel("pkg-1.3rc1-py3-none-any.whl"),
+            wheel("pkg-1.4-py3-none-any.whl", yanked=True),
+            wheel("pkg-1.5-cp312-cp312-manylinux_2_17_x86_64.whl"),
+            wheel("pkg-1.6.tar.gz"),
+            wheel("pkg-1.7-py3-none-any.whl", upload="2026-12-01T00:00:00"),
+        ],
+        "other": [wheel("other-2.0-py2.py3-none-any.whl")],
+        "native": [wheel("native-1.0-cp312-cp312-win_amd64.whl")],
+    }
 
     def urlopen(request, timeout):
         name = request.full_url.rstrip("/").rsplit("/", 1)[-1]
@@ -386,8 +465,9 @@ def test_pin_takes_the_newest_final_pure_python_wheel_before_the_cutoff(tmp_path
 
     monkeypatch.setattr(corpus.urllib.request, "urlopen", urlopen)
     lock = tmp_path / "lock.json"
-    assert corpus.main(["--cutoff", "2026-11-01", "--heldout", "other", "--out", str(lock),
-                        "pkg", "other"]) == 0
+    assert (
+        corpus.main(["--cutoff", "2026-11-01", "--heldout", "other", "--out", str(lock), "pkg", "other"]) == 0
+    )
     rows = {w.name: w for w in read_lock(lock)}
     assert rows["pkg"].version == "1.2" and not rows["pkg"].heldout
     assert rows["other"].filename == "other-2.0-py2.py3-none-any.whl" and rows["other"].heldout

@@ -98,41 +98,71 @@ class BenchArgs:
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog="python scripts/bench_engine.py",
-                                    description=__doc__.split("\n\n")[0])
+        p = argparse.ArgumentParser(
+            prog="python scripts/bench_engine.py", description=__doc__.split("\n\n")[0]
+        )
         add_engine_options(p, "model", "draft")
-        p.add_argument("--random-shape", choices=sorted(TARGET_SHAPES),
-                       help="random-weight target and 5-layer block-16 draft of a real shape")
-        p.add_argument("--prompts", help="JSONL prompts: `prompt_ids` (token ids) or `prompt` "
-                                         "(text, the target's tokenizer) per row")
-        p.add_argument("--oracle-acceptance", type=float, default=None,
-                       help="replace proposals to reach this mean acceptance length")
+        p.add_argument(
+            "--random-shape",
+            choices=sorted(TARGET_SHAPES),
+            help="random-weight target and 5-layer block-16 draft of a real shape",
+        )
+        p.add_argument(
+            "--prompts",
+            help="JSONL prompts: `prompt_ids` (token ids) or `prompt` (text, the target's tokenizer) per row",
+        )
+        p.add_argument(
+            "--oracle-acceptance",
+            type=float,
+            default=None,
+            help="replace proposals to reach this mean acceptance length",
+        )
         p.add_argument("--concurrency", default="1,4,8,16")
-        p.add_argument("--modes", default=",".join(MODES),
-                       help="modes to measure, comma-separated: plain, dflash (default both)")
+        p.add_argument(
+            "--modes",
+            default=",".join(MODES),
+            help="modes to measure, comma-separated: plain, dflash (default both)",
+        )
         p.add_argument("--num-prompts", type=int, default=None)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy")
-        add_engine_options(p, "dtype", "device",
-                           dtype={"default": None,
-                                  "help": "weights and activations (default: bfloat16 on cuda, "
-                                          "float32 on cpu)"},
-                           device="cuda" if torch.cuda.is_available() else "cpu")
+        add_engine_options(
+            p,
+            "dtype",
+            "device",
+            dtype={
+                "default": None,
+                "help": "weights and activations (default: bfloat16 on cuda, float32 on cpu)",
+            },
+            device="cuda" if torch.cuda.is_available() else "cpu",
+        )
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--profile-capture", action="store_true",
-                       help="cudaProfilerStart/Stop around the measured repeats, for "
-                            "nsys profile --capture-range=cudaProfilerApi")
+        p.add_argument(
+            "--profile-capture",
+            action="store_true",
+            help="cudaProfilerStart/Stop around the measured repeats, for "
+            "nsys profile --capture-range=cudaProfilerApi",
+        )
         p.add_argument("--out", help="CSV file for the per-(mode, concurrency) rows")
         # several numerics, comma-separated, are measured interleaved
-        add_engine_options(p, "numerics", "enforce_eager",
-                           numerics={"choices": None, "help": "comma-separated, to compare them "
-                                     "interleaved; each one of: " + NUMERICS_HELP})
-        p.add_argument("--floor", action="store_true",
-                       help="measure the weight-streaming floor (every weight read once, "
-                            "graph-captured) per concurrency and give each step time as a "
-                            "multiple of it")
+        add_engine_options(
+            p,
+            "numerics",
+            "enforce_eager",
+            numerics={
+                "choices": None,
+                "help": "comma-separated, to compare them interleaved; each one of: " + NUMERICS_HELP,
+            },
+        )
+        p.add_argument(
+            "--floor",
+            action="store_true",
+            help="measure the weight-streaming floor (every weight read once, "
+            "graph-captured) per concurrency and give each step time as a "
+            "multiple of it",
+        )
         return p
 
     @classmethod
@@ -163,8 +193,10 @@ class BenchArgs:
         else:
             ns.numerics = tuple(n.strip() for n in ns.numerics.split(","))
             if not set(ns.numerics) <= set(NUMERICS) or len(set(ns.numerics)) != len(ns.numerics):
-                p.error(f"--numerics must be distinct values of {', '.join(NUMERICS)}, "
-                        f"got {','.join(ns.numerics)!r}")
+                p.error(
+                    f"--numerics must be distinct values of {', '.join(NUMERICS)}, "
+                    f"got {','.join(ns.numerics)!r}"
+                )
         return cls(**vars(ns))
 
 
@@ -215,19 +247,23 @@ def read_prompts(path: str, model_dir: str | None, count: int) -> list[list[int]
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int,
-                numerics: str | None) -> Engine:
+def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numerics: str | None) -> Engine:
     """One engine (and its CUDA graphs) for every run of a mode and numerics at one
     concurrency, as a server keeps one: the graphs are captured here, outside the runs."""
-    config = EngineConfig(max_num_seqs=concurrency, block_size=args.block_size,
-                          commit_strategy=args.commit_strategy,
-                          max_model_len=max(map(len, prompts)) + args.output_len,
-                          numerics=numerics, enforce_eager=args.enforce_eager)
+    config = EngineConfig(
+        max_num_seqs=concurrency,
+        block_size=args.block_size,
+        commit_strategy=args.commit_strategy,
+        max_model_len=max(map(len, prompts)) + args.output_len,
+        numerics=numerics,
+        enforce_eager=args.enforce_eager,
+    )
     return Engine(target, draft, config)
 
 
-def run_once(engine: Engine, prompts, args: BenchArgs, concurrency: int,
-             continuations: list[list[int]] | None) -> dict:
+def run_once(
+    engine: Engine, prompts, args: BenchArgs, concurrency: int, continuations: list[list[int]] | None
+) -> dict:
     """One run to completion on an idle engine (plain decode when it has no draft), its
     statistics started afresh. Returns the row and outputs."""
     engine.reset_stats()
@@ -241,9 +277,9 @@ def run_once(engine: Engine, prompts, args: BenchArgs, concurrency: int,
     for i, prompt in enumerate(prompts):
         oracle = None
         if draft is not None and continuations is not None:
-            oracle = OracleProposer.for_mean_acceptance(continuations[i],
-                                                        args.oracle_acceptance, block, vocab,
-                                                        forced=True)
+            oracle = OracleProposer.for_mean_acceptance(
+                continuations[i], args.oracle_acceptance, block, vocab, forced=True
+            )
         engine.add_request(str(i), prompt, params, oracle=oracle)
     steps, step_s = 0, 0.0
     while engine.has_unfinished():
@@ -291,10 +327,12 @@ def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> f
 def print_floor(rows: list[dict]) -> None:
     print("mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor")
     for r in rows:
-        print(f"{r['mode']} | {r['numerics']} | {r['concurrency']} | "
-              f"{_figure(r, 'ms_per_decode_step', 2)} | "
-              f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
-              f"{r['over_floor']:.2f}")
+        print(
+            f"{r['mode']} | {r['numerics']} | {r['concurrency']} | "
+            f"{_figure(r, 'ms_per_decode_step', 2)} | "
+            f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
+            f"{r['over_floor']:.2f}"
+        )
 
 
 def speedups(rows: list[dict]) -> list[dict]:
@@ -305,14 +343,25 @@ def speedups(rows: list[dict]) -> list[dict]:
     out = []
     for (mode, numerics, c), spec in by.items():
         plain = by.get(("plain", numerics, c))
-        if mode != "dflash" or plain is None or not spec["ms_per_decode_step"] \
-                or not plain["ms_per_decode_step"] or not plain["output_tokens_per_s"]:
+        if (
+            mode != "dflash"
+            or plain is None
+            or not spec["ms_per_decode_step"]
+            or not plain["ms_per_decode_step"]
+            or not plain["output_tokens_per_s"]
+        ):
             continue  # a run without decode steps (one output token) has no ratio
-        out.append({"numerics": numerics, "concurrency": c,
-                    "tok_s": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
-                    "decode": spec["mean_acceptance_length"] * plain["ms_per_decode_step"]
-                    / spec["ms_per_decode_step"],
-                    "step_ratio": spec["ms_per_decode_step"] / plain["ms_per_decode_step"]})
+        out.append(
+            {
+                "numerics": numerics,
+                "concurrency": c,
+                "tok_s": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                "decode": spec["mean_acceptance_length"]
+                * plain["ms_per_decode_step"]
+                / spec["ms_per_decode_step"],
+                "step_ratio": spec["ms_per_decode_step"] / plain["ms_per_decode_step"],
+            }
+        )
     return out
 
 
@@ -320,11 +369,14 @@ def print_speedups(rows: list[dict]) -> None:
     table = speedups(rows)
     if not table:
         return
-    print("numerics | concurrency | DFlash/plain tok/s | DFlash/plain decode steps | "
-          "DFlash step / plain step")
+    print(
+        "numerics | concurrency | DFlash/plain tok/s | DFlash/plain decode steps | DFlash step / plain step"
+    )
     for r in table:
-        print(f"{r['numerics']} | {r['concurrency']} | {r['tok_s']:.2f} | {r['decode']:.2f} | "
-              f"{r['step_ratio']:.2f}")
+        print(
+            f"{r['numerics']} | {r['concurrency']} | {r['tok_s']:.2f} | {r['decode']:.2f} | "
+            f"{r['step_ratio']:.2f}"
+        )
 
 
 SPREAD_WARNING = 0.10  # repeats whose min-max range exceeds this share of the median disagree
@@ -350,10 +402,16 @@ def disagreements(row: dict, columns: list[str]) -> list[str]:
     out = []
     for col in columns:
         median, low, high = row.get(col), row.get(f"{col}_min"), row.get(f"{col}_max")
-        if isinstance(median, float) and median > 0 and low is not None and \
-                (high - low) / median > SPREAD_WARNING:
-            out.append(f"{row['mode']} c={row['concurrency']} {col} {median:.1f} "
-                       f"({low:.1f}-{high:.1f}, {(high - low) / median:.0%} of the median)")
+        if (
+            isinstance(median, float)
+            and median > 0
+            and low is not None
+            and (high - low) / median > SPREAD_WARNING
+        ):
+            out.append(
+                f"{row['mode']} c={row['concurrency']} {col} {median:.1f} "
+                f"({low:.1f}-{high:.1f}, {(high - low) / median:.0%} of the median)"
+            )
     return out
 
 
@@ -361,11 +419,17 @@ def benchmark(args: BenchArgs) -> list[dict]:
     target, draft = load_pair(args)
     device = str(target.model.embed_tokens.weight.device)
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
-    print(f"# device {device} ({gpu}), dtype {target.model.embed_tokens.weight.dtype}, "
-          f"{args.random_shape or args.model}", flush=True)
+    print(
+        f"# device {device} ({gpu}), dtype {target.model.embed_tokens.weight.dtype}, "
+        f"{args.random_shape or args.model}",
+        flush=True,
+    )
     if args.profile_capture and not device.startswith("cuda"):
-        print(f"# --profile-capture: no CUDA device ({device}), so no profiler capture range "
-              "is opened (a no-op here)", flush=True)
+        print(
+            f"# --profile-capture: no CUDA device ({device}), so no profiler capture range "
+            "is opened (a no-op here)",
+            flush=True,
+        )
     capture = args.profile_capture and device.startswith("cuda")
     rows = []
     for c in args.concurrency:
@@ -386,10 +450,10 @@ def benchmark(args: BenchArgs) -> list[dict]:
                 engines["plain", numerics] = plain
             del plain
             if "dflash" in args.modes:
-                engines["dflash", numerics] = make_engine(target, draft, prompts, args, c,
-                                                          numerics)
-                run_once(engines["dflash", numerics], prompts[:c], args, c,
-                         warm["outputs"] if oracle else None)
+                engines["dflash", numerics] = make_engine(target, draft, prompts, args, c, numerics)
+                run_once(
+                    engines["dflash", numerics], prompts[:c], args, c, warm["outputs"] if oracle else None
+                )
         with capture_range(capture):
             measured = measure(engines, prompts, args, c, warm["outputs"])
         del engines
@@ -397,22 +461,28 @@ def benchmark(args: BenchArgs) -> list[dict]:
         for runs in measured.values():
             row = median_row(runs)
             if floor is not None:
-                row.update(floor_ms=floor.ms_median, floor_ms_min=floor.ms_min,
-                           floor_ms_max=floor.ms_max, floor_gb_per_s=floor.gb_per_s,
-                           over_floor=row["ms_per_decode_step"] / floor.ms_median)
+                row.update(
+                    floor_ms=floor.ms_median,
+                    floor_ms_min=floor.ms_min,
+                    floor_ms_max=floor.ms_max,
+                    floor_gb_per_s=floor.gb_per_s,
+                    over_floor=row["ms_per_decode_step"] / floor.ms_median,
+                )
             rows.append(row)
         if args.out:  # after every concurrency, so an interrupted run keeps what it measured
             write_csv(args.out, rows)
     return rows
 
 
-def measure(engines: dict, prompts, args: BenchArgs, concurrency: int,
-            warm_outputs: list[list[int]]) -> dict[str, list[dict]]:
+def measure(
+    engines: dict, prompts, args: BenchArgs, concurrency: int, warm_outputs: list[list[int]]
+) -> dict[str, list[dict]]:
     """`args.repeats` runs of each mode (and numerics) on its engine in `engines`,
     alternating; the rows of each (mode, numerics) pair's runs."""
     oracle = args.oracle_acceptance is not None
-    measured: dict[tuple, list[dict]] = {(mode, numerics): [] for numerics in args.numerics
-                                         for mode in args.modes}
+    measured: dict[tuple, list[dict]] = {
+        (mode, numerics): [] for numerics in args.numerics for mode in args.modes
+    }
     for r in range(args.repeats):
         for numerics in args.numerics:
             continuations = warm_outputs if oracle else None
@@ -421,11 +491,13 @@ def measure(engines: dict, prompts, args: BenchArgs, concurrency: int,
                 measured["plain", numerics].append(plain["row"])
                 continuations = plain["outputs"] if oracle else None
             if "dflash" in args.modes:
-                spec = run_once(engines["dflash", numerics], prompts, args, concurrency,
-                                continuations)
+                spec = run_once(engines["dflash", numerics], prompts, args, concurrency, continuations)
                 measured["dflash", numerics].append(spec["row"])
-        done = [f"{runs[-1]['mode']} ({runs[-1]['numerics']}) {runs[-1]['output_tokens_per_s']:.1f} "
-                f"tok/s, {runs[-1]['ms_per_step']:.2f} ms/step" for runs in measured.values()]
+        done = [
+            f"{runs[-1]['mode']} ({runs[-1]['numerics']}) {runs[-1]['output_tokens_per_s']:.1f} "
+            f"tok/s, {runs[-1]['ms_per_step']:.2f} ms/step"
+            for runs in measured.values()
+        ]
         print(f"  c={concurrency} repeat {r + 1}/{args.repeats}: {'; '.join(done)}", flush=True)
     return measured
 
@@ -456,10 +528,16 @@ def write_csv(path: str, rows: list[dict]) -> None:
 def print_table(rows: list[dict]) -> None:
     """Medians over the repeats, each float as `median (min-max)`; a warning line for every
     figure whose repeats disagree by more than SPREAD_WARNING of the median."""
-    cols = ["mode", "numerics", "concurrency", "output_tokens_per_s", "mean_acceptance_length",
-            "ms_per_step", *[f"ms_{p}" for p in PHASES]]
-    print(f"# medians over {rows[0].get('repeats', 1) if rows else 0} repeats, (min-max) in "
-          "parentheses")
+    cols = [
+        "mode",
+        "numerics",
+        "concurrency",
+        "output_tokens_per_s",
+        "mean_acceptance_length",
+        "ms_per_step",
+        *[f"ms_{p}" for p in PHASES],
+    ]
+    print(f"# medians over {rows[0].get('repeats', 1) if rows else 0} repeats, (min-max) in parentheses")
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(_figure(row, c) for c in cols))
@@ -494,4 +572,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         print(f"wrote {args.out}")
     return 0
-

@@ -45,8 +45,7 @@ def streamed_weights(model: CausalLM) -> list[torch.Tensor]:
         if fused is not None and fused.live():
             stacks.append(fused.weight)
             covered.update(id(linear.weight) for linear in fused.linears)
-    out = stacks + [p for p in model.parameters()
-                    if p.dim() == 2 and p is not embed and id(p) not in covered]
+    out = stacks + [p for p in model.parameters() if p.dim() == 2 and p is not embed and id(p) not in covered]
     if model.config.tie_word_embeddings:
         out.append(embed)
     return out
@@ -58,8 +57,7 @@ def weight_streaming_floor(model: CausalLM, repeats: int = 20, rows: int = 1) ->
     into a buffer of its own, nothing else in the chain."""
     weights = streamed_weights(model)
     device = weights[0].device
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=device)
-              for w in weights}
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=device) for w in weights}
     outputs = [torch.empty(rows, w.shape[0], dtype=w.dtype, device=device) for w in weights]
 
     def chain() -> None:

@@ -165,15 +165,19 @@ def assemble_target(
     config: TargetConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
 ) -> CausalLM:
     """A target model around already-placed tensors (no copy, no random init)."""
-    return _assemble(lambda: build_target(config), tensors,
-                     RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device))
+    return _assemble(
+        lambda: build_target(config),
+        tensors,
+        RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device),
+    )
 
 
 def assemble_draft(
     config: DraftConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
 ) -> DFlashDraft:
-    return _assemble(lambda: DFlashDraft(config), tensors,
-                     RotaryEmbedding(config.head_dim, config.rope_theta).to(device))
+    return _assemble(
+        lambda: DFlashDraft(config), tensors, RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    )
 
 
 def _assemble(build, tensors: dict[str, torch.Tensor], rotary: RotaryEmbedding):
@@ -199,18 +203,14 @@ def load_draft(
     device = device or weight.device
     config = DraftConfig.from_hf(read_config(path))
     config.check_target(target.config)
-    tensors = read_tensors(
-        path, draft_expected_shapes(config), dtype, device, strip_model_prefix=True
-    )
+    tensors = read_tensors(path, draft_expected_shapes(config), dtype, device, strip_model_prefix=True)
     draft = assemble_draft(config, tensors, device)
     draft.source_path = Path(path)
     return draft
 
 
 # ----------------------------------------------------------------------------- writing
-def write_safetensors(
-    out_dir: Path, tensors: dict[str, torch.Tensor], shards: int = 1
-) -> None:
+def write_safetensors(out_dir: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
     """Write one `model.safetensors`, or `shards` files plus the index, as HF does."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.contiguous() for name, t in tensors.items()}

@@ -1,10 +1,10 @@
 """`python -m reference_engine.checkpoint make-tiny`: write a tiny random checkpoint.
 
-    python -m reference_engine.checkpoint make-tiny --arch {qwen3,qwen3_5} --out DIR
-        [--seed N] [--layers N] [--hidden N] [--vocab N] [--multimodal-wrapper]
-        [--tie-word-embeddings] [--shards N] [--dtype float32|bfloat16]
-    python -m reference_engine.checkpoint make-tiny --arch dflash --target DIR --out DIR
-        [--block-size N] [--layers N] [--seed N]
+python -m reference_engine.checkpoint make-tiny --arch {qwen3,qwen3_5} --out DIR
+    [--seed N] [--layers N] [--hidden N] [--vocab N] [--multimodal-wrapper]
+    [--tie-word-embeddings] [--shards N] [--dtype float32|bfloat16]
+python -m reference_engine.checkpoint make-tiny --arch dflash --target DIR --out DIR
+    [--block-size N] [--layers N] [--seed N]
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--target", help="dflash only: the target model directory to match")
     tiny.add_argument("--block-size", type=int, default=8, help="dflash only")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--layers", type=int, default=None,
-                      help="decoder layers (default 4 for targets, 2 for drafts)")
+    tiny.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default 4 for targets, 2 for drafts)"
+    )
     tiny.add_argument("--hidden", type=int, default=64)
     tiny.add_argument("--vocab", type=int, default=512)
-    tiny.add_argument("--multimodal-wrapper", action="store_true",
-                      help="Qwen3.5 only: write the multimodal wrapper layout")
+    tiny.add_argument(
+        "--multimodal-wrapper", action="store_true", help="Qwen3.5 only: write the multimodal wrapper layout"
+    )
     tiny.add_argument("--tie-word-embeddings", action="store_true")
     tiny.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
     tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

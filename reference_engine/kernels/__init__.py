@@ -44,8 +44,9 @@ def select(numerics: str | None, device: torch.device | str, dtype: torch.dtype)
     if dtype not in EXACT_DTYPES:
         if numerics == "fast":
             return TORCH
-        raise ValueError(f"exact numerics runs bfloat16, float16 or float32 models, not {dtype}; "
-                         "use numerics 'fast'")
+        raise ValueError(
+            f"exact numerics runs bfloat16, float16 or float32 models, not {dtype}; use numerics 'fast'"
+        )
     from .triton_ops import TRITON, VENDOR  # needs triton, present wherever CUDA torch is
 
     return VENDOR if numerics == "fast" else TRITON

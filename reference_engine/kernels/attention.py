@@ -30,11 +30,27 @@ BLOCK_N = 64
 # of the specialisation keys so that one compiled kernel serves both
 @triton.jit(do_not_specialize=["T", "G", "max_len", "window", "stride_qb", "stride_ob", "stride_pb"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, pos_ptr, valid_ptr,
-    T, G, max_len, scale, window,
-    stride_qb, stride_qt, stride_qh,
-    stride_cs, stride_cl, stride_ch,
-    stride_ob, stride_ot, stride_oh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    slots_ptr,
+    pos_ptr,
+    valid_ptr,
+    T,
+    G,
+    max_len,
+    scale,
+    window,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_cs,
+    stride_cl,
+    stride_ch,
+    stride_ob,
+    stride_ot,
+    stride_oh,
     stride_pb,
     CAUSAL: tl.constexpr,
     SLIDING: tl.constexpr,
@@ -55,8 +71,11 @@ def _attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
-    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     pos = tl.load(pos_ptr + b * stride_pb + t, mask=row_ok, other=0)
     if CAUSAL:
         hi = pos
@@ -104,8 +123,11 @@ def _attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 def attention(
@@ -137,15 +159,36 @@ def attention(
     valid = valid_len.contiguous() if valid_len is not None else positions
     grid = (triton.cdiv(T * G, BLOCK_M), kv_heads, batch)
     _attention_kernel[grid](
-        q, k_cache, v_cache, out, slots, positions, valid,
-        T, G, k_cache.shape[1], scale, sliding_window or 0,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        slots,
+        positions,
+        valid,
+        T,
+        G,
+        k_cache.shape[1],
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         positions.stride(0),
-        CAUSAL=causal, SLIDING=sliding_window is not None, HAS_VALID=valid_len is not None,
+        CAUSAL=causal,
+        SLIDING=sliding_window is not None,
+        HAS_VALID=valid_len is not None,
         IEEE=q.dtype == torch.float32,
-        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        D=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
         num_warps=4,
         **LAUNCH,
     )

@@ -27,9 +27,20 @@ BLOCK_V = 32
 
 @triton.jit(do_not_specialize=["T", "store_states"])
 def _gated_delta_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, valid_ptr, out_ptr, final_ptr, states_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    valid_ptr,
+    out_ptr,
+    final_ptr,
+    states_ptr,
     slots_ptr,
-    T, H, store_states,  # all contiguous: q, k [batch, T, H, DK]; v, out [batch, T, H, DV];
+    T,
+    H,
+    store_states,  # all contiguous: q, k [batch, T, H, DK]; v, out [batch, T, H, DV];
     # g, beta [batch, T, H]; state, final [batch, H, DK, DV] (or, with slots, state is every
     # slot's [slots, H, DK, DV] and final is state); states [batch, T, H, DK, DV]
     HAS_SLOTS: tl.constexpr,
@@ -107,10 +118,24 @@ def gated_delta(
         return result
     grid = (batch, H, triton.cdiv(DV, BLOCK_V))
     _gated_delta_kernel[grid](
-        q, k, v, g, beta, state, valid_len.contiguous(), out, final, scratch,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        valid_len.contiguous(),
+        out,
+        final,
+        scratch,
         slots.contiguous() if slots is not None else valid_len,
-        T, H, int(states_out is not None),
-        HAS_SLOTS=slots is not None, DK=DK, DV=DV, BLOCK_K=max(16, triton.next_power_of_2(DK)),
+        T,
+        H,
+        int(states_out is not None),
+        HAS_SLOTS=slots is not None,
+        DK=DK,
+        DV=DV,
+        BLOCK_K=max(16, triton.next_power_of_2(DK)),
         BLOCK_V=BLOCK_V,
         num_warps=4,
         **LAUNCH,
@@ -120,11 +145,33 @@ def gated_delta(
 
 @triton.jit(do_not_specialize=["T", "s_mb", "s_mc", "s_mt", "s_ab", "s_at", "s_bb", "s_bt"])
 def _inputs_kernel(
-    mixed_ptr, a_ptr, b_ptr, alog_ptr, dt_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-    T, H, ratio, scale, eps,
-    s_mb, s_mc, s_mt, s_ab, s_at, s_bb, s_bt,
-    KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    mixed_ptr,
+    a_ptr,
+    b_ptr,
+    alog_ptr,
+    dt_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    T,
+    H,
+    ratio,
+    scale,
+    eps,
+    s_mb,
+    s_mc,
+    s_mt,
+    s_ab,
+    s_at,
+    s_bb,
+    s_bt,
+    KEY_DIM: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * T + t
     h = tl.program_id(1)  # value head
@@ -154,8 +201,14 @@ def _inputs_kernel(
 
 
 def gated_delta_inputs(
-    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-    dt_bias: torch.Tensor, k_heads: int, k_dim: int, v_dim: int,
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    k_heads: int,
+    k_dim: int,
+    v_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.reference.gated_delta_inputs, in one launch (one program per
     token and value head). a and b may be column views of a fused projection."""
@@ -169,22 +222,57 @@ def gated_delta_inputs(
     g, beta = torch.empty((batch, T, H), **f32), torch.empty((batch, T, H), **f32)
     if batch * T:
         _inputs_kernel[(batch * T, H)](
-            mixed, a, b, A_log, dt_bias, q, k, v, g, beta,
-            T, H, H // k_heads, k_dim**-0.5, 1e-6,
-            mixed.stride(0), mixed.stride(1), mixed.stride(2), a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1),
-            KEY_DIM=k_heads * k_dim, DK=k_dim, DV=v_dim,
-            BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=triton.next_power_of_2(v_dim),
+            mixed,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            T,
+            H,
+            H // k_heads,
+            k_dim**-0.5,
+            1e-6,
+            mixed.stride(0),
+            mixed.stride(1),
+            mixed.stride(2),
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            KEY_DIM=k_heads * k_dim,
+            DK=k_dim,
+            DV=v_dim,
+            BLOCK_K=triton.next_power_of_2(k_dim),
+            BLOCK_V=triton.next_power_of_2(v_dim),
             **LAUNCH,
         )
     return q, k, v, g, beta
 
 
 @triton.jit(do_not_specialize=["T", "s_xb", "s_xt", "s_ob", "s_ot"])
-def _conv_step_kernel(x_ptr, state_ptr, slots_ptr, valid_ptr, w_ptr, out_ptr,
-                      C, T, s_xb, s_xt, s_ob, s_ot,
-                      KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_W: tl.constexpr):
+def _conv_step_kernel(
+    x_ptr,
+    state_ptr,
+    slots_ptr,
+    valid_ptr,
+    w_ptr,
+    out_ptr,
+    C,
+    T,
+    s_xb,
+    s_xt,
+    s_ob,
+    s_ot,
+    KERNEL: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """One program per (row, channel block), over all T tokens: it alone reads the channels'
     old slot state and then writes the new one, so the update is in place without a race."""
     b = tl.program_id(0)
@@ -223,7 +311,10 @@ def _conv_step_kernel(x_ptr, state_ptr, slots_ptr, valid_ptr, w_ptr, out_ptr,
 
 
 def causal_conv_step(
-    x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
     valid_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.causal_conv_step, in one launch: the slot states
@@ -242,10 +333,22 @@ def causal_conv_step(
         valid_len = torch.full((batch,), T, dtype=torch.int64, device=x.device)
     block_c = 64
     _conv_step_kernel[(batch, triton.cdiv(C, block_c))](
-        x, conv_state, slots.contiguous(), valid_len.contiguous(),
-        weight.reshape(C, kernel).contiguous(), out,
-        C, T, x.stride(0), x.stride(1), out.stride(0), out.stride(2),
-        KERNEL=kernel, BLOCK_C=block_c, BLOCK_T=16, BLOCK_W=triton.next_power_of_2(max(kernel - 1, 1)),
+        x,
+        conv_state,
+        slots.contiguous(),
+        valid_len.contiguous(),
+        weight.reshape(C, kernel).contiguous(),
+        out,
+        C,
+        T,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(2),
+        KERNEL=kernel,
+        BLOCK_C=block_c,
+        BLOCK_T=16,
+        BLOCK_W=triton.next_power_of_2(max(kernel - 1, 1)),
         **LAUNCH,
     )
     return out

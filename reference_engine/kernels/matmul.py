@@ -82,9 +82,16 @@ CONFIGURATIONS = (*(t for _, t in ROW_TILES), FEW_ROWS_DEEP, MANY_ROWS, MANY_ROW
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_om,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: loads need no mask along K
@@ -102,24 +109,38 @@ def _matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ((k0 + ks) < K) | EVEN_K
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[None, :] * stride_wn + (k0 + ks)[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + cols[None, :] * stride_wn + (k0 + ks)[:, None],
+            mask=col_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
-    x_desc, w_desc, out_desc, bias_ptr,
-    M, N, K,
+    x_desc,
+    w_desc,
+    out_desc,
+    bias_ptr,
+    M,
+    N,
+    K,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -142,8 +163,13 @@ def _matmul_tma_kernel(
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether 2-D row-major tensors meet the accelerator's rules: 16-byte aligned starts
     and row strides (a tile configuration with `tma` falls back to pointer loads if not)."""
-    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+    return all(
+        t.dim() == 2
+        and t.stride(1) == 1
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors
+    )
 
 
 @functools.cache
@@ -183,8 +209,9 @@ def block_n(n: int, sm_count: int) -> int:
     return 32
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: Tiles | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None
+) -> torch.Tensor:
     """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N], batch-invariant (module docstring).
     `tiles` overrides the configuration, for tile sweeps and the tests that compare them
     (the configurations past 48 rows are for half precision: in float32 the deepest would
@@ -208,22 +235,37 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),
             TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]),
             bias if bias is not None else w,
-            M, N, K,
+            M,
+            N,
+            K,
             HAS_BIAS=bias is not None,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            num_warps=t.warps, num_stages=t.stages,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k,
+            num_warps=t.warps,
+            num_stages=t.stages,
             **LAUNCH,
         )
         return out.reshape(*lead, N)
     _matmul_kernel[grid](
-        x2, w, bias if bias is not None else w, out,
-        M, N, K,
-        x2.stride(0), w.stride(0), out.stride(0),
+        x2,
+        w,
+        bias if bias is not None else w,
+        out,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        w.stride(0),
+        out.stride(0),
         HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32,
         EVEN_K=K % t.block_k == 0,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.warps, num_stages=t.stages,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        num_warps=t.warps,
+        num_stages=t.stages,
         **LAUNCH,
     )
     return out.reshape(*lead, N)

@@ -24,8 +24,20 @@ def _sigmoid(x):
 
 
 @triton.jit(do_not_specialize=["stride_z"])
-def _norm_kernel(x_ptr, w_ptr, z_ptr, out_ptr, res_ptr, sum_ptr, H, eps, stride_z,
-                 KIND: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_kernel(
+    x_ptr,
+    w_ptr,
+    z_ptr,
+    out_ptr,
+    res_ptr,
+    sum_ptr,
+    H,
+    eps,
+    stride_z,
+    KIND: tl.constexpr,
+    ADD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -69,8 +81,14 @@ def _row_view(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _rows(x: torch.Tensor, kind: int, eps: float, weight: torch.Tensor | None = None,
-          z: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+def _rows(
+    x: torch.Tensor,
+    kind: int,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+):
     H = x.shape[-1]
     x2 = x.reshape(-1, H).contiguous()
     dtype = z.dtype if z is not None else x.dtype  # the gated norm's output: z's dtype
@@ -82,9 +100,22 @@ def _rows(x: torch.Tensor, kind: int, eps: float, weight: torch.Tensor | None = 
         r2 = residual.reshape(-1, H).contiguous() if residual is not None else x2
         w = weight.contiguous() if weight is not None else x2
         block = triton.next_power_of_2(H)
-        _norm_kernel[(rows,)](x2, w, z2, out, r2, summed if summed is not None else out, H, eps,
-                              z2.stride(0), KIND=kind, ADD=residual is not None, BLOCK=block,
-                              num_warps=8 if block >= 2048 else 4, **LAUNCH)
+        _norm_kernel[(rows,)](
+            x2,
+            w,
+            z2,
+            out,
+            r2,
+            summed if summed is not None else out,
+            H,
+            eps,
+            z2.stride(0),
+            KIND=kind,
+            ADD=residual is not None,
+            BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
+            **LAUNCH,
+        )
     if summed is not None:
         return out.reshape(x.shape), summed.reshape(x.shape)
     return out.reshape(x.shape)
@@ -94,8 +125,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
     return _rows(x, OFFSET if offset else PLAIN, eps, weight)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _rows(x, OFFSET if offset else PLAIN, eps, weight, residual=residual)
 
 
@@ -110,6 +142,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, n = g.shape
     if rows and n:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0),
-                                                        BLOCK=block, **LAUNCH)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+            g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, **LAUNCH
+        )
     return out

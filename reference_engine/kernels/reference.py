@@ -41,8 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
     return weight * F.rms_norm(x.to(acc), x.shape[-1:], None, eps).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a decoder layer's residual add and the norm
     that reads its result, in one pass."""
     summed = x + residual
@@ -158,8 +159,9 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
     dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
 
 
-def conv_state_at(conv: torch.Tensor, slots: torch.Tensor, recorded: torch.Tensor,
-                  processed: torch.Tensor) -> None:
+def conv_state_at(
+    conv: torch.Tensor, slots: torch.Tensor, recorded: torch.Tensor, processed: torch.Tensor
+) -> None:
     """conv [slots, channels, kernel-1]: each row's slot state set, in place, to the kernel-1
     inputs of its recorded conv input [slots, channels, kernel-1+T] (the state before a block
     followed by the block's inputs) after `processed` [rows] tokens of the block."""

@@ -18,8 +18,21 @@ from .launch import LAUNCH
 
 
 @triton.jit
-def _norm_rope(src, w_ptr, cos, sin, d, partner, ok, in_rot, first_half, eps,
-               OFFSET: tl.constexpr, D: tl.constexpr, out_ty: tl.constexpr):
+def _norm_rope(
+    src,
+    w_ptr,
+    cos,
+    sin,
+    d,
+    partner,
+    ok,
+    in_rot,
+    first_half,
+    eps,
+    OFFSET: tl.constexpr,
+    D: tl.constexpr,
+    out_ty: tl.constexpr,
+):
     x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
     scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     xp = tl.load(src + partner, mask=ok & in_rot, other=0.0).to(tl.float32)
@@ -38,15 +51,45 @@ def _norm_rope(src, w_ptr, cos, sin, d, partner, ok, in_rot, first_half, eps,
 
 
 # T and the strides vary between decode, verify and prefill: one compiled kernel for all
-@triton.jit(do_not_specialize=["T", "HQ", "s_qb", "s_qt", "s_kb", "s_kt", "s_vb", "s_vt",
-                               "s_ob", "s_ot", "s_pb"])
+@triton.jit(
+    do_not_specialize=["T", "HQ", "s_qb", "s_qt", "s_kb", "s_kt", "s_vb", "s_vt", "s_ob", "s_ot", "s_pb"]
+)
 def _attention_inputs_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, kc_ptr, vc_ptr,
-    slots_ptr, pos_ptr,
-    T, HQ, eps,
-    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
-    s_cs, s_cl, s_ch, s_pb,
-    OFFSET: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    pos_ptr,
+    T,
+    HQ,
+    eps,
+    s_qb,
+    s_qt,
+    s_qh,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_ob,
+    s_ot,
+    s_oh,
+    s_cs,
+    s_cl,
+    s_ch,
+    s_pb,
+    OFFSET: tl.constexpr,
+    D: tl.constexpr,
+    RD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * T + t
     head = tl.program_id(1)  # query heads first, then kv heads
@@ -62,15 +105,41 @@ def _attention_inputs_kernel(
     sin = tl.load(sin_ptr + row * RD + d, mask=in_rot, other=0.0).to(tl.float32)
     out_ty = kc_ptr.dtype.element_ty
     if head < HQ:
-        y = _norm_rope(q_ptr + b * s_qb + t * s_qt + head * s_qh, qw_ptr, cos, sin, d, partner,
-                       ok, in_rot, first_half, eps, OFFSET, D, out_ty)
+        y = _norm_rope(
+            q_ptr + b * s_qb + t * s_qt + head * s_qh,
+            qw_ptr,
+            cos,
+            sin,
+            d,
+            partner,
+            ok,
+            in_rot,
+            first_half,
+            eps,
+            OFFSET,
+            D,
+            out_ty,
+        )
         tl.store(out_ptr + b * s_ob + t * s_ot + head * s_oh + d, y, mask=ok)
     else:
         kv = head - HQ
         slot = tl.load(slots_ptr + b)
         pos = tl.load(pos_ptr + b * s_pb + t)
-        y = _norm_rope(k_ptr + b * s_kb + t * s_kt + kv * s_kh, kw_ptr, cos, sin, d, partner,
-                       ok, in_rot, first_half, eps, OFFSET, D, out_ty)
+        y = _norm_rope(
+            k_ptr + b * s_kb + t * s_kt + kv * s_kh,
+            kw_ptr,
+            cos,
+            sin,
+            d,
+            partner,
+            ok,
+            in_rot,
+            first_half,
+            eps,
+            OFFSET,
+            D,
+            out_ty,
+        )
         dest = slot * s_cs + pos * s_cl + kv * s_ch + d
         tl.store(kc_ptr + dest, y, mask=ok)
         v = tl.load(v_ptr + b * s_vb + t * s_vt + kv * s_vh + d, mask=ok, other=0.0)
@@ -78,10 +147,19 @@ def _attention_inputs_kernel(
 
 
 def attention_inputs(
-    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
-    q_weight: torch.Tensor | None, k_weight: torch.Tensor, eps: float, offset: bool,
-    cos: torch.Tensor, sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
 ) -> torch.Tensor | None:
     """kernels/reference.py `attention_inputs`, in one launch. q, k, v may be strided views
     (the column ranges of one fused projection); each head's dims must be contiguous."""
@@ -101,13 +179,41 @@ def attention_inputs(
     qw = q_weight if q_weight is not None else k_weight
     pos = positions if positions.stride(-1) == 1 else positions.contiguous()
     _attention_inputs_kernel[(batch * T, heads + kv_heads)](
-        qq, k, v, qw.contiguous(), k_weight.contiguous(), cos2, sin2, oo, k_cache, v_cache,
-        slots.contiguous(), pos,
-        T, heads, eps,
-        qq.stride(0), qq.stride(1), qq.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), oo.stride(0), oo.stride(1), oo.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pos.stride(0),
-        OFFSET=offset, D=D, RD=rd, BLOCK_D=triton.next_power_of_2(D),
+        qq,
+        k,
+        v,
+        qw.contiguous(),
+        k_weight.contiguous(),
+        cos2,
+        sin2,
+        oo,
+        k_cache,
+        v_cache,
+        slots.contiguous(),
+        pos,
+        T,
+        heads,
+        eps,
+        qq.stride(0),
+        qq.stride(1),
+        qq.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        oo.stride(0),
+        oo.stride(1),
+        oo.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        pos.stride(0),
+        OFFSET=offset,
+        D=D,
+        RD=rd,
+        BLOCK_D=triton.next_power_of_2(D),
         num_warps=4,
         **LAUNCH,
     )

@@ -31,12 +31,23 @@ def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_
     n, row_len = dst_rows.shape[0], dst[0].numel() if dst.shape[0] else 0
     if n and row_len:
         _copy_rows_kernel[(n, triton.cdiv(row_len, BLOCK))](
-            dst, dst_rows.contiguous(), src, src_rows.contiguous(), row_len, BLOCK=BLOCK, **LAUNCH)
+            dst, dst_rows.contiguous(), src, src_rows.contiguous(), row_len, BLOCK=BLOCK, **LAUNCH
+        )
 
 
 @triton.jit
-def _conv_state_at_kernel(conv_ptr, rec_ptr, slots_ptr, processed_ptr, C, s_rs, s_rc,
-                          W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+def _conv_state_at_kernel(
+    conv_ptr,
+    rec_ptr,
+    slots_ptr,
+    processed_ptr,
+    C,
+    s_rs,
+    s_rc,
+    W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     i = tl.program_id(0)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ws = tl.arange(0, BLOCK_W)
@@ -47,8 +58,9 @@ def _conv_state_at_kernel(conv_ptr, rec_ptr, slots_ptr, processed_ptr, C, s_rs, 
     tl.store(conv_ptr + (slot * C + cs[:, None]) * W + ws[None, :], kept, mask=ok)
 
 
-def conv_state_at(conv: torch.Tensor, slots: torch.Tensor, recorded: torch.Tensor,
-                  processed: torch.Tensor) -> None:
+def conv_state_at(
+    conv: torch.Tensor, slots: torch.Tensor, recorded: torch.Tensor, processed: torch.Tensor
+) -> None:
     """conv[s] = the kernel-1 inputs of recorded[s] from position processed[i] on, s =
     slots[i] (kernels/reference.py `conv_state_at`)."""
     n, (_, C, W) = slots.shape[0], conv.shape
@@ -57,6 +69,15 @@ def conv_state_at(conv: torch.Tensor, slots: torch.Tensor, recorded: torch.Tenso
     if n and W:
         block_c = 64
         _conv_state_at_kernel[(n, triton.cdiv(C, block_c))](
-            conv, recorded, slots.contiguous(), processed.contiguous(), C,
-            recorded.stride(0), recorded.stride(1),
-            W=W, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(W), **LAUNCH)
+            conv,
+            recorded,
+            slots.contiguous(),
+            processed.contiguous(),
+            C,
+            recorded.stride(0),
+            recorded.stride(1),
+            W=W,
+            BLOCK_C=block_c,
+            BLOCK_W=triton.next_power_of_2(W),
+            **LAUNCH,
+        )

@@ -88,6 +88,9 @@ class CausalLM(nn.Module):
         # target layers repeats a layer when the target is shallow)
         features = torch.cat([captured[i] for i in capture_layers], -1) if captured else None
         if last_only:  # each row's last real token
-            x = x[:, -1:] if valid_len is None else x.gather(
-                1, (valid_len - 1)[:, None, None].expand(-1, 1, x.shape[-1]))
+            x = (
+                x[:, -1:]
+                if valid_len is None
+                else x.gather(1, (valid_len - 1)[:, None, None].expand(-1, 1, x.shape[-1]))
+            )
         return ForwardOutput(self.project_logits(self.model.norm(x, ops), ops), features)

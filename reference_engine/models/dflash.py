@@ -55,8 +55,9 @@ class DFlashDraft(nn.Module):
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i, bidirectional=True)
-                                     for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(config, i, bidirectional=True) for i in range(config.num_hidden_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -89,14 +90,14 @@ class DFlashDraft(nn.Module):
         """Returns the final-normed hidden states of the block, [batch, B, hidden]. Rows
         with a shorter block (`valid_len`) never see their padding."""
         x = block_embeds
-        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype, valid_len,
-                             ops=ops)
+        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, ops=ops)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
         return self.norm(x, ops)
 
-    def proposals(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                  ops: Kernels = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+    def proposals(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, ops: Kernels = TORCH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The proposals' logits [batch, B-1, vocab] and greedy tokens [batch, B-1] from the
         block's hidden states [batch, B, hidden]. Both are taken over every block position,
         the anchor's included, and sliced: the product then reads B contiguous rows per
@@ -106,8 +107,9 @@ class DFlashDraft(nn.Module):
         logits = self.logits(hidden, lm_head_weight, ops)
         return logits[:, 1:], ops.greedy(logits)[:, 1:]
 
-    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-               ops: Kernels = TORCH) -> torch.Tensor:
+    def logits(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, ops: Kernels = TORCH
+    ) -> torch.Tensor:
         """Draft logits through the target's lm_head: [..., hidden] -> [..., vocab]."""
         logits = ops.linear(hidden, lm_head_weight)
         if self.config.output_multiplier != 1.0:  # a pass over [..., vocab] saved otherwise

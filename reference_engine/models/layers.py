@@ -26,8 +26,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.offset)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor,
-            ops: Kernels = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: Kernels = TORCH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + residual), x + residual) in one pass."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
@@ -84,8 +85,9 @@ class FusedLinears:
         return list(ops.linear(x, self.weight[skip:], bias).split(self.sizes[first:], dim=-1))
 
 
-def run_linears(linears: list[nn.Linear], fused: FusedLinears | None, x: torch.Tensor,
-                ops: Kernels, first: int = 0) -> list[torch.Tensor]:
+def run_linears(
+    linears: list[nn.Linear], fused: FusedLinears | None, x: torch.Tensor, ops: Kernels, first: int = 0
+) -> list[torch.Tensor]:
     """The outputs of linears[first:] for x: one product when `fused` is live, else one each."""
     if fused is not None and fused.live():
         return fused(x, ops, first)
@@ -194,12 +196,33 @@ class SelfAttention(nn.Module):
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(batch, T, -1)
         k_cache, v_cache = ctx.state.k_cache[layer], ctx.state.v_cache[layer]
-        q = ops.attention_inputs(q, self._heads(k), self._heads(v), self.q_norm.weight,
-                                 self.k_norm.weight, self.k_norm.eps, self.k_norm.offset,
-                                 ctx.cos, ctx.sin, k_cache, v_cache, ctx.slots, ctx.positions)
-        out = ops.attention(q, k_cache, v_cache, ctx.slots, ctx.positions, ctx.kv_len,
-                            self.head_dim**-0.5, self.causal, self.sliding_window,
-                            ctx.valid_len).reshape(batch, T, -1)
+        q = ops.attention_inputs(
+            q,
+            self._heads(k),
+            self._heads(v),
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.k_norm.eps,
+            self.k_norm.offset,
+            ctx.cos,
+            ctx.sin,
+            k_cache,
+            v_cache,
+            ctx.slots,
+            ctx.positions,
+        )
+        out = ops.attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.slots,
+            ctx.positions,
+            ctx.kv_len,
+            self.head_dim**-0.5,
+            self.causal,
+            self.sliding_window,
+            ctx.valid_len,
+        ).reshape(batch, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
@@ -208,10 +231,21 @@ class SelfAttention(nn.Module):
         """Write this layer's keys and values for x at ctx.positions, attending to nothing
         (the DFlash draft's context rows, computed from target features)."""
         k, v = run_linears([self.q_proj, self.k_proj, self.v_proj], self.fused, x, ctx.ops, first=1)
-        ctx.ops.attention_inputs(None, self._heads(k), self._heads(v), None, self.k_norm.weight,
-                                 self.k_norm.eps, self.k_norm.offset, ctx.cos, ctx.sin,
-                                 ctx.state.k_cache[layer], ctx.state.v_cache[layer], ctx.slots,
-                                 ctx.positions)
+        ctx.ops.attention_inputs(
+            None,
+            self._heads(k),
+            self._heads(v),
+            None,
+            self.k_norm.weight,
+            self.k_norm.eps,
+            self.k_norm.offset,
+            ctx.cos,
+            ctx.sin,
+            ctx.state.k_cache[layer],
+            ctx.state.v_cache[layer],
+            ctx.slots,
+            ctx.positions,
+        )
 
 
 class ForwardContext:

@@ -31,9 +31,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
-        )
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
@@ -57,11 +55,13 @@ class GatedDeltaNet(nn.Module):
         if ctx.record is not None:  # the conv state followed by the inputs, for the commit
             full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected.transpose(1, 2)], -1)
         # the conv state of each row's slot read and moved on in place
-        mixed = ops.causal_conv_step(projected, state.conv[layer], ctx.slots, self.conv1d.weight,
-                                     ctx.valid_len)
+        mixed = ops.causal_conv_step(
+            projected, state.conv[layer], ctx.slots, self.conv1d.weight, ctx.valid_len
+        )
 
-        q, k, v, g, beta = ops.gated_delta_inputs(mixed, a, b, self.A_log, self.dt_bias,
-                                                  self.num_k_heads, self.k_dim, self.v_dim)
+        q, k, v, g, beta = ops.gated_delta_inputs(
+            mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.k_dim, self.v_dim
+        )
 
         states_out = None
         if ctx.record is not None:
@@ -73,8 +73,7 @@ class GatedDeltaNet(nn.Module):
             out, final = gated_delta_chunked(q, k, v, g, beta, recurrent.index_select(0, ctx.slots))
             recurrent.index_copy_(0, ctx.slots, final)
         else:  # the rows' states read and written in place
-            out, _ = ops.gated_delta(q, k, v, g, beta, recurrent, ctx.valid_len, states_out,
-                                     slots=ctx.slots)
+            out, _ = ops.gated_delta(q, k, v, g, beta, recurrent, ctx.valid_len, states_out, slots=ctx.slots)
 
         z = z.reshape(batch, T, self.num_v_heads, self.v_dim)
         out = self.norm(out, z, ops)  # rounds the float32 output to the model dtype first

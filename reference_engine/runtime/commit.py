@@ -32,9 +32,7 @@ COMMIT_STRATEGIES = ("replay", "per_token", "recompute")
 
 def check_strategy(name: str) -> str:
     if name not in COMMIT_STRATEGIES:
-        raise ConfigError(
-            f"unknown commit strategy '{name}', expected one of {', '.join(COMMIT_STRATEGIES)}"
-        )
+        raise ConfigError(f"unknown commit strategy '{name}', expected one of {', '.join(COMMIT_STRATEGIES)}")
     return name
 
 
@@ -75,8 +73,9 @@ def commit_hybrid(
     # per_token: row i's states are rows i*T .. i*T+T-1 of the verify's [batch * T, ...]
     kept = torch.arange(len(slot_ids), device=slots.device) * T + processed - 1
     for layer in model.config.linear_layers:
-        ops.conv_state_at(state.conv[layer], slots, state.verify_conv[layer][..., : kernel - 1 + T],
-                          processed)
+        ops.conv_state_at(
+            state.conv[layer], slots, state.verify_conv[layer][..., : kernel - 1 + T], processed
+        )
         if strategy == "per_token":
             states = state.verify_states_of(layer, len(slot_ids), T)
             ops.copy_rows(state.recurrent[layer], slots, states.flatten(0, 1), kept)

@@ -82,8 +82,9 @@ def prefill(
 
 
 @torch.inference_mode()
-def decode_step(model: CausalLM, state: TargetState, slot: int, token: int,
-                ops: Kernels = TORCH) -> torch.Tensor:
+def decode_step(
+    model: CausalLM, state: TargetState, slot: int, token: int, ops: Kernels = TORCH
+) -> torch.Tensor:
     """Append one token to the slot; returns the next-token logits [vocab]."""
     device = state.device
     pos = state.lengths[slot]
@@ -99,9 +100,7 @@ def decode_step(model: CausalLM, state: TargetState, slot: int, token: int,
     return out.logits[0, -1]
 
 
-def first_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
+def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """The next token from one position's logits [vocab]: greedy, or sampled."""
     if params.greedy:
         return int(greedy(logits))
@@ -125,8 +124,10 @@ def generate_plain(
     The stop token, when one ends the output, is the last entry of `output_ids`.
     """
     if params.repetition_penalty != 1.0 or params.logprobs is not None:
-        raise RequestError("generate_plain is the bare reference loop: repetition_penalty and "
-                           "logprobs are served by the engine (reference_engine.runtime.engine)")
+        raise RequestError(
+            "generate_plain is the bare reference loop: repetition_penalty and "
+            "logprobs are served by the engine (reference_engine.runtime.engine)"
+        )
     context = context_length(model, max_model_len)
     validate_prompt(prompt_ids, model.config.vocab_size, context, params.max_tokens)
     stops = stop_ids(model, params)

@@ -76,24 +76,47 @@ class Engine:
         use_graphs = self.device.type == "cuda" and ops.capturable and not config.enforce_eager
         # CUDA graphs pad a batch to its bucket with rows on one spare slot that no request owns
         slots = config.max_num_seqs + int(use_graphs)
-        self.state = TargetState(target.config, slots, room, self.dtype,
-                                 self.device, self.block_size, config.commit_strategy)
-        self.draft_state = (
-            DraftState(draft.config, slots, room, self.dtype, self.device)
-            if draft is not None else None
+        self.state = TargetState(
+            target.config, slots, room, self.dtype, self.device, self.block_size, config.commit_strategy
         )
-        self.scheduler = Scheduler(config.max_num_seqs, config.admission, config.max_waiting,
-                                   config.fallback_min_acceptance, config.fallback_after_steps)
+        self.draft_state = (
+            DraftState(draft.config, slots, room, self.dtype, self.device) if draft is not None else None
+        )
+        self.scheduler = Scheduler(
+            config.max_num_seqs,
+            config.admission,
+            config.max_waiting,
+            config.fallback_min_acceptance,
+            config.fallback_after_steps,
+        )
         self.ranges = ranges or NvtxRanges()
         self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
-        self.runner = ModelRunner(target, draft, self.state, self.draft_state, ops,
-                                  config.commit_strategy, config.max_num_seqs, self.block_size,
-                                  config.prefill_chunk, use_graphs)
+        self.runner = ModelRunner(
+            target,
+            draft,
+            self.state,
+            self.draft_state,
+            ops,
+            config.commit_strategy,
+            config.max_num_seqs,
+            self.block_size,
+            config.prefill_chunk,
+            use_graphs,
+        )
         self.speculative_step = (
-            SpeculativeStep(target, draft, self.state, self.draft_state, self.block_size,
-                            config.commit_strategy, self.timer, self.runner)
-            if draft is not None else None
+            SpeculativeStep(
+                target,
+                draft,
+                self.state,
+                self.draft_state,
+                self.block_size,
+                config.commit_strategy,
+                self.timer,
+                self.runner,
+            )
+            if draft is not None
+            else None
         )
         if self.speculative_step is not None:
             self.speculative_step.capture_commit()
@@ -117,12 +140,19 @@ class Engine:
     ) -> None:
         """Queue a request. Raises RequestError on bad input (other requests unaffected)
         and EngineFullError when the admission policy refuses it."""
-        validate_request(prompt_ids, params, self.target.config.vocab_size, self.context_len,
-                         oracle is not None)
+        validate_request(
+            prompt_ids, params, self.target.config.vocab_size, self.context_len, oracle is not None
+        )
         self.scheduler.check_new(request_id)
-        seq = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params,
-                       stops=stop_ids(self.target, params), arrival_s=time.monotonic(),
-                       speculative=self.draft is not None, oracle=oracle)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            stops=stop_ids(self.target, params),
+            arrival_s=time.monotonic(),
+            speculative=self.draft is not None,
+            oracle=oracle,
+        )
         if not params.greedy:
             seq.generator = generator or new_generator(self.device, params.seed)
         self.scheduler.queue(seq)
@@ -190,8 +220,9 @@ class Engine:
             try:
                 logits = self.runner.prefill_batch(chunks)
             except Exception:  # noqa: BLE001 - retried row by row below
-                log.error("batched prefill failed; retrying its requests one by one:\n%s",
-                          traceback.format_exc())
+                log.error(
+                    "batched prefill failed; retrying its requests one by one:\n%s", traceback.format_exc()
+                )
                 for seq in group:
                     self.state.reset(seq.slot)
                 rest.extend(group)
@@ -202,8 +233,9 @@ class Engine:
             self._prefilled(group, [len(ids) for ids, _, _ in chunks], logits, outputs)
         return rest
 
-    def _prefilled(self, seqs: list[Sequence], ends: list[int], logits: torch.Tensor,
-                   outputs: StepOutputs) -> None:
+    def _prefilled(
+        self, seqs: list[Sequence], ends: list[int], logits: torch.Tensor, outputs: StepOutputs
+    ) -> None:
         """Record prefill chunks up to `ends`; the first token of each request whose prompt
         is done (logits [rows, vocab]: each chunk's last)."""
         done = []
@@ -233,7 +265,8 @@ class Engine:
         lengths = [self.state.lengths[s.slot] for s in seqs]
         # one copy for the three, queued without waiting for the device (transfer.py)
         ids, positions, slots = to_device(
-            [[s.output_ids[-1] for s in seqs], lengths, [s.slot for s in seqs]], self.device)
+            [[s.output_ids[-1] for s in seqs], lengths, [s.slot for s in seqs]], self.device
+        )
         out = self.runner.decode(ids[:, None], positions[:, None], slots, max(lengths) + 1)
         for seq, n in zip(seqs, lengths):
             self.state.lengths[seq.slot] = n + 1
@@ -247,8 +280,7 @@ class Engine:
         for seq, token, lp in zip(seqs, tokens, logprobs):
             outputs.emit(seq, token, lp)
 
-    def _record_speculative(self, seq: Sequence, commit: StepCommit,
-                            outputs: StepOutputs) -> None:
+    def _record_speculative(self, seq: Sequence, commit: StepCommit, outputs: StepOutputs) -> None:
         if self.commit_observer is not None:
             self.commit_observer(seq, self.state, self.state.lengths[seq.slot])
         before = len(seq.output_ids)

@@ -47,14 +47,11 @@ class EngineConfig:
             raise ConfigError(f"block size must be >= 2, got {self.block_size}")
         check_strategy(self.commit_strategy)
         if self.fallback_after_steps <= 0:
-            raise ConfigError(
-                f"fallback_after_steps must be positive, got {self.fallback_after_steps}"
-            )
+            raise ConfigError(f"fallback_after_steps must be positive, got {self.fallback_after_steps}")
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.numerics is not None and self.numerics not in NUMERICS:
-            raise ConfigError(
-                f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -66,6 +63,7 @@ class EngineConfig:
         draft.config.check_target(target.config)
         block_size = self.block_size or draft.config.block_size
         if block_size > draft.config.block_size:
-            raise ConfigError(f"block size {block_size} is larger than the draft supports "
-                              f"({draft.config.block_size})")
+            raise ConfigError(
+                f"block size {block_size} is larger than the draft supports ({draft.config.block_size})"
+            )
         return block_size

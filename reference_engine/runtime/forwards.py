@@ -17,8 +17,14 @@ from ..models import ForwardOutput
 class _Rows:
     def head(self, rows: int):
         """The same output for the first `rows` rows (a bucket's padding rows dropped)."""
-        return replace(self, **{f.name: getattr(self, f.name)[:rows] for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name)[:rows]
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 @dataclass

@@ -67,13 +67,18 @@ def token_buckets(chunk: int, room: int) -> tuple[int, ...]:
     return tuple(t for t in out if t <= room)
 
 
-def prefill_shapes(row_buckets: tuple[int, ...], token_buckets: tuple[int, ...],
-                   chunk: int) -> list[tuple[int, int]]:
+def prefill_shapes(
+    row_buckets: tuple[int, ...], token_buckets: tuple[int, ...], chunk: int
+) -> list[tuple[int, int]]:
     """The (rows, tokens) prefill buckets: one row of any token bucket, more rows while they
     hold at most PREFILL_BATCH_TOKENS (or one chunk) in all."""
     budget = max(PREFILL_BATCH_TOKENS, chunk)
-    return [(rows, tokens) for tokens in token_buckets for rows in row_buckets
-            if rows == 1 or rows * tokens <= budget]
+    return [
+        (rows, tokens)
+        for tokens in token_buckets
+        for rows in row_buckets
+        if rows == 1 or rows * tokens <= budget
+    ]
 
 
 @dataclass
@@ -131,11 +136,14 @@ class EngineGraphs:
                 self.draft_graphs[b] = self._capture(b, self.block_size, self._draft_body)
                 self.verify_graphs[b] = self._capture(b, self.block_size, self._verify_body)
         if progress:
-            print(f"captured CUDA graphs ({', '.join(kinds)}) for batch sizes "
-                  f"{', '.join(map(str, self.buckets))} and prefill for "
-                  f"{', '.join(map(str, self.prefill_buckets))} tokens a row "
-                  f"in {time.perf_counter() - start:.1f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"captured CUDA graphs ({', '.join(kinds)}) for batch sizes "
+                f"{', '.join(map(str, self.buckets))} and prefill for "
+                f"{', '.join(map(str, self.prefill_buckets))} tokens a row "
+                f"in {time.perf_counter() - start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
         """Capture `body` per bucket, after the verify graphs: it gets the verify graph's
@@ -145,12 +153,21 @@ class EngineGraphs:
         for b in sorted(self.buckets, reverse=True):
             verify = self.verify_graphs[b]
             processed = torch.ones((b,), dtype=torch.int64, device=self.device)
-            inputs = StepInputs(verify.inputs.ids, verify.inputs.positions, verify.inputs.slots,
-                                verify.inputs.valid, processed=processed)
+            inputs = StepInputs(
+                verify.inputs.ids,
+                verify.inputs.positions,
+                verify.inputs.slots,
+                verify.inputs.valid,
+                processed=processed,
+            )
             self.commit_graphs[b] = self._capture(
-                b, self.block_size, lambda x, out=verify.outputs: body(x, out), inputs=inputs)
-        print(f"captured CUDA graphs (commit) in {time.perf_counter() - start:.1f} s",
-              file=sys.stderr, flush=True)
+                b, self.block_size, lambda x, out=verify.outputs: body(x, out), inputs=inputs
+            )
+        print(
+            f"captured CUDA graphs (commit) in {time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _capture(self, rows: int, width: int, body, inputs: StepInputs | None = None) -> _Graph:
         inputs = inputs or StepInputs(
@@ -171,8 +188,7 @@ class EngineGraphs:
         return _Graph(graph, inputs, outputs)
 
     def _capture_prefill(self, rows: int, tokens: int) -> _Graph:
-        return self._capture(rows, tokens, self._prefill_body,
-                             inputs=self._prefill_inputs(rows, tokens))
+        return self._capture(rows, tokens, self._prefill_body, inputs=self._prefill_inputs(rows, tokens))
 
     def _prefill_inputs(self, rows: int, tokens: int) -> StepInputs:
         """One buffer holds every input (a replay's inputs are one host-to-device copy):
@@ -182,15 +198,28 @@ class EngineGraphs:
         packed[n : 2 * n] = torch.arange(tokens, device=self.device).repeat(rows)
         packed[2 * n : 2 * n + rows] = self.pad_slot
         packed[2 * n + rows :] = tokens
-        return StepInputs(ids=packed[:n].view(rows, tokens), positions=packed[n : 2 * n].view(rows, tokens),
-                          slots=packed[2 * n : 2 * n + rows], valid=packed[2 * n + rows :], packed=packed)
+        return StepInputs(
+            ids=packed[:n].view(rows, tokens),
+            positions=packed[n : 2 * n].view(rows, tokens),
+            slots=packed[2 * n : 2 * n + rows],
+            valid=packed[2 * n + rows :],
+            packed=packed,
+        )
 
     def _prefill_body(self, x: StepInputs) -> Logits:
         # kv_len: the capturable kernels bound each query by its position and ignore it; the
         # references read every row, masked by position
-        out = self.target(x.ids, x.positions, x.slots, self.state, self.state.max_len,
-                          capture_layers=self.capture_layers, last_only=True,
-                          valid_len=x.valid, ops=self.ops)
+        out = self.target(
+            x.ids,
+            x.positions,
+            x.slots,
+            self.state,
+            self.state.max_len,
+            capture_layers=self.capture_layers,
+            last_only=True,
+            valid_len=x.valid,
+            ops=self.ops,
+        )
         if self.draft is not None:  # the draft's context (unused if the request decodes plainly)
             self.draft.append_context(out.features, x.positions, x.slots, self.draft_state, self.ops)
         return Logits(out.logits[:, -1])
@@ -203,22 +232,37 @@ class EngineGraphs:
     def _draft_body(self, x: StepInputs) -> Proposals:
         dcfg = self.draft.config
         embeds = self.target.embed(x.ids) * dcfg.input_embedding_scale
-        hidden = self.draft(embeds, x.positions, x.slots, self.draft_state, 1,
-                            valid_len=x.valid, ops=self.ops)
+        hidden = self.draft(
+            embeds, x.positions, x.slots, self.draft_state, 1, valid_len=x.valid, ops=self.ops
+        )
         return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops))
 
     def _verify_body(self, x: StepInputs) -> Verified:
-        out = self.target(x.ids, x.positions, x.slots, self.state, 1,
-                          capture_layers=self.capture_layers, valid_len=x.valid,
-                          record=self.record, ops=self.ops)
+        out = self.target(
+            x.ids,
+            x.positions,
+            x.slots,
+            self.state,
+            1,
+            capture_layers=self.capture_layers,
+            valid_len=x.valid,
+            record=self.record,
+            ops=self.ops,
+        )
         return Verified(out.logits, out.features, self.ops.greedy(out.logits))
 
     # ------------------------------------------------------------------ replay
     def _bucket(self, rows: int) -> int | None:
         return next((b for b in sorted(self.buckets) if b >= rows), None)
 
-    def _replay(self, graphs: dict[int, _Graph], ids: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, valid: torch.Tensor | None):
+    def _replay(
+        self,
+        graphs: dict[int, _Graph],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        valid: torch.Tensor | None,
+    ):
         rows, width = ids.shape
         bucket = self._bucket(rows)
         if bucket is None or bucket not in graphs:
@@ -251,8 +295,14 @@ class EngineGraphs:
         (the chunks run eagerly)."""
         n, longest = len(chunks), max(len(ids) for ids, _, _ in chunks)
         room = self.state.max_len - max(start for _, start, _ in chunks)
-        shape = next((s for s in sorted(self.prefill_graphs, key=lambda s: (s[1], s[0]))
-                      if s[0] >= n and longest <= s[1] <= room), None)
+        shape = next(
+            (
+                s
+                for s in sorted(self.prefill_graphs, key=lambda s: (s[1], s[0]))
+                if s[0] >= n and longest <= s[1] <= room
+            ),
+            None,
+        )
         if shape is None:
             return None
         rows, tokens = shape

@@ -49,9 +49,18 @@ class ModelRunner:
         if use_graphs:
             # graphs pad a batch to its bucket with rows on the state's spare slot, max_rows
             self.graphs = EngineGraphs(
-                target, draft, state, draft_state, ops, max_rows, pad_slot=max_rows,
-                block_size=block_size, capture_layers=self.capture_layers, record=self.record,
-                prefill_chunk=prefill_chunk)
+                target,
+                draft,
+                state,
+                draft_state,
+                ops,
+                max_rows,
+                pad_slot=max_rows,
+                block_size=block_size,
+                capture_layers=self.capture_layers,
+                record=self.record,
+                prefill_chunk=prefill_chunk,
+            )
             self.graphs.capture()
 
     @property
@@ -67,8 +76,11 @@ class ModelRunner:
         for i, n in enumerate(lengths):
             group = groups[-1] if groups else None
             longest = max([n, *(lengths[j] for j in group or [])])
-            if group is not None and self.graphs is not None and \
-                    self.graphs.prefill_fits(len(group) + 1, longest):
+            if (
+                group is not None
+                and self.graphs is not None
+                and self.graphs.prefill_fits(len(group) + 1, longest)
+            ):
                 group.append(i)
             else:
                 groups.append([i])
@@ -89,16 +101,22 @@ class ModelRunner:
         end = start + len(ids)
         slots = to_device([slot], self.device)
         positions = torch.arange(start, end, device=self.device)[None]
-        out = self.target(to_device([ids], self.device), positions, slots, self.state, kv_len=end,
-                          capture_layers=self.capture_layers if speculative else (),
-                          last_only=True, ops=self.ops)
+        out = self.target(
+            to_device([ids], self.device),
+            positions,
+            slots,
+            self.state,
+            kv_len=end,
+            capture_layers=self.capture_layers if speculative else (),
+            last_only=True,
+            ops=self.ops,
+        )
         if speculative:
             self.draft.append_context(out.features, positions, slots, self.draft_state, self.ops)
         return out.logits[:, -1]
 
     # ------------------------------------------------------------------ decode
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               kv_len: int) -> Logits:
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int) -> Logits:
         """One plain step: ids, positions [b, 1], slots [b]; logits [b, vocab] (and the greedy
         tokens [b] when a graph took them)."""
         replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
@@ -108,30 +126,47 @@ class ModelRunner:
         return Logits(out.logits[:, -1])
 
     # ------------------------------------------------------------------ speculative step
-    def propose(self, block: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                valid: torch.Tensor, kv_len: int) -> Proposals:
+    def propose(
+        self,
+        block: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+        kv_len: int,
+    ) -> Proposals:
         """The draft's forward over every row's block [b, N + 1] (anchor and mask tokens):
         its logits and greedy proposals for the N draft slots."""
-        replayed = (self.graphs.propose(block, positions, slots, valid)
-                    if self.graphs is not None else None)
+        replayed = self.graphs.propose(block, positions, slots, valid) if self.graphs is not None else None
         if replayed is not None:
             return replayed
         embeds = self.target.embed(block) * self.draft.config.input_embedding_scale
-        hidden = self.draft(embeds, positions, slots, self.draft_state, kv_len, valid_len=valid,
-                            ops=self.ops)
+        hidden = self.draft(embeds, positions, slots, self.draft_state, kv_len, valid_len=valid, ops=self.ops)
         return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops))
 
-    def verify(self, block: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               valid: torch.Tensor, kv_len: int) -> Verified:
+    def verify(
+        self,
+        block: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+        kv_len: int,
+    ) -> Verified:
         """The target's forward over every block [b, N + 1], keeping the draft's context
         features and what the commit strategy needs."""
-        replayed = (self.graphs.verify(block, positions, slots, valid)
-                    if self.graphs is not None else None)
+        replayed = self.graphs.verify(block, positions, slots, valid) if self.graphs is not None else None
         if replayed is not None:
             return replayed
-        out = self.target(block, positions, slots, self.state, kv_len,
-                          capture_layers=self.capture_layers, valid_len=valid, record=self.record,
-                          ops=self.ops)
+        out = self.target(
+            block,
+            positions,
+            slots,
+            self.state,
+            kv_len,
+            capture_layers=self.capture_layers,
+            valid_len=valid,
+            record=self.record,
+            ops=self.ops,
+        )
         return Verified(out.logits, out.features)
 
     def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:

@@ -49,10 +49,16 @@ def generate_speculative(
     `on_commit(state, length)` is called after each commit (state-equality gates); the
     request's slot is 0.
     """
-    validate_prompt(prompt_ids, target.config.vocab_size,
-                    context_length(target, config.max_model_len), params.max_tokens)
-    config = replace(config, max_num_seqs=1, max_model_len=len(prompt_ids) + params.max_tokens,
-                     prefill_chunk=len(prompt_ids), enforce_eager=True)
+    validate_prompt(
+        prompt_ids, target.config.vocab_size, context_length(target, config.max_model_len), params.max_tokens
+    )
+    config = replace(
+        config,
+        max_num_seqs=1,
+        max_model_len=len(prompt_ids) + params.max_tokens,
+        prefill_chunk=len(prompt_ids),
+        enforce_eager=True,
+    )
     engine = Engine(target, draft, config)
     if on_commit is not None:
         engine.commit_observer = lambda seq, state, length: on_commit(state, length)
@@ -60,5 +66,4 @@ def generate_speculative(
     while engine.has_unfinished():
         engine.step()
     seq = engine.collect("request")
-    return SpecResult(seq.output_ids, seq.finish_reason, [s.acceptance_length for s in seq.steps],
-                      seq.steps)
+    return SpecResult(seq.output_ids, seq.finish_reason, [s.acceptance_length for s in seq.steps], seq.steps)

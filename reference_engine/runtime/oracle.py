@@ -41,8 +41,9 @@ class OracleProposer:
     the output is not checked against plain decode. The gates never force.
     """
 
-    def __init__(self, continuation: Sequence[int], schedule: Sequence[int], vocab_size: int,
-                 forced: bool = False):
+    def __init__(
+        self, continuation: Sequence[int], schedule: Sequence[int], vocab_size: int, forced: bool = False
+    ):
         if not schedule or any(k < 0 for k in schedule):
             raise ConfigError(f"oracle schedule must be non-empty counts >= 0, got {schedule}")
         self.continuation = list(continuation)
@@ -55,9 +56,14 @@ class OracleProposer:
         return min(self.schedule[step % len(self.schedule)], n)
 
     @classmethod
-    def for_mean_acceptance(cls, continuation: Sequence[int], mean_length: float,
-                            block_size: int, vocab_size: int,
-                            forced: bool = False) -> OracleProposer:
+    def for_mean_acceptance(
+        cls,
+        continuation: Sequence[int],
+        mean_length: float,
+        block_size: int,
+        vocab_size: int,
+        forced: bool = False,
+    ) -> OracleProposer:
         """A schedule whose mean acceptance length (bonus included) is `mean_length`: the
         accepted counts floor(m) and floor(m) + 1 interleaved evenly, m = mean_length - 1."""
         if not 1.0 <= mean_length <= block_size:

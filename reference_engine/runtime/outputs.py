@@ -39,21 +39,31 @@ class StepOutputs:
         self.vocab_size = vocab_size
         self.items: list[StepOutput] = []
 
-    def emit(self, seq: Sequence, tokens: list[int],
-             logprobs: list[dict[int, float]] | None = None) -> bool:
+    def emit(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> bool:
         """Commit a request's new tokens; False (and the request failed) when one of them is
         not a token: its row's distribution was not finite (greedy gives `vocab` for a NaN
         row, sampling NOT_A_DISTRIBUTION)."""
         if not all(0 <= t < self.vocab_size for t in tokens):
-            self.fail(seq, "numerical failure: the next-token distribution is not finite "
-                           "(NaN or inf logits or probabilities)")
+            self.fail(
+                seq,
+                "numerical failure: the next-token distribution is not finite "
+                "(NaN or inf logits or probabilities)",
+            )
             return False
         kept = seq.append(tokens)
         if logprobs is not None:
             logprobs = logprobs[: len(kept)]
             seq.logprobs.extend(logprobs)
-        self.items.append(StepOutput(seq.request_id, kept, seq.finish_reason is not None,
-                                     seq.finish_reason, time.monotonic(), logprobs))
+        self.items.append(
+            StepOutput(
+                seq.request_id,
+                kept,
+                seq.finish_reason is not None,
+                seq.finish_reason,
+                time.monotonic(),
+                logprobs,
+            )
+        )
         return True
 
     def fail(self, seq: Sequence, reason: str) -> None:
@@ -61,8 +71,7 @@ class StepOutputs:
         if seq.finish_reason is not None:
             return
         seq.finish_reason, seq.error = "error", reason
-        self.items.append(StepOutput(seq.request_id, [], True, "error", time.monotonic(),
-                                     error=reason))
+        self.items.append(StepOutput(seq.request_id, [], True, "error", time.monotonic(), error=reason))
 
     @contextmanager
     def failing(self, seqs: list[Sequence]) -> Iterator[None]:

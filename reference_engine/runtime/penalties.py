@@ -28,12 +28,12 @@ def apply_penalties(
         return logits
     logits = logits.clone()
     if output_ids and (presence or frequency):
-        counts = torch.bincount(torch.tensor(output_ids, device=logits.device),
-                                minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1])[
+            : logits.shape[-1]
+        ].to(logits.dtype)
         logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
-        bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device,
-                            dtype=logits.dtype)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device, dtype=logits.dtype)
         logits[ids] += bias
     return logits

@@ -14,8 +14,7 @@ import os
 from contextlib import nullcontext
 
 DOMAIN = "dflash"
-RANGE_NAMES = ("step", "schedule", "prefill", "decode", "draft", "verify", "accept", "commit",
-               "sample")
+RANGE_NAMES = ("step", "schedule", "prefill", "decode", "draft", "verify", "accept", "commit", "sample")
 _OFF = nullcontext()
 
 

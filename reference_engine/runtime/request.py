@@ -59,13 +59,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        bad_bias = [(t, b) for t, b in self.logit_bias
-                    if not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0]
+        bad_bias = [
+            (t, b) for t, b in self.logit_bias if not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
+        ]
         if bad_bias:
-            raise RequestError("logit_bias needs non-negative token ids and biases in "
-                               f"[-100, 100], got {bad_bias[:5]}")
+            raise RequestError(
+                f"logit_bias needs non-negative token ids and biases in [-100, 100], got {bad_bias[:5]}"
+            )
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
             or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
         ):
             raise RequestError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed}")
@@ -85,20 +88,16 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Greedy with nothing that needs the logits on the host: the device argmax will do."""
-        return (self.greedy and self.logprobs is None and self.repetition_penalty == 1.0
-                and not self.penalised)
+        return self.greedy and self.logprobs is None and self.repetition_penalty == 1.0 and not self.penalised
 
 
-def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int,
-                    max_tokens: int) -> None:
+def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int, max_tokens: int) -> None:
     """Reject prompts the model cannot run: empty, out-of-vocabulary, or past the context."""
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: at least one token is needed")
     bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
-        raise RequestError(
-            f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})"
-        )
+        raise RequestError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if len(prompt_ids) >= context_len:
         raise RequestError(
             f"the prompt has {len(prompt_ids)} tokens but the context holds {context_len}; "
@@ -111,16 +110,16 @@ def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int,
         )
 
 
-def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int,
-                     context_len: int, with_oracle: bool) -> None:
+def validate_request(
+    prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_len: int, with_oracle: bool
+) -> None:
     """Reject what the engine cannot serve, before it takes the request."""
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
     validate_prompt(prompt_ids, vocab_size, context_len, params.max_tokens)
     outside = [t for t, _ in params.logit_bias if t >= vocab_size]
     if outside:
-        raise RequestError(f"logit_bias token id(s) {outside[:5]} outside the vocabulary "
-                           f"[0, {vocab_size})")
+        raise RequestError(f"logit_bias token id(s) {outside[:5]} outside the vocabulary [0, {vocab_size})")
     if with_oracle and not params.greedy:
         raise RequestError("the oracle proposer is greedy-only (temperature 0)")
 

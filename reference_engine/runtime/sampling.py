@@ -6,8 +6,7 @@ import torch
 
 from ..kernels.reference import greedy
 
-__all__ = ["NOT_A_DISTRIBUTION", "accept_greedy", "accept_sampled", "greedy", "probabilities",
-           "sample"]
+__all__ = ["NOT_A_DISTRIBUTION", "accept_greedy", "accept_sampled", "greedy", "probabilities", "sample"]
 
 
 def accept_greedy(

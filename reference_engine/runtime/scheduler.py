@@ -30,8 +30,14 @@ class EngineFullError(RequestError):
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, admission: str, max_waiting: int,
-                 fallback_min_acceptance: float | None, fallback_after_steps: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        admission: str,
+        max_waiting: int,
+        fallback_min_acceptance: float | None,
+        fallback_after_steps: int,
+    ) -> None:
         self.max_num_seqs = max_num_seqs
         self.admission, self.max_waiting = admission, max_waiting
         self.fallback_min_acceptance = fallback_min_acceptance
@@ -130,8 +136,7 @@ class Scheduler:
 
     def running(self) -> list[Sequence]:
         """Requests past prefill that still decode, in slot-admission order."""
-        return [s for s in self.active.values()
-                if s.phase is Phase.RUNNING and s.finish_reason is None]
+        return [s for s in self.active.values() if s.phase is Phase.RUNNING and s.finish_reason is None]
 
     def finish_done(self) -> None:
         """Finish every active request whose finish reason the step set."""

@@ -77,7 +77,6 @@ class Sequence:
             self.finish_reason = "length"
         return kept
 
-    def record_step(self, proposed: int, accepted: int, committed: int,
-                    drafted: list[int]) -> None:
+    def record_step(self, proposed: int, accepted: int, committed: int, drafted: list[int]) -> None:
         self.spec.record(proposed, accepted, committed)
         self.steps.append(StepRecord(proposed, accepted, committed, tuple(drafted)))

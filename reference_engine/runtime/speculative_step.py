@@ -107,13 +107,16 @@ class SpeculativeStep:
                 self.commit_state(rows.slot_ids, rows, block, processed)
                 width = max(kept)
                 features = self.context_features(out.features, width, rows.n_t)
-                self.draft.append_context(features, rows.positions[:, :width], rows.slots,
-                                          self.draft_state, self.ops)
+                self.draft.append_context(
+                    features, rows.positions[:, :width], rows.slots, self.draft_state, self.ops
+                )
             for i, slot in enumerate(rows.slot_ids):
                 self.state.lengths[slot] = rows.starts[i] + kept[i]
                 self.draft_state.lengths[slot] = rows.starts[i] + kept[i]
-        return [StepCommit(rows.n[i], acc_list[i], drafted[i], drafted[i][: acc_list[i]] + [bonus_list[i]])
-                for i in range(b)]
+        return [
+            StepCommit(rows.n[i], acc_list[i], drafted[i], drafted[i][: acc_list[i]] + [bonus_list[i]])
+            for i in range(b)
+        ]
 
     # ------------------------------------------------------------------ layout
     def rows(self, seqs: list[Sequence]) -> Rows:
@@ -135,8 +138,7 @@ class SpeculativeStep:
         """One draft forward over every row's block. Returns (block [b, N + 1]: anchor and
         proposals, proposals [b, N], draft distributions per row (sampled rows only))."""
         dcfg, N = self.draft.config, rows.positions.shape[1] - 1
-        block = to_device([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs],
-                          self.device)
+        block = to_device([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs], self.device)
         drafted = self.runner.propose(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len)
         draft_logits = drafted.logits  # [b, N, vocab], until the next replay
         proposals = drafted.tokens.clone()  # [b, N]
@@ -184,8 +186,11 @@ class SpeculativeStep:
         if target_tokens is None:
             target_tokens = self.ops.greedy(logits)  # [b, N + 1]
         accepted = self.accept_greedy(proposals, target_tokens, rows.n_t)
-        forced = [(i, seq.oracle.scheduled(seq.spec.steps, rows.n[i])) for i, seq in enumerate(rows.seqs)
-                  if seq.oracle is not None and seq.oracle.forced]  # benchmarks only
+        forced = [
+            (i, seq.oracle.scheduled(seq.spec.steps, rows.n[i]))
+            for i, seq in enumerate(rows.seqs)
+            if seq.oracle is not None and seq.oracle.forced
+        ]  # benchmarks only
         if forced:  # one host-to-device copy for every forced row
             at, counts = to_device(list(zip(*forced)), self.device)
             accepted[at] = counts
@@ -194,12 +199,14 @@ class SpeculativeStep:
             if not seq.params.greedy:
                 n_i, p = rows.n[i], seq.params
                 target_probs = probabilities(logits[i, : n_i + 1], p.temperature, p.top_k, p.top_p)
-                accepted[i], bonus[i] = self.accept_sampled(proposals[i, :n_i], draft_probs[i],
-                                                            target_probs, seq.generator)
+                accepted[i], bonus[i] = self.accept_sampled(
+                    proposals[i, :n_i], draft_probs[i], target_probs, seq.generator
+                )
         return accepted, bonus
 
-    def accept_greedy(self, proposals: torch.Tensor, target_tokens: torch.Tensor,
-                      n_t: torch.Tensor) -> torch.Tensor:
+    def accept_greedy(
+        self, proposals: torch.Tensor, target_tokens: torch.Tensor, n_t: torch.Tensor
+    ) -> torch.Tensor:
         accepted, _ = accept_greedy(proposals, target_tokens)
         return torch.minimum(accepted, n_t)  # padding is never accepted
 
@@ -214,8 +221,7 @@ class SpeculativeStep:
         target_probs: torch.Tensor,  # [n + 1, vocab]
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        accepted, bonus = accept_sampled(proposals[None], draft_probs[None], target_probs[None],
-                                         generator)
+        accepted, bonus = accept_sampled(proposals[None], draft_probs[None], target_probs[None], generator)
         return accepted[0], bonus[0]
 
     # ------------------------------------------------------------------ commit
@@ -223,15 +229,24 @@ class SpeculativeStep:
         """Block tokens each row keeps in the target: the anchor and the accepted ones."""
         return accepted + 1
 
-    def commit_state(self, slot_ids: list[int], rows: Rows, block: torch.Tensor,
-                     processed: torch.Tensor) -> None:
+    def commit_state(
+        self, slot_ids: list[int], rows: Rows, block: torch.Tensor, processed: torch.Tensor
+    ) -> None:
         """Bring hybrid state to the accepted boundary (commit.py; attention needs nothing,
         its length moves back)."""
-        commit_hybrid(self.commit_strategy, self.target, self.state, slot_ids, block,
-                      rows.positions, processed, rows.kv_len, self.ops)
+        commit_hybrid(
+            self.commit_strategy,
+            self.target,
+            self.state,
+            slot_ids,
+            block,
+            rows.positions,
+            processed,
+            rows.kv_len,
+            self.ops,
+        )
 
-    def context_features(self, features: torch.Tensor, width: int,
-                         n_t: torch.Tensor) -> torch.Tensor:
+    def context_features(self, features: torch.Tensor, width: int, n_t: torch.Tensor) -> torch.Tensor:
         """The verify's features of the committed positions ([b, width, n * hidden]), the
         draft's next context; rows that kept fewer overwrite the extra rows next step."""
         return features[:, :width]
@@ -249,8 +264,7 @@ class SpeculativeStep:
             rows = Rows([], [], x.slots, [], [], x.valid - 1, x.positions, 1)
             REFERENCE_PHASES["commit_state"](self, x.slots, rows, x.ids, x.processed)
             features = REFERENCE_PHASES["context_features"](self, verified.features, B, rows.n_t)
-            self.draft.append_context(features, x.positions[:, :B], x.slots, self.draft_state,
-                                      self.ops)
+            self.draft.append_context(features, x.positions[:, :B], x.slots, self.draft_state, self.ops)
 
         self.runner.capture_commit(body)
 
@@ -258,11 +272,9 @@ class SpeculativeStep:
         """The captured commit, when this step's verify replayed its graph and the commit's
         phase methods are still the reference ones (a replaced one, e.g. a planted fault,
         runs eagerly)."""
-        reference = all(getattr(type(self), name) is method
-                        for name, method in REFERENCE_PHASES.items())
+        reference = all(getattr(type(self), name) is method for name, method in REFERENCE_PHASES.items())
         return self.runner.commit(processed, replay=reference)
 
 
 # the phase methods the captured commit runs, as defined above
-REFERENCE_PHASES = {name: getattr(SpeculativeStep, name)
-                    for name in ("commit_state", "context_features")}
+REFERENCE_PHASES = {name: getattr(SpeculativeStep, name) for name in ("commit_state", "context_features")}

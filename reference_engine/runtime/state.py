@@ -120,8 +120,10 @@ class TargetState:
             raise RuntimeError("per-token states need a state built with commit strategy per_token")
         shape = (rows, T, *self.recurrent[layer].shape[1:])
         if rows > self.num_slots or T > self.verify_len:
-            raise RuntimeError(f"a verify of {rows} rows and {T} tokens does not fit the per-token "
-                               f"states kept for {self.num_slots} rows of {self.verify_len} tokens")
+            raise RuntimeError(
+                f"a verify of {rows} rows and {T} tokens does not fit the per-token "
+                f"states kept for {self.num_slots} rows of {self.verify_len} tokens"
+            )
         return buffer[: math.prod(shape)].view(shape)
 
     def _kinds(self) -> list[str]:
@@ -152,9 +154,7 @@ class TargetState:
         for slot in slots:
             self._check_slot(slot)
         rows = to_device(slots, self.device)
-        for live, saved in zip(
-            (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
-        ):
+        for live, saved in zip((*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)):
             if live is not None:
                 saved.index_copy_(0, rows, live.index_select(0, rows))
         for slot in slots:
@@ -169,8 +169,7 @@ class TargetState:
         self._check_slot(slot)
         if not 0 <= length <= self.lengths[slot]:
             raise RequestError(
-                f"cannot roll slot {slot} back to length {length}: it holds "
-                f"{self.lengths[slot]} tokens"
+                f"cannot roll slot {slot} back to length {length}: it holds {self.lengths[slot]} tokens"
             )
         if self.config.is_hybrid and length != self.lengths[slot]:
             if self.saved_lengths[slot] != length:
@@ -193,8 +192,6 @@ class TargetState:
     def restore_rows(self, slots: list[int] | torch.Tensor) -> None:
         """`restore_saved` for several slots at once (`slot_rows`)."""
         rows = self.slot_rows(slots)
-        for live, saved in zip(
-            (*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)
-        ):
+        for live, saved in zip((*self.conv, *self.recurrent), (*self.saved_conv, *self.saved_recurrent)):
             if live is not None:
                 live.index_copy_(0, rows, saved.index_select(0, rows))

@@ -11,7 +11,9 @@ from .sequence import Sequence
 
 
 def apply_repetition_penalty(
-    logits: torch.Tensor, seen: list[int], penalty: float  # logits: [vocab]
+    logits: torch.Tensor,
+    seen: list[int],
+    penalty: float,  # logits: [vocab]
 ) -> torch.Tensor:
     """The usual rule: a seen token's positive logit is divided by the penalty, a negative
     one multiplied."""
@@ -33,8 +35,7 @@ def choose_tokens(
     rows = []
     for i, seq in enumerate(seqs):
         params = seq.params
-        row = apply_repetition_penalty(logits[i], seq.prompt_ids + seq.output_ids,
-                                       params.repetition_penalty)
+        row = apply_repetition_penalty(logits[i], seq.prompt_ids + seq.output_ids, params.repetition_penalty)
         row = apply_penalties(row, seq.output_ids, params)
         if params.greedy:
             rows.append((greedy(row), row))

@@ -34,8 +34,9 @@ TITLE = "DFlash reference server"
 
 
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title=TITLE, lifespan=server.lifecycle.lifespan,
-                  openapi_url=None, docs_url=None, redoc_url=None)  # added below: see _add_docs
+    app = FastAPI(
+        title=TITLE, lifespan=server.lifecycle.lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )  # added below: see _add_docs
     app.add_exception_handler(ProtocolError, _error_response)
     # the routes that each --api-key-scope protects
     scope_api = [] if server.api_key is None else [Depends(api_key_check(server.api_key))]
@@ -55,21 +56,30 @@ def create_app(server: Server) -> FastAPI:
     async def info():
         """What a benchmark records about this server (harness meta.json, the report's run table)."""
         engine = server.engine
-        return {"model": server.name, "torch": torch.__version__, "device": str(engine.device),
-                "dtype": str(engine.dtype).removeprefix("torch."), "numerics": engine.numerics,
-                "mode": "dflash" if engine.draft is not None else "plain",
-                "block_size": engine.block_size or None, "max_num_seqs": engine.config.max_num_seqs,
-                "threads": torch.get_num_threads()}
+        return {
+            "model": server.name,
+            "torch": torch.__version__,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "numerics": engine.numerics,
+            "mode": "dflash" if engine.draft is not None else "plain",
+            "block_size": engine.block_size or None,
+            "max_num_seqs": engine.config.max_num_seqs,
+            "threads": torch.get_num_threads(),
+        }
 
     @app.get("/v1/models", dependencies=scope_api)
     async def models():
-        return {"object": "list", "data": [{"id": server.name, "object": "model",
-                                            "owned_by": "reference_engine"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.name, "object": "model", "owned_by": "reference_engine"}],
+        }
 
     @app.get("/metrics", dependencies=scope_all)
     async def metrics():
-        return PlainTextResponse(server.metrics.render(server.engine),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            server.metrics.render(server.engine), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.post("/v1/completions", dependencies=generating)
     async def completions(request: Request):
@@ -114,8 +124,11 @@ def _add_docs(app: FastAPI, dependencies: list) -> None:
         return JSONResponse(app.openapi())
 
     async def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{TITLE} - Swagger UI",
-                                   oauth2_redirect_url="/docs/oauth2-redirect")
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title=f"{TITLE} - Swagger UI",
+            oauth2_redirect_url="/docs/oauth2-redirect",
+        )
 
     async def swagger_ui_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()
@@ -123,10 +136,15 @@ def _add_docs(app: FastAPI, dependencies: list) -> None:
     async def redoc() -> HTMLResponse:
         return get_redoc_html(openapi_url="/openapi.json", title=f"{TITLE} - ReDoc")
 
-    for path, page in (("/openapi.json", openapi), ("/docs", swagger_ui),
-                       ("/docs/oauth2-redirect", swagger_ui_redirect), ("/redoc", redoc)):
-        app.add_api_route(path, page, methods=["GET", "HEAD"], include_in_schema=False,
-                          dependencies=dependencies)
+    for path, page in (
+        ("/openapi.json", openapi),
+        ("/docs", swagger_ui),
+        ("/docs/oauth2-redirect", swagger_ui_redirect),
+        ("/redoc", redoc),
+    ):
+        app.add_api_route(
+            path, page, methods=["GET", "HEAD"], include_in_schema=False, dependencies=dependencies
+        )
 
 
 async def _error_response(request: Request, exc: ProtocolError) -> JSONResponse:

@@ -39,40 +39,82 @@ class ServeArgs:
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog="python -m reference_engine.serve",
-                                    description="The OpenAI-compatible reference server.")
-        add_engine_options(p, "model", "draft", "block_size", "commit_strategy", "dtype",
-                           "device", "max_num_seqs", model={"required": True})
-        p.add_argument("--threads", type=_threads, default=None,
-                       help="CPU threads per operator (torch.set_num_threads; default: torch's). "
-                            "1 when a load generator shares the machine's few cores: "
-                            "threads that wait on each other for a busy core slow every step")
+        p = argparse.ArgumentParser(
+            prog="python -m reference_engine.serve", description="The OpenAI-compatible reference server."
+        )
+        add_engine_options(
+            p,
+            "model",
+            "draft",
+            "block_size",
+            "commit_strategy",
+            "dtype",
+            "device",
+            "max_num_seqs",
+            model={"required": True},
+        )
+        p.add_argument(
+            "--threads",
+            type=_threads,
+            default=None,
+            help="CPU threads per operator (torch.set_num_threads; default: torch's). "
+            "1 when a load generator shares the machine's few cores: "
+            "threads that wait on each other for a busy core slow every step",
+        )
         add_engine_options(p, "max_model_len")
-        p.add_argument("--max-waiting", type=int, default=256,
-                       help="queued requests beyond the slots; more get HTTP 429")
-        p.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (loopback by default)")
+        p.add_argument(
+            "--max-waiting", type=int, default=256, help="queued requests beyond the slots; more get HTTP 429"
+        )
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
         p.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535")
-        p.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on the API (else 401)")
-        p.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the model directory's name)")
-        p.add_argument("--oracle-acceptance", type=float, default=None,
-                       help="benchmarks only: force this mean acceptance length on greedy "
-                       "requests (the draft still runs; output is not checked)")
+        p.add_argument(
+            "--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API (else 401)"
+        )
+        p.add_argument(
+            "--served-model-name",
+            default=None,
+            help="the model name clients send (default: the model directory's name)",
+        )
+        p.add_argument(
+            "--oracle-acceptance",
+            type=float,
+            default=None,
+            help="benchmarks only: force this mean acceptance length on greedy "
+            "requests (the draft still runs; output is not checked)",
+        )
         add_engine_options(p, "numerics", "enforce_eager")
-        p.add_argument("--max-body-mb", type=float, default=4.0,
-                       help="largest request body in MiB; a larger one gets HTTP 413")
-        p.add_argument("--shutdown-grace", type=float, default=5.0,
-                       help="seconds that requests in flight get to finish after SIGTERM; "
-                       "then each ends with an error event and [DONE]")
-        p.add_argument("--api-key-scope", choices=("api", "all"), default="api",
-                       help="what --api-key protects: 'api' (/v1/*) or 'all' (also /metrics, "
-                       "/info, /docs, /openapi.json; /health stays open)")
-        p.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                       help="seconds an idle keep-alive connection stays open")
-        p.add_argument("--header-timeout", type=float, default=10.0,
-                       help="seconds a connection has to send a request's headers")
+        p.add_argument(
+            "--max-body-mb",
+            type=float,
+            default=4.0,
+            help="largest request body in MiB; a larger one gets HTTP 413",
+        )
+        p.add_argument(
+            "--shutdown-grace",
+            type=float,
+            default=5.0,
+            help="seconds that requests in flight get to finish after SIGTERM; "
+            "then each ends with an error event and [DONE]",
+        )
+        p.add_argument(
+            "--api-key-scope",
+            choices=("api", "all"),
+            default="api",
+            help="what --api-key protects: 'api' (/v1/*) or 'all' (also /metrics, "
+            "/info, /docs, /openapi.json; /health stays open)",
+        )
+        p.add_argument(
+            "--timeout-keep-alive",
+            type=float,
+            default=5.0,
+            help="seconds an idle keep-alive connection stays open",
+        )
+        p.add_argument(
+            "--header-timeout",
+            type=float,
+            default=10.0,
+            help="seconds a connection has to send a request's headers",
+        )
         return p
 
 

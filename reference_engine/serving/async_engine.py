@@ -68,8 +68,7 @@ class AsyncEngine:
         self.thread.start()
 
     # ------------------------------------------------------------------ asyncio side
-    async def submit(self, request_id: str, prompt_ids: list[int],
-                     params: SamplingParams) -> asyncio.Queue:
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         """Queue a request; raises its RequestError/EngineFullError here, in the caller."""
         if not self.alive:
             raise RequestFailed("the engine loop is not running")
@@ -132,10 +131,10 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_set_exception, done, exc)
                     continue
                 except Exception as exc:  # noqa: BLE001 - one request's, not the thread's
-                    log.error("request %s could not be queued:\n%s", request_id,
-                              traceback.format_exc())
-                    loop.call_soon_threadsafe(_set_exception, done, RequestFailed(
-                        f"engine error: {type(exc).__name__}: {exc}"))
+                    log.error("request %s could not be queued:\n%s", request_id, traceback.format_exc())
+                    loop.call_soon_threadsafe(
+                        _set_exception, done, RequestFailed(f"engine error: {type(exc).__name__}: {exc}")
+                    )
                     continue
                 self.streams[request_id] = (loop, out)
                 loop.call_soon_threadsafe(_set_result, done, None)
@@ -173,8 +172,9 @@ class AsyncEngine:
                     command = self.commands.get_nowait()
                     if command[0] == "add":
                         loop, done = command[4], command[6]
-                        loop.call_soon_threadsafe(_set_exception, done,
-                                                  RequestFailed("the engine loop stopped"))
+                        loop.call_soon_threadsafe(
+                            _set_exception, done, RequestFailed("the engine loop stopped")
+                        )
 
     def _fail_all(self, reason: str) -> None:
         for request_id in list(self.engine.scheduler.known):

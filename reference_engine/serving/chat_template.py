@@ -39,5 +39,6 @@ def render_chat_template(template, messages: list[dict]) -> str:
     try:
         return template.render(messages=messages, add_generation_prompt=True)
     except TemplateError as exc:  # SecurityError included
-        raise ProtocolError(f"the chat template failed on these messages: "
-                            f"{type(exc).__name__}: {exc}") from None
+        raise ProtocolError(
+            f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+        ) from None

@@ -64,8 +64,14 @@ Event = Tokens | Done | Failed
 class Generation:
     """One request, from its submission (`start`) to its end; made by `start` only."""
 
-    def __init__(self, server: Server, request_id: str, parsed: ParsedRequest,
-                 queue: asyncio.Queue, counted: RequestMetrics) -> None:
+    def __init__(
+        self,
+        server: Server,
+        request_id: str,
+        parsed: ParsedRequest,
+        queue: asyncio.Queue,
+        counted: RequestMetrics,
+    ) -> None:
         self.server, self.request_id, self.parsed = server, request_id, parsed
         self.queue = queue  # from the engine thread: StepOutputs, then one Finished
         self.counted = counted
@@ -79,8 +85,7 @@ class Generation:
         request_id = server.new_request_id(parsed.chat)
         counted = server.metrics.request(len(parsed.prompt_ids), arrival_s)
         try:
-            queue = await server.lifecycle.runner.submit(request_id, parsed.prompt_ids,
-                                                         parsed.params)
+            queue = await server.lifecycle.runner.submit(request_id, parsed.prompt_ids, parsed.params)
         except EngineFullError as exc:
             raise ProtocolError(str(exc), None, 429, "rate_limit_error") from None
         except ReferenceEngineError as exc:

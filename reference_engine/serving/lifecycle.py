@@ -55,8 +55,9 @@ def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
         def _header_timeout(self) -> None:
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                log.info("closing a connection that sent no complete request headers in %s s",
-                         header_timeout_s)
+                log.info(
+                    "closing a connection that sent no complete request headers in %s s", header_timeout_s
+                )
                 self.transport.close()
 
         def handle_events(self) -> None:
@@ -82,8 +83,14 @@ class GracefulServer(uvicorn.Server):
     in flight (end them); `idle()` says whether any is. uvicorn's own exit (closing the
     listening socket) comes only after that."""
 
-    def __init__(self, config: uvicorn.Config, grace_s: float, on_drain: Callable[[], None],
-                 on_deadline: Callable[[], None], idle: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        grace_s: float,
+        on_drain: Callable[[], None],
+        on_deadline: Callable[[], None],
+        idle: Callable[[], bool],
+    ) -> None:
         super().__init__(config)
         self.grace_s, self.on_drain, self.on_deadline, self.idle = grace_s, on_drain, on_deadline, idle
         self.draining = False
@@ -147,8 +154,9 @@ class Lifecycle:
 
     def deadline(self) -> None:
         if self.runner is not None:
-            self.runner.end_all(f"the server shut down before this request finished "
-                                f"(--shutdown-grace {self.grace_s:g} s)")
+            self.runner.end_all(
+                f"the server shut down before this request finished (--shutdown-grace {self.grace_s:g} s)"
+            )
 
     def idle(self) -> bool:
         return self.runner is None or not self.runner.streams

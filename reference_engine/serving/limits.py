@@ -47,8 +47,12 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
 
 
 def _too_large(size: int, limits: BodyLimits) -> ProtocolError:
-    return ProtocolError(f"the request body has {size} bytes or more; this server accepts at most "
-                         f"{limits.max_bytes} (--max-body-mb)", None, 413)
+    return ProtocolError(
+        f"the request body has {size} bytes or more; this server accepts at most "
+        f"{limits.max_bytes} (--max-body-mb)",
+        None,
+        413,
+    )
 
 
 def decode_json(raw: bytes, limits: BodyLimits) -> Any:
@@ -56,13 +60,16 @@ def decode_json(raw: bytes, limits: BodyLimits) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ProtocolError(f"the request body is not valid UTF-8 ({exc.reason} at byte "
-                            f"{exc.start})") from None
+        raise ProtocolError(
+            f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
 
     def parse_int(digits: str) -> int:
         if len(digits.lstrip("-")) > limits.max_int_digits:
-            raise ProtocolError(f"an integer in the request has {len(digits.lstrip('-'))} digits; "
-                                f"at most {limits.max_int_digits} are accepted")
+            raise ProtocolError(
+                f"an integer in the request has {len(digits.lstrip('-'))} digits; "
+                f"at most {limits.max_int_digits} are accepted"
+            )
         return int(digits)
 
     def parse_constant(name: str) -> float:
@@ -73,15 +80,15 @@ def decode_json(raw: bytes, limits: BodyLimits) -> Any:
     except RecursionError:
         raise _too_deep(limits) from None
     except json.JSONDecodeError as exc:
-        raise ProtocolError(f"the request body is not valid JSON ({exc.msg} at line "
-                            f"{exc.lineno} column {exc.colno})") from None
+        raise ProtocolError(
+            f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
     _check_plain(body, limits)
     return body
 
 
 def _too_deep(limits: BodyLimits) -> ProtocolError:
-    return ProtocolError(f"the request body nests arrays or objects more than {limits.max_depth} "
-                         "levels deep")
+    return ProtocolError(f"the request body nests arrays or objects more than {limits.max_depth} levels deep")
 
 
 def _check_plain(body: Any, limits: BodyLimits) -> None:
@@ -109,5 +116,6 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ProtocolError(f"a string in the request holds an invalid character "
-                            f"({exc.object[exc.start]!a}: {exc.reason})") from None
+        raise ProtocolError(
+            f"a string in the request holds an invalid character ({exc.object[exc.start]!a}: {exc.reason})"
+        ) from None

@@ -44,9 +44,32 @@ from prometheus_client import (
 from ..runtime.engine import Engine
 
 PREFIX = "dflash"
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
-                   0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
-                   60.0)
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 FAILED = "error"  # the finish reason of a request the engine failed
 
 
@@ -56,32 +79,41 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, p = self.registry, PREFIX
         self.drafts = Counter(f"{p}:spec_decode_num_drafts", "Speculative steps", registry=r)
-        self.draft_tokens = Counter(f"{p}:spec_decode_num_draft_tokens", "Draft tokens proposed",
-                                    registry=r)
-        self.accepted = Counter(f"{p}:spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                registry=r)
-        self.accepted_per_pos = Counter(f"{p}:spec_decode_num_accepted_tokens_per_pos",
-                                         "Steps whose draft token at this position was accepted",
-                                         ["position"], registry=r)
-        self.fallbacks = Counter(f"{p}:spec_decode_fallbacks", "Requests moved to plain decode",
-                                 ["reason"], registry=r)
-        self.requests = Counter(f"{p}:request_success", "Finished requests", ["finish_reason"],
-                                registry=r)
-        self.failures = Counter(f"{p}:request_failure", "Requests the engine failed",
-                                registry=r)
+        self.draft_tokens = Counter(f"{p}:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter(f"{p}:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter(
+            f"{p}:spec_decode_num_accepted_tokens_per_pos",
+            "Steps whose draft token at this position was accepted",
+            ["position"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            f"{p}:spec_decode_fallbacks", "Requests moved to plain decode", ["reason"], registry=r
+        )
+        self.requests = Counter(f"{p}:request_success", "Finished requests", ["finish_reason"], registry=r)
+        self.failures = Counter(f"{p}:request_failure", "Requests the engine failed", registry=r)
         self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter(f"{p}:generation_tokens", "Output tokens of the responses",
-                                         registry=r)
+        self.generation_tokens = Counter(
+            f"{p}:generation_tokens", "Output tokens of the responses", registry=r
+        )
         self.running = Gauge(f"{p}:num_requests_running", "Requests with a slot", registry=r)
         self.waiting = Gauge(f"{p}:num_requests_waiting", "Requests queued", registry=r)
-        self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(f"{p}:inter_token_latency_seconds", "Per-token inter-token latency",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.phase_seconds = Counter(f"{p}:phase_seconds", "Engine time per phase", ["phase"],
-                                     registry=r)
+        self.ttft = Histogram(
+            f"{p}:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            f"{p}:inter_token_latency_seconds",
+            "Per-token inter-token latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{p}:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.phase_seconds = Counter(f"{p}:phase_seconds", "Engine time per phase", ["phase"], registry=r)
         self._seen: dict[str, float] = {}  # last engine totals: counters advance by differences
 
     def _advance(self, key: str, counter, value: float) -> None:
@@ -105,7 +137,7 @@ class ServerMetrics:
         kind = "device_s_" if engine.device.type == "cuda" else "host_s_"
         for name, seconds in engine.timer.as_dict().items():
             if name.startswith(kind):
-                phase = name[len(kind):]
+                phase = name[len(kind) :]
                 self._advance(name, self.phase_seconds.labels(phase=phase), seconds)
         self.running.set(len(engine.scheduler.active))
         self.waiting.set(len(engine.scheduler.waiting))

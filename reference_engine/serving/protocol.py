@@ -29,20 +29,28 @@ from ..runtime.request import REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingPara
 
 
 class ProtocolError(ReferenceEngineError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | int | None = None,
+    ) -> None:
         super().__init__(message)
         self.param, self.status, self.kind = param, status, kind
         self.code = status if code is None else code
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: int = 400) -> dict:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: int = 400
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _number(body: dict, name: str, default: float | None, lo: float | None = None,
-            hi: float | None = None) -> float | None:
+def _number(
+    body: dict, name: str, default: float | None, lo: float | None = None, hi: float | None = None
+) -> float | None:
     value = body.get(name, default)
     if value is None:
         return default
@@ -73,15 +81,16 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
         try:
             token = int(key)
         except ValueError:
-            raise ProtocolError(f"'logit_bias' keys must be token ids, got {key!r}",
-                                "logit_bias") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not -100 <= value <= 100:
-            raise ProtocolError(f"'logit_bias' values must be numbers in [-100, 100], got "
-                                f"{value!r} for token {key}", "logit_bias")
+            raise ProtocolError(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ProtocolError(
+                f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                "logit_bias",
+            )
         if token < 0 or (vocab_size is not None and token >= vocab_size):
-            raise ProtocolError(f"'logit_bias' token id {token} outside the vocabulary "
-                                f"[0, {vocab_size})", "logit_bias")
+            raise ProtocolError(
+                f"'logit_bias' token id {token} outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
         out.append((token, float(value)))
     return tuple(sorted(out))
 
@@ -89,12 +98,12 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
 def _unsupported(body: dict) -> None:
     """Standard parameters we do not implement: refused rather than silently ignored."""
     if body.get("echo"):
-        raise ProtocolError("'echo' is not supported: the response holds the output only",
-                            "echo")
+        raise ProtocolError("'echo' is not supported: the response holds the output only", "echo")
     best_of = _integer(body, "best_of", 1)
     if best_of != 1:
-        raise ProtocolError(f"'best_of' > 1 is not supported (one sequence per request), got "
-                            f"{best_of}", "best_of")
+        raise ProtocolError(
+            f"'best_of' > 1 is not supported (one sequence per request), got {best_of}", "best_of"
+        )
 
 
 def _boolean(body: dict, name: str, default: bool) -> bool:
@@ -123,14 +132,15 @@ def message_text(content: Any) -> str | None:
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ProtocolError("'messages' must be a non-empty list of {role, content} objects",
-                            "messages")
+        raise ProtocolError("'messages' must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
         text = message_text(m.get("content")) if isinstance(m, dict) else None
         if text is None or not isinstance(m.get("role"), str):
-            raise ProtocolError(f"messages[{i}] must be {{role, content}} with string content or "
-                                "a list of text parts", "messages")
+            raise ProtocolError(
+                f"messages[{i}] must be {{role, content}} with string content or a list of text parts",
+                "messages",
+            )
         out.append({**m, "content": text})
     return out
 
@@ -160,14 +170,19 @@ class ParsedRequest:
     chat: bool
 
 
-def parse_request(body: Any, served_name: str, tokenize, chat: bool,
-                  apply_chat_template=None, vocab_size: int | None = None) -> ParsedRequest:
+def parse_request(
+    body: Any, served_name: str, tokenize, chat: bool, apply_chat_template=None, vocab_size: int | None = None
+) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != served_name:
-        raise ProtocolError(f"model '{model}' does not exist; this server serves "
-                            f"'{served_name}'", "model", 404, code="model_not_found")
+        raise ProtocolError(
+            f"model '{model}' does not exist; this server serves '{served_name}'",
+            "model",
+            404,
+            code="model_not_found",
+        )
     _unsupported(body)
     n = _integer(body, "n", 1)
     if n != 1:
@@ -181,13 +196,10 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompt_ids = tokenize(prompt)
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = list(prompt)
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            raise ProtocolError("batched prompts are not supported: send one prompt per "
-                                "request", "prompt")
+            raise ProtocolError("batched prompts are not supported: send one prompt per request", "prompt")
         else:
             raise ProtocolError("'prompt' must be a string or a list of token ids", "prompt")
         logprobs = _integer(body, "logprobs", None)
@@ -204,8 +216,9 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
     ):
         raise ProtocolError("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens"
-                          in body else "max_tokens", 16)
+    max_tokens = _integer(
+        body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", 16
+    )
     top_k = _integer(body, "top_k", 0)
     seed = _integer(body, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -229,9 +242,16 @@ def parse_request(body: Any, served_name: str, tokenize, chat: bool,
         raise
     except ReferenceEngineError as exc:
         raise ProtocolError(str(exc)) from None
-    return ParsedRequest(prompt_ids, params, _stop_strings(body), stream,
-                         _boolean(options, "include_usage", False),
-                         _boolean(options, "continuous_usage_stats", False), logprobs, chat)
+    return ParsedRequest(
+        prompt_ids,
+        params,
+        _stop_strings(body),
+        stream,
+        _boolean(options, "include_usage", False),
+        _boolean(options, "continuous_usage_stats", False),
+        logprobs,
+        chat,
+    )
 
 
 def new_id(chat: bool) -> str:
@@ -239,15 +259,17 @@ def new_id(chat: bool) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def spec_summary(sequence) -> dict | None:
     """The request's speculative statistics: on a DFlash server for every request, with the
     reason when it left the speculative path (None on a plain server)."""
-    if sequence is None or not (sequence.steps or sequence.speculative
-                                or sequence.fallback_reason):
+    if sequence is None or not (sequence.steps or sequence.speculative or sequence.fallback_reason):
         return None
     return {
         "steps": sequence.spec.steps,
@@ -258,65 +280,144 @@ def spec_summary(sequence) -> dict | None:
     }
 
 
-def logprobs_body(chat: bool, tokens: list[str], ids: list[int],
-                  entries: list[dict[int, float]], token_text, top: int | None = None) -> dict:
+def logprobs_body(
+    chat: bool,
+    tokens: list[str],
+    ids: list[int],
+    entries: list[dict[int, float]],
+    token_text,
+    top: int | None = None,
+) -> dict:
     """OpenAI logprobs for the given tokens; each top entry also carries its token id.
     Chat lists exactly `top` alternatives (top_logprobs); completions also the chosen token."""
     if chat:
         content = []
         for text, token_id, entry in zip(tokens, ids, entries):
             ranked = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[: top or 0]
-            content.append({
-                "token": text, "token_id": token_id, "logprob": entry.get(token_id),
-                "bytes": list(text.encode()),
-                "top_logprobs": [{"token": token_text(t), "token_id": t, "logprob": lp,
-                                  "bytes": list(token_text(t).encode())} for t, lp in ranked],
-            })
+            content.append(
+                {
+                    "token": text,
+                    "token_id": token_id,
+                    "logprob": entry.get(token_id),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": token_text(t),
+                            "token_id": t,
+                            "logprob": lp,
+                            "bytes": list(token_text(t).encode()),
+                        }
+                        for t, lp in ranked
+                    ],
+                }
+            )
         return {"content": content}
     return {
         "tokens": tokens,
         "token_ids": ids,
         "token_logprobs": [entry.get(t) for t, entry in zip(ids, entries)],
-        "top_logprobs": [{token_text(t): lp for t, lp in
-                          sorted(entry.items(), key=lambda kv: -kv[1])} for entry in entries],
+        "top_logprobs": [
+            {token_text(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])} for entry in entries
+        ],
         # by id too: different tokens may decode to the same text
-        "top_token_logprobs": [[{"token_id": t, "logprob": lp} for t, lp in
-                                sorted(entry.items(), key=lambda kv: -kv[1])]
-                               for entry in entries],
+        "top_token_logprobs": [
+            [{"token_id": t, "logprob": lp} for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])]
+            for entry in entries
+        ],
     }
 
 
-def chunk(request_id: str, model: str, chat: bool, text: str, token_ids: list[int],
-          finish_reason: str | None, logprobs: dict | None = None, role: bool = False) -> dict:
+def chunk(
+    request_id: str,
+    model: str,
+    chat: bool,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    role: bool = False,
+) -> dict:
     created = int(time.time())
     if chat:
         delta: dict[str, Any] = {"content": text}
         if role:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "token_ids": token_ids,
-                  "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [choice]}
-    choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": logprobs,
-              "finish_reason": finish_reason}
-    return {"id": request_id, "object": "text_completion", "created": created,
-            "model": model, "choices": [choice]}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
+    choice = {
+        "index": 0,
+        "text": text,
+        "token_ids": token_ids,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
-def full_response(request_id: str, model: str, chat: bool, text: str, token_ids: list[int],
-                  finish_reason: str, logprobs: dict | None, usage_body: dict,
-                  spec: dict | None, prompt_token_ids: list[int] | None = None) -> dict:
+def full_response(
+    request_id: str,
+    model: str,
+    chat: bool,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str,
+    logprobs: dict | None,
+    usage_body: dict,
+    spec: dict | None,
+    prompt_token_ids: list[int] | None = None,
+) -> dict:
     created = int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish_reason}
-        body = {"id": request_id, "object": "chat.completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage_body}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage_body,
+        }
     else:
-        choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": logprobs,
-                  "finish_reason": finish_reason, "prompt_token_ids": prompt_token_ids}
-        body = {"id": request_id, "object": "text_completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage_body}
+        choice = {
+            "index": 0,
+            "text": text,
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "prompt_token_ids": prompt_token_ids,
+        }
+        body = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage_body,
+        }
     if spec is not None:
         body["spec_decode"] = spec
     return body

@@ -47,8 +47,16 @@ async def sse_reply(server: Server, generation: Generation) -> AsyncIterator[str
             lp = None
             if parsed.logprobs is not None and event.logprobs:
                 lp = _logprobs(server, parsed, event.ids, event.logprobs)
-            body = chunk(request_id, server.name, parsed.chat, event.text, event.ids,
-                         event.finish_reason, lp, role=first)
+            body = chunk(
+                request_id,
+                server.name,
+                parsed.chat,
+                event.text,
+                event.ids,
+                event.finish_reason,
+                lp,
+                role=first,
+            )
             first = False
             if parsed.continuous_usage:
                 body["usage"] = usage(prompt_tokens, emitted)
@@ -81,9 +89,18 @@ async def full_reply(server: Server, generation: Generation) -> dict:
         else:
             sequence = event.sequence
     lp = _logprobs(server, parsed, ids, entries) if parsed.logprobs is not None else None
-    return full_response(generation.request_id, server.name, parsed.chat, "".join(texts), ids,
-                         finish or "abort", lp, usage(len(parsed.prompt_ids), len(ids)),
-                         spec_summary(sequence), parsed.prompt_ids)
+    return full_response(
+        generation.request_id,
+        server.name,
+        parsed.chat,
+        "".join(texts),
+        ids,
+        finish or "abort",
+        lp,
+        usage(len(parsed.prompt_ids), len(ids)),
+        spec_summary(sequence),
+        parsed.prompt_ids,
+    )
 
 
 def error_json(exc: ProtocolError) -> dict:
@@ -106,13 +123,11 @@ class EventStream(StreamingResponse):
             self.close()
 
 
-def _logprobs(server: Server, parsed: ParsedRequest, ids: list[int],
-              entries: list[dict[int, float]]) -> dict:
+def _logprobs(server: Server, parsed: ParsedRequest, ids: list[int], entries: list[dict[int, float]]) -> dict:
     def token_text(token: int) -> str:
         return server.detokenize([token])
 
-    return logprobs_body(parsed.chat, [token_text(t) for t in ids], ids, entries, token_text,
-                         parsed.logprobs)
+    return logprobs_body(parsed.chat, [token_text(t) for t in ids], ids, entries, token_text, parsed.logprobs)
 
 
 def _sse(body: dict) -> str:

@@ -43,16 +43,22 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(args)
     except ReferenceEngineError as exc:
         return exit_with(exc)
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"
     if server.oracle_acceptance is not None:
         mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
     print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)
-    config = uvicorn.Config(create_app(server), host=args.host, port=args.port,
-                            log_level="warning", http=header_timeout_protocol(args.header_timeout),
-                            timeout_keep_alive=args.timeout_keep_alive,
-                            timeout_graceful_shutdown=args.shutdown_grace + BACKSTOP_S)
+    config = uvicorn.Config(
+        create_app(server),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        http=header_timeout_protocol(args.header_timeout),
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=args.shutdown_grace + BACKSTOP_S,
+    )
     server.lifecycle.serve(config)
     return 0
 

@@ -41,10 +41,15 @@ class Server:
             draft = load_draft(args.draft, target)
         elif args.block_size is not None:
             raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
-        config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              block_size=args.block_size, commit_strategy=args.commit_strategy,
-                              max_waiting=args.max_waiting, numerics=args.numerics,
-                              enforce_eager=args.enforce_eager)
+        config = EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            commit_strategy=args.commit_strategy,
+            max_waiting=args.max_waiting,
+            numerics=args.numerics,
+            enforce_eager=args.enforce_eager,
+        )
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
@@ -60,15 +65,20 @@ class Server:
         if self.oracle_acceptance is not None:
             if draft is None:
                 raise ReferenceEngineError("--oracle-acceptance needs --dflash-draft-model-path")
-            OracleProposer.for_mean_acceptance([], self.oracle_acceptance,
-                                               self.engine.block_size, target.config.vocab_size)
+            OracleProposer.for_mean_acceptance(
+                [], self.oracle_acceptance, self.engine.block_size, target.config.vocab_size
+            )
 
     def make_oracle(self, params) -> OracleProposer | None:
         if self.oracle_acceptance is None or not params.greedy:
             return None
         return OracleProposer.for_mean_acceptance(
-            [], self.oracle_acceptance, self.engine.block_size,
-            self.engine.target.config.vocab_size, forced=True)
+            [],
+            self.oracle_acceptance,
+            self.engine.block_size,
+            self.engine.target.config.vocab_size,
+            forced=True,
+        )
 
     def _start_runner(self) -> AsyncEngine:
         return AsyncEngine(self.engine, self.metrics.on_step, self.make_oracle)
@@ -80,16 +90,24 @@ class Server:
         """A request body as the engine takes it (ProtocolError: 400, 404). Slow for a large
         body: the routes call it off the event loop."""
         body = decode_json(raw, self.limits)
-        return parse_request(body, self.name, self.tokenize, chat, self.apply_chat_template,
-                             self.engine.target.config.vocab_size)
+        return parse_request(
+            body,
+            self.name,
+            self.tokenize,
+            chat,
+            self.apply_chat_template,
+            self.engine.target.config.vocab_size,
+        )
 
     def tokenize(self, text: str) -> list[int]:
         # no token is longer than the vocabulary's longest, so a text too long for the
         # context is refused without tokenising it
         fewest = len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
         if fewest >= self.engine.context_len:
-            raise ProtocolError(f"the prompt has at least {fewest} tokens but the context holds "
-                                f"{self.engine.context_len}", "prompt")
+            raise ProtocolError(
+                f"the prompt has at least {fewest} tokens but the context holds {self.engine.context_len}",
+                "prompt",
+            )
         return self.tokenizer.encode_batch([text])[0].ids  # releases the GIL, unlike encode
 
     def detokenize(self, ids: list[int]) -> str:

@@ -61,7 +61,7 @@ class StopStringText:
             if found:
                 at = min(found)
                 self.stopped = True
-                out = text[self.sent:at]
+                out = text[self.sent : at]
                 self.sent = at
                 return out, taken
         return self._release(text, final), taken
@@ -70,6 +70,6 @@ class StopStringText:
         if not final:
             text = text.rstrip(REPLACEMENT)
             text = text[: len(text) - held_back(text, self.stops)]
-        out = text[self.sent:]
+        out = text[self.sent :]
         self.sent = max(self.sent, len(text))
         return out

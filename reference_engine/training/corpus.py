@@ -83,26 +83,33 @@ def fetch(wheels: list[Wheel], cache: Path, log: Callable[[str], None] = print) 
                     f.write(block)
         except OSError as exc:
             part.unlink(missing_ok=True)
-            raise CorpusError(f"cannot download {wheel.url}: {exc}; copy a filled corpus "
-                              f"cache to {cache} on a machine without internet") from exc
+            raise CorpusError(
+                f"cannot download {wheel.url}: {exc}; copy a filled corpus "
+                f"cache to {cache} on a machine without internet"
+            ) from exc
         if sha256_of(part) != wheel.sha256:
             part.unlink()
             raise CorpusError(f"{wheel.filename}: sha256 differs from the lock")
         part.rename(cache / wheel.filename)
         done += wheel.size
-        log(f"corpus: fetched {i}/{len(missing)} {wheel.filename} "
-            f"({done / 2**20:.1f} of {total / 2**20:.1f} MiB)")
+        log(
+            f"corpus: fetched {i}/{len(missing)} {wheel.filename} "
+            f"({done / 2**20:.1f} of {total / 2**20:.1f} MiB)"
+        )
     for wheel in wheels:
         if wheel not in missing and sha256_of(cache / wheel.filename) != wheel.sha256:
-            raise CorpusError(f"{cache / wheel.filename}: sha256 differs from the lock "
-                              "(delete it to download it again)")
+            raise CorpusError(
+                f"{cache / wheel.filename}: sha256 differs from the lock (delete it to download it again)"
+            )
 
 
 def source_members(archive: zipfile.ZipFile) -> list[str]:
     """The wheel's `.py` files, vendored copies of other packages left out, in name order."""
     return sorted(
-        name for name in archive.namelist()
-        if name.endswith(".py") and not VENDORED & set(name.split("/")[:-1])
+        name
+        for name in archive.namelist()
+        if name.endswith(".py")
+        and not VENDORED & set(name.split("/")[:-1])
         and archive.getinfo(name).file_size > 0
     )
 
@@ -114,8 +121,9 @@ class Corpus:
     heldout: tuple[str, ...]
 
     @classmethod
-    def from_lock(cls, cache: Path, lock: Path = LOCK, max_files: int | None = None,
-                  log: Callable[[str], None] = print) -> Corpus:
+    def from_lock(
+        cls, cache: Path, lock: Path = LOCK, max_files: int | None = None, log: Callable[[str], None] = print
+    ) -> Corpus:
         """The locked wheels (fetched into `cache` when missing). `max_files` keeps the first
         files of each split in order (smoke runs)."""
         wheels = read_lock(lock)
@@ -145,21 +153,22 @@ class Corpus:
         for filename, members in by_wheel.items():
             with zipfile.ZipFile(self.root / filename) as archive:
                 for member in members:
-                    read[f"{filename}:{member}"] = archive.read(member).decode(
-                        "utf-8", errors="replace")
+                    read[f"{filename}:{member}"] = archive.read(member).decode("utf-8", errors="replace")
         return [read[p] for p in paths]
 
 
-def pin(names: list[str], heldout: set[str], cutoff: str, out: Path = LOCK,
-        index: str = SIMPLE_INDEX) -> None:
+def pin(
+    names: list[str], heldout: set[str], cutoff: str, out: Path = LOCK, index: str = SIMPLE_INDEX
+) -> None:
     """Write a lock: per package, the newest final release uploaded before `cutoff`
     (ISO date) that has a pure-Python (`py3-none-any`) wheel."""
     from packaging.utils import parse_wheel_filename  # a development tool, not a runtime need
 
     rows = []
     for name in names:
-        request = urllib.request.Request(f"{index}/{name}/",
-                                         headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        request = urllib.request.Request(
+            f"{index}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             files = json.load(response)["files"]
         best = None
@@ -167,18 +176,30 @@ def pin(names: list[str], heldout: set[str], cutoff: str, out: Path = LOCK,
             if not f["filename"].endswith(".whl") or f.get("yanked") or f["upload-time"] >= cutoff:
                 continue
             _, version, _, tags = parse_wheel_filename(f["filename"])
-            if version.is_prerelease or version.is_devrelease or not any(
-                    t.interpreter.startswith("py3") and t.abi == "none" and t.platform == "any"
-                    for t in tags):
+            if (
+                version.is_prerelease
+                or version.is_devrelease
+                or not any(
+                    t.interpreter.startswith("py3") and t.abi == "none" and t.platform == "any" for t in tags
+                )
+            ):
                 continue
             if best is None or version > best[0]:
                 best = (version, f)
         if best is None:
             raise CorpusError(f"{name}: no pure-Python wheel before {cutoff}")
         version, f = best
-        rows.append({"name": name, "version": str(version), "filename": f["filename"],
-                     "url": f["url"], "sha256": f["hashes"]["sha256"], "size": f["size"],
-                     "heldout": name in heldout})
+        rows.append(
+            {
+                "name": name,
+                "version": str(version),
+                "filename": f["filename"],
+                "url": f["url"],
+                "sha256": f["hashes"]["sha256"],
+                "size": f["size"],
+                "heldout": name in heldout,
+            }
+        )
         print(f"{name} {version} {f['size'] / 2**20:.1f} MiB", file=sys.stderr)
     out.write_text(json.dumps({"cutoff": cutoff, "index": index, "wheels": rows}, indent=1) + "\n")
 
@@ -206,8 +227,7 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def random_windows(stream: torch.Tensor, count: int, length: int,
-                   generator: torch.Generator) -> torch.Tensor:
+def random_windows(stream: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
     """`count` windows of `length` tokens at random offsets. [count, length]"""
     starts = torch.randint(0, len(stream) - length, (count,), generator=generator)
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
@@ -218,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..errors import exit_with
 
-    p = argparse.ArgumentParser(prog="python -m reference_engine.training.corpus",
-                                description="Pin a corpus lock from PyPI's simple index.")
+    p = argparse.ArgumentParser(
+        prog="python -m reference_engine.training.corpus",
+        description="Pin a corpus lock from PyPI's simple index.",
+    )
     p.add_argument("names", nargs="+", help="package names")
     p.add_argument("--cutoff", required=True, help="ISO date: only uploads before it")
     p.add_argument("--heldout", default="", help="comma-separated packages to hold out")

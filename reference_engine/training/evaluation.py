@@ -38,9 +38,16 @@ def evaluate(target, draft, prompts: list[list[int]], block_sizes, max_tokens: i
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
     def run(with_draft, block_size=None):
-        engine = Engine(target, with_draft, EngineConfig(
-            max_num_seqs=len(prompts), block_size=block_size, commit_strategy="per_token",
-            max_model_len=max(map(len, prompts)) + max_tokens))
+        engine = Engine(
+            target,
+            with_draft,
+            EngineConfig(
+                max_num_seqs=len(prompts),
+                block_size=block_size,
+                commit_strategy="per_token",
+                max_model_len=max(map(len, prompts)) + max_tokens,
+            ),
+        )
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
         while engine.has_unfinished():
@@ -72,70 +79,72 @@ def model_card(r: dict) -> str:
     rec, corpus, acc = r["recipe"], r["corpus"], r["acceptance"]
     rows = "\n".join(
         f"| {B} | {a['mean_acceptance_length']:.2f} | {a['acceptance_rate']:.3f} | "
-        f"{a['mismatched_requests']} |" for B, a in acc.items())
+        f"{a['mismatched_requests']} |"
+        for B, a in acc.items()
+    )
     seconds = r["seconds"]
     total = sum(seconds.values())
     return f"""# Demo pair: a small Qwen3.5 hybrid target and its DFlash draft
 
-Trained by `scripts/train_demo_pair.py` (seed {rec['seed']}) on {r['device']}, Python
-{r['python']}, torch {r['torch']}: target {seconds['target']:.0f} s, the target's
-continuations {seconds['continuations']:.0f} s, draft {seconds['draft']:.0f} s, evaluation
-{seconds['eval']:.0f} s ({total / 60:.1f} minutes). Both are stored in bfloat16, in the
+Trained by `scripts/train_demo_pair.py` (seed {rec["seed"]}) on {r["device"]}, Python
+{r["python"]}, torch {r["torch"]}: target {seconds["target"]:.0f} s, the target's
+continuations {seconds["continuations"]:.0f} s, draft {seconds["draft"]:.0f} s, evaluation
+{seconds["eval"]:.0f} s ({total / 60:.1f} minutes). Both are stored in bfloat16, in the
 Hugging Face layout the engine loads (`target/`, `draft/`).
 
 ## Target (`target/`)
 
-- Qwen3.5 text architecture (`Qwen3_5ForCausalLM`): {rec['target_layers']} layers in the
-  pattern Gated DeltaNet, Gated DeltaNet, gated attention; hidden size {rec['hidden_size']},
-  MLP {3 * rec['hidden_size']}, tied embeddings; {r['parameters']['target']:,} parameters.
-- Tokenizer: byte-level BPE, {rec['vocab_size']} tokens including `<|endoftext|>`,
+- Qwen3.5 text architecture (`Qwen3_5ForCausalLM`): {rec["target_layers"]} layers in the
+  pattern Gated DeltaNet, Gated DeltaNet, gated attention; hidden size {rec["hidden_size"]},
+  MLP {3 * rec["hidden_size"]}, tied embeddings; {r["parameters"]["target"]:,} parameters.
+- Tokenizer: byte-level BPE, {rec["vocab_size"]} tokens including `<|endoftext|>`,
   `<|im_start|>`, `<|im_end|>` and the draft's `<|mask|>`, trained on about
-  {rec['tokenizer_chars']:,} characters of train files taken at an even stride.
-- Trained as a causal LM for {rec['target_steps']} steps of {rec['target_batch']} windows of
-  {rec['seq_len']} tokens (AdamW, peak lr {rec['target_lr']}, cosine), keeping the weights with
-  the lowest held-out loss (checked every {rec['validate_every']} steps): step
-  {r['target']['kept_step']}, held-out loss {r['target']['heldout_loss']:.3f} nats/token (train
-  loss over the last 50 steps {r['target']['final_loss']:.3f}).
+  {rec["tokenizer_chars"]:,} characters of train files taken at an even stride.
+- Trained as a causal LM for {rec["target_steps"]} steps of {rec["target_batch"]} windows of
+  {rec["seq_len"]} tokens (AdamW, peak lr {rec["target_lr"]}, cosine), keeping the weights with
+  the lowest held-out loss (checked every {rec["validate_every"]} steps): step
+  {r["target"]["kept_step"]}, held-out loss {r["target"]["heldout_loss"]:.3f} nats/token (train
+  loss over the last 50 steps {r["target"]["final_loss"]:.3f}).
 
 ## Draft (`draft/`)
 
-- DFlash draft (`DFlashDraftModel`): {rec['draft_layers']} layers, block size
-  {rec['block_size']}, context from target layers {rec['target_layer_ids']};
-  {r['parameters']['draft_own']:,} parameters of its own (it borrows the target's embeddings
+- DFlash draft (`DFlashDraftModel`): {rec["draft_layers"]} layers, block size
+  {rec["block_size"]}, context from target layers {rec["target_layer_ids"]};
+  {r["parameters"]["draft_own"]:,} parameters of its own (it borrows the target's embeddings
   and lm_head).
-- Trained against the frozen target as shipped (bfloat16 weights) for {rec['draft_steps']}
-  steps of {rec['draft_batch']} sequences x {rec['anchors_per_seq']} blocks. Block lengths as
-  the engine drafts them: a full block of {rec['train_block_sizes']}, or for
-  {rec['short_block_share']:.0%} of blocks any length from 2 to {rec['block_size']} (a
-  request's last block). Sequences: {rec['continuations']:,} prompts of {rec['prompt_len']}
-  train tokens continued by the target's own greedy decoding to {rec['seq_len']} tokens;
+- Trained against the frozen target as shipped (bfloat16 weights) for {rec["draft_steps"]}
+  steps of {rec["draft_batch"]} sequences x {rec["anchors_per_seq"]} blocks. Block lengths as
+  the engine drafts them: a full block of {rec["train_block_sizes"]}, or for
+  {rec["short_block_share"]:.0%} of blocks any length from 2 to {rec["block_size"]} (a
+  request's last block). Sequences: {rec["continuations"]:,} prompts of {rec["prompt_len"]}
+  train tokens continued by the target's own greedy decoding to {rec["seq_len"]} tokens;
   each block starts at a random generated position, slot j learns the target's greedy token
-  for position anchor + j (loss weight exp(-(j-1)/{rec['position_decay']})). Final loss
-  {r['draft']['final_loss']:.3f}.
+  for position anchor + j (loss weight exp(-(j-1)/{rec["position_decay"]})). Final loss
+  {r["draft"]["final_loss"]:.3f}.
 
 Loss curves (mean over the steps since the row above):
 
 | target step | loss |
 |---|---|
-{curve_rows(r['target']['curve'])}
+{curve_rows(r["target"]["curve"])}
 
 | draft step | loss |
 |---|---|
-{curve_rows(r['draft']['curve'])}
+{curve_rows(r["draft"]["curve"])}
 
 ## Data
 
-The `.py` files of {corpus['wheels']} pure-Python wheels from PyPI pinned by version and
+The `.py` files of {corpus["wheels"]} pure-Python wheels from PyPI pinned by version and
 sha256 in `reference_engine/training/corpus.lock.json` (sha256 of the lock
-`{corpus['lock_sha256'][:16]}...`), vendored copies of other packages left out. Split by
-package: {', '.join(corpus['heldout_packages'])} are held out.
-{corpus['train_files']:,} train files ({corpus['train_tokens']:,} tokens),
-{corpus['heldout_files']:,} held-out files ({corpus['heldout_tokens']:,} tokens).
+`{corpus["lock_sha256"][:16]}...`), vendored copies of other packages left out. Split by
+package: {", ".join(corpus["heldout_packages"])} are held out.
+{corpus["train_files"]:,} train files ({corpus["train_tokens"]:,} tokens),
+{corpus["heldout_files"]:,} held-out files ({corpus["heldout_tokens"]:,} tokens).
 
 ## Measured acceptance (held-out, greedy)
 
-{r['eval']['prompts']} prompts of {rec['prompt_len']} tokens, one per held-out file
-(`{PROMPTS_FILE}`), {r['eval']['max_tokens']} output tokens each, {r['eval']['dtype']}, the
+{r["eval"]["prompts"]} prompts of {rec["prompt_len"]} tokens, one per held-out file
+(`{PROMPTS_FILE}`), {r["eval"]["max_tokens"]} output tokens each, {r["eval"]["dtype"]}, the
 shipped bfloat16 weights loaded back through the engine's loader, all prompts in one
 continuous batch, per_token commit. Mean acceptance length counts committed tokens per
 step, bonus included.

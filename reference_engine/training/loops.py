@@ -97,16 +97,15 @@ class Checkpoint:
         parts = max(1, -(-len(data) // self.part_bytes))
         for i in range(parts):
             (self.folder / f"{self.name}.ckpt.{i}").write_bytes(
-                data[i * self.part_bytes : (i + 1) * self.part_bytes])
-        self.index.write_text(json.dumps({"parts": parts, "bytes": len(data),
-                                          "step": state["step"]}) + "\n")
+                data[i * self.part_bytes : (i + 1) * self.part_bytes]
+            )
+        self.index.write_text(json.dumps({"parts": parts, "bytes": len(data), "step": state["step"]}) + "\n")
 
     def load(self) -> dict | None:
         if not self.index.exists():
             return None
         parts = json.loads(self.index.read_text())["parts"]
-        data = b"".join((self.folder / f"{self.name}.ckpt.{i}").read_bytes()
-                        for i in range(parts))
+        data = b"".join((self.folder / f"{self.name}.ckpt.{i}").read_bytes() for i in range(parts))
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
     def remove(self) -> None:
@@ -115,11 +114,21 @@ class Checkpoint:
             part.unlink()
 
 
-def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[int], torch.Tensor],
-             log: Callable[[str], None], what: str, log_every: int = 50,
-             validate: Callable[[], float] | None = None, validate_every: int = 100,
-             checkpoint: Checkpoint | None = None, checkpoint_every: int = 500,
-             generator: torch.Generator | None = None, deadline: float | None = None) -> dict:
+def optimise(
+    model: torch.nn.Module,
+    steps: int,
+    lr: float,
+    loss_at: Callable[[int], torch.Tensor],
+    log: Callable[[str], None],
+    what: str,
+    log_every: int = 50,
+    validate: Callable[[], float] | None = None,
+    validate_every: int = 100,
+    checkpoint: Checkpoint | None = None,
+    checkpoint_every: int = 500,
+    generator: torch.Generator | None = None,
+    deadline: float | None = None,
+) -> dict:
     """AdamW with warm-up and cosine decay, gradient clipping at 1. `loss_at(step)` builds
     the batch and returns its loss. With `validate` (lower is better), the weights at the
     best validation point are kept. With `checkpoint`, the loop resumes from it when one
@@ -130,9 +139,12 @@ def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[i
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
-                            fused=params[0].is_cuda)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=params[0].is_cuda,
+    )
     losses: list[float] = []
     best = {"best_step": steps, "best_score": None}
     best_state = None
@@ -141,28 +153,38 @@ def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[i
     if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
-        first, losses, best, best_state = (saved["step"], saved["losses"], saved["best"],
-                                           saved["best_state"])
+        first, losses, best, best_state = (saved["step"], saved["losses"], saved["best"], saved["best_state"])
         if generator is not None:
             generator.set_state(saved["generator"])
         log(f"{what}: resumed at step {first}/{steps}")
 
     def save(step: int) -> None:
-        checkpoint.save({"step": step, "model": model.state_dict(),
-                         "optimizer": opt.state_dict(), "losses": losses, "best": best,
-                         "best_state": best_state,
-                         "generator": generator.get_state() if generator is not None else None})
+        checkpoint.save(
+            {
+                "step": step,
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "losses": losses,
+                "best": best,
+                "best_state": best_state,
+                "generator": generator.get_state() if generator is not None else None,
+            }
+        )
 
     start = time.perf_counter()
     warmup = max(1, min(100, steps // 10))
     for step in range(first, steps):
-        if checkpoint is not None and step > first and (
-                step % checkpoint_every == 0 or (deadline is not None
-                                                 and time.perf_counter() > deadline)):
+        if (
+            checkpoint is not None
+            and step > first
+            and (step % checkpoint_every == 0 or (deadline is not None and time.perf_counter() > deadline))
+        ):
             save(step)
             if deadline is not None and time.perf_counter() > deadline:
-                raise Interrupted(f"{what}: stopped at step {step}/{steps} at the time budget; "
-                                  f"checkpoint in {checkpoint.folder}")
+                raise Interrupted(
+                    f"{what}: stopped at step {step}/{steps} at the time budget; "
+                    f"checkpoint in {checkpoint.folder}"
+                )
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         loss = loss_at(step)
@@ -181,12 +203,13 @@ def optimise(model: torch.nn.Module, steps: int, lr: float, loss_at: Callable[[i
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if (step + 1) % log_every == 0 or step + 1 == steps or note:
             recent = losses[-log_every:]
-            log(f"{what} step {step + 1}/{steps}  loss {sum(recent) / len(recent):.3f}{note}  "
-                f"{time.perf_counter() - start:.0f} s")
+            log(
+                f"{what} step {step + 1}/{steps}  loss {sum(recent) / len(recent):.3f}{note}  "
+                f"{time.perf_counter() - start:.0f} s"
+            )
     if best_state is not None:
         model.load_state_dict(best_state)
-        log(f"{what}: kept the weights of step {best['best_step']} "
-            f"(validation {best['best_score']:.3f})")
+        log(f"{what}: kept the weights of step {best['best_step']} (validation {best['best_score']:.3f})")
     return {"losses": losses, **best}
 
 
@@ -231,8 +254,9 @@ def greedy_continue(target: CausalLM, prompts: torch.Tensor, new_tokens: int) ->
 
 
 @torch.no_grad()
-def target_views(target: CausalLM, seqs: torch.Tensor, layers: tuple[int, ...],
-                 batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def target_views(
+    target: CausalLM, seqs: torch.Tensor, layers: tuple[int, ...], batch: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What the draft learns from, for every row of `seqs` [n, T]: the target's features at
     `layers` [n, T, len(layers) * hidden] and its greedy choice after each position [n, T]."""
     features, greedy = [], []
@@ -243,8 +267,14 @@ def target_views(target: CausalLM, seqs: torch.Tensor, layers: tuple[int, ...],
     return torch.cat(features), torch.cat(greedy)
 
 
-def block_logits(draft: DFlashDraft, target: CausalLM, seqs: torch.Tensor, features: torch.Tensor,
-                 anchors: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def block_logits(
+    draft: DFlashDraft,
+    target: CausalLM,
+    seqs: torch.Tensor,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Draft logits for blocks at `anchors` of `seqs`, as the engine drafts them.
 
     seqs: [n, T] token rows; features: their `target_views` features [n, T, F]; anchors:
@@ -261,14 +291,16 @@ def block_logits(draft: DFlashDraft, target: CausalLM, seqs: torch.Tensor, featu
     state = DraftState(cfg, rows, T, features.dtype, device)
     slots = torch.arange(rows, device=device)
     # every position's context rows; a block overwrites its own and sees none past itself
-    draft.append_context(features.repeat_interleave(K, 0),
-                         torch.arange(T, device=device).expand(rows, T), slots, state)
+    draft.append_context(
+        features.repeat_interleave(K, 0), torch.arange(T, device=device).expand(rows, T), slots, state
+    )
     starts = anchors.flatten()  # [n*K]
     positions = starts[:, None] + torch.arange(B, device=device)  # [n*K, B]
     block = torch.full((rows, B), cfg.mask_token_id, device=device)
     block[:, 0] = seqs.repeat_interleave(K, 0)[slots, starts]
-    hidden = draft(target.embed(block) * cfg.input_embedding_scale, positions, slots, state, T,
-                   valid_len=lengths)
+    hidden = draft(
+        target.embed(block) * cfg.input_embedding_scale, positions, slots, state, T, valid_len=lengths
+    )
     return draft.logits(hidden[:, 1:], target.lm_head_weight)
 
 
@@ -280,8 +312,9 @@ def block_labels(greedy: torch.Tensor, anchors: torch.Tensor, block_size: int) -
     return greedy.repeat_interleave(K, 0).gather(1, positions)
 
 
-def block_loss(logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor | None,
-               position_decay: float) -> torch.Tensor:
+def block_loss(
+    logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor | None, position_decay: float
+) -> torch.Tensor:
     """Cross-entropy per block slot, slot j weighted by exp(-(j-1)/decay) (early slots
     matter most: a rejection ends the accepted run); slots past a block's length count 0."""
     rows, slots = labels.shape

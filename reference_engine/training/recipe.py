@@ -97,13 +97,31 @@ class Recipe:
 
     @classmethod
     def smoke(cls, seed: int = 0) -> Recipe:
-        return cls(seed=seed, max_files=40, vocab_size=384, tokenizer_chars=200_000,
-                   hidden_size=64, target_layers=3, draft_layers=1, target_layer_ids=(0, 2),
-                   block_size=4, seq_len=48, target_steps=6, validate_every=3,
-                   target_batch=4, prompt_len=16, train_block_sizes=(2, 4),
-                   continuations=8, draft_steps=4, draft_batch=4, anchors_per_seq=2,
-                   checkpoint_every=2, eval_prompts=2, eval_max_tokens=12,
-                   eval_block_sizes=(2, 4))
+        return cls(
+            seed=seed,
+            max_files=40,
+            vocab_size=384,
+            tokenizer_chars=200_000,
+            hidden_size=64,
+            target_layers=3,
+            draft_layers=1,
+            target_layer_ids=(0, 2),
+            block_size=4,
+            seq_len=48,
+            target_steps=6,
+            validate_every=3,
+            target_batch=4,
+            prompt_len=16,
+            train_block_sizes=(2, 4),
+            continuations=8,
+            draft_steps=4,
+            draft_batch=4,
+            anchors_per_seq=2,
+            checkpoint_every=2,
+            eval_prompts=2,
+            eval_max_tokens=12,
+            eval_block_sizes=(2, 4),
+        )
 
     def __post_init__(self) -> None:
         if self.max_files is not None and self.max_files < 2:
@@ -127,8 +145,9 @@ class Recipe:
             "hidden_size": h,
             "intermediate_size": 3 * h,
             "num_hidden_layers": self.target_layers,
-            "layer_types": ["full_attention" if i % 3 == 2 else "linear_attention"
-                            for i in range(self.target_layers)],
+            "layer_types": [
+                "full_attention" if i % 3 == 2 else "linear_attention" for i in range(self.target_layers)
+            ],
             "num_attention_heads": max(1, h // 64),
             "num_key_value_heads": max(1, h // 128),
             "head_dim": 64,
@@ -144,8 +163,7 @@ class Recipe:
             "hidden_act": "silu",
             "bos_token_id": eos_id,
             "eos_token_id": eos_id,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": 0.25},
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             "torch_dtype": "bfloat16",
         }
 
@@ -169,8 +187,7 @@ class Recipe:
             "attention_bias": False,
             "block_size": self.block_size,
             "num_target_layers": self.target_layers,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
-                              "mask_token_id": mask_id},
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": mask_id},
             "torch_dtype": "bfloat16",
         }
 
@@ -197,8 +214,15 @@ def draw_block_lengths(recipe: Recipe, count: int, gen: torch.Generator) -> torc
     return torch.where(torch.rand(count, generator=gen) < recipe.short_block_share, short, full)
 
 
-def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path = LOCK,
-          stop_after: str | None = None, max_minutes: float | None = None) -> dict | None:
+def train(
+    recipe: Recipe,
+    out: Path,
+    device: str,
+    corpus_cache: Path,
+    lock: Path = LOCK,
+    stop_after: str | None = None,
+    max_minutes: float | None = None,
+) -> dict | None:
     """Every stage not already finished in `out` (a finished stage leaves its model folder and
     `work/<stage>.json`; an interrupted one its checkpoint in `work/`). Returns the results,
     or None when `stop_after` ended it early."""
@@ -226,9 +250,11 @@ def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path
     heldout_stream = token_stream(tokenizer, corpus.texts(corpus.heldout))
     del train_texts
     eos_id, mask_id = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(MASK_TOKEN)
-    log(f"corpus {lock.name}: {len(corpus.train)} train files ({len(stream):,} tokens), "
+    log(
+        f"corpus {lock.name}: {len(corpus.train)} train files ({len(stream):,} tokens), "
         f"{len(corpus.heldout)} held-out files ({len(heldout_stream):,} tokens); "
-        f"{time.perf_counter() - t0:.0f} s")
+        f"{time.perf_counter() - t0:.0f} s"
+    )
     target_dir, draft_dir = out / "target", out / "draft"
 
     # ---- target: a causal LM on random windows of the train stream
@@ -239,24 +265,35 @@ def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path
         init_weights(target, recipe.target_layers, recipe.seed)
         target.to(device)
         t1 = time.perf_counter()
-        probe = random_windows(heldout_stream, 64, recipe.seq_len + 1,
-                               generator(recipe.seed, 0)).to(device)
+        probe = random_windows(heldout_stream, 64, recipe.seq_len + 1, generator(recipe.seed, 0)).to(device)
         fit = optimise(
-            target, recipe.target_steps, recipe.target_lr,
-            lambda step: lm_loss(target, random_windows(stream, recipe.target_batch,
-                                                         recipe.seq_len + 1, gen).to(device)),
-            log, "target", validate=lambda: lm_loss(target, probe).item(),
-            validate_every=recipe.validate_every, checkpoint=Checkpoint(work, "target"),
-            checkpoint_every=recipe.checkpoint_every, generator=gen, deadline=deadline)
+            target,
+            recipe.target_steps,
+            recipe.target_lr,
+            lambda step: lm_loss(
+                target, random_windows(stream, recipe.target_batch, recipe.seq_len + 1, gen).to(device)
+            ),
+            log,
+            "target",
+            validate=lambda: lm_loss(target, probe).item(),
+            validate_every=recipe.validate_every,
+            checkpoint=Checkpoint(work, "target"),
+            checkpoint_every=recipe.checkpoint_every,
+            generator=gen,
+            deadline=deadline,
+        )
         # the shipped form (bfloat16) is what the draft trains against and what is served
-        write_safetensors(target_dir, {n: t.to(torch.bfloat16).cpu()
-                                       for n, t in target.state_dict().items()})
+        write_safetensors(target_dir, {n: t.to(torch.bfloat16).cpu() for n, t in target.state_dict().items()})
         (target_dir / "config.json").write_text(json.dumps(target_raw, indent=2) + "\n")
         save_tokenizer(tokenizer, target_dir)
-        summary = {"final_loss": mean_tail(fit["losses"]), "kept_step": fit["best_step"],
-                   "heldout_loss": fit["best_score"], "curve": loss_curve(fit["losses"]),
-                   "seconds": time.perf_counter() - t1,
-                   "parameters": sum(p.numel() for p in target.parameters())}
+        summary = {
+            "final_loss": mean_tail(fit["losses"]),
+            "kept_step": fit["best_step"],
+            "heldout_loss": fit["best_score"],
+            "curve": loss_curve(fit["losses"]),
+            "seconds": time.perf_counter() - t1,
+            "parameters": sum(p.numel() for p in target.parameters()),
+        }
         (work / "target.json").write_text(json.dumps(summary, indent=2) + "\n")
         Checkpoint(work, "target").remove()
         del target
@@ -281,8 +318,7 @@ def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path
             chunks.append(greedy_continue(target, prompts, new_tokens))
         sequences = torch.cat(chunks)  # [continuations, seq_len]
         features, greedy = target_views(target, sequences, recipe.target_layer_ids)
-        log(f"continuations: {len(sequences)} x {new_tokens} tokens, "
-            f"{time.perf_counter() - t2:.0f} s")
+        log(f"continuations: {len(sequences)} x {new_tokens} tokens, {time.perf_counter() - t2:.0f} s")
 
         draft = DFlashDraft(DraftConfig.from_hf(draft_raw))
         init_weights(draft, recipe.draft_layers, recipe.seed + 1)
@@ -294,26 +330,39 @@ def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path
         def draft_loss(step: int) -> torch.Tensor:
             rows = torch.randint(0, len(sequences), (recipe.draft_batch,), generator=gen)
             # anchors from the first generated token on (the first block an engine drafts)
-            anchors = torch.randint(recipe.prompt_len, recipe.seq_len - recipe.block_size + 1,
-                                    (recipe.draft_batch, recipe.anchors_per_seq), generator=gen)
+            anchors = torch.randint(
+                recipe.prompt_len,
+                recipe.seq_len - recipe.block_size + 1,
+                (recipe.draft_batch, recipe.anchors_per_seq),
+                generator=gen,
+            )
             lengths = draw_block_lengths(recipe, blocks, gen)
             rows, anchors, lengths = rows.to(device), anchors.to(device), lengths.to(device)
-            logits = block_logits(draft, target, sequences[rows], features[rows], anchors,
-                                  lengths)
+            logits = block_logits(draft, target, sequences[rows], features[rows], anchors, lengths)
             labels = block_labels(greedy[rows], anchors, recipe.block_size)
             return block_loss(logits, labels, lengths, recipe.position_decay)
 
-        fit = optimise(draft, recipe.draft_steps, recipe.draft_lr, draft_loss, log, "draft",
-                       checkpoint=Checkpoint(work, "draft"),
-                       checkpoint_every=recipe.checkpoint_every, generator=gen,
-                       deadline=deadline)
-        write_safetensors(draft_dir, {n: t.to(torch.bfloat16).cpu()
-                                      for n, t in draft.state_dict().items()})
+        fit = optimise(
+            draft,
+            recipe.draft_steps,
+            recipe.draft_lr,
+            draft_loss,
+            log,
+            "draft",
+            checkpoint=Checkpoint(work, "draft"),
+            checkpoint_every=recipe.checkpoint_every,
+            generator=gen,
+            deadline=deadline,
+        )
+        write_safetensors(draft_dir, {n: t.to(torch.bfloat16).cpu() for n, t in draft.state_dict().items()})
         (draft_dir / "config.json").write_text(json.dumps(draft_raw, indent=2) + "\n")
-        summary = {"final_loss": mean_tail(fit["losses"]), "curve": loss_curve(fit["losses"]),
-                   "seconds": time.perf_counter() - t3,
-                   "continuation_seconds": t3 - t2,
-                   "parameters": sum(p.numel() for p in draft.parameters())}
+        summary = {
+            "final_loss": mean_tail(fit["losses"]),
+            "curve": loss_curve(fit["losses"]),
+            "seconds": time.perf_counter() - t3,
+            "continuation_seconds": t3 - t2,
+            "parameters": sum(p.numel() for p in draft.parameters()),
+        }
         (work / "draft.json").write_text(json.dumps(summary, indent=2) + "\n")
         Checkpoint(work, "draft").remove()
         del sequences, features, greedy, draft
@@ -330,34 +379,54 @@ def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path
     t4 = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False  # evaluate in true float32
     torch.backends.cudnn.allow_tf32 = False
-    acceptance = evaluate(target, load_draft(draft_dir, target),
-                          [p["prompt_ids"] for p in prompts], recipe.eval_block_sizes,
-                          recipe.eval_max_tokens)
+    acceptance = evaluate(
+        target,
+        load_draft(draft_dir, target),
+        [p["prompt_ids"] for p in prompts],
+        recipe.eval_block_sizes,
+        recipe.eval_max_tokens,
+    )
     for B, row in acceptance.items():
-        log(f"held-out acceptance, B={B}: mean length {row['mean_acceptance_length']:.2f}, "
-            f"{row['mismatched_requests']} of {len(prompts)} requests differ from plain")
+        log(
+            f"held-out acceptance, B={B}: mean length {row['mean_acceptance_length']:.2f}, "
+            f"{row['mismatched_requests']} of {len(prompts)} requests differ from plain"
+        )
 
     results = {
         "recipe": dataclasses.asdict(recipe),
-        "device": (torch.cuda.get_device_name() if device.startswith("cuda")
-                   else f"a CPU ({platform.machine()})"),
+        "device": (
+            torch.cuda.get_device_name() if device.startswith("cuda") else f"a CPU ({platform.machine()})"
+        ),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "corpus": {"lock": lock.name, "lock_sha256": sha256_of(lock),
-                   "wheels": len(read_lock(lock)), "train_files": len(corpus.train),
-                   "heldout_files": len(corpus.heldout), "train_tokens": len(stream),
-                   "heldout_tokens": len(heldout_stream),
-                   "heldout_packages": sorted(w.name for w in read_lock(lock) if w.heldout)},
-        "parameters": {"target": target_summary.pop("parameters"),
-                       "draft_own": draft_summary.pop("parameters")},
+        "corpus": {
+            "lock": lock.name,
+            "lock_sha256": sha256_of(lock),
+            "wheels": len(read_lock(lock)),
+            "train_files": len(corpus.train),
+            "heldout_files": len(corpus.heldout),
+            "train_tokens": len(stream),
+            "heldout_tokens": len(heldout_stream),
+            "heldout_packages": sorted(w.name for w in read_lock(lock) if w.heldout),
+        },
+        "parameters": {
+            "target": target_summary.pop("parameters"),
+            "draft_own": draft_summary.pop("parameters"),
+        },
         "target": target_summary,
         "draft": draft_summary,
         "acceptance": {str(B): row for B, row in acceptance.items()},
-        "eval": {"prompts": len(prompts), "max_tokens": recipe.eval_max_tokens,
-                 "dtype": "float32", "seconds": time.perf_counter() - t4},
-        "seconds": {"target": target_summary["seconds"],
-                    "continuations": draft_summary["continuation_seconds"],
-                    "draft": draft_summary["seconds"]},
+        "eval": {
+            "prompts": len(prompts),
+            "max_tokens": recipe.eval_max_tokens,
+            "dtype": "float32",
+            "seconds": time.perf_counter() - t4,
+        },
+        "seconds": {
+            "target": target_summary["seconds"],
+            "continuations": draft_summary["continuation_seconds"],
+            "draft": draft_summary["seconds"],
+        },
     }
     results["seconds"]["eval"] = results["eval"]["seconds"]
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
@@ -367,35 +436,65 @@ def train(recipe: Recipe, out: Path, device: str, corpus_cache: Path, lock: Path
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python scripts/train_demo_pair.py",
-                                description="Train the demo target + DFlash draft pair.")
-    p.add_argument("--out", type=Path, default=Path("results/demo-pair"),
-                   help=f"output folder (default results/demo-pair; the shipped pair is {DEMO_DIR}); "
-                        "finished stages and checkpoints in it are resumed")
-    p.add_argument("--corpus-cache", type=Path, default=Path("results/corpus"),
-                   help="folder of the locked wheels (fetched when missing; default results/corpus)")
-    p.add_argument("--corpus-lock", type=Path, default=LOCK,
-                   help="the corpus lock (default: the one shipped beside the recipe)")
-    p.add_argument("--fetch-only", action="store_true",
-                   help="download and check the corpus wheels, then stop")
-    p.add_argument("--stop-after", choices=STAGES, default=None,
-                   help="stop once this stage is finished (run again to go on)")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="write a checkpoint and stop (exit 3) once a training loop passes this "
-                        "many minutes; the same command resumes")
-    p.add_argument("--max-files", type=int, default=None,
-                   help="use only the first N train files (default: all)")
+    p = argparse.ArgumentParser(
+        prog="python scripts/train_demo_pair.py", description="Train the demo target + DFlash draft pair."
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/demo-pair"),
+        help=f"output folder (default results/demo-pair; the shipped pair is {DEMO_DIR}); "
+        "finished stages and checkpoints in it are resumed",
+    )
+    p.add_argument(
+        "--corpus-cache",
+        type=Path,
+        default=Path("results/corpus"),
+        help="folder of the locked wheels (fetched when missing; default results/corpus)",
+    )
+    p.add_argument(
+        "--corpus-lock",
+        type=Path,
+        default=LOCK,
+        help="the corpus lock (default: the one shipped beside the recipe)",
+    )
+    p.add_argument(
+        "--fetch-only", action="store_true", help="download and check the corpus wheels, then stop"
+    )
+    p.add_argument(
+        "--stop-after",
+        choices=STAGES,
+        default=None,
+        help="stop once this stage is finished (run again to go on)",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="write a checkpoint and stop (exit 3) once a training loop passes this "
+        "many minutes; the same command resumes",
+    )
+    p.add_argument(
+        "--max-files", type=int, default=None, help="use only the first N train files (default: all)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny settings, seconds on a CPU")
     scalar = {"int": int, "float": float}
     for field in dataclasses.fields(Recipe):
         if field.type in scalar and field.name != "max_files":
-            p.add_argument("--" + field.name.replace("_", "-"), type=scalar[field.type],
-                           default=None, help=f"default {field.default}")
+            p.add_argument(
+                "--" + field.name.replace("_", "-"),
+                type=scalar[field.type],
+                default=None,
+                help=f"default {field.default}",
+            )
     ns = p.parse_args(argv)
     base = Recipe.smoke(ns.seed if ns.seed is not None else 0) if ns.smoke else Recipe()
-    overrides = {f.name: getattr(ns, f.name) for f in dataclasses.fields(Recipe)
-                 if getattr(ns, f.name, None) is not None}
+    overrides = {
+        f.name: getattr(ns, f.name)
+        for f in dataclasses.fields(Recipe)
+        if getattr(ns, f.name, None) is not None
+    }
     try:
         ns.recipe = dataclasses.replace(base, **overrides)
     except ValueError as exc:
@@ -410,8 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             fetch(read_lock(ns.corpus_lock), ns.corpus_cache, log)
             log(f"corpus: {ns.corpus_cache} holds every wheel of {ns.corpus_lock}")
             return 0
-        train(ns.recipe, ns.out, ns.device, ns.corpus_cache, ns.corpus_lock, ns.stop_after,
-              ns.max_minutes)
+        train(ns.recipe, ns.out, ns.device, ns.corpus_cache, ns.corpus_lock, ns.stop_after, ns.max_minutes)
     except Interrupted as exc:
         log(f"{exc}; run the same command again to resume")
         return 3

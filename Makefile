@@ -32,7 +32,7 @@ PROFILE_ARGS ?= --model $(DEMO)/target --draft $(DEMO)/draft --prompts $(DEMO)/h
 	--commit-strategy per_token --block-size 8 --output-len 128
 NSYS ?=
 
-.PHONY: setup test gate gate-gpu lint tiny bench profile
+.PHONY: setup test gate gate-gpu lint format tiny bench profile
 
 setup:
 	PYTHON="$(PYTHON)" TORCH="$(TORCH)" TORCH_INDEX="$(TORCH_INDEX)" DEPS="$(DEPS)" bash scripts/setup.sh
@@ -51,7 +51,12 @@ gate-gpu:
 	$(PYTHON) -m pytest -q -m "gpu or kernels" tests gates $(PYTEST_ARGS)
 
 lint:
-	$(PYTHON) -m ruff check reference_engine harness gates reports scripts tests
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
 
 tiny:
 	$(PYTHON) -m reference_engine.checkpoint make-tiny --arch qwen3 --out tiny/qwen3

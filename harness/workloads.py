@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -211,12 +212,27 @@ def take(prompts: list[Prompt], num: int, seed: int) -> list[Prompt]:
     return [prompts[order[i % len(order)]] for i in range(num)]
 
 
-async def arrivals(count: int, rate: float, burstiness: float, seed: int) -> AsyncIterator[int]:
-    """Yield 0..count-1 at arrival times: all at once when rate is inf; otherwise gaps
-    drawn from a gamma distribution with mean 1/rate and shape `burstiness` (1 = Poisson)."""
+def arrival_times(count: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """When each of `count` requests is due, in seconds from the start: all at 0 when rate is
+    inf; otherwise gaps drawn from a gamma distribution with mean 1/rate and shape
+    `burstiness` (1 = Poisson)."""
+    if not math.isfinite(rate):
+        return [0.0] * count
     rng = random.Random(seed)
+    times, t = [], 0.0
     for i in range(count):
+        times.append(t)
+        if i + 1 < count:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return times
+
+
+async def arrivals(count: int, rate: float, burstiness: float, seed: int) -> AsyncIterator[int]:
+    """Yield 0..count-1 at their `arrival_times`. Each waits for its own due time on the
+    clock, so a late wake-up (a busy machine) does not push every later arrival back."""
+    start = time.perf_counter()
+    for i, due in enumerate(arrival_times(count, rate, burstiness, seed)):
+        wait = start + due - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
         yield i
-        if math.isfinite(rate) and i + 1 < count:
-            gap = rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-            await asyncio.sleep(gap)

@@ -124,15 +124,41 @@ def test_the_same_seed_sends_the_same_prompts_in_the_same_order() -> None:
     assert synthetic(5, 8, seed=3) != synthetic(5, 8, seed=4)
 
 
-def test_poisson_arrivals_are_spread_at_the_requested_rate() -> None:
-    from harness.workloads import arrivals
+def test_poisson_arrival_times_have_the_requested_rate_and_shape() -> None:
+    from harness.workloads import arrival_times
+
+    times = arrival_times(20_000, 200.0, 1.0, seed=1)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and all(g >= 0 for g in gaps)
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert abs(mean - 0.005) < 0.0002 and abs(cv - 1.0) < 0.05  # exponential gaps
+    bursty = arrival_times(20_000, 200.0, 0.25, seed=1)
+    gaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert abs(mean - 0.005) < 0.0005  # same rate, burstier (gamma shape 0.25: cv 2)
+    assert (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean > 1.7
+    assert arrival_times(5, float("inf"), 1.0, seed=1) == [0.0] * 5
+    assert arrival_times(50, 200.0, 1.0, seed=3) == arrival_times(50, 200.0, 1.0, seed=3)
+
+
+def test_arrivals_come_when_due_and_a_late_one_does_not_delay_the_rest() -> None:
+    """Each arrival waits for its own due time: never early, and lateness does not add up
+    (a machine that wakes a sleeper late delays that arrival only)."""
+    from harness.workloads import arrival_times, arrivals
+
+    due = arrival_times(40, 200.0, 1.0, seed=1)
 
     async def times() -> list[float]:
         start, out = time.perf_counter(), []
-        async for _ in arrivals(40, 200.0, 1.0, seed=1):
+        async for i in arrivals(40, 200.0, 1.0, seed=1):
             out.append(time.perf_counter() - start)
+            if i == 5:
+                time.sleep(0.3)  # the loop is held up well past the next arrivals' times
         return out
 
     t = asyncio.run(times())
-    # 39 gaps with mean 5 ms: the last arrival lands near 0.2 s, far from "all at once"
-    assert 0.08 < t[-1] < 0.6
+    assert all(got >= want - 1e-6 for got, want in zip(t, due))
+    # after the hold-up the schedule catches up: the last arrival is late by scheduling noise
+    # only, not by the 0.3 s hold-up on top of it
+    assert t[-1] - due[-1] < 0.25, (t[-1], due[-1])

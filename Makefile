@@ -20,7 +20,7 @@ BENCH_ACCEPTANCE ?=
 BENCH_DEVICE ?= $(shell $(PYTHON) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 # CPU threads per operator of each server: on the CPU 1, since the harness's client shares the
 # cores and operators whose threads wait on each other for a busy core run several times
-# slower (README, "make bench on the CPU"); empty: torch's default
+# slower (docs/harness.md, "make bench on the CPU and on the H200"); empty: torch's default
 BENCH_THREADS ?= $(if $(filter cpu,$(BENCH_DEVICE)),1,)
 
 # make profile: where each step's time goes, plain vs DFlash, under Nsight Systems

@@ -4,7 +4,7 @@ Parsing never trusts the body: every field is type-checked here and a bad one ra
 `ProtocolError` naming the field, which the server turns into HTTP 400 with an
 OpenAI-style error body. Unknown fields are ignored, as OpenAI clients send extras.
 
-Extensions, documented in the README:
+Extensions, documented in docs/engine.md (section Serve):
 - `token_ids` in every choice and stream chunk: the generated token ids (vLLM's
   `return_token_ids` output, always on), so clients compare tokens, not text; and
   `prompt_token_ids` in a non-streaming completion's choice;

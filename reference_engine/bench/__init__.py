@@ -35,7 +35,7 @@ scripts/profile.sh does). A no-op on a CPU.
 With --oracle-acceptance X the draft still runs, but its proposals are replaced by the
 plain run's outputs and each step accepts a scheduled count, mean acceptance length X
 (forced: random bfloat16 weights do not reproduce a plain continuation under the verify
-kernels, see runtime/one_request.OracleProposer; random weights are otherwise accepted about never).
+kernels, see runtime/oracle.OracleProposer; random weights are otherwise accepted about never).
 The output of forced runs is not lossless; the gates check losslessness, this measures
 cost.
 """

@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
+from reference_engine.models.layers import RMSNorm, RotaryEmbedding
 from reference_engine.runtime.decode import decode_step, new_state
 from reference_engine.runtime.sampling import greedy
 
@@ -48,6 +50,7 @@ class Shape:
     layers: int
     seed: int
     tie_word_embeddings: bool
+    options: tuple[tuple[str, Any], ...] = ()  # more make_tiny_target options
 
     @property
     def feed_greedy(self) -> bool:
@@ -57,7 +60,18 @@ class Shape:
     @property
     def id(self) -> str:
         tie = "tied" if self.tie_word_embeddings else "untied"
-        return f"{self.arch}-h{self.hidden}-l{self.layers}-s{self.seed}-{tie}"
+        more = "".join(f"-{k}-{v}" for k, v in self.options)
+        return f"{self.arch}-h{self.hidden}-l{self.layers}-s{self.seed}-{tie}{more}"
+
+    def checkpoint(self, tiny_checkpoint: Callable[..., Path]) -> Path:
+        return tiny_checkpoint(
+            self.arch,
+            seed=self.seed,
+            layers=self.layers,
+            hidden=self.hidden,
+            tie_word_embeddings=self.tie_word_embeddings,
+            **dict(self.options),
+        )
 
 
 SHAPES = [
@@ -66,6 +80,10 @@ SHAPES = [
     Shape("qwen3_5", hidden=64, layers=4, seed=0, tie_word_embeddings=False),
     Shape("qwen3_5", hidden=96, layers=5, seed=2, tie_word_embeddings=True),
     Shape("qwen3_5", hidden=128, layers=3, seed=3, tie_word_embeddings=False),
+    # llama3 RoPE scaling with frequencies in all three bands (head_dim 16 and 32)
+    Shape("llama", hidden=64, layers=3, seed=0, tie_word_embeddings=False),
+    Shape("llama", hidden=96, layers=2, seed=4, tie_word_embeddings=True),
+    Shape("llama", hidden=64, layers=2, seed=5, tie_word_embeddings=False, options=(("bias", True),)),
 ]
 DTYPES = [torch.float64, torch.float32]
 
@@ -73,6 +91,8 @@ DTYPES = [torch.float64, torch.float32]
 def hf_class(arch: str) -> type:
     if arch == "qwen3":
         return transformers.Qwen3ForCausalLM
+    if arch == "llama":
+        return transformers.LlamaForCausalLM
     try:
         from transformers import Qwen3_5ForCausalLM
     except ImportError:
@@ -106,7 +126,10 @@ def run_both(
     path: Path, shape: Shape, dtype: torch.dtype, plant: Callable[[torch.nn.Module], None] | None = None
 ) -> Trace:
     """`plant` breaks one layer of our model first (the planted-fault tests)."""
-    hf = hf_class(shape.arch).from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    # transformers' default experts backend (grouped_mm) takes no float64 on the CPU
+    hf = hf_class(shape.arch).from_pretrained(
+        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )
     hf.eval()
     ours = load_target(path, dtype=dtype)
     if plant is not None:
@@ -153,14 +176,7 @@ def run_both(
 )
 def case(request: pytest.FixtureRequest, tiny_checkpoint: Callable[..., Path]) -> tuple[Trace, torch.dtype]:
     shape, dtype = request.param
-    path = tiny_checkpoint(
-        shape.arch,
-        seed=shape.seed,
-        layers=shape.layers,
-        hidden=shape.hidden,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
-    return run_both(path, shape, dtype), dtype
+    return run_both(shape.checkpoint(tiny_checkpoint), shape, dtype), dtype
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
@@ -229,10 +245,26 @@ def norm_with_offset(model: torch.nn.Module) -> None:
     model.model.layers[1].input_layernorm.weight.add_(1.0)
 
 
+def skip_llama3_scaling(model: torch.nn.Module) -> None:
+    """Llama RoPE with the plain theta frequencies, the llama3 scaling forgotten."""
+    rotary = model.rotary
+    rotary.inv_freq = RotaryEmbedding(rotary.rotary_dim, model.config.rope_theta).inv_freq
+
+
+def keys_normed_per_head(model: torch.nn.Module) -> None:
+    """Llama attention given Qwen3's per-head key norm (unit weight: only the norm acts)."""
+    attn = model.model.layers[0].self_attn
+    attn.qk_norm = True
+    attn.q_norm = RMSNorm(attn.head_dim, model.config.rms_norm_eps).double()
+    attn.k_norm = RMSNorm(attn.head_dim, model.config.rms_norm_eps).double()
+
+
 PLANTED = [
     ("qwen3", norm_with_offset),
     ("qwen3_5", swap_query_and_gate),
     ("qwen3_5", ignore_the_gdn_gate),
+    ("llama", skip_llama3_scaling),
+    ("llama", keys_normed_per_head),
 ]
 
 
@@ -241,13 +273,10 @@ def test_parity_gate_fails_on_a_deliberately_broken_layer(
     arch: str, plant: Callable[[torch.nn.Module], None], tiny_checkpoint: Callable[..., Path]
 ) -> None:
     shape = next(s for s in SHAPES if s.arch == arch)
-    path = tiny_checkpoint(
-        arch,
-        seed=shape.seed,
-        layers=shape.layers,
-        hidden=shape.hidden,
-        tie_word_embeddings=shape.tie_word_embeddings,
+    trace = run_both(shape.checkpoint(tiny_checkpoint), shape, torch.float64, plant)
+    # over prefill and decode: some faults (RoPE frequencies) grow with the position
+    err = max(
+        relative_error(trace.ours_prefill, trace.hf_prefill),
+        relative_error(trace.ours_decode, trace.hf_decode),
     )
-    trace = run_both(path, shape, torch.float64, plant)
-    err = relative_error(trace.ours_prefill, trace.hf_prefill)
     assert err > 100 * REL_TOL[torch.float64], f"{plant.__name__} went unnoticed ({err:.3g})"

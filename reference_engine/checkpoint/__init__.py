@@ -2,8 +2,8 @@
 benchmarks: synthetic.py; the `make-tiny` command: __main__.py).
 
 Layouts read:
-- `config.json` with `model_type` qwen3, qwen3_5 (multimodal wrapper, `text_config` nested,
-  tensors under `model.language_model.`, `mtp.*` and `model.visual.*` ignored) or
+- `config.json` with `model_type` qwen3, llama, qwen3_5 (multimodal wrapper, `text_config`
+  nested, tensors under `model.language_model.`, `mtp.*` and `model.visual.*` ignored) or
   qwen3_5_text (text-only, tensors under `model.`);
 - `model.safetensors`, or shards listed in `model.safetensors.index.json`;
 - tied (`tie_word_embeddings`, no `lm_head.weight` needed) or untied embeddings.
@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from ..config import DraftConfig, TargetConfig
 from ..errors import CheckpointError, ConfigError
 from ..models import CausalLM, build_target, expected_shapes
+from ..models.base import target_rotary
 from ..models.dflash import DFlashDraft, draft_expected_shapes
 from ..models.layers import RotaryEmbedding
 
@@ -152,7 +153,8 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> CausalLM:
-    """Load a Qwen3 / Qwen3.5 target from a Hugging Face model directory."""
+    """Load a target (any model_type of config.SUPPORTED_TARGET_TYPES) from a Hugging Face
+    model directory."""
     config = TargetConfig.from_hf(read_config(path))
     expected = expected_shapes(config)
     tensors = read_tensors(path, expected, dtype, device, ignorable=("lm_head.weight",))
@@ -168,7 +170,7 @@ def assemble_target(
     return _assemble(
         lambda: build_target(config),
         tensors,
-        RotaryEmbedding(config.rotary_dim, config.rope_theta).to(device),
+        target_rotary(config).to(device),
     )
 
 

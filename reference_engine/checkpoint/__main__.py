@@ -1,8 +1,8 @@
 """`python -m reference_engine.checkpoint make-tiny`: write a tiny random checkpoint.
 
-python -m reference_engine.checkpoint make-tiny --arch {qwen3,qwen3_5} --out DIR
+python -m reference_engine.checkpoint make-tiny --arch {qwen3,qwen3_5,llama} --out DIR
     [--seed N] [--layers N] [--hidden N] [--vocab N] [--multimodal-wrapper]
-    [--tie-word-embeddings] [--shards N] [--dtype float32|bfloat16]
+    [--tie-word-embeddings] [--bias] [--shards N] [--dtype float32|bfloat16]
 python -m reference_engine.checkpoint make-tiny --arch dflash --target DIR --out DIR
     [--block-size N] [--layers N] [--seed N]
 """
@@ -14,14 +14,14 @@ import sys
 
 from ..errors import ReferenceEngineError, exit_with
 from . import parse_dtype
-from .synthetic import make_tiny_draft, make_tiny_target
+from .synthetic import TINY_ARCHS, make_tiny_draft, make_tiny_target
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m reference_engine.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
-    tiny.add_argument("--arch", required=True, choices=["qwen3", "qwen3_5", "dflash"])
+    tiny.add_argument("--arch", required=True, choices=[*TINY_ARCHS, "dflash"])
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--target", help="dflash only: the target model directory to match")
     tiny.add_argument("--block-size", type=int, default=8, help="dflash only")
@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         "--multimodal-wrapper", action="store_true", help="Qwen3.5 only: write the multimodal wrapper layout"
     )
     tiny.add_argument("--tie-word-embeddings", action="store_true")
+    tiny.add_argument("--bias", action="store_true", help="attention_bias (and, for llama, mlp_bias) true")
     tiny.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
     tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     return parser
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab=args.vocab,
             tie_word_embeddings=args.tie_word_embeddings,
             multimodal_wrapper=args.multimodal_wrapper,
+            bias=args.bias,
             shards=args.shards,
             dtype=parse_dtype(args.dtype),
         )

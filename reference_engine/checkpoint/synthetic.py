@@ -42,7 +42,7 @@ def random_weights(
             out[name] = 1.0 + normal(shape, 0.1)
         elif name.endswith("conv1d.weight"):
             out[name] = normal(shape, 0.5)
-        elif len(shape) == 1:  # norm weights
+        elif len(shape) == 1 and leaf == "weight":  # norm weights
             offset_norm = norm_offset and not name.endswith("linear_attn.norm.weight")
             out[name] = normal(shape, 0.1) + (0.0 if offset_norm else 1.0)
         elif name.endswith("embed_tokens.weight"):
@@ -55,6 +55,9 @@ def random_weights(
             out[name] = normal(shape, 0.1)
         out[name] = out[name].to(dtype)
     return out
+
+
+TINY_ARCHS = ("qwen3", "qwen3_5", "llama")
 
 
 def tiny_target_config(
@@ -114,7 +117,31 @@ def tiny_target_config(
             },
             "torch_dtype": "float32",
         }
-    raise ConfigError(f"unknown --arch '{arch}', expected qwen3 or qwen3_5")
+    if arch == "llama":
+        # Llama 3.1's RoPE scaling factors, with original_max_position_embeddings 256 (8192
+        # in Llama 3.1) so that at the positions of a test (about 100) the scaling changes
+        # the logits: head_dim 16 puts 2 frequencies in the kept band, 1 interpolated, 5
+        # divided by the factor
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **common,
+            "num_attention_heads": hidden // 16,
+            "num_key_value_heads": max(1, hidden // 32),
+            "head_dim": 16,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+    raise ConfigError(f"unknown --arch '{arch}', expected one of {', '.join(TINY_ARCHS)}")
 
 
 def wrap_multimodal(text_config: dict[str, Any]) -> dict[str, Any]:
@@ -140,11 +167,13 @@ def make_tiny_target(
     shards: int = 1,
     dtype: torch.dtype = torch.float32,
     with_tokenizer: bool = True,
+    bias: bool = False,
 ) -> Path:
     """Write a tiny random target with a tiny tokenizer, in the real on-disk format.
 
     `with_tokenizer=False` allows vocabularies too small for a byte-level BPE (statistical
-    tests want a handful of tokens); token-id prompts still work."""
+    tests want a handful of tokens); token-id prompts still work. `bias`: attention_bias
+    (and, for llama, mlp_bias) true."""
     out = Path(out)
     if multimodal_wrapper and arch != "qwen3_5":
         raise ConfigError("--multimodal-wrapper applies to --arch qwen3_5 only")
@@ -153,6 +182,10 @@ def make_tiny_target(
     tokenizer = build_tiny_tokenizer(vocab) if with_tokenizer else None
     eos_id = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else vocab - 2
     raw = tiny_target_config(arch, layers, hidden, vocab, tie_word_embeddings, eos_id)
+    if bias:
+        raw["attention_bias"] = True
+        if arch == "llama":
+            raw["mlp_bias"] = True
     config = TargetConfig.from_hf(raw)
     tensors = random_weights(expected_shapes(config), seed, config.norm_offset)
     if multimodal_wrapper:

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ..config import QWEN3, TargetConfig
+from ..config import LLAMA, QWEN3, QWEN3_5, TargetConfig
 from .base import CausalLM, ForwardOutput
 from .layers import fuse_projections
+from .llama import build_llama
 from .qwen3 import build_qwen3
 from .qwen3_5 import build_qwen3_5
 
 __all__ = ["CausalLM", "ForwardOutput", "build_target", "expected_shapes", "fuse_projections"]
 
+BUILDERS: dict[str, Callable[[TargetConfig], CausalLM]] = {
+    QWEN3: build_qwen3,
+    QWEN3_5: build_qwen3_5,
+    LLAMA: build_llama,
+}
+
 
 def build_target(config: TargetConfig) -> CausalLM:
-    return build_qwen3(config) if config.family == QWEN3 else build_qwen3_5(config)
+    if config.family not in BUILDERS:
+        raise NotImplementedError(f"no model is built for family '{config.family}' yet")
+    return BUILDERS[config.family](config)
 
 
 def expected_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""The decoder-only skeleton both target families share: embed, layers, final norm, lm_head,
+"""The decoder-only skeleton every target family shares: embed, layers, final norm, lm_head,
 with optional capture of chosen layers' outputs (the DFlash context features)."""
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ class ForwardOutput:
     features: torch.Tensor | None  # [batch, T, len(capture_layers) * hidden] or None
 
 
+def target_rotary(config: TargetConfig) -> RotaryEmbedding:
+    """The target's RoPE (frequencies only: a buffer, not in checkpoints)."""
+    return RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
+
+
 class Backbone(nn.Module):
     """Holds the parameters under the checkpoint's `model.` names."""
 
@@ -36,7 +41,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, layers)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.rotary = target_rotary(config)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -8,10 +8,14 @@ state in float32; float32 and float64 models stay in their own dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from ..config import Llama3RopeScaling
 from ..kernels import TORCH, Kernels
+from ..kernels.reference import rotate
 
 
 class RMSNorm(nn.Module):
@@ -106,11 +110,13 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """SwiGLU: down(silu(gate(x)) * up(x)); `bias` on all three (Llama's mlp_bias)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.fused: FusedLinears | None = None
 
     def fuse(self) -> None:
@@ -119,20 +125,38 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
         gate, up = run_linears([self.gate_proj, self.up_proj], self.fused, x, ops)
-        return ops.linear(ops.silu_mul(gate, up), self.down_proj.weight)
+        return ops.linear(ops.silu_mul(gate, up), self.down_proj.weight, self.down_proj.bias)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.x RoPE frequencies: those of long wavelength (past original / low_freq_factor)
+    divided by `factor`, those of short wavelength (under original / high_freq_factor) kept,
+    the band between interpolated smoothly. The float32 operations of transformers'
+    `_compute_llama3_parameters`, in its order, so the frequencies are its bits."""
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE over the first `rotary_dim` dims of each head (rotate-half layout).
 
     Angles are computed in float32 whatever the model dtype, as the published checkpoints
-    were trained and as other engines compute them.
+    were trained and as other engines compute them. `scaling`: Llama 3.x frequencies.
     """
 
-    def __init__(self, rotary_dim: int, theta: float) -> None:
+    def __init__(self, rotary_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+        inv_freq = 1.0 / (theta**exponents)
+        if scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rotary_dim = rotary_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -143,7 +167,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Causal GQA attention with q_norm/k_norm and RoPE over a position-indexed cache.
+    """Causal GQA attention with q_norm/k_norm (unless `qk_norm` is False: Llama) and RoPE
+    over a position-indexed cache.
 
     `gated` is the Qwen3.5 variant: q_proj emits query and gate interleaved per head
     ([heads, 2 * head_dim], query first), and the output is multiplied by sigmoid(gate).
@@ -161,6 +186,7 @@ class SelfAttention(nn.Module):
         bias: bool = False,
         sliding_window: int | None = None,
         causal: bool = True,
+        qk_norm: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -172,8 +198,10 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = RMSNorm(head_dim, eps, offset=norm_offset)
-        self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps, offset=norm_offset)
+            self.k_norm = RMSNorm(head_dim, eps, offset=norm_offset)
         self.fused: FusedLinears | None = None
 
     def fuse(self) -> None:
@@ -196,21 +224,24 @@ class SelfAttention(nn.Module):
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(batch, T, -1)
         k_cache, v_cache = ctx.state.k_cache[layer], ctx.state.v_cache[layer]
-        q = ops.attention_inputs(
-            q,
-            self._heads(k),
-            self._heads(v),
-            self.q_norm.weight,
-            self.k_norm.weight,
-            self.k_norm.eps,
-            self.k_norm.offset,
-            ctx.cos,
-            ctx.sin,
-            k_cache,
-            v_cache,
-            ctx.slots,
-            ctx.positions,
-        )
+        if not self.qk_norm:
+            q = rotate_into_cache(q, self._heads(k), self._heads(v), ctx, k_cache, v_cache)
+        else:
+            q = ops.attention_inputs(
+                q,
+                self._heads(k),
+                self._heads(v),
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.k_norm.eps,
+                self.k_norm.offset,
+                ctx.cos,
+                ctx.sin,
+                k_cache,
+                v_cache,
+                ctx.slots,
+                ctx.positions,
+            )
         out = ops.attention(
             q,
             k_cache,
@@ -231,6 +262,10 @@ class SelfAttention(nn.Module):
         """Write this layer's keys and values for x at ctx.positions, attending to nothing
         (the DFlash draft's context rows, computed from target features)."""
         k, v = run_linears([self.q_proj, self.k_proj, self.v_proj], self.fused, x, ctx.ops, first=1)
+        k_cache, v_cache = ctx.state.k_cache[layer], ctx.state.v_cache[layer]
+        if not self.qk_norm:
+            rotate_into_cache(None, self._heads(k), self._heads(v), ctx, k_cache, v_cache)
+            return
         ctx.ops.attention_inputs(
             None,
             self._heads(k),
@@ -241,11 +276,29 @@ class SelfAttention(nn.Module):
             self.k_norm.offset,
             ctx.cos,
             ctx.sin,
-            ctx.state.k_cache[layer],
-            ctx.state.v_cache[layer],
+            k_cache,
+            v_cache,
             ctx.slots,
             ctx.positions,
         )
+
+
+def rotate_into_cache(
+    q: torch.Tensor | None,  # [batch, T, heads, head_dim] or None (keys and values only)
+    k: torch.Tensor,  # [batch, T, kv_heads, head_dim]
+    v: torch.Tensor,  # [batch, T, kv_heads, head_dim]
+    ctx: ForwardContext,
+    k_cache: torch.Tensor,  # [slots, max_len, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+) -> torch.Tensor | None:
+    """The kernels' `attention_inputs` for attention without per-head norms (Llama): keys
+    rotated and written with the values at their positions, the rotated queries returned.
+    Elementwise products and sums in the model dtype (the reference's `rotate`), so a row's
+    bits depend on that row alone."""
+    rows = ctx.slots[:, None]
+    k_cache[rows, ctx.positions] = rotate(k, ctx.cos, ctx.sin)
+    v_cache[rows, ctx.positions] = v
+    return None if q is None else rotate(q, ctx.cos, ctx.sin)
 
 
 class ForwardContext:

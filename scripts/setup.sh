@@ -28,20 +28,24 @@ case "$DEPS" in
   range|newest|tested) ;;
   *) echo "error: DEPS=$DEPS: expected range, newest or tested" >&2; exit 2 ;;
 esac
+# torch alone from its index, then its dependencies and the rest from the default index only
+# (pip asks an extra index about every package, and retries each time where it is unreachable)
 if [ "$DEPS" = tested ]; then
-  # the lock names torch too: take it from there, with its index
-  pip install "${index[@]}" -c "$LOCK" -e ".[dev]"
-else
-  pip install "${index[@]}" "$TORCH"
-  extra=()
-  if [ "$DEPS" = newest ]; then
+  TORCH=$(grep -m1 '^torch==' "$LOCK")
+fi
+pip install --retries 2 --no-deps "${index[@]}" "$TORCH"
+pip install "$TORCH"
+extra=()
+case "$DEPS" in
+  tested) extra=(-c "$LOCK") ;;
+  newest)
     held=$(mktemp)
     trap 'rm -f "$held"' EXIT
     "$PYTHON" -c "import torch; print('torch==' + torch.__version__)" >"$held"
     extra=(--upgrade --upgrade-strategy eager -c "$held")
-  fi
-  pip install "${index[@]}" "${extra[@]}" -e ".[dev]"
-fi
+    ;;
+esac
+pip install "${extra[@]}" -e ".[dev]"
 pip install --no-deps dflash==0.1.0
 "$PYTHON" - <<'PY'
 from importlib.metadata import PackageNotFoundError, version

@@ -21,7 +21,7 @@ from reference_engine.runtime.request import SamplingParams
 
 TinyPair = Callable[..., tuple[Path, Path]]
 BLOCK_SIZE = 8
-FAMILIES = ["llama"]
+FAMILIES = ["llama", "qwen3_moe"]
 PROMPTS = [
     [17, 301, 5, 88, 260, 42, 7, 199, 33, 410, 2, 95, 61],
     [400, 3, 77, 120, 9],

@@ -43,6 +43,15 @@ DECODE_STEPS = 72
 REL_TOL = {torch.float64: 1e-4, torch.float32: 1e-4}
 
 
+MOE_VARIANT = (
+    ("num_experts", 12),
+    ("num_experts_per_tok", 3),
+    ("norm_topk_prob", False),
+    ("decoder_sparse_step", 2),
+    ("mlp_only_layers", (3,)),
+)
+
+
 @dataclass(frozen=True)
 class Shape:
     arch: str
@@ -60,7 +69,7 @@ class Shape:
     @property
     def id(self) -> str:
         tie = "tied" if self.tie_word_embeddings else "untied"
-        more = "".join(f"-{k}-{v}" for k, v in self.options)
+        more = "".join(f"-{k}" if k == "config_overrides" else f"-{k}-{v}" for k, v in self.options)
         return f"{self.arch}-h{self.hidden}-l{self.layers}-s{self.seed}-{tie}{more}"
 
     def checkpoint(self, tiny_checkpoint: Callable[..., Path]) -> Path:
@@ -84,6 +93,21 @@ SHAPES = [
     Shape("llama", hidden=64, layers=3, seed=0, tie_word_embeddings=False),
     Shape("llama", hidden=96, layers=2, seed=4, tie_word_embeddings=True),
     Shape("llama", hidden=64, layers=2, seed=5, tie_word_embeddings=False, options=(("bias", True),)),
+    # 8 experts, top-2, renormalised, the last layer dense; per-expert tensors
+    Shape("qwen3_moe", hidden=64, layers=4, seed=0, tie_word_embeddings=False),
+    # 12 experts (ids 10 and 11 sort before 2 as text), top-3 not renormalised, layers 1
+    # and 3 MoE by decoder_sparse_step 2 but 3 dense by mlp_only_layers; fused tensors
+    Shape(
+        "qwen3_moe",
+        hidden=64,
+        layers=4,
+        seed=1,
+        tie_word_embeddings=True,
+        options=(
+            ("expert_layout", "fused"),
+            ("config_overrides", MOE_VARIANT),
+        ),
+    ),
 ]
 DTYPES = [torch.float64, torch.float32]
 
@@ -93,6 +117,8 @@ def hf_class(arch: str) -> type:
         return transformers.Qwen3ForCausalLM
     if arch == "llama":
         return transformers.LlamaForCausalLM
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM
     try:
         from transformers import Qwen3_5ForCausalLM
     except ImportError:
@@ -259,12 +285,48 @@ def keys_normed_per_head(model: torch.nn.Module) -> None:
     attn.k_norm = RMSNorm(attn.head_dim, model.config.rms_norm_eps).double()
 
 
+def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [model.model.layers[i].mlp for i in model.config.moe_layers]
+
+
+def routing_without_renormalisation(model: torch.nn.Module) -> None:
+    """norm_topk_prob ignored: the top-k softmax weights used as they are."""
+    for block in moe_layers(model):
+        block.gate.renormalise = False
+
+
+class SwappedWeights(torch.nn.Module):
+    """Experts whose outputs are summed with each other's routing weights."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = experts
+
+    def forward(self, x, weights, experts, ops=None) -> torch.Tensor:
+        return self.inner(x, weights.flip(-1), experts)
+
+
+def experts_summed_with_swapped_weights(model: torch.nn.Module) -> None:
+    block = moe_layers(model)[0]
+    block.experts = SwappedWeights(block.experts)
+
+
+def gate_and_up_rows_swapped(model: torch.nn.Module) -> None:
+    """The fused gate_up_proj read as [up | gate] instead of [gate | up]."""
+    experts = moe_layers(model)[0].experts
+    w = experts.gate_up_proj
+    experts.gate_up_proj.copy_(w.view(w.shape[0], 2, -1, w.shape[-1]).flip(1).reshape_as(w))
+
+
 PLANTED = [
     ("qwen3", norm_with_offset),
     ("qwen3_5", swap_query_and_gate),
     ("qwen3_5", ignore_the_gdn_gate),
     ("llama", skip_llama3_scaling),
     ("llama", keys_normed_per_head),
+    ("qwen3_moe", routing_without_renormalisation),
+    ("qwen3_moe", experts_summed_with_swapped_weights),
+    ("qwen3_moe", gate_and_up_rows_swapped),
 ]
 
 
@@ -280,3 +342,37 @@ def test_parity_gate_fails_on_a_deliberately_broken_layer(
         relative_error(trace.ours_decode, trace.hf_decode),
     )
     assert err > 100 * REL_TOL[torch.float64], f"{plant.__name__} went unnoticed ({err:.3g})"
+
+
+# ------------------------------------------------------------------ expert layouts
+MOE_ARCHS = ["qwen3_moe"]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@torch.inference_mode()
+def test_both_expert_layouts_load_to_the_same_model_here_and_in_transformers(
+    arch: str, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    paths = {layout: tiny_checkpoint(arch, expert_layout=layout) for layout in ("per_expert", "fused")}
+    ours = {layout: load_target(path, dtype=torch.float64) for layout, path in paths.items()}
+    hf = {
+        layout: hf_class(arch).from_pretrained(
+            path, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+        )
+        for layout, path in paths.items()
+    }
+    fused, split = ours["fused"].state_dict(), ours["per_expert"].state_dict()
+    assert fused.keys() == split.keys() and all(torch.equal(fused[n], split[n]) for n in fused)
+    hf_fused, hf_split = hf["fused"].state_dict(), hf["per_expert"].state_dict()
+    assert all(torch.equal(hf_fused[n], hf_split[n]) for n in hf_fused)
+    # transformers holds the experts as we do, under the same names
+    assert all(torch.equal(hf_fused[n], fused[n]) for n in fused if ".mlp." in n)
+    prompt = torch.arange(3, 3 + PROMPT_LEN)[None]
+    logits = {}
+    for layout, model in ours.items():
+        state = new_state(model, PROMPT_LEN)
+        logits[layout] = model(
+            prompt, torch.arange(PROMPT_LEN)[None], torch.tensor([0]), state, PROMPT_LEN
+        ).logits
+    assert torch.equal(logits["fused"], logits["per_expert"])
+    assert torch.equal(hf["fused"](input_ids=prompt).logits, hf["per_expert"](input_ids=prompt).logits)

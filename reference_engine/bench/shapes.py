@@ -2,9 +2,11 @@
 real checkpoints: `random_pair("qwen3-8b", "cuda", torch.bfloat16)`.
 
 The sizes follow the published configs of the named models (Qwen3-8B; Qwen3.5-4B's text
-model) and a 5-layer block-16 DFlash draft shaped like z-lab's. Weights are random: a
+model; Llama-3.1-8B-Instruct; Qwen3-30B-A3B) and a 5-layer block-16 DFlash draft shaped like
+z-lab's (for the MoE targets, like z-lab's Qwen3.5-35B-A3B draft: 32 query and 4 key/value
+heads of 128, SwiGLU width 6144). Weights are random: a
 random draft is accepted about never, so benchmarks pair these with the oracle proposer
-at a chosen acceptance length (forced: see runtime/one_request.OracleProposer). Speed depends on shapes,
+at a chosen acceptance length (forced: see runtime/oracle.OracleProposer). Speed depends on shapes,
 not on weight values.
 """
 
@@ -58,6 +60,49 @@ TARGET_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "eos_token_id": 248044,
     },
+    "llama3.1-8b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "eos_token_id": [128001, 128008, 128009],
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,  # no dense layer uses it
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "eos_token_id": 151645,
+    },
     # small stand-ins with the same structure, for CPU smoke runs and tests
     "qwen3-small": {
         "model_type": "qwen3",
@@ -99,6 +144,8 @@ TARGET_SHAPES: dict[str, dict[str, Any]] = {
 DRAFT_HEADS = {
     "qwen3-8b": (32, 8, 128, 12288),
     "qwen3.5-4b": (32, 8, 128, 9216),
+    "llama3.1-8b": (32, 8, 128, 14336),
+    "qwen3-30b-a3b": (32, 4, 128, 6144),
     "qwen3-small": (4, 2, 64, 512),
     "qwen3.5-small": (4, 2, 64, 512),
 }

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,98 @@ def _canonical_name(name: str, strip_model_prefix: bool = False) -> str | None:
     return name
 
 
+# a per-expert MoE tensor; the model holds experts fused: gate_up_proj [E, 2I, H] (the gate
+# rows of every expert, then their up rows) and down_proj [E, H, I], experts by id
+PER_EXPERT = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<id>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
+FUSED_EXPERTS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one expected tensor is read from: one checkpoint tensor (`join` "one"), or the
+    per-expert tensors of the fused layout, stacked by expert id (`join` "down": down_proj)
+    and for gate_up_proj also concatenated, gates first (`join` "gate_up")."""
+
+    parts: tuple[tuple[str, tuple[int, ...]], ...]  # (checkpoint name, expected shape)
+    join: str = "one"
+
+
+def _fused_experts_of(canonical: str) -> str | None:
+    """`model.layers.N.mlp.experts` for that layer's fused expert tensors, else None."""
+    head, _, leaf = canonical.rpartition(".")
+    return head if head.endswith(".mlp.experts") and leaf in FUSED_EXPERTS else None
+
+
+def _per_expert_source(prefix: str, canonical: str, shape: tuple[int, ...]) -> Source:
+    """The per-expert tensors (named under the checkpoint's `prefix`) that make up the
+    fused tensor `canonical` of `shape`."""
+    num_experts, rows, cols = shape
+    if canonical.endswith(".gate_up_proj"):
+        half = (rows // 2, cols)
+        parts = [
+            (f"{prefix}.{e}.{proj}_proj.weight", half) for proj in ("gate", "up") for e in range(num_experts)
+        ]
+        return Source(tuple(parts), "gate_up")
+    return Source(tuple((f"{prefix}.{e}.down_proj.weight", (rows, cols)) for e in range(num_experts)), "down")
+
+
+def _sources(
+    path: str | Path,
+    names: list[str],
+    expected: dict[str, tuple[int, ...]],
+    ignorable: tuple[str, ...],
+    strip_model_prefix: bool,
+) -> dict[str, Source]:
+    """Where each expected tensor comes from, with missing and unexpected names refused."""
+    by_canonical: dict[str, str] = {}
+    per_expert: dict[str, str] = {}  # fused experts (canonical) -> the checkpoint's prefix
+    per_expert_names: list[str] = []
+    unexpected = []
+    for name in names:
+        canonical = _canonical_name(name, strip_model_prefix)
+        if canonical is None or (canonical in ignorable and canonical not in expected):
+            continue
+        match = PER_EXPERT.fullmatch(canonical)
+        if match and f"{match['experts']}.down_proj" in expected:
+            per_expert[match["experts"]] = name[: name.rindex(f".{match['id']}.{match['proj']}_proj.weight")]
+            per_expert_names.append(name)
+            continue
+        if canonical not in expected:
+            unexpected.append(name)
+        by_canonical[canonical] = name
+    present = set(names)
+    sources: dict[str, Source] = {}
+    missing = []
+    for canonical, shape in expected.items():
+        experts = _fused_experts_of(canonical)
+        if canonical in by_canonical:
+            if experts in per_expert:
+                raise CheckpointError(
+                    f"{path}: {by_canonical[canonical]} and per-expert tensors under {per_expert[experts]} "
+                    "both present; expected one layout of the experts"
+                )
+            sources[canonical] = Source(((by_canonical[canonical], shape),))
+        elif experts in per_expert:
+            source = _per_expert_source(per_expert[experts], canonical, shape)
+            missing += [
+                f"{name} (per-expert layout of {canonical} {list(shape)})"
+                for name, _ in source.parts
+                if name not in present
+            ]
+            sources[canonical] = source
+        else:
+            missing.append(canonical)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
+    used = {name for source in sources.values() for name, _ in source.parts}
+    unexpected += [name for name in per_expert_names if name not in used]  # an expert id >= E
+    if unexpected:
+        shown = ", ".join(unexpected[:5])
+        raise CheckpointError(f"{path}: unexpected tensor(s) {shown} for this config")
+    return sources
+
+
 def read_tensors(
     path: str | Path,
     expected: dict[str, tuple[int, ...]],
@@ -104,45 +198,51 @@ def read_tensors(
     """Read exactly the expected tensors, checking names and shapes before any load.
 
     Names in `ignorable` are skipped when the config does not expect them (for example
-    `lm_head.weight` stored beside tied embeddings)."""
+    `lm_head.weight` stored beside tied embeddings). MoE experts are read from either
+    layout: fused (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, as transformers 5
+    holds them) or per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, as
+    `save_pretrained` writes them by default), and are returned fused."""
     files = tensor_files(path)
-    by_canonical: dict[str, str] = {}
-    unexpected = []
-    for name in files:
-        canonical = _canonical_name(name, strip_model_prefix)
-        if canonical is None or (canonical in ignorable and canonical not in expected):
-            continue
-        if canonical not in expected:
-            unexpected.append(name)
-        by_canonical[canonical] = name
-    missing = [name for name in expected if name not in by_canonical]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
-    if unexpected:
-        shown = ", ".join(unexpected[:5])
-        raise CheckpointError(f"{path}: unexpected tensor(s) {shown} for this config")
-
-    tensors: dict[str, torch.Tensor] = {}
+    sources = _sources(path, list(files), expected, ignorable, strip_model_prefix)
     handles: dict[Path, Any] = {}
+
+    def handle_of(name: str) -> Any:
+        file = files[name]
+        if file not in handles:
+            handles[file] = open_safetensors(file)
+        return handles[file]
+
     try:
-        for canonical, shape in expected.items():
-            name = by_canonical[canonical]
-            file = files[name]
-            if file not in handles:
-                handles[file] = open_safetensors(file)
-            handle = handles[file]
-            try:
-                found = tuple(handle.get_slice(name).get_shape())
-            except SafetensorError:
-                raise CheckpointError(
-                    f"{path}: the index maps {name} to {file.name}, which does not contain it"
-                ) from None
-            if found != shape:
-                raise CheckpointError(
-                    f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}"
-                )
-            tensors[canonical] = handle.get_tensor(name).to(device=device, dtype=dtype)
+        for canonical, source in sources.items():
+            for name, shape in source.parts:
+                try:
+                    found = tuple(handle_of(name).get_slice(name).get_shape())
+                except SafetensorError:
+                    raise CheckpointError(
+                        f"{path}: the index maps {name} to {files[name].name}, which does not contain it"
+                    ) from None
+                if found != shape:
+                    of = (
+                        ""
+                        if source.join == "one"
+                        else f" (an expert of {canonical} {list(expected[canonical])})"
+                    )
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has shape {list(found)}, expected {list(shape)}{of}"
+                    )
+        tensors: dict[str, torch.Tensor] = {}
+        for canonical, source in sources.items():
+            parts = [
+                handle_of(name).get_tensor(name).to(device=device, dtype=dtype) for name, _ in source.parts
+            ]
+            if source.join == "gate_up":  # [E, I, H] gates then [E, I, H] ups -> [E, 2I, H]
+                half = len(parts) // 2
+                joined = torch.cat([torch.stack(parts[:half]), torch.stack(parts[half:])], dim=1)
+            elif source.join == "down":
+                joined = torch.stack(parts)
+            else:
+                joined = parts[0]
+            tensors[canonical] = joined
     finally:
         handles.clear()
     return tensors

@@ -1,8 +1,10 @@
 """`python -m reference_engine.checkpoint make-tiny`: write a tiny random checkpoint.
 
-python -m reference_engine.checkpoint make-tiny --arch {qwen3,qwen3_5,llama} --out DIR
+python -m reference_engine.checkpoint make-tiny
+    --arch {qwen3,qwen3_5,llama,qwen3_moe,qwen3_5_moe} --out DIR
     [--seed N] [--layers N] [--hidden N] [--vocab N] [--multimodal-wrapper]
-    [--tie-word-embeddings] [--bias] [--shards N] [--dtype float32|bfloat16]
+    [--tie-word-embeddings] [--bias] [--expert-layout per_expert|fused]
+    [--shards N] [--dtype float32|bfloat16]
 python -m reference_engine.checkpoint make-tiny --arch dflash --target DIR --out DIR
     [--block-size N] [--layers N] [--seed N]
 """
@@ -14,7 +16,7 @@ import sys
 
 from ..errors import ReferenceEngineError, exit_with
 from . import parse_dtype
-from .synthetic import TINY_ARCHS, make_tiny_draft, make_tiny_target
+from .synthetic import EXPERT_LAYOUTS, TINY_ARCHS, make_tiny_draft, make_tiny_target
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden", type=int, default=64)
     tiny.add_argument("--vocab", type=int, default=512)
     tiny.add_argument(
-        "--multimodal-wrapper", action="store_true", help="Qwen3.5 only: write the multimodal wrapper layout"
+        "--multimodal-wrapper",
+        action="store_true",
+        help="Qwen3.5 and Qwen3.5-MoE only: write the multimodal wrapper layout",
+    )
+    tiny.add_argument(
+        "--expert-layout",
+        default="per_expert",
+        choices=EXPERT_LAYOUTS,
+        help="MoE only: one tensor per expert (what save_pretrained writes) or fused 3-D tensors",
     )
     tiny.add_argument("--tie-word-embeddings", action="store_true")
     tiny.add_argument("--bias", action="store_true", help="attention_bias (and, for llama, mlp_bias) true")
@@ -68,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             tie_word_embeddings=args.tie_word_embeddings,
             multimodal_wrapper=args.multimodal_wrapper,
             bias=args.bias,
+            expert_layout=args.expert_layout,
             shards=args.shards,
             dtype=parse_dtype(args.dtype),
         )

@@ -45,6 +45,8 @@ def random_weights(
         elif len(shape) == 1 and leaf == "weight":  # norm weights
             offset_norm = norm_offset and not name.endswith("linear_attn.norm.weight")
             out[name] = normal(shape, 0.1) + (0.0 if offset_norm else 1.0)
+        elif leaf in ("gate_up_proj", "down_proj"):  # fused experts [E, out, in]
+            out[name] = normal(shape, shape[-1] ** -0.5)
         elif name.endswith("embed_tokens.weight"):
             # tied embeddings double as the lm_head: unit scale would make the fed token's
             # own logit dominate and greedy output repeat one token forever
@@ -57,7 +59,9 @@ def random_weights(
     return out
 
 
-TINY_ARCHS = ("qwen3", "qwen3_5", "llama")
+TINY_ARCHS = ("qwen3", "qwen3_5", "llama", "qwen3_moe", "qwen3_5_moe")
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")  # those with a multimodal wrapper
+EXPERT_LAYOUTS = ("per_expert", "fused")
 
 
 def tiny_target_config(
@@ -117,6 +121,27 @@ def tiny_target_config(
             },
             "torch_dtype": "float32",
         }
+    if arch in ("qwen3_moe", "qwen3_5_moe"):
+        dense = tiny_target_config(arch.removesuffix("_moe"), layers, hidden, vocab, tie, eos_id)
+        experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2}
+        if arch == "qwen3_moe":  # the last layer dense (with more than one layer)
+            return {
+                **dense,
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                **experts,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [layers - 1] if layers > 1 else [],
+            }
+        del dense["intermediate_size"]  # every layer MoE; a shared expert wider than the routed
+        return {
+            **dense,
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            **experts,
+            "shared_expert_intermediate_size": hidden * 3 // 4,
+        }
     if arch == "llama":
         # Llama 3.1's RoPE scaling factors, with original_max_position_embeddings 256 (8192
         # in Llama 3.1) so that at the positions of a test (about 100) the scaling changes
@@ -145,14 +170,36 @@ def tiny_target_config(
 
 
 def wrap_multimodal(text_config: dict[str, Any]) -> dict[str, Any]:
-    """The Qwen3.5 multimodal wrapper config around a text config."""
+    """The Qwen3.5 (or Qwen3.5-MoE) multimodal wrapper config around a text config."""
+    moe = text_config["model_type"] == "qwen3_5_moe_text"
+    name, model_type = ("Qwen3_5Moe", "qwen3_5_moe") if moe else ("Qwen3_5", "qwen3_5")
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": [f"{name}ForConditionalGeneration"],
+        "model_type": model_type,
         "text_config": text_config,
-        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32},
+        "vision_config": {"model_type": f"{model_type}_vision", "depth": 1, "hidden_size": 32},
         "tie_word_embeddings": text_config["tie_word_embeddings"],
     }
+
+
+def per_expert_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first;
+    `mlp.experts.down_proj` [E, H, I]) split into one tensor per expert and projection
+    (`mlp.experts.{e}.{gate,up,down}_proj.weight`), as `save_pretrained` writes them."""
+    out = {}
+    for name, t in tensors.items():
+        experts, _, leaf = name.rpartition(".")
+        if not experts.endswith(".mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if leaf == "down_proj":
+                out[f"{experts}.{e}.down_proj.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{experts}.{e}.gate_proj.weight"] = gate
+                out[f"{experts}.{e}.up_proj.weight"] = up
+    return out
 
 
 def make_tiny_target(
@@ -168,15 +215,26 @@ def make_tiny_target(
     dtype: torch.dtype = torch.float32,
     with_tokenizer: bool = True,
     bias: bool = False,
+    expert_layout: str = "per_expert",
+    config_overrides: tuple[tuple[str, Any], ...] = (),
 ) -> Path:
     """Write a tiny random target with a tiny tokenizer, in the real on-disk format.
 
     `with_tokenizer=False` allows vocabularies too small for a byte-level BPE (statistical
     tests want a handful of tokens); token-id prompts still work. `bias`: attention_bias
-    (and, for llama, mlp_bias) true."""
+    (and, for llama, mlp_bias) true. `expert_layout` (MoE archs): "per_expert", what
+    transformers' `save_pretrained` writes by default, or "fused"; the weights are the same
+    for one seed. `config_overrides`: (field, value) pairs set in the (text) config before
+    the weights are drawn, for variants of an arch (experts, top-k, dense layers)."""
     out = Path(out)
-    if multimodal_wrapper and arch != "qwen3_5":
-        raise ConfigError("--multimodal-wrapper applies to --arch qwen3_5 only")
+    if multimodal_wrapper and arch not in HYBRID_ARCHS:
+        raise ConfigError(
+            f"--multimodal-wrapper applies to --arch {' or '.join(HYBRID_ARCHS)} only, got {arch}"
+        )
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ConfigError(
+            f"--expert-layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}"
+        )
     if layers <= 0 or vocab <= 0:
         raise ConfigError(f"--layers and --vocab must be positive, got {layers} and {vocab}")
     tokenizer = build_tiny_tokenizer(vocab) if with_tokenizer else None
@@ -186,8 +244,11 @@ def make_tiny_target(
         raw["attention_bias"] = True
         if arch == "llama":
             raw["mlp_bias"] = True
+    raw.update(dict(config_overrides))
     config = TargetConfig.from_hf(raw)
     tensors = random_weights(expected_shapes(config), seed, config.norm_offset)
+    if expert_layout == "per_expert":
+        tensors = per_expert_layout(tensors)
     if multimodal_wrapper:
         gen = torch.Generator().manual_seed(seed + 1)
         tensors = {
@@ -197,6 +258,8 @@ def make_tiny_target(
         # present in real checkpoints, ignored by text-only loading
         tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=gen)
         tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen)
+        if config.is_moe:
+            tensors["mtp.layers.0.mlp.experts.gate_up_proj"] = torch.randn(2, 4, hidden, generator=gen)
         raw = wrap_multimodal(raw)
     write_safetensors(out, {n: t.to(dtype) for n, t in tensors.items()}, shards)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

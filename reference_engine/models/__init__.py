@@ -6,12 +6,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import LLAMA, QWEN3, QWEN3_5, TargetConfig
+from ..config import LLAMA, QWEN3, QWEN3_5, QWEN3_MOE, TargetConfig
 from .base import CausalLM, ForwardOutput
 from .layers import fuse_projections
 from .llama import build_llama
 from .qwen3 import build_qwen3
 from .qwen3_5 import build_qwen3_5
+from .qwen3_moe import build_qwen3_moe
 
 __all__ = ["CausalLM", "ForwardOutput", "build_target", "expected_shapes", "fuse_projections"]
 
@@ -19,6 +20,7 @@ BUILDERS: dict[str, Callable[[TargetConfig], CausalLM]] = {
     QWEN3: build_qwen3,
     QWEN3_5: build_qwen3_5,
     LLAMA: build_llama,
+    QWEN3_MOE: build_qwen3_moe,
 }
 
 

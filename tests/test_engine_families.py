@@ -21,7 +21,7 @@ from reference_engine.runtime.request import SamplingParams
 
 TinyPair = Callable[..., tuple[Path, Path]]
 BLOCK_SIZE = 8
-FAMILIES = ["llama", "qwen3_moe"]
+FAMILIES = ["llama", "qwen3_moe", "qwen3_5_moe"]
 PROMPTS = [
     [17, 301, 5, 88, 260, 42, 7, 199, 33, 410, 2, 95, 61],
     [400, 3, 77, 120, 9],
@@ -82,3 +82,22 @@ def test_blocks_that_accept_part_of_their_proposals_stay_lossless_in_a_batch(
     assert [outputs[str(i)] for i in range(len(PROMPTS))] == references
     spec = engine.stats()["spec"]
     assert spec["accepted"] > 0 and spec["mean_acceptance_length"] > 2.0, spec
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_every_commit_strategy_stays_lossless_on_the_hybrid_moe_target(
+    tiny_pair: TinyPair, strategy: str
+) -> None:
+    """The Gated DeltaNet state after a partly accepted block, kept by each strategy, with
+    MoE layers between the mixers."""
+    target_dir, draft_dir = tiny_pair("qwen3_5_moe", block_size=BLOCK_SIZE)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    references = [generate_plain(target, p, PARAMS).output_ids for p in PROMPTS]
+    oracles = {
+        str(i): OracleProposer(ref, [5, 1, 7, 0], target.config.vocab_size)
+        for i, ref in enumerate(references)
+    }
+    config = EngineConfig(max_num_seqs=len(PROMPTS), block_size=BLOCK_SIZE, commit_strategy=strategy)
+    outputs = run(Engine(target, draft, config), {str(i): p for i, p in enumerate(PROMPTS)}, oracles)
+    assert [outputs[str(i)] for i in range(len(PROMPTS))] == references

@@ -108,6 +108,21 @@ SHAPES = [
             ("config_overrides", MOE_VARIANT),
         ),
     ),
+    # routed experts plus the gated shared expert on every hybrid layer; per-expert text layout
+    Shape("qwen3_5_moe", hidden=64, layers=4, seed=0, tie_word_embeddings=False),
+    # the multimodal wrapper with fused experts (as the published checkpoints), 12 experts, top-3
+    Shape(
+        "qwen3_5_moe",
+        hidden=64,
+        layers=3,
+        seed=2,
+        tie_word_embeddings=True,
+        options=(
+            ("expert_layout", "fused"),
+            ("multimodal_wrapper", True),
+            ("config_overrides", (("num_experts", 12), ("num_experts_per_tok", 3))),
+        ),
+    ),
 ]
 DTYPES = [torch.float64, torch.float32]
 
@@ -119,14 +134,13 @@ def hf_class(arch: str) -> type:
         return transformers.LlamaForCausalLM
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM
-    try:
-        from transformers import Qwen3_5ForCausalLM
-    except ImportError:
+    name = "Qwen3_5MoeForCausalLM" if arch == "qwen3_5_moe" else "Qwen3_5ForCausalLM"
+    if not hasattr(transformers, name):
         pytest.skip(
-            f"transformers {transformers.__version__} has no Qwen3_5ForCausalLM "
+            f"transformers {transformers.__version__} has no {name} "
             "(Qwen3.5 support arrived in transformers 5)"
         )
-    return Qwen3_5ForCausalLM
+    return getattr(transformers, name)
 
 
 def hf_cache(output: object) -> object:
@@ -311,6 +325,22 @@ def experts_summed_with_swapped_weights(model: torch.nn.Module) -> None:
     block.experts = SwappedWeights(block.experts)
 
 
+class Ungated(torch.nn.Module):
+    """A shared expert whose output the block's sigmoid gate no longer scales."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.gate = block.shared_expert, block.shared_expert_gate
+
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        return self.inner(x) / torch.sigmoid(self.gate(x))
+
+
+def shared_expert_without_its_gate(model: torch.nn.Module) -> None:
+    block = moe_layers(model)[0]
+    block.shared_expert = Ungated(block)
+
+
 def gate_and_up_rows_swapped(model: torch.nn.Module) -> None:
     """The fused gate_up_proj read as [up | gate] instead of [gate | up]."""
     experts = moe_layers(model)[0].experts
@@ -327,10 +357,12 @@ PLANTED = [
     ("qwen3_moe", routing_without_renormalisation),
     ("qwen3_moe", experts_summed_with_swapped_weights),
     ("qwen3_moe", gate_and_up_rows_swapped),
+    ("qwen3_5_moe", routing_without_renormalisation),
+    ("qwen3_5_moe", shared_expert_without_its_gate),
 ]
 
 
-@pytest.mark.parametrize("arch,plant", PLANTED, ids=[p.__name__ for _, p in PLANTED])
+@pytest.mark.parametrize("arch,plant", PLANTED, ids=[f"{arch}-{p.__name__}" for arch, p in PLANTED])
 def test_parity_gate_fails_on_a_deliberately_broken_layer(
     arch: str, plant: Callable[[torch.nn.Module], None], tiny_checkpoint: Callable[..., Path]
 ) -> None:
@@ -345,7 +377,7 @@ def test_parity_gate_fails_on_a_deliberately_broken_layer(
 
 
 # ------------------------------------------------------------------ expert layouts
-MOE_ARCHS = ["qwen3_moe"]
+MOE_ARCHS = ["qwen3_moe", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

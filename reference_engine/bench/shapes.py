@@ -2,9 +2,9 @@
 real checkpoints: `random_pair("qwen3-8b", "cuda", torch.bfloat16)`.
 
 The sizes follow the published configs of the named models (Qwen3-8B; Qwen3.5-4B's text
-model; Llama-3.1-8B-Instruct; Qwen3-30B-A3B) and a 5-layer block-16 DFlash draft shaped like
-z-lab's (for the MoE targets, like z-lab's Qwen3.5-35B-A3B draft: 32 query and 4 key/value
-heads of 128, SwiGLU width 6144). Weights are random: a
+model; Llama-3.1-8B-Instruct; Qwen3-30B-A3B; Qwen3.5-35B-A3B's text model) and a 5-layer
+block-16 DFlash draft shaped like z-lab's (DRAFT_HEADS: for the MoE targets the heads and
+width of z-lab's Qwen3.5-35B-A3B draft, for Llama the target's own). Weights are random: a
 random draft is accepted about never, so benchmarks pair these with the oracle proposer
 at a chosen acceptance length (forced: see runtime/oracle.OracleProposer). Speed depends on shapes,
 not on weight values.
@@ -103,6 +103,36 @@ TARGET_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "eos_token_id": 151645,
     },
+    "qwen3.5-35b-a3b": {
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "eos_token_id": 248044,
+    },
     # small stand-ins with the same structure, for CPU smoke runs and tests
     "qwen3-small": {
         "model_type": "qwen3",
@@ -146,6 +176,7 @@ DRAFT_HEADS = {
     "qwen3.5-4b": (32, 8, 128, 9216),
     "llama3.1-8b": (32, 8, 128, 14336),
     "qwen3-30b-a3b": (32, 4, 128, 6144),
+    "qwen3.5-35b-a3b": (32, 4, 128, 6144),
     "qwen3-small": (4, 2, 64, 512),
     "qwen3.5-small": (4, 2, 64, 512),
 }

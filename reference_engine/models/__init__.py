@@ -6,27 +6,28 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import LLAMA, QWEN3, QWEN3_5, QWEN3_MOE, TargetConfig
+from ..config import LLAMA, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, TargetConfig
 from .base import CausalLM, ForwardOutput
 from .layers import fuse_projections
 from .llama import build_llama
 from .qwen3 import build_qwen3
 from .qwen3_5 import build_qwen3_5
+from .qwen3_5_moe import build_qwen3_5_moe
 from .qwen3_moe import build_qwen3_moe
 
 __all__ = ["CausalLM", "ForwardOutput", "build_target", "expected_shapes", "fuse_projections"]
 
+# config.FAMILIES -> the family's model
 BUILDERS: dict[str, Callable[[TargetConfig], CausalLM]] = {
     QWEN3: build_qwen3,
     QWEN3_5: build_qwen3_5,
     LLAMA: build_llama,
     QWEN3_MOE: build_qwen3_moe,
+    QWEN3_5_MOE: build_qwen3_5_moe,
 }
 
 
 def build_target(config: TargetConfig) -> CausalLM:
-    if config.family not in BUILDERS:
-        raise NotImplementedError(f"no model is built for family '{config.family}' yet")
     return BUILDERS[config.family](config)
 
 

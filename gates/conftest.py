@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target, parse_dtype
-from reference_engine.checkpoint.synthetic import make_tiny_draft, make_tiny_target
 
 from .checks import Pair
 from .prompts import gate_prompt_ids
@@ -39,15 +38,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_pair_dirs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    out = {}
-    for name, arch in (("dense", "qwen3"), ("hybrid", "qwen3_5")):
-        target = tiny_checkpoint(arch)
-        draft = make_tiny_draft(
-            tmp_path_factory.mktemp(f"draft_{name}"), target, block_size=TINY_BLOCK_SIZE, layers=2, seed=7
-        )
-        out[name] = (target, draft)
-    return out
+def tiny_pair_dirs(tiny_pair) -> dict[str, tuple[Path, Path]]:
+    return {
+        name: tiny_pair(arch, block_size=TINY_BLOCK_SIZE, draft_layers=2, draft_seed=7)
+        for name, arch in (("dense", "qwen3"), ("hybrid", "qwen3_5"))
+    }
 
 
 _loaded: dict[str, Pair] = {}
@@ -86,11 +81,10 @@ def pair(pair_name: str, request: pytest.FixtureRequest, tiny_pair_dirs) -> Pair
 
 
 @pytest.fixture(scope="session")
-def small_vocab_pair(tmp_path_factory):
-    target_dir = make_tiny_target(
-        tmp_path_factory.mktemp("smallvocab"), arch="qwen3", seed=3, vocab=SMALL_VOCAB, with_tokenizer=False
+def small_vocab_pair(tiny_pair):
+    target_dir, draft_dir = tiny_pair(
+        "qwen3", block_size=4, draft_seed=5, seed=3, vocab=SMALL_VOCAB, with_tokenizer=False
     )
-    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("smallvocab_draft"), target_dir, block_size=4, seed=5)
     target = load_target(target_dir, dtype=torch.float64)
     return target, load_draft(draft_dir, target)
 

@@ -22,7 +22,6 @@ from harness.compare import ComparePolicy, compare
 from harness.server_kind import resolve
 from harness.tokens import TextTokenizer
 from harness.workloads import builtin, gate_prompts, load_jsonl, synthetic
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from tests.server_process import ServerProcess
 
 from .faults import LIES
@@ -38,9 +37,8 @@ def run_compare(
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tiny_checkpoint, tmp_path_factory):
-    target = tiny_checkpoint("qwen3_5")
-    return target, make_tiny_draft(tmp_path_factory.mktemp("http_draft"), target, block_size=8)
+def tiny_dirs(tiny_pair):
+    return tiny_pair("qwen3_5", block_size=8)
 
 
 def prompts_for_us():

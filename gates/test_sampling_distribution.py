@@ -27,7 +27,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.sampling import accept_sampled
 
 from .conftest import SMALL_VOCAB as VOCAB
@@ -76,10 +75,16 @@ def test_acceptance_rule_converges_to_the_target_distribution() -> None:
 
 
 @pytest.fixture(scope="module")
-def grid_pair(tiny_checkpoint, tmp_path_factory):
-    target_dir = tiny_checkpoint("qwen3", seed=3, layers=2, vocab=GRID_VOCAB, with_tokenizer=False)
-    draft_dir = make_tiny_draft(
-        tmp_path_factory.mktemp("grid_draft"), target_dir, block_size=BLOCK_SIZE, layers=1, seed=5
+def grid_pair(tiny_pair):
+    target_dir, draft_dir = tiny_pair(
+        "qwen3",
+        block_size=BLOCK_SIZE,
+        draft_layers=1,
+        draft_seed=5,
+        seed=3,
+        layers=2,
+        vocab=GRID_VOCAB,
+        with_tokenizer=False,
     )
     target = load_target(target_dir, dtype=torch.float64)
     return target, load_draft(draft_dir, target)

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 
 from reference_engine import bench
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from reference_engine.errors import ReferenceEngineError
 from reference_engine.runtime.stats import PHASES
 from reference_engine.tokenizer import load_tokenizer
 
-TinyCheckpoint = Callable[..., Path]
+TinyPair = Callable[..., tuple[Path, Path]]
 PHASE_COLUMNS = [f"ms_{phase}" for phase in PHASES]
 TOP_LEVEL = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit")  # no sample
 TABLE_HEADER = " | ".join(
@@ -37,10 +36,8 @@ TABLE_HEADER = " | ".join(
 
 
 @pytest.fixture(scope="module")
-def pair_dirs(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    model = tiny_checkpoint("qwen3")
-    draft = make_tiny_draft(tmp_path_factory.mktemp("bench_draft") / "draft", model, block_size=8)
-    return model, draft
+def pair_dirs(tiny_pair: TinyPair) -> tuple[Path, Path]:
+    return tiny_pair("qwen3", block_size=8)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-from reference_engine.checkpoint.synthetic import make_tiny_draft
-
 from .server_process import REPO
 
 
@@ -25,9 +23,8 @@ def one_error_line(done: subprocess.CompletedProcess, message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_checkpoint, tmp_path_factory):
-    target = tiny_checkpoint("qwen3_5")
-    return target, make_tiny_draft(tmp_path_factory.mktemp("cli_draft"), target, block_size=8)
+def pair(tiny_pair):
+    return tiny_pair("qwen3_5", block_size=8)
 
 
 def test_generate_block_size_0_is_refused_not_replaced_by_the_drafts(pair) -> None:

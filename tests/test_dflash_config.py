@@ -16,7 +16,6 @@ import torch
 
 from reference_engine.bench.shapes import TARGET_SHAPES
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -29,6 +28,7 @@ from reference_engine.models import CausalLM
 
 F, S = FULL_ATTENTION, SLIDING_ATTENTION
 TinyCheckpoint = Callable[..., Path]
+TinyPair = Callable[..., tuple[Path, Path]]
 
 # shaped like z-lab's Qwen3-8B DFlash draft (block 16, 5 layers over a 36-layer target)
 DRAFT_RAW: dict[str, Any] = {
@@ -250,8 +250,9 @@ def target(tiny_checkpoint: TinyCheckpoint) -> CausalLM:
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_draft(tmp_path_factory.mktemp("draft") / "draft", tiny_checkpoint("qwen3"))
+def draft_dir(tiny_pair: TinyPair) -> Path:
+    """Shared: `edited_draft` copies it before changing its config."""
+    return tiny_pair("qwen3", block_size=8)[1]
 
 
 def edited_draft(draft_dir: Path, tmp_path: Path, **changes: Any) -> Path:

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.errors import ConfigError, RequestError
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
@@ -29,6 +28,7 @@ from reference_engine.runtime.sequence import Phase, Sequence
 from reference_engine.runtime.stats import SpecCounters
 
 TinyCheckpoint = Callable[..., Path]
+TinyPair = Callable[..., tuple[Path, Path]]
 BLOCK_SIZE = 8
 VOCAB = 512
 PROMPTS = [
@@ -46,22 +46,17 @@ def target(tiny_checkpoint: TinyCheckpoint) -> CausalLM:
 
 
 @pytest.fixture(scope="module")
-def draft(
-    tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory, target: CausalLM
-) -> DFlashDraft:
-    out = tmp_path_factory.mktemp("engine_draft") / "draft"
-    return load_draft(make_tiny_draft(out, tiny_checkpoint("qwen3"), block_size=BLOCK_SIZE), target)
+def draft(tiny_pair: TinyPair, target: CausalLM) -> DFlashDraft:
+    _, draft_dir = tiny_pair("qwen3", block_size=BLOCK_SIZE)
+    return load_draft(draft_dir, target)
 
 
 @pytest.fixture(scope="module")
-def hybrid(
-    tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[CausalLM, DFlashDraft]:
+def hybrid(tiny_pair: TinyPair) -> tuple[CausalLM, DFlashDraft]:
     """A Qwen3.5 (Gated DeltaNet + attention) target and its draft."""
-    path = tiny_checkpoint("qwen3_5")
-    target = load_target(path, dtype=torch.float64)
-    out = tmp_path_factory.mktemp("engine_hybrid_draft") / "draft"
-    return target, load_draft(make_tiny_draft(out, path, block_size=BLOCK_SIZE), target)
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=BLOCK_SIZE)
+    target = load_target(target_dir, dtype=torch.float64)
+    return target, load_draft(draft_dir, target)
 
 
 def greedy(max_tokens: int, **options) -> SamplingParams:
@@ -663,11 +658,12 @@ def test_the_cpu_engine_runs_eagerly_with_no_spare_slot(qwen3_checkpoint) -> Non
 
 
 @pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
-def test_blocks_padded_to_full_length_stay_lossless(qwen3_5_checkpoint, tmp_path, strategy: str) -> None:
+def test_blocks_padded_to_full_length_stay_lossless(tiny_pair: TinyPair, strategy: str) -> None:
     """With CUDA graphs every block is padded to B (a last, shorter block included); the
     padding must change nothing. Forced here on the CPU, in float64."""
-    target = load_target(qwen3_5_checkpoint, dtype=torch.float64)
-    draft = load_draft(make_tiny_draft(tmp_path / "draft", qwen3_5_checkpoint, block_size=8), target)
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
     prompts = [[5, 9, 3, 77, 12], [40, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
     params = SamplingParams(max_tokens=11, ignore_eos=True)  # the last block is short
     refs = [generate_plain(target, p, params).output_ids for p in prompts]
@@ -686,11 +682,10 @@ def test_blocks_padded_to_full_length_stay_lossless(qwen3_5_checkpoint, tmp_path
     assert set(widths) == {8}
 
 
-def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(
-    qwen3_5_checkpoint, tmp_path
-) -> None:
-    target = load_target(qwen3_5_checkpoint, dtype=torch.float64)
-    draft = load_draft(make_tiny_draft(tmp_path / "draft", qwen3_5_checkpoint, block_size=4), target)
+def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(tiny_pair: TinyPair) -> None:
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)  # poisoned below in memory only
     correct = draft.logits
 
     def poisoned(hidden, lm_head_weight, ops=None):

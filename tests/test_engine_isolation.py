@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.errors import RequestError
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
@@ -24,19 +23,16 @@ from reference_engine.runtime.sampling import NOT_A_DISTRIBUTION, sample
 
 from .poison import POISON, poisoned
 
-TinyCheckpoint = Callable[..., Path]
+TinyPair = Callable[..., tuple[Path, Path]]
 PROMPTS = [[17, 301, 5, 88, 260], [400, 3, 77], [250, 251, 13, 480, 66, 1], [8, 9]]
 MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def pair(
-    tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[CausalLM, DFlashDraft]:
-    path = tiny_checkpoint("qwen3_5")
-    target = load_target(path, dtype=torch.float64)
-    out = tmp_path_factory.mktemp("isolation_draft") / "draft"
-    return target, load_draft(make_tiny_draft(out, path, block_size=4), target)
+def pair(tiny_pair: TinyPair) -> tuple[CausalLM, DFlashDraft]:
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
+    target = load_target(target_dir, dtype=torch.float64)
+    return target, load_draft(draft_dir, target)
 
 
 def params(**options) -> SamplingParams:

@@ -17,7 +17,6 @@ if not torch.cuda.is_available():  # the Triton table runs interpreted (before a
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.kernels import TORCH
 from reference_engine.models import fuse_projections
 from reference_engine.models.dflash import DraftState
@@ -47,10 +46,9 @@ def forward_all(target, draft, ops) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_checkpoint, tmp_path_factory):
-    target_dir = tiny_checkpoint("qwen3_5")
+def pair(tiny_pair):
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
     target = load_target(target_dir, dtype=torch.float32, device=DEVICE)
-    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("fused") / "draft", target_dir, block_size=4)
     return target, load_draft(draft_dir, target)
 
 

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reference_engine.checkpoint.synthetic import make_tiny_draft
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,9 +23,8 @@ def run_gates(args: list[str], env: dict[str, str] | None = None) -> subprocess.
     )
 
 
-def test_gates_run_on_user_checkpoints_given_by_options(tiny_checkpoint, tmp_path) -> None:
-    target = tiny_checkpoint("qwen3_5")
-    draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
+def test_gates_run_on_user_checkpoints_given_by_options(tiny_pair, tmp_path) -> None:
+    target, draft = tiny_pair("qwen3_5", block_size=4)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         '{"prompt": "def f(x):"}\n{"prompt": "2 + 2 ="}\n'
@@ -60,9 +57,8 @@ def test_gates_run_on_user_checkpoints_given_by_options(tiny_checkpoint, tmp_pat
     assert "skipped" in done.stdout
 
 
-def test_gates_read_the_environment_variables(tiny_checkpoint, tmp_path) -> None:
-    target = tiny_checkpoint("qwen3")
-    draft = make_tiny_draft(tmp_path / "draft", target, block_size=4)
+def test_gates_read_the_environment_variables(tiny_pair) -> None:
+    target, draft = tiny_pair("qwen3", block_size=4)
     done = run_gates(
         ["gates/test_lossless_greedy.py", "-k", "first_token", "-v"],
         env={

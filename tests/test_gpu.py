@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
@@ -21,11 +20,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("strategy", COMMIT_STRATEGIES)
-def test_batched_dflash_on_cuda_equals_plain_greedy(
-    tiny_checkpoint, tmp_path, arch: str, strategy: str
-) -> None:
-    target_dir = tiny_checkpoint(arch)
-    draft_dir = make_tiny_draft(tmp_path / "draft", target_dir, block_size=8)
+def test_batched_dflash_on_cuda_equals_plain_greedy(tiny_pair, arch: str, strategy: str) -> None:
+    target_dir, draft_dir = tiny_pair(arch, block_size=8)
     target = load_target(target_dir, dtype=torch.float64, device="cuda")
     draft = load_draft(draft_dir, target)
     rng = random.Random(0)

@@ -198,20 +198,19 @@ def prefill_graphs(engine, chunk: int, pad_slot: int) -> dict[tuple[int, int], E
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_checkpoint, tmp_path) -> None:
+def test_prefill_padded_to_its_bucket_changes_no_output(family: str, tiny_pair) -> None:
     """First chunks batched into one bucket (a padding row on a free slot), a later chunk
     alone; chunks padded to 32 or 16 tokens (the Gated DeltaNet and conv states skip the
     padding, the logits are each chunk's last token's, the padded cache and draft-context
     rows are overwritten before they are read): the same tokens, and the same accepted
     counts (the draft's context is right), as the eager engine."""
     from reference_engine.checkpoint import load_draft, load_target
-    from reference_engine.checkpoint.synthetic import make_tiny_draft
     from reference_engine.runtime.engine import Engine, EngineConfig
     from reference_engine.runtime.request import SamplingParams
 
-    checkpoint = tiny_checkpoint(family)
-    target = load_target(checkpoint, dtype=torch.float64)
-    draft = load_draft(make_tiny_draft(tmp_path / "draft", checkpoint, block_size=4), target)
+    target_dir, draft_dir = tiny_pair(family, block_size=4)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
     prompts = {
         "a": [5, 9, 3, 77, 12],
         "b": [(7 * i + 3) % 500 for i in range(40)],

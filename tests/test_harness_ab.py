@@ -10,15 +10,12 @@ import sys
 
 import pytest
 
-from reference_engine.checkpoint.synthetic import make_tiny_draft
-
 from .server_process import REPO
 
 
 @pytest.fixture(scope="module")
-def ab_run(tiny_checkpoint, tmp_path_factory):
-    target = tiny_checkpoint("qwen3_5")
-    draft = make_tiny_draft(tmp_path_factory.mktemp("ab_draft"), target, block_size=8)
+def ab_run(tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair("qwen3_5", block_size=8)
     out = tmp_path_factory.mktemp("ab_out")
     serve = f"{sys.executable} -m reference_engine.serve --model {target}"
     done = subprocess.run(

@@ -466,20 +466,17 @@ def test_the_switch_runs_references_off_cuda_and_triton_in_exact_mode_on_cuda() 
         kernels.select("exact", "cuda", torch.float64)
 
 
-def test_a_whole_model_runs_through_the_triton_table(tiny_checkpoint) -> None:
+def test_a_whole_model_runs_through_the_triton_table(tiny_pair) -> None:
     """Every layer routes through the table: a hybrid target's prefill and decode and a
     draft's block pass with the Triton kernels equal the references (float32)."""
     from reference_engine.checkpoint import load_draft, load_target
-    from reference_engine.checkpoint.synthetic import make_tiny_draft
     from reference_engine.kernels.triton_ops import TRITON
     from reference_engine.models.dflash import DraftState
     from reference_engine.runtime.decode import new_state
 
-    target_dir = tiny_checkpoint("qwen3_5")
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
     target = load_target(target_dir, dtype=torch.float32, device=DEVICE)
-    draft = load_draft(
-        make_tiny_draft(target_dir.parent / "triton_table_draft", target_dir, block_size=4), target
-    )
+    draft = load_draft(draft_dir, target)
     prompt = torch.tensor([[5, 9, 3, 77, 12, 40, 8]], device=DEVICE)
     slots = torch.tensor([0], device=DEVICE)
     results = {}

@@ -15,7 +15,6 @@ import torch
 
 from reference_engine import bench
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.profiling import RANGE_NAMES, NvtxRanges
@@ -56,12 +55,12 @@ def test_the_report_knows_the_engine_phase_and_range_names() -> None:
     assert {*TOP_LEVEL, *NESTED} == set(PHASES)
 
 
-def test_the_nesting_is_the_engines(tiny_checkpoint, tmp_path: Path) -> None:
+def test_the_nesting_is_the_engines(tiny_pair) -> None:
     """Top-level phases open directly inside `step`, nested ones only inside their parents,
     for a plain and a speculative engine (prefill's sample, decode's sample)."""
-    target_dir = tiny_checkpoint("qwen3_5")
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
     target = load_target(target_dir, dtype=torch.float64)
-    draft = load_draft(make_tiny_draft(tmp_path / "d", target_dir, block_size=4), target)
+    draft = load_draft(draft_dir, target)
     seen: dict[str, set[str]] = {}
     for spec in (None, draft):
         fake = FakeNvtx()

@@ -7,7 +7,6 @@ import time
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.profiling import DOMAIN, RANGE_NAMES, NvtxRanges
@@ -46,10 +45,10 @@ def steps(events: list[tuple[str, str | None]]) -> list[list[str]]:
     return out
 
 
-def test_a_dflash_run_emits_the_phase_ranges_in_order(tiny_checkpoint, tmp_path) -> None:
-    target_dir = tiny_checkpoint("qwen3_5")
+def test_a_dflash_run_emits_the_phase_ranges_in_order(tiny_pair) -> None:
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
     target = load_target(target_dir, dtype=torch.float64)
-    draft = load_draft(make_tiny_draft(tmp_path / "d", target_dir, block_size=4), target)
+    draft = load_draft(draft_dir, target)
     fake = FakeNvtx()
     engine = Engine(target, draft, EngineConfig(max_num_seqs=2), NvtxRanges(True, fake))
     prompt = [5, 6, 7]

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.request import SamplingParams
 
@@ -25,10 +24,8 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def pair_dirs(tiny_checkpoint, tmp_path_factory):
-    target = tiny_checkpoint("qwen3_5")
-    draft = make_tiny_draft(tmp_path_factory.mktemp("serve_draft"), target, block_size=8)
-    return target, draft
+def pair_dirs(tiny_pair):
+    return tiny_pair("qwen3_5", block_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -296,9 +293,9 @@ def test_sigterm_shuts_down_cleanly_with_a_request_in_flight(pair_dirs) -> None:
     assert time.monotonic() - start < 20
 
 
-def test_startup_rejects_a_mismatched_pair(tiny_checkpoint, tmp_path) -> None:
+def test_startup_rejects_a_mismatched_pair(tiny_checkpoint, tiny_pair) -> None:
     other = tiny_checkpoint("qwen3_5", hidden=96)
-    draft = make_tiny_draft(tmp_path / "draft", tiny_checkpoint("qwen3_5"), block_size=4)
+    _, draft = tiny_pair("qwen3_5", block_size=4)  # a draft for the hidden-64 target
     done = subprocess.run(
         [
             sys.executable,

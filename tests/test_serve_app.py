@@ -11,7 +11,6 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.serving.app import create_app
 from reference_engine.serving.args import ServeArgs
 from reference_engine.serving.service import Server
@@ -20,9 +19,8 @@ KEY = "sekret"
 
 
 @pytest.fixture(scope="module")
-def pair_dirs(tiny_checkpoint, tmp_path_factory):
-    target = tiny_checkpoint("qwen3_5")
-    return target, make_tiny_draft(tmp_path_factory.mktemp("app_draft"), target, block_size=8)
+def pair_dirs(tiny_pair):
+    return tiny_pair("qwen3_5", block_size=8)
 
 
 def app_for(*argv: str):

@@ -14,7 +14,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.runtime.engine import Engine, EngineConfig, StepOutput
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.stats import SpecCounters
@@ -110,9 +109,8 @@ def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset()
 
 # ------------------------------------------------------------------ the engine thread
 @pytest.fixture(scope="module")
-def pair_dirs(tiny_checkpoint, tmp_path_factory):
-    target = tiny_checkpoint("qwen3")
-    return target, make_tiny_draft(tmp_path_factory.mktemp("metrics_draft"), target, block_size=4)
+def pair_dirs(tiny_pair):
+    return tiny_pair("qwen3", block_size=4)
 
 
 def test_a_request_aborted_mid_stream_ends_with_its_sequence_and_counted_steps(pair_dirs) -> None:

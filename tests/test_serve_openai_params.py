@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.kernels import select
 from reference_engine.runtime.state import TargetState
 
@@ -22,9 +21,8 @@ PROMPT = [200, 3, 8, 77, 150, 42]
 
 
 @pytest.fixture(scope="module")
-def pair_dirs(tiny_checkpoint, tmp_path_factory):
-    target = tiny_checkpoint("qwen3_5")
-    return target, make_tiny_draft(tmp_path_factory.mktemp("params_draft"), target, block_size=8)
+def pair_dirs(tiny_pair):
+    return tiny_pair("qwen3_5", block_size=8)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.checkpoint.synthetic import make_tiny_draft
 from reference_engine.kernels.reference import gated_delta_chunked, gated_delta_recurrent
 from reference_engine.kernels.reference import l2_norm as l2_normalize
 from reference_engine.models.dflash import DraftState
@@ -83,9 +82,8 @@ def test_one_token_chunks_and_a_changed_input_are_told_apart() -> None:
 
 
 @pytest.fixture(scope="module")
-def hybrid_pair(tiny_checkpoint, tmp_path_factory):
-    target_dir = tiny_checkpoint("qwen3_5", layers=3, hidden=64)
-    draft_dir = make_tiny_draft(tmp_path_factory.mktemp("draft") / "d", target_dir, block_size=4)
+def hybrid_pair(tiny_pair):
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4, layers=3, hidden=64)
     target = load_target(target_dir, dtype=torch.float64)
     return target, load_draft(draft_dir, target)
 

@@ -23,6 +23,7 @@ from reference_engine.kernels import TORCH
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
+from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.sampling import sample
 from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
@@ -113,10 +114,10 @@ def _plain_decode_highest_on_tie(correct):
 
 
 def _first_token_highest_on_tie(correct):
-    def _prefilled(self, seqs, ends, logits, outputs):
+    def recorded(self, seqs, ends, logits, outputs):
         return correct(self, seqs, ends, _highest_id_wins(logits), outputs)
 
-    return _prefilled
+    return recorded
 
 
 def _batched_rows_highest_on_tie(correct):
@@ -285,9 +286,9 @@ FAULTS: dict[str, Fault] = {
     ),
     "first_token_highest_on_tie": Fault(
         "engine: the first token after prefill breaks exact ties toward the higher id",
-        "_prefilled",
+        "recorded",
         _first_token_highest_on_tie,
-        engine_module.Engine,
+        Prefill,
     ),
     "batched_rows_highest_on_tie": Fault(
         "engine: every row of a plain batch but the first breaks exact ties toward the higher id",

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from reference_engine.models import CausalLM
-from reference_engine.runtime.engine import Engine
+from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.scheduler import Scheduler
 
 POISON = 13  # first prompt token of a poisoned request
@@ -65,18 +65,18 @@ def poisoned() -> Iterator[None]:
 @contextmanager
 def killing() -> Iterator[None]:
     """A request whose prompt starts with KILL takes the engine thread down at its prefill."""
-    prefill = Engine._prefill
+    prefill = Prefill.one
 
     def killing_prefill(self, seq, outputs):
         if seq.prompt_ids[0] == KILL:
             raise EngineKilled("planted")
         return prefill(self, seq, outputs)
 
-    Engine._prefill = killing_prefill
+    Prefill.one = killing_prefill
     try:
         yield
     finally:
-        Engine._prefill = prefill
+        Prefill.one = prefill
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sampling import NOT_A_DISTRIBUTION, sample
 
@@ -75,14 +76,14 @@ def test_a_non_finite_row_fails_its_request_alone(pair, speculative: bool, tempe
 
 def test_an_exception_in_one_requests_prefill_fails_that_request_alone(pair, monkeypatch) -> None:
     target, _ = pair
-    prefill = Engine._prefill
+    prefill = Prefill.one
 
     def failing(self, seq, outputs):
         if seq.request_id == "bad":
             raise RuntimeError("planted")
         return prefill(self, seq, outputs)
 
-    monkeypatch.setattr(Engine, "_prefill", failing)
+    monkeypatch.setattr(Prefill, "one", failing)
     engine = Engine(target, None, EngineConfig(max_num_seqs=4))
     done = run(engine, {"bad": (PROMPTS[0], params()), "good": (PROMPTS[1], params())})
     assert done["bad"].finish_reason == "error"

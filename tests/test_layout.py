@@ -242,6 +242,7 @@ RUNTIME_LAYERS = [
         ),
     ),
     (f"{RUNTIME}.speculative_step", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler", f"{RUNTIME}.one_request")),
+    (f"{RUNTIME}.prefill", (f"{RUNTIME}.engine", f"{RUNTIME}.scheduler", f"{RUNTIME}.speculative_step")),
     (f"{RUNTIME}.engine", (f"{RUNTIME}.one_request",)),
 ]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 
 import torch
 
@@ -37,10 +36,11 @@ from .engine_config import EngineConfig
 from .model_runner import ModelRunner
 from .oracle import Proposer
 from .outputs import StepOutput, StepOutputs
+from .prefill import Prefill
 from .profiling import NvtxRanges
 from .request import SamplingParams, new_generator, validate_request
 from .scheduler import EngineFullError, Scheduler
-from .sequence import Phase, Sequence
+from .sequence import Sequence
 from .speculative_step import SpeculativeStep, StepCommit
 from .state import TargetState
 from .stats import PhaseTimer, SpecCounters
@@ -120,6 +120,7 @@ class Engine:
         )
         if self.speculative_step is not None:
             self.speculative_step.capture_commit()
+        self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
         # called as observer(seq, state, length) after each speculative commit
         # (the state-equality gates); None in normal use
         self.commit_observer = None
@@ -184,10 +185,7 @@ class Engine:
             for seq in self.scheduler.admit():
                 self.state.reset(seq.slot)
         with self.timer.phase("prefill"):
-            pending = self._prefill_batched(self.scheduler.prefilling(), outputs)
-            for seq in pending:
-                with outputs.failing([seq]):
-                    self._prefill(seq, outputs)
+            self.prefill(self.scheduler.prefilling(), outputs)
         running = self.scheduler.running()
         plain = [s for s in running if not s.speculative]
         spec = [s for s in running if s.speculative]
@@ -203,62 +201,6 @@ class Engine:
         self.scheduler.finish_done()
         self.timer.flush()
         return outputs.items
-
-    def _prefill_batched(self, seqs: list[Sequence], outputs: StepOutputs) -> list[Sequence]:
-        """The first prompt chunks of newly admitted requests, several to a captured prefill
-        when the runner has them; returns the requests left to `_prefill` (later chunks,
-        chunks no graph holds, and the rows of a batch that raised, each retried alone from
-        a reset slot so that a failing request fails alone)."""
-        if not self.runner.captured:
-            return seqs
-        chunk = self.config.prefill_chunk
-        firsts = [s for s in seqs if s.prefilled == 0]
-        rest = [s for s in seqs if s.prefilled != 0]
-        groups = self.runner.prefill_groups([min(chunk, len(s.prompt_ids)) for s in firsts])
-        for group in ([firsts[i] for i in g] for g in groups):
-            chunks = [(s.prompt_ids[:chunk], 0, s.slot) for s in group]
-            try:
-                logits = self.runner.prefill_batch(chunks)
-            except Exception:  # noqa: BLE001 - retried row by row below
-                log.error(
-                    "batched prefill failed; retrying its requests one by one:\n%s", traceback.format_exc()
-                )
-                for seq in group:
-                    self.state.reset(seq.slot)
-                rest.extend(group)
-                continue
-            if logits is None:
-                rest.extend(group)
-                continue
-            self._prefilled(group, [len(ids) for ids, _, _ in chunks], logits, outputs)
-        return rest
-
-    def _prefilled(
-        self, seqs: list[Sequence], ends: list[int], logits: torch.Tensor, outputs: StepOutputs
-    ) -> None:
-        """Record prefill chunks up to `ends`; the first token of each request whose prompt
-        is done (logits [rows, vocab]: each chunk's last)."""
-        done = []
-        for i, (seq, end) in enumerate(zip(seqs, ends)):
-            seq.prefilled = end
-            self.state.lengths[seq.slot] = end
-            if end == len(seq.prompt_ids):
-                done.append(i)
-        if not done:
-            return
-        with self.timer.phase("sample"):
-            tokens, logprobs = choose_tokens(logits[done], [seqs[i] for i in done])
-        for i, token, lp in zip(done, tokens, logprobs):
-            seqs[i].phase = Phase.RUNNING
-            seqs[i].first_token_s = time.monotonic()
-            outputs.emit(seqs[i], token, lp)
-
-    def _prefill(self, seq: Sequence, outputs: StepOutputs) -> None:
-        """One prompt chunk of one request; the first token after the last chunk."""
-        start = seq.prefilled
-        ids = seq.prompt_ids[start : start + self.config.prefill_chunk]
-        logits = self.runner.prefill(ids, start, seq.slot, seq.speculative)  # [1, vocab]
-        self._prefilled([seq], [start + len(ids)], logits, outputs)
 
     def _decode(self, seqs: list[Sequence], outputs: StepOutputs) -> None:
         """One token for each plain request, in one forward."""

@@ -295,8 +295,8 @@ def test_unknown_model_type_is_named_in_the_error(
     qwen3_checkpoint: Path, copy_checkpoint: CopyCheckpoint
 ) -> None:
     path = copy_checkpoint(qwen3_checkpoint)
-    edit_config(path, lambda raw: raw.update(model_type="llama"))
-    with pytest.raises(ConfigError, match=r"unknown model_type 'llama'"):
+    edit_config(path, lambda raw: raw.update(model_type="mistral"))
+    with pytest.raises(ConfigError, match=r"unknown model_type 'mistral'"):
         load_target(path)
 
 

@@ -269,7 +269,7 @@ def test_unsupported_rope_type_is_rejected_by_name(rope: dict[str, Any], name: s
         TargetConfig.from_hf(qwen3(**rope))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", None])
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", None])
 def test_unknown_model_type_is_rejected_with_the_supported_list(model_type: str | None) -> None:
     with pytest.raises(ConfigError, match=r"unknown model_type .*supported targets: qwen3, "):
         TargetConfig.from_hf(qwen3(model_type=model_type))

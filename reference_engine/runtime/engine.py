@@ -33,7 +33,7 @@ from ..models import CausalLM, fuse_projections
 from ..models.dflash import DFlashDraft, DraftState
 from .decode import context_length, stop_ids
 from .engine_config import EngineConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, graphs_possible
 from .oracle import Proposer
 from .outputs import StepOutput, StepOutputs
 from .prefill import Prefill
@@ -73,7 +73,7 @@ class Engine:
             if draft is not None:
                 fuse_projections(draft)
         room = self.context_len + self.block_size  # a verify may run past the last token
-        use_graphs = self.device.type == "cuda" and ops.capturable and not config.enforce_eager
+        use_graphs = graphs_possible(self.device, ops, target, config.enforce_eager)
         # CUDA graphs pad a batch to its bucket with rows on one spare slot that no request owns
         slots = config.max_num_seqs + int(use_graphs)
         self.state = TargetState(

@@ -3,7 +3,8 @@ commit), each run from a captured CUDA graph when one fits and eagerly otherwise
 one place that makes that choice; callers get the same typed outputs (forwards.py) either way.
 
 Graphs exist on CUDA for the kernel tables that can be captured (graphs.py says which and
-why), unless the engine was told to run eagerly. A shape no graph holds (a last block shorter
+why), unless the engine was told to run eagerly or the target routes a mixture of experts
+(`graphs_possible`). A shape no graph holds (a last block shorter
 than B, more rows than the largest bucket, a chunk past its slot's room) runs eagerly, and
 gives the same bits in the exact numerics.
 """
@@ -22,6 +23,14 @@ from .forwards import Logits, Proposals, StepInputs, Verified
 from .graphs import EngineGraphs
 from .state import TargetState
 from .transfer import to_device
+
+
+def graphs_possible(device: torch.device, ops: Kernels, target: CausalLM, enforce_eager: bool) -> bool:
+    """Whether the engine's forwards can be captured as CUDA graphs: on CUDA, for kernels that
+    take positions and lengths from device tensors, unless told to run eagerly. A
+    mixture-of-experts target runs eagerly: its expert loop asks the host which experts have
+    tokens, which a capture cannot hold."""
+    return device.type == "cuda" and ops.capturable and not enforce_eager and not target.config.is_moe
 
 
 class ModelRunner:

@@ -30,7 +30,8 @@ from .prompts import gate_prompt_ids
 pytestmark = pytest.mark.gpu
 
 DEMO_TOKENS = 128
-SHAPES = ("qwen3-8b", "qwen3.5-4b")
+# Llama 3.1 8B: a dense family without per-head query/key norms and with llama3 RoPE scaling
+SHAPES = ("qwen3-8b", "qwen3.5-4b", "llama3.1-8b")
 SHAPE_TOKENS = 24
 SHAPE_REQUESTS = 16
 

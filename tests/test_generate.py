@@ -250,6 +250,6 @@ def test_checkpoint_errors_are_one_error_line_with_exit_code_2(
 ) -> None:
     path = copy_checkpoint(qwen3_checkpoint)
     raw = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
+    (path / "config.json").write_text(json.dumps({**raw, "model_type": "mistral"}))
     result = main_in_process(capsys, "--model", str(path), "--prompt-ids", "1", "--max-tokens", "2")
-    assert_one_error_line(*result, "unknown model_type 'llama'")
+    assert_one_error_line(*result, "unknown model_type 'mistral'")

@@ -81,7 +81,10 @@ class GatedDeltaNet(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig, layer: int) -> None:
+    """A Gated DeltaNet or gated attention mixer, then the MLP (the dense SwiGLU unless
+    `mlp` is given: Qwen3.5-MoE passes its expert block)."""
+
+    def __init__(self, config: TargetConfig, layer: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.is_linear = config.layer_types[layer] == LINEAR_ATTENTION
         if self.is_linear:
@@ -97,7 +100,7 @@ class Qwen3_5DecoderLayer(nn.Module):
                 gated=True,
                 bias=config.attention_bias,
             )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
 

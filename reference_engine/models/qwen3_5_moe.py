@@ -9,34 +9,17 @@ same code for them); only the MLP differs.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from ..config import LINEAR_ATTENTION, TargetConfig
+from ..config import TargetConfig
 from .base import CausalLM
-from .layers import ForwardContext, RMSNorm, SelfAttention
 from .moe import SparseMoeBlock
-from .qwen3_5 import GatedDeltaNet
+from .qwen3_5 import Qwen3_5DecoderLayer
 
 
-class Qwen3_5MoeDecoderLayer(nn.Module):
+class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
+    """Qwen3.5's decoder layer with the routed experts and the gated shared expert as its MLP."""
+
     def __init__(self, config: TargetConfig, layer: int) -> None:
-        super().__init__()
-        self.is_linear = config.layer_types[layer] == LINEAR_ATTENTION
-        if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config)
-        else:
-            self.self_attn = SelfAttention(
-                config.hidden_size,
-                config.num_attention_heads,
-                config.num_key_value_heads,
-                config.head_dim,
-                config.rms_norm_eps,
-                norm_offset=True,
-                gated=True,
-                bias=config.attention_bias,
-            )
-        self.mlp = SparseMoeBlock(
+        moe = SparseMoeBlock(
             config.hidden_size,
             config.moe_intermediate_size,
             config.num_experts,
@@ -44,14 +27,7 @@ class Qwen3_5MoeDecoderLayer(nn.Module):
             renormalise=True,
             shared_intermediate_size=config.shared_expert_intermediate_size,
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        mixed = mixer(self.input_layernorm(x, ctx.ops), ctx, layer)
-        normed, x = self.post_attention_layernorm.add(x, mixed, ctx.ops)  # residual add + norm
-        return x + self.mlp(normed, ctx.ops)
+        super().__init__(config, layer, mlp=moe)
 
 
 def build_qwen3_5_moe(config: TargetConfig) -> CausalLM:

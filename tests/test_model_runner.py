@@ -4,7 +4,6 @@ engine's forwards are captured as CUDA graphs."""
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import torch
 
@@ -14,18 +13,18 @@ from reference_engine.runtime.model_runner import graphs_possible
 CUDA = torch.device("cuda")
 
 
-def target(moe: bool) -> SimpleNamespace:
-    return SimpleNamespace(config=SimpleNamespace(is_moe=moe))
-
-
 def test_graphs_need_cuda_capturable_kernels_and_no_eager_flag() -> None:
     capturable = replace(TORCH, capturable=True)
-    assert graphs_possible(CUDA, capturable, target(False), enforce_eager=False)
-    assert not graphs_possible(torch.device("cpu"), capturable, target(False), enforce_eager=False)
-    assert not graphs_possible(CUDA, replace(TORCH, capturable=False), target(False), enforce_eager=False)
-    assert not graphs_possible(CUDA, capturable, target(False), enforce_eager=True)
+    assert graphs_possible(CUDA, capturable, enforce_eager=False)
+    assert not graphs_possible(torch.device("cpu"), capturable, enforce_eager=False)
+    assert not graphs_possible(CUDA, replace(TORCH, capturable=False), enforce_eager=False)
+    assert not graphs_possible(CUDA, capturable, enforce_eager=True)
 
 
-def test_a_mixture_of_experts_target_runs_eagerly() -> None:
-    """Its expert loop asks the host which experts have tokens: no capture can hold that."""
-    assert not graphs_possible(CUDA, replace(TORCH, capturable=True), target(True), enforce_eager=False)
+def test_the_references_are_not_capturable_and_the_triton_tables_are() -> None:
+    """The references' expert loop asks the host which experts have tokens (so do other
+    reference kernels); the Triton tables route and run experts on the device alone."""
+    triton_ops = __import__("pytest").importorskip("reference_engine.kernels.triton_ops")
+    assert not TORCH.capturable
+    assert triton_ops.TRITON.capturable and triton_ops.VENDOR.capturable
+    assert triton_ops.TRITON.experts is triton_ops.VENDOR.experts is not TORCH.experts

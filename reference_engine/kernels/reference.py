@@ -423,3 +423,56 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """
     best, ids = logits.max(dim=-1)
     return torch.where(best.isnan(), logits.shape[-1], ids)
+
+
+def route_experts(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing, as transformers routes: softmax of the router logits in
+    float32 whatever their dtype, the top k, optionally renormalised to sum 1 (still float32),
+    cast back to the logits' dtype. A near-tie between two experts is decided on float32
+    probabilities.
+
+    logits: [tokens, experts] -> (weights [tokens, k] in logits' dtype, expert ids [tokens, k]
+    int64), each token's experts in ascending id order (the order their outputs are summed in).
+    """
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(logits.dtype)
+    experts, order = experts.sort(dim=-1)
+    return weights.gather(-1, order), experts
+
+
+def experts(
+    x: torch.Tensor,  # [tokens, hidden]
+    weights: torch.Tensor,  # [tokens, k] routing weights, x's dtype
+    ids: torch.Tensor,  # [tokens, k] expert ids, ascending per token
+    gate_up: torch.Tensor,  # [experts, 2 * inter, hidden], gate rows first
+    down: torch.Tensor,  # [experts, hidden, inter]
+    census: torch.Tensor | None = None,  # [2] int64: (distinct experts, calls), added to
+) -> torch.Tensor:
+    """sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t, where expert e
+    is the SwiGLU MLP down[e] @ (silu(gate[e] @ x) * up[e] @ x). Each (token, expert) output is
+    rounded to x's dtype, times its weight (rounded), and the k products are added one at a
+    time in slot order j = 0, 1, ..., each sum rounded: the order transformers' eager loop adds
+    them in, and one that does not depend on the other tokens. `census`, when given, gets the
+    number of distinct experts the tokens chose and one call added. Returns [tokens, hidden].
+
+    One expert at a time, for the experts that have tokens (a host synchronisation: which
+    ones), so it cannot be captured in a CUDA graph; kernels/moe.py is the capturable one.
+    """
+    tokens, k = ids.shape
+    inter = down.shape[-1]
+    weighted = x.new_empty(tokens, k, x.shape[-1])
+    chosen = ids.unique().tolist()
+    for e in chosen:
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        projected = linear(x[token], gate_up[e])
+        out = linear(silu_mul(projected[:, :inter], projected[:, inter:]), down[e])
+        weighted[token, slot] = out * weights[token, slot, None]
+    if census is not None:
+        census += torch.tensor([len(chosen), 1], device=census.device)
+    out = weighted[:, 0]
+    for j in range(1, k):
+        out = out + weighted[:, j]
+    return out

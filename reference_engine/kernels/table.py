@@ -26,6 +26,8 @@ class Kernels:
     greedy: Callable
     copy_rows: Callable
     conv_state_at: Callable
+    route_experts: Callable
+    experts: Callable
     # every kernel takes positions and lengths from device tensors (no host value bounds a
     # loop or a slice), so a forward through the table can be captured as a CUDA graph
     capturable: bool = False
@@ -46,4 +48,6 @@ TORCH = Kernels(
     greedy=reference.greedy,
     copy_rows=reference.copy_rows,
     conv_state_at=reference.conv_state_at,
+    route_experts=reference.route_experts,
+    experts=reference.experts,
 )

@@ -4,7 +4,8 @@
 the contract of its PyTorch reference (kernels/reference.py).
 
 `VENDOR`, the `fast` numerics: cuBLAS GEMMs (through the reference `linear`) and PyTorch's
-argmax, every other kernel the Triton one. The GEMMs are the only kernels whose bits move
+argmax, every other kernel the Triton one (a mixture of experts' grouped products too: the
+vendor library has no grouped GEMM that a graph captures without the host). The GEMMs are the only kernels whose bits move
 with the batch, and the only ones a vendor library runs faster at every row count; the other
 Triton kernels take lengths from device tensors, so the fast numerics are captured as CUDA
 graphs too, and exact vs fast compares the cost of invariant matrix products alone."""
@@ -18,6 +19,7 @@ from .argmax import greedy
 from .attention import attention
 from .gated_delta import causal_conv_step, gated_delta, gated_delta_inputs
 from .matmul import matmul
+from .moe import experts, route_experts
 from .norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
 from .rope import attention_inputs
 from .rows import conv_state_at, copy_rows
@@ -38,6 +40,8 @@ TRITON = Kernels(
     greedy=greedy,
     copy_rows=copy_rows,
     conv_state_at=conv_state_at,
+    route_experts=route_experts,
+    experts=experts,
     capturable=True,
 )
 

@@ -4,16 +4,17 @@ A router scores every expert for each token; the token goes through its k best e
 (SwiGLU MLPs) and their outputs are summed, each times its routing weight. Qwen3.5-MoE adds
 a shared expert that every token goes through, scaled by sigmoid(shared_expert_gate(x)).
 
-Routing follows transformers bit for bit: the softmax over the router logits, the top-k and
-the renormalisation run in float32 whatever the model dtype, and the weights are then cast
-to the model dtype. A near-tie between two experts is decided on float32 probabilities, as
-the published models were trained and as other engines route.
-
-The sum over a token's k experts runs in one fixed order, ascending expert id, one expert at
-a time: the order transformers' eager loop adds them in, and one that does not depend on
-which other tokens share the batch. Each expert's matmuls run through the kernels table
-(`ops.linear`), so with batch-invariant kernels a token's output is the same bits alone or
-in any batch.
+The routing and the experts run through the kernels table (`ops.route_experts`,
+`ops.experts`; their contracts are in kernels/reference.py). The references route as
+transformers does, bit for bit: the softmax over the router logits, the top-k and the
+renormalisation in float32 whatever the model dtype, the weights then cast to the model
+dtype, so a near-tie between two experts is decided on float32 probabilities, as the
+published models were trained and as other engines route. A token's k expert outputs are
+added in one fixed order, ascending expert id, one at a time: the order transformers' eager
+loop adds them in, and one that does not depend on which other tokens share the step. On
+CUDA the Triton kernels (kernels/moe.py) keep that order and never ask the host which experts
+have tokens, so a step can be captured in a CUDA graph and a token's output is the same bits
+alone or in any batch.
 
 Weights keep the layout transformers 5 holds in memory (checkpoint/__init__.py also reads
 the per-expert layout into it): `experts.gate_up_proj` [E, 2I, H], gate rows first, and
@@ -29,26 +30,9 @@ from ..kernels import TORCH, Kernels
 from .layers import MLP
 
 
-def route(
-    logits: torch.Tensor,  # [tokens, experts] router logits in the model dtype
-    top_k: int,
-    renormalise: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's k experts and their weights: softmax in float32, top-k, optional
-    renormalisation to sum 1 (still float32), cast back to the logits' dtype. Returns
-    (weights [tokens, k] in the logits' dtype, expert ids [tokens, k]), each token's experts in
-    ascending id order (the order their outputs are summed in)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(logits.dtype)
-    experts, order = experts.sort(dim=-1)
-    return weights.gather(-1, order), experts
-
-
 class TopKRouter(nn.Module):
-    """The router (`mlp.gate.weight` [E, H]): logits, then `route`."""
+    """The router (`mlp.gate.weight` [E, H]): logits through the kernels' linear, then their
+    `route_experts` (float32 softmax, top k, optional renormalisation)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalise: bool) -> None:
         super().__init__()
@@ -58,21 +42,18 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [tokens, hidden] -> (weights [tokens, k], expert ids [tokens, k])
-        return route(ops.linear(x, self.weight), self.top_k, self.renormalise)
+        return ops.route_experts(ops.linear(x, self.weight), self.top_k, self.renormalise)
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stacked: down[e] @ (silu(gate[e] @ x) * up[e] @ x)."""
+    """E SwiGLU experts stacked: down[e] @ (silu(gate[e] @ x) * up[e] @ x), run by the kernels'
+    `experts` (the per-expert loop of the references, or the grouped products of
+    kernels/moe.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-    def expert(self, e: int, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
-        # x: [n, hidden] -> [n, hidden]
-        gate, up = ops.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return ops.linear(ops.silu_mul(gate, up), self.down_proj[e])
 
     def forward(
         self,
@@ -80,20 +61,47 @@ class Experts(nn.Module):
         weights: torch.Tensor,  # [tokens, k]
         experts: torch.Tensor,  # [tokens, k] ascending ids per token
         ops: Kernels = TORCH,
+        census: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """sum over j of weights[t, j] * expert_{experts[t, j]}(x[t]), j = 0, 1, ... in turn.
         Returns [tokens, hidden]."""
-        tokens, k = experts.shape
-        # every (token, slot) output first, then the sum slot by slot: each token's experts
-        # are added in its own ascending-id order, whatever the other tokens route to
-        weighted = x.new_empty(tokens, k, x.shape[-1])
-        for e in experts.unique().tolist():  # host sync: which experts have tokens
-            token, slot = (experts == e).nonzero(as_tuple=True)
-            weighted[token, slot] = self.expert(e, x[token], ops) * weights[token, slot, None]
-        out = weighted[:, 0]
-        for j in range(1, k):
-            out = out + weighted[:, j]
-        return out
+        return ops.experts(x, weights, experts, self.gate_up_proj, self.down_proj, census)
+
+
+class ExpertCensus:
+    """How many distinct experts the MoE layers' steps route to, per step width (tokens a row:
+    1 for a decode step, B for a verify, a prefill bucket's tokens for prefill), summed over
+    layers and calls on the device, so that counting neither synchronises with the host nor
+    breaks a CUDA graph. Each width's counter is a row of one buffer allocated up front: a
+    graph captured with the census holds its row and adds to it at every replay."""
+
+    def __init__(self, device: torch.device | str, widths: int = 64) -> None:
+        self.counts = torch.zeros(widths, 2, dtype=torch.int64, device=device)
+        self.rows: dict[int, int] = {}
+
+    def counter(self, width: int) -> torch.Tensor | None:
+        """The [distinct experts, calls] counter of a width (None past the buffer's rows)."""
+        row = self.rows.setdefault(width, len(self.rows))
+        return self.counts[row] if row < len(self.counts) else None
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+    def mean_distinct(self, width: int) -> float | None:
+        """Distinct experts per layer per call at a width, None when no call ran at it."""
+        row = self.rows.get(width)
+        if row is None or row >= len(self.counts):
+            return None
+        distinct, calls = self.counts[row].tolist()
+        return distinct / calls if calls else None
+
+
+def count_experts(model: nn.Module, census: ExpertCensus | None) -> None:
+    """Every MoE block of `model` adds to `census` from its next forward on (None: stops).
+    Set it before CUDA graphs are captured: a graph keeps what it was captured with."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.census = census
 
 
 class SparseMoeBlock(nn.Module):
@@ -113,6 +121,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalise)
         self.experts = Experts(hidden_size, intermediate_size, num_experts)
+        self.census: ExpertCensus | None = None
         self.shared_expert: MLP | None = None
         if shared_intermediate_size:
             self.shared_expert = MLP(hidden_size, shared_intermediate_size)
@@ -122,7 +131,8 @@ class SparseMoeBlock(nn.Module):
         # x: [batch, T, hidden] -> [batch, T, hidden]
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.gate(flat, ops)
-        out = self.experts(flat, weights, experts, ops)
+        counter = self.census.counter(x.shape[1]) if self.census is not None else None
+        out = self.experts(flat, weights, experts, ops, counter)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat, ops)
             out = out + torch.sigmoid(ops.linear(flat, self.shared_expert_gate.weight)) * shared

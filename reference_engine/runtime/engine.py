@@ -23,6 +23,7 @@ other rows of the step commit what they would have committed anyway.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
@@ -31,8 +32,11 @@ from ..errors import RequestError
 from ..kernels import Kernels, default_numerics, select
 from ..models import CausalLM, fuse_projections
 from ..models.dflash import DFlashDraft, DraftState
+from .commit import verify_record
 from .decode import context_length, stop_ids
 from .engine_config import EngineConfig
+from .graphs import PREFILL_BATCH_TOKENS
+from .memory import GiB, MemoryPlan, activation_peak, plan_memory, state_cost, weight_bytes
 from .model_runner import ModelRunner, graphs_possible
 from .oracle import Proposer
 from .outputs import StepOutput, StepOutputs
@@ -73,15 +77,14 @@ class Engine:
             if draft is not None:
                 fuse_projections(draft)
         room = self.context_len + self.block_size  # a verify may run past the last token
-        use_graphs = graphs_possible(self.device, ops, target, config.enforce_eager)
+        use_graphs = graphs_possible(self.device, ops, config.enforce_eager)
         # CUDA graphs pad a batch to its bucket with rows on one spare slot that no request owns
         slots = config.max_num_seqs + int(use_graphs)
-        self.state = TargetState(
-            target.config, slots, room, self.dtype, self.device, self.block_size, config.commit_strategy
-        )
-        self.draft_state = (
-            DraftState(draft.config, slots, room, self.dtype, self.device) if draft is not None else None
-        )
+        self.memory: MemoryPlan | None = None
+        if self.device.type == "cuda" and config.gpu_memory_utilization is not None:
+            self.memory = self._plan_memory(ops, slots, room, use_graphs)
+        before = torch.cuda.memory_allocated(self.device) if self.memory is not None else 0
+        self.state, self.draft_state = self.build_states(slots, room, self.device)
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.admission,
@@ -121,9 +124,56 @@ class Engine:
         if self.speculative_step is not None:
             self.speculative_step.capture_commit()
         self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
+        if self.memory is not None:
+            graphs = torch.cuda.memory_allocated(self.device) - before - self.memory.state
+            line = f"{self.memory.describe()}; CUDA graphs {graphs / GiB:.2f} GiB"
+            print(line, file=sys.stderr, flush=True)
         # called as observer(seq, state, length) after each speculative commit
         # (the state-equality gates); None in normal use
         self.commit_observer = None
+
+    def build_states(
+        self, slots: int, room: int, device: torch.device
+    ) -> tuple[TargetState, DraftState | None]:
+        """The target's and the draft's state for `slots` slots of `room` tokens each (on the
+        meta device: what they would take, for the memory plan)."""
+        config = self.config
+        state = TargetState(
+            self.target.config, slots, room, self.dtype, device, self.block_size, config.commit_strategy
+        )
+        draft_state = None
+        if self.draft is not None:
+            draft_state = DraftState(self.draft.config, slots, room, self.dtype, device)
+        return state, draft_state
+
+    def _plan_memory(self, ops: Kernels, slots: int, room: int, use_graphs: bool) -> MemoryPlan:
+        """Whether `slots` x `room` tokens of state fit the device's budget (memory.py), from
+        the device's size, the weights and a measured activation peak; ConfigError if not."""
+        config = self.config
+        # the largest prefill: one chunk eagerly, a batched bucket's tokens with graphs
+        prefill_tokens = min(max(config.prefill_chunk, PREFILL_BATCH_TOKENS * use_graphs), self.context_len)
+        record = verify_record(config.commit_strategy, self.target) if self.draft is not None else None
+        activations = activation_peak(
+            self.target,
+            self.draft,
+            ops,
+            self.build_states,
+            config.max_num_seqs,
+            max(self.block_size, 1),
+            prefill_tokens,
+            record,
+        )
+        return plan_memory(
+            torch.cuda.get_device_properties(self.device).total_memory,
+            config.gpu_memory_utilization,
+            weight_bytes(self.target, self.draft),
+            activations,
+            state_cost(self.build_states),
+            slots,
+            room,
+            config.max_num_seqs,
+            self.context_len,
+        )
 
     @property
     def ops(self) -> Kernels:

@@ -3,10 +3,9 @@ commit), each run from a captured CUDA graph when one fits and eagerly otherwise
 one place that makes that choice; callers get the same typed outputs (forwards.py) either way.
 
 Graphs exist on CUDA for the kernel tables that can be captured (graphs.py says which and
-why), unless the engine was told to run eagerly or the target routes a mixture of experts
-(`graphs_possible`). A shape no graph holds (a last block shorter
-than B, more rows than the largest bucket, a chunk past its slot's room) runs eagerly, and
-gives the same bits in the exact numerics.
+why), unless the engine was told to run eagerly (`graphs_possible`). A shape no graph
+holds (a last block shorter than B, more rows than the largest bucket, a chunk past its
+slot's room) runs eagerly, and gives the same bits in the exact numerics.
 """
 
 from __future__ import annotations
@@ -25,12 +24,12 @@ from .state import TargetState
 from .transfer import to_device
 
 
-def graphs_possible(device: torch.device, ops: Kernels, target: CausalLM, enforce_eager: bool) -> bool:
+def graphs_possible(device: torch.device, ops: Kernels, enforce_eager: bool) -> bool:
     """Whether the engine's forwards can be captured as CUDA graphs: on CUDA, for kernels that
-    take positions and lengths from device tensors, unless told to run eagerly. A
-    mixture-of-experts target runs eagerly: its expert loop asks the host which experts have
-    tokens, which a capture cannot hold."""
-    return device.type == "cuda" and ops.capturable and not enforce_eager and not target.config.is_moe
+    take positions, lengths and a mixture of experts' routing from device tensors (the
+    references' expert loop asks the host which experts have tokens), unless told to run
+    eagerly."""
+    return device.type == "cuda" and ops.capturable and not enforce_eager
 
 
 class ModelRunner:
@@ -150,7 +149,7 @@ class ModelRunner:
             return replayed
         embeds = self.target.embed(block) * self.draft.config.input_embedding_scale
         hidden = self.draft(embeds, positions, slots, self.draft_state, kv_len, valid_len=valid, ops=self.ops)
-        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops))
+        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops, block[:, 0]))
 
     def verify(
         self,

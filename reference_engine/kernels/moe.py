@@ -1,0 +1,322 @@
+"""A mixture of experts in four kernels that never ask the host anything, so that a step can be
+captured in a CUDA graph, with every token's bits independent of the other tokens in the step.
+
+- `route_experts`: per token, the float32 softmax of the router logits, the top k (k rounds
+  of an argmax; an exact tie goes to the lower expert id), the optional renormalisation, the
+  weights cast to the model dtype, written in ascending expert id order. A program holds 16
+  tokens and a fixed layout, so a token's sums run in one order whatever the token count.
+- `experts`: the (token, slot) pairs grouped by expert, then two grouped matrix products over
+  the groups and the per-token sum over slots:
+  1. `_group_kernel`, one program: each expert's pair count, the groups' starts and the pairs
+     in expert order (stable: a group keeps pair order). It also adds the number of distinct
+     experts to a census when one is given (the benchmark's floor counts them).
+  2. `_grouped_kernel` with SWIGLU: program (e, column tile) runs over expert e's pairs, 16
+     rows at a time, the gate and up products of the same columns side by side, and writes
+     silu(gate) * up in group order.
+  3. `_grouped_kernel` without: the down product, each row times its routing weight, written
+     at the pair's own row.
+  4. `_slot_sum_kernel`: each token's k weighted outputs added in slot order.
+  Grids are fixed by the shapes (programs of experts without pairs return at once), so one
+  graph per shape replays for any routing.
+
+Bits: every output element of the grouped products sums its K products in ascending order,
+16 at a time, into one float32 accumulator, as kernels/matmul.py does, so a pair's row is the
+same bits whichever rows share its tile; and the roundings are the references' (each product
+rounded to the model dtype, silu rounded before the multiply, the weight's product rounded,
+each slot's add rounded), so the result equals the per-expert loop of kernels/reference.py
+run through the Triton matmul. Which pairs an expert gets changes only which programs do the
+work. The GPU tier checks both claims bitwise (tests/test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import LAUNCH
+
+ROUTE_TOKENS = 16  # tokens a routing program holds: fixed, so a token's reductions are too
+GROUP_CHUNK = 32  # pairs the grouping program reads at a time
+ROWS = 16  # rows of a grouped product tile
+SWIGLU_COLUMNS = 32  # output columns of a gate-and-up program (two accumulators)
+DOWN_COLUMNS = 64
+DEPTH = 128  # K per load (bfloat16/float16); float32 takes half
+SUM_BLOCK = 1024
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    T,
+    E,
+    TOP_K: tl.constexpr,
+    RENORMALISE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    col_ok = cols < E
+    x = tl.load(
+        logits_ptr + rows[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+    ).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite (never stored)
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    # the top k: k rounds of an argmax over what is not yet chosen (the lowest id of a tie)
+    chosen = cols[None, :] < 0
+    left = tl.where(col_ok[None, :], p, -1.0)
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(left, axis=1)
+        pick = cols[None, :] == best[:, None]
+        chosen = chosen | pick
+        left = tl.where(pick, -1.0, left)
+    w = tl.where(chosen, p, 0.0)
+    if RENORMALISE:
+        w = w / tl.sum(w, axis=1)[:, None]
+    # a chosen expert's slot: how many chosen experts have a lower id
+    slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+    at = rows[:, None] * TOP_K + slot
+    keep = chosen & row_ok[:, None]
+    tl.store(ids_ptr + at, (cols[None, :] + 0 * rows[:, None]).to(tl.int64), mask=keep)
+    tl.store(weights_ptr + at, w.to(weights_ptr.dtype.element_ty), mask=keep)
+
+
+def route_experts(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/reference.route_experts's contract: [tokens, experts] router logits ->
+    (weights [tokens, k] in the logits' dtype, ids [tokens, k] int64, ascending per token)."""
+    tokens, n = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(triton.cdiv(tokens, ROUTE_TOKENS),)](
+            logits,
+            weights,
+            ids,
+            tokens,
+            n,
+            TOP_K=top_k,
+            RENORMALISE=renormalise,
+            BLOCK_T=ROUTE_TOKENS,
+            BLOCK_E=triton.next_power_of_2(n),
+            **LAUNCH,
+        )
+    return weights, ids
+
+
+@triton.jit
+def _group_kernel(
+    ids_ptr,
+    order_ptr,
+    starts_ptr,
+    census_ptr,
+    P,
+    E,
+    CENSUS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < P, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    tl.store(starts_ptr + experts, starts, mask=experts < E)
+    tl.store(starts_ptr + E, P)
+    # second pass: a pair's place is its group's start plus the pairs of its expert before it
+    filled = starts
+    for p0 in range(0, P, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < P, other=-1).to(tl.int32)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit
+        place = tl.sum((filled[None, :] + before) * hit, axis=1)
+        tl.store(order_ptr + place, pairs, mask=pairs < P)
+        filled += tl.sum(hit, axis=0)
+    if CENSUS:
+        tl.store(census_ptr, tl.load(census_ptr) + tl.sum((counts > 0).to(tl.int64), axis=0))
+        tl.store(census_ptr + 1, tl.load(census_ptr + 1) + 1)
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    order_ptr,
+    starts_ptr,
+    scale_ptr,
+    N,
+    K,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOP_K: tl.constexpr,
+    SWIGLU: tl.constexpr,  # gate rows [0, N) and up rows [N, 2N): silu(gate) * up, group order
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    start = tl.load(starts_ptr + e)
+    end = tl.load(starts_ptr + e + 1)
+    out_ty = out_ptr.dtype.element_ty
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)  # places in group order
+        row_ok = rows < end
+        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+        src = pair // TOP_K if SWIGLU else rows  # the token's row, or the gated row's place
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a = tl.load(
+                a_ptr + src[:, None] * stride_a + (k0 + ks)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_e + cols[None, :] * stride_wn + (k0 + ks)[:, None],
+                mask=col_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if SWIGLU:
+                b_up = tl.load(
+                    w_e + (N + cols)[None, :] * stride_wn + (k0 + ks)[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None],
+                    other=0.0,
+                )
+                if IEEE:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, b_up, acc_up)
+        ok = row_ok[:, None] & col_ok[None, :]
+        if SWIGLU:  # the references' roundings: each product, then silu, then the product
+            g = acc.to(out_ty).to(tl.float32)
+            silu = (g * _sigmoid(g)).to(out_ty).to(tl.float32)
+            value = (silu * acc_up.to(out_ty).to(tl.float32)).to(out_ty)
+            tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], value, mask=ok)
+        else:  # the expert's output rounded, times the routing weight, rounded
+            weight = tl.load(scale_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+            value = (acc.to(out_ty).to(tl.float32) * weight[:, None]).to(out_ty)
+            tl.store(out_ptr + pair[:, None] * stride_o + cols[None, :], value, mask=ok)
+
+
+@triton.jit
+def _slot_sum_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    out_ty = out_ptr.dtype.element_ty
+    acc = tl.load(x_ptr + token * TOP_K * H + cols, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOP_K):  # each add rounded, as a sum of model-dtype tensors
+        acc = (acc + tl.load(x_ptr + (token * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)).to(
+            out_ty
+        )
+        acc = acc.to(tl.float32)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ty), mask=ok)
+
+
+def experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    census: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """kernels/reference.experts's contract (module docstring: how, and why the bits hold)."""
+    tokens, k = ids.shape
+    n_experts, inter, hidden = down.shape[0], down.shape[-1], x.shape[-1]
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if not tokens:
+        return out
+    pairs = tokens * k
+    x = x.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    order = torch.empty(pairs, dtype=torch.int32, device=x.device)
+    starts = torch.empty(n_experts + 1, dtype=torch.int32, device=x.device)
+    _group_kernel[(1,)](
+        ids.contiguous(),
+        order,
+        starts,
+        census if census is not None else starts,
+        pairs,
+        n_experts,
+        CENSUS=census is not None,
+        CHUNK=GROUP_CHUNK,
+        BLOCK_E=triton.next_power_of_2(n_experts),
+        **LAUNCH,
+    )
+    ieee = x.dtype == torch.float32
+    depth = DEPTH // 2 if ieee else DEPTH
+    gated = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # in group order
+    _grouped_kernel[(n_experts, triton.cdiv(inter, SWIGLU_COLUMNS))](
+        x,
+        gate_up,
+        gated,
+        order,
+        starts,
+        weights,
+        inter,
+        hidden,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        gated.stride(0),
+        TOP_K=k,
+        SWIGLU=True,
+        IEEE=ieee,
+        BLOCK_M=ROWS,
+        BLOCK_N=SWIGLU_COLUMNS,
+        BLOCK_K=depth,
+        **LAUNCH,
+    )
+    weighted = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # in pair order
+    _grouped_kernel[(n_experts, triton.cdiv(hidden, DOWN_COLUMNS))](
+        gated,
+        down,
+        weighted,
+        order,
+        starts,
+        weights.contiguous(),
+        hidden,
+        inter,
+        gated.stride(0),
+        down.stride(0),
+        down.stride(1),
+        weighted.stride(0),
+        TOP_K=k,
+        SWIGLU=False,
+        IEEE=ieee,
+        BLOCK_M=ROWS,
+        BLOCK_N=DOWN_COLUMNS,
+        BLOCK_K=depth,
+        **LAUNCH,
+    )
+    _slot_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
+        weighted, out, hidden, TOP_K=k, BLOCK=SUM_BLOCK, **LAUNCH
+    )
+    return out

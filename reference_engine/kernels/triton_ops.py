@@ -4,8 +4,8 @@
 the contract of its PyTorch reference (kernels/reference.py).
 
 `VENDOR`, the `fast` numerics: cuBLAS GEMMs (through the reference `linear`) and PyTorch's
-argmax, every other kernel the Triton one (a mixture of experts' grouped products too: the
-vendor library has no grouped GEMM that a graph captures without the host). The GEMMs are the only kernels whose bits move
+argmax, every other kernel the Triton one (a mixture of experts' grouped products too, so
+exact and fast differ in the dense projections alone). The GEMMs are the only kernels whose bits move
 with the batch, and the only ones a vendor library runs faster at every row count; the other
 Triton kernels take lengths from device tensors, so the fast numerics are captured as CUDA
 graphs too, and exact vs fast compares the cost of invariant matrix products alone."""

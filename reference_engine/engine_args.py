@@ -13,10 +13,14 @@ the ones it takes and may give its own default.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import DTYPES
+import torch
+
+from .checkpoint import DTYPES, parse_dtype, read_config
+from .errors import ConfigError, RequestError
 from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 
@@ -51,9 +55,21 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         {"default": "replay", "choices": COMMIT_STRATEGIES},
     ),
     "dtype": EngineOption(
-        ("--dtype",), "weights and activations", {"default": "float32", "choices": list(DTYPES)}
+        ("--dtype",),
+        "weights and activations; auto: the checkpoint's torch_dtype (float32 on the CPU for a "
+        "half-precision checkpoint)",
+        {"default": "auto", "choices": ["auto", *DTYPES]},
     ),
-    "device": EngineOption(("--device",), "cpu, cuda or cuda:N", {"default": "cpu"}),
+    "device": EngineOption(
+        ("--device",), "cpu, cuda or cuda:N; auto: cuda when there is one, else cpu", {"default": "auto"}
+    ),
+    "gpu_memory_utilization": EngineOption(
+        ("--gpu-memory-utilization",),
+        "share of the GPU's memory the engine may use, in (0, 1]: the state (KV caches, Gated "
+        "DeltaNet states) gets what the weights and the activations leave of it, and a "
+        "configuration that does not fit stops at start (ignored on the CPU)",
+        {"type": float, "default": 0.9},
+    ),
     "max_num_seqs": EngineOption(
         ("--max-num-seqs",), "slots: requests decoded at once", {"type": int, "default": 8}
     ),
@@ -87,3 +103,53 @@ def add_engine_options(
         elif name in overrides:
             kwargs["default"] = override
         parser.add_argument(*option.flags, **kwargs)
+
+
+HALF_PRECISION = ("bfloat16", "float16")
+
+
+def resolve_device(name: str) -> torch.device:
+    """`--device`: auto is cuda when a CUDA device is available, else cpu; a named device must
+    exist here."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RequestError(f"unknown --device {name!r}, expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RequestError(f"--device {name} asked for, but no CUDA device is available here")
+    return device
+
+
+def checkpoint_dtype(config: dict) -> str | None:
+    """The dtype a Hugging Face config.json names (`torch_dtype`, or transformers 5's `dtype`;
+    a multimodal wrapper's from its `text_config` when the top level has none)."""
+    for source in (config, config.get("text_config") or {}):
+        for key in ("torch_dtype", "dtype"):
+            if isinstance(source.get(key), str):
+                return source[key]
+    return None
+
+
+def resolve_dtype(name: str, model_dir: str | None, device: torch.device) -> torch.dtype:
+    """`--dtype`: auto is the checkpoint's own dtype (float32 when it names none), except that a
+    half-precision checkpoint runs in float32 on the CPU, where the references are slow and
+    inexact in half precision; a note on stderr says so. A named dtype is used as it is."""
+    if name != "auto":
+        return parse_dtype(name)
+    found = checkpoint_dtype(read_config(model_dir)) if model_dir is not None else None
+    if found is None:
+        return torch.float32
+    if device.type == "cpu" and found in HALF_PRECISION:
+        print(
+            f"note: --dtype auto runs the {found} checkpoint in float32 on the CPU "
+            f"(--dtype {found} keeps its own)",
+            file=sys.stderr,
+        )
+        return torch.float32
+    if found == "float16":
+        return torch.float16
+    if found not in DTYPES:
+        raise ConfigError(f"the checkpoint's dtype {found!r} is not one of {', '.join(DTYPES)}; pass --dtype")
+    return DTYPES[found]

@@ -1,7 +1,7 @@
 """Generate for one prompt from the command line.
 
     python -m reference_engine.generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3)
-        --max-tokens N [--dtype float64|float32|bfloat16] [--device cpu|cuda]
+        --max-tokens N [--dtype auto|float64|float32|bfloat16] [--device auto|cpu|cuda]
         [--stop-ids 5,6] [--ignore-eos] [--temperature T --top-p P --top-k K --seed S]
         [--draft DIR [--block-size N] [--commit-strategy replay|per_token|recompute]]
         [--json]
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import load_draft, load_target, parse_dtype
-from .engine_args import add_engine_options
+from .checkpoint import load_draft, load_target
+from .engine_args import add_engine_options, resolve_device, resolve_dtype
 from .errors import ReferenceEngineError, RequestError, exit_with
 from .runtime.decode import generate_plain
 from .runtime.engine import EngineConfig
@@ -85,18 +85,9 @@ class GenerateArgs:
         return cls(**vars(cls.parser().parse_args(argv)))
 
 
-def check_device(name: str) -> None:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise RequestError(f"unknown --device {name!r}, expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RequestError(f"--device {name} asked for, but no CUDA device is available here")
-
-
 def run(args: GenerateArgs) -> dict:
-    check_device(args.device)
-    model = load_target(args.model, dtype=parse_dtype(args.dtype), device=args.device)
+    device = resolve_device(args.device)
+    model = load_target(args.model, dtype=resolve_dtype(args.dtype, args.model, device), device=device)
     tokenizer = None
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)
@@ -118,7 +109,7 @@ def run(args: GenerateArgs) -> dict:
         ignore_eos=args.ignore_eos,
         seed=args.seed,
     )
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     extra = {}
     if args.draft is None:
         result = generate_plain(

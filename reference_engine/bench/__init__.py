@@ -58,7 +58,7 @@ import torch
 
 from ..checkpoint import load_draft, load_target, parse_dtype
 from ..demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
-from ..engine_args import NUMERICS_HELP, add_engine_options
+from ..engine_args import NUMERICS_HELP, add_engine_options, resolve_device, resolve_dtype
 from ..errors import ReferenceEngineError, exit_with
 from ..kernels import NUMERICS
 from ..runtime.engine import Engine, EngineConfig
@@ -86,8 +86,9 @@ class BenchArgs:
     output_len: int
     block_size: int | None
     commit_strategy: str
-    dtype: str | None
+    dtype: str
     device: str
+    gpu_memory_utilization: float
     repeats: int
     seed: int
     profile_capture: bool
@@ -127,16 +128,7 @@ class BenchArgs:
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy")
-        add_engine_options(
-            p,
-            "dtype",
-            "device",
-            dtype={
-                "default": None,
-                "help": "weights and activations (default: bfloat16 on cuda, float32 on cpu)",
-            },
-            device="cuda" if torch.cuda.is_available() else "cpu",
-        )
+        add_engine_options(p, "dtype", "device", "gpu_memory_utilization")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument(
@@ -201,11 +193,14 @@ class BenchArgs:
 
 
 def load_pair(args: BenchArgs):
-    dtype = parse_dtype(args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    device = resolve_device(args.device)
     if args.random_shape:
+        # a real shape's checkpoints are bfloat16: `auto` runs them so on cuda, in float32 on cpu
+        auto = "bfloat16" if device.type == "cuda" else "float32"
+        dtype = parse_dtype(auto if args.dtype == "auto" else args.dtype)
         block = 16 if args.block_size is None else args.block_size
-        return random_pair(args.random_shape, args.device, dtype, args.seed, block_size=block)
-    target = load_target(args.model, dtype=dtype, device=args.device)
+        return random_pair(args.random_shape, str(device), dtype, args.seed, block_size=block)
+    target = load_target(args.model, dtype=resolve_dtype(args.dtype, args.model, device), device=device)
     return target, load_draft(args.draft, target)
 
 
@@ -257,6 +252,7 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
         max_model_len=max(map(len, prompts)) + args.output_len,
         numerics=numerics,
         enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     return Engine(target, draft, config)
 

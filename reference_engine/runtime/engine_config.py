@@ -33,6 +33,10 @@ class EngineConfig:
     # run every forward eagerly; by default the decode, draft, verify and commit of both
     # numerics on CUDA replay CUDA graphs captured at start-up (graphs.py)
     enforce_eager: bool = False
+    # CUDA: the share of the device's memory the engine may use (vLLM's meaning; memory.py):
+    # a state that does not fit is refused at start; None allocates the state unchecked (and
+    # on the CPU it is never checked)
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -52,6 +56,8 @@ class EngineConfig:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.numerics is not None and self.numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

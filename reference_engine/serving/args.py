@@ -32,6 +32,8 @@ class ServeArgs:
     api_key_scope: str = "api"
     timeout_keep_alive: float = 5.0
     header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 512
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
@@ -115,6 +117,18 @@ class ServeArgs:
             default=10.0,
             help="seconds a connection has to send a request's headers",
         )
+        p.add_argument(
+            "--body-timeout",
+            type=float,
+            default=30.0,
+            help="seconds a request has to send its whole body after its headers; then HTTP 408",
+        )
+        p.add_argument(
+            "--max-connections",
+            type=_positive_int,
+            default=512,
+            help="open connections at most; a request on one more gets HTTP 503",
+        )
         return p
 
 
@@ -126,6 +140,16 @@ def _threads(text: str) -> int:
     if threads < 1:
         raise argparse.ArgumentTypeError(f"threads must be >= 1, got {threads}")
     return threads
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _port(text: str) -> int:

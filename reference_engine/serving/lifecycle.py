@@ -1,9 +1,6 @@
-"""The server's connection and shutdown policy on top of uvicorn.
+"""The server's shutdown policy on top of uvicorn (what one connection may hold:
+connections.py).
 
-- Header timeout: a connection must deliver a request's headers within `header_timeout_s`
-  of opening (or of its previous response), else it is closed: a client that trickles
-  header bytes cannot hold a connection forever. Idle keep-alive connections close after
-  uvicorn's `timeout_keep_alive`.
 - Graceful shutdown: on SIGTERM (or SIGINT) the server stops admitting: it keeps listening,
   and every new request gets 503 (`/health` says "draining"), while the requests in flight
   run for up to `grace_s`; then it ends each one that is left with an error event and
@@ -19,62 +16,16 @@ does; `GracefulServer` only decides when.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .async_engine import AsyncEngine
 from .protocol import ProtocolError
 
-log = logging.getLogger(__name__)
 BACKSTOP_S = 5.0  # after the grace period, how long the error events get to be written
-
-
-def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline for each request's headers."""
-
-    class HeaderTimeoutProtocol(H11Protocol):
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_timer()
-
-        def _arm_header_timer(self) -> None:
-            self._cancel_header_timer()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
-
-        def _cancel_header_timer(self) -> None:
-            timer = getattr(self, "_header_timer", None)
-            if timer is not None:
-                timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                log.info(
-                    "closing a connection that sent no complete request headers in %s s", header_timeout_s
-                )
-                self.transport.close()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.conn.their_state is not h11.IDLE:  # the headers are in
-                self._cancel_header_timer()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_header_timer()
-
-        def connection_lost(self, exc) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
-
-    return HeaderTimeoutProtocol
 
 
 class GracefulServer(uvicorn.Server):

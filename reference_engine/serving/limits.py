@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
 from .protocol import ProtocolError
@@ -38,11 +39,16 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
         raise _too_large(int(declared), limits)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limits.max_bytes:
-            raise _too_large(size, limits)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_bytes:
+                raise _too_large(size, limits)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # connections.py has answered (408: too slow; 400: cut short) and closed the connection:
+        # this error reaches no client, it only ends the route quietly
+        raise ProtocolError("the connection closed before the request body was complete") from None
     return b"".join(chunks)
 
 

@@ -9,8 +9,10 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/comp
 (SSE streaming with `[DONE]`, `stream_options.include_usage` and
 `continuous_usage_stats`), GET /metrics (Prometheus text; see metrics.py). Protocol
 details and extensions: protocol.py. Bad requests get HTTP 400 with an OpenAI-style error
-body; a body over --max-body-mb 413; a full queue 429; a wrong or missing API key 401 (compared
-in constant time; --api-key-scope all protects every endpoint but /health). A request the
+body; a body over --max-body-mb 413; a body not complete within --body-timeout 408 (400 at
+once when the client closes its side first); a request on a connection past --max-connections
+503; a full queue 429; a wrong or missing API key 401 (compared in constant time;
+--api-key-scope all protects every endpoint but /health). A request the
 engine fails gets 500 (an error event and [DONE] when streaming) and harms no other request.
 SIGTERM stops admitting (503), gives requests in flight --shutdown-grace seconds, then ends
 the rest with an error event and [DONE] (lifecycle.py).
@@ -18,7 +20,7 @@ the rest with an error event and [DONE] (lifecycle.py).
 This module holds `main`. Its options: args.py; the model and its engine behind the
 routes: service.py; the routes and the API key: app.py; one request's event stream:
 generation.py; the streamed and the whole reply made from it: replies.py; start, drain and
-shutdown: lifecycle.py.
+shutdown: lifecycle.py; what one connection may hold (timeouts, the cap): connections.py.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import uvicorn
 from ..errors import ReferenceEngineError, exit_with
 from .app import create_app
 from .args import ServeArgs
-from .lifecycle import BACKSTOP_S, header_timeout_protocol
+from .connections import connection_policy_protocol
+from .lifecycle import BACKSTOP_S
 from .service import Server
 
 __all__ = ["main"]
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level="warning",
-        http=header_timeout_protocol(args.header_timeout),
+        http=connection_policy_protocol(args.header_timeout, args.body_timeout, args.max_connections),
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=args.shutdown_grace + BACKSTOP_S,
     )

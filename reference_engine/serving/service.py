@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..checkpoint import load_draft, load_target, parse_dtype
+from ..checkpoint import load_draft, load_target
+from ..engine_args import resolve_device, resolve_dtype
 from ..errors import ReferenceEngineError
 from ..runtime.engine import Engine, EngineConfig
 from ..runtime.oracle import OracleProposer
@@ -30,12 +31,10 @@ class Server:
     thread, draining and shutdown are its `lifecycle` (lifecycle.py)."""
 
     def __init__(self, args: ServeArgs) -> None:
-        device = torch.device(args.device)
+        device = resolve_device(args.device)
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ReferenceEngineError(f"--device {args.device}: no CUDA device available")
-        target = load_target(args.model, dtype=parse_dtype(args.dtype), device=device)
+        target = load_target(args.model, dtype=resolve_dtype(args.dtype, args.model, device), device=device)
         draft = None
         if args.draft:
             draft = load_draft(args.draft, target)
@@ -49,6 +48,7 @@ class Server:
             max_waiting=args.max_waiting,
             numerics=args.numerics,
             enforce_eager=args.enforce_eager,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)

@@ -78,3 +78,41 @@ def test_the_benchmark_gives_each_step_as_a_multiple_of_the_floor(tmp_path: Path
         assert abs(float(row["over_floor"]) - ratio) < 1e-9
         assert float(row["floor_ms_min"]) <= float(row["floor_ms"]) <= float(row["floor_ms_max"])
     assert "ms per decode step | floor ms [min, max] | x floor" in capsys.readouterr().out
+
+
+def test_an_moe_floor_reads_the_experts_it_is_told_and_k_by_default() -> None:
+    from reference_engine.bench.shapes import random_pair
+
+    target, _ = random_pair("qwen3-moe-small", "cpu", torch.float32)
+    config = target.config
+    expert = 3 * config.moe_intermediate_size * config.hidden_size  # gate, up and down
+    dense = sum(w.numel() for w in streamed_weights(target, experts_per_layer=0))
+    for n in (1, 4, 9):
+        weights = streamed_weights(target, experts_per_layer=n)
+        assert sum(w.numel() for w in weights) == dense + config.num_hidden_layers * n * expert
+        assert len({(w.data_ptr(), w.shape) for w in weights}) == len(weights)  # each one once
+    floor = weight_streaming_floor(target, repeats=2)
+    assert floor.experts_per_layer == config.num_experts_per_tok == 4
+    assert floor.bytes == 4 * (dense + config.num_hidden_layers * 4 * expert)
+    assert weight_streaming_floor(target, repeats=2, experts_per_layer=6.4).bytes == 4 * (
+        dense + config.num_hidden_layers * 6 * expert
+    )
+
+
+def test_the_benchmark_counts_the_distinct_experts_of_each_step(tmp_path: Path, capsys) -> None:
+    """One token routes to exactly k experts a layer; a verify of B tokens to at least k and
+    at most min(E, B x k); the floor of each mode reads what its steps routed to."""
+    out = tmp_path / "moe.csv"
+    argv = ["--random-shape", "qwen3-moe-small", "--dtype", "float32", "--device", "cpu"]
+    argv += ["--concurrency", "1,2", "--repeats", "1", "--input-len", "8", "--output-len", "12"]
+    argv += ["--block-size", "4", "--floor", "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = list(csv.DictReader(out.open()))
+    plain = [r for r in rows if r["mode"] == "plain"]
+    dflash = [r for r in rows if r["mode"] == "dflash"]
+    assert float(plain[0]["distinct_experts"]) == 4.0  # c1: one token a step
+    assert 4.0 < float(plain[1]["distinct_experts"]) <= 8.0  # c2: two tokens (rarely the same 4)
+    for r in dflash:
+        assert 4.0 < float(r["distinct_experts"]) <= 16.0
+        assert float(r["floor_experts_per_layer"]) == float(r["distinct_experts"])
+    assert "distinct experts a layer" in capsys.readouterr().out

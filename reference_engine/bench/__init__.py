@@ -24,7 +24,10 @@ GPU, monotonic host time on a CPU: `phase_clock` says which), phases as in stats
 n_<phase> = times the phase ran; ms_step = host wall time inside engine.step() over the
 run and `steps` its count, so ms_step minus the top-level phases is the step's time
 outside every phase (`sample` runs inside `prefill` and `decode`, the others do not nest).
-Each column is a median on its own.
+Each column is a median on its own. distinct_experts (a mixture-of-experts target) = distinct
+experts a MoE layer routed a step's rows to, per layer and step: decode steps (plain) or
+verifies (DFlash), counted on the device in every run; with --floor the step's floor reads
+that many experts a layer (bench/floor.py), measured per mode.
 
 --profile-capture calls cudaProfilerStart after each concurrency's warm-up and
 cudaProfilerStop after its repeats, so `nsys profile --capture-range=cudaProfilerApi
@@ -61,6 +64,7 @@ from ..demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from ..engine_args import NUMERICS_HELP, add_engine_options, resolve_device, resolve_dtype
 from ..errors import ReferenceEngineError, exit_with
 from ..kernels import NUMERICS
+from ..models.moe import ExpertCensus, census_of, count_experts
 from ..runtime.engine import Engine, EngineConfig
 from ..runtime.oracle import OracleProposer
 from ..runtime.request import SamplingParams
@@ -264,6 +268,9 @@ def run_once(
     statistics started afresh. Returns the row and outputs."""
     engine.reset_stats()
     draft, target = engine.draft, engine.target
+    census = census_of(target)
+    if census is not None:
+        census.reset()
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     block = engine.block_size
     vocab = target.config.vocab_size
@@ -305,6 +312,8 @@ def run_once(
         "ms_per_decode_step": decode_step_ms(phases, engine.timer.calls, kind, draft is not None),
         **{f"n_{phase}": engine.timer.calls[phase] for phase in PHASES},
         "phase_clock": "cuda_events" if on_gpu else "host",
+        # a mixture of experts: distinct experts per layer of a decode step (plain) or verify
+        "distinct_experts": census.mean_distinct(block if draft else 1) if census is not None else None,
         "steps": steps,
         "output_tokens": total,
         "wall_s": wall,
@@ -321,13 +330,17 @@ def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> f
 
 
 def print_floor(rows: list[dict]) -> None:
-    print("mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor")
+    moe = any(r.get("floor_experts_per_layer") is not None for r in rows)
+    print(
+        "mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor"
+        + (" | distinct experts a layer" if moe else "")
+    )
     for r in rows:
         print(
             f"{r['mode']} | {r['numerics']} | {r['concurrency']} | "
             f"{_figure(r, 'ms_per_decode_step', 2)} | "
             f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
-            f"{r['over_floor']:.2f}"
+            f"{r['over_floor']:.2f}" + (f" | {r['floor_experts_per_layer']:.1f}" if moe else "")
         )
 
 
@@ -427,6 +440,8 @@ def benchmark(args: BenchArgs) -> list[dict]:
             flush=True,
         )
     capture = args.profile_capture and device.startswith("cuda")
+    if target.config.is_moe:  # counted in every run, graphs included (bench/floor.py: why)
+        count_experts(target, ExpertCensus(device))
     rows = []
     for c in args.concurrency:
         count = args.num_prompts or c
@@ -453,15 +468,17 @@ def benchmark(args: BenchArgs) -> list[dict]:
         with capture_range(capture):
             measured = measure(engines, prompts, args, c, warm["outputs"])
         del engines
-        floor = weight_streaming_floor(target, rows=c) if args.floor else None
         for runs in measured.values():
             row = median_row(runs)
-            if floor is not None:
+            if args.floor:
+                # an MoE step's floor reads the experts its runs routed to: one per mode
+                floor = weight_streaming_floor(target, rows=c, experts_per_layer=row["distinct_experts"])
                 row.update(
                     floor_ms=floor.ms_median,
                     floor_ms_min=floor.ms_min,
                     floor_ms_max=floor.ms_max,
                     floor_gb_per_s=floor.gb_per_s,
+                    floor_experts_per_layer=floor.experts_per_layer,
                     over_floor=row["ms_per_decode_step"] / floor.ms_median,
                 )
             rows.append(row)

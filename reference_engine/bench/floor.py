@@ -8,6 +8,14 @@ read only through its lookup is not; a stack of fused projections is one matrix)
 buffer of its own and nothing else, chained in one CUDA graph so that launch gaps do not
 count, timed by CUDA events over replays. On the CPU the same chain is timed by the host
 clock (the figure is then a CPU streaming time, rarely a useful floor).
+
+A mixture-of-experts step reads only the experts its rows route to: the floor reads, besides
+the attention, router and shared-expert matrices, `experts_per_layer` experts of every MoE
+layer (gate-and-up and down each), the mean number of distinct experts the step's layers
+chose, counted by the engine benchmark's census (models/moe.ExpertCensus) in the same run.
+It grows with the rows of a step: a decode step of one token reads k experts a layer, a
+verify of B tokens up to B x k of them. Without a count the floor reads k a layer, the least
+any step reads.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models import CausalLM
+from ..models.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -28,16 +37,18 @@ class Floor:
     ms_max: float
     bytes: int  # weight bytes read per step
     repeats: int
+    experts_per_layer: float | None = None  # experts read per MoE layer (None: a dense model)
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.ms_median / 1e6
 
 
-def streamed_weights(model: CausalLM) -> list[torch.Tensor]:
+def streamed_weights(model: CausalLM, experts_per_layer: float | None = None) -> list[torch.Tensor]:
     """Every weight matrix a decode step reads whole, as the engine stores them: a stack of
     fused projections (models/layers.FusedLinears) as one matrix, the other 2-D parameters,
-    the input embedding only when it doubles as the LM head."""
+    the input embedding only when it doubles as the LM head, and of every MoE layer the
+    first round(`experts_per_layer`) experts' matrices (default k: module docstring)."""
     embed = model.model.embed_tokens.weight
     stacks, covered = [], set()
     for module in model.modules():
@@ -45,17 +56,24 @@ def streamed_weights(model: CausalLM) -> list[torch.Tensor]:
         if fused is not None and fused.live():
             stacks.append(fused.weight)
             covered.update(id(linear.weight) for linear in fused.linears)
+        if isinstance(module, SparseMoeBlock):
+            n = module.gate.top_k if experts_per_layer is None else round(experts_per_layer)
+            for e in range(n):
+                stacks += [module.experts.gate_up_proj[e], module.experts.down_proj[e]]
     out = stacks + [p for p in model.parameters() if p.dim() == 2 and p is not embed and id(p) not in covered]
     if model.config.tie_word_embeddings:
         out.append(embed)
     return out
 
 
-def weight_streaming_floor(model: CausalLM, repeats: int = 20, rows: int = 1) -> Floor:
+def weight_streaming_floor(
+    model: CausalLM, repeats: int = 20, rows: int = 1, experts_per_layer: float | None = None
+) -> Floor:
     """Median (and range) over `repeats` of the time to read every weight once with `rows`
     input rows (1 for a decode step of one request): one vendor matrix product per weight
-    into a buffer of its own, nothing else in the chain."""
-    weights = streamed_weights(model)
+    into a buffer of its own, nothing else in the chain; of a mixture of experts,
+    `experts_per_layer` experts a layer (module docstring)."""
+    weights = streamed_weights(model, experts_per_layer)
     device = weights[0].device
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=device) for w in weights}
     outputs = [torch.empty(rows, w.shape[0], dtype=w.dtype, device=device) for w in weights]
@@ -87,4 +105,9 @@ def weight_streaming_floor(model: CausalLM, repeats: int = 20, rows: int = 1) ->
                 chain()
                 times.append(1000 * (time.perf_counter() - t0))
     size = sum(w.numel() * w.element_size() for w in weights)
-    return Floor(statistics.median(times), min(times), max(times), size, repeats)
+    moe = any(isinstance(m, SparseMoeBlock) for m in model.modules())
+    if moe and experts_per_layer is None:
+        experts_per_layer = float(model.config.num_experts_per_tok)
+    return Floor(
+        statistics.median(times), min(times), max(times), size, repeats, experts_per_layer if moe else None
+    )

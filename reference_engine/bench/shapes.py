@@ -170,6 +170,24 @@ TARGET_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "eos_token_id": 4095,
     },
+    "qwen3-moe-small": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "eos_token_id": 4095,
+    },
 }
 DRAFT_HEADS = {
     "qwen3-8b": (32, 8, 128, 12288),
@@ -179,6 +197,7 @@ DRAFT_HEADS = {
     "qwen3.5-35b-a3b": (32, 4, 128, 6144),
     "qwen3-small": (4, 2, 64, 512),
     "qwen3.5-small": (4, 2, 64, 512),
+    "qwen3-moe-small": (4, 2, 64, 512),
 }
 
 

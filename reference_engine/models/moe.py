@@ -96,6 +96,11 @@ class ExpertCensus:
         return distinct / calls if calls else None
 
 
+def census_of(model: nn.Module) -> ExpertCensus | None:
+    """The census `model`'s MoE blocks add to (None: a dense model, or no census set)."""
+    return next((m.census for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+
+
 def count_experts(model: nn.Module, census: ExpertCensus | None) -> None:
     """Every MoE block of `model` adds to `census` from its next forward on (None: stops).
     Set it before CUDA graphs are captured: a graph keeps what it was captured with."""

@@ -4,11 +4,14 @@ that builds an engine offers them under the same flags, help and choices."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
+import torch
 
 from reference_engine.bench import BenchArgs
-from reference_engine.engine_args import ENGINE_OPTIONS, add_engine_options
+from reference_engine.engine_args import ENGINE_OPTIONS, add_engine_options, resolve_device, resolve_dtype
+from reference_engine.errors import RequestError
 from reference_engine.generate import GenerateArgs
 from reference_engine.serving.args import ServeArgs
 
@@ -33,6 +36,7 @@ SHARED = {
         "max_model_len",
         "numerics",
         "enforce_eager",
+        "gpu_memory_utilization",
     ),
     "generate": (
         "model",
@@ -53,6 +57,7 @@ SHARED = {
         "device",
         "numerics",
         "enforce_eager",
+        "gpu_memory_utilization",
     ),
 }
 
@@ -79,3 +84,30 @@ def test_the_draft_answers_to_both_of_its_names_everywhere() -> None:
 def test_an_unknown_engine_option_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['drafts'\]"):
         add_engine_options(argparse.ArgumentParser(), "drafts")
+
+
+def test_device_auto_is_the_gpu_when_there_is_one() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    with pytest.raises(RequestError, match="unknown --device 'nonsense'"):
+        resolve_device("nonsense")
+
+
+@pytest.mark.parametrize(
+    ("config", "device", "expected"),
+    [
+        ({"torch_dtype": "bfloat16"}, "cuda", torch.bfloat16),
+        ({"dtype": "float32"}, "cuda", torch.float32),  # transformers 5's name
+        ({"text_config": {"torch_dtype": "bfloat16"}}, "cuda", torch.bfloat16),  # a wrapper
+        ({"torch_dtype": "bfloat16"}, "cpu", torch.float32),
+        ({}, "cpu", torch.float32),
+    ],
+)
+def test_dtype_auto_is_the_checkpoints_own_and_float32_for_half_precision_on_the_cpu(
+    tmp_path, capsys, config: dict, device: str, expected: torch.dtype
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_dtype("auto", str(tmp_path), torch.device(device)) == expected
+    noted = "runs the bfloat16 checkpoint in float32 on the CPU" in capsys.readouterr().err
+    assert noted == (device == "cpu" and config.get("torch_dtype") == "bfloat16")
+    assert resolve_dtype("bfloat16", str(tmp_path), torch.device("cpu")) == torch.bfloat16

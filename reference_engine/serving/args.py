@@ -27,6 +27,7 @@ class ServeArgs:
     oracle_acceptance: float | None
     numerics: str | None
     enforce_eager: bool
+    gpu_memory_utilization: float = 0.9
     max_body_mb: float = 4.0
     shutdown_grace: float = 5.0
     api_key_scope: str = "api"
@@ -84,7 +85,7 @@ class ServeArgs:
             help="benchmarks only: force this mean acceptance length on greedy "
             "requests (the draft still runs; output is not checked)",
         )
-        add_engine_options(p, "numerics", "enforce_eager")
+        add_engine_options(p, "numerics", "enforce_eager", "gpu_memory_utilization")
         p.add_argument(
             "--max-body-mb",
             type=float,

@@ -36,6 +36,10 @@ MODEL_TYPES = {
 WRAPPER_TYPES = ("qwen3_5", "qwen3_5_moe")
 SUPPORTED_TARGET_TYPES = tuple(MODEL_TYPES)
 
+DFLASH = "DFlashDraftModel"
+DFLASH2 = "DFlash2DraftModel"
+DRAFT_ARCHITECTURES = (DFLASH, DFLASH2)
+
 
 def _require(raw: dict[str, Any], name: str, where: str) -> Any:
     if name not in raw or raw[name] is None:
@@ -450,7 +454,9 @@ def published_target_layer_ids(num_target_layers: int, num_draft_layers: int) ->
 @dataclass(frozen=True)
 class DraftConfig:
     """A z-lab DFlash draft (`architectures: ["DFlashDraftModel"]`): Qwen3-style layers that
-    attend over projected target features plus the noise block."""
+    attend over projected target features plus the noise block. A DFlash2 draft
+    (`DFlash2DraftModel`, docs/dflash2.md) adds the grouped dynamic convolution around every
+    sublayer and the candidate selector; its `dflash_config` fields are 0 for DFlash."""
 
     vocab_size: int
     hidden_size: int
@@ -472,9 +478,24 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    architecture: str = DFLASH  # one of DRAFT_ARCHITECTURES
+    # whether the block attends causally; None: the legacy rule (sliding layers causal, full
+    # layers not). DFlash2 checkpoints say `is_causal: false`.
+    causal: bool | None = None
+    conv_kernel_size: int = 0  # DFlash2: taps of the dynamic convolution
+    conv_group_size: int = 0  # DFlash2: channels that share one dynamic tap weight
+    selector_rank: int = 0  # DFlash2: rank of the selector's transition codebooks
+    selector_top_k: int = 0  # DFlash2: candidates kept per block slot
 
     def __post_init__(self) -> None:
-        where = "DFlash draft config"
+        where = "DFlash2 draft config" if self.is_dflash2 else "DFlash draft config"
+        if self.architecture not in DRAFT_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown draft architecture '{self.architecture}', expected one of "
+                f"{', '.join(DRAFT_ARCHITECTURES)}"
+            )
+        if self.is_dflash2:
+            self._check_dflash2(where)
         if self.block_size < 2:
             raise ConfigError(f"{where}: block_size must be >= 2, got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -501,18 +522,46 @@ class DraftConfig:
                 f"{where}: mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})"
             )
 
+    def _check_dflash2(self, where: str) -> None:
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ConfigError(f"{where}: '{name}' must be a positive integer, got {value}")
+        if self.hidden_size % self.conv_group_size:
+            raise ConfigError(
+                f"{where}: conv_group_size {self.conv_group_size} does not divide hidden_size "
+                f"{self.hidden_size}"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ConfigError(
+                f"{where}: selector_top_k {self.selector_top_k} exceeds the vocabulary {self.vocab_size}"
+            )
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == DFLASH2
+
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
+    def layer_causal(self, layer: int) -> bool:
+        """Whether draft layer `layer` attends causally inside the block: `causal` when the
+        checkpoint says, else the legacy rule (sliding layers causal, full layers not)."""
+        if self.causal is not None:
+            return self.causal
+        return self.layer_types[layer] == SLIDING_ATTENTION
+
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> DraftConfig:
-        where = "DFlash draft config"
-        if "DFlashDraftModel" not in (raw.get("architectures") or []):
+        named = [a for a in DRAFT_ARCHITECTURES if a in (raw.get("architectures") or [])]
+        if not named:
             raise ConfigError(
                 f"not a DFlash draft: architectures {raw.get('architectures')!r} does not "
-                "name DFlashDraftModel"
+                f"name {' or '.join(DRAFT_ARCHITECTURES)}"
             )
+        architecture = named[-1]  # DFlash2 when both are named
+        where = "DFlash draft config" if architecture == DFLASH else "DFlash2 draft config"
         dflash = raw.get("dflash_config") or {}
         num_layers = _positive_int(raw, "num_hidden_layers", where)
         hidden = _positive_int(raw, "hidden_size", where)
@@ -549,6 +598,8 @@ class DraftConfig:
             ),
             output_multiplier=float(dflash.get("output_multiplier", raw.get("output_multiplier", 1.0))),
             final_logit_softcapping=float(softcap) if softcap else None,
+            architecture=architecture,
+            **(_dflash2_fields(raw, dflash, where) if architecture == DFLASH2 else {}),
         )
 
     def check_target(self, target: TargetConfig) -> None:
@@ -572,3 +623,19 @@ class DraftConfig:
                 f"draft was built for a {self.num_target_layers}-layer target (num_target_layers)"
                 f", the target has {target.num_hidden_layers} layers"
             )
+
+
+def _dflash2_fields(raw: dict[str, Any], dflash: dict[str, Any], where: str) -> dict[str, Any]:
+    """The DFlash2 fields: `dflash_config` first, then the top level (as the published
+    implementations read them); causality from `dflash_config.causal` or `is_causal`."""
+    merged = {**raw, **dflash}
+    causal = dflash.get("causal", raw.get("is_causal"))
+    if causal is not None and not isinstance(causal, bool):
+        raise ConfigError(f"{where}: 'is_causal' must be true or false, got {causal!r}")
+    return dict(
+        causal=causal,
+        conv_kernel_size=_positive_int(merged, "conv_kernel_size", where),
+        conv_group_size=_positive_int(merged, "conv_group_size", where),
+        selector_rank=_positive_int(merged, "selector_rank", where),
+        selector_top_k=_positive_int(merged, "selector_top_k", where),
+    )

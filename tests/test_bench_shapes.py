@@ -10,8 +10,7 @@ import pytest
 
 from reference_engine.bench.shapes import DRAFT_HEADS, TARGET_SHAPES, draft_raw
 from reference_engine.config import DraftConfig, TargetConfig
-from reference_engine.models import expected_shapes
-from reference_engine.models.dflash import draft_expected_shapes
+from reference_engine.models import draft_expected_shapes, expected_shapes
 
 # name -> (tensors, parameters and active parameters: ranges in billions) of the published
 # model; Qwen3.5-35B-A3B's text model only (the checkpoint's vision tower and MTP layer are

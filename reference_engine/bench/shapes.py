@@ -20,8 +20,8 @@ from ..checkpoint import assemble_draft, assemble_target
 from ..checkpoint.synthetic import random_weights
 from ..config import DraftConfig, TargetConfig, published_target_layer_ids
 from ..errors import ConfigError
-from ..models import CausalLM, expected_shapes
-from ..models.dflash import DFlashDraft, draft_expected_shapes
+from ..models import CausalLM, draft_expected_shapes, expected_shapes
+from ..models.dflash import DFlashDraft
 
 TARGET_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {

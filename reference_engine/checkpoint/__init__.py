@@ -10,7 +10,10 @@ Layouts read:
 
 DFlash drafts (z-lab layout): `architectures: ["DFlashDraftModel"]`, tensors `layers.*`,
 `fc`, `hidden_norm`, `norm` (a leading `model.` is accepted too); the draft borrows the
-target's `embed_tokens` and `lm_head`.
+target's `embed_tokens` and `lm_head`. DFlash2 drafts (`DFlash2DraftModel`) add, per layer,
+`attention_conv` and `mlp_conv` (`base_kernel`, `kernel_projection.weight`) and one
+`candidate_selector` (`predecessor_codebook`, `successor_codebook`,
+`hidden_projection.weight`).
 
 """
 
@@ -29,9 +32,9 @@ from safetensors.torch import save_file
 
 from ..config import DraftConfig, TargetConfig
 from ..errors import CheckpointError, ConfigError
-from ..models import CausalLM, build_target, expected_shapes
+from ..models import CausalLM, build_draft, build_target, draft_expected_shapes, expected_shapes
 from ..models.base import target_rotary
-from ..models.dflash import DFlashDraft, draft_expected_shapes
+from ..models.dflash import DFlashDraft
 from ..models.layers import RotaryEmbedding
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -278,7 +281,7 @@ def assemble_draft(
     config: DraftConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
 ) -> DFlashDraft:
     return _assemble(
-        lambda: DFlashDraft(config), tensors, RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+        lambda: build_draft(config), tensors, RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
     )
 
 
@@ -298,7 +301,7 @@ def load_draft(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> DFlashDraft:
-    """Load a z-lab DFlash draft and check it against its target (dtype/device default to
+    """Load a z-lab DFlash or DFlash2 draft and check it against its target (dtype/device default to
     the target's)."""
     weight = target.model.embed_tokens.weight
     dtype = dtype or weight.dtype

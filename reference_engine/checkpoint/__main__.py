@@ -5,7 +5,7 @@ python -m reference_engine.checkpoint make-tiny
     [--seed N] [--layers N] [--hidden N] [--vocab N] [--multimodal-wrapper]
     [--tie-word-embeddings] [--bias] [--expert-layout per_expert|fused]
     [--shards N] [--dtype float32|bfloat16]
-python -m reference_engine.checkpoint make-tiny --arch dflash --target DIR --out DIR
+python -m reference_engine.checkpoint make-tiny --arch {dflash,dflash2} --target DIR --out DIR
     [--block-size N] [--layers N] [--seed N]
 """
 
@@ -16,17 +16,17 @@ import sys
 
 from ..errors import ReferenceEngineError, exit_with
 from . import parse_dtype
-from .synthetic import EXPERT_LAYOUTS, TINY_ARCHS, make_tiny_draft, make_tiny_target
+from .synthetic import EXPERT_LAYOUTS, TINY_ARCHS, TINY_DRAFT_ARCHS, make_tiny_draft, make_tiny_target
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m reference_engine.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
-    tiny.add_argument("--arch", required=True, choices=[*TINY_ARCHS, "dflash"])
+    tiny.add_argument("--arch", required=True, choices=[*TINY_ARCHS, *TINY_DRAFT_ARCHS])
     tiny.add_argument("--out", required=True, help="output directory")
-    tiny.add_argument("--target", help="dflash only: the target model directory to match")
-    tiny.add_argument("--block-size", type=int, default=8, help="dflash only")
+    tiny.add_argument("--target", help="drafts only: the target model directory to match")
+    tiny.add_argument("--block-size", type=int, default=8, help="drafts only")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
         "--layers", type=int, default=None, help="decoder layers (default 4 for targets, 2 for drafts)"
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        if args.arch == "dflash":
+        if args.arch in TINY_DRAFT_ARCHS:
             if not args.target:
-                parser.error("--arch dflash needs --target DIR")
+                parser.error(f"--arch {args.arch} needs --target DIR")
             out = make_tiny_draft(
                 args.out,
                 args.target,
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 layers=args.layers or 2,
                 seed=args.seed,
                 dtype=parse_dtype(args.dtype),
+                arch=args.arch,
             )
             print(out)
             return 0

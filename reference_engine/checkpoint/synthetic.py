@@ -12,8 +12,7 @@ import torch
 
 from ..config import DraftConfig, TargetConfig
 from ..errors import CheckpointError, ConfigError
-from ..models import expected_shapes
-from ..models.dflash import draft_expected_shapes
+from ..models import draft_expected_shapes, expected_shapes
 from ..tokenizer import EOS_TOKEN, MASK_TOKEN, build_tiny_tokenizer, load_tokenizer, save_tokenizer
 from . import WRAPPER_PREFIX, read_config, write_safetensors
 
@@ -42,6 +41,13 @@ def random_weights(
             out[name] = 1.0 + normal(shape, 0.1)
         elif name.endswith("conv1d.weight"):
             out[name] = normal(shape, 0.5)
+        elif leaf == "base_kernel":  # DFlash2 [2, taps, hidden]: near the identity at tap 0
+            out[name] = normal(shape, 0.1)
+            out[name][:, 0] += 1.0
+        elif name.endswith("kernel_projection.weight"):  # DFlash2 dynamic taps, beside the base
+            out[name] = normal(shape, 0.3 * shape[-1] ** -0.5)
+        elif leaf.endswith("_codebook"):  # DFlash2 selector [vocab, rank]: bigrams of order 1
+            out[name] = normal(shape, shape[-1] ** -0.25)
         elif len(shape) == 1 and leaf == "weight":  # norm weights
             offset_norm = norm_offset and not name.endswith("linear_attn.norm.weight")
             out[name] = normal(shape, 0.1) + (0.0 if offset_norm else 1.0)
@@ -276,6 +282,13 @@ def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     return ids
 
 
+TINY_DRAFT_ARCHS = ("dflash", "dflash2")
+# the tiny DFlash2 draft: the published dflash_config (kernel 2, groups of 16) at a small rank
+# and K; a window shorter than the gates' longest prompt, so that sliding is exercised
+TINY_DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+TINY_DFLASH2_WINDOW = 64
+
+
 def make_tiny_draft(
     out: str | Path,
     target: str | Path,
@@ -283,8 +296,14 @@ def make_tiny_draft(
     layers: int = 2,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    arch: str = "dflash",
 ) -> Path:
-    """Write a tiny random DFlash draft matching the target in `target`."""
+    """Write a tiny random draft matching the target in `target`: DFlash (z-lab layout) or,
+    with `arch` "dflash2", DFlash2 in the published layout (`DFlash2DraftModel`, every layer
+    sliding_attention, `is_causal` false, the convolution and selector fields in
+    `dflash_config`)."""
+    if arch not in TINY_DRAFT_ARCHS:
+        raise ConfigError(f"unknown draft arch '{arch}', expected one of {', '.join(TINY_DRAFT_ARCHS)}")
     out = Path(out)
     if block_size < 2:
         raise ConfigError(f"--block-size must be >= 2, got {block_size}")
@@ -322,6 +341,13 @@ def make_tiny_draft(
         },
         "torch_dtype": "float32",
     }
+    if arch == "dflash2":
+        raw["architectures"] = ["DFlash2DraftModel"]
+        raw["layer_types"] = ["sliding_attention"] * layers
+        raw["sliding_window"] = TINY_DFLASH2_WINDOW
+        raw["use_sliding_window"] = True
+        raw["is_causal"] = False
+        raw["dflash_config"] |= {"block_size": block_size, **TINY_DFLASH2}
     config = DraftConfig.from_hf(raw)
     tensors = random_weights(draft_expected_shapes(config), seed, norm_offset=False)
     write_safetensors(out, {n: t.to(dtype) for n, t in tensors.items()})

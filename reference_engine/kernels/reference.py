@@ -197,9 +197,9 @@ def attention(
         visible_to = positions[:, -1:, None]
     else:
         visible_to = (positions[:, 0] + valid_len - 1)[:, None, None]
-    allowed = key_pos <= visible_to  # [batch, T, kv_len]
-    if sliding_window is not None:
-        allowed &= (query_pos - key_pos < sliding_window) & (key_pos - query_pos < sliding_window)
+    allowed = key_pos <= visible_to  # [batch, T or 1 (non-causal), kv_len]
+    if sliding_window is not None:  # not in place: a non-causal limit broadcasts over T
+        allowed = allowed & (query_pos - key_pos < sliding_window) & (key_pos - query_pos < sliding_window)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         keys.transpose(1, 2),

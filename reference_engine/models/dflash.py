@@ -55,13 +55,15 @@ class DFlashDraft(nn.Module):
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config, i, bidirectional=True) for i in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([self.build_layer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def build_layer(self, config: DraftConfig, layer: int) -> nn.Module:
+        """Draft layer `layer`: a Qwen3 layer whose full-attention block is bidirectional."""
+        return Qwen3DecoderLayer(config, layer, bidirectional=True)
 
     def append_context(
         self,
@@ -96,10 +98,15 @@ class DFlashDraft(nn.Module):
         return self.norm(x, ops)
 
     def proposals(
-        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, ops: Kernels = TORCH
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        ops: Kernels = TORCH,
+        anchors: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """The proposals' logits [batch, B-1, vocab] and greedy tokens [batch, B-1] from the
-        block's hidden states [batch, B, hidden]. Both are taken over every block position,
+        block's hidden states [batch, B, hidden] (each slot's own argmax: the `anchors`
+        [batch] matter to DFlash2's selector only). Both are taken over every block position,
         the anchor's included, and sliced: the product then reads B contiguous rows per
         request, where the proposals' rows alone would need a copy and, in the fast
         numerics, lead cuBLAS to a kernel eleven times slower (Qwen3-8B's LM head on the
@@ -118,9 +125,3 @@ class DFlashDraft(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-
-def draft_expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = DFlashDraft(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}

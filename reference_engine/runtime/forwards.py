@@ -53,6 +53,9 @@ class Proposals(_Rows):
 
     logits: torch.Tensor  # [b, N, vocab] for the N draft slots
     tokens: torch.Tensor  # [b, N] greedy proposals
+    # DFlash2: the selector's candidates [b, N, K] and edges [b, N, K, K], for a sampled walk
+    candidates: torch.Tensor | None = None
+    edges: torch.Tensor | None = None
 
 
 @dataclass

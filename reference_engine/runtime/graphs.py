@@ -235,7 +235,7 @@ class EngineGraphs:
         hidden = self.draft(
             embeds, x.positions, x.slots, self.draft_state, 1, valid_len=x.valid, ops=self.ops
         )
-        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops))
+        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops, x.ids[:, 0]))
 
     def _verify_body(self, x: StepInputs) -> Verified:
         out = self.target(

@@ -36,6 +36,7 @@ from .sequence import Sequence
 from .state import TargetState
 from .stats import PhaseTimer
 from .transfer import HostCopy, to_device
+from .walk import sample_walk
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,9 @@ class SpeculativeStep:
     # ------------------------------------------------------------------ draft
     def propose(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
         """One draft forward over every row's block. Returns (block [b, N + 1]: anchor and
-        proposals, proposals [b, N], draft distributions per row (sampled rows only))."""
+        proposals, proposals [b, N], draft distributions per row (sampled rows only)). A
+        DFlash2 draft's greedy proposals are its selector's path; its sampled rows draw along
+        the path (walk.py)."""
         dcfg, N = self.draft.config, rows.positions.shape[1] - 1
         block = to_device([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs], self.device)
         drafted = self.runner.propose(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len)
@@ -148,6 +151,17 @@ class SpeculativeStep:
             n_i = rows.n[i]
             if seq.oracle is not None:
                 guesses[i] = seq.oracle.propose(seq.spec.steps, len(seq.output_ids), n_i)
+            elif not seq.params.greedy and drafted.edges is not None:  # DFlash2: along the walk
+                p = seq.params
+                proposals[i, :n_i], draft_probs[i] = sample_walk(
+                    drafted.candidates[i, :n_i],
+                    drafted.edges[i, :n_i],
+                    draft_logits.shape[-1],
+                    p.temperature,
+                    p.top_k,
+                    p.top_p,
+                    seq.generator,
+                )
             elif not seq.params.greedy:
                 p = seq.params
                 draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)

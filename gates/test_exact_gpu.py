@@ -226,6 +226,29 @@ def test_real_shape_gate_fails_on_a_split_k_matmul(shaped, numerics: str) -> Non
         shaped_run(shaped, numerics, 4)
 
 
+def test_real_shape_gate_fails_on_vendor_experts_in_verify(shaped, numerics: str) -> None:
+    """A mixture of experts whose verify runs another expert path (one expert at a time
+    through cuBLAS, as engines that pick their MoE kernel by token count do)."""
+    if not shaped[1].config.is_moe:
+        pytest.skip("a dense target has no experts")
+    if numerics == "fast":
+        pytest.skip("the fault is a kernel of the exact table")
+    with verify_with(experts=TORCH.experts), pytest.raises(AssertionError, match="differ"):
+        shaped_run(shaped, numerics, 4)
+
+
+def slots_reversed_when_many_tokens(exact_experts):
+    """A fault in the style of a batch-dependent MoE reduction: a step of several tokens adds
+    each token's k expert outputs in the opposite order."""
+
+    def experts(x, weights, ids, gate_up, down, census=None):
+        if x.shape[0] == 1:
+            return exact_experts(x, weights, ids, gate_up, down, census)
+        return exact_experts(x, weights.flip(-1), ids.flip(-1), gate_up, down, census)
+
+    return experts
+
+
 # ----------------------------------------------------------------------------- 9: batch invariance
 @torch.inference_mode()
 def batched_plain_logits(
@@ -301,5 +324,17 @@ def test_batch_gate_fails_on_a_matmul_that_splits_k_for_many_rows(shaped, numeri
     _, target, _, prompts, plain = shaped
     ops = model_ops(target, numerics)
     faulty = replace(ops, linear=split_k_when_many_rows(ops.linear))
+    with pytest.raises(AssertionError, match="logits differ alone"):
+        assert_batch_invariant(target, prompts, plain, faulty)
+
+
+def test_batch_gate_fails_on_an_expert_sum_whose_order_depends_on_the_step(shaped, numerics: str) -> None:
+    _, target, _, prompts, plain = shaped
+    if not target.config.is_moe:
+        pytest.skip("a dense target has no experts")
+    if numerics == "fast":
+        pytest.skip("the fault is a kernel of the exact table")
+    ops = model_ops(target, numerics)
+    faulty = replace(ops, experts=slots_reversed_when_many_tokens(ops.experts))
     with pytest.raises(AssertionError, match="logits differ alone"):
         assert_batch_invariant(target, prompts, plain, faulty)

@@ -150,3 +150,97 @@ def test_fused_projections_give_the_bits_of_separate_ones() -> None:
         step = model(prompt[:, :1], torch.full((3, 1), 20, device="cuda"), slots, state, 21, ops=TRITON)
         logits.append((out.logits, step.logits))
     assert torch.equal(logits[0][0], logits[1][0]) and torch.equal(logits[0][1], logits[1][1])
+
+
+# (hidden, expert intermediate, experts, k) of Qwen3-30B-A3B and Qwen3.5-35B-A3B
+MOE_SHAPES = [(2048, 768, 128, 8), (2048, 512, 256, 8)]
+TOKEN_COUNTS = [1, 2, 16, 64, 256, 1024, 4096]  # a decode step to a prefill chunk
+
+
+def moe_inputs(hidden: int, inter: int, experts: int, tokens: int):
+    gate_up = randn(experts, 2 * inter, hidden, seed=11) * hidden**-0.5
+    down = randn(experts, hidden, inter, seed=12) * inter**-0.5
+    x = randn(tokens, hidden, seed=13)
+    router = randn(experts, hidden, seed=14) * hidden**-0.5
+    return x, router, gate_up, down
+
+
+@pytest.mark.parametrize(("hidden", "inter", "experts", "k"), MOE_SHAPES)
+def test_moe_token_bits_do_not_depend_on_the_other_tokens(
+    hidden: int, inter: int, experts: int, k: int
+) -> None:
+    """Routing and experts of token 0 alone, then among 1 .. 4095 other tokens (new contents
+    at every count, so its experts' groups and its place in them change)."""
+    from reference_engine.kernels.matmul import matmul
+    from reference_engine.kernels.moe import experts as grouped
+    from reference_engine.kernels.moe import route_experts
+
+    x, router, gate_up, down = moe_inputs(hidden, inter, experts, max(TOKEN_COUNTS))
+    w1, id1 = route_experts(matmul(x[:1], router), k, True)
+    alone = grouped(x[:1], w1, id1, gate_up, down)
+    for m in TOKEN_COUNTS[1:]:
+        x_m = x[:m].clone()
+        x_m[1:] = randn(m - 1, hidden, seed=m)
+        w, ids = route_experts(matmul(x_m, router), k, True)
+        assert torch.equal(ids[:1], id1) and torch.equal(w[:1], w1), f"routing moved at {m} tokens"
+        assert torch.equal(grouped(x_m, w, ids, gate_up, down)[:1], alone), f"experts moved at {m} tokens"
+
+
+@pytest.mark.parametrize(("hidden", "inter", "experts", "k"), MOE_SHAPES)
+def test_grouped_experts_give_the_bits_of_one_expert_at_a_time(
+    hidden: int, inter: int, experts: int, k: int
+) -> None:
+    """The grouped products equal one expert at a time through the exact matmul and SwiGLU
+    kernels, bit for bit (kernels/moe.py's claim), and the references' loop with cuBLAS to a
+    tolerance."""
+    from reference_engine.kernels.matmul import matmul
+    from reference_engine.kernels.moe import experts as grouped
+    from reference_engine.kernels.norms import silu_mul
+
+    x, router, gate_up, down = moe_inputs(hidden, inter, experts, 300)
+    weights, ids = ref.route_experts(ref.linear(x, router), k, True)
+    got = grouped(x, weights, ids, gate_up, down)
+    weighted = torch.empty(*ids.shape, hidden, dtype=x.dtype, device="cuda")
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        projected = matmul(x[token], gate_up[e])
+        out = matmul(silu_mul(projected[:, :inter], projected[:, inter:]), down[e])
+        weighted[token, slot] = out * weights[token, slot, None]
+    one_at_a_time = weighted[:, 0]
+    for j in range(1, k):
+        one_at_a_time = one_at_a_time + weighted[:, j]
+    assert torch.equal(got, one_at_a_time)
+    vendor = ref.experts(x, weights, ids, gate_up, down).float()
+    assert (got.float() - vendor).norm() / vendor.norm() < 1e-2
+
+
+def test_moe_kernels_replay_in_a_cuda_graph_for_any_routing() -> None:
+    """Captured once, replayed with other tokens (other experts, other group sizes): the same
+    bits as eager runs, and the census counts every replay."""
+    from reference_engine.kernels.matmul import matmul
+    from reference_engine.kernels.moe import experts as grouped
+    from reference_engine.kernels.moe import route_experts
+
+    hidden, inter, n_experts, k = MOE_SHAPES[0]
+    x, router, gate_up, down = moe_inputs(hidden, inter, n_experts, 64)
+    census = torch.zeros(2, dtype=torch.int64, device="cuda")
+    static = x.clone()
+
+    def step():
+        w, ids = route_experts(matmul(static, router), k, True)
+        return grouped(static, w, ids, gate_up, down, census)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    census.zero_()
+    for seed in range(3):
+        static.copy_(randn(64, hidden, seed=100 + seed))
+        graph.replay()
+        w, ids = route_experts(matmul(static, router), k, True)
+        assert torch.equal(out, grouped(static, w, ids, gate_up, down))
+    assert census[1].item() == 3 and 3 * k <= census[0].item() <= 3 * n_experts

@@ -4,8 +4,9 @@ A checkpoint's `tokenizer_config.json` carries a Jinja template that runs on eve
 request. A checkpoint is not trusted, so the template renders in Jinja's immutable sandbox:
 no access to Python internals (`__class__`, `__globals__`, ...), no mutation of the objects
 passed in. A template that tries, or that fails for any other reason (including the
-`raise_exception(...)` Hugging Face templates call for unsupported roles), fails the request
-with HTTP 400, never the server.
+`raise_exception(...)` Hugging Face templates call for unsupported roles, and a Python error
+such as a division by zero inside the template), fails the request with HTTP 400, never the
+server.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def compile_chat_template(source: str):
 def render_chat_template(template, messages: list[dict]) -> str:
     try:
         return template.render(messages=messages, add_generation_prompt=True)
-    except TemplateError as exc:  # SecurityError included
+    except Exception as exc:  # TemplateError, SecurityError, and whatever the template's own code raises
         raise ProtocolError(
             f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
         ) from None

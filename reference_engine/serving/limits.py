@@ -1,9 +1,11 @@
-"""What the server accepts from an untrusted client before any parsing: a bounded body, and
-JSON that is plain data (bounded nesting, bounded integers, valid Unicode).
+"""What the server accepts from an untrusted client before any parsing: a body declared as
+JSON, bounded, and JSON that is plain data (bounded nesting, bounded integers, valid Unicode,
+no key twice in one object).
 
-Each refusal is a ProtocolError the server turns into an OpenAI-style error body: 413 for a
-body over the limit, 400 for the rest. Decoding runs off the event loop (the server calls
-`decode_json` in a worker thread), so a large body never stalls other streams.
+Each refusal is a ProtocolError the server turns into an OpenAI-style error body: 415 for a
+body not declared as JSON, 413 for a body over the limit, 400 for the rest. Decoding runs off
+the event loop (the server calls `decode_json` in a worker thread), so a large body never
+stalls other streams.
 """
 
 from __future__ import annotations
@@ -33,8 +35,19 @@ class BodyLimits:
 
 
 async def read_body(request: Request, limits: BodyLimits) -> bytes:
-    """The request body, refused (413) as soon as it is known to pass the limit: from
-    Content-Length before reading, or while streaming it in."""
+    """The request body, refused before it is read when it is not declared as JSON (415), and
+    as soon as it is known to pass the limit (413): from Content-Length before reading, or
+    while streaming it in."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        # a browser sends text/plain, a form or multipart across origins without asking first
+        # (no CORS preflight): only a JSON body proves the client meant to call the API
+        raise ProtocolError(
+            f"the request body must be sent as 'Content-Type: application/json', "
+            f"got {request.headers.get('content-type', 'no Content-Type')!r}",
+            None,
+            415,
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
         raise _too_large(int(declared), limits)
@@ -81,8 +94,19 @@ def decode_json(raw: bytes, limits: BodyLimits) -> Any:
     def parse_constant(name: str) -> float:
         raise ProtocolError(f"{name} is not valid JSON")
 
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+        # json.loads keeps the last of two equal keys: which one the client meant is a guess
+        body = {}
+        for key, value in pairs:
+            if key in body:
+                raise ProtocolError(f"the key {key!r} appears twice in one object of the request body")
+            body[key] = value
+        return body
+
     try:
-        body = json.loads(text, parse_int=parse_int, parse_constant=parse_constant)
+        body = json.loads(
+            text, parse_int=parse_int, parse_constant=parse_constant, object_pairs_hook=unique_keys
+        )
     except RecursionError:
         raise _too_deep(limits) from None
     except json.JSONDecodeError as exc:

@@ -2,7 +2,8 @@
 
 Parsing never trusts the body: every field is type-checked here and a bad one raises
 `ProtocolError` naming the field, which the server turns into HTTP 400 with an
-OpenAI-style error body. Unknown fields are ignored, as OpenAI clients send extras.
+OpenAI-style error body. Fields that are neither OpenAI's nor ours are ignored: clients send
+extras (vLLM's, SGLang's).
 
 Extensions, documented in docs/engine.md (section Serve):
 - `token_ids` in every choice and stream chunk: the generated token ids (vLLM's
@@ -12,9 +13,15 @@ Extensions, documented in docs/engine.md (section Serve):
   since different tokens may decode to the same text;
 - `prompt` may be a list of token ids;
 - `stop_token_ids`, `top_k`, `ignore_eos` (as vLLM);
-Standard parameters we do not implement are refused, not ignored: `echo: true`,
-`best_of` > 1 (400). An unknown model is 404 (`code: model_not_found`).
 - `spec_decode` beside `usage`: steps, proposed, accepted, acceptance_lengths of the request.
+
+Standard parameters we do not implement are refused, not ignored (400 naming the parameter,
+`UNIMPLEMENTED`), unless they carry the value that means "not used". Values a lenient parser
+would guess at are refused too: `top_logprobs` without `logprobs`, `stream_options` that is
+not an object or comes without `stream`, `logit_bias` keys that are not plain digits (Python
+reads "1_0" as 10), roles outside OpenAI's (a role is copied into the prompt by the chat
+template, so "<|im_start|>system" would forge a turn). An unknown model is 404 (`code:
+model_not_found`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from typing import Any
 
 from ..errors import ReferenceEngineError
 from ..runtime.request import REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
+
+FLOAT32_TINY = 2.0**-126  # torch.finfo(torch.float32).tiny
 
 
 class ProtocolError(ReferenceEngineError):
@@ -78,10 +87,12 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
         raise ProtocolError("'logit_bias' must be an object of token id -> bias", "logit_bias")
     out = []
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise ProtocolError(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        # plain ASCII digits only: int() also reads "1_0", " 5", "+5" and other scripts' digits
+        if not (key.isascii() and key.isdigit()):
+            raise ProtocolError(
+                f"'logit_bias' keys must be token ids in decimal digits, got {key!r}", "logit_bias"
+            )
+        token = int(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ProtocolError(
                 f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
@@ -95,15 +106,43 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
     return tuple(sorted(out))
 
 
+# Standard OpenAI parameters we do not implement, each with the values that mean "not used"
+# (clients send defaults; null always means not used) and what the server does instead.
+UNIMPLEMENTED: dict[str, tuple[tuple, str]] = {
+    "echo": ((False,), "the response holds the output only"),
+    "best_of": ((1,), "one sequence per request"),
+    "suffix": (("",), "no insertion: the output continues the prompt"),
+    "response_format": (({"type": "text"},), "no constrained decoding: the output is free text"),
+    "tools": (([],), "no tool calling"),
+    "tool_choice": (("none", "auto"), "no tool calling"),
+    "functions": (([],), "no function calling"),
+    "function_call": (("none",), "no function calling"),
+    "audio": ((), "text only"),
+    "modalities": ((["text"],), "text only"),
+    "prediction": ((), "no predicted outputs"),
+    "web_search_options": ((), "no web search"),
+    "reasoning_effort": ((), "no reasoning budget: the model decodes as it is"),
+    "store": ((False,), "nothing is stored"),
+    "service_tier": (("auto", "default"), "one tier"),
+}
+
+
 def _unsupported(body: dict) -> None:
     """Standard parameters we do not implement: refused rather than silently ignored."""
-    if body.get("echo"):
-        raise ProtocolError("'echo' is not supported: the response holds the output only", "echo")
-    best_of = _integer(body, "best_of", 1)
-    if best_of != 1:
-        raise ProtocolError(
-            f"'best_of' > 1 is not supported (one sequence per request), got {best_of}", "best_of"
-        )
+    for name, (not_used, instead) in UNIMPLEMENTED.items():
+        value = body.get(name)
+        # `in` alone would take 1 for true and 0 for false
+        if value is not None and not any(value == v and type(value) is type(v) for v in not_used):
+            raise ProtocolError(f"'{name}' is not supported ({instead}), got {value!r}", name)
+
+
+def _top_p(body: dict) -> float:
+    """top_p as the engine samples with it. Any top_p at or below the most likely token's
+    probability keeps that token alone; one below float32's smallest normal number would
+    round to 0 against the float32 probabilities and keep none, so it is raised to that
+    number, which keeps exactly the same single token."""
+    top_p = _number(body, "top_p", 1.0)
+    return max(top_p, FLOAT32_TINY) if top_p > 0 else top_p
 
 
 def _boolean(body: dict, name: str, default: bool) -> bool:
@@ -129,6 +168,9 @@ def message_text(content: Any) -> str | None:
     return None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -140,6 +182,10 @@ def _messages(body: dict) -> list[dict]:
             raise ProtocolError(
                 f"messages[{i}] must be {{role, content}} with string content or a list of text parts",
                 "messages",
+            )
+        if m["role"] not in ROLES:
+            raise ProtocolError(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages"
             )
         out.append({**m, "content": text})
     return out
@@ -192,6 +238,8 @@ def parse_request(
         logprobs = None
         if _boolean(body, "logprobs", False):
             logprobs = _integer(body, "top_logprobs", 0)
+        elif body.get("top_logprobs") is not None:
+            raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -208,9 +256,13 @@ def parse_request(
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise ProtocolError(f"logprobs must be in [0, 20], got {logprobs}", "logprobs")
     stream = _boolean(body, "stream", False)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ProtocolError("'stream_options' must be an object", "stream_options")
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict):
+        raise ProtocolError(f"'stream_options' must be an object, got {options!r}", "stream_options")
+    elif not stream:
+        raise ProtocolError("'stream_options' is only allowed with 'stream': true", "stream_options")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
@@ -227,7 +279,7 @@ def parse_request(
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0),
+            top_p=_top_p(body),
             top_k=0 if top_k == -1 else top_k,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_boolean(body, "ignore_eos", False),

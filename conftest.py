@@ -101,9 +101,10 @@ TinyPair = Callable[..., tuple[Path, Path]]
 
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
-    """`tiny_pair(arch="qwen3_5", block_size=8, draft_layers=2, draft_seed=0, **target_options)
-    -> (target_dir, draft_dir)`: a tiny target (`tiny_checkpoint`) and a DFlash draft for it
-    written by `make_tiny_draft`, each cached for the session by its options."""
+    """`tiny_pair(arch="qwen3_5", block_size=8, draft_layers=2, draft_seed=0, draft_arch="dflash",
+    **target_options) -> (target_dir, draft_dir)`: a tiny target (`tiny_checkpoint`) and a
+    DFlash (or, `draft_arch` "dflash2", DFlash2) draft for it written by `make_tiny_draft`,
+    each cached for the session by its options."""
     built: dict[tuple, Path] = {}
 
     def make(
@@ -111,14 +112,15 @@ def tiny_pair(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPath
         block_size: int = 8,
         draft_layers: int = 2,
         draft_seed: int = 0,
+        draft_arch: str = "dflash",
         **target_options: Any,
     ) -> tuple[Path, Path]:
         target = tiny_checkpoint(arch, **target_options)
-        key = (target, block_size, draft_layers, draft_seed)
+        key = (target, block_size, draft_layers, draft_seed, draft_arch)
         if key not in built:
-            out = tmp_path_factory.mktemp(f"{target.name}-draft-b{block_size}", numbered=True)
+            out = tmp_path_factory.mktemp(f"{target.name}-{draft_arch}-b{block_size}", numbered=True)
             built[key] = make_tiny_draft(
-                out, target, block_size=block_size, layers=draft_layers, seed=draft_seed
+                out, target, block_size=block_size, layers=draft_layers, seed=draft_seed, arch=draft_arch
             )
         return target, built[key]
 

@@ -1,7 +1,8 @@
 """Fixtures for the gates: the draft/target pairs under test.
 
-By default: a tiny dense (Qwen3) pair and a tiny hybrid (Qwen3.5) pair, written by our own
-code in the real on-disk formats, loaded in float64 on the CPU. With --target-model and
+By default: a tiny dense (Qwen3) pair and a tiny hybrid (Qwen3.5) pair with DFlash drafts and
+the dense target with a DFlash2 draft, written by our own code in the real on-disk formats,
+loaded in float64 on the CPU. With --target-model and
 --draft-model (see gates/options.py) the same gates run on a user's own checkpoints.
 """
 
@@ -18,7 +19,14 @@ from reference_engine.checkpoint import load_draft, load_target, parse_dtype
 from .checks import Pair
 from .prompts import gate_prompt_ids
 
-TINY_PAIRS = ("dense", "hybrid")
+# name -> (target arch, draft arch): every pair gate runs on a DFlash2 draft too (on the dense
+# target: what DFlash2 changes is the draft's side, and the hybrid pair's commit strategies
+# are the DFlash pair's)
+TINY_PAIRS = {
+    "dense": ("qwen3", "dflash"),
+    "hybrid": ("qwen3_5", "dflash"),
+    "dense-dflash2": ("qwen3", "dflash2"),
+}
 TINY_BLOCK_SIZE = 16
 SMALL_VOCAB = 16  # the sampling gate's target: few enough outcomes to count
 USER_PROMPTS = 32  # prompts a user's pair runs by default (built-in mixed set)
@@ -40,8 +48,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def tiny_pair_dirs(tiny_pair) -> dict[str, tuple[Path, Path]]:
     return {
-        name: tiny_pair(arch, block_size=TINY_BLOCK_SIZE, draft_layers=2, draft_seed=7)
-        for name, arch in (("dense", "qwen3"), ("hybrid", "qwen3_5"))
+        name: tiny_pair(arch, block_size=TINY_BLOCK_SIZE, draft_layers=2, draft_seed=7, draft_arch=draft)
+        for name, (arch, draft) in TINY_PAIRS.items()
     }
 
 

@@ -20,14 +20,39 @@ from typing import Any
 import torch
 
 from reference_engine.kernels import TORCH
+from reference_engine.models import dflash2 as dflash2_module
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
+from reference_engine.runtime import speculative_step as speculative_step_module
 from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.sampling import sample
 from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.serving.metrics import RequestMetrics, ServerMetrics
+
+
+# ------------------------------------------------------------------ DFlash2 drafts
+def _conv_across_rows(correct):
+    def grouped_conv(x, base, delta):
+        # the batch's blocks run as one sequence: a row's first taps read the row before it
+        return correct(x.flatten(0, 1)[None], base, delta.flatten(0, 1)[None]).view_as(x)
+
+    return grouped_conv
+
+
+def _walk_from_first_row(correct):
+    def walk_greedy(edges, candidates):
+        return correct(edges[:, :, :1].expand_as(edges), candidates)  # every slot as if after candidate 0
+
+    return walk_greedy
+
+
+def _sampled_walk_from_first_row(correct):
+    def sample_walk(candidates, edges, *args):
+        return correct(candidates, edges[:, :1].expand_as(edges), *args)
+
+    return sample_walk
 
 
 @dataclass(frozen=True)
@@ -350,6 +375,27 @@ FAULTS: dict[str, Fault] = {
         "forward",
         _draft_block_sees_padding,
         DFlashDraft,
+    ),
+    "dflash2_conv_across_rows": Fault(
+        "DFlash2: the convolution's taps cross the block boundary into the previous row's block "
+        "(lossless: costs acceptance only)",
+        "grouped_conv",
+        _conv_across_rows,
+        dflash2_module,
+    ),
+    "dflash2_walk_ignores_predecessor": Fault(
+        "DFlash2: the greedy walk scores every slot from its first candidate, not the one chosen "
+        "before it (lossless: costs acceptance only)",
+        "walk_greedy",
+        _walk_from_first_row,
+        dflash2_module,
+    ),
+    "dflash2_sampled_walk_ignores_predecessor": Fault(
+        "DFlash2: the sampled walk draws every slot from the edges of its first candidate "
+        "(lossless, q and draws agree: costs acceptance only)",
+        "sample_walk",
+        _sampled_walk_from_first_row,
+        speculative_step_module,
     ),
 }
 

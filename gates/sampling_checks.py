@@ -100,6 +100,24 @@ class CellRun:
     q_error_at: str = "nowhere"
 
 
+def selector_walk_logits(
+    candidates: torch.Tensor,  # [n, K]
+    edges: torch.Tensor,  # [n, K, K]
+    proposals: torch.Tensor,  # [n] what the engine drew
+    vocab: int,
+) -> torch.Tensor:
+    """The scores a DFlash2 draft samples slot j from (docs/dflash2.md): the edges from the
+    candidate the engine drew at slot j - 1 (the anchor's row at slot 1) on slot j's
+    candidates, -inf on every other token, [n, vocab] in float64."""
+    out = torch.full((len(proposals), vocab), float("-inf"), dtype=torch.float64)
+    previous = 0
+    for j, token in enumerate(proposals.tolist()):
+        ids = candidates[j].tolist()
+        out[j, ids] = edges[j, previous].double().cpu()
+        previous = ids.index(token) if token in ids else 0
+    return out
+
+
 def run_cell(
     target: CausalLM,
     draft: DFlashDraft,
@@ -121,14 +139,17 @@ def run_cell(
 
     def record_logits(correct):
         def proposals(self, hidden, lm_head_weight, *args, **kwargs):
-            logits, tokens = correct(self, hidden, lm_head_weight, *args, **kwargs)
-            captured["logits"] = logits  # [b, N, vocab]
-            return logits, tokens
+            out = correct(self, hidden, lm_head_weight, *args, **kwargs)
+            captured["logits"] = out[0]  # [b, N, vocab]
+            if len(out) > 2:  # DFlash2: the selector's candidates [b, N, K] and edges [b, N, K, K]
+                captured["candidates"], captured["edges"] = out[2], out[3]
+            return out
 
         return proposals
 
     def check_draft(rows_, proposals: torch.Tensor, draft_probs: list) -> None:
         logits = captured.pop("logits", None)  # [b, N, vocab]
+        candidates, edges = captured.pop("candidates", None), captured.pop("edges", None)
         for i, seq in enumerate(rows_.seqs):
             if seq.request_id in closed:
                 continue
@@ -136,7 +157,12 @@ def run_cell(
             if logits is None or draft_probs[i] is None:
                 run.q_error, run.q_error_at = float("inf"), f"{where} (no draft q)"
                 continue
-            ref = reference_probabilities(logits[i, :n_i], cell)  # [n_i, vocab]
+            row = logits[i, :n_i]
+            if edges is not None:
+                row = selector_walk_logits(
+                    candidates[i, :n_i], edges[i, :n_i], proposals[i, :n_i], row.shape[-1]
+                )
+            ref = reference_probabilities(row, cell)  # [n_i, vocab]
             error = float((draft_probs[i].double() - ref).abs().max())
             if not error <= run.q_error:
                 run.q_error, run.q_error_at = error, where
@@ -181,7 +207,7 @@ def run_cell(
     )
     with (
         planted(fault),
-        hooked((DFlashDraft, "proposals", record_logits), (SpeculativeStep, "propose", record_and_replace)),
+        hooked((type(draft), "proposals", record_logits), (SpeculativeStep, "propose", record_and_replace)),
     ):
         for i in range(rows):
             engine.add_request(

@@ -90,6 +90,28 @@ def grid_pair(tiny_pair):
     return target, load_draft(draft_dir, target)
 
 
+@pytest.fixture(scope="module")
+def grid_dflash2_pair(tiny_pair):
+    """The grid's target with a DFlash2 draft (K = 8 candidates of the 32 tokens)."""
+    target_dir, draft_dir = tiny_pair(
+        "qwen3",
+        block_size=BLOCK_SIZE,
+        draft_layers=1,
+        draft_seed=5,
+        draft_arch="dflash2",
+        seed=3,
+        layers=2,
+        vocab=GRID_VOCAB,
+        with_tokenizer=False,
+    )
+    target = load_target(target_dir, dtype=torch.float64)
+    return target, load_draft(draft_dir, target)
+
+
+# a DFlash2 draft on the grid's corners and middle: its q lives on the selector's K candidates
+DFLASH2_CELLS = (Cell(0.25, 0, 1.0), Cell(0.7, 20, 0.5), Cell(1.0, 0, 1.0), Cell(1.5, 20, 1.0))
+
+
 def cell_id(cell: Cell) -> str:
     return f"T{cell.temperature}-k{cell.top_k}-p{cell.top_p}"
 
@@ -99,6 +121,24 @@ def test_speculative_sampling_is_lossless_over_the_grid(grid_pair, cell: Cell) -
     target, draft = grid_pair
     run = run_cell(target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE, seed=GRID.index(cell) + 1)
     assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
+
+
+@pytest.mark.parametrize("cell", DFLASH2_CELLS, ids=cell_id)
+def test_speculative_sampling_is_lossless_with_a_dflash2_draft(grid_dflash2_pair, cell: Cell) -> None:
+    target, draft = grid_dflash2_pair
+    run = run_cell(target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE, seed=GRID.index(cell) + 1)
+    assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
+
+
+def test_sampling_gate_catches_a_dflash2_walk_that_draws_from_the_wrong_row(grid_dflash2_pair) -> None:
+    target, draft = grid_dflash2_pair
+    cell = Cell(1.0, 0, 1.0)
+    fault = "dflash2_sampled_walk_ignores_predecessor"
+    run = run_cell(
+        target, draft, cell, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE, seed=GRID.index(cell) + 1, fault=fault
+    )
+    with pytest.raises(AssertionError, match="the draft's q differs"):
+        assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
 
 
 def assert_engine_sampling_lossless(target, draft, fault: str | None = None) -> None:
@@ -123,7 +163,12 @@ def test_engine_speculative_sampling_matches_plain_sampling(small_vocab_pair) ->
     assert_engine_sampling_lossless(target, draft)
 
 
-CATCHES = ("full_block_bonus_from_last_draft_slot", "draft_q_at_temperature_one", "bonus_ignores_residual")
+CATCHES = (
+    "full_block_bonus_from_last_draft_slot",
+    "draft_q_at_temperature_one",
+    "bonus_ignores_residual",
+    "dflash2_sampled_walk_ignores_predecessor",
+)
 
 
 @pytest.mark.parametrize(

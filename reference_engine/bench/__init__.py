@@ -1,6 +1,6 @@
 """Engine-level benchmark: plain decode vs DFlash on one checkpoint pair, per concurrency.
 
-    python scripts/bench_engine.py [--model DIR --draft DIR | --random-shape qwen3-8b]
+    python scripts/bench_engine.py [--model DIR --draft DIR | --random-shape qwen3-8b [--draft-arch dflash2]]
         [--prompts FILE.jsonl] [--oracle-acceptance X] [--concurrency 1,4,8,16] [--modes plain,dflash]
         [--profile-capture] [--out FILE.csv] ...
 
@@ -71,7 +71,7 @@ from ..runtime.request import SamplingParams
 from ..runtime.stats import PHASES
 from ..tokenizer import load_tokenizer
 from .floor import weight_streaming_floor
-from .shapes import TARGET_SHAPES, random_pair
+from .shapes import DRAFT_ARCHS, TARGET_SHAPES, random_pair
 
 MODES = ("plain", "dflash")
 
@@ -81,6 +81,7 @@ class BenchArgs:
     model: str | None
     draft: str | None
     random_shape: str | None
+    draft_arch: str
     prompts: str | None
     oracle_acceptance: float | None
     concurrency: tuple[int, ...]
@@ -111,6 +112,12 @@ class BenchArgs:
             "--random-shape",
             choices=sorted(TARGET_SHAPES),
             help="random-weight target and 5-layer block-16 draft of a real shape",
+        )
+        p.add_argument(
+            "--draft-arch",
+            default="dflash",
+            choices=DRAFT_ARCHS,
+            help="--random-shape only: a DFlash or a DFlash2 draft (docs/dflash2.md)",
         )
         p.add_argument(
             "--prompts",
@@ -203,7 +210,9 @@ def load_pair(args: BenchArgs):
         auto = "bfloat16" if device.type == "cuda" else "float32"
         dtype = parse_dtype(auto if args.dtype == "auto" else args.dtype)
         block = 16 if args.block_size is None else args.block_size
-        return random_pair(args.random_shape, str(device), dtype, args.seed, block_size=block)
+        return random_pair(
+            args.random_shape, str(device), dtype, args.seed, block_size=block, draft_arch=args.draft_arch
+        )
     target = load_target(args.model, dtype=resolve_dtype(args.dtype, args.model, device), device=device)
     return target, load_draft(args.draft, target)
 
@@ -430,7 +439,7 @@ def benchmark(args: BenchArgs) -> list[dict]:
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
     print(
         f"# device {device} ({gpu}), dtype {target.model.embed_tokens.weight.dtype}, "
-        f"{args.random_shape or args.model}",
+        f"{args.random_shape or args.model}, draft {type(draft).__name__}",
         flush=True,
     )
     if args.profile_capture and not device.startswith("cuda"):

@@ -201,7 +201,29 @@ DRAFT_HEADS = {
 }
 
 
-def draft_raw(shape: str, block_size: int, layers: int) -> dict[str, Any]:
+DRAFT_ARCHS = ("dflash", "dflash2")
+# z-lab/Qwen3.8-27B-DFlash2's choices, for a DFlash2 draft of any shape: every layer a
+# sliding window of 2048 attending its block non-causally, kernel 2, groups of 16, rank 256, K 16
+DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DFLASH2_WINDOW = 2048
+
+
+def draft_raw(shape: str, block_size: int, layers: int, arch: str = "dflash") -> dict[str, Any]:
+    """The config.json of a random draft for `shape`: DFlash, or (arch "dflash2") DFlash2 with
+    the published DFlash2 fields on the same heads and width."""
+    if arch not in DRAFT_ARCHS:
+        raise ConfigError(f"unknown draft arch '{arch}', expected one of {', '.join(DRAFT_ARCHS)}")
+    raw = _dflash_raw(shape, block_size, layers)
+    if arch == "dflash2":
+        raw["architectures"] = ["DFlash2DraftModel"]
+        raw["layer_types"] = ["sliding_attention"] * layers
+        raw["sliding_window"] = DFLASH2_WINDOW
+        raw["is_causal"] = False
+        raw["dflash_config"] |= DFLASH2_FIELDS
+    return raw
+
+
+def _dflash_raw(shape: str, block_size: int, layers: int) -> dict[str, Any]:
     target = TARGET_SHAPES[shape]
     heads, kv_heads, head_dim, intermediate = DRAFT_HEADS[shape]
     return {
@@ -233,13 +255,14 @@ def random_pair(
     seed: int = 0,
     block_size: int = 16,
     draft_layers: int = 5,
+    draft_arch: str = "dflash",
 ) -> tuple[CausalLM, DFlashDraft]:
     if shape not in TARGET_SHAPES:
         raise ConfigError(f"unknown shape '{shape}', expected one of {', '.join(TARGET_SHAPES)}")
     tconfig = TargetConfig.from_hf(TARGET_SHAPES[shape])
     tensors = random_weights(expected_shapes(tconfig), seed, tconfig.norm_offset, device, dtype)
     target = assemble_target(tconfig, tensors, device)
-    dconfig = DraftConfig.from_hf(draft_raw(shape, block_size, draft_layers))
+    dconfig = DraftConfig.from_hf(draft_raw(shape, block_size, draft_layers, draft_arch))
     draft = assemble_draft(
         dconfig,
         random_weights(draft_expected_shapes(dconfig), seed + 1, False, device, dtype),

@@ -133,7 +133,7 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     above = logits > kth
     tied = logits == kth
     room = k - above.sum(-1, keepdim=True)  # tied tokens still to take, lowest ids first
-    chosen = above | (tied & (tied.cumsum(-1) <= room))  # exactly k per row
+    chosen = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))  # exactly k per row
     ids = chosen.to(torch.int8).topk(k, dim=-1).indices.sort(dim=-1).values
     return ids, logits.gather(-1, ids)
 

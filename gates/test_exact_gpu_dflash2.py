@@ -72,9 +72,7 @@ def test_dflash2_equals_plain_greedy_bitwise_in_bfloat16(shaped, concurrency: in
     oracles = None
     if proposer == "oracle":
         oracles = {
-            rid: OracleProposer(
-                references[rid], [rng.randrange(BLOCK_SIZE) for _ in range(7)], target.config.vocab_size
-            )
+            rid: OracleProposer(references[rid], [rng.randrange(BLOCK_SIZE) for _ in range(7)], vocab)
             for rid in prompts
         }
     arrivals = {rid: 3 * i for i, rid in enumerate(prompts)}  # staggered: rows join and leave

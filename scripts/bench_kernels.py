@@ -2,7 +2,12 @@
 counterpart on real model shapes, medians of CUDA-event timings (triton.testing.do_bench),
 plus the device's copy bandwidth as the memory ceiling.
 
-    python scripts/bench_kernels.py [--out FILE.csv]
+    python scripts/bench_kernels.py [--out FILE.csv] [--sweep] [--moe-sweep]
+
+--moe-sweep times the mixture-of-experts products (kernels/moe.py) of the Qwen3-30B-A3B and
+Qwen3.5-35B-A3B shapes for 1 to 256 tokens under each candidate tile pair, replayed from a
+CUDA graph (the engine runs them so), against the time to stream the distinct experts' bytes
+at the copy bandwidth, and checks that every pair gives the bits of the engine's.
 """
 
 from __future__ import annotations
@@ -73,6 +78,53 @@ def sweep(bw: float) -> None:
             )
 
 
+MOE_SHAPES = {"30B-A3B": (2048, 768, 128, 8), "35B-A3B": (2048, 512, 256, 8)}  # (H, I, E, k)
+
+
+def moe_sweep(bw: float) -> None:
+    from reference_engine.kernels import moe
+
+    candidates = [
+        (moe.Tiles(16, 16, 256, 4, 4), moe.Tiles(16, 32, 256, 4, 4)),
+        (moe.Tiles(16, 16, 256, 2, 5), moe.Tiles(16, 16, 256, 2, 5)),
+        (moe.Tiles(16, 32, 256, 4, 4), moe.Tiles(16, 64, 256, 4, 4)),
+        (moe.Tiles(16, 16, 128, 4, 5), moe.Tiles(16, 32, 128, 4, 5)),
+        (moe.Tiles(16, 32, 128, 4, 4), moe.Tiles(16, 64, 128, 4, 4)),
+        (moe.Tiles(16, 64, 128, 4, 3), moe.Tiles(16, 128, 128, 4, 3)),
+        (moe.Tiles(32, 32, 128, 4, 4), moe.Tiles(32, 64, 128, 4, 4)),
+        (moe.Tiles(64, 64, 64, 4, 4), moe.Tiles(64, 64, 64, 4, 4)),
+    ]
+    print("MoE experts: us per tile pair (engine's first), GB/s of the distinct experts' bytes")
+    for name, (H, inter, E, k) in MOE_SHAPES.items():
+        gate_up = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * H**-0.5
+        down = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5
+        router = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H**-0.5
+        for tokens in (1, 2, 4, 16, 64, 256):
+            x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+            weights, ids = moe.route_experts(matmul(x, router), k, True)
+            distinct = ids.unique().numel()
+            floor_us = 1e3 * distinct * 3 * H * inter * 2 / bw / 1e6
+            args = (x, weights, ids, gate_up, down)
+            engine = moe.experts(*args)
+            times, same = [], True
+            for pair in (None, *candidates):
+                same &= torch.equal(moe.experts(*args, tiles=pair), engine)
+                times.append(graph_us(moe.experts, *args, tiles=pair))
+            route_us = graph_us(lambda x, w, k: moe.route_experts(matmul(x, w), k, True), x, router, k)
+            best = min(range(len(times)), key=times.__getitem__)
+            chosen = "engine" if best == 0 else candidates[best - 1]
+            print(
+                f"{name} tokens={tokens:<4} experts={distinct:<4} floor {floor_us:6.1f} us | engine "
+                f"{times[0]:6.1f} best {times[best]:6.1f} ({chosen}) | router+route {route_us:5.1f} "
+                f"| bits equal: {same} | " + " ".join(f"{t:.1f}" for t in times[1:])
+            )
+
+
+def graph_us(fn, *args, **kwargs) -> float:
+    """Median microseconds of fn(*args) replayed from a CUDA graph."""
+    return 1000 * triton.testing.do_bench_cudagraph(lambda: fn(*args, **kwargs))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/bench_kernels.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="CSV of every row")
@@ -81,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time matmul tile configurations (and whether row bits agree)",
     )
+    p.add_argument("--moe-sweep", action="store_true", help="time the MoE products' tile pairs")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
@@ -106,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.sweep:
         sweep(bw)
+    if args.moe_sweep:
+        moe_sweep(bw)
     x, w = (
         torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16),
         torch.randn(4096, device="cuda", dtype=torch.bfloat16),

@@ -244,3 +244,15 @@ def test_moe_kernels_replay_in_a_cuda_graph_for_any_routing() -> None:
         w, ids = route_experts(matmul(static, router), k, True)
         assert torch.equal(out, grouped(static, w, ids, gate_up, down))
     assert census[1].item() == 3 and 3 * k <= census[0].item() <= 3 * n_experts
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_every_moe_tile_pair_gives_the_same_bits(tokens: int) -> None:
+    from reference_engine.kernels import moe
+
+    hidden, inter, n_experts, k = MOE_SHAPES[1]
+    x, router, gate_up, down = moe_inputs(hidden, inter, n_experts, tokens)
+    weights, ids = moe.route_experts(ref.linear(x, router), k, True)
+    want = moe.experts(x, weights, ids, gate_up, down)
+    for pair in (moe.FEW, moe.MANY, (moe.Tiles(64, 64, 64, 4, 4), moe.Tiles(32, 128, 128, 8, 3))):
+        assert torch.equal(moe.experts(x, weights, ids, gate_up, down, tiles=pair), want), pair

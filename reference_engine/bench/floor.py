@@ -13,6 +13,9 @@ A mixture-of-experts step reads only the experts its rows route to: the floor re
 the attention, router and shared-expert matrices, `experts_per_layer` experts of every MoE
 layer (gate-and-up and down each), the mean number of distinct experts the step's layers
 chose, counted by the engine benchmark's census (models/moe.ExpertCensus) in the same run.
+They are read as two matrices a layer, the first n experts of each stack (one contiguous
+block): the bytes of any n experts, without the launch gap of a product per expert matrix,
+which on a small expert costs more than its bytes (a floor must not be slower than a step).
 It grows with the rows of a step: a decode step of one token reads k experts a layer, a
 verify of B tokens up to B x k of them. Without a count the floor reads k a layer, the least
 any step reads.
@@ -48,7 +51,8 @@ def streamed_weights(model: CausalLM, experts_per_layer: float | None = None) ->
     """Every weight matrix a decode step reads whole, as the engine stores them: a stack of
     fused projections (models/layers.FusedLinears) as one matrix, the other 2-D parameters,
     the input embedding only when it doubles as the LM head, and of every MoE layer the
-    first round(`experts_per_layer`) experts' matrices (default k: module docstring)."""
+    first round(`experts_per_layer`) experts of each expert stack as one matrix (default k:
+    module docstring)."""
     embed = model.model.embed_tokens.weight
     stacks, covered = [], set()
     for module in model.modules():
@@ -58,8 +62,9 @@ def streamed_weights(model: CausalLM, experts_per_layer: float | None = None) ->
             covered.update(id(linear.weight) for linear in fused.linears)
         if isinstance(module, SparseMoeBlock):
             n = module.gate.top_k if experts_per_layer is None else round(experts_per_layer)
-            for e in range(n):
-                stacks += [module.experts.gate_up_proj[e], module.experts.down_proj[e]]
+            if n:  # n experts' bytes, read as one matrix per stack (module docstring: why)
+                gate_up, down = module.experts.gate_up_proj[:n], module.experts.down_proj[:n]
+                stacks += [gate_up.reshape(-1, gate_up.shape[-1]), down.reshape(-1, down.shape[-1])]
     out = stacks + [p for p in model.parameters() if p.dim() == 2 and p is not embed and id(p) not in covered]
     if model.config.tie_word_embeddings:
         out.append(embed)

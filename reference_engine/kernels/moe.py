@@ -16,8 +16,9 @@ captured in a CUDA graph, with every token's bits independent of the other token
   3. `_grouped_kernel` without: the down product, each row times its routing weight, written
      at the pair's own row.
   4. `_slot_sum_kernel`: each token's k weighted outputs added in slot order.
-  Grids are fixed by the shapes (programs of experts without pairs return at once), so one
-  graph per shape replays for any routing.
+  Grids are fixed by the shapes (a product's grid has min(experts, pairs) rows, each taking
+  the next expert with pairs from a list the grouping wrote; rows past the last do nothing),
+  so one graph per shape replays for any routing.
 
 Bits: every output element of the grouped products sums its K products in ascending order,
 16 at a time, into one float32 accumulator, as kernels/matmul.py does, so a pair's row is the
@@ -30,6 +31,8 @@ work. The GPU tier checks both claims bitwise (tests/test_kernels_gpu.py).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -38,11 +41,34 @@ from .launch import LAUNCH
 
 ROUTE_TOKENS = 16  # tokens a routing program holds: fixed, so a token's reductions are too
 GROUP_CHUNK = 32  # pairs the grouping program reads at a time
-ROWS = 16  # rows of a grouped product tile
-SWIGLU_COLUMNS = 32  # output columns of a gate-and-up program (two accumulators)
-DOWN_COLUMNS = 64
-DEPTH = 128  # K per load (bfloat16/float16); float32 takes half
 SUM_BLOCK = 1024
+
+
+class Tiles(NamedTuple):
+    """A grouped product's tile: rows (pairs), output columns, K per load, warps, stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# By pairs in the step (tokens x k): a decode step's few pairs spread over narrow column tiles
+# so that every SM streams weights; a verify's or a prefill's reuse each weight tile over
+# more rows. (gate-and-up, down); the gate-and-up program holds two accumulators.
+FEW_PAIRS = 128
+FEW = (Tiles(16, 16, 256, 4, 4), Tiles(16, 32, 256, 4, 4))
+MANY = (Tiles(16, 32, 128, 4, 4), Tiles(16, 64, 128, 4, 4))
+
+
+def tiles_for(pairs: int, dtype: torch.dtype) -> tuple[Tiles, Tiles]:
+    """The (gate-and-up, down) tiles for a step of `pairs` (token, expert) pairs. No tile
+    changes an element's sum (module docstring); float32 loads half the K (shared memory)."""
+    tiles = FEW if pairs <= FEW_PAIRS else MANY
+    if dtype == torch.float32:
+        return tuple(t._replace(block_k=t.block_k // 4) for t in tiles)
+    return tiles
 
 
 @triton.jit
@@ -119,6 +145,7 @@ def _group_kernel(
     ids_ptr,
     order_ptr,
     starts_ptr,
+    active_ptr,
     census_ptr,
     P,
     E,
@@ -135,6 +162,12 @@ def _group_kernel(
     starts = tl.cumsum(counts, axis=0) - counts
     tl.store(starts_ptr + experts, starts, mask=experts < E)
     tl.store(starts_ptr + E, P)
+    # the experts with pairs first, in id order, then the others as -1: a product program
+    # takes its expert from this list, so only as many programs as experts with pairs work
+    has = (counts > 0).to(tl.int32)
+    used = tl.sum(has, axis=0)
+    place = tl.where(has > 0, tl.cumsum(has, axis=0) - 1, used + tl.cumsum(1 - has, axis=0) - 1)
+    tl.store(active_ptr + place, tl.where(has > 0, experts, -1), mask=experts < E)
     # second pass: a pair's place is its group's start plus the pairs of its expert before it
     filled = starts
     for p0 in range(0, P, CHUNK):
@@ -146,7 +179,7 @@ def _group_kernel(
         tl.store(order_ptr + place, pairs, mask=pairs < P)
         filled += tl.sum(hit, axis=0)
     if CENSUS:
-        tl.store(census_ptr, tl.load(census_ptr) + tl.sum((counts > 0).to(tl.int64), axis=0))
+        tl.store(census_ptr, tl.load(census_ptr) + used.to(tl.int64))
         tl.store(census_ptr + 1, tl.load(census_ptr + 1) + 1)
 
 
@@ -157,6 +190,7 @@ def _grouped_kernel(
     out_ptr,
     order_ptr,
     starts_ptr,
+    active_ptr,
     scale_ptr,
     N,
     K,
@@ -171,13 +205,15 @@ def _grouped_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    e = tl.program_id(0)
+    e = tl.load(active_ptr + tl.program_id(0))
+    live = e >= 0  # else fewer experts have pairs than this program's place in the list
+    e = tl.maximum(e, 0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     start = tl.load(starts_ptr + e)
-    end = tl.load(starts_ptr + e + 1)
+    end = tl.where(live, tl.load(starts_ptr + e + 1), start)
     out_ty = out_ptr.dtype.element_ty
     for r0 in range(start, end, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)  # places in group order
@@ -246,8 +282,11 @@ def experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     census: torch.Tensor | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
 ) -> torch.Tensor:
-    """kernels/reference.experts's contract (module docstring: how, and why the bits hold)."""
+    """kernels/reference.experts's contract (module docstring: how, and why the bits hold).
+    `tiles` overrides the (gate-and-up, down) tiles, for sweeps and the tests that compare
+    them."""
     tokens, k = ids.shape
     n_experts, inter, hidden = down.shape[0], down.shape[-1], x.shape[-1]
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
@@ -258,10 +297,12 @@ def experts(
     gate_up, down = gate_up.contiguous(), down.contiguous()
     order = torch.empty(pairs, dtype=torch.int32, device=x.device)
     starts = torch.empty(n_experts + 1, dtype=torch.int32, device=x.device)
+    active = torch.empty(n_experts, dtype=torch.int32, device=x.device)
     _group_kernel[(1,)](
         ids.contiguous(),
         order,
         starts,
+        active,
         census if census is not None else starts,
         pairs,
         n_experts,
@@ -270,15 +311,17 @@ def experts(
         BLOCK_E=triton.next_power_of_2(n_experts),
         **LAUNCH,
     )
+    swiglu, projection = tiles or tiles_for(pairs, x.dtype)
+    programs = min(n_experts, pairs)  # at most this many experts have pairs
     ieee = x.dtype == torch.float32
-    depth = DEPTH // 2 if ieee else DEPTH
     gated = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # in group order
-    _grouped_kernel[(n_experts, triton.cdiv(inter, SWIGLU_COLUMNS))](
+    _grouped_kernel[(programs, triton.cdiv(inter, swiglu.block_n))](
         x,
         gate_up,
         gated,
         order,
         starts,
+        active,
         weights,
         inter,
         hidden,
@@ -289,18 +332,21 @@ def experts(
         TOP_K=k,
         SWIGLU=True,
         IEEE=ieee,
-        BLOCK_M=ROWS,
-        BLOCK_N=SWIGLU_COLUMNS,
-        BLOCK_K=depth,
+        BLOCK_M=swiglu.block_m,
+        BLOCK_N=swiglu.block_n,
+        BLOCK_K=swiglu.block_k,
+        num_warps=swiglu.warps,
+        num_stages=swiglu.stages,
         **LAUNCH,
     )
     weighted = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # in pair order
-    _grouped_kernel[(n_experts, triton.cdiv(hidden, DOWN_COLUMNS))](
+    _grouped_kernel[(programs, triton.cdiv(hidden, projection.block_n))](
         gated,
         down,
         weighted,
         order,
         starts,
+        active,
         weights.contiguous(),
         hidden,
         inter,
@@ -311,9 +357,11 @@ def experts(
         TOP_K=k,
         SWIGLU=False,
         IEEE=ieee,
-        BLOCK_M=ROWS,
-        BLOCK_N=DOWN_COLUMNS,
-        BLOCK_K=depth,
+        BLOCK_M=projection.block_m,
+        BLOCK_N=projection.block_n,
+        BLOCK_K=projection.block_k,
+        num_warps=projection.warps,
+        num_stages=projection.stages,
         **LAUNCH,
     )
     _slot_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](

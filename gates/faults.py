@@ -107,6 +107,17 @@ def _bonus_ignores_residual(correct):
     return accept_sampled
 
 
+def _commit_past_verified_width(correct):
+    def accept(self, rows, proposals, draft_probs, logits, target_tokens=None):
+        accepted, bonus = correct(self, rows, proposals, draft_probs, logits, target_tokens)
+        # a row narrowed by the verify width that accepted all it verified also takes the
+        # next draft slot, which no verify checked
+        narrowed = (accepted == rows.n_t) & (rows.n_t < self.block_size - 1)
+        return accepted + narrowed.to(accepted.dtype), bonus
+
+    return accept
+
+
 def _commit_wrong_slot(correct):
     def commit_state(self, slot_ids, rows, block, processed):
         return correct(self, slot_ids[1:] + slot_ids[:1], rows, block, processed)
@@ -294,6 +305,11 @@ FAULTS: dict[str, Fault] = {
         "sampling: draw a rejected slot's replacement from p, not p - q",
         "accept_sampled",
         _bonus_ignores_residual,
+    ),
+    "commit_past_verified_width": Fault(
+        "verify width: count one draft slot past the verified width as accepted",
+        "accept",
+        _commit_past_verified_width,
     ),
     "commit_wrong_slot": Fault(
         "engine: commit each row's state into the next row's slot", "commit_state", _commit_wrong_slot

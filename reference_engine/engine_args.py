@@ -23,6 +23,7 @@ from .checkpoint import DTYPES, parse_dtype, read_config
 from .errors import ConfigError, RequestError
 from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
+from .runtime.verify_width import VERIFY_WIDTHS
 
 NUMERICS_HELP = (
     "kernels: exact (batch- and verify-invariant: DFlash equals plain greedy bit "
@@ -77,6 +78,13 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         ("--max-model-len",),
         "context length (default: the target's max_position_embeddings)",
         {"type": int, "default": None},
+    ),
+    "verify_width": EngineOption(
+        ("--verify-width",),
+        "draft tokens a DFlash step verifies: auto (the most committed tokens per second from "
+        "the requests' acceptance and the measured step costs) or fixed (all B-1); output is "
+        "the same either way",
+        {"default": "auto", "choices": VERIFY_WIDTHS},
     ),
     "numerics": EngineOption(("--numerics",), NUMERICS_HELP, {"choices": NUMERICS, "default": None}),
     "enforce_eager": EngineOption(

@@ -454,7 +454,15 @@ def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM, draft: 
         engine.add_request(rid, prompt, greedy(n), oracle=OracleProposer(truth, [3], VOCAB))
     drain(engine)
     stats = engine.stats()
-    assert set(stats) == {"requests_finished", "running", "waiting", "spec", "fallbacks", "phases"}
+    assert set(stats) == {
+        "requests_finished",
+        "running",
+        "waiting",
+        "spec",
+        "verify_widths",
+        "fallbacks",
+        "phases",
+    }
     spec = stats["spec"]
     assert set(spec) == {
         "steps",

@@ -43,7 +43,7 @@ def graphs_with(bucket: int, width: int) -> EngineGraphs:
         features=None,
         tokens=torch.zeros(bucket, dtype=torch.int64),
     )
-    g.verify_graphs = {bucket: _Graph(Recomputing(inputs, outputs), inputs, outputs)}
+    g.verify_graphs = {(bucket, width): _Graph(Recomputing(inputs, outputs), inputs, outputs)}
     g.decode_graphs, g.draft_graphs = {}, {}
     return g
 
@@ -61,13 +61,26 @@ def test_a_batch_replays_in_its_bucket_with_padding_rows_on_the_spare_slot() -> 
     out = g.verify(ids, positions, torch.tensor([0, 2, 5]), torch.tensor([3, 2, 1]))
     assert out.tokens.tolist() == [303, 622, 951]  # only the batch's rows come back
     assert out.logits.tolist() == positions.tolist()
-    inputs = g.verify_graphs[4].inputs
+    inputs = g.verify_graphs[4, 3].inputs
     assert inputs.slots.tolist() == [0, 2, 5, PAD]
     assert inputs.positions[3].tolist() == [0, 1, 2] and inputs.valid[3] == 1
     # a smaller batch next: the rows it leaves become padding again
     out = g.verify(ids[:1], positions[:1], torch.tensor([4]), torch.tensor([3]))
     assert out.tokens.tolist() == [343]
     assert inputs.slots.tolist() == [4, PAD, PAD, PAD]
+
+
+def test_each_captured_verify_width_replays_its_own_graph_and_commit() -> None:
+    g = graphs_with(bucket=4, width=3)
+    narrow = graphs_with(bucket=4, width=2)
+    g.verify_graphs.update(narrow.verify_graphs)
+    wide, short = with_commit(g, 4, 3), with_commit(narrow, 4, 2)
+    g.commit_graphs.update(narrow.commit_graphs)
+    ids = torch.ones(2, 2, dtype=torch.int64)
+    out = g.verify(ids, ids, torch.tensor([0, 1]), torch.tensor([2, 1]))
+    assert out.tokens.tolist() == [102, 111] and g.verified == (4, 2)
+    assert g.commit(torch.tensor([1, 2]))
+    assert (short.replays, wide.replays) == (1, 0)
 
 
 def test_shapes_without_a_graph_run_eagerly() -> None:
@@ -90,8 +103,8 @@ class Counting:
         self.seen.append(self.inputs.processed.tolist())
 
 
-def with_commit(g: EngineGraphs, bucket: int) -> Counting:
-    verify = g.verify_graphs[bucket].inputs
+def with_commit(g: EngineGraphs, bucket: int, width: int = 3) -> Counting:
+    verify = g.verify_graphs[bucket, width].inputs
     inputs = StepInputs(
         verify.ids,
         verify.positions,
@@ -100,8 +113,8 @@ def with_commit(g: EngineGraphs, bucket: int) -> Counting:
         processed=torch.zeros(bucket, dtype=torch.int64),
     )
     counting = Counting(inputs)
-    g.commit_graphs = {bucket: _Graph(counting, inputs, None)}
-    g.verified_bucket = None
+    g.commit_graphs = {(bucket, width): _Graph(counting, inputs, None)}
+    g.verified = None
     return counting
 
 
@@ -142,7 +155,7 @@ def test_a_replaced_commit_phase_runs_eagerly() -> None:
             g.verify(ids, ids, torch.tensor([0, 1]), torch.tensor([3, 3]))
             step.commit_replayed(torch.tensor([2, 3]))
         assert commit.replays == replays, fault  # processed is computed before the commit
-        assert g.verified_bucket is None
+        assert g.verified is None
 
 
 def test_prefill_buckets_double_up_to_the_chunk_and_fit_the_slot() -> None:

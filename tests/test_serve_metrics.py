@@ -40,12 +40,16 @@ def value(page: Samples, name: str, **labels: str) -> float:
     return page.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def idle_engine(spec: SpecCounters | None = None):
+def idle_engine(spec: SpecCounters | None = None, verify_widths: dict[int, int] | None = None):
     """What `on_step` reads of an engine, with nothing running."""
     timer = SimpleNamespace(as_dict=lambda: {})
     scheduler = SimpleNamespace(fallbacks={}, active={}, waiting=[])
     return SimpleNamespace(
-        spec_totals=spec or SpecCounters(), scheduler=scheduler, timer=timer, device=torch.device("cpu")
+        spec_totals=spec or SpecCounters(),
+        verify_widths=verify_widths or {},
+        scheduler=scheduler,
+        timer=timer,
+        device=torch.device("cpu"),
     )
 
 
@@ -83,6 +87,15 @@ def test_a_request_that_ends_before_its_first_token_is_in_e2e_but_not_in_ttft() 
     assert value(page, "dflash:e2e_request_latency_seconds_count") == 1
     assert value(page, "dflash:time_to_first_token_seconds_count") == 0
     assert value(page, "dflash:generation_tokens_total") == 0
+
+
+def test_verify_widths_count_the_engines_steps_per_width() -> None:
+    metrics = ServerMetrics()
+    metrics.on_step(idle_engine(verify_widths={15: 2, 3: 1}))
+    metrics.on_step(idle_engine(verify_widths={15: 2, 3: 4}))
+    page = samples(metrics.render(idle_engine()))
+    assert value(page, "dflash:spec_decode_verify_width_total", width="15") == 2
+    assert value(page, "dflash:spec_decode_verify_width_total", width="3") == 4
 
 
 def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset() -> None:

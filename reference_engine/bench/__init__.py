@@ -94,6 +94,7 @@ class BenchArgs:
     dtype: str
     device: str
     gpu_memory_utilization: float
+    verify_width: str
     repeats: int
     seed: int
     profile_capture: bool
@@ -139,7 +140,7 @@ class BenchArgs:
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy")
-        add_engine_options(p, "dtype", "device", "gpu_memory_utilization")
+        add_engine_options(p, "dtype", "device", "gpu_memory_utilization", "verify_width")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument(
@@ -266,6 +267,7 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
         numerics=numerics,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        verify_width=args.verify_width,
     )
     return Engine(target, draft, config)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -50,6 +51,7 @@ from .state import TargetState
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
 from .transfer import to_device
+from .verify_width import StepCosts, VerifyWidth, width_candidates
 
 __all__ = ["Engine", "EngineConfig", "EngineFullError", "StepOutput"]
 
@@ -63,7 +65,10 @@ class Engine:
         draft: DFlashDraft | None = None,
         config: EngineConfig | None = None,
         ranges: NvtxRanges | None = None,
+        step_costs: StepCosts | None = None,
     ) -> None:
+        """`step_costs`: what a speculative step costs by (rows, verify width), for the verify
+        width `auto` (verify_width.py); by default measured from the CUDA graphs, flat without."""
         config = config or EngineConfig()
         self.target, self.draft, self.config = target, draft, config
         weight = target.model.embed_tokens.weight
@@ -95,6 +100,7 @@ class Engine:
         self.ranges = ranges or NvtxRanges()
         self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
+        widths = width_candidates(self.block_size, config.verify_width) if draft is not None else ()
         self.runner = ModelRunner(
             target,
             draft,
@@ -106,6 +112,7 @@ class Engine:
             self.block_size,
             config.prefill_chunk,
             use_graphs,
+            widths,
         )
         self.speculative_step = (
             SpeculativeStep(
@@ -121,8 +128,13 @@ class Engine:
             if draft is not None
             else None
         )
+        self.verify_width: VerifyWidth | None = None
+        self.verify_widths: Counter = Counter()  # verify width -> speculative steps
         if self.speculative_step is not None:
             self.speculative_step.capture_commit()
+            if step_costs is None and len(widths) > 1 and (measured := self.runner.step_seconds()):
+                step_costs = StepCosts(measured, measured=True)
+            self.verify_width = VerifyWidth(config.verify_width, self.block_size, step_costs)
         self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
         if self.memory is not None:
             graphs = torch.cuda.memory_allocated(self.device) - before - self.memory.state
@@ -245,7 +257,13 @@ class Engine:
         if spec:
             commits: list[StepCommit] = []
             with outputs.failing(spec):
-                commits = self.speculative_step(spec)
+                width = self.verify_width.choose(
+                    [min(self.block_size - 1, s.remaining) for s in spec],
+                    [s.spec for s in spec],
+                    self.spec_totals,
+                )
+                self.verify_widths[width] += 1
+                commits = self.speculative_step(spec, width)
             for seq, commit in zip(spec, commits):
                 self._record_speculative(seq, commit, outputs)
         self.scheduler.finish_done()
@@ -291,6 +309,7 @@ class Engine:
             raise RequestError("reset_stats needs an idle engine: requests are still running")
         self.scheduler.reset_stats()
         self.spec_totals = SpecCounters()
+        self.verify_widths = Counter()
         self.timer.reset()
 
     def stats(self) -> dict:
@@ -301,6 +320,8 @@ class Engine:
             "running": len(self.scheduler.active),
             "waiting": len(self.scheduler.waiting),
             "spec": self.spec_totals.as_dict(),
+            # speculative steps by the draft tokens each row verified (at most: fewer near max_tokens)
+            "verify_widths": dict(sorted(self.verify_widths.items())),
             "fallbacks": dict(self.scheduler.fallbacks),
             "phases": self.timer.as_dict(),
         }

@@ -9,6 +9,7 @@ from ..kernels import NUMERICS
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft
 from .commit import check_strategy
+from .verify_width import VERIFY_WIDTHS
 
 ADMISSION_POLICIES = ("wait", "reject")
 
@@ -37,6 +38,10 @@ class EngineConfig:
     # a state that does not fit is refused at start; None allocates the state unchecked (and
     # on the CPU it is never checked)
     gpu_memory_utilization: float | None = None
+    # how many draft tokens a step verifies (verify_width.py): "auto" picks the width with the
+    # most committed tokens per second from the requests' acceptance and the measured step
+    # costs; "fixed" verifies all B-1. Output is the same either way.
+    verify_width: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -50,6 +55,10 @@ class EngineConfig:
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block size must be >= 2, got {self.block_size}")
         check_strategy(self.commit_strategy)
+        if self.verify_width not in VERIFY_WIDTHS:
+            raise ConfigError(
+                f"verify_width must be one of {', '.join(VERIFY_WIDTHS)}, got {self.verify_width!r}"
+            )
         if self.fallback_after_steps <= 0:
             raise ConfigError(f"fallback_after_steps must be positive, got {self.fallback_after_steps}")
         if self.max_waiting < 0:

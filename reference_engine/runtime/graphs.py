@@ -1,6 +1,7 @@
 """CUDA graphs for the engine's fixed-shape work: the plain decode step, and the draft forward,
-the verify forward and the commit of a speculative step, one graph per batch bucket (and
-block size); and prefill chunks, one graph per (rows, tokens) bucket. The commit graph
+the verify forward and the commit of a speculative step, one graph per batch bucket (the
+draft at the block size, the verify and the commit at each verify width the engine may
+choose, verify_width.py); and prefill chunks, one graph per (rows, tokens) bucket. The commit graph
 (commit strategy, the draft's new context) reads the verify graph's static buffers and
 replays only right after that verify replayed; it is captured from the reference phase
 methods of `SpeculativeStep`, and a step whose methods were replaced (a planted fault)
@@ -31,6 +32,7 @@ them. A chunk whose bucket would reach past its slot's rows runs eagerly.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -104,23 +106,27 @@ class EngineGraphs:
         capture_layers: tuple[int, ...],
         record: str | None,
         prefill_chunk: int,
+        verify_widths: tuple[int, ...] = (),
     ) -> None:
+        """`verify_widths`: the draft tokens a verify may check (B-1 when empty)."""
         self.target, self.draft, self.state, self.draft_state = target, draft, state, draft_state
         self.ops, self.pad_slot = ops, pad_slot
         self.block_size, self.capture_layers, self.record = block_size, capture_layers, record
         self.buckets = buckets_up_to(max_rows)
         self.prefill_buckets = token_buckets(prefill_chunk, state.max_len)
         self.prefill_shapes = prefill_shapes(self.buckets, self.prefill_buckets, prefill_chunk)
+        self.verify_widths = verify_widths or (block_size - 1,)
         self.device = state.device
         self.pool = torch.cuda.graph_pool_handle()
-        self.decode_graphs: dict[int, _Graph] = {}
-        self.draft_graphs: dict[int, _Graph] = {}
-        self.verify_graphs: dict[int, _Graph] = {}
-        # the commit of a speculative step, per bucket: it reads the verify graph's static
-        # inputs and outputs, so it replays only after that bucket's verify replayed
-        self.commit_graphs: dict[int, _Graph] = {}
+        # each by (bucket, block tokens): decode 1, draft B, verify and commit W + 1
+        self.decode_graphs: dict[tuple[int, int], _Graph] = {}
+        self.draft_graphs: dict[tuple[int, int], _Graph] = {}
+        self.verify_graphs: dict[tuple[int, int], _Graph] = {}
+        # the commit of a speculative step: it reads the verify graph's static inputs and
+        # outputs, so it replays only after the verify of the same key replayed
+        self.commit_graphs: dict[tuple[int, int], _Graph] = {}
         self.prefill_graphs: dict[tuple[int, int], _Graph] = {}  # by (rows, tokens)
-        self.verified_bucket: int | None = None  # the bucket of this step's replayed verify
+        self.verified: tuple[int, int] | None = None  # the key of this step's replayed verify
 
     # ------------------------------------------------------------------ capture
     def capture(self, progress: bool = True) -> None:
@@ -131,14 +137,16 @@ class EngineGraphs:
         for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
             self.prefill_graphs[shape] = self._capture_prefill(*shape)
         for b in sorted(self.buckets, reverse=True):
-            self.decode_graphs[b] = self._capture(b, 1, self._decode_body)
+            self.decode_graphs[b, 1] = self._capture(b, 1, self._decode_body)
             if self.draft is not None:
-                self.draft_graphs[b] = self._capture(b, self.block_size, self._draft_body)
-                self.verify_graphs[b] = self._capture(b, self.block_size, self._verify_body)
+                self.draft_graphs[b, self.block_size] = self._capture(b, self.block_size, self._draft_body)
+                for w in sorted(self.verify_widths, reverse=True):
+                    self.verify_graphs[b, w + 1] = self._capture(b, w + 1, self._verify_body)
         if progress:
+            widths = f", verify widths {', '.join(map(str, self.verify_widths))}" if self.draft else ""
             print(
                 f"captured CUDA graphs ({', '.join(kinds)}) for batch sizes "
-                f"{', '.join(map(str, self.buckets))} and prefill for "
+                f"{', '.join(map(str, self.buckets))}{widths} and prefill for "
                 f"{', '.join(map(str, self.prefill_buckets))} tokens a row "
                 f"in {time.perf_counter() - start:.1f} s",
                 file=sys.stderr,
@@ -150,8 +158,7 @@ class EngineGraphs:
         static inputs, with its own `processed` [rows] (block tokens each row keeps), and
         outputs."""
         start = time.perf_counter()
-        for b in sorted(self.buckets, reverse=True):
-            verify = self.verify_graphs[b]
+        for (b, width), verify in sorted(self.verify_graphs.items(), reverse=True):
             processed = torch.ones((b,), dtype=torch.int64, device=self.device)
             inputs = StepInputs(
                 verify.inputs.ids,
@@ -160,8 +167,8 @@ class EngineGraphs:
                 verify.inputs.valid,
                 processed=processed,
             )
-            self.commit_graphs[b] = self._capture(
-                b, self.block_size, lambda x, out=verify.outputs: body(x, out), inputs=inputs
+            self.commit_graphs[b, width] = self._capture(
+                b, width, lambda x, out=verify.outputs: body(x, out), inputs=inputs
             )
         print(
             f"captured CUDA graphs (commit) in {time.perf_counter() - start:.1f} s",
@@ -251,13 +258,34 @@ class EngineGraphs:
         )
         return Verified(out.logits, out.features, self.ops.greedy(out.logits))
 
+    def step_seconds(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Device seconds of a speculative step's replayed draft, verify and commit, by (bucket,
+        verify width): the median of `repeats` timed replays after one untimed, on the static
+        inputs of the capture (every row on the spare slot), so before any request runs."""
+        out = {}
+        for (b, width), verify in sorted(self.verify_graphs.items()):
+            graphs = [self.draft_graphs[b, self.block_size], verify]
+            graphs += [self.commit_graphs[b, width]] if (b, width) in self.commit_graphs else []
+            times = []
+            for r in range(repeats + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for g in graphs:
+                    g.graph.replay()
+                end.record()
+                end.synchronize()
+                if r:
+                    times.append(start.elapsed_time(end) / 1000.0)
+            out[b, width - 1] = statistics.median(times)
+        return out
+
     # ------------------------------------------------------------------ replay
     def _bucket(self, rows: int) -> int | None:
         return next((b for b in sorted(self.buckets) if b >= rows), None)
 
     def _replay(
         self,
-        graphs: dict[int, _Graph],
+        graphs: dict[tuple[int, int], _Graph],
         ids: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
@@ -265,12 +293,10 @@ class EngineGraphs:
     ):
         rows, width = ids.shape
         bucket = self._bucket(rows)
-        if bucket is None or bucket not in graphs:
+        g = graphs.get((bucket, width))
+        if g is None:
             return None
-        g = graphs[bucket]
         x = g.inputs
-        if x.ids.shape[1] != width:
-            return None
         x.ids[:rows].copy_(ids)
         x.positions[:rows].copy_(positions)
         x.slots[:rows].copy_(slots)
@@ -329,20 +355,20 @@ class EngineGraphs:
         return self._replay(self.draft_graphs, ids, positions, slots, valid)
 
     def verify(self, ids, positions, slots, valid) -> Verified | None:
-        """The verify forward over full blocks [b, B]: logits [b, B, vocab], features, greedy
-        target tokens [b, B], or None."""
+        """The verify forward over blocks [b, W + 1] of a captured verify width: logits
+        [b, W + 1, vocab], features, greedy target tokens [b, W + 1], or None."""
         out = self._replay(self.verify_graphs, ids, positions, slots, valid)
-        self.verified_bucket = None if out is None else self._bucket(ids.shape[0])
+        self.verified = None if out is None else (self._bucket(ids.shape[0]), ids.shape[1])
         return out
 
     def commit(self, processed: torch.Tensor, replay: bool = True) -> bool:
         """Replay the commit of this step's verify (its bucket, rows and outputs), with
         `processed` [b]; False when the verify ran eagerly, no commit was captured, or the
         caller commits eagerly (`replay` False). Either way the step's verify is used up."""
-        bucket, self.verified_bucket = self.verified_bucket, None
-        if not replay or bucket is None or bucket not in self.commit_graphs:
+        key, self.verified = self.verified, None
+        if not replay or key is None or key not in self.commit_graphs:
             return False
-        g = self.commit_graphs[bucket]
+        g = self.commit_graphs[key]
         rows = processed.shape[0]
         g.inputs.processed[:rows].copy_(processed)
         g.inputs.processed[rows:].fill_(1)  # padding rows keep their anchor, on the spare slot

@@ -45,7 +45,9 @@ class ModelRunner:
         block_size: int,
         prefill_chunk: int,
         use_graphs: bool,
+        verify_widths: tuple[int, ...] = (),
     ) -> None:
+        """`verify_widths`: the draft tokens a verify may check, each captured (B-1 when empty)."""
         self.target, self.draft = target, draft
         self.state, self.draft_state = state, draft_state
         self.ops = ops
@@ -68,6 +70,7 @@ class ModelRunner:
                 capture_layers=self.capture_layers,
                 record=self.record,
                 prefill_chunk=prefill_chunk,
+                verify_widths=verify_widths,
             )
             self.graphs.capture()
 
@@ -176,6 +179,13 @@ class ModelRunner:
             ops=self.ops,
         )
         return Verified(out.logits, out.features)
+
+    def step_seconds(self) -> dict[tuple[int, int], float] | None:
+        """Measured seconds of a speculative step by (rows, verify width), from the captured
+        graphs; None without them (an eager forward's time is not measured)."""
+        if self.graphs is None or not self.graphs.verify_graphs:
+            return None
+        return self.graphs.step_seconds()
 
     def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
         """Capture the commit `body` per batch bucket, reading the verify graphs' buffers."""

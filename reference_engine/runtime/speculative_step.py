@@ -87,10 +87,17 @@ class SpeculativeStep:
         self.pad_blocks = runner.captured
         self.device = state.device
 
-    def __call__(self, seqs: list[Sequence]) -> list[StepCommit]:
+    def __call__(self, seqs: list[Sequence], width: int | None = None) -> list[StepCommit]:
+        """One step; the verify checks the first `width` proposals of each row (all of them
+        when None; verify_width.py)."""
         rows = self.rows(seqs)
         with self.timer.phase("draft"):
             block, proposals, draft_probs = self.propose(rows)
+        if width is not None and width < proposals.shape[1]:
+            rows = self.verified_rows(rows, width)
+            W = rows.positions.shape[1] - 1
+            block, proposals = block[:, : W + 1].contiguous(), proposals[:, :W]
+            draft_probs = [None if q is None else q[: rows.n[i]] for i, q in enumerate(draft_probs)]
         with self.timer.phase("verify"):
             out = self.verify(rows, block)
         with self.timer.phase("accept"):
@@ -129,6 +136,23 @@ class SpeculativeStep:
         starts_t, slots_t, n_t = to_device(starts + slot_ids + n, self.device).split(len(seqs))
         positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
         return Rows(seqs, slot_ids, slots_t, starts, n, n_t, positions, max(starts) + N + 1)
+
+    def verified_rows(self, rows: Rows, width: int) -> Rows:
+        """The rows as the verify sees them: each row's first min(n_i, width) proposals, padded
+        to `width` with graphs (a captured verify width) and to the longest row without."""
+        n = [min(n_i, width) for n_i in rows.n]
+        W = width if self.pad_blocks else max(n)
+        n_t = rows.n_t.clamp(max=width)
+        return Rows(
+            rows.seqs,
+            rows.slot_ids,
+            rows.slots,
+            rows.starts,
+            n,
+            n_t,
+            rows.positions[:, : W + 1],
+            max(rows.starts) + W + 1,
+        )
 
     def anchor_positions(self, seqs: list[Sequence]) -> list[int]:
         """Each row's anchor sits at its committed length."""
@@ -268,17 +292,17 @@ class SpeculativeStep:
     # ------------------------------------------------------------------ commit, captured
     def capture_commit(self) -> None:
         """Capture the commit (state to the accepted boundary, the draft's new context) per
-        batch bucket, from the reference phase methods. It writes the draft context of all
-        B block positions: the rows past what a row kept are the next block's positions,
-        which that block overwrites before anything reads them (as rows that keep fewer
-        than the longest do in the eager commit)."""
-        B = self.block_size
+        batch bucket and verify width, from the reference phase methods. It writes the draft
+        context of every position of the verified block: the rows past what a row kept are
+        the next block's positions, which that block overwrites before anything reads them
+        (as rows that keep fewer than the longest do in the eager commit)."""
 
         def body(x: StepInputs, verified: Verified) -> None:
+            width = x.ids.shape[1]  # the verify's block: anchor and the draft tokens it checks
             rows = Rows([], [], x.slots, [], [], x.valid - 1, x.positions, 1)
             REFERENCE_PHASES["commit_state"](self, x.slots, rows, x.ids, x.processed)
-            features = REFERENCE_PHASES["context_features"](self, verified.features, B, rows.n_t)
-            self.draft.append_context(features, x.positions[:, :B], x.slots, self.draft_state, self.ops)
+            features = REFERENCE_PHASES["context_features"](self, verified.features, width, rows.n_t)
+            self.draft.append_context(features, x.positions[:, :width], x.slots, self.draft_state, self.ops)
 
         self.runner.capture_commit(body)
 

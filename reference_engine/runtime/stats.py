@@ -1,6 +1,7 @@
 """Engine statistics: speculative counters per request and engine-wide, and a phase timer.
 
-Definitions (docs/design.md): a step proposes B-1 draft tokens (fewer in a short final block);
+Definitions (docs/design.md): a step proposes the draft tokens it verifies (B-1, fewer in a
+short final block or under a narrower verify width);
 `accepted` counts draft tokens equal to the target's choices; the acceptance length of a
 step is the tokens it committed, accepted + bonus, so mean acceptance length includes the
 bonus token. accepted_per_position[k] counts steps whose draft token k+1 was accepted.
@@ -27,6 +28,9 @@ class SpecCounters:
     accepted: int = 0
     acceptance_lengths: Counter = field(default_factory=Counter)  # length -> steps
     accepted_per_position: Counter = field(default_factory=Counter)  # 1-based position -> steps
+    # 1-based position -> steps that verified draft token k after accepting 1..k-1: the
+    # denominators of the conditional acceptance rates the verify width reads (verify_width.py)
+    verified_per_position: Counter = field(default_factory=Counter)
 
     def record(self, proposed: int, accepted: int, acceptance_length: int) -> None:
         self.steps += 1
@@ -35,6 +39,8 @@ class SpecCounters:
         self.acceptance_lengths[acceptance_length] += 1
         for k in range(1, accepted + 1):
             self.accepted_per_position[k] += 1
+        for k in range(1, min(proposed, accepted + 1) + 1):
+            self.verified_per_position[k] += 1
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -28,6 +28,7 @@ class ServeArgs:
     numerics: str | None
     enforce_eager: bool
     gpu_memory_utilization: float = 0.9
+    verify_width: str = "auto"
     max_body_mb: float = 4.0
     shutdown_grace: float = 5.0
     api_key_scope: str = "api"
@@ -85,7 +86,7 @@ class ServeArgs:
             help="benchmarks only: force this mean acceptance length on greedy "
             "requests (the draft still runs; output is not checked)",
         )
-        add_engine_options(p, "numerics", "enforce_eager", "gpu_memory_utilization")
+        add_engine_options(p, "numerics", "enforce_eager", "gpu_memory_utilization", "verify_width")
         p.add_argument(
             "--max-body-mb",
             type=float,

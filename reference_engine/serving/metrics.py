@@ -6,6 +6,8 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
 - `dflash:spec_decode_num_accepted_tokens_total`: draft tokens accepted (never the bonus);
 - `dflash:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`: steps whose draft
   token k (1-based) was accepted. Mean acceptance length = 1 + accepted / drafts.
+- `dflash:spec_decode_verify_width_total{width}`: speculative steps by the draft tokens each
+  row verified (the verify width the step chose, runtime/verify_width.py);
 - `dflash:spec_decode_fallbacks_total{reason}`: requests moved to plain decode;
 - `dflash:request_success_total{finish_reason}` (stop: an EOS or stop token, or a stop
   string; length; abort: the client went away or the server shut down) and
@@ -87,6 +89,9 @@ class ServerMetrics:
             ["position"],
             registry=r,
         )
+        self.verify_width = Counter(
+            f"{p}:spec_decode_verify_width", "Speculative steps by verify width", ["width"], registry=r
+        )
         self.fallbacks = Counter(
             f"{p}:spec_decode_fallbacks", "Requests moved to plain decode", ["reason"], registry=r
         )
@@ -132,6 +137,8 @@ class ServerMetrics:
         self._advance("accepted", self.accepted, spec.accepted)
         for pos, count in spec.accepted_per_position.items():
             self._advance(f"pos{pos}", self.accepted_per_pos.labels(position=str(pos)), count)
+        for width, count in engine.verify_widths.items():
+            self._advance(f"width:{width}", self.verify_width.labels(width=str(width)), count)
         for reason, count in engine.scheduler.fallbacks.items():
             self._advance(f"fallback:{reason}", self.fallbacks.labels(reason=reason), count)
         kind = "device_s_" if engine.device.type == "cuda" else "host_s_"

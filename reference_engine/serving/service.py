@@ -49,6 +49,7 @@ class Server:
             numerics=args.numerics,
             enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            verify_width=args.verify_width,
         )
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)

@@ -1,0 +1,152 @@
+"""The verify width: how many of its draft tokens each request's block verifies in a step.
+
+The draft always proposes the full block (B-1 tokens: its block attention is bidirectional,
+so a narrower block would change the proposals, and the acceptance measured on them); the
+verify runs the anchor and the first W proposals of every row. Verifying fewer never changes
+output: a step commits the longest accepted prefix of what it verified plus the target's own
+token after it, so a narrower verify commits fewer tokens per step, each the token plain
+greedy decode gives. What it changes is cost: a verify of rows x (W + 1) tokens is bound by
+arithmetic once the batch is wide (64 x 16 rows on the 8B shape), where its committed tokens
+grow slower than its cost.
+
+Policy `fixed` verifies every proposal (W = B-1). Policy `auto` picks, per step, the W of
+the candidates (1, 3, 7, ... and B-1: blocks of 2, 4, 8, ... and B tokens, a small set that
+CUDA graphs are captured for) that maximises expected committed tokens per second:
+
+    sum over rows i of E_i(min(W, n_i)) / seconds(rows, W),   E_i(w) = 1 + sum_{k<=w} r_i[k]
+
+where n_i is what row i may still produce and r_i[k] the probability that its draft tokens
+1..k are all accepted. The forward is padded to its widest row, so one W for the step is best
+for every row: a row verified narrower than its neighbours would save nothing. r_i[k] is the
+product of conditional acceptance rates c_j (draft token j accepted, given 1..j-1 were and j
+was verified), each the request's own count shrunk toward the engine's rate over all
+requests, and the engine's toward its rate at j-1 (starting from 1: an engine with no history
+verifies the full block, and a position no step has verified yet borrows the rate of the one
+before it). Ties go to the wider W. The function of (counts, costs) is pure and so
+deterministic: the same requests with the same history choose the same widths.
+
+`seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA
+graphs at start-up, graphs.py) for the smallest measured row count >= rows. Where no graph is
+captured (the CPU, an eager engine) the table is flat, every width costs the same, and `auto`
+verifies the full block as `fixed` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .stats import SpecCounters
+
+VERIFY_WIDTHS = ("auto", "fixed")
+REQUEST_WEIGHT = 4.0  # pseudo-steps of the engine's rate in a request's estimate
+ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engine's
+
+
+def width_candidates(block_size: int, policy: str) -> tuple[int, ...]:
+    """The verify widths (draft tokens) a policy may choose: B-1 alone for `fixed`; for `auto`
+    1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ... tokens) and B-1."""
+    if policy not in VERIFY_WIDTHS:
+        raise ConfigError(f"verify width must be one of {', '.join(VERIFY_WIDTHS)}, got {policy!r}")
+    full = block_size - 1
+    if policy == "fixed" or full <= 0:
+        return (full,)
+    out, block = [], 2
+    while block - 1 < full:
+        out.append(block - 1)
+        block *= 2
+    return (*out, full)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one speculative step by (rows, verify width)."""
+
+    seconds: dict[tuple[int, int], float]
+    measured: bool  # False: the flat default, every width the same
+
+    @classmethod
+    def flat(cls, widths: Sequence[int]) -> StepCosts:
+        return cls({(1, w): 1.0 for w in widths}, measured=False)
+
+    def of(self, rows: int, width: int) -> float:
+        """The cost at the smallest measured row count >= rows (the largest past them all)."""
+        counts = sorted({r for r, _ in self.seconds})
+        bucket = next((r for r in counts if r >= rows), counts[-1])
+        return self.seconds[bucket, width]
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"{r}x{w}": s for (r, w), s in sorted(self.seconds.items())}
+
+
+def conditional_rates(
+    accepted: Sequence[int], verified: Sequence[int], prior: Sequence[float], weight: float
+) -> list[float]:
+    """c_j = (accepted_j + weight x prior_j) / (verified_j + weight), for j = 1..len(prior)."""
+    return [(a + weight * p) / (v + weight) for a, v, p in zip(accepted, verified, prior)]
+
+
+def engine_rates(totals: SpecCounters, positions: int) -> list[float]:
+    """The engine's conditional acceptance rate per position, each shrunk toward the one before
+    it (and the first toward 1)."""
+    rates, before = [], 1.0
+    for j in range(1, positions + 1):
+        (c,) = conditional_rates(
+            [totals.accepted_per_position[j]], [totals.verified_per_position[j]], [before], ENGINE_WEIGHT
+        )
+        rates.append(c)
+        before = c
+    return rates
+
+
+def prefix_rates(counters: SpecCounters, prior: Sequence[float]) -> list[float]:
+    """r[k], k = 1..len(prior): the chance that a request's draft tokens 1..k are all accepted,
+    from its own counts shrunk toward the engine's conditional rates `prior`."""
+    positions = range(1, len(prior) + 1)
+    conditional = conditional_rates(
+        [counters.accepted_per_position[j] for j in positions],
+        [counters.verified_per_position[j] for j in positions],
+        prior,
+        REQUEST_WEIGHT,
+    )
+    out, product = [], 1.0
+    for c in conditional:
+        product *= c
+        out.append(product)
+    return out
+
+
+def choose_width(
+    rates: Sequence[Sequence[float]], limits: Sequence[int], costs: StepCosts, candidates: Sequence[int]
+) -> int:
+    """The candidate W with the most expected committed tokens per second over the rows (row i:
+    prefix acceptance `rates[i]`, at most `limits[i]` draft tokens); the wider on a tie."""
+    best, best_value = candidates[-1], -1.0
+    for width in sorted(candidates, reverse=True):
+        tokens = sum(1.0 + sum(r[: min(width, n)]) for r, n in zip(rates, limits))
+        value = tokens / costs.of(len(rates), width)
+        if value > best_value:
+            best, best_value = width, value
+    return best
+
+
+class VerifyWidth:
+    """The engine's verify-width policy: the candidates it may choose and their costs."""
+
+    def __init__(self, policy: str, block_size: int, costs: StepCosts | None = None) -> None:
+        self.policy, self.block_size = policy, block_size
+        self.candidates = width_candidates(block_size, policy)
+        self.costs = costs or StepCosts.flat(self.candidates)
+        missing = sorted({w for w in self.candidates} - {w for _, w in self.costs.seconds})
+        if missing:
+            raise ConfigError(f"the step costs have no entry for verify width(s) {missing}")
+
+    def choose(self, limits: Sequence[int], counters: Sequence[SpecCounters], totals: SpecCounters) -> int:
+        """This step's verify width for rows that may still produce `limits` draft tokens, with
+        their own and the engine's acceptance counts."""
+        if len(self.candidates) == 1:
+            return self.candidates[0]
+        prior = engine_rates(totals, self.block_size - 1)
+        rates = [prefix_rates(c, prior) for c in counters]
+        return choose_width(rates, limits, self.costs, self.candidates)

@@ -1,0 +1,101 @@
+"""The verify width choice (reference_engine/runtime/verify_width.py) on made-up costs and
+acceptance: the candidates, expected committed tokens per second, ties, the estimates from a
+request's counts and the engine's, and the per-position counts it reads (stats.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from reference_engine.errors import ConfigError
+from reference_engine.runtime.engine_config import EngineConfig
+from reference_engine.runtime.stats import SpecCounters
+from reference_engine.runtime.verify_width import (
+    StepCosts,
+    VerifyWidth,
+    choose_width,
+    engine_rates,
+    prefix_rates,
+    width_candidates,
+)
+
+WIDTHS = (1, 3, 7, 15)
+
+
+def costs(by_width: dict[int, float], rows: tuple[int, ...] = (1, 16, 64)) -> StepCosts:
+    return StepCosts({(r, w): s * r for r in rows for w, s in by_width.items()}, measured=True)
+
+
+def geometric(rate: float, n: int = 15) -> list[float]:
+    return [rate**k for k in range(1, n + 1)]
+
+
+def test_candidates_are_blocks_of_powers_of_two_and_the_full_block() -> None:
+    assert width_candidates(16, "auto") == WIDTHS
+    assert width_candidates(10, "auto") == (1, 3, 7, 9)
+    assert width_candidates(2, "auto") == (1,)
+    assert width_candidates(16, "fixed") == (15,)
+    with pytest.raises(ConfigError, match="verify width must be one of auto, fixed"):
+        width_candidates(16, "wide")
+    with pytest.raises(ConfigError, match="verify_width must be one of auto, fixed"):
+        EngineConfig(verify_width="wide")
+
+
+def test_flat_costs_verify_the_full_block() -> None:
+    flat = StepCosts.flat(WIDTHS)
+    assert choose_width([geometric(0.1)] * 64, [15] * 64, flat, WIDTHS) == 15
+    assert choose_width([[0.0] * 15], [15], flat, WIDTHS) == 15  # a tie goes to the wider
+
+
+def test_a_wide_batch_with_low_acceptance_verifies_fewer_tokens() -> None:
+    """Arithmetic-bound wide verifies: a full block costs 3x a one-token verify."""
+    table = costs({1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0})
+    # tokens per row: 1 + sum of r[:w]; per cost: w=1 1.5/1, w=3 1.875/1.2, w=7 ~2/1.6
+    assert choose_width([geometric(0.5)] * 64, [15] * 64, table, WIDTHS) == 3
+    assert choose_width([geometric(0.95)] * 64, [15] * 64, table, WIDTHS) == 7
+    assert choose_width([geometric(0.99)] * 64, [15] * 64, table, WIDTHS) == 15
+    # rows near their max_tokens cannot use a wide verify: the narrow one wins
+    assert choose_width([geometric(0.95)] * 64, [1] * 64, table, WIDTHS) == 1
+
+
+def test_the_cost_is_read_at_the_smallest_measured_row_count_that_holds_the_batch() -> None:
+    table = StepCosts({(1, 1): 1.0, (1, 15): 1.1, (64, 1): 1.0, (64, 15): 4.0}, measured=True)
+    rates = geometric(0.6)
+    assert choose_width([rates], [15], table, (1, 15)) == 15
+    assert choose_width([rates] * 40, [15] * 40, table, (1, 15)) == 1  # read at 64 rows
+    assert table.of(100, 15) == 4.0  # past every measured count: the largest
+
+
+def test_an_engine_without_history_verifies_the_full_block() -> None:
+    assert engine_rates(SpecCounters(), 15) == [1.0] * 15
+    chooser = VerifyWidth("auto", 16, costs({1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0}))
+    assert chooser.choose([15] * 64, [SpecCounters()] * 64, SpecCounters()) == 15
+
+
+def test_a_request_with_no_steps_borrows_the_engines_rates() -> None:
+    totals = SpecCounters()
+    for _ in range(200):
+        totals.record(15, 2, 3)  # draft tokens 1 and 2 accepted, 3 rejected, every step
+    prior = engine_rates(totals, 15)
+    assert prior[0] > 0.98 and prior[1] > 0.98 and prior[2] < 0.03
+    assert prior[3:] == pytest.approx([prior[2]] * 12)  # unverified positions: the last rate
+    assert prefix_rates(SpecCounters(), prior) == pytest.approx(
+        [prior[0], prior[0] * prior[1], *[prior[0] * prior[1] * prior[2] ** k for k in range(1, 14)]]
+    )
+    own = SpecCounters()
+    for _ in range(50):
+        own.record(15, 15, 16)  # this request accepts every draft token
+    assert prefix_rates(own, prior)[14] > 0.3 > 1e6 * prefix_rates(SpecCounters(), prior)[14]
+
+
+def test_positions_count_as_verified_up_to_the_first_rejection() -> None:
+    counters = SpecCounters()
+    counters.record(7, 2, 3)  # tokens 1, 2 accepted, 3 rejected: 1..3 verified
+    counters.record(3, 3, 4)  # a narrow verify, all accepted: 1..3 verified, 4 never was
+    counters.record(5, 0, 1)
+    assert dict(counters.verified_per_position) == {1: 3, 2: 2, 3: 2}
+    assert dict(counters.accepted_per_position) == {1: 2, 2: 2, 3: 1}
+
+
+def test_costs_must_cover_every_candidate() -> None:
+    with pytest.raises(ConfigError, match=r"no entry for verify width\(s\) \[7, 15\]"):
+        VerifyWidth("auto", 16, costs({1: 1.0, 3: 1.0}))

@@ -166,8 +166,8 @@ def _group_kernel(
     # takes its expert from this list, so only as many programs as experts with pairs work
     has = (counts > 0).to(tl.int32)
     used = tl.sum(has, axis=0)
-    place = tl.where(has > 0, tl.cumsum(has, axis=0) - 1, used + tl.cumsum(1 - has, axis=0) - 1)
-    tl.store(active_ptr + place, tl.where(has > 0, experts, -1), mask=experts < E)
+    listed = tl.where(has > 0, tl.cumsum(has, axis=0) - 1, used + tl.cumsum(1 - has, axis=0) - 1)
+    tl.store(active_ptr + listed, tl.where(has > 0, experts, -1), mask=experts < E)
     # second pass: a pair's place is its group's start plus the pairs of its expert before it
     filled = starts
     for p0 in range(0, P, CHUNK):

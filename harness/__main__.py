@@ -9,8 +9,9 @@
 `--a-cmd`/`--b-cmd` are command templates with `{port}`, e.g.
 "python -m reference_engine.serve --model tiny/qwen3_5 --port {port}".
 Writes DIR/requests.jsonl, DIR/summary.csv (one row per label, concurrency and repeat)
-and the same rows as DIR/summary.json, DIR/meta.json, and for `ab` DIR/ab.csv; then
-builds DIR/report.md when `reports` is importable.
+and the same rows as DIR/summary.json, DIR/meta.json, for `ab` DIR/ab.csv and the output of
+each server it started (DIR/server-A.log, server-B.log); then builds DIR/report.md when
+`reports` is importable. DIR is checked and locked first (output.py): one run per folder.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .arguments import (
 from .client import ENDPOINT_KINDS, Endpoint
 from .load import LoadSpec, measure
 from .outcome import verdict_line
+from .output import OutputError, claim
 from .resume import prepare, read_request_rows, trim_torn_tail
 from .server_kind import SERVER_KINDS, resolve
 from .tokens import TextTokenizer
@@ -188,19 +190,29 @@ def _compare_parser(sub) -> None:
 
 
 def run_compare(args) -> int:
-    import asyncio
-
-    from .compare import ComparePolicy, compare
-    from .compare_io import RowLog, exit_status, verdict_line, write_outputs
+    from .compare import ComparePolicy
 
     pool = load_jsonl(args.prompts) if args.prompts else builtin(args.builtin or "mixed")
     prompts = take(pool, min(args.num_prompts, len(pool)), args.seed) if args.num_prompts else pool
     policy = ComparePolicy(args.policy, args.tie_threshold, args.max_tie_rate, args.max_divergences)
     tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
+    out = Path(args.out)
+    hold = claim(out)  # OutputError: exit 2 with its line, before any server is asked
+    try:
+        return _compare_into(out, args, prompts, policy, tokenizer)
+    finally:
+        hold.release()
+
+
+def _compare_into(out: Path, args, prompts: list, policy, tokenizer: TextTokenizer | None) -> int:
+    import asyncio
+
+    from .compare import compare
+    from .compare_io import RowLog, exit_status, verdict_line, write_outputs
+
     baseline, candidate = (
         endpoint_for(url, args, "completions", tokenizer) for url in (args.baseline, args.candidate)
     )
-    out = Path(args.out)
     log = RowLog(out, args.resume)
     if args.resume:
         print(
@@ -329,6 +341,8 @@ def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of) -> list
     if args.resume:
         resumed = prepare(out, planned, args.max_failure_rate)
         skip = resumed.done
+        if resumed.repaired:
+            print(f"resume: {resumed.repaired}", file=sys.stderr)
         if resumed.redo or resumed.dropped_lines:
             print(
                 f"resume: {len(skip)} runs kept, {len(planned) - len(skip)} to measure "
@@ -388,11 +402,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         try:
             return run_compare(args)
-        except (WorkloadError, ValueError, OSError) as exc:
+        except (WorkloadError, ValueError, OSError, OutputError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     out = Path(args.out)
     fresh = not out.exists()
+    try:
+        hold = claim(out)
+    except OutputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     servers: dict[str, ManagedServer] = {}
     try:
         if args.command == "bench":
@@ -400,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for side in ("a", "b"):
                 url, cmd = getattr(args, f"{side}_url"), getattr(args, f"{side}_cmd")
-                servers[side.upper()] = ManagedServer.start(cmd) if cmd else ManagedServer(url)
+                log = out / f"server-{side.upper()}.log"
+                servers[side.upper()] = ManagedServer.start(cmd, log) if cmd else ManagedServer(url)
         tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
         endpoints: dict[str, Endpoint] = {}
 
@@ -428,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkloadError, RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a disk that filled up, a folder made unwritable during the run
+        print(f"error: {exc}{'' if exc.filename else f' (writing into {out})'}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         kept, _ = read_request_rows(out / "requests.jsonl")
         print(
@@ -439,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in servers.values():
             server.stop()
+        hold.release()
     planned = [
         r
         for r in rows

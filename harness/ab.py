@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import getpass
 import json
-import os
 import platform
 import random
 import shlex
@@ -48,13 +47,16 @@ class ManagedServer:
     command: list[str] | None = None
     process: subprocess.Popen | None = None
 
+    log: Path | None = None  # its stdout and stderr
+
     @classmethod
-    def start(cls, template: str, health_timeout: float = 300.0) -> ManagedServer:
+    def start(cls, template: str, log: Path, health_timeout: float = 300.0) -> ManagedServer:
+        """Start the command, its output in `log`, and wait until /health says 200."""
         port = free_port()
         command = shlex.split(template.replace("{port}", str(port)))
-        log = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        server = cls(f"http://127.0.0.1:{port}", command, process)
+        with log.open("w") as sink:  # the child keeps its own copy of the descriptor
+            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        server = cls(f"http://127.0.0.1:{port}", command, process, log)
         server.wait_healthy(health_timeout)
         return server
 
@@ -64,7 +66,7 @@ class ManagedServer:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"server {' '.join(self.command)} exited with "
-                    f"{self.process.returncode} before it became healthy"
+                    f"{self.process.returncode} before it became healthy; {self.log_tail()}"
                 )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -73,7 +75,16 @@ class ManagedServer:
                 pass
             time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"server at {self.url} not healthy after {timeout} s")
+        raise RuntimeError(f"server at {self.url} not healthy after {timeout} s; {self.log_tail()}")
+
+    def log_tail(self, lines: int = 8) -> str:
+        """The last lines of the server's output, where its reason for dying is."""
+        if self.log is None or not self.log.exists():
+            return "no output kept"
+        tail = self.log.read_text(errors="replace").strip().splitlines()[-lines:]
+        if not tail:
+            return f"it wrote nothing ({self.log})"
+        return f"its last output ({self.log}):\n  " + "\n  ".join(tail)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

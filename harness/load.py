@@ -156,7 +156,7 @@ SUMMARY_COLUMNS = [
 
 
 def append_summary(path: Path, row: dict) -> None:
-    new = not path.exists()
+    new = not path.exists() or path.stat().st_size == 0  # a file a full disk left empty too
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
         if new:

@@ -5,7 +5,9 @@ request index, its row in `summary.csv` by run. A run counts as done when its su
 there, the run is whole (completed + failed = the requests it was meant to send) and its
 failure rate is within the allowed one; `--resume` measures every other run again, after
 removing whatever that run left behind, so no key appears twice. A torn last line (an
-interrupted write, possibly cut inside a multi-byte character) is dropped, not fatal.
+interrupted write, possibly cut inside a multi-byte character) is dropped, not fatal; a
+summary.csv that a full disk left empty or with a torn header is set aside (`repair_summary`)
+and its runs are measured again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 Run = tuple[str, int, int]  # (label, concurrency, repeat)
+RUN_COLUMNS = ("label", "concurrency", "repeat")  # the first columns of summary.csv
 
 REQUESTS = "requests.jsonl"
 SUMMARY = "summary.csv"
@@ -62,12 +65,14 @@ class Resumed:
     done: set[Run]  # runs kept as they are
     redo: set[Run]  # planned runs whose earlier rows were removed
     dropped_lines: int  # torn or unreadable lines removed from requests.jsonl
+    repaired: str | None = None  # what repair_summary did to summary.csv
 
 
 def prepare(out: Path, planned: dict[Run, int], max_failure_rate: float) -> Resumed:
     """Keep the planned runs that are done; remove every row of the other planned runs (and
     torn lines) from requests.jsonl and summary.csv. Runs outside the plan stay untouched.
     `planned` maps each run to the number of measured requests it sends."""
+    repaired = repair_summary(out / SUMMARY)
     summary_rows = _read_summary(out / SUMMARY)
     done = set()
     for row in summary_rows:
@@ -95,7 +100,7 @@ def prepare(out: Path, planned: dict[Run, int], max_failure_rate: float) -> Resu
     if (out / SUMMARY).exists():
         _write_summary(out / SUMMARY, kept_summary)
     left_behind = {run_of(r) for r in summary_rows} | {run_of(r) for r in rows}
-    return Resumed(done, redo & left_behind, dropped)
+    return Resumed(done, redo & left_behind, dropped, repaired)
 
 
 def trim_torn_tail(path: Path) -> bool:
@@ -109,6 +114,27 @@ def trim_torn_tail(path: Path) -> bool:
             return False
         f.truncate(data.rfind(b"\n") + 1)
     return True
+
+
+def repair_summary(path: Path) -> str | None:
+    """Make a summary.csv that new rows can be appended to, after a full disk or a kill: an
+    empty one is removed (the next row writes the header), a torn last row is cut, one whose
+    header is torn is moved aside to summary.csv.torn (its rows cannot be read by column).
+    Returns what was done, or None when the file was whole."""
+    if not path.exists():
+        return None
+    if path.stat().st_size == 0:
+        path.unlink()
+        return f"{path.name} was empty: removed"
+    with path.open("rb") as f:
+        first = f.readline()
+    if not first.endswith(b"\n") or first.decode("utf-8", "replace").split(",")[:3] != list(RUN_COLUMNS):
+        aside = path.with_name(path.name + ".torn")
+        os.replace(path, aside)
+        return f"{path.name} had no whole header: moved to {aside.name}, its runs measured again"
+    if trim_torn_tail(path):
+        return f"{path.name} ended in a torn row: cut"
+    return None
 
 
 def _read_summary(path: Path) -> list[dict]:

@@ -121,7 +121,14 @@ cd "$root"
 python=${PYTHON:-python3}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 out=${out:-results/profile-$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$out"
+# the folder created, writable and with room (one line if not), then held by this run alone:
+# the same lock file as the harness's (harness/output.py), released when this shell ends
+"$python" -m harness.output "$out" || exit 2
+if command -v flock >/dev/null 2>&1; then
+    exec 9>>"$out/.lock"
+    flock -n 9 || fail "the output folder $out is in use by another run ($(cat "$out/.lock")): wait for it to end or give another --out"
+    echo "pid $$ since $(date '+%Y-%m-%d %H:%M:%S')" >"$out/.lock"
+fi
 : >"$out/commands.txt"
 
 if ((timer)); then

@@ -110,13 +110,43 @@ def moe_sweep(bw: float) -> None:
             for pair in (None, *candidates):
                 same &= torch.equal(moe.experts(*args, tiles=pair), engine)
                 times.append(graph_us(moe.experts, *args, tiles=pair))
-            route_us = graph_us(lambda x, w, k: moe.route_experts(matmul(x, w), k, True), x, router, k)
+            logits = matmul(x, router)
+            layouts = ((16, 4), (16, 1), (8, 1), (4, 1), (2, 1), (1, 1), (16, 2))
+            route = {lay: graph_us(moe.route_experts, logits, k, True, lay) for lay in layouts}
+            route_us = graph_us(moe.route_experts, logits, k, True)
             best = min(range(len(times)), key=times.__getitem__)
             chosen = "engine" if best == 0 else candidates[best - 1]
             print(
                 f"{name} tokens={tokens:<4} experts={distinct:<4} floor {floor_us:6.1f} us | engine "
-                f"{times[0]:6.1f} best {times[best]:6.1f} ({chosen}) | router+route {route_us:5.1f} "
+                f"{times[0]:6.1f} best {times[best]:6.1f} ({chosen}) | route {route_us:5.1f} "
+                f"({', '.join(f'{lay}: {us:.1f}' for lay, us in route.items())}) "
                 f"| bits equal: {same} | " + " ".join(f"{t:.1f}" for t in times[1:])
+            )
+
+
+MOE_PROJECTIONS = {"qkv 30B-A3B": (5120, 2048), "o 30B-A3B": (2048, 4096), "router 30B-A3B": (128, 2048)}
+
+
+def moe_projection_sweep() -> None:
+    """The exact matmul's tile configurations on the MoE targets' dense projections at 1 and
+    16 rows, replayed from CUDA graphs: us each (the engine's choice first)."""
+    extra = (
+        Tiles(16, 32, 256, 4, 4),
+        Tiles(16, 16, 128, 4, 4),
+        Tiles(16, 32, 128, 4, 3),
+        Tiles(16, 64, 128, 4, 3),
+    )
+    configs = (*CONFIGURATIONS, *extra)
+    for name, (N, K) in MOE_PROJECTIONS.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+        for m in (1, 16):
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            engine = graph_us(matmul, x, w)
+            times = [graph_us(matmul, x, w, None, t) for t in configs]
+            best = min(range(len(configs)), key=times.__getitem__)
+            print(
+                f"{name:<15} M={m:<3} engine {engine:6.1f} best {times[best]:6.1f} {configs[best]} "
+                f"(bytes at 4.3 TB/s {N * K * 2 / 4.3e6:6.1f}) | " + " ".join(f"{t:.1f}" for t in times)
             )
 
 
@@ -161,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep(bw)
     if args.moe_sweep:
         moe_sweep(bw)
+        moe_projection_sweep()
     x, w = (
         torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16),
         torch.randn(4096, device="cuda", dtype=torch.bfloat16),

@@ -3,8 +3,8 @@ captured in a CUDA graph, with every token's bits independent of the other token
 
 - `route_experts`: per token, the float32 softmax of the router logits, the top k (k rounds
   of an argmax; an exact tie goes to the lower expert id), the optional renormalisation, the
-  weights cast to the model dtype, written in ascending expert id order. A program holds 16
-  tokens and a fixed layout, so a token's sums run in one order whatever the token count.
+  weights cast to the model dtype, written in ascending expert id order. A program holds a fixed
+  number of tokens in a fixed layout, so a token's sums run in one order whatever the token count.
 - `experts`: the (token, slot) pairs grouped by expert, then two grouped matrix products over
   the groups and the per-token sum over slots:
   1. `_group_kernel`, one program: each expert's pair count, the groups' starts and the pairs
@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .launch import LAUNCH
 
-ROUTE_TOKENS = 16  # tokens a routing program holds: fixed, so a token's reductions are too
+# (tokens a routing program holds, warps): fixed, so a token's reductions run in one order
+ROUTE_LAYOUT = (16, 4)
 GROUP_CHUNK = 32  # pairs the grouping program reads at a time
 SUM_BLOCK = 1024
 
@@ -54,12 +55,15 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# By pairs in the step (tokens x k): a decode step's few pairs spread over narrow column tiles
-# so that every SM streams weights; a verify's or a prefill's reuse each weight tile over
-# more rows. (gate-and-up, down); the gate-and-up program holds two accumulators.
-FEW_PAIRS = 128
-FEW = (Tiles(16, 16, 256, 4, 4), Tiles(16, 32, 256, 4, 4))
-MANY = (Tiles(16, 32, 128, 4, 4), Tiles(16, 64, 128, 4, 4))
+# By pairs in the step (tokens x k), as (gate-and-up, down); the gate-and-up program holds two
+# accumulators.
+# Chosen by scripts/bench_kernels.py --moe-sweep on the H200 over the Qwen3-30B-A3B and
+# Qwen3.5-35B-A3B shapes, replayed from CUDA graphs (docs/results/h200-moe/moe-sweep.log):
+# for 1-64 tokens the 64- and 128-column tiles run within 5% of the best pair at each count,
+# past that 64-row tiles reuse a weight tile over more pairs.
+FEW_PAIRS = 1024
+FEW = (Tiles(16, 64, 128, 4, 3), Tiles(16, 128, 128, 4, 3))
+MANY = (Tiles(64, 64, 64, 4, 4), Tiles(64, 64, 64, 4, 4))
 
 
 def tiles_for(pairs: int, dtype: torch.dtype) -> tuple[Tiles, Tiles]:
@@ -117,15 +121,20 @@ def _route_kernel(
     tl.store(weights_ptr + at, w.to(weights_ptr.dtype.element_ty), mask=keep)
 
 
-def route_experts(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_experts(
+    logits: torch.Tensor, top_k: int, renormalise: bool, layout: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/reference.route_experts's contract: [tokens, experts] router logits ->
-    (weights [tokens, k] in the logits' dtype, ids [tokens, k] int64, ascending per token)."""
+    (weights [tokens, k] in the logits' dtype, ids [tokens, k] int64, ascending per token).
+    `layout` overrides (tokens a program, warps), for sweeps: a token's bits may differ
+    between layouts (its reductions run in another order), never within one."""
+    block_t, warps = layout or ROUTE_LAYOUT
     tokens, n = logits.shape
     logits = logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
-        _route_kernel[(triton.cdiv(tokens, ROUTE_TOKENS),)](
+        _route_kernel[(triton.cdiv(tokens, block_t),)](
             logits,
             weights,
             ids,
@@ -133,8 +142,9 @@ def route_experts(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[
             n,
             TOP_K=top_k,
             RENORMALISE=renormalise,
-            BLOCK_T=ROUTE_TOKENS,
+            BLOCK_T=block_t,
             BLOCK_E=triton.next_power_of_2(n),
+            num_warps=warps,
             **LAUNCH,
         )
     return weights, ids

@@ -7,7 +7,10 @@ differences are used (never lifetime totals):
     per-position[k]   = d(accepted_per_pos{position=k}) / d(drafts)
 Counter families: ours (`dflash:`), vLLM (`vllm:`), lmdeploy (`lmdeploy:`), all named
 `<prefix>spec_decode_num_{drafts,draft_tokens,accepted_tokens,accepted_tokens_per_pos}`;
-samples of one family are summed over their other labels (model, engine, ...). SGLang
+samples of one family are summed over their other labels (model, engine, ...). A page that
+carries several families (our server with `--metrics-names dflash,vllm`: the same counts
+under two names) is read for the first of PREFIXES only. Positions are kept 1-based: vLLM
+and lmdeploy number theirs from 0. SGLang
 exposes gauges (`sglang:spec_accept_length`), read as they are after the run, and
 per-request `meta_info` (`spec_verify_ct`, `completion_tokens`).
 """
@@ -23,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .client import RequestRecord
 
 PREFIXES = ("dflash:", "vllm:", "lmdeploy:")
+FIRST_POSITION = {"dflash:": 1, "vllm:": 0, "lmdeploy:": 0}  # the number of draft token 1
 FAMILIES = {
     "drafts": "spec_decode_num_drafts",
     "draft_tokens": "spec_decode_num_draft_tokens",
@@ -40,6 +44,7 @@ Snapshot = dict[str, float]  # "drafts" / "accepted" / "pos:3" / "sglang:..." ->
 def parse(text: str) -> Snapshot:
     """The spec-decode values of one /metrics page, summed over label sets."""
     snap: Snapshot = {}
+    by_prefix: dict[str, Snapshot] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
@@ -54,9 +59,14 @@ def parse(text: str) -> Snapshot:
                     if base != family_name:
                         continue
                     if key == "per_pos":
-                        key = f"pos:{int(sample.labels.get('position', 0))}"
-                    snap[key] = snap.get(key, 0.0) + sample.value
-                    snap["prefix:" + prefix] = 1.0
+                        position = int(sample.labels.get("position", 0)) + 1 - FIRST_POSITION[prefix]
+                        key = f"pos:{position}"
+                    counts = by_prefix.setdefault(prefix, {})
+                    counts[key] = counts.get(key, 0.0) + sample.value
+    prefix = next((p for p in PREFIXES if p in by_prefix), None)
+    if prefix is not None:
+        snap |= by_prefix[prefix]
+        snap["prefix:" + prefix] = 1.0
     return snap
 
 

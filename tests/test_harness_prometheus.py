@@ -83,3 +83,18 @@ def test_our_per_request_statistics_give_the_histogram() -> None:
 def test_no_metrics_no_acceptance() -> None:
     assert acceptance_from_counters(None, None) == {}
     assert acceptance_from_counters(parse(""), parse("")) == {}
+
+
+def test_a_page_with_the_same_counts_under_two_names_is_read_once() -> None:
+    # our server with --metrics-names dflash,vllm: dflash numbers positions from 1, vllm from 0
+    dflash = counters("dflash:", 10, 70, 30, [], 'server="ref"')
+    dflash += 'dflash:spec_decode_num_accepted_tokens_per_pos_total{server="ref",position="1"} 8\n'
+    vllm = counters("vllm:", 10, 70, 30, [8], 'model="m"')
+    snap = parse(dflash + vllm)
+    assert snap["drafts"] == 10 and snap["accepted"] == 30
+    assert snap["pos:1"] == 8 and "pos:0" not in snap
+
+
+def test_vllm_positions_are_read_as_the_first_draft_token() -> None:
+    snap = parse(counters("vllm:", 10, 70, 30, [8, 6], 'engine="0"'))
+    assert (snap["pos:1"], snap["pos:2"]) == (8, 6) and "pos:0" not in snap

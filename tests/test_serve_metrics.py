@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
 from reference_engine.checkpoint import load_draft, load_target
@@ -62,7 +63,7 @@ def test_a_request_is_counted_once_in_its_finish_reason_and_in_each_histogram(re
     counted.delivered(3, 10.5)  # one speculative step's three tokens
     for again in (reason, "stop", "abort"):  # a stop string cut, then the engine's abort lands
         counted.finish(again)
-    page = samples(metrics.render(idle_engine()))
+    page = samples(metrics.render(idle_engine())[0])
     success = value(page, "dflash:request_success_total", finish_reason=reason)
     assert success == (0 if reason == FAILED else 1)
     assert value(page, "dflash:request_failure_total") == (1 if reason == FAILED else 0)
@@ -82,7 +83,7 @@ def test_a_request_is_counted_once_in_its_finish_reason_and_in_each_histogram(re
 def test_a_request_that_ends_before_its_first_token_is_in_e2e_but_not_in_ttft() -> None:
     metrics = ServerMetrics()
     metrics.request(prompt_tokens=3, arrival_s=time.monotonic()).finish("abort")
-    page = samples(metrics.render(idle_engine()))
+    page = samples(metrics.render(idle_engine())[0])
     assert value(page, "dflash:request_success_total", finish_reason="abort") == 1
     assert value(page, "dflash:e2e_request_latency_seconds_count") == 1
     assert value(page, "dflash:time_to_first_token_seconds_count") == 0
@@ -93,7 +94,7 @@ def test_verify_widths_count_the_engines_steps_per_width() -> None:
     metrics = ServerMetrics()
     metrics.on_step(idle_engine(verify_widths={15: 2, 3: 1}))
     metrics.on_step(idle_engine(verify_widths={15: 2, 3: 4}))
-    page = samples(metrics.render(idle_engine()))
+    page = samples(metrics.render(idle_engine())[0])
     assert value(page, "dflash:spec_decode_verify_width_total", width="15") == 2
     assert value(page, "dflash:spec_decode_verify_width_total", width="3") == 4
 
@@ -108,7 +109,7 @@ def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset()
     spec = SpecCounters()  # Engine.reset_stats
     spec.record(7, 1, 2)
     metrics.on_step(idle_engine(spec))
-    page = samples(metrics.render(idle_engine()))
+    page = samples(metrics.render(idle_engine())[0])
     assert value(page, "dflash:spec_decode_num_drafts_total") == 3
     assert value(page, "dflash:spec_decode_num_draft_tokens_total") == 21
     assert value(page, "dflash:spec_decode_num_accepted_tokens_total") == 11  # no bonus
@@ -118,6 +119,37 @@ def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset()
         if name == "dflash:spec_decode_num_accepted_tokens_per_pos_total"
     }
     assert per_pos == {1: 3, 2: 2, 3: 2, 4: 1, 5: 1, 6: 1, 7: 1}
+
+
+def test_the_acceptance_counters_under_vllm_and_lmdeploy_names_count_the_same_from_position_0() -> None:
+    metrics = ServerMetrics(("dflash", "vllm", "lmdeploy"))
+    spec = SpecCounters()
+    spec.record(7, 3, 4)
+    spec.record(7, 1, 2)
+    metrics.on_step(idle_engine(spec))
+    page = samples(metrics.render(idle_engine())[0])
+    for prefix, first in (("dflash", 1), ("vllm", 0), ("lmdeploy", 0)):
+        assert value(page, f"{prefix}:spec_decode_num_drafts_total") == 2
+        assert value(page, f"{prefix}:spec_decode_num_draft_tokens_total") == 14
+        assert value(page, f"{prefix}:spec_decode_num_accepted_tokens_total") == 4
+        per_pos = {
+            int(dict(labels)["position"]): v
+            for (name, labels), v in page.items()
+            if name == f"{prefix}:spec_decode_num_accepted_tokens_per_pos_total"
+        }
+        assert per_pos == {first: 2, first + 1: 1, first + 2: 1}, prefix
+    # only the acceptance counters have aliases
+    assert not any(name.startswith("vllm:") and "request" in name for name, _ in page)
+
+
+def test_openmetrics_is_the_same_page_in_the_other_format() -> None:
+    metrics = ServerMetrics()
+    metrics.request(prompt_tokens=3, arrival_s=time.monotonic()).finish("stop")
+    page, content_type = metrics.render(idle_engine(), openmetrics=True)
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    assert page.decode().endswith("# EOF\n")
+    families = {f.name for f in openmetrics_parser.text_string_to_metric_families(page.decode())}
+    assert "dflash:request_success" in families
 
 
 # ------------------------------------------------------------------ the engine thread

@@ -21,10 +21,10 @@ from fastapi.openapi.docs import (
     get_swagger_ui_html,
     get_swagger_ui_oauth2_redirect_html,
 )
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from .limits import read_body
-from .protocol import ParsedRequest, ProtocolError
+from .protocol import DEFAULT_TEMPERATURE, ParsedRequest, ProtocolError
 from .replies import error_json, respond
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ def create_app(server: Server) -> FastAPI:
             "block_size": engine.block_size or None,
             "max_num_seqs": engine.config.max_num_seqs,
             "threads": torch.get_num_threads(),
+            "default_temperature": DEFAULT_TEMPERATURE,
         }
 
     @app.get("/v1/models", dependencies=scope_api)
@@ -76,10 +77,11 @@ def create_app(server: Server) -> FastAPI:
         }
 
     @app.get("/metrics", dependencies=scope_all)
-    async def metrics():
-        return PlainTextResponse(
-            server.metrics.render(server.engine), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+    async def metrics(request: Request):
+        # OpenMetrics for a scraper that asks for it (Prometheus sends it first in Accept)
+        openmetrics = "application/openmetrics-text" in request.headers.get("accept", "")
+        page, content_type = server.metrics.render(server.engine, openmetrics)
+        return Response(page, media_type=content_type)
 
     @app.post("/v1/completions", dependencies=generating)
     async def completions(request: Request):

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..engine_args import add_engine_options
+from .metrics import SPEC_NAMINGS
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ServeArgs:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_connections: int = 512
+    metrics_names: tuple[str, ...] = ("dflash",)
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
@@ -126,6 +128,14 @@ class ServeArgs:
             help="seconds a request has to send its whole body after its headers; then HTTP 408",
         )
         p.add_argument(
+            "--metrics-names",
+            type=_metrics_names,
+            default=("dflash",),
+            help="comma-separated namings of the acceptance counters on /metrics: dflash "
+            "(positions from 1), vllm, lmdeploy (theirs, positions from 0), side by side; "
+            "e.g. dflash,vllm so that vLLM's benchmark client reads our acceptance",
+        )
+        p.add_argument(
             "--max-connections",
             type=_positive_int,
             default=512,
@@ -142,6 +152,16 @@ def _threads(text: str) -> int:
     if threads < 1:
         raise argparse.ArgumentTypeError(f"threads must be >= 1, got {threads}")
     return threads
+
+
+def _metrics_names(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",")))
+    unknown = [n for n in names if n not in SPEC_NAMINGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(SPEC_NAMINGS)}, got {text!r}"
+        )
+    return names
 
 
 def _positive_int(text: str) -> int:

@@ -6,6 +6,9 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
 - `dflash:spec_decode_num_accepted_tokens_total`: draft tokens accepted (never the bonus);
 - `dflash:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`: steps whose draft
   token k (1-based) was accepted. Mean acceptance length = 1 + accepted / drafts.
+  With `--metrics-names` these four are also exported under vLLM's (`vllm:`) and lmdeploy's
+  (`lmdeploy:`) names, side by side, each with its own position numbering (`SPEC_NAMINGS`:
+  both number from 0), so their benchmark clients read our acceptance as they read their own.
 - `dflash:spec_decode_verify_width_total{width}`: speculative steps by the draft tokens each
   row verified (the verify width the step chose, runtime/verify_width.py);
 - `dflash:spec_decode_fallbacks_total{reason}`: requests moved to plain decode;
@@ -42,10 +45,13 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.openmetrics import exposition as openmetrics_text
 
 from ..runtime.engine import Engine
 
 PREFIX = "dflash"
+# prefix -> the number its per-position label gives the first draft token
+SPEC_NAMINGS = {"dflash": 1, "vllm": 0, "lmdeploy": 0}
 LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -73,22 +79,38 @@ LATENCY_BUCKETS = (
     60.0,
 )
 FAILED = "error"  # the finish reason of a request the engine failed
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"  # what every scraper reads
 
 
-class ServerMetrics:
-    def __init__(self) -> None:
-        disable_created_metrics()  # no *_created series: scrapers diff the counters only
-        self.registry = CollectorRegistry()
-        r, p = self.registry, PREFIX
+class AcceptanceCounters:
+    """The four spec-decode counters under one naming: its prefix, and the number its
+    per-position label gives the first draft token."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, first_position: int) -> None:
+        r, p = registry, prefix
+        self.first_position = first_position
         self.drafts = Counter(f"{p}:spec_decode_num_drafts", "Speculative steps", registry=r)
         self.draft_tokens = Counter(f"{p}:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted = Counter(f"{p}:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_per_pos = Counter(
             f"{p}:spec_decode_num_accepted_tokens_per_pos",
-            "Steps whose draft token at this position was accepted",
+            f"Steps whose draft token at this position (numbered from {first_position}) was accepted",
             ["position"],
             registry=r,
         )
+
+    def at(self, position: int) -> Counter:
+        """The counter of draft token `position` (1-based, as the engine counts)."""
+        return self.accepted_per_pos.labels(position=str(position - 1 + self.first_position))
+
+
+class ServerMetrics:
+    def __init__(self, spec_names: tuple[str, ...] = (PREFIX,)) -> None:
+        """`spec_names`: the namings (SPEC_NAMINGS) the acceptance counters are exported under."""
+        disable_created_metrics()  # no *_created series: scrapers diff the counters only
+        self.registry = CollectorRegistry()
+        r, p = self.registry, PREFIX
+        self.acceptance = [AcceptanceCounters(r, name, SPEC_NAMINGS[name]) for name in spec_names]
         self.verify_width = Counter(
             f"{p}:spec_decode_verify_width", "Speculative steps by verify width", ["width"], registry=r
         )
@@ -121,22 +143,26 @@ class ServerMetrics:
         self.phase_seconds = Counter(f"{p}:phase_seconds", "Engine time per phase", ["phase"], registry=r)
         self._seen: dict[str, float] = {}  # last engine totals: counters advance by differences
 
-    def _advance(self, key: str, counter, value: float) -> None:
+    def _advance(self, key: str, counter: Counter | list[Counter], value: float) -> None:
+        """Advance `counter` (or each of a list: one count under several names) to the engine
+        total `value`."""
         seen = self._seen.get(key, 0)
         # totals that went down were restarted (Engine.reset_stats): all of `value` is new
         delta = value - seen if value >= seen else value
         if delta > 0:
-            counter.inc(delta)
+            for each in counter if isinstance(counter, list) else [counter]:
+                each.inc(delta)
         self._seen[key] = value
 
     def on_step(self, engine: Engine) -> None:
         """Called on the engine thread after each step, before its outputs are handed on."""
         spec = engine.spec_totals
-        self._advance("drafts", self.drafts, spec.steps)
-        self._advance("draft_tokens", self.draft_tokens, spec.proposed)
-        self._advance("accepted", self.accepted, spec.accepted)
+        names = self.acceptance
+        self._advance("drafts", [c.drafts for c in names], spec.steps)
+        self._advance("draft_tokens", [c.draft_tokens for c in names], spec.proposed)
+        self._advance("accepted", [c.accepted for c in names], spec.accepted)
         for pos, count in spec.accepted_per_position.items():
-            self._advance(f"pos{pos}", self.accepted_per_pos.labels(position=str(pos)), count)
+            self._advance(f"pos{pos}", [c.at(pos) for c in names], count)
         for width, count in engine.verify_widths.items():
             self._advance(f"width:{width}", self.verify_width.labels(width=str(width)), count)
         for reason, count in engine.scheduler.fallbacks.items():
@@ -153,11 +179,15 @@ class ServerMetrics:
         """The metrics of one request that arrived at `arrival_s` (time.monotonic())."""
         return RequestMetrics(self, prompt_tokens, arrival_s)
 
-    def render(self, engine: Engine) -> bytes:
+    def render(self, engine: Engine, openmetrics: bool = False) -> tuple[bytes, str]:
+        """The page and its content type: Prometheus text 0.0.4, or OpenMetrics 1.0.0 for a
+        scraper that asks for it."""
         # gauges are read at scrape time too: an idle engine takes no step to refresh them
         self.running.set(len(engine.scheduler.active))
         self.waiting.set(len(engine.scheduler.waiting))
-        return generate_latest(self.registry)
+        if openmetrics:
+            return openmetrics_text.generate_latest(self.registry), openmetrics_text.CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), PROMETHEUS_TEXT
 
 
 class RequestMetrics:

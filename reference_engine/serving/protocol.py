@@ -35,6 +35,7 @@ from ..errors import ReferenceEngineError
 from ..runtime.request import REPETITION_PENALTY_RANGE, SEED_RANGE, SamplingParams
 
 FLOAT32_TINY = 2.0**-126  # torch.finfo(torch.float32).tiny
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's: a request that leaves temperature out samples
 
 
 class ProtocolError(ReferenceEngineError):
@@ -278,7 +279,7 @@ def parse_request(
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
             top_p=_top_p(body),
             top_k=0 if top_k == -1 else top_k,
             stop_token_ids=tuple(stop_ids),
@@ -339,9 +340,13 @@ def logprobs_body(
     entries: list[dict[int, float]],
     token_text,
     top: int | None = None,
+    text_offset: int = 0,
 ) -> dict:
     """OpenAI logprobs for the given tokens; each top entry also carries its token id.
-    Chat lists exactly `top` alternatives (top_logprobs); completions also the chosen token."""
+    Chat lists exactly `top` alternatives (top_logprobs); completions also the chosen token,
+    and `text_offset`: where each token's text starts in the completion, counted over the
+    token texts before it (as vLLM counts; `text_offset` is the first one's, for a chunk that
+    continues a stream)."""
     if chat:
         content = []
         for text, token_id, entry in zip(tokens, ids, entries):
@@ -364,9 +369,14 @@ def logprobs_body(
                 }
             )
         return {"content": content}
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
     return {
         "tokens": tokens,
         "token_ids": ids,
+        "text_offset": offsets,
         "token_logprobs": [entry.get(t) for t, entry in zip(ids, entries)],
         "top_logprobs": [
             {token_text(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])} for entry in entries

@@ -41,12 +41,14 @@ async def sse_reply(server: Server, generation: Generation) -> AsyncIterator[str
     error event; then `[DONE]`."""
     request_id, parsed = generation.request_id, generation.parsed
     prompt_tokens, emitted, first = len(parsed.prompt_ids), 0, True
+    text_offset = 0  # characters of the token texts streamed so far (completions' text_offset)
     async for event in generation.events():
         if isinstance(event, Tokens):
             emitted += len(event.ids)
             lp = None
             if parsed.logprobs is not None and event.logprobs:
-                lp = _logprobs(server, parsed, event.ids, event.logprobs)
+                lp = _logprobs(server, parsed, event.ids, event.logprobs, text_offset)
+                text_offset += sum(len(text) for text in lp.get("tokens", ()))
             body = chunk(
                 request_id,
                 server.name,
@@ -123,11 +125,18 @@ class EventStream(StreamingResponse):
             self.close()
 
 
-def _logprobs(server: Server, parsed: ParsedRequest, ids: list[int], entries: list[dict[int, float]]) -> dict:
+def _logprobs(
+    server: Server,
+    parsed: ParsedRequest,
+    ids: list[int],
+    entries: list[dict[int, float]],
+    text_offset: int = 0,
+) -> dict:
     def token_text(token: int) -> str:
         return server.detokenize([token])
 
-    return logprobs_body(parsed.chat, [token_text(t) for t in ids], ids, entries, token_text, parsed.logprobs)
+    tokens = [token_text(t) for t in ids]
+    return logprobs_body(parsed.chat, tokens, ids, entries, token_text, parsed.logprobs, text_offset)
 
 
 def _sse(body: dict) -> str:

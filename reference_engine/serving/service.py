@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,10 +21,12 @@ from .chat_template import compile_chat_template, render_chat_template
 from .lifecycle import Lifecycle
 from .limits import BodyLimits, MiB, decode_json
 from .metrics import ServerMetrics
-from .protocol import ParsedRequest, ProtocolError, new_id, parse_request
+from .protocol import DEFAULT_TEMPERATURE, ParsedRequest, ProtocolError, new_id, parse_request
 
 if TYPE_CHECKING:
     from .args import ServeArgs
+
+log = logging.getLogger(__name__)
 
 
 class Server:
@@ -59,9 +62,10 @@ class Server:
         self.name = args.served_model_name or Path(args.model).name
         self.api_key = args.api_key
         self.api_key_scope = args.api_key_scope
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(args.metrics_names)
         self.lifecycle = Lifecycle(self._start_runner, args.shutdown_grace)
         self._request_numbers = itertools.count(1)  # the last part of each request id
+        self._told_default_temperature = False
         self.oracle_acceptance = args.oracle_acceptance
         if self.oracle_acceptance is not None:
             if draft is None:
@@ -91,6 +95,15 @@ class Server:
         """A request body as the engine takes it (ProtocolError: 400, 404). Slow for a large
         body: the routes call it off the event loop."""
         body = decode_json(raw, self.limits)
+        if isinstance(body, dict) and body.get("temperature") is None and not self._told_default_temperature:
+            # said once: a benchmark client that leaves temperature out (vLLM's bench serve
+            # does) measures sampling here, not the greedy decode it may think it measures
+            self._told_default_temperature = True
+            log.warning(
+                "a request without 'temperature' samples at %s (OpenAI's default); send "
+                "temperature 0 for greedy decode (said once)",
+                DEFAULT_TEMPERATURE,
+            )
         return parse_request(
             body,
             self.name,

@@ -28,6 +28,8 @@ BENCH_THREADS ?= $(if $(filter cpu,$(BENCH_DEVICE)),1,)
 # engine benchmark's workload.
 PROFILE_OUT ?= results/profile-$(shell date +%Y%m%d-%H%M%S)
 PROFILE_CONCURRENCY ?= 1,8
+# CPU threads per operator of each benchmark process: as BENCH_THREADS (1 on the CPU)
+PROFILE_THREADS ?= $(BENCH_THREADS)
 PROFILE_ARGS ?= --model $(DEMO)/target --draft $(DEMO)/draft --prompts $(DEMO)/heldout_prompts.jsonl \
 	--commit-strategy per_token --block-size 8 --output-len 128
 NSYS ?=
@@ -78,5 +80,5 @@ bench:
 		--notes "$(BENCH_NOTES)$(if $(BENCH_ACCEPTANCE),; acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode),; real acceptance)"
 
 profile:
-	NSYS="$(NSYS)" PYTHON="$(PYTHON)" bash scripts/profile.sh --out "$(PROFILE_OUT)" \
-		--concurrency "$(PROFILE_CONCURRENCY)" $(PROFILE_ARGS)
+	NSYS="$(NSYS)" PYTHON="$(PYTHON)" PROFILE_THREADS="$(PROFILE_THREADS)" bash scripts/profile.sh \
+		--out "$(PROFILE_OUT)" --concurrency "$(PROFILE_CONCURRENCY)" $(PROFILE_ARGS)

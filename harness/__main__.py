@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .ab import ManagedServer, metadata, ratios, write_meta
+from .ab import ManagedServer, machine_load, metadata, ratios, write_meta
 from .arguments import (
     base_url,
     concurrency_list,
@@ -328,7 +328,9 @@ def measured_count(args) -> int:
     return len(pool) * -(-top // len(pool))
 
 
-def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of) -> list[dict]:
+def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of, loads: list[dict]) -> list[dict]:
+    """Measure every planned run not already done; `loads` gets each run's machine load
+    before and after it (meta.json's `machine_load`)."""
     concurrencies = args.concurrency
     slo = {
         k: v
@@ -371,7 +373,9 @@ def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of) -> list
                     continue
                 endpoint = endpoint_of(label)  # probed on first use only
                 labels = {"label": label, "concurrency": c, "repeat": repeat}
+                before = machine_load()
                 summaries.append(measure(endpoint, prompts, spec, out, labels, server.url + "/metrics"))
+                loads.append({**labels, "before": before, "after": machine_load()})
     return summaries
 
 
@@ -434,10 +438,11 @@ def main(argv: list[str] | None = None) -> int:
             meta["labels"] = {"A": args.a_label or "A", "B": args.b_label or "B"}
         meta["tokenizer"] = args.tokenizer
         write_meta(out, meta)
-        summaries = run(args, servers, out, endpoint_of)
+        meta["machine_load"] = []
+        summaries = run(args, servers, out, endpoint_of, meta["machine_load"])
         if endpoints:
             meta["server_kinds"] = {label: e.accepts.as_dict() for label, e in endpoints.items()}
-            write_meta(out, meta)
+        write_meta(out, meta)
         rows: list[dict] = []
         if (out / "summary.csv").exists():  # every row, a resumed run's earlier ones too
             with (out / "summary.csv").open() as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import getpass
 import json
+import os
 import platform
 import random
 import shlex
@@ -191,6 +192,14 @@ def metadata(argv: list[str], servers: dict[str, ManagedServer], notes: str | No
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "notes": notes,
     }
+
+
+def machine_load() -> dict:
+    """The 1-, 5- and 15-minute load averages and the CPUs this process may run on: recorded
+    before and after each run, since a benchmark on a machine that is busy with something
+    else measures that too (the report warns: reports/verdict.py)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"load": [round(x, 2) for x in os.getloadavg()], "cpus": cpus}
 
 
 def server_info(url: str) -> dict:

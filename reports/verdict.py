@@ -1,7 +1,8 @@
 """The verdict that opens a report: which side is which, the speed-up per concurrency with its
 interval in a plain sentence, whether both sides produced the same tokens, acceptance, and
 the warnings a reader needs before trusting the tables (client saturation, closed-loop
-TTFT, prompt sets that differ between concurrencies)."""
+TTFT, prompt sets that differ between concurrencies, repeats that disagree, a machine busy
+with something else)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from .tables import fmt
 # step is that short, so many such gaps mean the client machine was starved
 SATURATED_GAP_MS = 0.5
 SATURATED_SHARE = 0.10
+# repeats of one side and concurrency whose output throughput spreads wider than this share of
+# their median measured a machine whose speed changed (measured: 35% on a loaded 2-core
+# machine, where an idle one stays within a few percent)
+REPEAT_SPREAD = 0.10
 MISMATCHES_LISTED = 5
 
 
@@ -43,7 +48,13 @@ def verdict_section(results: ResultSet) -> str:
     prompts = _prompt_sets(results)
     if prompts:
         lines.append(f"- {prompts}")
-    warnings = [w for w in (_saturation(results), _closed_loop_ttft(results, agg)) if w]
+    checks = (
+        _busy_machine(results),
+        _repeat_spread(results, agg),
+        _saturation(results),
+        _closed_loop_ttft(results, agg),
+    )
+    warnings = [w for w in checks if w]
     if warnings:
         lines += ["", *[f"> {w}" for w in warnings]]
     return "\n".join(lines) if len(lines) > 2 else ""
@@ -159,6 +170,45 @@ def _prompt_sets(results: ResultSet) -> str | None:
     return (
         f"**Prompt sets differ between concurrencies** ({listed} requests): differences "
         "between concurrencies (acceptance above all) partly come from the different subsets."
+    )
+
+
+def _repeat_spread(results: ResultSet, agg: pd.DataFrame) -> str | None:
+    """Repeats of one side and concurrency that disagree by more than REPEAT_SPREAD."""
+    if "output_tokens_per_s_max" not in agg.columns:
+        return None
+    spread = (agg["output_tokens_per_s_max"] - agg["output_tokens_per_s_min"]) / agg["output_tokens_per_s"]
+    wide = spread[(agg["n"] > 1) & (spread > REPEAT_SPREAD)].sort_values(ascending=False)
+    if wide.empty:
+        return None
+    listed = ", ".join(f"{results.name(label)} at c={c}: {value:.0%}" for (label, c), value in wide.items())
+    return (
+        f"**Warning: repeats disagree.** The output throughput of repeats of one side and "
+        f"concurrency spreads by more than {REPEAT_SPREAD:.0%} of its median ({listed}): the "
+        "machine ran at different speeds during the benchmark, so its ratios are less certain "
+        "than their intervals say. Measure again on an otherwise idle machine."
+    )
+
+
+def _busy_machine(results: ResultSet) -> str | None:
+    """Runs before which the 1-minute load average exceeded the CPU count (meta.json's
+    `machine_load`): more runnable tasks than cores, so something, the benchmark's own
+    client and server included, waited for a core."""
+    busy = [
+        (run["before"]["load"][0], run)
+        for run in results.meta.get("machine_load") or []
+        if run["before"]["load"][0] > run["before"]["cpus"]
+    ]
+    if not busy:
+        return None
+    load, worst = max(busy, key=lambda item: item[0])
+    runs = len(results.meta["machine_load"])
+    return (
+        f"**Warning: the machine was busy.** Before {len(busy)} of {runs} runs the 1-minute "
+        f"load average was above the {worst['before']['cpus']} CPUs (highest {load:g}, before "
+        f"{results.name(worst['label'])} c={worst['concurrency']} repeat {worst['repeat']}): "
+        "other work competed for the cores, and a busy machine can hide or invent a speed-up. "
+        "Measure again on an otherwise idle machine."
     )
 
 

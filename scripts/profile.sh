@@ -6,14 +6,17 @@
 # NSYS=none, no nsys: one benchmark run gives the same breakdown from the engine's built-in
 # phase timer.
 #
-#   scripts/profile.sh [--timer] [--out DIR] [--concurrency 1,8] WORKLOAD...
+#   scripts/profile.sh [--timer] [--out DIR] [--concurrency 1,8] [--threads N] WORKLOAD...
 #
 # WORKLOAD is passed to scripts/bench_engine.py: --random-shape NAME or --model DIR --draft
 # DIR (none: the shipped demo pair on its held-out prompts), and --oracle-acceptance,
 # --commit-strategy, --input-len, --output-len, --repeats, ...
 # (not --concurrency, --modes, --out or --profile-capture, which this script sets).
-# Environment: NSYS (the nsys to use, or "none"), PYTHON (default python3), PROFILE_OUT and
-# PROFILE_CONCURRENCY (defaults of --out and --concurrency). nsys is looked for in $NSYS,
+# --threads N: CPU threads per operator of each benchmark process (OMP_NUM_THREADS, which
+# torch reads), as make bench gives its servers: on a few busy cores, operators whose threads
+# wait on each other for a core make repeats swing several-fold. Empty: torch's default.
+# Environment: NSYS (the nsys to use, or "none"), PYTHON (default python3), PROFILE_OUT,
+# PROFILE_CONCURRENCY and PROFILE_THREADS (defaults of --out, --concurrency and --threads). nsys is looked for in $NSYS,
 # then on PATH, then in the usual install folders.
 set -euo pipefail
 
@@ -89,11 +92,13 @@ run_logged() {
 timer=0
 out=${PROFILE_OUT:-}
 concurrency=${PROFILE_CONCURRENCY:-1,8}
+threads=${PROFILE_THREADS:-}
 while (($#)); do
     case $1 in
         --timer) timer=1; shift ;;
         --out) out=${2:?--out needs a directory}; shift 2 ;;
         --concurrency) concurrency=${2:?--concurrency needs a list such as 1,8}; shift 2 ;;
+        --threads) threads=${2:?--threads needs a count}; shift 2 ;;
         -h | --help) usage; exit 0 ;;
         --) shift; break ;;
         *) break ;;
@@ -107,6 +112,10 @@ for arg in "${workload[@]}"; do
     esac
 done
 # no workload: the engine benchmark's default, the shipped demo pair on its held-out prompts
+if [[ -n $threads ]]; then
+    [[ $threads =~ ^[1-9][0-9]*$ ]] || fail "--threads must be a whole number >= 1, got '$threads'"
+    export OMP_NUM_THREADS=$threads
+fi
 
 [[ ${NSYS:-} == none ]] && timer=1
 if ((!timer)); then
@@ -131,6 +140,7 @@ if command -v flock >/dev/null 2>&1; then
 fi
 : >"$out/commands.txt"
 
+echo "# OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} (torch threads per operator), nproc $(nproc 2>/dev/null || echo '?')" >>"$out/commands.txt"
 if ((timer)); then
     echo "# phase profile from the built-in timer (no nsys) into $out"
     run_logged "$out/bench.log" "$python" scripts/bench_engine.py --concurrency "$concurrency" \

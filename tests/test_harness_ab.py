@@ -65,6 +65,18 @@ def test_all_result_files_are_written(ab_run) -> None:
     assert "label | concurrency" in stdout
 
 
+def test_meta_records_the_machine_load_before_and_after_every_run(ab_run) -> None:
+    out, _ = ab_run
+    loads = json.loads((out / "meta.json").read_text())["machine_load"]
+    assert sorted((r["label"], r["concurrency"], r["repeat"]) for r in loads) == sorted(
+        (label, c, repeat) for label in "AB" for c in (1, 3) for repeat in range(2)
+    )
+    for run in loads:
+        for when in ("before", "after"):
+            assert len(run[when]["load"]) == 3 and run[when]["cpus"] >= 1
+    assert (out / "server-A.log").is_file() and (out / "server-B.log").is_file()
+
+
 def test_acceptance_from_prometheus_equals_the_servers_own_statistics(ab_run) -> None:
     out, _ = ab_run
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]

@@ -154,8 +154,9 @@ def test_workload_arguments_the_script_owns_are_refused(tmp_path: Path) -> None:
 def test_the_timer_path_needs_no_nsys_and_writes_profile_md(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "NSYS": "none", "PYTHON": sys.executable}
-    done = run_script(["--out", str(out), "--concurrency", "1", *TINY_WORKLOAD], env)
+    done = run_script(["--out", str(out), "--concurrency", "1", "--threads", "1", *TINY_WORKLOAD], env)
     assert done.returncode == 0, done.stderr
+    assert "# OMP_NUM_THREADS=1 (torch threads per operator)" in (out / "commands.txt").read_text()
     text = (out / "profile.md").read_text()
     assert "Source: built-in phase timer." in text
     assert "| Phase | plain ms/token | plain % of step | dflash ms/token | dflash % of step |" in text

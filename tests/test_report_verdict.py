@@ -1,7 +1,7 @@
 """The report opens with its verdict (reports/verdict.py): which side is which, the speed-up
 per concurrency with its interval in a sentence, whether A and B produced the same tokens
 (from requests.jsonl), acceptance, and the warnings: client saturation, closed-loop TTFT,
-prompt sets that differ between concurrencies."""
+prompt sets that differ between concurrencies, repeats that disagree, a busy machine."""
 
 from __future__ import annotations
 
@@ -113,3 +113,43 @@ def test_a_lower_ttft_at_high_concurrency_carries_the_closed_loop_note(tmp_path)
     # the fixture's B has half A's TTFT at every concurrency
     part = verdict(build_report(write_results(tmp_path / "run")).read_text())
     assert "**Note on TTFT at concurrency 4:**" in part and "closed loop" in part
+
+
+def test_repeats_that_disagree_by_more_than_a_tenth_are_warned_about(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    assert "repeats disagree" not in verdict(build_report(directory).read_text())
+
+    def spread(row: dict) -> dict:  # A's two repeats at c=1: 100 and 140 tokens/s
+        if (row["label"], row["concurrency"]) == ("A", "1"):
+            row["output_tokens_per_s"] = "100" if row["repeat"] == "0" else "140"
+        return row
+
+    edit_summary(directory, spread)
+    part = verdict(build_report(directory).read_text())
+    assert "**Warning: repeats disagree.**" in part and "A at c=1: 33%" in part
+    assert "B at c=" not in part.split("repeats disagree")[1].split("\n")[0]
+
+
+def set_machine_load(directory: Path, loads: list[float], cpus: int = 2) -> None:
+    meta = json.loads((directory / "meta.json").read_text())
+    meta["machine_load"] = [
+        {
+            "label": "AB"[i % 2],
+            "concurrency": 1,
+            "repeat": i // 2,
+            "before": {"load": [load, load, load], "cpus": cpus},
+            "after": {"load": [load, load, load], "cpus": cpus},
+        }
+        for i, load in enumerate(loads)
+    ]
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_machine_busy_with_other_work_is_warned_about(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    set_machine_load(directory, [0.4, 1.9, 1.2, 2.0])  # the benchmark's own client and server
+    assert "machine was busy" not in verdict(build_report(directory).read_text())
+    set_machine_load(directory, [0.4, 5.5, 3.1, 2.0])
+    part = verdict(build_report(directory).read_text())
+    assert "**Warning: the machine was busy.** Before 2 of 4 runs" in part
+    assert "above the 2 CPUs (highest 5.5, before B c=1 repeat 0)" in part

@@ -255,13 +255,22 @@ def attention_inputs_case(dtype, heads: int, kv_heads: int, dim: int, rotary_dim
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "rotary_dim", "offset", "gated"),
-    [(4, 2, 64, 64, False, False), (4, 2, 48, 16, True, True)],
+    ("heads", "kv_heads", "dim", "rotary_dim", "offset", "gated", "norms"),
+    [
+        (4, 2, 64, 64, False, False, True),
+        (4, 2, 48, 16, True, True, True),
+        (4, 2, 64, 64, False, False, False),
+    ],
 )
-def test_attention_inputs_equal_the_reference(dtype, heads, kv_heads, dim, rotary_dim, offset, gated) -> None:
+def test_attention_inputs_equal_the_reference(
+    dtype, heads, kv_heads, dim, rotary_dim, offset, gated, norms
+) -> None:
+    """Norms and RoPE (Qwen3, Qwen3.5), or RoPE alone without per-head norms (Llama)."""
     q, k, v, (qw, kw), cos, sin, positions, slots = attention_inputs_case(
         dtype, heads, kv_heads, dim, rotary_dim, gated
     )
+    if not norms:
+        qw = kw = None
     caches = {
         name: [torch.zeros(4, 10, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
         for name in ("triton", "reference")

@@ -88,7 +88,7 @@ def attention_inputs(
     k: torch.Tensor,  # [batch, T, kv_heads, head_dim]
     v: torch.Tensor,  # [batch, T, kv_heads, head_dim]
     q_weight: torch.Tensor | None,  # q_norm's weight [head_dim]
-    k_weight: torch.Tensor,  # k_norm's weight [head_dim]
+    k_weight: torch.Tensor | None,  # k_norm's weight [head_dim]; None: no per-head norms
     eps: float,
     offset: bool,  # norms multiply by (1 + w) (Qwen3.5)
     cos: torch.Tensor,  # [batch, T, 1, rotary_dim]
@@ -99,14 +99,16 @@ def attention_inputs(
     positions: torch.Tensor,  # [batch, T]
 ) -> torch.Tensor | None:
     """What attention needs before it runs: queries and keys normed per head (q_norm,
-    k_norm) and rotated (RoPE); keys and values written into the cache at their positions.
-    Returns the queries (None when q is None: the DFlash draft's context rows)."""
+    k_norm; neither when k_weight is None, as in Llama) and rotated (RoPE); keys and values
+    written into the cache at their positions. Returns the queries (None when q is None: the
+    DFlash draft's context rows)."""
     rows = slots[:, None]
-    k_cache[rows, positions] = rotate(rms_norm(k, k_weight, eps, offset), cos, sin)
+    normed = k_weight is not None
+    k_cache[rows, positions] = rotate(rms_norm(k, k_weight, eps, offset) if normed else k, cos, sin)
     v_cache[rows, positions] = v
     if q is None:
         return None
-    return rotate(rms_norm(q, q_weight, eps, offset), cos, sin)
+    return rotate(rms_norm(q, q_weight, eps, offset) if normed else q, cos, sin)
 
 
 def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

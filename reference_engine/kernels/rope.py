@@ -1,4 +1,5 @@
-"""The inputs of attention in one launch per layer: per-head RMSNorm of queries and keys, RoPE
+"""The inputs of attention in one launch per layer: per-head RMSNorm of queries and keys (none
+for a family without per-head norms, Llama), RoPE
 (rotate-half, over the first rotary_dim dims of each head), the normed, rotated queries
 written out and the keys and values written into the position-indexed cache.
 
@@ -29,19 +30,26 @@ def _norm_rope(
     in_rot,
     first_half,
     eps,
+    NORM: tl.constexpr,
     OFFSET: tl.constexpr,
     D: tl.constexpr,
     out_ty: tl.constexpr,
 ):
     x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     xp = tl.load(src + partner, mask=ok & in_rot, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=ok & in_rot, other=0.0).to(tl.float32)
-    if OFFSET:  # (normed * (1 + w)) in float32, then the model dtype
+    if not NORM:  # no per-head norm (Llama): the inputs are rotated as they are
+        y = x
+        yp = xp
+    elif OFFSET:  # (normed * (1 + w)) in float32, then the model dtype
+        scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=ok & in_rot, other=0.0).to(tl.float32)
         y = (x * scale * (1.0 + w)).to(out_ty).to(tl.float32)
         yp = (xp * scale * (1.0 + wp)).to(out_ty).to(tl.float32)
     else:  # w * normed, normed first rounded to the model dtype
+        scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=ok & in_rot, other=0.0).to(tl.float32)
         y = (w * (x * scale).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
         yp = (wp * (xp * scale).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
     rotated = tl.where(first_half, -yp, yp)
@@ -86,6 +94,7 @@ def _attention_inputs_kernel(
     s_cl,
     s_ch,
     s_pb,
+    NORM: tl.constexpr,
     OFFSET: tl.constexpr,
     D: tl.constexpr,
     RD: tl.constexpr,
@@ -116,6 +125,7 @@ def _attention_inputs_kernel(
             in_rot,
             first_half,
             eps,
+            NORM,
             OFFSET,
             D,
             out_ty,
@@ -136,6 +146,7 @@ def _attention_inputs_kernel(
             in_rot,
             first_half,
             eps,
+            NORM,
             OFFSET,
             D,
             out_ty,
@@ -151,7 +162,7 @@ def attention_inputs(
     k: torch.Tensor,
     v: torch.Tensor,
     q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
     eps: float,
     offset: bool,
     cos: torch.Tensor,
@@ -176,14 +187,15 @@ def attention_inputs(
         return out
     cos2, sin2 = cos.reshape(batch * T, rd).contiguous(), sin.reshape(batch * T, rd).contiguous()
     qq, oo = (q, out) if q is not None else (k, k)
-    qw = q_weight if q_weight is not None else k_weight
+    kw = k_weight if k_weight is not None else k  # no norms: a pointer the kernel never reads
+    qw = q_weight if q_weight is not None else kw
     pos = positions if positions.stride(-1) == 1 else positions.contiguous()
     _attention_inputs_kernel[(batch * T, heads + kv_heads)](
         qq,
         k,
         v,
         qw.contiguous(),
-        k_weight.contiguous(),
+        kw.contiguous(),
         cos2,
         sin2,
         oo,
@@ -210,6 +222,7 @@ def attention_inputs(
         k_cache.stride(1),
         k_cache.stride(2),
         pos.stride(0),
+        NORM=k_weight is not None,
         OFFSET=offset,
         D=D,
         RD=rd,

@@ -15,7 +15,6 @@ from torch import nn
 
 from ..config import Llama3RopeScaling
 from ..kernels import TORCH, Kernels
-from ..kernels.reference import rotate
 
 
 class RMSNorm(nn.Module):
@@ -211,6 +210,13 @@ class SelfAttention(nn.Module):
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(*t.shape[:2], -1, self.head_dim)
 
+    def _norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float, bool]:
+        """(q_norm weight, k_norm weight, eps, offset) for the kernels' `attention_inputs`;
+        without per-head norms (Llama) no weights, and the inputs are only rotated."""
+        if not self.qk_norm:
+            return None, None, 0.0, False
+        return self.q_norm.weight, self.k_norm.weight, self.k_norm.eps, self.k_norm.offset
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         """Write this step's keys and values at their positions, then attend over the slot's
         cache. The cache is indexed by position, so rolling a request back needs no copy: a
@@ -224,24 +230,18 @@ class SelfAttention(nn.Module):
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(batch, T, -1)
         k_cache, v_cache = ctx.state.k_cache[layer], ctx.state.v_cache[layer]
-        if not self.qk_norm:
-            q = rotate_into_cache(q, self._heads(k), self._heads(v), ctx, k_cache, v_cache)
-        else:
-            q = ops.attention_inputs(
-                q,
-                self._heads(k),
-                self._heads(v),
-                self.q_norm.weight,
-                self.k_norm.weight,
-                self.k_norm.eps,
-                self.k_norm.offset,
-                ctx.cos,
-                ctx.sin,
-                k_cache,
-                v_cache,
-                ctx.slots,
-                ctx.positions,
-            )
+        q = ops.attention_inputs(
+            q,
+            self._heads(k),
+            self._heads(v),
+            *self._norms(),
+            ctx.cos,
+            ctx.sin,
+            k_cache,
+            v_cache,
+            ctx.slots,
+            ctx.positions,
+        )
         out = ops.attention(
             q,
             k_cache,
@@ -263,17 +263,15 @@ class SelfAttention(nn.Module):
         (the DFlash draft's context rows, computed from target features)."""
         k, v = run_linears([self.q_proj, self.k_proj, self.v_proj], self.fused, x, ctx.ops, first=1)
         k_cache, v_cache = ctx.state.k_cache[layer], ctx.state.v_cache[layer]
-        if not self.qk_norm:
-            rotate_into_cache(None, self._heads(k), self._heads(v), ctx, k_cache, v_cache)
-            return
+        _, k_weight, eps, offset = self._norms()
         ctx.ops.attention_inputs(
             None,
             self._heads(k),
             self._heads(v),
             None,
-            self.k_norm.weight,
-            self.k_norm.eps,
-            self.k_norm.offset,
+            k_weight,
+            eps,
+            offset,
             ctx.cos,
             ctx.sin,
             k_cache,
@@ -281,24 +279,6 @@ class SelfAttention(nn.Module):
             ctx.slots,
             ctx.positions,
         )
-
-
-def rotate_into_cache(
-    q: torch.Tensor | None,  # [batch, T, heads, head_dim] or None (keys and values only)
-    k: torch.Tensor,  # [batch, T, kv_heads, head_dim]
-    v: torch.Tensor,  # [batch, T, kv_heads, head_dim]
-    ctx: ForwardContext,
-    k_cache: torch.Tensor,  # [slots, max_len, kv_heads, head_dim]
-    v_cache: torch.Tensor,
-) -> torch.Tensor | None:
-    """The kernels' `attention_inputs` for attention without per-head norms (Llama): keys
-    rotated and written with the values at their positions, the rotated queries returned.
-    Elementwise products and sums in the model dtype (the reference's `rotate`), so a row's
-    bits depend on that row alone."""
-    rows = ctx.slots[:, None]
-    k_cache[rows, ctx.positions] = rotate(k, ctx.cos, ctx.sin)
-    v_cache[rows, ctx.positions] = v
-    return None if q is None else rotate(q, ctx.cos, ctx.sin)
 
 
 class ForwardContext:

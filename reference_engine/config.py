@@ -486,6 +486,8 @@ class DraftConfig:
     conv_group_size: int = 0  # DFlash2: channels that share one dynamic tap weight
     selector_rank: int = 0  # DFlash2: rank of the selector's transition codebooks
     selector_top_k: int = 0  # DFlash2: candidates kept per block slot
+    # a Llama target's draft rotates as its target does (z-lab's Llama 3.1 drafts say so)
+    rope_scaling: Llama3RopeScaling | None = None
 
     def __post_init__(self) -> None:
         where = "DFlash2 draft config" if self.is_dflash2 else "DFlash draft config"
@@ -575,6 +577,8 @@ class DraftConfig:
         sliding_window = raw.get("sliding_window")
         layer_types = raw.get("layer_types") or [FULL_ATTENTION] * num_layers
         softcap = raw.get("final_logit_softcapping")
+        max_positions = _positive_int(raw, "max_position_embeddings", where, default=32768)
+        theta, scaling = _rope(raw, where, llama3=True, max_positions=max_positions)
         return cls(
             vocab_size=_positive_int(raw, "vocab_size", where),
             hidden_size=hidden,
@@ -584,8 +588,9 @@ class DraftConfig:
             num_key_value_heads=_positive_int(raw, "num_key_value_heads", where, default=heads),
             head_dim=_positive_int(raw, "head_dim", where, default=hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope(raw, where)[0],
-            max_position_embeddings=_positive_int(raw, "max_position_embeddings", where, default=32768),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_positions,
             block_size=_positive_int(dflash, "block_size", where, default=raw.get("block_size", 16)),
             num_target_layers=num_target,
             target_layer_ids=ids,

@@ -113,6 +113,34 @@ def test_published_target_layer_ids_spread_over_1_to_n_minus_3(
 
 
 # ----------------------------------------------------------------------------- other fields
+def test_a_llama_draft_reads_llama3_rope_scaling_and_rotates_as_its_target() -> None:
+    """z-lab's Llama 3.1 drafts carry the target's llama3 RoPE scaling; the draft's rotary
+    frequencies then equal the target's."""
+    from reference_engine.models.base import target_rotary
+    from reference_engine.models.dflash import DFlashDraft
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    raw = {**copy.deepcopy(DRAFT_RAW), "rope_theta": 500000.0, "rope_scaling": scaling}
+    raw.update(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    raw.update(num_key_value_heads=2, head_dim=16, vocab_size=256)
+    raw["dflash_config"] = {"mask_token_id": 255, "target_layer_ids": [1]}
+    config = DraftConfig.from_hf(raw)
+    assert config.rope_scaling is not None and config.rope_scaling.factor == 8.0
+    target = TargetConfig.from_hf(
+        {**TARGET_SHAPES["llama3.1-8b"], "head_dim": 16, "rope_scaling": scaling, "rope_theta": 500000.0}
+    )
+    draft_freq = DFlashDraft(config).rotary.inv_freq
+    assert torch.equal(draft_freq, target_rotary(target).inv_freq.to(draft_freq.dtype))
+    plain = DFlashDraft(DraftConfig.from_hf({**raw, "rope_scaling": None})).rotary.inv_freq
+    assert not torch.equal(plain, draft_freq)  # the scaling is applied, not only parsed
+
+
 def test_mask_token_id_in_dflash_config_wins_over_the_top_level() -> None:
     raw = draft_raw(mask_token_id=151670)
     assert DraftConfig.from_hf(raw).mask_token_id == 151669
@@ -315,3 +343,11 @@ def test_proposals_are_the_logits_and_argmax_of_block_slots_1_to_b_minus_1(
     torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(tokens, want.argmax(-1))
     assert not torch.equal(tokens, draft.logits(hidden[:, :-1], target.lm_head_weight).argmax(-1))
+
+
+def test_a_tiny_llama_pairs_draft_carries_its_targets_rope_scaling(tiny_pair: TinyPair) -> None:
+    target_dir, draft_dir = tiny_pair("llama")
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    assert draft.config.rope_scaling == target.config.rope_scaling is not None
+    assert draft.config.rope_theta == target.config.rope_theta

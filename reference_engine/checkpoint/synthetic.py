@@ -341,6 +341,9 @@ def make_tiny_draft(
         },
         "torch_dtype": "float32",
     }
+    if target_config.rope_scaling is not None:  # as z-lab's Llama 3.1 drafts: the target's RoPE
+        target_raw = read_config(target)
+        raw["rope_theta"], raw["rope_scaling"] = target_config.rope_theta, target_raw["rope_scaling"]
     if arch == "dflash2":
         raw["architectures"] = ["DFlash2DraftModel"]
         raw["layer_types"] = ["sliding_attention"] * layers

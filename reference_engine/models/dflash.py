@@ -15,6 +15,8 @@ Block slot j (1..B-1) proposes the token at position start+j, through the target
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -59,7 +61,10 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # tensor parallelism: the target's LM head holds this rank's slice of the vocabulary,
+        # and this gathers the slices' logits (runtime/tensor_parallel.py)
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def build_layer(self, config: DraftConfig, layer: int) -> nn.Module:
         """Draft layer `layer`: a Qwen3 layer whose full-attention block is bidirectional."""
@@ -119,6 +124,8 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:
         """Draft logits through the target's lm_head: [..., hidden] -> [..., vocab]."""
         logits = ops.linear(hidden, lm_head_weight)
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
         if self.config.output_multiplier != 1.0:  # a pass over [..., vocab] saved otherwise
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -27,6 +27,8 @@ from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime import speculative_step as speculative_step_module
 from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.sampling import sample
+from reference_engine.runtime.scheduler import Scheduler
+from reference_engine.runtime.sequence import Phase
 from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.serving.metrics import RequestMetrics, ServerMetrics
@@ -281,6 +283,24 @@ def _draft_block_sees_padding(correct):
     return forward
 
 
+# ------------------------------------------------------------------ chunked prefill
+def _decodes_wait_for_prefill(correct):
+    def running(self):
+        # prefill first: nothing decodes while a prompt is still prefilling
+        if any(s.phase is Phase.PREFILL for s in self.active.values()):
+            return []
+        return correct(self)
+
+    return running
+
+
+def _prefill_past_token_budget(correct):
+    def prefilling(self):
+        return [s for s in self.active.values() if s.phase is Phase.PREFILL]
+
+    return prefilling
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault(
         "hybrid: keep the Gated DeltaNet state of the whole verified block",
@@ -391,6 +411,20 @@ FAULTS: dict[str, Fault] = {
         "forward",
         _draft_block_sees_padding,
         DFlashDraft,
+    ),
+    "decodes_wait_for_prefill": Fault(
+        "scheduling: requests already decoding get no token while a prompt prefills (lossless: "
+        "costs their inter-token latency only)",
+        "running",
+        _decodes_wait_for_prefill,
+        Scheduler,
+    ),
+    "prefill_past_token_budget": Fault(
+        "scheduling: every prefilling request runs a chunk each step, past max_num_batched_tokens "
+        "(lossless: costs the step's latency only)",
+        "prefilling",
+        _prefill_past_token_budget,
+        Scheduler,
     ),
     "dflash2_conv_across_rows": Fault(
         "DFlash2: the convolution's taps cross the block boundary into the previous row's block "

@@ -79,6 +79,16 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "context length (default: the target's max_position_embeddings)",
         {"type": int, "default": None},
     ),
+    "prefill_chunk": EngineOption(
+        ("--prefill-chunk",), "prompt tokens a request prefills per step", {"type": int, "default": 512}
+    ),
+    "max_num_batched_tokens": EngineOption(
+        ("--max-num-batched-tokens",),
+        "target tokens a step may run: the running requests' decode and verify tokens plus the "
+        "prefill chunks that fit beside them, oldest first (the oldest's always runs); at least "
+        "--prefill-chunk (default: every prefilling request runs one chunk per step)",
+        {"type": int, "default": None},
+    ),
     "verify_width": EngineOption(
         ("--verify-width",),
         "draft tokens a DFlash step verifies: auto (the most committed tokens per second from "

@@ -354,6 +354,10 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
             r"unknown commit strategy 'eager', expected one of replay, per_token, recompute",
         ),
         ({"fallback_after_steps": 0}, r"fallback_after_steps must be positive, got 0"),
+        (
+            {"max_num_batched_tokens": 256},
+            r"max_num_batched_tokens must be at least prefill_chunk \(512\), got 256",
+        ),
     ],
     ids=[
         "max_num_seqs",
@@ -362,6 +366,7 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
         "block_size",
         "commit_strategy",
         "fallback_after_steps",
+        "max_num_batched_tokens",
     ],
 )
 def test_engine_config_out_of_range_is_rejected_with_the_value(options: dict, pattern: str) -> None:

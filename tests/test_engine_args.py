@@ -37,6 +37,8 @@ SHARED = {
         "numerics",
         "enforce_eager",
         "gpu_memory_utilization",
+        "prefill_chunk",
+        "max_num_batched_tokens",
     ),
     "generate": (
         "model",

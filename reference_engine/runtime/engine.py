@@ -7,9 +7,12 @@
             ...
 
 A step: schedule (admit waiting requests into free slots), prefill (one chunk per new
-request; with CUDA graphs the first chunks of several requests in one forward), decode (one
-batched forward for plain requests), speculate (one batched draft forward and one batched
-verify forward for speculative requests; each row accepts and commits its own count).
+request, within the token budget when there is one; with CUDA graphs the first chunks of
+several requests in one forward), decode (one batched forward for plain requests), speculate
+(one batched draft forward and one batched verify forward for speculative requests; each row
+accepts and commits its own count). Prefill and decode share the step as separate forwards,
+not one fused one: a request that is decoding gets its tokens in every step while a long
+prompt prefills beside it, one chunk a step.
 Slots and state are preallocated; nothing grows during a run. The scheduler (scheduler.py)
 decides who holds a slot, the model runner (model_runner.py) how each forward runs (a CUDA
 graph or eager), the speculative step (speculative_step.py) what a DFlash step commits.
@@ -96,6 +99,9 @@ class Engine:
             config.max_waiting,
             config.fallback_min_acceptance,
             config.fallback_after_steps,
+            config.prefill_chunk,
+            config.max_num_batched_tokens,
+            self.block_size,
         )
         self.ranges = ranges or NvtxRanges()
         self.timer = PhaseTimer(self.device, self.ranges)

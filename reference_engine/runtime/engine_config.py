@@ -21,6 +21,10 @@ class EngineConfig:
     block_size: int | None = None  # DFlash block size; None with a draft: the draft's
     commit_strategy: str = "replay"
     prefill_chunk: int = 512
+    # target tokens a step may run (vLLM's name): the running requests' decode and verify tokens
+    # plus the prefill chunks that fit beside them (scheduler.py); None: every prefilling
+    # request runs one chunk per step. The oldest prefilling request's chunk always runs.
+    max_num_batched_tokens: int | None = None
     admission: str = "wait"  # "wait": queue; "reject": refuse when no slot is free
     max_waiting: int = 1024  # queued requests beyond the free slots
     # fallback to plain decode when a request's mean acceptance length stays below this
@@ -48,6 +52,11 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.prefill_chunk <= 0:
             raise ConfigError(f"prefill_chunk must be positive, got {self.prefill_chunk}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.prefill_chunk:
+            raise ConfigError(
+                f"max_num_batched_tokens must be at least prefill_chunk ({self.prefill_chunk}), got "
+                f"{self.max_num_batched_tokens}: a step runs whole chunks"
+            )
         if self.admission not in ADMISSION_POLICIES:
             raise ConfigError(
                 f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"

@@ -7,6 +7,13 @@ to `max_waiting` requests beyond the free slots; `reject` refuses a request that
 to wait. A speculative request falls back to plain decode for good when it asks for
 something the speculative path does not serve (logprobs, penalties) or, when enabled, when
 its mean acceptance length stays low; `fallbacks` counts the reasons.
+
+Prompts prefill in chunks in the same steps as running requests decode (engine.py), so a long
+prompt does not stall the others' tokens. Without a token budget every prefilling request runs
+one chunk per step; with one (`max_num_batched_tokens`, vLLM's name) a step runs the chunks
+that fit what the running requests' decode and verify tokens leave of it, oldest first, and
+always the oldest one's, so that every prompt makes progress. Chunks are never cut to fit:
+their boundaries stay on the fixed grid of the prefill chunk.
 """
 
 from __future__ import annotations
@@ -37,8 +44,15 @@ class Scheduler:
         max_waiting: int,
         fallback_min_acceptance: float | None,
         fallback_after_steps: int,
+        prefill_chunk: int,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 0,
     ) -> None:
+        """`block_size`: the DFlash block size (0 without a draft), the target tokens a
+        speculative request's verify adds to a step at most."""
         self.max_num_seqs = max_num_seqs
+        self.prefill_chunk, self.max_num_batched_tokens = prefill_chunk, max_num_batched_tokens
+        self.block_size = block_size
         self.admission, self.max_waiting = admission, max_waiting
         self.fallback_min_acceptance = fallback_min_acceptance
         self.fallback_after_steps = fallback_after_steps
@@ -132,7 +146,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step's rows
     def prefilling(self) -> list[Sequence]:
-        return [s for s in self.active.values() if s.phase is Phase.PREFILL]
+        """The requests that run a prompt chunk this step, in admission order: every one still
+        prefilling, or within the token budget (the module docstring)."""
+        seqs = [s for s in self.active.values() if s.phase is Phase.PREFILL]
+        if self.max_num_batched_tokens is None:
+            return seqs
+        left = self.max_num_batched_tokens - sum(self.decode_tokens(s) for s in self.running())
+        chosen = []
+        for seq in seqs:
+            tokens = min(self.prefill_chunk, len(seq.prompt_ids) - seq.prefilled)
+            if seq.prefilled + tokens == len(seq.prompt_ids):
+                tokens += self.decode_tokens(seq)  # its first decode runs in the same step
+            if chosen and tokens > left:
+                continue  # a later, shorter chunk may still fit
+            chosen.append(seq)
+            left -= tokens
+        return chosen
+
+    def decode_tokens(self, seq: Sequence) -> int:
+        """Target tokens a running request adds to a step: its verify block (at most B), or
+        one plain decode token."""
+        return self.block_size if seq.speculative else 1
 
     def running(self) -> list[Sequence]:
         """Requests past prefill that still decode, in slot-admission order."""

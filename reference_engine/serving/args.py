@@ -30,6 +30,8 @@ class ServeArgs:
     enforce_eager: bool
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
+    prefill_chunk: int = 512
+    max_num_batched_tokens: int | None = None
     max_body_mb: float = 4.0
     shutdown_grace: float = 5.0
     api_key_scope: str = "api"
@@ -67,7 +69,7 @@ class ServeArgs:
             "1 when a load generator shares the machine's few cores: "
             "threads that wait on each other for a busy core slow every step",
         )
-        add_engine_options(p, "max_model_len")
+        add_engine_options(p, "max_model_len", "prefill_chunk", "max_num_batched_tokens")
         p.add_argument(
             "--max-waiting", type=int, default=256, help="queued requests beyond the slots; more get HTTP 429"
         )

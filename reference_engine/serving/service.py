@@ -53,6 +53,8 @@ class Server:
             enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization,
             verify_width=args.verify_width,
+            prefill_chunk=args.prefill_chunk,
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)

@@ -360,6 +360,48 @@ def test_a_query_gets_the_same_bits_alone_and_inside_a_verify_block() -> None:
         assert torch.equal(alone[0, 0], together[0, t])
 
 
+@pytest.mark.parametrize(
+    ("causal", "window", "T"),
+    [(True, None, 1), (True, None, 16), (True, None, 40), (True, 100, 1), (False, None, 8)],
+    ids=["decode", "verify", "prefill", "sliding-decode", "block"],
+)
+def test_split_attention_equals_the_reference(causal: bool, window, T: int) -> None:
+    """Keys cut into splits of 64 positions: a decode step and a verify block run each split in
+    a program of its own and merge them, a prefill chunk runs them one after the other."""
+    k_cache, v_cache = cache(torch.float32, length=300)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    positions = torch.stack([torch.arange(230, 230 + T), torch.arange(90, 90 + T)]).to(DEVICE)
+    q = rand(2, T, 4, 24, seed=3)
+    args = (q, k_cache, v_cache, slots, positions, 230 + T, 24**-0.5, causal, window)
+    assert_close(attention(*args, split=64), ref.attention(*args), torch.float32)
+
+
+def test_a_query_gets_the_same_bits_from_either_split_path_and_any_split_count() -> None:
+    """Position 200 of slot 1 over splits of 64: decoded alone (splits apart, then merged),
+    inside a verify block (apart), inside a prefill chunk (one program, combined as it goes),
+    and over a cache twice as long (more splits launched, each past the query a no-op)."""
+    k_cache, v_cache = cache(torch.float32, length=300)
+    long_k = torch.cat([k_cache, rand(*k_cache.shape, seed=9)], dim=1)
+    long_v = torch.cat([v_cache, rand(*v_cache.shape, seed=10)], dim=1)
+    slots = torch.tensor([1], device=DEVICE)
+    q = rand(1, 40, 4, 24, seed=4)
+    prefill = torch.arange(170, 210, device=DEVICE)[None]  # position 200 is row 30
+    chunk = attention(q, k_cache, v_cache, slots, prefill, 210, 0.2, split=64)
+    alone = attention(q[:, 30:31], k_cache, v_cache, slots, prefill[:, 30:31], 201, 0.2, split=64)
+    block = attention(q[:, 24:40], k_cache, v_cache, slots, prefill[:, 24:40], 210, 0.2, split=64)
+    longer = attention(q[:, 30:31], long_k, long_v, slots, prefill[:, 30:31], 201, 0.2, split=64)
+    assert torch.equal(alone[0, 0], chunk[0, 30])
+    assert torch.equal(block[0, 6], chunk[0, 30])
+    assert torch.equal(longer[0, 0], alone[0, 0])
+
+
+def test_a_split_must_be_whole_key_blocks() -> None:
+    k_cache, v_cache = cache(torch.float32)
+    q, pos, slots = rand(1, 1, 4, 24), torch.tensor([[5]], device=DEVICE), torch.tensor([0], device=DEVICE)
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        attention(q, k_cache, v_cache, slots, pos, 6, 0.2, split=100)
+
+
 # ----------------------------------------------------------------------------- gated delta rule
 def delta_inputs(batch: int = 2, T: int = 4, heads: int = 3, dk: int = 16, dv: int = 40):
     q = torch.nn.functional.normalize(rand(batch, T, heads, dk), dim=-1)

@@ -85,6 +85,32 @@ def test_attention_bits_alone_in_a_verify_block_and_in_a_batch(heads: int, kv_he
     assert (block.float() - want.float()).norm() / want.float().norm() < 1e-2
 
 
+def test_long_context_attention_bits_from_either_split_path() -> None:
+    """32K-position caches (16 splits): a query decoded alone (splits apart, merged), inside a
+    verify block of 16, inside a prefill chunk of 64 (one program), and over a longer cache
+    (more splits launched) gets the same bits; near the reference."""
+    from reference_engine.kernels.attention import SPLIT, attention
+
+    heads, kv_heads, dim = 32, 8, 128
+    length = 16 * SPLIT
+    k_cache, v_cache = randn(2, length, kv_heads, dim, seed=1), randn(2, length, kv_heads, dim, seed=2)
+    q = randn(1, 64, heads, dim, seed=3)
+    slots = torch.tensor([1], device="cuda")
+    chunk_pos = torch.arange(length - 100, length - 36, device="cuda")[None]  # row 40 at length - 60
+    scale = dim**-0.5
+    chunk = attention(q, k_cache, v_cache, slots, chunk_pos, length - 36, scale)
+    alone = attention(q[:, 40:41], k_cache, v_cache, slots, chunk_pos[:, 40:41], length - 59, scale)
+    block = attention(q[:, 32:48], k_cache, v_cache, slots, chunk_pos[:, 32:48], length - 52, scale)
+    assert torch.equal(alone[0, 0], chunk[0, 40])
+    assert torch.equal(block[0, 8], chunk[0, 40])
+    longer_k = torch.cat([k_cache, randn(2, SPLIT, kv_heads, dim, seed=4)], dim=1)
+    longer_v = torch.cat([v_cache, randn(2, SPLIT, kv_heads, dim, seed=5)], dim=1)
+    longer = attention(q[:, 40:41], longer_k, longer_v, slots, chunk_pos[:, 40:41], length - 59, scale)
+    assert torch.equal(longer[0, 0], alone[0, 0])
+    want = ref.attention(q[:, 40:41], k_cache, v_cache, slots, chunk_pos[:, 40:41], length - 59, scale)
+    assert (alone.float() - want.float()).norm() / want.float().norm() < 1e-2
+
+
 def test_gated_delta_bits_per_token_and_per_block() -> None:
     from reference_engine.kernels.gated_delta import gated_delta
 

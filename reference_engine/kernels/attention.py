@@ -10,6 +10,18 @@ key a query may see adds exactly nothing to it (its weights are exp(-inf) = 0 an
 running maximum does not move, so the rescale factor is exactly 1). Positions, lengths and
 the non-causal limit come from device tensors; no host value bounds the loop.
 
+Long contexts are split: the keys are cut at fixed absolute positions 0, SPLIT, 2*SPLIT, ...;
+each split's key blocks go through their own online softmax (from m = -inf, l = 0), and the
+splits' results are combined in ascending order by one rule (`_combine`). Few query rows (a
+decode step, a verify block: at most SPLIT_ROWS tokens a row) run every split in its own
+program, which keeps the SMs busy on one long cache, and a second kernel combines them;
+more rows (prefill) run the splits one after the other in one program and combine as they
+go. Both do the same operations on the same splits in the same order, so a query's bits do
+not depend on which path ran it, on how many splits were launched (a split past a query's
+keys combines as an exact no-op: its weights are exp(-inf) = 0), or on the batch. A context
+within one split combines once from (m = -inf, l = 0), which returns that split's own
+softmax exactly.
+
 Masks: causal (keys 0..p), non-causal (the DFlash draft's block: every key up to the last
 real token of the row, `valid_len`), and a sliding window (keys more than w-1 behind hidden).
 """
@@ -24,11 +36,75 @@ from .launch import LAUNCH
 
 BLOCK_M = 16
 BLOCK_N = 64
+SPLIT = 2048  # key positions of a split (a multiple of BLOCK_N), from absolute position 0
+SPLIT_ROWS = 16  # tokens a row up to which each split runs in a program of its own
+
+
+@triton.jit
+def _split_softmax(
+    q,
+    k_ptr,
+    v_ptr,
+    cache,
+    lo,
+    hi,
+    begin,
+    end,
+    max_len,
+    scale,
+    stride_cl,
+    d,
+    d_ok,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The online softmax of one split: (running max, sum of weights, weighted values) over
+    the key blocks from `begin` to `end`, each query row seeing keys lo..hi."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for k0 in range(begin, end, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos < max_len
+        offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
+        k = tl.load(k_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:  # float32 models: no tf32 rounding of the operands
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _combine(m_run, l_run, acc_run, m_s, l_s, acc_s):
+    """The running result with one more split's added: every split in ascending order."""
+    m_new = tl.maximum(m_run, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    old = tl.exp(m_run - m_safe)
+    new = tl.exp(m_s - m_safe)
+    return m_new, l_run * old + l_s * new, acc_run * old[:, None] + acc_s * new[:, None]
 
 
 # T, the row strides and the rest vary between a decode step and a verify block: keep them out
 # of the specialisation keys so that one compiled kernel serves both
-@triton.jit(do_not_specialize=["T", "G", "max_len", "window", "stride_qb", "stride_ob", "stride_pb"])
+@triton.jit(
+    do_not_specialize=["T", "G", "n_splits", "max_len", "window", "stride_qb", "stride_ob", "stride_pb"]
+)
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -37,8 +113,12 @@ def _attention_kernel(
     slots_ptr,
     pos_ptr,
     valid_ptr,
+    m_part,
+    l_part,
+    acc_part,
     T,
     G,
+    n_splits,
     max_len,
     scale,
     window,
@@ -56,6 +136,8 @@ def _attention_kernel(
     SLIDING: tl.constexpr,
     HAS_VALID: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLITS_APART: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -63,7 +145,11 @@ def _attention_kernel(
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b = tl.program_id(2)
+    if SPLITS_APART:  # one split of one row: its partial result, combined by _merge_kernel
+        b = tl.program_id(2) // n_splits
+        split = tl.program_id(2) % n_splits
+    else:
+        b = tl.program_id(2)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows of this tile: r = t * G + g
     row_ok = r < T * G
     t = r // G
@@ -95,33 +181,101 @@ def _attention_kernel(
 
     slot = tl.load(slots_ptr + b)
     cache = slot.to(tl.int64) * stride_cs + kv_head * stride_ch
+    start = (tl.maximum(tl.min(lo, axis=0), 0) // BLOCK_N) * BLOCK_N
+    stop = tl.max(hi, axis=0) + 1
+    if SPLITS_APART:
+        m_s, l_s, acc_s = _split_softmax(
+            q,
+            k_ptr,
+            v_ptr,
+            cache,
+            lo,
+            hi,
+            tl.maximum(split * SPLIT_LEN, start),
+            tl.minimum((split + 1) * SPLIT_LEN, stop),
+            max_len,
+            scale,
+            stride_cl,
+            d,
+            d_ok,
+            IEEE,
+            BLOCK_M,
+            BLOCK_D,
+            BLOCK_N,
+        )
+        at = ((b * n_splits + split) * tl.num_programs(1) + kv_head) * tl.num_programs(0) * BLOCK_M + r
+        tl.store(m_part + at, m_s)
+        tl.store(l_part + at, l_s)
+        tl.store(acc_part + at[:, None] * BLOCK_D + d[None, :], acc_s)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for s0 in range((start // SPLIT_LEN) * SPLIT_LEN, stop, SPLIT_LEN):
+            m_s, l_s, acc_s = _split_softmax(
+                q,
+                k_ptr,
+                v_ptr,
+                cache,
+                lo,
+                hi,
+                tl.maximum(s0, start),
+                tl.minimum(s0 + SPLIT_LEN, stop),
+                max_len,
+                scale,
+                stride_cl,
+                d,
+                d_ok,
+                IEEE,
+                BLOCK_M,
+                BLOCK_D,
+                BLOCK_N,
+            )
+            m_i, l_i, acc = _combine(m_i, l_i, acc, m_s, l_s, acc_s)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit(do_not_specialize=["T", "G", "stride_ob"])
+def _merge_kernel(
+    m_part,
+    l_part,
+    acc_part,
+    out_ptr,
+    T,
+    G,
+    n_splits,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Each split's partial result of _attention_kernel (SPLITS_APART), combined in
+    ascending order: what the one-program path computes as it goes."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < T * G
+    t = r // G
+    head = kv_head * G + r % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    start = (tl.maximum(tl.min(lo, axis=0), 0) // BLOCK_N) * BLOCK_N
-    stop = tl.max(hi, axis=0) + 1
-    for k0 in range(start, stop, BLOCK_N):
-        kpos = k0 + tl.arange(0, BLOCK_N)
-        k_ok = kpos < max_len
-        offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
-        k = tl.load(k_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:  # float32 models: no tf32 rounding of the operands
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for split in range(0, n_splits):
+        at = ((b * n_splits + split) * tl.num_programs(1) + kv_head) * tl.num_programs(0) * BLOCK_M + r
+        m_s = tl.load(m_part + at)
+        l_s = tl.load(l_part + at)
+        acc_s = tl.load(acc_part + at[:, None] * BLOCK_D + d[None, :])
+        m_i, l_i, acc = _combine(m_i, l_i, acc, m_s, l_s, acc_s)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -141,14 +295,19 @@ def attention(
     causal: bool = True,
     sliding_window: int | None = None,
     valid_len: torch.Tensor | None = None,  # [batch]
+    split: int = SPLIT,
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.attention. Returns [batch, T, heads, head_dim]."""
+    """Same contract as kernels.reference.attention. Returns [batch, T, heads, head_dim].
+    `split` overrides SPLIT (a multiple of BLOCK_N), for tests on short caches: a query's bits
+    depend on it, on nothing else of the call."""
     batch, T, heads, D = q.shape
     kv_heads = k_cache.shape[2]
     if heads % kv_heads:
         raise ValueError(f"attention: {heads} query heads do not group over {kv_heads} kv heads")
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("attention: k and v caches must share a layout with contiguous head_dim")
+    if split % BLOCK_N:
+        raise ValueError(f"attention: a split of {split} positions is not a multiple of {BLOCK_N}")
     G = heads // kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -157,8 +316,16 @@ def attention(
     positions = positions.contiguous()
     slots = slots.contiguous()
     valid = valid_len.contiguous() if valid_len is not None else positions
-    grid = (triton.cdiv(T * G, BLOCK_M), kv_heads, batch)
-    _attention_kernel[grid](
+    max_len = k_cache.shape[1]
+    tiles = triton.cdiv(T * G, BLOCK_M)
+    block_d = max(16, triton.next_power_of_2(D))
+    n_splits = triton.cdiv(max_len, split)
+    apart = n_splits > 1 and T <= SPLIT_ROWS
+    rows = batch * n_splits * kv_heads * tiles * BLOCK_M if apart else 1
+    m_part = torch.empty(rows, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(rows * block_d if apart else 1, dtype=torch.float32, device=q.device)
+    _attention_kernel[(tiles, kv_heads, batch * n_splits if apart else batch)](
         q,
         k_cache,
         v_cache,
@@ -166,9 +333,13 @@ def attention(
         slots,
         positions,
         valid,
+        m_part,
+        l_part,
+        acc_part,
         T,
         G,
-        k_cache.shape[1],
+        n_splits,
+        max_len,
         scale,
         sliding_window or 0,
         q.stride(0),
@@ -185,11 +356,31 @@ def attention(
         SLIDING=sliding_window is not None,
         HAS_VALID=valid_len is not None,
         IEEE=q.dtype == torch.float32,
+        SPLITS_APART=apart,
+        SPLIT_LEN=split,
         D=D,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_D=block_d,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         num_warps=4,
         **LAUNCH,
     )
+    if apart:
+        _merge_kernel[(tiles, kv_heads, batch)](
+            m_part,
+            l_part,
+            acc_part,
+            out,
+            T,
+            G,
+            n_splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            D=D,
+            BLOCK_D=block_d,
+            BLOCK_M=BLOCK_M,
+            num_warps=4,
+            **LAUNCH,
+        )
     return out

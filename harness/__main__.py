@@ -40,7 +40,7 @@ from .output import OutputError, claim
 from .resume import prepare, read_request_rows, trim_torn_tail
 from .server_kind import SERVER_KINDS, resolve
 from .tokens import TextTokenizer
-from .workloads import WorkloadError, builtin, load_jsonl, synthetic, take
+from .workloads import GROUPS, WorkloadError, builtin, load_jsonl, mixed_long, synthetic, take
 
 
 def _peer_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +80,19 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     source.add_argument("--dataset", help="JSONL with 'prompt' or 'messages' per line")
     source.add_argument("--builtin", help="built-in prompt set: code, math, chat, mixed")
     p.add_argument("--text", action="store_true", help="synthetic prompts as text, not ids")
+    p.add_argument(
+        "--long-input-len",
+        type=positive_int,
+        default=None,
+        help="synthetic: mix prompts of this many tokens among the --input-len ones (the "
+        "long-and-short workload); TTFT and ITL are reported per group, short and long",
+    )
+    p.add_argument(
+        "--long-share",
+        type=rate,
+        default=0.25,
+        help="with --long-input-len: the share of prompts that are long, spread evenly (default 0.25)",
+    )
     p.add_argument("--warmup", type=non_negative_int, default=2)
     p.add_argument("--repeats", type=positive_int, default=1)
     p.add_argument(
@@ -311,6 +324,14 @@ def prompt_pool(args) -> list | None:
 
 def prompts_for(args, count: int) -> list:
     pool = prompt_pool(args)
+    if args.long_input_len is not None:
+        if pool is not None:
+            raise WorkloadError(
+                "--long-input-len mixes synthetic prompts; it takes no --dataset or --builtin"
+            )
+        return mixed_long(
+            count, args.input_len, args.long_input_len, args.long_share, args.seed, as_text=args.text
+        )
     if pool is None:
         return synthetic(count, args.input_len, args.seed, as_text=args.text)
     return take(pool, count, args.seed)
@@ -392,6 +413,12 @@ def print_table(summaries: list[dict]) -> None:
         "itl_token_ms_mean",
         "itl_chunk_ms_mean",
         "acceptance_length",
+    ]
+    cols += [  # a workload of short and long prompts: each group's own latencies
+        f"{metric}_{group}_{stat}"
+        for group in GROUPS
+        if any(f"ttft_ms_{group}_median" in s for s in summaries)
+        for metric, stat in (("ttft_ms", "median"), ("itl_token_ms", "mean"))
     ]
     print(" | ".join(cols))
     for s in summaries:

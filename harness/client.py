@@ -79,6 +79,7 @@ class RequestRecord:
     done_marker: bool = False  # the stream ended with data: [DONE]
     spec_decode: dict | None = None  # the server's per-request speculative statistics
     meta_info: dict | None = None  # SGLang's per-request info (spec_verify_ct, ...)
+    group: str | None = None  # the prompt's workload group (workloads.GROUPS), when it has one
 
     def as_row(self, **labels) -> dict:
         return {**labels, **asdict(self)}

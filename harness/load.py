@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 
 from .client import Endpoint, RequestRecord, payload, send
-from .metrics import calculate_metrics, count_sources
+from .metrics import GROUP_LATENCIES, calculate_metrics, count_sources
 from .prometheus import acceptance_from_counters, acceptance_from_requests, scrape
-from .workloads import Prompt, arrivals
+from .workloads import GROUPS, Prompt, arrivals
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ async def run_requests(
                 prompt = prompts[i]
                 body = payload(endpoint, prompt, prompt.max_tokens or spec.output_len)
                 record = await send(client, endpoint, body, i, start, spec.timeout_s)
+            record.group = prompt.group
             records[i] = record
             if on_record is not None:
                 on_record(record)
@@ -152,13 +153,25 @@ SUMMARY_COLUMNS = [
     "count_source",
     "server_kind",
     "streams_without_done",
+    *[
+        f"{m}_{group}_{s}"
+        for group in GROUPS
+        for m in GROUP_LATENCIES
+        for s in ("mean", "median", "p90", "p99")
+    ],
 ]
 
 
 def append_summary(path: Path, row: dict) -> None:
+    """Append one row; a summary that exists keeps its own header (a resumed folder written by
+    an older harness with fewer columns stays readable by column)."""
     new = not path.exists() or path.stat().st_size == 0  # a file a full disk left empty too
+    columns = SUMMARY_COLUMNS
+    if not new:
+        with path.open(newline="") as f:
+            columns = next(csv.reader(f), None) or SUMMARY_COLUMNS
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})

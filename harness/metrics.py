@@ -10,6 +10,8 @@
   excluded); request throughput likewise.
 - Achieved concurrency = sum of request E2E / wall time (mean requests in flight).
 - Goodput = requests per second meeting every given SLO (TTFT, TPOT, E2E in ms).
+- Per group (a workload that tags its prompts, e.g. short and long): TTFT and both ITLs over
+  that group's requests alone, columns `<metric>_<group>_<stat>`.
 Statistics: mean, median, p90, p99 across values.
 """
 
@@ -23,6 +25,7 @@ import numpy as np
 from .client import RequestRecord
 
 STATS = ("mean", "median", "p90", "p99")
+GROUP_LATENCIES = ("ttft_ms", "itl_token_ms", "itl_chunk_ms")  # reported per workload group
 
 
 def summarize(values: Sequence[float], prefix: str) -> dict[str, float]:
@@ -75,6 +78,11 @@ def calculate_metrics(
     row |= summarize([v * ms for r in ok for v in per_token_itl(r)], "itl_token_ms")
     row |= summarize([v * ms for r in ok for v in chunk_itl(r)], "itl_chunk_ms")
     row |= summarize([r.e2e_s * ms for r in ok if r.e2e_s is not None], "e2e_ms")
+    for group in dict.fromkeys(r.group for r in records if r.group is not None):
+        mine = [r for r in ok if r.group == group]
+        row |= summarize([r.ttft_s * ms for r in mine if r.ttft_s is not None], f"ttft_ms_{group}")
+        row |= summarize([v * ms for r in mine for v in per_token_itl(r)], f"itl_token_ms_{group}")
+        row |= summarize([v * ms for r in mine for v in chunk_itl(r)], f"itl_chunk_ms_{group}")
     if slo_ms:
         good = 0
         for r in ok:

@@ -1,5 +1,7 @@
 """Workloads: synthetic prompts, JSONL datasets, built-in prompt sets; arrival processes.
 
+`mixed_long` mixes long prompts among short ones, each tagged with its group, so that a run
+reports TTFT and ITL of the short requests beside a long prefill apart from the long ones'.
 Everything is seeded, so two runs send the same prompts in the same order. A prompt read
 from a file or a built-in set knows its source (`FILE:LINE`, `builtin:SET#INDEX`).
 """
@@ -23,6 +25,7 @@ class Prompt:
     messages: tuple[dict, ...] | None = None
     max_tokens: int | None = None  # per-prompt output length, when the dataset gives one
     source: str | None = field(default=None, compare=False)  # where it was read
+    group: str | None = field(default=None, compare=False)  # one of GROUPS, metrics per group
 
 
 class WorkloadError(ValueError):
@@ -46,6 +49,37 @@ def synthetic(
         return [Prompt(text=" ".join(rng.choice(_WORDS) for _ in range(input_len))) for _ in range(num)]
     return [
         Prompt(token_ids=tuple(rng.randrange(1, vocab_size) for _ in range(input_len))) for _ in range(num)
+    ]
+
+
+GROUPS = ("short", "long")  # the groups of a mixed_long workload
+
+
+def mixed_long(
+    num: int,
+    input_len: int,
+    long_input_len: int,
+    long_share: float,
+    seed: int,
+    as_text: bool = False,
+    vocab_size: int = 400,
+) -> list[Prompt]:
+    """`num` synthetic prompts of `input_len` tokens (group `short`) with a share `long_share` of
+    `long_input_len` tokens (group `long`), spread evenly: prompt i is long when the running
+    count floor(i x share) steps up, so every window of 1 / share prompts holds one long one."""
+    if not 0 < long_share < 1:
+        raise WorkloadError(f"long_share must be in (0, 1), got {long_share}")
+    if long_input_len <= input_len:
+        raise WorkloadError(
+            f"long prompts ({long_input_len} tokens) must be longer than short ones ({input_len})"
+        )
+    short = synthetic(num, input_len, seed, as_text, vocab_size)
+    long = synthetic(num, long_input_len, seed + 1, as_text, vocab_size)
+    return [
+        replace(long[i], group="long")
+        if math.floor((i + 1) * long_share) > math.floor(i * long_share)
+        else replace(short[i], group="short")
+        for i in range(num)
     ]
 
 

@@ -3,6 +3,7 @@ with optional capture of chosen layers' outputs (the DFlash context features).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = target_rotary(config)
+        # tensor parallelism: the LM head holds this rank's slice of the vocabulary, and this
+        # gathers the slices' logits (runtime/tensor_parallel.py)
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -54,7 +58,8 @@ class CausalLM(nn.Module):
 
     def project_logits(self, hidden: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
         """Final-normed hidden states -> logits over the vocabulary."""
-        return ops.linear(hidden, self.lm_head_weight)
+        logits = ops.linear(hidden, self.lm_head_weight)
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
     def forward(
         self,

@@ -1,0 +1,76 @@
+"""Tensor parallelism is exact (reference_engine/runtime/tensor_parallel.py), on the CPU tier:
+two gloo processes on the tiny pairs of every family, in float64.
+
+- TP=2 greedy output equals TP=1 (the unsharded model) for every family;
+- under TP=2, DFlash equals plain greedy in both numerics, every rank chose the same
+  tokens, and every reduction gave a row the bits it gets alone;
+- a planted fault, a reduction whose order of addition depends on the rows in the message,
+  is caught by that row check (at four ranks: with two, a + b == b + a leaves no order to
+  get wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference_engine.checkpoint import load_target
+from reference_engine.config import FAMILIES
+from reference_engine.runtime.engine import EngineConfig
+
+from .exact import run_engine
+from .parallel import run_group, sharded_runs
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 10
+PROMPTS = {"a": [5, 17, 33, 2, 90, 41, 7], "b": [250, 3, 3, 61, 128]}
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_pair) -> dict[str, tuple[str, str]]:
+    return {family: tuple(map(str, tiny_pair(family, block_size=BLOCK_SIZE))) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def tp2(pairs) -> list[dict]:
+    """Both ranks' plain and DFlash outputs of every family in both numerics, at TP=2."""
+    return run_group(2, sharded_runs, pairs, PROMPTS, MAX_TOKENS, "float64", ("exact", "fast"), BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_greedy_equals_tp1_in_float64(pairs, tp2, family: str) -> None:
+    target = load_target(pairs[family][0], dtype=torch.float64)
+    config = EngineConfig(max_num_seqs=len(PROMPTS), block_size=BLOCK_SIZE)
+    unsharded = run_engine(target, None, PROMPTS, MAX_TOKENS, config)
+    for rank, result in enumerate(tp2):
+        for numerics, runs in result[family].items():
+            assert runs["plain"] == unsharded, f"rank {rank}, {numerics}: TP=2 greedy differs from TP=1"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_dflash_equals_plain_greedy_and_every_rank_agrees(tp2, family: str) -> None:
+    for numerics, runs in tp2[0][family].items():
+        assert runs["dflash"] == runs["plain"], f"{numerics}: DFlash differs from plain greedy under TP=2"
+        assert tp2[1][family][numerics]["dflash"] == runs["dflash"], f"{numerics}: the ranks disagree"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_reductions_give_a_row_the_bits_it_gets_alone(tp2, family: str) -> None:
+    for rank, result in enumerate(tp2):
+        for numerics, runs in result[family].items():
+            assert runs["compared"] > 0, "no reduction of several rows was checked"
+            assert runs["differed"] == 0, (
+                f"rank {rank}, {numerics}: {runs['differed']} of {runs['compared']} rows changed "
+                "bits with the rows reduced alongside them"
+            )
+
+
+def test_a_size_dependent_reduction_order_is_caught(tiny_pair) -> None:
+    """Four ranks (the tiny Qwen3's 4 query heads, its 2 KV heads copied to two ranks each),
+    in float32, the exact numerics: clean, no row changes bits; with the fault, rows do."""
+    pair = {"qwen3": tuple(map(str, tiny_pair("qwen3", block_size=BLOCK_SIZE)))}
+    args = (pair, PROMPTS, 4, "float32", ("exact",), BLOCK_SIZE, ("exact",), False)
+    runs = run_group(4, sharded_runs, *args)
+    clean, faulty = runs[0]["qwen3"]["exact"], runs[0]["qwen3"]["exact+fault"]
+    assert clean["compared"] > 0 and clean["differed"] == 0, clean
+    assert faulty["differed"] > 0, "the size-dependent reduction order went unnoticed"

@@ -1,0 +1,119 @@
+"""Every Triton kernel compiles for the H200 (sm_90) on a machine without a GPU.
+
+The interpreter (TRITON_INTERPRET=1, tests/test_kernels.py) runs a kernel's Python semantics,
+which forgive what the compiler refuses: a loop-carried value whose shape changes between
+iterations runs interpreted and fails to compile. Triton compiles to a cubin without a device
+(the target named, ptxas bundled with triton), so each kernel is compiled here in the variants
+the engine launches, and a kernel that would not build on the GPU fails the CPU tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.kernels
+
+# kernel -> (pointer arguments with their element types, other arguments' types when not
+# i32, the variants' constexprs); constexprs common to every variant first
+KERNELS = {
+    "attention._attention_kernel": (
+        {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "out_ptr": "bf16", "slots_ptr": "i64"}
+        | {"pos_ptr": "i64", "valid_ptr": "i64", "m_part": "fp32", "l_part": "fp32", "acc_part": "fp32"},
+        {"scale": "fp32"},
+        [
+            {"CAUSAL": c, "SLIDING": s, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": a}
+            | {"SPLIT_LEN": 2048, "D": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64}
+            for c, s, a in ((True, False, True), (True, True, False), (False, False, False))
+        ],
+    ),
+    "attention._merge_kernel": (
+        {"m_part": "fp32", "l_part": "fp32", "acc_part": "fp32", "out_ptr": "bf16"},
+        {},
+        [{"D": 128, "BLOCK_D": 128, "BLOCK_M": 16}],
+    ),
+    "moe._route_kernel": (
+        {"logits_ptr": "bf16", "weights_ptr": "bf16", "ids_ptr": "i64"},
+        {},
+        [{"TOP_K": 8, "RENORMALISE": r, "BLOCK_T": 1, "BLOCK_E": 256} for r in (True, False)],
+    ),
+    "moe._group_kernel": (
+        {"ids_ptr": "i64", "order_ptr": "i32", "starts_ptr": "i32", "active_ptr": "i32", "census_ptr": "i64"},
+        {},
+        [{"CENSUS": c, "CHUNK": 32, "BLOCK_E": 128} for c in (True, False)],
+    ),
+    "moe._grouped_kernel": (
+        {"a_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "order_ptr": "i32", "starts_ptr": "i32"}
+        | {"active_ptr": "i32", "scale_ptr": "bf16"},
+        {},
+        [
+            {"TOP_K": 8, "SWIGLU": g, "IEEE": False, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}
+            for g, m, n, k in ((True, 16, 64, 128), (False, 16, 128, 128), (True, 64, 64, 64))
+        ],
+    ),
+    "moe._slot_sum_kernel": ({"x_ptr": "bf16", "out_ptr": "bf16"}, {}, [{"TOP_K": 8, "BLOCK": 1024}]),
+    "rope._attention_inputs_kernel": (
+        {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "qw_ptr": "bf16", "kw_ptr": "bf16"}
+        | {"cos_ptr": "bf16", "sin_ptr": "bf16", "out_ptr": "bf16", "kc_ptr": "bf16", "vc_ptr": "bf16"}
+        | {"slots_ptr": "i64", "pos_ptr": "i64"},
+        {"eps": "fp32"},
+        [
+            {"NORM": n, "OFFSET": o, "D": 128, "RD": 128, "BLOCK_D": 128}
+            for n, o in ((True, False), (False, False))
+        ],
+    ),
+}
+
+# compiled in one child process: the parent's TRITON_INTERPRET (set by the root conftest)
+# turns every @triton.jit into an interpreted function
+COMPILE = textwrap.dedent(
+    """
+    import importlib, json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = {}
+    for name, (pointers, scalars, variants) in json.loads(sys.argv[1]).items():
+        module, kernel = name.split(".")
+        fn = getattr(importlib.import_module("reference_engine.kernels." + module), kernel)
+        for constexprs in variants:
+            def kind(a):
+                return "*" + pointers[a] if a in pointers else scalars.get(a, "i32")
+            signature = {a: "constexpr" if a in constexprs else kind(a) for a in fn.arg_names}
+            fixed = {(fn.arg_names.index(a),): v for a, v in constexprs.items()}
+            try:
+                source = ASTSource(fn=fn, signature=signature, constexprs=fixed)
+                triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            except Exception as exc:
+                failures.setdefault(name, []).append(f"{constexprs}: {type(exc).__name__}: {exc}")
+    print(json.dumps(failures))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def failures() -> dict[str, list[str]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE, json.dumps(KERNELS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if done.returncode:
+        pytest.fail(f"the compiling process failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_the_kernel_compiles_for_sm90_in_every_variant(name: str, failures: dict[str, list[str]]) -> None:
+    found = failures.get(name, [])
+    assert not found, f"{name} does not compile:\n" + "\n".join(f[-2000:] for f in found)

@@ -10,6 +10,7 @@ logits bits, so every rank chooses the same tokens).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import tempfile
 import time
@@ -37,14 +38,17 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job, args: tuple) -> None:
+    """One rank, with the environment torchrun gives it (so an entry point run as the job
+    joins the group as it would under torchrun)."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
+    dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
         result = job(rank, world_size, *args)
     finally:

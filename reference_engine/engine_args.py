@@ -97,6 +97,12 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         {"default": "auto", "choices": VERIFY_WIDTHS},
     ),
     "numerics": EngineOption(("--numerics",), NUMERICS_HELP, {"choices": NUMERICS, "default": None}),
+    "tensor_parallel_size": EngineOption(
+        ("--tensor-parallel-size",),
+        "processes, one per device, that each hold a slice of every layer; above 1, start the "
+        "command under torchrun with as many processes (docs/engine.md, Tensor parallelism)",
+        {"type": int, "default": 1},
+    ),
     "enforce_eager": EngineOption(
         ("--enforce-eager",), "run every forward eagerly (no CUDA graphs)", {"action": "store_true"}
     ),

@@ -4,7 +4,7 @@
         --max-tokens N [--dtype auto|float64|float32|bfloat16] [--device auto|cpu|cuda]
         [--stop-ids 5,6] [--ignore-eos] [--temperature T --top-p P --top-k K --seed S]
         [--draft DIR [--block-size N] [--commit-strategy replay|per_token|recompute]]
-        [--json]
+        [--json] [--tensor-parallel-size N (under torchrun --nproc-per-node N)]
 
 Without --draft: plain decode. With --draft: DFlash speculative decoding, lossless.
 With --json it prints one JSON object: prompt_ids, output_ids, text, finish_reason, and
@@ -24,10 +24,12 @@ import torch
 from .checkpoint import load_draft, load_target
 from .engine_args import add_engine_options, resolve_device, resolve_dtype
 from .errors import ReferenceEngineError, RequestError, exit_with
+from .kernels import default_numerics
 from .runtime.decode import generate_plain
 from .runtime.engine import EngineConfig
 from .runtime.one_request import generate_speculative
 from .runtime.request import SamplingParams
+from .runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, shard_target, share_with_draft
 from .tokenizer import load_tokenizer
 
 
@@ -58,6 +60,7 @@ class GenerateArgs:
     commit_strategy: str
     json: bool
     numerics: str | None
+    tensor_parallel_size: int
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -77,7 +80,7 @@ class GenerateArgs:
         p.add_argument("--seed", type=int, default=0, help="sampling seed")
         add_engine_options(p, "draft", "block_size", "commit_strategy")
         p.add_argument("--json", action="store_true", help="print one JSON object")
-        add_engine_options(p, "numerics")
+        add_engine_options(p, "numerics", "tensor_parallel_size")
         return p
 
     @classmethod
@@ -87,7 +90,13 @@ class GenerateArgs:
 
 def run(args: GenerateArgs) -> dict:
     device = resolve_device(args.device)
-    model = load_target(args.model, dtype=resolve_dtype(args.dtype, args.model, device), device=device)
+    dtype = resolve_dtype(args.dtype, args.model, device)
+    numerics = args.numerics or default_numerics(device, dtype)
+    tp = init_tensor_parallel(args.tensor_parallel_size, device, numerics, "generate")
+    device = rank_device(device, tp)
+    model = load_target(args.model, dtype=dtype, device=device)
+    if tp is not None:
+        shard_target(model, tp)
     tokenizer = None
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)
@@ -122,6 +131,8 @@ def run(args: GenerateArgs) -> dict:
         )
     else:
         draft = load_draft(args.draft, model)
+        if tp is not None:
+            share_with_draft(draft, tp)
         block_size = draft.config.block_size if args.block_size is None else args.block_size
         options = EngineConfig(
             block_size=block_size,
@@ -156,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         out = run(args)
     except ReferenceEngineError as exc:
         return exit_with(exc)
+    if not leads():  # under tensor parallelism every rank ran the same steps; one prints
+        return 0
     if args.json:
         print(json.dumps(out))
     else:

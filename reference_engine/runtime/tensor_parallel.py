@@ -128,6 +128,11 @@ def init_tensor_parallel(
     return TensorParallel(rank, size, numerics)
 
 
+def leads() -> bool:
+    """Whether this process prints and serves: rank 0 of a group, or a process on its own."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def rank_device(device: torch.device, tp: TensorParallel | None) -> torch.device:
     """The device this rank runs on: its own GPU under tensor parallelism on CUDA."""
     if tp is None or device.type != "cuda":

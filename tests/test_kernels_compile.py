@@ -1,4 +1,5 @@
-"""Every Triton kernel compiles for the H200 (sm_90) on a machine without a GPU.
+"""Every Triton kernel compiles for the H200 (sm_90) on a machine without a GPU (the matmul
+loaded by the tensor memory accelerator excepted: its descriptors are built on a device).
 
 The interpreter (TRITON_INTERPRET=1, tests/test_kernels.py) runs a kernel's Python semantics,
 which forgive what the compiler refuses: a loop-carried value whose shape changes between
@@ -67,6 +68,60 @@ KERNELS = {
             {"NORM": n, "OFFSET": o, "D": 128, "RD": 128, "BLOCK_D": 128}
             for n, o in ((True, False), (False, False))
         ],
+    ),
+    "matmul._matmul_kernel": (
+        {"x_ptr": "bf16", "w_ptr": "bf16", "bias_ptr": "bf16", "out_ptr": "bf16"},
+        {},
+        [
+            {"HAS_BIAS": False, "IEEE": False, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256},
+            {"HAS_BIAS": True, "IEEE": False, "EVEN_K": False, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128},
+        ],
+    ),
+    "norms._norm_kernel": (
+        {"x_ptr": "bf16", "w_ptr": "bf16", "z_ptr": "bf16", "out_ptr": "bf16", "res_ptr": "bf16"}
+        | {"sum_ptr": "bf16"},
+        {"eps": "fp32"},
+        [{"KIND": k, "ADD": a, "BLOCK": 4096} for k, a in ((0, False), (1, True), (2, False))],
+    ),
+    "norms._silu_mul_kernel": (
+        {"gate_ptr": "bf16", "up_ptr": "bf16", "out_ptr": "bf16"},
+        {},
+        [{"BLOCK": 1024}],
+    ),
+    "gated_delta._gated_delta_kernel": (
+        {"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "g_ptr": "fp32", "beta_ptr": "fp32"}
+        | {"state_ptr": "fp32", "valid_ptr": "i64", "out_ptr": "bf16", "final_ptr": "fp32"}
+        | {"states_ptr": "fp32", "slots_ptr": "i64"},
+        {},
+        [{"HAS_SLOTS": h, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32} for h in (True, False)],
+    ),
+    "gated_delta._inputs_kernel": (
+        {"mixed_ptr": "bf16", "a_ptr": "bf16", "b_ptr": "bf16", "alog_ptr": "fp32", "dt_ptr": "bf16"}
+        | {"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "g_ptr": "fp32", "beta_ptr": "fp32"},
+        {"scale": "fp32", "eps": "fp32"},
+        [{"KEY_DIM": 2048, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 128}],
+    ),
+    "gated_delta._conv_step_kernel": (
+        {"x_ptr": "bf16", "state_ptr": "bf16", "slots_ptr": "i64", "valid_ptr": "i64", "w_ptr": "bf16"}
+        | {"out_ptr": "bf16"},
+        {},
+        [{"KERNEL": 4, "BLOCK_C": 64, "BLOCK_T": 16, "BLOCK_W": 32}],
+    ),
+    "argmax._chunk_max_kernel": (
+        {"x_ptr": "bf16", "best_ptr": "fp32", "id_ptr": "i64"},
+        {},
+        [{"CHUNK": 16384, "BLOCK": 4096}],
+    ),
+    "argmax._pick_kernel": ({"best_ptr": "fp32", "id_ptr": "i64", "out_ptr": "i64"}, {}, [{}]),
+    "rows._copy_rows_kernel": (
+        {"dst_ptr": "fp32", "dst_rows_ptr": "i64", "src_ptr": "fp32", "src_rows_ptr": "i64"},
+        {},
+        [{"BLOCK": 1024}],
+    ),
+    "rows._conv_state_at_kernel": (
+        {"conv_ptr": "bf16", "rec_ptr": "bf16", "slots_ptr": "i64", "processed_ptr": "i64"},
+        {},
+        [{"W": 3, "BLOCK_C": 64, "BLOCK_W": 4}],
     ),
 }
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from gates.parallel import run_group
-from reference_engine import generate
+from reference_engine import bench, generate
 from reference_engine.checkpoint import load_target
 from reference_engine.errors import ConfigError
 from reference_engine.runtime.tensor_parallel import TensorParallel, shard_target, sharded_config
+from reference_engine.serving.args import ServeArgs
 
 
 def generate_job(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -73,3 +74,20 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(qwen3_checkpoint) -> N
         ConfigError, match="num_attention_heads 4 is not a multiple of --tensor-parallel-size 3"
     ):
         shard_target(model, TensorParallel(0, 3, "exact"))
+
+
+def test_the_server_refuses_tensor_parallelism_in_one_line(qwen3_checkpoint, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        ServeArgs.parse(["--model", str(qwen3_checkpoint), "--tensor-parallel-size", "2"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--tensor-parallel-size 1 only, got 2" in err
+
+
+def test_the_benchmark_under_tensor_parallelism_takes_one_numerics(tiny_pair, capsys) -> None:
+    target, draft = map(str, tiny_pair("qwen3", block_size=4))
+    argv = ["--model", target, "--draft", draft, "--device", "cpu", "--tensor-parallel-size", "2"]
+    assert bench.main([*argv, "--numerics", "exact,fast"]) == 2
+    assert "measures one --numerics at a time" in capsys.readouterr().err
+    assert bench.main(argv) == 2
+    assert "--tensor-parallel-size 2 needs 2 processes" in capsys.readouterr().err

@@ -62,13 +62,14 @@ import torch
 from ..checkpoint import load_draft, load_target, parse_dtype
 from ..demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 from ..engine_args import NUMERICS_HELP, add_engine_options, resolve_device, resolve_dtype
-from ..errors import ReferenceEngineError, exit_with
-from ..kernels import NUMERICS
+from ..errors import ReferenceEngineError, RequestError, exit_with
+from ..kernels import NUMERICS, default_numerics
 from ..models.moe import ExpertCensus, census_of, count_experts
 from ..runtime.engine import Engine, EngineConfig
 from ..runtime.oracle import OracleProposer
 from ..runtime.request import SamplingParams
 from ..runtime.stats import PHASES
+from ..runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, shard_target, share_with_draft
 from ..tokenizer import load_tokenizer
 from .floor import weight_streaming_floor
 from .shapes import DRAFT_ARCHS, TARGET_SHAPES, random_pair
@@ -102,6 +103,7 @@ class BenchArgs:
     numerics: tuple[str | None, ...]
     enforce_eager: bool
     floor: bool
+    tensor_parallel_size: int
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -155,6 +157,7 @@ class BenchArgs:
             p,
             "numerics",
             "enforce_eager",
+            "tensor_parallel_size",
             numerics={
                 "choices": None,
                 "help": "comma-separated, to compare them interleaved; each one of: " + NUMERICS_HELP,
@@ -205,17 +208,33 @@ class BenchArgs:
 
 
 def load_pair(args: BenchArgs):
+    """The target and draft, each rank's slice of the target under tensor parallelism."""
     device = resolve_device(args.device)
     if args.random_shape:
         # a real shape's checkpoints are bfloat16: `auto` runs them so on cuda, in float32 on cpu
         auto = "bfloat16" if device.type == "cuda" else "float32"
         dtype = parse_dtype(auto if args.dtype == "auto" else args.dtype)
+    else:
+        dtype = resolve_dtype(args.dtype, args.model, device)
+    tp = None
+    if args.tensor_parallel_size != 1:
+        if len(args.numerics) != 1:  # the reductions follow one numerics, fixed when sharded
+            raise RequestError("--tensor-parallel-size above 1 measures one --numerics at a time")
+        numerics = args.numerics[0] or default_numerics(device, dtype)
+        tp = init_tensor_parallel(args.tensor_parallel_size, device, numerics, "bench")
+        device = rank_device(device, tp)
+    if args.random_shape:
         block = 16 if args.block_size is None else args.block_size
-        return random_pair(
+        target, draft = random_pair(
             args.random_shape, str(device), dtype, args.seed, block_size=block, draft_arch=args.draft_arch
         )
-    target = load_target(args.model, dtype=resolve_dtype(args.dtype, args.model, device), device=device)
-    return target, load_draft(args.draft, target)
+    else:
+        target = load_target(args.model, dtype=dtype, device=device)
+        draft = load_draft(args.draft, target)
+    if tp is not None:
+        shard_target(target, tp)
+        share_with_draft(draft, tp)
+    return target, draft
 
 
 def make_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -493,7 +512,7 @@ def benchmark(args: BenchArgs) -> list[dict]:
                     over_floor=row["ms_per_decode_step"] / floor.ms_median,
                 )
             rows.append(row)
-        if args.out:  # after every concurrency, so an interrupted run keeps what it measured
+        if args.out and leads():  # after every concurrency, so an interrupted run keeps what it measured
             write_csv(args.out, rows)
     return rows
 
@@ -589,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = benchmark(args)
     except ReferenceEngineError as exc:
         return exit_with(exc)
+    if not leads():  # under tensor parallelism every rank measured the same steps; one reports
+        return 0
     print_table(rows)
     print_speedups(rows)
     if args.floor:

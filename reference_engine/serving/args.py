@@ -40,10 +40,21 @@ class ServeArgs:
     body_timeout: float = 30.0
     max_connections: int = 512
     metrics_names: tuple[str, ...] = ("dflash",)
+    tensor_parallel_size: int = 1
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
-        return cls(**vars(cls.parser().parse_args(argv)))
+        parser = cls.parser()
+        ns = parser.parse_args(argv)
+        if ns.tensor_parallel_size != 1:
+            # every rank must run the engine's steps on the same requests: the HTTP loop on
+            # rank 0 would have to send each step's scheduled work to the others first
+            parser.exit(
+                2,
+                f"error: the server runs at --tensor-parallel-size 1 only, got {ns.tensor_parallel_size}; "
+                "generate and the engine benchmark run tensor-parallel under torchrun\n",
+            )
+        return cls(**vars(ns))
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -90,7 +101,9 @@ class ServeArgs:
             help="benchmarks only: force this mean acceptance length on greedy "
             "requests (the draft still runs; output is not checked)",
         )
-        add_engine_options(p, "numerics", "enforce_eager", "gpu_memory_utilization", "verify_width")
+        add_engine_options(
+            p, "numerics", "enforce_eager", "gpu_memory_utilization", "verify_width", "tensor_parallel_size"
+        )
         p.add_argument(
             "--max-body-mb",
             type=float,

@@ -1,4 +1,4 @@
-"""Parsing z-lab DFlash draft configs into DraftConfig (config.py): where each field is
+"""Parsing z-lab DFlash draft configs into DraftConfig (config/draft.py): where each field is
 read from, its defaults, range checks, the draft/target compatibility check, and that a
 loaded draft's logits honour output_multiplier and final_logit_softcapping."""
 

@@ -28,7 +28,19 @@ import pandas as pd
 REPORTS = ("nvtx_sum", "nvtx_gpu_proj_sum", "cuda_gpu_kern_sum")
 DOMAIN = "dflash"
 # reference_engine/profiling.py RANGE_NAMES (reports import no engine code; a test pins them)
-RANGE_NAMES = ("step", "schedule", "prefill", "decode", "draft", "verify", "accept", "commit", "sample")
+RANGE_NAMES = (
+    "step",
+    "schedule",
+    "prefill",
+    "decode",
+    "draft",
+    "verify",
+    "accept",
+    "commit",
+    "sample",
+    "conv",
+    "selector",
+)
 STYLES = ("pushpop", "push/pop", "startend", "start/end")
 UNIT_MS = {"ns": 1e-6, "us": 1e-3, "μs": 1e-3, "ms": 1.0, "s": 1e3, "sec": 1e3}
 PROCESSING = re.compile(r"^Processing \[.*\] with \[(?:.*/)?(?P<report>[A-Za-z0-9_]+)(?:\.py)?\]")

@@ -4,10 +4,11 @@ phase timer (its CSV's ms_<phase> and ms_step columns).
 
 Nesting (reference_engine/engine.py, speculative_step.py): a step runs schedule, prefill, decode,
 draft, verify, accept and commit one after another, none inside another; `sample` runs
-inside `prefill` (a prompt's last chunk) and inside `decode`. So the step's time is the sum
+inside `prefill` (a prompt's last chunk) and inside `decode`, and an eager DFlash2 draft's
+`conv` and `selector` inside `draft` (runtime/stats.py NESTED). So the step's time is the sum
 of the top-level phases plus `other`, the time inside a step but outside every phase
 (request bookkeeping after the commit, finishing requests, the timer's once-per-step read
-of its CUDA events); `sample` is shown but never summed.
+of its CUDA events); the nested phases are shown but never summed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .nsys import REPORTS, Capture, capture_labels, load_capture
 STEP = "step"
 OTHER = "other"
 TOP_LEVEL = ("schedule", "prefill", "decode", "draft", "verify", "accept", "commit")
-NESTED = {"sample": ("prefill", "decode")}  # phase -> the phases it runs inside
+# phase -> the phases it runs inside: runtime/stats.py NESTED (reports import no engine code)
+NESTED = {"sample": ("prefill", "decode"), "conv": ("draft",), "selector": ("draft",)}
 MODE_ORDER = ("plain", "dflash")
 LABEL = re.compile(r"^(?P<mode>.+)-c(?P<concurrency>\d+)$")
 BENCH_COLUMNS = ("mode", "concurrency", "ms_step")

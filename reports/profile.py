@@ -50,7 +50,10 @@ DEFINITIONS = {
 }
 SHARED_DEFINITIONS = """\
 - **Nesting**: a step runs schedule, prefill, decode, draft, verify, accept and commit one
-  after another; `sample` runs inside prefill and decode, so it is shown but not summed.
+  after another; `sample` runs inside prefill and decode, and an eager DFlash2 draft's
+  `conv` and `selector` inside draft, so they are shown but not summed (under CUDA graphs
+  the draft is one replay and they have no rows; nsys counts a `conv` instance per
+  convolution, the timer one per draft forward).
   **other** = step - the sum of the top-level phases: time inside a step but outside every
   phase (request bookkeeping after the commit, finishing requests, reading the timer's CUDA
   events once per step). The top-level rows and `other` add up to **step** exactly.

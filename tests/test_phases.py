@@ -15,6 +15,7 @@ import torch
 
 from reference_engine import bench
 from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.runtime import stats
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.profiling import RANGE_NAMES, NvtxRanges
@@ -53,16 +54,20 @@ def test_the_report_knows_the_engine_phase_and_range_names() -> None:
     assert nsys.RANGE_NAMES == RANGE_NAMES
     assert {STEP, *TOP_LEVEL, *NESTED} == set(RANGE_NAMES)
     assert {*TOP_LEVEL, *NESTED} == set(PHASES)
+    assert NESTED == stats.NESTED
 
 
 def test_the_nesting_is_the_engines(tiny_pair) -> None:
     """Top-level phases open directly inside `step`, nested ones only inside their parents,
-    for a plain and a speculative engine (prefill's sample, decode's sample)."""
-    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
-    target = load_target(target_dir, dtype=torch.float64)
-    draft = load_draft(draft_dir, target)
+    for a plain and a speculative engine (prefill's sample, decode's sample) and an eager
+    DFlash2 draft (draft's conv and selector)."""
+    hybrid_dir, dflash_dir = tiny_pair("qwen3_5", block_size=4)
+    hybrid = load_target(hybrid_dir, dtype=torch.float64)
+    dense_dir, dflash2_dir = tiny_pair("qwen3", block_size=4, draft_arch="dflash2")
+    dense = load_target(dense_dir, dtype=torch.float64)
+    dflash, dflash2 = load_draft(dflash_dir, hybrid), load_draft(dflash2_dir, dense)
     seen: dict[str, set[str]] = {}
-    for spec in (None, draft):
+    for target, spec in ((hybrid, None), (hybrid, dflash), (dense, dflash2)):
         fake = FakeNvtx()
         engine = Engine(target, spec, EngineConfig(max_num_seqs=2), NvtxRanges(True, fake))
         oracle = OracleProposer(list(range(100, 120)), [2], 512) if spec else None

@@ -69,6 +69,24 @@ def test_a_dflash_run_emits_the_phase_ranges_in_order(tiny_pair) -> None:
     assert len(per_step) == len(engine.collect("a").steps)
 
 
+def test_an_eager_dflash2_draft_emits_a_range_per_convolution_and_one_for_the_selector(tiny_pair) -> None:
+    """Four convolutions a layer (before and after attention and the MLP), then the selector,
+    all inside `draft`."""
+    target_dir, draft_dir = tiny_pair("qwen3", block_size=4, draft_arch="dflash2")
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    fake = FakeNvtx()
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=1), NvtxRanges(True, fake))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    draft_ranges = ["draft", *["conv"] * 4 * draft.config.num_hidden_layers, "selector"]
+    per_step = steps(fake.events)
+    assert per_step[0] == ["schedule", "prefill", "sample", *draft_ranges, "verify", "accept", "commit"]
+    for step in per_step[1:]:
+        assert step == ["schedule", "prefill", *draft_ranges, "verify", "accept", "commit"]
+
+
 def test_plain_decode_emits_decode_and_sample(tiny_checkpoint) -> None:
     target = load_target(tiny_checkpoint("qwen3"), dtype=torch.float64)
     fake = FakeNvtx()

@@ -23,7 +23,9 @@ ms_<phase> = milliseconds spent in that phase over the whole run (CUDA-event tim
 GPU, monotonic host time on a CPU: `phase_clock` says which), phases as in stats.PHASES;
 n_<phase> = times the phase ran; ms_step = host wall time inside engine.step() over the
 run and `steps` its count, so ms_step minus the top-level phases is the step's time
-outside every phase (`sample` runs inside `prefill` and `decode`, the others do not nest).
+outside every phase (the nested phases, stats.NESTED, are not top-level: `sample` runs inside
+`prefill` and `decode`, an eager DFlash2 draft's `conv` and `selector` inside `draft`, each
+counted once per draft forward; under CUDA graphs the draft is one replay and they stay 0).
 Each column is a median on its own. distinct_experts (a mixture-of-experts target) = distinct
 experts a MoE layer routed a step's rows to, per layer and step: decode steps (plain) or
 verifies (DFlash), counted on the device in every run; with --floor the step's floor reads

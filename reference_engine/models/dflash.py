@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import DraftConfig
 from ..kernels import TORCH, Kernels
-from .layers import ForwardContext, RMSNorm, RotaryEmbedding
+from .layers import ForwardContext, Phase, RMSNorm, RotaryEmbedding, untimed
 from .qwen3 import Qwen3DecoderLayer
 
 
@@ -93,11 +93,15 @@ class DFlashDraft(nn.Module):
         kv_len: int,
         valid_len: torch.Tensor | None = None,  # [batch] real block tokens per row
         ops: Kernels = TORCH,
+        phase: Phase = untimed,
     ) -> torch.Tensor:
         """Returns the final-normed hidden states of the block, [batch, B, hidden]. Rows
-        with a shorter block (`valid_len`) never see their padding."""
+        with a shorter block (`valid_len`) never see their padding. `phase` times the parts
+        a DFlash2 layer adds (its convolution)."""
         x = block_embeds
-        ctx = ForwardContext(state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, ops=ops)
+        ctx = ForwardContext(
+            state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, ops=ops, phase=phase
+        )
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
         return self.norm(x, ops)
@@ -108,13 +112,14 @@ class DFlashDraft(nn.Module):
         lm_head_weight: torch.Tensor,
         ops: Kernels = TORCH,
         anchors: torch.Tensor | None = None,
+        phase: Phase = untimed,
     ) -> tuple[torch.Tensor, ...]:
         """The proposals' logits [batch, B-1, vocab] and greedy tokens [batch, B-1] from the
         block's hidden states [batch, B, hidden] (each slot's own argmax: the `anchors`
-        [batch] matter to DFlash2's selector only). Both are taken over every block position,
-        the anchor's included, and sliced: the product then reads B contiguous rows per
-        request, where the proposals' rows alone would need a copy and, in the fast
-        numerics, lead cuBLAS to a kernel eleven times slower (Qwen3-8B's LM head on the
+        [batch] and the `phase` timing the selector matter to DFlash2 only). Both are taken
+        over every block position, the anchor's included, and sliced: the product then reads
+        B contiguous rows per request, where the proposals' rows alone would need a copy and,
+        in the fast numerics, lead cuBLAS to a kernel eleven times slower (Qwen3-8B's LM head on the
         H200: 4.8 ms for 240 rows against 0.42 ms for 256)."""
         logits = self.logits(hidden, lm_head_weight, ops)
         return logits[:, 1:], ops.greedy(logits)[:, 1:]

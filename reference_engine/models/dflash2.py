@@ -34,7 +34,7 @@ from torch import nn
 from ..config import SLIDING_ATTENTION, DraftConfig
 from ..kernels import TORCH, Kernels
 from .dflash import DFlashDraft
-from .layers import MLP, ForwardContext, RMSNorm, SelfAttention
+from .layers import MLP, ForwardContext, Phase, RMSNorm, SelfAttention, untimed
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -114,14 +114,24 @@ class DFlash2DecoderLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        ops = ctx.ops
+        """Each convolution (its dynamic weights included) is a part of the `conv` phase, so
+        that a timed forward reports what the convolution adds to a DFlash layer."""
+        ops, phase = ctx.ops, ctx.phase
         normed = self.input_layernorm(x, ops)
-        delta = self.attention_conv.kernels(normed, ops)
-        attended = self.self_attn(self.attention_conv(normed, delta, 0), ctx, layer)
-        attended = self.attention_conv(attended, delta, 1)
+        with phase("conv"):
+            delta = self.attention_conv.kernels(normed, ops)
+            convolved = self.attention_conv(normed, delta, 0)
+        attended = self.self_attn(convolved, ctx, layer)
+        with phase("conv"):
+            attended = self.attention_conv(attended, delta, 1)
         normed, x = self.post_attention_layernorm.add(x, attended, ops)  # residual add + norm
-        delta = self.mlp_conv.kernels(normed, ops)
-        return x + self.mlp_conv(self.mlp(self.mlp_conv(normed, delta, 0), ops), delta, 1)
+        with phase("conv"):
+            delta = self.mlp_conv.kernels(normed, ops)
+            convolved = self.mlp_conv(normed, delta, 0)
+        out = self.mlp(convolved, ops)
+        with phase("conv"):
+            out = self.mlp_conv(out, delta, 1)
+        return x + out
 
 
 # ----------------------------------------------------------------------------- selector
@@ -223,11 +233,15 @@ class DFlash2Draft(DFlashDraft):
         lm_head_weight: torch.Tensor,
         ops: Kernels = TORCH,
         anchors: torch.Tensor | None = None,
+        phase: Phase = untimed,
     ) -> tuple[torch.Tensor, ...]:
         """DFlash's per-slot logits [batch, N, vocab] (the selector's unary scores), the
         selector's greedy path [batch, N], and what a sampled walk needs: the candidates
-        [batch, N, K] and the edges [batch, N, K, K] (runtime/walk.py)."""
+        [batch, N, K] and the edges [batch, N, K, K] (runtime/walk.py). The `selector` phase
+        is what the selector adds to DFlash's logits: the top-K, the edges, the greedy walk."""
         logits = self.logits(hidden, lm_head_weight, ops)[:, 1:]
-        candidates, unary = top_candidates(logits, self.config.selector_top_k)
-        edges = self.candidate_selector.edges(hidden[:, 1:], candidates, unary, anchors, ops)
-        return logits, walk_greedy(edges, candidates), candidates, edges
+        with phase("selector"):
+            candidates, unary = top_candidates(logits, self.config.selector_top_k)
+            edges = self.candidate_selector.edges(hidden[:, 1:], candidates, unary, anchors, ops)
+            tokens = walk_greedy(edges, candidates)
+        return logits, tokens, candidates, edges

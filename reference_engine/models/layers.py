@@ -9,6 +9,8 @@ state in float32; float32 and float64 models stay in their own dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -281,6 +283,16 @@ class SelfAttention(nn.Module):
         )
 
 
+# a part of a forward timed as its own phase: name -> a context manager around the part
+# (runtime/stats.PhaseTimer.parts); a forward nobody times runs its parts `untimed`
+Phase = Callable[[str], AbstractContextManager]
+_UNTIMED = nullcontext()
+
+
+def untimed(name: str) -> AbstractContextManager:
+    return _UNTIMED
+
+
 class ForwardContext:
     """What every layer of one forward pass needs besides its input."""
 
@@ -296,11 +308,13 @@ class ForwardContext:
         record: str | None = None,  # keep verify inputs/states for a commit strategy
         chunked: bool = False,  # Gated DeltaNet by the PyTorch chunked form (training; full rows)
         ops: Kernels = TORCH,
+        phase: Phase = untimed,
     ) -> None:
         if chunked and (valid_len is not None or record is not None):
             raise ValueError("a chunked forward takes full rows and records nothing")
         self.chunked = chunked
         self.ops = ops
+        self.phase = phase
         self.state = state
         self.valid_len = valid_len
         self.record = record

@@ -17,6 +17,7 @@ import torch
 from ..kernels import Kernels
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
+from ..models.layers import Phase, untimed
 from .commit import verify_record
 from .forwards import Logits, Proposals, StepInputs, Verified
 from .graphs import EngineGraphs
@@ -144,15 +145,21 @@ class ModelRunner:
         slots: torch.Tensor,
         valid: torch.Tensor,
         kv_len: int,
+        phase: Phase = untimed,
     ) -> Proposals:
         """The draft's forward over every row's block [b, N + 1] (anchor and mask tokens):
-        its logits and greedy proposals for the N draft slots."""
+        its logits and greedy proposals for the N draft slots. `phase` times a DFlash2
+        draft's convolution and selector in an eager forward; a replayed one is one graph,
+        whose parts the host cannot time."""
         replayed = self.graphs.propose(block, positions, slots, valid) if self.graphs is not None else None
         if replayed is not None:
             return replayed
         embeds = self.target.embed(block) * self.draft.config.input_embedding_scale
-        hidden = self.draft(embeds, positions, slots, self.draft_state, kv_len, valid_len=valid, ops=self.ops)
-        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops, block[:, 0]))
+        hidden = self.draft(
+            embeds, positions, slots, self.draft_state, kv_len, valid_len=valid, ops=self.ops, phase=phase
+        )
+        head = self.target.lm_head_weight
+        return Proposals(*self.draft.proposals(hidden, head, self.ops, block[:, 0], phase=phase))
 
     def verify(
         self,

@@ -2,7 +2,8 @@
 
 Ranges live in the `dflash` NVTX domain with stable names: `step` around each engine step,
 and inside it `schedule`, `prefill`, `decode`, `draft`, `verify`, `accept`, `commit`,
-`sample`. They are on when the `nvtx` package imports and profiling is asked for
+`sample`; inside an eager DFlash2 `draft`, `conv` around each convolution and `selector`
+(stats.NESTED). They are on when the `nvtx` package imports and profiling is asked for
 (`DFLASH_NVTX=1`, or `NvtxRanges(enabled=True)`); otherwise every range is one shared
 no-op context manager, so the engine pays an attribute lookup and a call per phase. No CUDA
 import is needed. Under `nsys profile --trace=nvtx` the ranges show as `dflash:verify` etc.
@@ -14,7 +15,19 @@ import os
 from contextlib import nullcontext
 
 DOMAIN = "dflash"
-RANGE_NAMES = ("step", "schedule", "prefill", "decode", "draft", "verify", "accept", "commit", "sample")
+RANGE_NAMES = (
+    "step",
+    "schedule",
+    "prefill",
+    "decode",
+    "draft",
+    "verify",
+    "accept",
+    "commit",
+    "sample",
+    "conv",
+    "selector",
+)
 _OFF = nullcontext()
 
 

@@ -166,7 +166,8 @@ class SpeculativeStep:
         the path (walk.py)."""
         dcfg, N = self.draft.config, rows.positions.shape[1] - 1
         block = to_device([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs], self.device)
-        drafted = self.runner.propose(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len)
+        with self.timer.parts() as part:  # a DFlash2 draft's convolution and selector, when eager
+            drafted = self.runner.propose(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, part)
         draft_logits = drafted.logits  # [b, N, vocab], until the next replay
         proposals = drafted.tokens.clone()  # [b, N]
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)

@@ -11,14 +11,31 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from ..models.layers import Phase
 from .profiling import NvtxRanges
 
-PHASES = ("prefill", "draft", "verify", "accept", "commit", "sample", "schedule", "decode")
+PHASES = (
+    "prefill",
+    "draft",
+    "verify",
+    "accept",
+    "commit",
+    "sample",
+    "schedule",
+    "decode",
+    "conv",
+    "selector",
+)
+# phase -> the phases it runs inside. A step runs every other phase one after another, none
+# inside another, so its time is theirs plus what runs outside every phase; a nested phase's
+# time is already in its parent's. `conv` and `selector` are a DFlash2 draft's (eager only).
+NESTED = {"sample": ("prefill", "decode"), "conv": ("draft",), "selector": ("draft",)}
 
 
 @dataclass
@@ -81,7 +98,9 @@ class PhaseTimer:
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, count: bool = True):
+        """Time the block as phase `name`; `count`: whether it counts as one more call (a
+        part of a phase that runs in pieces does not, see `parts`)."""
         start_event = end_event = None
         if self.cuda:
             start_event = torch.cuda.Event(enable_timing=True)
@@ -93,10 +112,27 @@ class PhaseTimer:
                 yield
         finally:
             self.host_s[name] += time.perf_counter() - t0
-            self.calls[name] += 1
+            self.calls[name] += count
             if self.cuda:
                 end_event.record()
                 self._pending.append((name, start_event, end_event))
+
+    @contextmanager
+    def parts(self) -> Iterator[Phase]:
+        """Around one forward whose phases run in pieces (a DFlash2 draft's convolution runs
+        around every sublayer of every layer): yields `part(name)`, a phase that does not
+        count when entered, and counts each phase entered once when the forward ends, so that
+        a part's calls are the forwards that ran it. Each piece is its own NVTX range."""
+        ran: set[str] = set()
+
+        def part(name: str):
+            ran.add(name)
+            return self.phase(name, count=False)
+
+        try:
+            yield part
+        finally:
+            self.calls.update(ran)
 
     def flush(self, wait: bool = False) -> None:
         """Collect the times of pending phases whose events have completed, in order (all of

@@ -25,6 +25,7 @@ TOP_LEVEL = [phase for phase in PHASES if phase not in NESTED]
 TABLE_HEADER = " | ".join(
     [
         "mode",
+        "draft",
         "numerics",
         "concurrency",
         "output_tokens_per_s",
@@ -138,8 +139,8 @@ def test_the_printed_table_has_the_header_and_one_line_per_row(checkpoint_run) -
     assert TABLE_HEADER in lines
     start = lines.index(TABLE_HEADER)
     table = lines[start + 1 : start + 1 + len(rows)]
-    assert [line.split(" | ")[:3] for line in table] == [
-        [r["mode"], r["numerics"], r["concurrency"]] for r in rows
+    assert [line.split(" | ")[:4] for line in table] == [
+        [r["mode"], r["draft"] or "None", r["numerics"], r["concurrency"]] for r in rows
     ]
     assert lines[-1].startswith("wrote ")
 
@@ -170,9 +171,9 @@ def test_a_random_real_shape_runs_without_checkpoints(capsys: pytest.CaptureFixt
     assert TABLE_HEADER in lines
     start = lines.index(TABLE_HEADER)
     dflash = lines[start + 2].split(" | ")
-    assert dflash[:3] == ["dflash", "fast", "1"]  # the CPU runs the references: fast
+    assert dflash[:4] == ["dflash", "dflash", "fast", "1"]  # the CPU runs the references: fast
     # 7 tokens after prefill: forced 3 + 1, then a block drafting the last 3 (bonus cut)
-    assert dflash[4] == "3.5 (3.5-3.5)"  # the median and its min-max over the repeats
+    assert dflash[5] == "3.5 (3.5-3.5)"  # the median and its min-max over the repeats
 
 
 def test_one_mode_alone_with_the_oracle_takes_continuations_from_the_warm_up(

@@ -1,8 +1,8 @@
 """Engine-level benchmark: plain decode vs DFlash on one checkpoint pair, per concurrency.
 
-    python scripts/bench_engine.py [--model DIR --draft DIR | --random-shape qwen3-8b [--draft-arch dflash2]]
-        [--prompts FILE.jsonl] [--oracle-acceptance X] [--concurrency 1,4,8,16] [--modes plain,dflash]
-        [--profile-capture] [--out FILE.csv] ...
+    python scripts/bench_engine.py [--model DIR --draft DIR | --random-shape qwen3-8b
+        [--draft-arch dflash,dflash2]] [--prompts FILE.jsonl] [--oracle-acceptance X]
+        [--concurrency 1,4,8,16] [--modes plain,dflash] [--profile-capture] [--out FILE.csv] ...
 
 Without --model or --random-shape: the shipped demo pair (reference_engine/assets/demo)
 on its held-out prompts. For each concurrency c the engine gets `--num-prompts` requests
@@ -15,7 +15,11 @@ after one warm-up pair; the table and CSV give medians over the repeats, each wi
 (`<column>_min`, `<column>_max`; printed as `median (min-max)`), and a warning names every
 printed figure whose repeats disagree by more than 10% of the median. `--modes dflash`
 (or `plain`) measures one mode only; with --oracle-acceptance the continuations then come
-from the unmeasured plain warm-up run over the same prompts.
+from the unmeasured plain warm-up run over the same prompts. With --random-shape,
+`--draft-arch dflash,dflash2` measures a draft of each architecture on the one target, each
+on its own engines, interleaved with plain as several numerics are; each row names its
+`draft`, and two more tables set the DFlash2 step against the DFlash step and give the
+share of the DFlash2 draft phase its convolution and selector take (bench/drafts.py).
 
 Columns: output_tokens_per_s = all output tokens / wall time of the run (prefill
 included); mean_acceptance_length = committed tokens per DFlash step, bonus included;
@@ -73,8 +77,9 @@ from ..runtime.request import SamplingParams
 from ..runtime.stats import PHASES
 from ..runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, shard_target, share_with_draft
 from ..tokenizer import load_tokenizer
+from .drafts import arch_of, print_drafts
 from .floor import weight_streaming_floor
-from .shapes import DRAFT_ARCHS, TARGET_SHAPES, random_pair
+from .shapes import DRAFT_ARCHS, TARGET_SHAPES, random_draft, random_pair
 
 MODES = ("plain", "dflash")
 
@@ -84,7 +89,7 @@ class BenchArgs:
     model: str | None
     draft: str | None
     random_shape: str | None
-    draft_arch: str
+    draft_arch: tuple[str, ...]
     prompts: str | None
     oracle_acceptance: float | None
     concurrency: tuple[int, ...]
@@ -120,9 +125,8 @@ class BenchArgs:
         )
         p.add_argument(
             "--draft-arch",
-            default="dflash",
-            choices=DRAFT_ARCHS,
-            help="--random-shape only: a DFlash or a DFlash2 draft (docs/dflash2.md)",
+            help="--random-shape only: the draft, dflash (default) or dflash2 (docs/dflash2.md); "
+            "comma-separated, each is measured interleaved and DFlash2 set against DFlash",
         )
         p.add_argument(
             "--prompts",
@@ -187,6 +191,14 @@ class BenchArgs:
             ns.prompts = ns.prompts or str(DEMO_PROMPTS)
         if ns.model is not None and ns.draft is None:
             p.error("--model needs --draft")
+        if ns.draft_arch is not None and ns.random_shape is None:
+            p.error("--draft-arch needs --random-shape (a checkpoint's draft has its own architecture)")
+        archs = tuple(a.strip() for a in (ns.draft_arch or "dflash").split(","))
+        if not set(archs) <= set(DRAFT_ARCHS) or len(set(archs)) != len(archs):
+            p.error(
+                f"--draft-arch must be distinct values of {', '.join(DRAFT_ARCHS)}, got {ns.draft_arch!r}"
+            )
+        ns.draft_arch = archs
         try:
             ns.concurrency = tuple(int(c) for c in ns.concurrency.split(","))
         except ValueError:
@@ -209,8 +221,9 @@ class BenchArgs:
         return cls(**vars(ns))
 
 
-def load_pair(args: BenchArgs):
-    """The target and draft, each rank's slice of the target under tensor parallelism."""
+def load_pair(args: BenchArgs) -> tuple:
+    """The target and its drafts (one per --draft-arch, or the checkpoint's), each rank's
+    slice of the target under tensor parallelism."""
     device = resolve_device(args.device)
     if args.random_shape:
         # a real shape's checkpoints are bfloat16: `auto` runs them so on cuda, in float32 on cpu
@@ -227,16 +240,20 @@ def load_pair(args: BenchArgs):
         device = rank_device(device, tp)
     if args.random_shape:
         block = 16 if args.block_size is None else args.block_size
-        target, draft = random_pair(
-            args.random_shape, str(device), dtype, args.seed, block_size=block, draft_arch=args.draft_arch
-        )
+        first, *others = args.draft_arch
+        target, draft = random_pair(args.random_shape, str(device), dtype, args.seed, block, draft_arch=first)
+        drafts = [draft] + [
+            random_draft(args.random_shape, str(device), dtype, args.seed, block, draft_arch=arch)
+            for arch in others
+        ]
     else:
         target = load_target(args.model, dtype=dtype, device=device)
-        draft = load_draft(args.draft, target)
+        drafts = [load_draft(args.draft, target)]
     if tp is not None:
         shard_target(target, tp)
-        share_with_draft(draft, tp)
-    return target, draft
+        for draft in drafts:
+            share_with_draft(draft, tp)
+    return target, drafts
 
 
 def make_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -331,6 +348,7 @@ def run_once(
     total = sum(len(o) for o in outputs)
     row = {
         "mode": "plain" if draft is None else "dflash",
+        "draft": None if draft is None else arch_of(draft),
         "numerics": engine.numerics,
         "kernels": engine.ops.name,  # torch (the references) or triton
         "cuda_graphs": engine.runner.captured,
@@ -377,15 +395,15 @@ def print_floor(rows: list[dict]) -> None:
 
 
 def speedups(rows: list[dict]) -> list[dict]:
-    """DFlash over plain per (numerics, concurrency) with both modes measured: `tok_s` the
-    ratio of output tokens per second (prefill included), `decode` the decode steps alone:
+    """DFlash over plain per (draft, numerics, concurrency) with both modes measured: `tok_s`
+    the ratio of output tokens per second (prefill included), `decode` the decode steps alone:
     mean acceptance length x plain ms per decode step / DFlash ms per decode step."""
-    by = {(r["mode"], r["numerics"], r["concurrency"]): r for r in rows}
+    plains = {(r["numerics"], r["concurrency"]): r for r in rows if r["mode"] == "plain"}
     out = []
-    for (mode, numerics, c), spec in by.items():
-        plain = by.get(("plain", numerics, c))
+    for spec in rows:
+        plain = plains.get((spec["numerics"], spec["concurrency"]))
         if (
-            mode != "dflash"
+            spec["mode"] != "dflash"
             or plain is None
             or not spec["ms_per_decode_step"]
             or not plain["ms_per_decode_step"]
@@ -394,8 +412,9 @@ def speedups(rows: list[dict]) -> list[dict]:
             continue  # a run without decode steps (one output token) has no ratio
         out.append(
             {
-                "numerics": numerics,
-                "concurrency": c,
+                "draft": spec.get("draft"),
+                "numerics": spec["numerics"],
+                "concurrency": spec["concurrency"],
                 "tok_s": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
                 "decode": spec["mean_acceptance_length"]
                 * plain["ms_per_decode_step"]
@@ -411,11 +430,12 @@ def print_speedups(rows: list[dict]) -> None:
     if not table:
         return
     print(
-        "numerics | concurrency | DFlash/plain tok/s | DFlash/plain decode steps | DFlash step / plain step"
+        "draft | numerics | concurrency | DFlash/plain tok/s | DFlash/plain decode steps | "
+        "DFlash step / plain step"
     )
     for r in table:
         print(
-            f"{r['numerics']} | {r['concurrency']} | {r['tok_s']:.2f} | {r['decode']:.2f} | "
+            f"{r['draft']} | {r['numerics']} | {r['concurrency']} | {r['tok_s']:.2f} | {r['decode']:.2f} | "
             f"{r['step_ratio']:.2f}"
         )
 
@@ -457,12 +477,12 @@ def disagreements(row: dict, columns: list[str]) -> list[str]:
 
 
 def benchmark(args: BenchArgs) -> list[dict]:
-    target, draft = load_pair(args)
+    target, drafts = load_pair(args)
     device = str(target.model.embed_tokens.weight.device)
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
     print(
         f"# device {device} ({gpu}), dtype {target.model.embed_tokens.weight.dtype}, "
-        f"{args.random_shape or args.model}, draft {type(draft).__name__}",
+        f"{args.random_shape or args.model}, draft {', '.join(type(d).__name__ for d in drafts)}",
         flush=True,
     )
     if args.profile_capture and not device.startswith("cuda"):
@@ -490,13 +510,14 @@ def benchmark(args: BenchArgs) -> list[dict]:
             plain = make_engine(target, None, prompts, args, c, numerics)
             warm = run_once(plain, warm_prompts, args, c, None)
             if "plain" in args.modes:
-                engines["plain", numerics] = plain
+                engines["plain", None, numerics] = plain
             del plain
-            if "dflash" in args.modes:
-                engines["dflash", numerics] = make_engine(target, draft, prompts, args, c, numerics)
-                run_once(
-                    engines["dflash", numerics], prompts[:c], args, c, warm["outputs"] if oracle else None
+            for draft in drafts if "dflash" in args.modes else ():
+                engine = engines["dflash", arch_of(draft), numerics] = make_engine(
+                    target, draft, prompts, args, c, numerics
                 )
+                run_once(engine, prompts[:c], args, c, warm["outputs"] if oracle else None)
+                del engine
         with capture_range(capture):
             measured = measure(engines, prompts, args, c, warm["outputs"])
         del engines
@@ -522,26 +543,24 @@ def benchmark(args: BenchArgs) -> list[dict]:
 def measure(
     engines: dict, prompts, args: BenchArgs, concurrency: int, warm_outputs: list[list[int]]
 ) -> dict[str, list[dict]]:
-    """`args.repeats` runs of each mode (and numerics) on its engine in `engines`,
-    alternating; the rows of each (mode, numerics) pair's runs."""
+    """`args.repeats` runs of each mode, draft and numerics on its engine in `engines`, keyed
+    (mode, draft, numerics), alternating; the rows of each key's runs."""
     oracle = args.oracle_acceptance is not None
-    measured: dict[tuple, list[dict]] = {
-        (mode, numerics): [] for numerics in args.numerics for mode in args.modes
-    }
+    measured: dict[tuple, list[dict]] = {key: [] for key in engines}
     for r in range(args.repeats):
         for numerics in args.numerics:
             continuations = warm_outputs if oracle else None
             if "plain" in args.modes:
-                plain = run_once(engines["plain", numerics], prompts, args, concurrency, None)
-                measured["plain", numerics].append(plain["row"])
+                plain = run_once(engines["plain", None, numerics], prompts, args, concurrency, None)
+                measured["plain", None, numerics].append(plain["row"])
                 continuations = plain["outputs"] if oracle else None
-            if "dflash" in args.modes:
-                spec = run_once(engines["dflash", numerics], prompts, args, concurrency, continuations)
-                measured["dflash", numerics].append(spec["row"])
+            for key in [k for k in engines if k[0] == "dflash" and k[2] == numerics]:
+                spec = run_once(engines[key], prompts, args, concurrency, continuations)
+                measured[key].append(spec["row"])
         done = [
-            f"{runs[-1]['mode']} ({runs[-1]['numerics']}) {runs[-1]['output_tokens_per_s']:.1f} "
-            f"tok/s, {runs[-1]['ms_per_step']:.2f} ms/step"
-            for runs in measured.values()
+            f"{mode}{f' {draft}' if draft and len(args.draft_arch) > 1 else ''} ({runs[-1]['numerics']}) "
+            f"{runs[-1]['output_tokens_per_s']:.1f} tok/s, {runs[-1]['ms_per_step']:.2f} ms/step"
+            for (mode, draft, _), runs in measured.items()
         ]
         print(f"  c={concurrency} repeat {r + 1}/{args.repeats}: {'; '.join(done)}", flush=True)
     return measured
@@ -575,6 +594,7 @@ def print_table(rows: list[dict]) -> None:
     figure whose repeats disagree by more than SPREAD_WARNING of the median."""
     cols = [
         "mode",
+        "draft",
         "numerics",
         "concurrency",
         "output_tokens_per_s",
@@ -614,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print_table(rows)
     print_speedups(rows)
+    print_drafts(rows)
     if args.floor:
         print_floor(rows)
     if args.out:

@@ -262,10 +262,23 @@ def random_pair(
     tconfig = TargetConfig.from_hf(TARGET_SHAPES[shape])
     tensors = random_weights(expected_shapes(tconfig), seed, tconfig.norm_offset, device, dtype)
     target = assemble_target(tconfig, tensors, device)
+    return target, random_draft(shape, device, dtype, seed, block_size, draft_layers, draft_arch)
+
+
+def random_draft(
+    shape: str,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    block_size: int = 16,
+    draft_layers: int = 5,
+    draft_arch: str = "dflash",
+) -> DFlashDraft:
+    """The draft of `random_pair` alone, so that one target is measured with a draft of
+    each architecture."""
     dconfig = DraftConfig.from_hf(draft_raw(shape, block_size, draft_layers, draft_arch))
-    draft = assemble_draft(
+    return assemble_draft(
         dconfig,
         random_weights(draft_expected_shapes(dconfig), seed + 1, False, device, dtype),
         device,
     )
-    return target, draft

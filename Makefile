@@ -71,12 +71,19 @@ tiny:
 # present: real acceptance. BENCH_ACCEPTANCE=X forces X with the oracle proposer instead.
 BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token \
 	--device $(BENCH_DEVICE) --max-num-seqs 16 $(if $(BENCH_THREADS),--threads $(BENCH_THREADS))
-BENCH_NOTES = demo pair (reference_engine/assets/demo) on its held-out prompts, DFlash block size $(BENCH_BLOCK)
+# BENCH_DRAFT: side B's draft, `dflash` (the shipped draft), `dflash2` (a DFlash2 demo draft,
+# which does not ship yet: docs/demo-pair.md, "A DFlash2 demo draft") or a draft folder for
+# the demo target.
+BENCH_DRAFT ?= dflash
+BENCH_DRAFT_DIR = $(if $(filter dflash,$(BENCH_DRAFT)),$(DEMO)/draft,$(if $(filter dflash2,$(BENCH_DRAFT)),$(DEMO)/draft-dflash2,$(BENCH_DRAFT)))
+BENCH_NOTES = demo pair (reference_engine/assets/demo) on its held-out prompts, draft $(BENCH_DRAFT_DIR), DFlash block size $(BENCH_BLOCK)
 bench:
+	@test "$(BENCH_DRAFT)" != dflash2 || test -f "$(BENCH_DRAFT_DIR)/config.json" || { echo "make bench: BENCH_DRAFT=dflash2: no DFlash2 demo draft ships yet ($(BENCH_DRAFT_DIR) is missing; docs/demo-pair.md says how to train one); give BENCH_DRAFT=DIR, a draft folder for the demo target" >&2; exit 2; }
+	@test -f "$(BENCH_DRAFT_DIR)/config.json" || { echo "make bench: BENCH_DRAFT=$(BENCH_DRAFT): no config.json in $(BENCH_DRAFT_DIR) (expected dflash, dflash2 or a draft folder for the demo target)" >&2; exit 2; }
 	$(PYTHON) -m harness ab \
 		--a-cmd "$(BENCH_SERVE) --port {port}" \
-		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(DEMO)/draft --block-size $(BENCH_BLOCK) $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
-		--a-label plain --b-label dflash $(BENCH_ARGS) --out $(BENCH_OUT) \
+		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(BENCH_DRAFT_DIR) --block-size $(BENCH_BLOCK) $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
+		--a-label plain --b-label $(if $(filter dflash2,$(BENCH_DRAFT)),dflash2,dflash) $(BENCH_ARGS) --out $(BENCH_OUT) \
 		--notes "$(BENCH_NOTES)$(if $(BENCH_ACCEPTANCE),; acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode),; real acceptance)"
 
 profile:

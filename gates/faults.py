@@ -168,8 +168,8 @@ def _batched_rows_highest_on_tie(correct):
 
 
 def _draft_highest_on_tie(correct):
-    def proposals(self, hidden, lm_head_weight, ops=TORCH):
-        logits, _ = correct(self, hidden, lm_head_weight, ops)
+    def proposals(self, hidden, lm_head_weight, ops=TORCH, *args, **kwargs):
+        logits, _ = correct(self, hidden, lm_head_weight, ops, *args, **kwargs)
         return logits, ops.greedy(_highest_id_wins(logits))
 
     return proposals
@@ -277,8 +277,8 @@ def _draft_context_from_next_row(correct):
 
 
 def _draft_block_sees_padding(correct):
-    def forward(self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH):
-        return correct(self, block_embeds, positions, slots, state, kv_len, None, ops)
+    def forward(self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH, **kwargs):
+        return correct(self, block_embeds, positions, slots, state, kv_len, None, ops, **kwargs)
 
     return forward
 

@@ -35,8 +35,8 @@ def record_selector(pair: Pair, fault: str | None = None) -> list[dict[str, torc
     seen: list[dict[str, torch.Tensor]] = []
 
     def proposals(correct):
-        def wrapped(self, hidden, lm_head_weight, ops, anchors):
-            out = correct(self, hidden, lm_head_weight, ops, anchors)
+        def wrapped(self, hidden, lm_head_weight, ops, anchors, **kwargs):
+            out = correct(self, hidden, lm_head_weight, ops, anchors, **kwargs)
             logits, tokens, candidates, edges = out
             seen.append(
                 dict(

@@ -190,8 +190,8 @@ def recorded_proposals() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     proposals = DFlashDraft.proposals
 
-    def recording(self, hidden, lm_head_weight, ops=TORCH):
-        logits, tokens = proposals(self, hidden, lm_head_weight, ops)
+    def recording(self, hidden, lm_head_weight, ops=TORCH, *args, **kwargs):
+        logits, tokens = proposals(self, hidden, lm_head_weight, ops, *args, **kwargs)
         seen.append((logits.clone(), tokens.clone()))
         return logits, tokens
 

@@ -319,7 +319,7 @@ class SwappedWeights(torch.nn.Module):
         super().__init__()
         self.inner = experts
 
-    def forward(self, x, weights, experts, ops=None) -> torch.Tensor:
+    def forward(self, x, weights, experts, ops=None, census=None) -> torch.Tensor:
         return self.inner(x, weights.flip(-1), experts)
 
 

@@ -13,6 +13,7 @@ from reports.phases import from_bench_row
 def run_row(tokens_per_s: float, ms_step: float) -> dict:
     return {
         "mode": "dflash",
+        "draft": "dflash",
         "numerics": "exact",
         "concurrency": 4,
         "output_tokens_per_s": tokens_per_s,

@@ -14,7 +14,7 @@ from reference_engine import bench, generate
 from reference_engine.checkpoint import load_target
 from reference_engine.errors import ConfigError
 from reference_engine.runtime.tensor_parallel import TensorParallel, shard_target, sharded_config
-from reference_engine.serving.args import ServeArgs
+from reference_engine.serving.server import main as serve_main
 
 
 def generate_job(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -76,12 +76,11 @@ def test_a_size_that_does_not_divide_the_heads_is_refused(qwen3_checkpoint) -> N
         shard_target(model, TensorParallel(0, 3, "exact"))
 
 
-def test_the_server_refuses_tensor_parallelism_in_one_line(qwen3_checkpoint, capsys) -> None:
-    with pytest.raises(SystemExit) as exited:
-        ServeArgs.parse(["--model", str(qwen3_checkpoint), "--tensor-parallel-size", "2"])
-    assert exited.value.code == 2
+def test_the_server_at_a_size_without_its_processes_fails_with_one_line(qwen3_checkpoint, capsys) -> None:
+    argv = ["--model", str(qwen3_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2"]
+    assert serve_main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [err] and "--tensor-parallel-size 1 only, got 2" in err
+    assert err.splitlines() == [err] and "torchrun --nproc-per-node 2 -m reference_engine.serve" in err
 
 
 def test_the_benchmark_under_tensor_parallelism_takes_one_numerics(tiny_pair, capsys) -> None:

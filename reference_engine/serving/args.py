@@ -44,17 +44,7 @@ class ServeArgs:
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
-        parser = cls.parser()
-        ns = parser.parse_args(argv)
-        if ns.tensor_parallel_size != 1:
-            # every rank must run the engine's steps on the same requests: the HTTP loop on
-            # rank 0 would have to send each step's scheduled work to the others first
-            parser.exit(
-                2,
-                f"error: the server runs at --tensor-parallel-size 1 only, got {ns.tensor_parallel_size}; "
-                "generate and the engine benchmark run tensor-parallel under torchrun\n",
-            )
-        return cls(**vars(ns))
+        return cls(**vars(cls.parser().parse_args(argv)))
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:

@@ -14,6 +14,9 @@ finds the step in the engine's counters.
 The thread never dies of one request: a request the engine fails (see runtime/engine.py)
 ends with an error on its own queue and the loop goes on; anything unexpected in a whole
 step fails the requests in flight, not the thread. `alive` is what /health reports.
+
+Under tensor parallelism the engine is rank 0's `LeadingEngine` (followers.py): the loop also
+tells the follower ranks when it is idle and, at its end, to stop; a broken group ends it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..errors import ReferenceEngineError
 from ..runtime.engine import Engine
 from ..runtime.request import SamplingParams
 from ..runtime.sequence import Sequence
+from .followers import FollowersLost, LeadingEngine
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +57,12 @@ class Finished:
 class AsyncEngine:
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | LeadingEngine,
         on_step: Callable[[Engine], None] | None = None,
         make_oracle: Callable[[SamplingParams], object | None] | None = None,
     ) -> None:
         self.engine = engine
+        self.leading = isinstance(engine, LeadingEngine)
         self.make_oracle = make_oracle  # benchmarks only: forced acceptance per request
         self.on_step = on_step  # called on the engine thread after every step (metrics)
         self.commands: queue.Queue = queue.Queue()
@@ -160,9 +165,13 @@ class AsyncEngine:
             while self.running:
                 try:
                     self._turn()
+                except FollowersLost:
+                    raise  # no rank can step without the others
                 except Exception as exc:  # noqa: BLE001 - an engine bug outside any one request
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            if self.leading:
+                self.engine.close()
         finally:
             if self.running:  # not a shutdown: the thread is dying; no stream may hang on it
                 self.running = False
@@ -193,6 +202,8 @@ class AsyncEngine:
         if not self.engine.has_unfinished():
             self.wake.wait(0.05)
             self.wake.clear()
+            if self.leading:
+                self.engine.idle()
             return
         outputs = self.engine.step()
         if self.on_step is not None:

@@ -4,6 +4,7 @@
         [--block-size N] [--commit-strategy NAME] [--dtype ...] [--device ...]
         [--max-num-seqs N] [--max-model-len N] [--max-waiting N]
         [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
+        [--tensor-parallel-size N (under torchrun --nproc-per-node N)]
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (SSE streaming with `[DONE]`, `stream_options.include_usage` and
@@ -31,9 +32,11 @@ import sys
 import uvicorn
 
 from ..errors import ReferenceEngineError, exit_with
+from ..runtime.tensor_parallel import leads
 from .app import create_app
 from .args import ServeArgs
 from .connections import connection_policy_protocol
+from .followers import follow
 from .lifecycle import BACKSTOP_S
 from .service import Server
 
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if not leads():  # a rank above 0 under tensor parallelism: rank 0 serves
+        follow(server.engine, server.make_oracle)
+        return 0
     mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"
     if server.oracle_acceptance is not None:
         mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"

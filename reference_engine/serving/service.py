@@ -13,11 +13,20 @@ import torch
 from ..checkpoint import load_draft, load_target
 from ..engine_args import resolve_device, resolve_dtype
 from ..errors import ReferenceEngineError
+from ..kernels import default_numerics
 from ..runtime.engine import Engine, EngineConfig
 from ..runtime.oracle import OracleProposer
+from ..runtime.tensor_parallel import (
+    init_tensor_parallel,
+    rank_device,
+    shard_target,
+    share_step_costs,
+    share_with_draft,
+)
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
 from .async_engine import AsyncEngine
 from .chat_template import compile_chat_template, render_chat_template
+from .followers import LeadingEngine
 from .lifecycle import Lifecycle
 from .limits import BodyLimits, MiB, decode_json
 from .metrics import ServerMetrics
@@ -37,10 +46,19 @@ class Server:
         device = resolve_device(args.device)
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        target = load_target(args.model, dtype=resolve_dtype(args.dtype, args.model, device), device=device)
+        dtype = resolve_dtype(args.dtype, args.model, device)
+        numerics = args.numerics or default_numerics(device, dtype)
+        # above one rank, rank 0 serves and the others follow its engine (followers.py)
+        self.tp = init_tensor_parallel(args.tensor_parallel_size, device, numerics, "serve")
+        device = rank_device(device, self.tp)
+        target = load_target(args.model, dtype=dtype, device=device)
+        if self.tp is not None:
+            shard_target(target, self.tp)
         draft = None
         if args.draft:
             draft = load_draft(args.draft, target)
+            if self.tp is not None:
+                share_with_draft(draft, self.tp)
         elif args.block_size is not None:
             raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
         config = EngineConfig(
@@ -57,6 +75,8 @@ class Server:
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
         self.engine = Engine(target, draft, config)  # validates the pair and the options
+        if self.tp is not None:
+            share_step_costs(self.engine)
         self.tokenizer = load_tokenizer(args.model)
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
         self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
@@ -88,7 +108,8 @@ class Server:
         )
 
     def _start_runner(self) -> AsyncEngine:
-        return AsyncEngine(self.engine, self.metrics.on_step, self.make_oracle)
+        engine = self.engine if self.tp is None else LeadingEngine(self.engine)
+        return AsyncEngine(engine, self.metrics.on_step, self.make_oracle)
 
     def new_request_id(self, chat: bool) -> str:
         return f"{new_id(chat)}-{next(self._request_numbers)}"

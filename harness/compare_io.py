@@ -156,6 +156,12 @@ def md_quote(text: str) -> str:
 COMPARED = {"ids": "token ids", "text": "text (a server reported no ids)", "none": "nothing (error)"}
 
 
+def prompt_name(r: PromptResult) -> str:
+    """A prompt as a reader finds it: its source (`FILE:LINE`, `builtin:SET#INDEX`), not its place
+    in the run's seeded order; `#N` for a prompt given without one."""
+    return md_quote(r.source or f"#{r.index}")
+
+
 def _group_table(title: str, groups: dict[str, dict]) -> list[str]:
     lines = [f"| {title} | prompts | exact | ties | mismatches | errors |", "|---|---|---|---|---|---|"]
     lines += [
@@ -200,7 +206,7 @@ def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
             margin = "n/a" if d.margin is None else f"{d.margin:.4f}"
             position = f"character {d.char_position}" if d.position is None else str(d.position)
             lines.append(
-                f"| {r.index} | {r.concurrency} | {r.compared} | {d.what} | {position} "
+                f"| {prompt_name(r)} | {r.concurrency} | {r.compared} | {d.what} | {position} "
                 f"| {d.baseline_token} {md_quote(d.baseline_text)} | "
                 f"{d.candidate_token} {md_quote(d.candidate_text)} | {margin} | "
                 f"{d.kind} |"
@@ -209,8 +215,8 @@ def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
     lines += [
         "Per prompt:",
         "",
-        "| prompt | source | c | context | compared | result |",
-        "|---|---|---|---|---|---|",
+        "| prompt | c | context | compared | result |",
+        "|---|---|---|---|---|",
     ]
     for r in results:
         outcome = (
@@ -221,7 +227,7 @@ def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
             else f"{len(r.divergences)} divergence(s)"
         )
         lines.append(
-            f"| {r.index} | {md_quote(r.source or '')} | {r.concurrency} | {r.context} "
+            f"| {prompt_name(r)} | {r.concurrency} | {r.context} "
             f"| {COMPARED[r.compared if not r.error else 'none']} | {outcome} |"
         )
     return "\n".join(lines) + "\n"

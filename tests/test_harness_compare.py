@@ -150,12 +150,26 @@ def test_markdown_quotes_any_text_without_breaking_the_table() -> None:
     rows = [line for line in text.splitlines() if line.startswith("|")]
     assert all(line.endswith("|") for line in rows)
     header = rows[0].count("|")
-    table = rows[: next(i for i, r in enumerate(rows) if r.startswith("| prompt | source |"))]
+    table = rows[: next(i for i, r in enumerate(rows) if r.startswith("| prompt | c | context |"))]
     for line in table:
         assert len(re.findall(r"(?<!\\)\|", line)) == header, line
     assert "\r" not in text and "\t" not in text
-    per_prompt = [r for r in rows if r.startswith("| 1 |")][0]
-    assert len(re.findall(r"(?<!\\)\|", per_prompt)) == 7
+    per_prompt = [r for r in rows if r.startswith("| `#1` |")][0]
+    assert len(re.findall(r"(?<!\\)\|", per_prompt)) == 6
+
+
+def test_markdown_names_each_prompt_by_its_line_in_its_file_not_its_place_in_the_shuffle() -> None:
+    # the seeded order put line 7 of the file first and line 2 second
+    shuffled = [
+        PromptResult(0, False, 3, [Divergence(3, 7, 8, "x", "y", 0.5, "mismatch")], compared="ids"),
+        PromptResult(1, True, 0, compared="ids"),
+    ]
+    shuffled[0].source, shuffled[1].source = "prompts.jsonl:7", "prompts.jsonl:2"
+    rows = [line for line in markdown(shuffled, verdict(shuffled, ComparePolicy())).splitlines()]
+    divergence = next(r for r in rows if "| mismatch |" in r)
+    assert divergence.startswith("| `prompts.jsonl:7` | 1 |")
+    per_prompt = rows[rows.index("| prompt | c | context | compared | result |") + 2 :]
+    assert [r.split(" | ")[0] for r in per_prompt if r] == ["| `prompts.jsonl:7`", "| `prompts.jsonl:2`"]
 
 
 # ------------------------------------------------------------------ every field must agree

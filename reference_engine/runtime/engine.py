@@ -140,6 +140,12 @@ class Engine:
             self.speculative_step.capture_commit()
             if step_costs is None and len(widths) > 1 and (measured := self.runner.step_seconds()):
                 step_costs = StepCosts(measured, measured=True)
+            if getattr(target, "tensor_parallel", None) is not None:
+                # every rank chooses widths from rank 0's costs: widths chosen from each rank's
+                # own timings could differ, and the ranks' collectives would stop matching
+                shared = [step_costs]
+                torch.distributed.broadcast_object_list(shared, src=0)
+                step_costs = shared[0]
             self.verify_width = VerifyWidth(config.verify_width, self.block_size, step_costs)
         self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
         if self.memory is not None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,9 +47,6 @@ from ..models.dflash import DFlashDraft
 from ..models.layers import MLP, SelfAttention
 from ..models.moe import SparseMoeBlock
 from ..models.qwen3_5 import GatedDeltaNet
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); older torch has only it
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -135,17 +131,6 @@ def init_tensor_parallel(
 def leads() -> bool:
     """Whether this process prints and serves: rank 0 of a group, or a process on its own."""
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def share_step_costs(engine: Engine) -> None:
-    """Every rank takes rank 0's measured step costs (once, on every rank, after the engine is
-    built): the verify width `auto` chooses from them, and widths chosen from the costs each
-    rank measured itself could differ, so the ranks' collectives would stop matching."""
-    if engine.verify_width is None:
-        return
-    costs = [engine.verify_width.costs]
-    dist.broadcast_object_list(costs, src=0)
-    engine.verify_width.costs = costs[0]
 
 
 def rank_device(device: torch.device, tp: TensorParallel | None) -> torch.device:

@@ -11,8 +11,8 @@ SIGINT (torchrun passes a signal to every rank) so that rank 0 drains its reques
 
 A sampled request draws from its own generator, seeded; a request without a seed gets one
 drawn on rank 0 and sent with it, so every rank draws the same tokens (and every rank takes
-rank 0's measured step costs at start, `share_step_costs`, so that they choose the same verify
-widths).
+rank 0's measured step costs when its engine is built, runtime/engine.py, so that they
+choose the same verify widths).
 
 While idle rank 0 sends a message at least every `HEARTBEAT_S`, so a follower's wait never
 nears the group's timeout (10 minutes, `init_tensor_parallel`); a rank that dies closes its

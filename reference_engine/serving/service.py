@@ -20,7 +20,6 @@ from ..runtime.tensor_parallel import (
     init_tensor_parallel,
     rank_device,
     shard_target,
-    share_step_costs,
     share_with_draft,
 )
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
@@ -75,8 +74,6 @@ class Server:
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
         self.engine = Engine(target, draft, config)  # validates the pair and the options
-        if self.tp is not None:
-            share_step_costs(self.engine)
         self.tokenizer = load_tokenizer(args.model)
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
         self.chat_template = compile_chat_template(_chat_template(Path(args.model)))

@@ -7,6 +7,8 @@ PYTHON ?= python3
 TORCH ?=
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 DEPS ?= range
+# no: leave out the peer clients (requirements/peers.txt, about 1.3 GB in .peers/); their tests skip
+PEERS ?= yes
 PYTEST_ARGS ?=
 
 # the trained demo pair shipped in the package (reference_engine/assets/demo)
@@ -37,7 +39,7 @@ NSYS ?=
 .PHONY: setup test gate gate-gpu lint format tiny bench profile
 
 setup:
-	PYTHON="$(PYTHON)" TORCH="$(TORCH)" TORCH_INDEX="$(TORCH_INDEX)" DEPS="$(DEPS)" bash scripts/setup.sh
+	PYTHON="$(PYTHON)" TORCH="$(TORCH)" TORCH_INDEX="$(TORCH_INDEX)" DEPS="$(DEPS)" PEERS="$(PEERS)" bash scripts/setup.sh
 
 test:
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

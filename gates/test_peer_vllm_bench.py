@@ -3,12 +3,9 @@ server: it completes every request, counts the tokens our server counted, and re
 acceptance from /metrics once the server exports vLLM's counter names (--metrics-names
 dflash,vllm; vLLM's client reads only `vllm:spec_decode*` lines, positions from 0).
 
-vLLM's wheel installs without its dependencies (no CUDA needed to import the client):
-    pip install --no-deps vllm
-    pip install aiohttp pybase64 msgspec cbor2 pyzmq openai-harmony cachetools uvloop \\
-        xgrammar partial-json-parser llguidance einops
-Without it the test skips, saying so. It is not installed by `make setup`: the wheel is
-336 MB (vllm 0.33.0).
+vLLM's wheel (336 MB, vllm 0.33.0) runs its client on the CPU without its dependencies: `make
+setup` installs it with --no-deps into .peers/ beside the modules the client imports
+(requirements/peers.txt, tests/peer_clients.py). Without it the test skips, saying so.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import sys
 import httpx
 import pytest
 
+from tests.peer_clients import client_env, client_missing
 from tests.server_process import REPO, ServerProcess
 from tests.test_serve_metrics import samples, value
 
@@ -39,19 +37,9 @@ print("RESULT " + json.dumps({k: v for k, v in result.items() if not isinstance(
 """
 
 
-def vllm_client_missing() -> str | None:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import vllm.benchmarks.serve"], capture_output=True, text=True, timeout=120
-    )
-    if probe.returncode == 0:
-        return None
-    last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-    return f"vLLM's benchmark client cannot be imported ({last}); see this module's docstring"
-
-
 @pytest.fixture(scope="module")
 def server(tiny_pair):
-    missing = vllm_client_missing()
+    missing = client_missing("vllm.benchmarks.serve", "vLLM's benchmark client")
     if missing:
         pytest.skip(missing)
     target, draft = tiny_pair("qwen3", block_size=4)
@@ -99,6 +87,7 @@ def test_vllm_bench_serve_completes_counts_our_tokens_and_reads_our_acceptance(s
             "--disable-tqdm",
         ],
         cwd=REPO,
+        env=client_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # make setup: torch first (the CPU build unless told otherwise), then this package with its dev
-# extras, then z-lab's reference loop (an independent oracle for the gates; its pins are not ours).
+# extras, then z-lab's reference loop (an independent oracle for the gates; its pins are not ours),
+# then other projects' benchmark clients for the peer tests (PEERS=no leaves them out).
 #
 #   DEPS=range   (default) the newest versions inside pyproject.toml's ranges: what a fresh
 #                virtual environment gets; an existing one keeps what already satisfies them
@@ -14,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 DEPS=${DEPS:-range}
+PEERS=${PEERS:-yes}
 # macOS wheels are CPU builds without the +cpu label
 [ "$(uname -s)" = Darwin ] && default_torch=torch==2.13.0 || default_torch=torch==2.13.0+cpu
 TORCH=${TORCH:-$default_torch}
@@ -27,6 +29,10 @@ index=()
 case "$DEPS" in
   range|newest|tested) ;;
   *) echo "error: DEPS=$DEPS: expected range, newest or tested" >&2; exit 2 ;;
+esac
+case "$PEERS" in
+  yes|no) ;;
+  *) echo "error: PEERS=$PEERS: expected yes or no" >&2; exit 2 ;;
 esac
 # torch alone from its index, then its dependencies and the rest from the default index only
 # (pip asks an extra index about every package, and retries each time where it is unreachable)
@@ -47,6 +53,17 @@ case "$DEPS" in
 esac
 pip install "${extra[@]}" -e ".[dev]"
 pip install --no-deps dflash==0.1.0
+# vLLM's, SGLang's and guidellm's clients, pinned with every module they import and without their
+# own requirements (their servers' CUDA torch among them), into a folder only their processes put
+# on their path (tests/peer_clients.py); again only when the list or the interpreter changed
+if [ "$PEERS" = yes ]; then
+  stamp=$( "$PYTHON" -V; cat requirements/peers.txt )
+  if [ "$stamp" != "$(cat .peers/.installed 2>/dev/null)" ]; then
+    rm -rf .peers
+    pip install --no-deps --target .peers -r requirements/peers.txt
+    printf '%s\n' "$stamp" >.peers/.installed
+  fi
+fi
 "$PYTHON" - <<'PY'
 from importlib.metadata import PackageNotFoundError, version
 

@@ -1,0 +1,43 @@
+"""Other projects' benchmark clients, run as subprocesses against our server (gates/test_peer_*.py).
+
+`make setup` installs them with --no-deps into .peers/ (requirements/peers.txt, scripts/setup.sh),
+a folder on the clients' own PYTHONPATH only: their modules (uvloop, aiohttp, vLLM) never reach
+the server or the tests. A client installed in the environment itself is found as well.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.server_process import REPO
+
+PEERS = REPO / ".peers"
+RECIPE = "make setup installs it into .peers/ (requirements/peers.txt; PEERS=no leaves it out)"
+
+
+def client_env() -> dict[str, str]:
+    """The environment a peer client runs in: .peers/ first on its path, and offline (a client
+    that asks the hub for a tokenizer gets a local path instead of a network wait)."""
+    paths = [str(PEERS)] if PEERS.is_dir() else []
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
+
+
+def client_missing(module: str, client: str) -> str | None:
+    """Why `client` cannot run (its `module` does not import, with the import's last line), or
+    None when it can."""
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        cwd=REPO,
+        env=client_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if probe.returncode == 0:
+        return None
+    last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"{client} cannot be imported ({last}); {RECIPE}"

@@ -14,6 +14,13 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
+def sigint_as_default() -> None:
+    """For a child a test interrupts with SIGINT (Ctrl-C): its own default handling, even when
+    the tests run where SIGINT is ignored (a shell's background job passes that on to its
+    children, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

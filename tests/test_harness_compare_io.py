@@ -19,7 +19,7 @@ from harness.answer import ERRORS
 from harness.compare_io import RowLog
 
 from .completion_stub import Reply, Stub, completion
-from .server_process import REPO
+from .server_process import REPO, sigint_as_default
 
 
 def answer(path: str, body: dict) -> dict:
@@ -78,6 +78,7 @@ def test_an_interrupted_compare_keeps_its_rows_and_resume_makes_the_rest(tmp_pat
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=sigint_as_default,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (

@@ -19,7 +19,7 @@ import pytest
 from harness.__main__ import main
 from harness.resume import read_request_rows
 
-from .server_process import REPO, free_port
+from .server_process import REPO, free_port, sigint_as_default
 from .sse_stub import Script, serve
 
 CHUNKS = [(0.0, [1]), (0.0, [2, 3])]
@@ -194,6 +194,7 @@ def test_ctrl_c_ends_with_one_line_and_keeps_every_measured_row(tmp_path) -> Non
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=sigint_as_default,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(keys(out) if out.exists() else []) < 2:

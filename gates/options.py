@@ -106,6 +106,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "built-in mixed set (env DFLASH_GATE_PROMPTS)",
     )
     group.addoption(
+        "--gate-tensor-parallel-size",
+        type=int,
+        default=int(os.environ.get("DFLASH_GATE_TENSOR_PARALLEL_SIZE", "2")),
+        help="ranks of the tensor-parallel gates' process group (gloo, one process each; "
+        "default 2) (env DFLASH_GATE_TENSOR_PARALLEL_SIZE)",
+    )
+    group.addoption(
         "--gate-max-tokens",
         type=int,
         default=int(os.environ.get("DFLASH_GATE_MAX_TOKENS", "0")) or None,

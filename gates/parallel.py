@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.errors import ConfigError
 from reference_engine.runtime.engine import EngineConfig
 from reference_engine.runtime.tensor_parallel import TensorParallel, shard_target, share_with_draft
 
@@ -137,7 +138,9 @@ def sharded_runs(
     that numerics with the planted fault, under the key "<numerics>+fault"), plain greedy
     and DFlash through a batched engine on the sharded target, with the row invariance
     checked. Returns {family: {key: {"plain": outputs (None without `with_plain`), "dflash":
-    outputs, "compared": n, "differed": n}}}."""
+    outputs, "compared": n, "differed": n}}}, or {family: {"refused": message}} for a family
+    this degree cannot shard (its heads do not divide over the ranks): the same on every rank,
+    since the check reads the config alone."""
     runs = [(mode, mode, False) for mode in numerics] + [(f"{mode}+fault", mode, True) for mode in faulty]
     results: dict[str, Any] = {}
     for family, (target_dir, draft_dir) in pairs.items():
@@ -147,7 +150,11 @@ def sharded_runs(
             if fault:
                 plant_size_dependent_order(tp)
             check = RowInvariance(tp)
-            target = shard_target(load_target(target_dir, dtype=getattr(torch, dtype)), tp)
+            try:
+                target = shard_target(load_target(target_dir, dtype=getattr(torch, dtype)), tp)
+            except ConfigError as exc:
+                results[family] = {"refused": str(exc)}
+                break
             draft = share_with_draft(load_draft(draft_dir, target), tp)
             config = EngineConfig(max_num_seqs=len(prompts), block_size=block_size, numerics=mode)
             plain = run_engine(target, None, prompts, max_tokens, config) if with_plain else None

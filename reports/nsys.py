@@ -27,7 +27,7 @@ import pandas as pd
 
 REPORTS = ("nvtx_sum", "nvtx_gpu_proj_sum", "cuda_gpu_kern_sum")
 DOMAIN = "dflash"
-# reference_engine/profiling.py RANGE_NAMES (reports import no engine code; a test pins them)
+# reference_engine/runtime/profiling.py RANGE_NAMES (reports import no engine code; a test pins them)
 RANGE_NAMES = (
     "step",
     "schedule",

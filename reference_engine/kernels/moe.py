@@ -325,59 +325,53 @@ def experts(
         **LAUNCH,
     )
     swiglu, projection = tiles or tiles_for(pairs, x.dtype)
-    programs = min(n_experts, pairs)  # at most this many experts have pairs
-    ieee = x.dtype == torch.float32
+    groups = (order, starts, active, min(n_experts, pairs))  # at most that many experts have pairs
+    weights = weights.contiguous()
     gated = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # in group order
-    _grouped_kernel[(programs, triton.cdiv(inter, swiglu.block_n))](
-        x,
-        gate_up,
-        gated,
-        order,
-        starts,
-        active,
-        weights,
-        inter,
-        hidden,
-        x.stride(0),
-        gate_up.stride(0),
-        gate_up.stride(1),
-        gated.stride(0),
-        TOP_K=k,
-        SWIGLU=True,
-        IEEE=ieee,
-        BLOCK_M=swiglu.block_m,
-        BLOCK_N=swiglu.block_n,
-        BLOCK_K=swiglu.block_k,
-        num_warps=swiglu.warps,
-        num_stages=swiglu.stages,
-        **LAUNCH,
-    )
+    _product(x, gate_up, gated, groups, weights, k, True, swiglu)
     weighted = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # in pair order
-    _grouped_kernel[(programs, triton.cdiv(hidden, projection.block_n))](
-        gated,
-        down,
-        weighted,
-        order,
-        starts,
-        active,
-        weights.contiguous(),
-        hidden,
-        inter,
-        gated.stride(0),
-        down.stride(0),
-        down.stride(1),
-        weighted.stride(0),
-        TOP_K=k,
-        SWIGLU=False,
-        IEEE=ieee,
-        BLOCK_M=projection.block_m,
-        BLOCK_N=projection.block_n,
-        BLOCK_K=projection.block_k,
-        num_warps=projection.warps,
-        num_stages=projection.stages,
-        **LAUNCH,
-    )
+    _product(gated, down, weighted, groups, weights, k, False, projection)
     _slot_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
         weighted, out, hidden, TOP_K=k, BLOCK=SUM_BLOCK, **LAUNCH
     )
     return out
+
+
+def _product(
+    a: torch.Tensor,  # [rows, K]: the tokens (gate-and-up) or the gated rows in group order (down)
+    w: torch.Tensor,  # [experts, N or 2N, K]
+    out: torch.Tensor,  # [pairs, N]
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],  # order, starts, active, programs
+    weights: torch.Tensor,  # [tokens, k] routing weights (read by the down product)
+    k: int,
+    swiglu: bool,
+    tiles: Tiles,
+) -> None:
+    """One grouped product of `experts`: gate-and-up with the SwiGLU, or down times the
+    routing weight."""
+    order, starts, active, programs = groups
+    n = out.shape[1]
+    _grouped_kernel[(programs, triton.cdiv(n, tiles.block_n))](
+        a,
+        w,
+        out,
+        order,
+        starts,
+        active,
+        weights,
+        n,
+        a.shape[1],
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        TOP_K=k,
+        SWIGLU=swiglu,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+        **LAUNCH,
+    )

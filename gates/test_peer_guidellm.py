@@ -19,8 +19,7 @@ import sys
 import httpx
 import pytest
 
-from tests.peer_clients import client_env, client_missing
-from tests.server_process import ServerProcess
+from tests.peer_clients import client_env, peer_server
 from tests.test_serve_metrics import samples, value
 
 pytestmark = pytest.mark.peers
@@ -31,13 +30,7 @@ OUTPUT_LEN = 8
 
 @pytest.fixture(scope="module")
 def server(tiny_pair):
-    missing = client_missing("guidellm.benchmark", "guidellm")
-    if missing:
-        pytest.skip(missing)
-    target, draft = tiny_pair("qwen3", block_size=4)
-    server = ServerProcess("--model", str(target), "--dflash-draft-model-path", str(draft))
-    yield server, target
-    server.stop()
+    yield from peer_server(tiny_pair, "guidellm.benchmark", "guidellm")
 
 
 def scenario(url: str, target, report) -> dict:

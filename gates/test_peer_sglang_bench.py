@@ -19,8 +19,8 @@ import sys
 import httpx
 import pytest
 
-from tests.peer_clients import client_env, client_missing
-from tests.server_process import REPO, ServerProcess
+from tests.peer_clients import client_env, peer_server
+from tests.server_process import REPO
 from tests.test_serve_metrics import samples, value
 
 pytestmark = pytest.mark.peers
@@ -31,13 +31,7 @@ OUTPUT_LEN = 8
 
 @pytest.fixture(scope="module")
 def server(tiny_pair):
-    missing = client_missing("sglang.bench_serving", "SGLang's benchmark client")
-    if missing:
-        pytest.skip(missing)
-    target, draft = tiny_pair("qwen3", block_size=4)
-    server = ServerProcess("--model", str(target), "--dflash-draft-model-path", str(draft))
-    yield server, target
-    server.stop()
+    yield from peer_server(tiny_pair, "sglang.bench_serving", "SGLang's benchmark client")
 
 
 def test_sglang_bench_serving_completes_and_counts_our_tokens(server, tmp_path) -> None:

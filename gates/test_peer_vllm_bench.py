@@ -17,8 +17,8 @@ import sys
 import httpx
 import pytest
 
-from tests.peer_clients import client_env, client_missing
-from tests.server_process import REPO, ServerProcess
+from tests.peer_clients import client_env, peer_server
+from tests.server_process import REPO
 from tests.test_serve_metrics import samples, value
 
 pytestmark = pytest.mark.peers
@@ -39,22 +39,9 @@ print("RESULT " + json.dumps({k: v for k, v in result.items() if not isinstance(
 
 @pytest.fixture(scope="module")
 def server(tiny_pair):
-    missing = client_missing("vllm.benchmarks.serve", "vLLM's benchmark client")
-    if missing:
-        pytest.skip(missing)
-    target, draft = tiny_pair("qwen3", block_size=4)
-    server = ServerProcess(
-        "--model",
-        str(target),
-        "--dflash-draft-model-path",
-        str(draft),
-        "--metrics-names",
-        "dflash,vllm",
-        "--oracle-acceptance",  # a random draft accepts nothing: force some to be read
-        "3",
-    )
-    yield server, target
-    server.stop()
+    # a random draft accepts nothing: --oracle-acceptance forces some for the client to read
+    options = ("--metrics-names", "dflash,vllm", "--oracle-acceptance", "3")
+    yield from peer_server(tiny_pair, "vllm.benchmarks.serve", "vLLM's benchmark client", *options)
 
 
 def test_vllm_bench_serve_completes_counts_our_tokens_and_reads_our_acceptance(server) -> None:

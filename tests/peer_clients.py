@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from tests.server_process import REPO
+from tests.server_process import REPO, ServerProcess
 
 PEERS = REPO / ".peers"
 RECIPE = "make setup installs it into .peers/ (requirements/peers.txt; PEERS=no leaves it out)"
@@ -41,3 +41,18 @@ def client_missing(module: str, client: str) -> str | None:
         return None
     last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
     return f"{client} cannot be imported ({last}); {RECIPE}"
+
+
+def peer_server(tiny_pair, module: str, client: str, *options: str):
+    """A peer test's server: our DFlash server on the tiny Qwen3 pair, started with `options`,
+    once `client` (its `module`) is found to import (else the test is skipped with why).
+    Yields (server, target directory); stops the server after."""
+    import pytest
+
+    missing = client_missing(module, client)
+    if missing:
+        pytest.skip(missing)
+    target, draft = tiny_pair("qwen3", block_size=4)
+    server = ServerProcess("--model", str(target), "--dflash-draft-model-path", str(draft), *options)
+    yield server, target
+    server.stop()

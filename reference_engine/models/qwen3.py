@@ -13,9 +13,17 @@ from .layers import MLP, ForwardContext, RMSNorm, SelfAttention
 class Qwen3DecoderLayer(nn.Module):
     """A Qwen3 layer. `bidirectional`: full-attention layers see their whole input (the
     DFlash draft's block); sliding-window layers stay causal either way. The draft config
-    carries the same fields as a Qwen3 target config."""
+    carries the same fields as a Qwen3 target config. Llama's layer is this one without the
+    per-head norms (`qk_norm` False), Qwen3-MoE's this one with its experts as `mlp`."""
 
-    def __init__(self, config: TargetConfig, layer: int, bidirectional: bool = False) -> None:
+    def __init__(
+        self,
+        config: TargetConfig,
+        layer: int,
+        bidirectional: bool = False,
+        qk_norm: bool = True,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         sliding = config.layer_types[layer] == SLIDING_ATTENTION
         self.self_attn = SelfAttention(
@@ -29,8 +37,9 @@ class Qwen3DecoderLayer(nn.Module):
             bias=config.attention_bias,
             sliding_window=config.sliding_window if sliding else None,
             causal=sliding or not bidirectional,
+            qk_norm=qk_norm,
         )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

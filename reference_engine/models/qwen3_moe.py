@@ -9,46 +9,28 @@ layer of the published models is MoE. The routing renormalises the top-k weights
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..config import TargetConfig
 from .base import CausalLM
-from .layers import MLP, ForwardContext, RMSNorm, SelfAttention
+from .layers import MLP
 from .moe import SparseMoeBlock
+from .qwen3 import Qwen3DecoderLayer
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig, layer: int) -> None:
-        super().__init__()
-        self.self_attn = SelfAttention(
+def moe_mlp(config: TargetConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: the routed experts, or the dense SwiGLU of a layer left dense."""
+    if layer in config.moe_layers:
+        return SparseMoeBlock(
             config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            config.rms_norm_eps,
-            norm_offset=False,
-            gated=False,
-            bias=config.attention_bias,
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            renormalise=config.norm_topk_prob,
         )
-        if layer in config.moe_layers:
-            self.mlp: nn.Module = SparseMoeBlock(
-                config.hidden_size,
-                config.moe_intermediate_size,
-                config.num_experts,
-                config.num_experts_per_tok,
-                renormalise=config.norm_topk_prob,
-            )
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x, ctx.ops), ctx, layer)
-        normed, x = self.post_attention_layernorm.add(x, attended, ctx.ops)  # residual add + norm
-        return x + self.mlp(normed, ctx.ops)
+    return MLP(config.hidden_size, config.intermediate_size)
 
 
 def build_qwen3_moe(config: TargetConfig) -> CausalLM:
-    return CausalLM(config, [Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+    layers = [Qwen3DecoderLayer(config, i, mlp=moe_mlp(config, i)) for i in range(config.num_hidden_layers)]
+    return CausalLM(config, layers)

@@ -31,13 +31,12 @@ work. The GPU tier checks both claims bitwise (tests/test_kernels_gpu.py).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from .launch import LAUNCH
+from .matmul import Tiles  # rows, columns, K per load, warps, stages (no accelerator loads here)
 
 # (tokens a routing program holds, warps): fixed, so a token's reductions run in one order.
 # One token and one warp: its reductions stay in the warp's registers (no shared memory), and
@@ -48,18 +47,6 @@ GROUP_CHUNK = 32  # pairs the grouping program reads at a time
 SUM_BLOCK = 1024
 
 
-class Tiles(NamedTuple):
-    """A grouped product's tile: rows (pairs), output columns, K per load, warps, stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
-
-
-# By pairs in the step (tokens x k), as (gate-and-up, down); the gate-and-up program holds two
-# accumulators.
 # Chosen by scripts/bench_kernels.py --moe-sweep on the H200 over the Qwen3-30B-A3B and
 # Qwen3.5-35B-A3B shapes, replayed from CUDA graphs (docs/results/h200-moe/moe-sweep.log):
 # for 1-64 tokens the 64- and 128-column tiles run within 5% of the best pair at each count,
@@ -69,7 +56,7 @@ FEW = (Tiles(16, 64, 128, 4, 3), Tiles(16, 128, 128, 4, 3))
 MANY = (Tiles(64, 64, 64, 4, 4), Tiles(64, 64, 64, 4, 4))
 
 
-def tiles_for(pairs: int, dtype: torch.dtype) -> tuple[Tiles, Tiles]:
+def expert_tiles(pairs: int, dtype: torch.dtype) -> tuple[Tiles, Tiles]:
     """The (gate-and-up, down) tiles for a step of `pairs` (token, expert) pairs. No tile
     changes an element's sum (module docstring); float32 loads half the K (shared memory)."""
     tiles = FEW if pairs <= FEW_PAIRS else MANY
@@ -324,7 +311,7 @@ def experts(
         BLOCK_E=triton.next_power_of_2(n_experts),
         **LAUNCH,
     )
-    swiglu, projection = tiles or tiles_for(pairs, x.dtype)
+    swiglu, projection = tiles or expert_tiles(pairs, x.dtype)
     groups = (order, starts, active, min(n_experts, pairs))  # at most that many experts have pairs
     weights = weights.contiguous()
     gated = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # in group order

@@ -74,14 +74,15 @@ def test_tp2_dflash_equals_plain_greedy_and_every_rank_agrees(tp2, family: str) 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_reductions_give_a_row_the_bits_it_gets_alone(tp2, family: str) -> None:
+def test_tp2_reductions_give_a_row_the_bits_it_gets_alone(tp2, tp_size: int, family: str) -> None:
     """The exact numerics' reductions. The fast numerics' all-reduce promises no such thing,
     and from three ranks on it breaks it: gloo's at four ranks changed 132 of 414 rows' bits
     on one tiny family (--gate-tensor-parallel-size 4), while its greedy output still
-    equalled plain greedy's."""
+    equalled plain greedy's. At two ranks any order of two terms gives the same bits, so there
+    the fast numerics are held to it too."""
     for rank, result in enumerate(sharded(tp2, family)):
         for numerics, runs in result.items():
-            if numerics != "exact":
+            if numerics != "exact" and tp_size > 2:
                 continue
             assert runs["compared"] > 0, "no reduction of several rows was checked"
             assert runs["differed"] == 0, (

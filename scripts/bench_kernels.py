@@ -2,7 +2,7 @@
 counterpart on real model shapes, medians of CUDA-event timings (triton.testing.do_bench),
 plus the device's copy bandwidth as the memory ceiling.
 
-    python scripts/bench_kernels.py [--out FILE.csv] [--sweep] [--moe-sweep]
+    python scripts/bench_kernels.py [--out FILE.csv] [--sweep] [--moe-sweep] [--long-attention]
 
 --moe-sweep times the mixture-of-experts products (kernels/moe.py) of the Qwen3-30B-A3B and
 Qwen3.5-35B-A3B shapes for 1 to 256 tokens under each candidate tile pair, replayed from a
@@ -150,6 +150,46 @@ def moe_projection_sweep() -> None:
             )
 
 
+def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512) -> None:
+    for a in range(0, q.shape[1], chunk):
+        attention(q[:, a : a + chunk], kc, vc, slots, pos[:, a : a + chunk], a + chunk, scale)
+
+
+def long_attention(bw: float) -> None:
+    """Attention over long caches (Qwen3-8B heads: 32 query, 8 kv, head_dim 128), replayed
+    from CUDA graphs: decode (T = 1) and verify (T = 16) rows at 8K-32K positions against the
+    time to read their keys and values at the copy bandwidth, and a prefill of 8K-32K tokens
+    in the engine's 512-token chunks against torch's fused causal attention over the whole
+    prompt (flash, kv heads repeated)."""
+    heads, kv_heads, dim = 32, 8, 128
+    print("long attention | shape | exact us | floor us | x floor")
+    for ctx in (8192, 16384, 32768):
+        kc = torch.randn(16, ctx + 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        for b, T in ((1, 1), (1, 16), (16, 1), (16, 16)):
+            q = torch.randn(b, T, heads, dim, device="cuda", dtype=torch.bfloat16)
+            slots = torch.arange(b, device="cuda")
+            pos = (ctx + torch.arange(T, device="cuda"))[None].expand(b, T).contiguous()
+            us = graph_us(attention, q, kc, vc, slots, pos, ctx + T, dim**-0.5)
+            floor = 1000 * b * (ctx + T) * kv_heads * dim * 2 * 2 / bw / 1e6
+            print(f"long attention | ctx={ctx} b={b} T={T} | {us:.1f} | {floor:.1f} | {us / floor:.2f}")
+        del kc, vc
+    print("prefill attention | tokens | exact ms (512-token chunks) | flash ms | x flash")
+    for tokens in (8192, 16384, 32768):
+        kc = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+        slots = torch.zeros(1, dtype=torch.long, device="cuda")
+        pos = torch.arange(tokens, device="cuda")[None]
+
+        exact = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5)
+        qh = q.transpose(1, 2).contiguous()
+        kh = kc.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).contiguous()
+        vh = vc.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).contiguous()
+        flash = median_ms(torch.nn.functional.scaled_dot_product_attention, qh, kh, vh, None, 0.0, True)
+        print(f"prefill attention | {tokens} | {exact:.2f} | {flash:.2f} | {exact / flash:.2f}")
+
+
 def graph_us(fn, *args, **kwargs) -> float:
     """Median microseconds of fn(*args) replayed from a CUDA graph."""
     return 1000 * triton.testing.do_bench_cudagraph(lambda: fn(*args, **kwargs))
@@ -164,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also time matmul tile configurations (and whether row bits agree)",
     )
     p.add_argument("--moe-sweep", action="store_true", help="time the MoE products' tile pairs")
+    p.add_argument(
+        "--long-attention", action="store_true", help="time attention over 8K-32K caches and 8K-32K prefills"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
@@ -192,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe_sweep:
         moe_sweep(bw)
         moe_projection_sweep()
+    if args.long_attention:
+        long_attention(bw)
     x, w = (
         torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16),
         torch.randn(4096, device="cuda", dtype=torch.bfloat16),

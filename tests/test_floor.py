@@ -116,3 +116,37 @@ def test_the_benchmark_counts_the_distinct_experts_of_each_step(tmp_path: Path, 
         assert 4.0 < float(r["distinct_experts"]) <= 16.0
         assert float(r["floor_experts_per_layer"]) == float(r["distinct_experts"])
     assert "distinct experts a layer" in capsys.readouterr().out
+
+
+def test_with_a_context_the_floor_reads_each_requests_cache_too(tiny_checkpoint) -> None:
+    """Keys and values of every attention layer at the context per request, and every Gated
+    DeltaNet layer's float32 state per request, on top of the weights."""
+    from reference_engine.bench.floor import cache_matrices
+
+    for family in ("qwen3", "qwen3_5"):
+        model = load_target(tiny_checkpoint(family), dtype=torch.float32)
+        c = model.config
+        kinds = c.layer_types
+        kv = 2 * 3 * 50 * c.num_key_value_heads * c.head_dim * 4
+        state = 3 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        want = sum(state if k == "linear_attention" else kv for k in kinds)
+        assert sum(m.numel() * m.element_size() for m in cache_matrices(model, 3, 50)) == want
+        weights = weight_streaming_floor(model, repeats=2, rows=3)
+        floor = weight_streaming_floor(model, repeats=2, rows=3, context=50)
+        assert weights.cache_bytes == 0 and floor.cache_bytes == want
+        assert floor.bytes == weights.bytes + want
+
+
+def test_the_prefill_floor_counts_every_product_over_the_prompt_and_the_causal_attention(
+    tiny_checkpoint,
+) -> None:
+    from reference_engine.bench.floor import prefill_compute_floor
+
+    model = load_target(tiny_checkpoint("qwen3"), dtype=torch.float32)
+    c = model.config
+    floor = prefill_compute_floor(model, 40, repeats=2)
+    body = [w for w in streamed_weights(model) if w.shape[0] != c.vocab_size]
+    want = 2.0 * 40 * sum(w.numel() for w in body) + 2.0 * c.vocab_size * c.hidden_size
+    want += c.num_hidden_layers * 2.0 * 40 * 40 * c.num_attention_heads * c.head_dim
+    assert floor.flops == want and floor.tokens == 40 and floor.repeats == 2
+    assert 0 < floor.ms_min <= floor.ms_median <= floor.ms_max

@@ -32,6 +32,11 @@ KERNELS = {
             {"CAUSAL": c, "SLIDING": s, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": a}
             | {"SPLIT_LEN": 2048, "D": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64}
             for c, s, a in ((True, False, True), (True, True, False), (False, False, False))
+        ]
+        + [  # a prefill chunk's wide tiles, head_dim 128 and 256
+            {"CAUSAL": True, "SLIDING": False, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": False}
+            | {"SPLIT_LEN": 2048, "D": d, "BLOCK_D": d, "BLOCK_M": 16384 // d, "BLOCK_N": 64, "num_warps": 8}
+            for d in (128, 256)
         ],
     ),
     "attention._merge_kernel": (
@@ -139,13 +144,14 @@ COMPILE = textwrap.dedent(
         module, kernel = name.split(".")
         fn = getattr(importlib.import_module("reference_engine.kernels." + module), kernel)
         for constexprs in variants:
+            warps = constexprs.pop("num_warps", 4)
             def kind(a):
                 return "*" + pointers[a] if a in pointers else scalars.get(a, "i32")
             signature = {a: "constexpr" if a in constexprs else kind(a) for a in fn.arg_names}
             fixed = {(fn.arg_names.index(a),): v for a, v in constexprs.items()}
             try:
                 source = ASTSource(fn=fn, signature=signature, constexprs=fixed)
-                triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
             except Exception as exc:
                 failures.setdefault(name, []).append(f"{constexprs}: {type(exc).__name__}: {exc}")
     print(json.dumps(failures))

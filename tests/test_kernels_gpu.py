@@ -85,13 +85,41 @@ def test_attention_bits_alone_in_a_verify_block_and_in_a_batch(heads: int, kv_he
     assert (block.float() - want.float()).norm() / want.float().norm() < 1e-2
 
 
-def test_long_context_attention_bits_from_either_split_path() -> None:
-    """32K-position caches (16 splits): a query decoded alone (splits apart, merged), inside a
-    verify block of 16, inside a prefill chunk of 64 (one program), and over a longer cache
-    (more splits launched) gets the same bits; near the reference."""
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (16, 4, 256)])
+def test_a_prefill_row_gets_the_bits_of_the_same_query_decoded_alone(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    """A prompt of 300 tokens prefilled from position 0 in one chunk (wide tiles, the causal
+    edge inside them) and in chunks of 17 and 100: each row equals that query decoded alone
+    (narrow tile)."""
+    from reference_engine.kernels.attention import attention
+
+    k_cache, v_cache = randn(2, 512, kv_heads, dim, seed=1), randn(2, 512, kv_heads, dim, seed=2)
+    q = randn(1, 300, heads, dim, seed=3)
+    slots, scale = torch.tensor([1], device="cuda"), dim**-0.5
+    pos = torch.arange(300, device="cuda")[None]
+    whole = attention(q, k_cache, v_cache, slots, pos, 300, scale)
+    for size in (17, 100):
+        parts = [
+            attention(q[:, a : a + size], k_cache, v_cache, slots, pos[:, a : a + size], a + size, scale)
+            for a in range(0, 300, size)
+        ]
+        assert torch.equal(torch.cat(parts, dim=1), whole), f"chunks of {size} moved a row"
+    for t in (0, 63, 64, 127, 199, 299):
+        alone = attention(q[:, t : t + 1], k_cache, v_cache, slots, pos[:, t : t + 1], t + 1, scale)
+        assert torch.equal(alone[0, 0], whole[0, t]), f"row {t} of the prefill moved"
+    want = ref.attention(q, k_cache, v_cache, slots, pos, 300, scale)
+    assert (whole.float() - want.float()).norm() / want.float().norm() < 1e-2
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(32, 8, 128), (16, 4, 256)])
+def test_long_context_attention_bits_from_either_split_path(heads: int, kv_heads: int, dim: int) -> None:
+    """32K-position caches (16 splits): a query decoded alone (narrow tile, splits apart,
+    merged), inside a verify block of 16, inside a prefill chunk of 64 (wide tile, one
+    program), and over a longer cache (more splits launched) gets the same bits; near the
+    reference."""
     from reference_engine.kernels.attention import SPLIT, attention
 
-    heads, kv_heads, dim = 32, 8, 128
     length = 16 * SPLIT
     k_cache, v_cache = randn(2, length, kv_heads, dim, seed=1), randn(2, length, kv_heads, dim, seed=2)
     q = randn(1, 64, heads, dim, seed=3)

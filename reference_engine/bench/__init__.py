@@ -33,7 +33,12 @@ counted once per draft forward; under CUDA graphs the draft is one replay and th
 Each column is a median on its own. distinct_experts (a mixture-of-experts target) = distinct
 experts a MoE layer routed a step's rows to, per layer and step: decode steps (plain) or
 verifies (DFlash), counted on the device in every run; with --floor the step's floor reads
-that many experts a layer (bench/floor.py), measured per mode.
+that many experts a layer (bench/floor.py), measured per mode. The floor also reads each
+request's cache at the run's mean context (prompt plus half the output): `floor_cache_bytes`.
+`floor_prefill_ms` is the compute floor of the run's prompts (the vendor's products and fused
+causal attention over each whole prompt, bench/floor.prefill_compute_floor) and
+`prefill_over_floor` the prefill phase's time over it (prefill steps that also decode other
+requests count whole).
 
 --profile-capture calls cudaProfilerStart after each concurrency's warm-up and
 cudaProfilerStop after its repeats, so `nsys profile --capture-range=cudaProfilerApi
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import platform
 import random
@@ -78,7 +84,7 @@ from ..runtime.stats import PHASES
 from ..runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, shard_target, share_with_draft
 from ..tokenizer import load_tokenizer
 from .drafts import arch_of, print_drafts
-from .floor import weight_streaming_floor
+from .floor import prefill_compute_floor, weight_streaming_floor
 from .shapes import DRAFT_ARCHS, TARGET_SHAPES, random_draft, random_pair
 
 MODES = ("plain", "dflash")
@@ -172,9 +178,9 @@ class BenchArgs:
         p.add_argument(
             "--floor",
             action="store_true",
-            help="measure the weight-streaming floor (every weight read once, "
-            "graph-captured) per concurrency and give each step time as a "
-            "multiple of it",
+            help="measure the streaming floor per concurrency (every weight read once, and "
+            "each request's cache at the run's mean context, graph-captured) and give each "
+            "step time as a multiple of it",
         )
         return p
 
@@ -382,7 +388,7 @@ def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> f
 def print_floor(rows: list[dict]) -> None:
     moe = any(r.get("floor_experts_per_layer") is not None for r in rows)
     print(
-        "mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor"
+        "mode | numerics | concurrency | ms per decode step | floor ms [min, max] | x floor | cache GB"
         + (" | distinct experts a layer" if moe else "")
     )
     for r in rows:
@@ -390,7 +396,14 @@ def print_floor(rows: list[dict]) -> None:
             f"{r['mode']} | {r['numerics']} | {r['concurrency']} | "
             f"{_figure(r, 'ms_per_decode_step', 2)} | "
             f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
-            f"{r['over_floor']:.2f}" + (f" | {r['floor_experts_per_layer']:.1f}" if moe else "")
+            f"{r['over_floor']:.2f} | {r['floor_cache_bytes'] / 1e9:.3f}"
+            + (f" | {r['floor_experts_per_layer']:.1f}" if moe else "")
+        )
+    print("mode | numerics | concurrency | ms prefill | compute floor ms | x floor")
+    for r in rows:
+        print(
+            f"{r['mode']} | {r['numerics']} | {r['concurrency']} | {_figure(r, 'ms_prefill', 1)} | "
+            f"{r['floor_prefill_ms']:.1f} | {r['prefill_over_floor']:.2f}"
         )
 
 
@@ -476,6 +489,12 @@ def disagreements(row: dict, columns: list[str]) -> list[str]:
     return out
 
 
+def mean_context(prompts: list[list[int]], args: BenchArgs) -> int:
+    """Positions a decode step's query sees, on average over a run: the mean prompt length
+    and half the output (the floor reads that much cache per request, bench/floor.py)."""
+    return round(statistics.mean(len(p) for p in prompts) + args.output_len / 2)
+
+
 def benchmark(args: BenchArgs) -> list[dict]:
     target, drafts = load_pair(args)
     device = str(target.model.embed_tokens.weight.device)
@@ -492,6 +511,11 @@ def benchmark(args: BenchArgs) -> list[dict]:
             flush=True,
         )
     capture = args.profile_capture and device.startswith("cuda")
+
+    @functools.cache
+    def prefill_floor(tokens: int) -> float:
+        return prefill_compute_floor(target, tokens).ms_median
+
     if target.config.is_moe:  # counted in every run, graphs included (bench/floor.py: why)
         count_experts(target, ExpertCensus(device))
     rows = []
@@ -525,9 +549,13 @@ def benchmark(args: BenchArgs) -> list[dict]:
             row = median_row(runs)
             if args.floor:
                 # an MoE step's floor reads the experts its runs routed to: one per mode
-                floor = weight_streaming_floor(target, rows=c, experts_per_layer=row["distinct_experts"])
+                experts, context = row["distinct_experts"], mean_context(prompts, args)
+                floor = weight_streaming_floor(target, rows=c, experts_per_layer=experts, context=context)
+                prefill = sum(prefill_floor(len(p)) for p in prompts)
+                row.update(floor_prefill_ms=prefill, prefill_over_floor=row["ms_prefill"] / prefill)
                 row.update(
                     floor_ms=floor.ms_median,
+                    floor_cache_bytes=floor.cache_bytes,
                     floor_ms_min=floor.ms_min,
                     floor_ms_max=floor.ms_max,
                     floor_gb_per_s=floor.gb_per_s,

@@ -19,6 +19,12 @@ which on a small expert costs more than its bytes (a floor must not be slower th
 It grows with the rows of a step: a decode step of one token reads k experts a layer, a
 verify of B tokens up to B x k of them. Without a count the floor reads k a layer, the least
 any step reads.
+
+A step also reads each request's cache: with `context` (the mean number of positions a row's
+query sees) the floor reads, per attention layer, the keys and values of `context` positions
+(a sliding-window layer at most its window) for each of `rows` requests, and per Gated
+DeltaNet layer each request's recurrent state, as one matrix a layer in the cache's own dtype
+(`cache_matrices`). Without it the floor is the weights' alone, right for short contexts.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import LINEAR_ATTENTION, SLIDING_ATTENTION
+from ..kernels.reference import accumulation_dtype
 from ..models import CausalLM
 from ..models.moe import SparseMoeBlock
 
@@ -38,9 +46,10 @@ class Floor:
     ms_median: float
     ms_min: float
     ms_max: float
-    bytes: int  # weight bytes read per step
+    bytes: int  # bytes read per step: weights, and the cache's with a context
     repeats: int
     experts_per_layer: float | None = None  # experts read per MoE layer (None: a dense model)
+    cache_bytes: int = 0  # of `bytes`, the keys, values and recurrent states read
 
     @property
     def gb_per_s(self) -> float:
@@ -71,21 +80,50 @@ def streamed_weights(model: CausalLM, experts_per_layer: float | None = None) ->
     return out
 
 
+def cache_matrices(model: CausalLM, requests: int, context: int) -> list[torch.Tensor]:
+    """What `requests` rows whose queries each see `context` positions read of their cache, one
+    matrix a layer (random: only the bytes count): an attention layer's keys and values
+    ([2 x requests x positions, kv_heads x head_dim], positions capped by a sliding window),
+    a Gated DeltaNet layer's recurrent states ([requests x value heads x key dim, value dim],
+    in the float32 they are kept in)."""
+    config = model.config
+    weight = model.model.embed_tokens.weight
+    out = []
+    for kind in config.layer_types:
+        if kind == LINEAR_ATTENTION:
+            rows = requests * config.linear_num_value_heads * config.linear_key_head_dim
+            shape, dtype = (rows, config.linear_value_head_dim), accumulation_dtype(weight.dtype)
+        else:
+            seen = min(context, config.sliding_window) if kind == SLIDING_ATTENTION else context
+            shape = (2 * requests * seen, config.num_key_value_heads * config.head_dim)
+            dtype = weight.dtype
+        out.append(torch.randn(shape, dtype=dtype, device=weight.device))
+    return out
+
+
 def weight_streaming_floor(
-    model: CausalLM, repeats: int = 20, rows: int = 1, experts_per_layer: float | None = None
+    model: CausalLM,
+    repeats: int = 20,
+    rows: int = 1,
+    experts_per_layer: float | None = None,
+    context: int = 0,
 ) -> Floor:
     """Median (and range) over `repeats` of the time to read every weight once with `rows`
     input rows (1 for a decode step of one request): one vendor matrix product per weight
     into a buffer of its own, nothing else in the chain; of a mixture of experts,
-    `experts_per_layer` experts a layer (module docstring)."""
-    weights = streamed_weights(model, experts_per_layer)
+    `experts_per_layer` experts a layer; with `context`, the caches of `rows` requests whose
+    queries see that many positions as well (module docstring)."""
+    caches = cache_matrices(model, rows, context) if context else []
+    weights = streamed_weights(model, experts_per_layer) + caches
     device = weights[0].device
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=device) for w in weights}
+    inputs = {
+        (w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype, device=device) for w in weights
+    }
     outputs = [torch.empty(rows, w.shape[0], dtype=w.dtype, device=device) for w in weights]
 
     def chain() -> None:
         for w, out in zip(weights, outputs):  # a kernel in a graph runs: nothing can skip it
-            torch.matmul(inputs[w.shape[1]], w.t(), out=out)
+            torch.matmul(inputs[w.shape[1], w.dtype], w.t(), out=out)
 
     times = []
     with torch.no_grad():
@@ -114,5 +152,73 @@ def weight_streaming_floor(
     if moe and experts_per_layer is None:
         experts_per_layer = float(model.config.num_experts_per_tok)
     return Floor(
-        statistics.median(times), min(times), max(times), size, repeats, experts_per_layer if moe else None
+        statistics.median(times),
+        min(times),
+        max(times),
+        size,
+        repeats,
+        experts_per_layer if moe else None,
+        sum(c.numel() * c.element_size() for c in caches),
+    )
+
+
+@dataclass(frozen=True)
+class PrefillFloor:
+    ms_median: float
+    ms_min: float
+    ms_max: float
+    tokens: int
+    flops: float  # of the products and the attention, per prompt
+    repeats: int
+
+
+def prefill_compute_floor(model: CausalLM, tokens: int, repeats: int = 3) -> PrefillFloor:
+    """Median (and range) over `repeats` of the vendor's time for the arithmetic a prefill of
+    one `tokens`-token prompt cannot skip: one product per weight matrix (as streamed_weights
+    lists them, with k experts a MoE layer) over all the prompt's rows at once, the LM head
+    over the last row only (a prefill samples one token), and per
+    attention layer the fused causal attention of torch's scaled_dot_product_attention over
+    the prompt (the flash kernel where it applies). Norms, rotary embedding, routing and the
+    Gated DeltaNet recurrence are left out, so a prefill may not reach it on a hybrid model.
+    A device figure: on the CPU it times the same products with the host clock."""
+    config = model.config
+    every = streamed_weights(model)
+    weights = [w for w in every if w.shape[0] != config.vocab_size]
+    heads_out = [w for w in every if w.shape[0] == config.vocab_size]
+    device, dtype = every[0].device, every[0].dtype
+    rows = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=dtype, device=device) for w in every}
+    outs = {w.shape[0]: torch.empty(tokens, w.shape[0], dtype=dtype, device=device) for w in weights}
+    logits = torch.empty(1, config.vocab_size, dtype=dtype, device=device)
+    heads, dim = config.num_attention_heads, config.head_dim
+    attention_layers = len(config.attention_layers)
+    q = torch.randn(1, heads, tokens, dim, dtype=dtype, device=device)
+    k, v = torch.randn_like(q), torch.randn_like(q)  # kv heads repeated: the flash kernel's layout
+
+    def run() -> None:
+        for w in weights:
+            torch.matmul(rows[w.shape[1]], w.t(), out=outs[w.shape[0]])
+        for w in heads_out:
+            torch.matmul(rows[w.shape[1]][-1:], w.t(), out=logits)
+        for _ in range(attention_layers):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def clock() -> float:
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            run()
+            return 1000 * (time.perf_counter() - t0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    with torch.no_grad():
+        clock()  # library handles, workspaces, kernel choice
+        times = [clock() for _ in range(repeats)]
+    products = sum(2.0 * tokens * w.numel() for w in weights) + sum(2.0 * w.numel() for w in heads_out)
+    attention = attention_layers * 2.0 * tokens * tokens * heads * dim  # causal: half of 4 L^2 H D
+    return PrefillFloor(
+        statistics.median(times), min(times), max(times), tokens, products + attention, repeats
     )

@@ -1,14 +1,20 @@
 """Attention over the position-indexed cache, invariant to how queries are grouped.
 
-One program takes one (row, kv head) and a tile of BLOCK_M query rows (the T tokens times
-the query heads that share the kv head). It reads the slot's cache in place (no gather) in
-key blocks of BLOCK_N aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ..., with an
-online softmax in float32. A query at position p reduces over the same key blocks in the
-same order whether it is decoded alone (T = 1), verified inside a block (T = B), or run in a
-prefill chunk of any size, whatever the other rows of the batch hold: a block that holds no
-key a query may see adds exactly nothing to it (its weights are exp(-inf) = 0 and the
-running maximum does not move, so the rescale factor is exactly 1). Positions, lengths and
-the non-causal limit come from device tensors; no host value bounds the loop.
+One program takes one (row, kv head) and a tile of query rows (the T tokens times the query
+heads that share the kv head): BLOCK_M of them for a decode step or a verify block,
+WIDE_ELEMENTS / head_dim (128 rows at head_dim 128) for a prefill chunk, which then reads
+each key block once for eight times as many queries. It reads the slot's cache in place (no
+gather) in key blocks of BLOCK_N aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ...,
+with an online softmax in float32. A query at position p reduces over the same key blocks in
+the same order whether it is decoded alone (T = 1), verified inside a block (T = B), or run
+in a prefill chunk of any size, whatever the other rows of the batch hold: a block that
+holds no key a query may see adds exactly nothing to it (its weights are exp(-inf) = 0 and
+the running maximum does not move, so the rescale factor is exactly 1). The tile does not
+move a row's bits either: each element of the two products sums its terms in the tensor
+cores' order for any tile (the GPU tier checks it), the running maximum is exact in any
+order, and the row sums of the weights are integer sums (`_fixed_point_sum`), which have no
+order. Positions, lengths and the non-causal limit come from device tensors; no host value
+bounds the loop.
 
 Long contexts are split: the keys are cut at fixed absolute positions 0, SPLIT, 2*SPLIT, ...;
 each split's key blocks go through their own online softmax (from m = -inf, l = 0), and the
@@ -34,10 +40,25 @@ import triton.language as tl
 
 from .launch import LAUNCH
 
-BLOCK_M = 16
+BLOCK_M = 16  # query rows of a program for a decode step or a verify block
+WIDE_ELEMENTS = 128 * 128  # a prefill chunk's tile (more than SPLIT_ROWS tokens): rows x BLOCK_D
 BLOCK_N = 64
+FIXED_BITS = 48  # resolution of the softmax's row sums (_fixed_point_sum)
+FIXED_SCALE: tl.constexpr = tl.constexpr(float(2**FIXED_BITS))
 SPLIT = 2048  # key positions of a split (a multiple of BLOCK_N), from absolute position 0
 SPLIT_ROWS = 16  # tokens a row up to which each split runs in a program of its own
+
+
+@triton.jit
+def _fixed_point_sum(p):
+    """The sum over axis 1 of weights in [0, 1], in any order the same bits: each weight as
+    an integer count of 2**-FIXED_BITS (rounded down), summed exactly in int64, the total
+    rounded once to float32. A float sum's order follows the tile's layout over the threads
+    (wide prefill tiles lay rows out otherwise than narrow decode tiles); an integer sum has
+    no order. Weights below 2**-FIXED_BITS count 0: the row's sum is at least 1 (its largest
+    weight is exp(0)), so what they drop is below float32's resolution of it."""
+    counts = (p * FIXED_SCALE).to(tl.int64)
+    return tl.sum(counts, axis=1).to(tl.float32) * (1.0 / FIXED_SCALE)
 
 
 @triton.jit
@@ -81,7 +102,7 @@ def _split_softmax(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + _fixed_point_sum(p)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -317,11 +338,12 @@ def attention(
     slots = slots.contiguous()
     valid = valid_len.contiguous() if valid_len is not None else positions
     max_len = k_cache.shape[1]
-    tiles = triton.cdiv(T * G, BLOCK_M)
     block_d = max(16, triton.next_power_of_2(D))
+    block_m, warps = (BLOCK_M, 4) if T <= SPLIT_ROWS else (max(BLOCK_M, WIDE_ELEMENTS // block_d), 8)
+    tiles = triton.cdiv(T * G, block_m)
     n_splits = triton.cdiv(max_len, split)
     apart = n_splits > 1 and T <= SPLIT_ROWS
-    rows = batch * n_splits * kv_heads * tiles * BLOCK_M if apart else 1
+    rows = batch * n_splits * kv_heads * tiles * block_m if apart else 1
     m_part = torch.empty(rows, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(rows * block_d if apart else 1, dtype=torch.float32, device=q.device)
@@ -360,9 +382,9 @@ def attention(
         SPLIT_LEN=split,
         D=D,
         BLOCK_D=block_d,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
-        num_warps=4,
+        num_warps=warps,
         **LAUNCH,
     )
     if apart:

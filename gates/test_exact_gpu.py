@@ -95,7 +95,10 @@ def test_demo_pair_dflash_equals_plain_greedy_in_bfloat16(
 
 def test_cuda_graphs_change_no_bit(demo, numerics: str) -> None:
     """The replayed decode, draft and verify graphs give what the eager forwards give: plain
-    and DFlash engines with graphs equal the eager plain runs, drafts included."""
+    and DFlash engines with graphs equal the eager plain runs, drafts included. The DFlash
+    engines verify the whole block (a fixed width): the automatic width is chosen from step
+    costs measured from the graphs, so an eager engine would choose other widths and draft
+    from other anchors (gates/test_verify_width.py gates that choice)."""
     if numerics == "fast":
         pytest.skip("only the exact numerics promise the bits of the eager forwards")
     target, draft, prompts, max_tokens, plain = demo
@@ -109,7 +112,7 @@ def test_cuda_graphs_change_no_bit(demo, numerics: str) -> None:
     assert run_engine(target, None, prompts, max_tokens, EngineConfig(**common)) == references
     drafted = {}
     for eager in (False, True):
-        engine = Engine(target, draft, EngineConfig(**common, enforce_eager=eager))
+        engine = Engine(target, draft, EngineConfig(**common, enforce_eager=eager, verify_width="fixed"))
         assert (not engine.runner.captured) == eager
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for rid, prompt in prompts.items():

@@ -150,44 +150,79 @@ def moe_projection_sweep() -> None:
             )
 
 
-def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512) -> None:
-    for a in range(0, q.shape[1], chunk):
-        attention(q[:, a : a + chunk], kc, vc, slots, pos[:, a : a + chunk], a + chunk, scale)
+def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512):
+    return torch.cat(
+        [
+            attention(q[:, a : a + chunk], kc, vc, slots, pos[:, a : a + chunk], a + chunk, scale)
+            for a in range(0, q.shape[1], chunk)
+        ],
+        dim=1,
+    )
+
+
+# (warps, query rows a tile, chunk tokens) of the prefill sweep; the engine's first
+WIDE_VARIANTS = ((8, 128, 512), (8, 128, 2048), (4, 128, 2048), (4, 64, 2048), (8, 64, 2048))
 
 
 def long_attention(bw: float) -> None:
-    """Attention over long caches (Qwen3-8B heads: 32 query, 8 kv, head_dim 128), replayed
-    from CUDA graphs: decode (T = 1) and verify (T = 16) rows at 8K-32K positions against the
-    time to read their keys and values at the copy bandwidth, and a prefill of 8K-32K tokens
-    in the engine's 512-token chunks against torch's fused causal attention over the whole
-    prompt (flash, kv heads repeated)."""
+    """Attention over long caches (Qwen3-8B heads: 32 query, 8 kv, head_dim 128). A prefill of
+    16K and 32K tokens in chunks against torch's fused causal attention over the whole prompt
+    (flash, kv heads repeated), for each wide-tile variant (row sums by integers or by the
+    tensor cores, warps, rows a tile, chunk size), with whether each variant gives the bits
+    of the first of its row-sum rule; then decode (T = 1) and verify (T = 16) rows at 8K-32K
+    positions, replayed from CUDA graphs, against the time to read their keys and values at
+    the copy bandwidth."""
+    from reference_engine.kernels import attention as module
+
     heads, kv_heads, dim = 32, 8, 128
-    print("long attention | shape | exact us | floor us | x floor")
-    for ctx in (8192, 16384, 32768):
+    print("prefill attention | tokens | sums | warps | tile rows | chunk | ms | flash ms | x flash | bits")
+    for tokens in (16384, 32768):
+        kc = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+        slots = torch.zeros(1, dtype=torch.long, device="cuda")
+        pos = torch.arange(tokens, device="cuda")[None]
+        qh = q.transpose(1, 2).contiguous()
+        kh = kc.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).contiguous()
+        vh = vc.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).contiguous()
+        flash = median_ms(torch.nn.functional.scaled_dot_product_attention, qh, kh, vh, None, 0.0, True)
+        del qh, kh, vh
+        for by_dot in (False, True):
+            first = None
+            for warps, rows, chunk in WIDE_VARIANTS:
+                if tokens > 16384 and (warps, rows) != (8, 128):
+                    continue
+                module.SUM_BY_DOT, module.WIDE_WARPS, module.WIDE_ELEMENTS = by_dot, warps, rows * dim
+                out = prefill_in_chunks(q, kc, vc, slots, pos, dim**-0.5, chunk)
+                same = first is None or torch.equal(out, first)
+                first = out if first is None else first
+                ms = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5, chunk)
+                print(
+                    f"prefill attention | {tokens} | {'dot' if by_dot else 'int'} | {warps} | {rows} | "
+                    f"{chunk} | {ms:.1f} | {flash:.1f} | {ms / flash:.2f} | {'same' if same else 'DIFF'}",
+                    flush=True,
+                )
+        del kc, vc, q, first, out
+    module.WIDE_WARPS, module.WIDE_ELEMENTS = 8, 128 * 128
+    print("long attention | shape | sums | exact us | floor us | x floor")
+    for ctx in (32768, 16384, 8192):
         kc = torch.randn(16, ctx + 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         for b, T in ((1, 1), (1, 16), (16, 1), (16, 16)):
             q = torch.randn(b, T, heads, dim, device="cuda", dtype=torch.bfloat16)
             slots = torch.arange(b, device="cuda")
             pos = (ctx + torch.arange(T, device="cuda"))[None].expand(b, T).contiguous()
-            us = graph_us(attention, q, kc, vc, slots, pos, ctx + T, dim**-0.5)
             floor = 1000 * b * (ctx + T) * kv_heads * dim * 2 * 2 / bw / 1e6
-            print(f"long attention | ctx={ctx} b={b} T={T} | {us:.1f} | {floor:.1f} | {us / floor:.2f}")
+            for by_dot in (False, True):
+                module.SUM_BY_DOT = by_dot
+                us = graph_us(attention, q, kc, vc, slots, pos, ctx + T, dim**-0.5)
+                print(
+                    f"long attention | ctx={ctx} b={b} T={T} | {'dot' if by_dot else 'int'} | {us:.1f} | "
+                    f"{floor:.1f} | {us / floor:.2f}",
+                    flush=True,
+                )
         del kc, vc
-    print("prefill attention | tokens | exact ms (512-token chunks) | flash ms | x flash")
-    for tokens in (8192, 16384, 32768):
-        kc = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
-        slots = torch.zeros(1, dtype=torch.long, device="cuda")
-        pos = torch.arange(tokens, device="cuda")[None]
-
-        exact = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5)
-        qh = q.transpose(1, 2).contiguous()
-        kh = kc.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).contiguous()
-        vh = vc.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).contiguous()
-        flash = median_ms(torch.nn.functional.scaled_dot_product_attention, qh, kh, vh, None, 0.0, True)
-        print(f"prefill attention | {tokens} | {exact:.2f} | {flash:.2f} | {exact / flash:.2f}")
+    module.SUM_BY_DOT = False
 
 
 def graph_us(fn, *args, **kwargs) -> float:

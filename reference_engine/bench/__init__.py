@@ -109,6 +109,8 @@ class BenchArgs:
     device: str
     gpu_memory_utilization: float
     verify_width: str
+    prefill_chunk: int
+    max_num_batched_tokens: int | None
     repeats: int
     seed: int
     profile_capture: bool
@@ -155,6 +157,7 @@ class BenchArgs:
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy")
         add_engine_options(p, "dtype", "device", "gpu_memory_utilization", "verify_width")
+        add_engine_options(p, "prefill_chunk", "max_num_batched_tokens")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument(
@@ -312,6 +315,8 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
         verify_width=args.verify_width,
+        prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     return Engine(target, draft, config)
 

@@ -80,7 +80,7 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         {"type": int, "default": None},
     ),
     "prefill_chunk": EngineOption(
-        ("--prefill-chunk",), "prompt tokens a request prefills per step", {"type": int, "default": 512}
+        ("--prefill-chunk",), "prompt tokens a request prefills per step", {"type": int, "default": 2048}
     ),
     "max_num_batched_tokens": EngineOption(
         ("--max-num-batched-tokens",),

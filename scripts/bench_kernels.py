@@ -161,7 +161,7 @@ def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512):
 
 
 # (warps, query rows a tile, chunk tokens) of the prefill sweep; the engine's first
-WIDE_VARIANTS = ((8, 128, 512), (8, 128, 2048), (4, 128, 2048), (4, 64, 2048), (8, 64, 2048))
+WIDE_VARIANTS = ((4, 64, 2048), (4, 64, 512), (4, 64, 4096), (4, 32, 2048), (8, 128, 2048))
 
 
 def long_attention(bw: float) -> None:
@@ -174,6 +174,7 @@ def long_attention(bw: float) -> None:
     the copy bandwidth."""
     from reference_engine.kernels import attention as module
 
+    engine = module.SUM_BY_DOT, module.WIDE_WARPS, module.WIDE_ELEMENTS
     heads, kv_heads, dim = 32, 8, 128
     print("prefill attention | tokens | sums | warps | tile rows | chunk | ms | flash ms | x flash | bits")
     for tokens in (16384, 32768):
@@ -190,7 +191,7 @@ def long_attention(bw: float) -> None:
         for by_dot in (False, True):
             first = None
             for warps, rows, chunk in WIDE_VARIANTS:
-                if tokens > 16384 and (warps, rows) != (8, 128):
+                if tokens > 16384 and (warps, rows, chunk) != WIDE_VARIANTS[0]:
                     continue
                 module.SUM_BY_DOT, module.WIDE_WARPS, module.WIDE_ELEMENTS = by_dot, warps, rows * dim
                 out = prefill_in_chunks(q, kc, vc, slots, pos, dim**-0.5, chunk)
@@ -203,7 +204,7 @@ def long_attention(bw: float) -> None:
                     flush=True,
                 )
         del kc, vc, q, first, out
-    module.WIDE_WARPS, module.WIDE_ELEMENTS = 8, 128 * 128
+    module.SUM_BY_DOT, module.WIDE_WARPS, module.WIDE_ELEMENTS = engine
     print("long attention | shape | sums | exact us | floor us | x floor")
     for ctx in (32768, 16384, 8192):
         kc = torch.randn(16, ctx + 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -222,7 +223,7 @@ def long_attention(bw: float) -> None:
                     flush=True,
                 )
         del kc, vc
-    module.SUM_BY_DOT = False
+    module.SUM_BY_DOT = engine[0]
 
 
 def graph_us(fn, *args, **kwargs) -> float:

@@ -356,7 +356,7 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
         ({"fallback_after_steps": 0}, r"fallback_after_steps must be positive, got 0"),
         (
             {"max_num_batched_tokens": 256},
-            r"max_num_batched_tokens must be at least prefill_chunk \(512\), got 256",
+            r"max_num_batched_tokens must be at least prefill_chunk \(2048\), got 256",
         ),
     ],
     ids=[

@@ -42,8 +42,8 @@ KERNELS = {
         ]
         + [  # a prefill chunk's wide tiles, head_dim 128 and 256
             {"CAUSAL": True, "SLIDING": False, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": False}
-            | {"SUM_BY_DOT": by_dot, "SPLIT_LEN": 2048, "D": d, "BLOCK_D": d, "BLOCK_M": 16384 // d}
-            | {"BLOCK_N": 64, "num_warps": 8}
+            | {"SUM_BY_DOT": by_dot, "SPLIT_LEN": 2048, "D": d, "BLOCK_D": d, "BLOCK_M": 8192 // d}
+            | {"BLOCK_N": 64, "num_warps": 4}
             for d in (128, 256)
             for by_dot in (False, True)
         ],

@@ -2,8 +2,8 @@
 
 One program takes one (row, kv head) and a tile of query rows (the T tokens times the query
 heads that share the kv head): BLOCK_M of them for a decode step or a verify block,
-WIDE_ELEMENTS / head_dim (128 rows at head_dim 128) for a prefill chunk, which then reads
-each key block once for eight times as many queries. It reads the slot's cache in place (no
+WIDE_ELEMENTS / head_dim (64 rows at head_dim 128) for a prefill chunk, which then reads
+each key block once for four times as many queries. It reads the slot's cache in place (no
 gather) in key blocks of BLOCK_N aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ...,
 with an online softmax in float32. A query at position p reduces over the same key blocks in
 the same order whether it is decoded alone (T = 1), verified inside a block (T = B), or run
@@ -41,14 +41,14 @@ import triton.language as tl
 from .launch import LAUNCH
 
 BLOCK_M = 16  # query rows of a program for a decode step or a verify block
-WIDE_ELEMENTS = 128 * 128  # a prefill chunk's tile (more than SPLIT_ROWS tokens): rows x BLOCK_D
+WIDE_ELEMENTS = 64 * 128  # a prefill chunk's tile (more than SPLIT_ROWS tokens): rows x BLOCK_D
 BLOCK_N = 64
 FIXED_BITS = 48  # resolution of the softmax's row sums (_fixed_point_sum)
 FIXED_SCALE: tl.constexpr = tl.constexpr(float(2**FIXED_BITS))
 SPLIT = 2048  # key positions of a split (a multiple of BLOCK_N), from absolute position 0
 SPLIT_ROWS = 16  # tokens a row up to which each split runs in a program of its own
 SUM_BY_DOT = False  # the softmax's row sums: integer sums (False) or by the tensor cores
-WIDE_WARPS = 8  # warps of a program of wide tiles
+WIDE_WARPS = 4  # warps of a program of wide tiles
 
 
 @triton.jit

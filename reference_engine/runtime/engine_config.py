@@ -20,7 +20,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the target's max_position_embeddings
     block_size: int | None = None  # DFlash block size; None with a draft: the draft's
     commit_strategy: str = "replay"
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     # target tokens a step may run (vLLM's name): the running requests' decode and verify tokens
     # plus the prefill chunks that fit beside them (scheduler.py); None: every prefilling
     # request runs one chunk per step. The oldest prefilling request's chunk always runs.

@@ -77,7 +77,15 @@ def test_the_benchmark_gives_each_step_as_a_multiple_of_the_floor(tmp_path: Path
         ratio = float(row["ms_per_decode_step"]) / float(row["floor_ms"])
         assert abs(float(row["over_floor"]) - ratio) < 1e-9
         assert float(row["floor_ms_min"]) <= float(row["floor_ms"]) <= float(row["floor_ms_max"])
-    assert "ms per decode step | floor ms [min, max] | x floor" in capsys.readouterr().out
+        prefill = float(row["ms_prefill"]) / float(row["floor_prefill_ms"])
+        assert abs(float(row["prefill_over_floor"]) - prefill) < 1e-9
+        assert int(row["floor_cache_bytes"]) > 0  # 8 prompt tokens and half of 4 output tokens
+    # the CPU's step costs are flat: every DFlash step verifies the whole block (15 tokens)
+    (spec,) = [r for r in rows if r["mode"] == "dflash"]
+    assert float(spec["verify_width_mean"]) == 15.0 and spec["verify_widths"] == f"15:{spec['steps']}"
+    printed = capsys.readouterr().out
+    assert "ms per decode step | floor ms [min, max] | x floor | cache GB" in printed
+    assert "ms prefill | compute floor ms | x floor" in printed
 
 
 def test_an_moe_floor_reads_the_experts_it_is_told_and_k_by_default() -> None:

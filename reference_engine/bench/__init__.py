@@ -318,7 +318,24 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
         prefill_chunk=args.prefill_chunk,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    return Engine(target, draft, config)
+    engine = Engine(target, draft, config)
+    costs = engine.verify_width.costs if engine.verify_width is not None else None
+    if costs is not None and costs.measured and leads():
+        table = ", ".join(f"{key} {1000 * s:.2f}" for key, s in costs.as_dict().items())
+        print(f"# c={concurrency}: measured step ms by rows x verify width: {table}", flush=True)
+    return engine
+
+
+def mean_width(widths: dict[int, int] | None) -> float | None:
+    """The mean verify width over a run's speculative steps (None without any)."""
+    if not widths:
+        return None
+    return float(sum(w * n for w, n in widths.items()) / sum(widths.values()))
+
+
+def widths_text(widths: dict[int, int] | None) -> str | None:
+    """Steps per verify width as `width:steps` pairs, `;`-separated (a CSV cell)."""
+    return ";".join(f"{w}:{n}" for w, n in sorted(widths.items())) if widths else None
 
 
 def run_once(
@@ -376,6 +393,9 @@ def run_once(
         # a mixture of experts: distinct experts per layer of a decode step (plain) or verify
         "distinct_experts": census.mean_distinct(block if draft else 1) if census is not None else None,
         "steps": steps,
+        # DFlash: the verify width (draft tokens checked) per step, mean and counts
+        "verify_width_mean": mean_width(stats.get("verify_widths")) if draft else None,
+        "verify_widths": widths_text(stats.get("verify_widths")) if draft else None,
         "output_tokens": total,
         "wall_s": wall,
     }
@@ -616,8 +636,10 @@ def capture_range(enabled: bool) -> Iterator[None]:
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
+    """Every row's columns, in first-seen order (a column only some modes have is empty in
+    the others' rows)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
 

@@ -167,16 +167,15 @@ WIDE_VARIANTS = ((4, 64, 2048), (4, 64, 512), (4, 64, 4096), (4, 32, 2048), (8, 
 def long_attention(bw: float) -> None:
     """Attention over long caches (Qwen3-8B heads: 32 query, 8 kv, head_dim 128). A prefill of
     16K and 32K tokens in chunks against torch's fused causal attention over the whole prompt
-    (flash, kv heads repeated), for each wide-tile variant (row sums by integers or by the
-    tensor cores, warps, rows a tile, chunk size), with whether each variant gives the bits
-    of the first of its row-sum rule; then decode (T = 1) and verify (T = 16) rows at 8K-32K
-    positions, replayed from CUDA graphs, against the time to read their keys and values at
-    the copy bandwidth."""
+    (flash, kv heads repeated), for each wide-tile variant (warps, rows a tile, chunk size),
+    with whether each variant gives the bits of the engine's; then decode (T = 1) and verify
+    (T = 16) rows at 8K-32K positions, replayed from CUDA graphs, against the time to read
+    their keys and values at the copy bandwidth."""
     from reference_engine.kernels import attention as module
 
-    engine = module.SUM_BY_DOT, module.WIDE_WARPS, module.WIDE_ELEMENTS
+    engine = module.WIDE_WARPS, module.WIDE_ELEMENTS
     heads, kv_heads, dim = 32, 8, 128
-    print("prefill attention | tokens | sums | warps | tile rows | chunk | ms | flash ms | x flash | bits")
+    print("prefill attention | tokens | warps | tile rows | chunk | ms | flash ms | x flash | bits")
     for tokens in (16384, 32768):
         kc = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -188,24 +187,23 @@ def long_attention(bw: float) -> None:
         vh = vc.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1).contiguous()
         flash = median_ms(torch.nn.functional.scaled_dot_product_attention, qh, kh, vh, None, 0.0, True)
         del qh, kh, vh
-        for by_dot in (False, True):
-            first = None
-            for warps, rows, chunk in WIDE_VARIANTS:
-                if tokens > 16384 and (warps, rows, chunk) != WIDE_VARIANTS[0]:
-                    continue
-                module.SUM_BY_DOT, module.WIDE_WARPS, module.WIDE_ELEMENTS = by_dot, warps, rows * dim
-                out = prefill_in_chunks(q, kc, vc, slots, pos, dim**-0.5, chunk)
-                same = first is None or torch.equal(out, first)
-                first = out if first is None else first
-                ms = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5, chunk)
-                print(
-                    f"prefill attention | {tokens} | {'dot' if by_dot else 'int'} | {warps} | {rows} | "
-                    f"{chunk} | {ms:.1f} | {flash:.1f} | {ms / flash:.2f} | {'same' if same else 'DIFF'}",
-                    flush=True,
-                )
+        first = None
+        for warps, rows, chunk in WIDE_VARIANTS:
+            if tokens > 16384 and (warps, rows, chunk) != WIDE_VARIANTS[0]:
+                continue
+            module.WIDE_WARPS, module.WIDE_ELEMENTS = warps, rows * dim
+            out = prefill_in_chunks(q, kc, vc, slots, pos, dim**-0.5, chunk)
+            same = first is None or torch.equal(out, first)
+            first = out if first is None else first
+            ms = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5, chunk)
+            print(
+                f"prefill attention | {tokens} | {warps} | {rows} | {chunk} | {ms:.1f} | {flash:.1f} | "
+                f"{ms / flash:.2f} | {'same' if same else 'DIFF'}",
+                flush=True,
+            )
         del kc, vc, q, first, out
-    module.SUM_BY_DOT, module.WIDE_WARPS, module.WIDE_ELEMENTS = engine
-    print("long attention | shape | sums | exact us | floor us | x floor")
+    module.WIDE_WARPS, module.WIDE_ELEMENTS = engine
+    print("long attention | shape | exact us | floor us | x floor")
     for ctx in (32768, 16384, 8192):
         kc = torch.randn(16, ctx + 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -214,16 +212,10 @@ def long_attention(bw: float) -> None:
             slots = torch.arange(b, device="cuda")
             pos = (ctx + torch.arange(T, device="cuda"))[None].expand(b, T).contiguous()
             floor = 1000 * b * (ctx + T) * kv_heads * dim * 2 * 2 / bw / 1e6
-            for by_dot in (False, True):
-                module.SUM_BY_DOT = by_dot
-                us = graph_us(attention, q, kc, vc, slots, pos, ctx + T, dim**-0.5)
-                print(
-                    f"long attention | ctx={ctx} b={b} T={T} | {'dot' if by_dot else 'int'} | {us:.1f} | "
-                    f"{floor:.1f} | {us / floor:.2f}",
-                    flush=True,
-                )
+            us = graph_us(attention, q, kc, vc, slots, pos, ctx + T, dim**-0.5)
+            shape = f"ctx={ctx} b={b} T={T}"
+            print(f"long attention | {shape} | {us:.1f} | {floor:.1f} | {us / floor:.2f}", flush=True)
         del kc, vc
-    module.SUM_BY_DOT = engine[0]
 
 
 def graph_us(fn, *args, **kwargs) -> float:

@@ -29,23 +29,14 @@ KERNELS = {
         | {"pos_ptr": "i64", "valid_ptr": "i64", "m_part": "fp32", "l_part": "fp32", "acc_part": "fp32"},
         {"scale": "fp32"},
         [
-            {
-                "CAUSAL": c,
-                "SLIDING": s,
-                "HAS_VALID": False,
-                "IEEE": False,
-                "SPLITS_APART": a,
-                "SUM_BY_DOT": False,
-            }
+            {"CAUSAL": c, "SLIDING": s, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": a}
             | {"SPLIT_LEN": 2048, "D": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64}
             for c, s, a in ((True, False, True), (True, True, False), (False, False, False))
         ]
         + [  # a prefill chunk's wide tiles, head_dim 128 and 256
             {"CAUSAL": True, "SLIDING": False, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": False}
-            | {"SUM_BY_DOT": by_dot, "SPLIT_LEN": 2048, "D": d, "BLOCK_D": d, "BLOCK_M": 8192 // d}
-            | {"BLOCK_N": 64, "num_warps": 4}
+            | {"SPLIT_LEN": 2048, "D": d, "BLOCK_D": d, "BLOCK_M": 8192 // d, "BLOCK_N": 64, "num_warps": 4}
             for d in (128, 256)
-            for by_dot in (False, True)
         ],
     ),
     "attention._merge_kernel": (

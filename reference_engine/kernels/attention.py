@@ -13,8 +13,12 @@ the running maximum does not move, so the rescale factor is exactly 1). The tile
 move a row's bits either: each element of the two products sums its terms in the tensor
 cores' order for any tile (the GPU tier checks it), the running maximum is exact in any
 order, and the row sums of the weights are integer sums (`_fixed_point_sum`), which have no
-order. Positions, lengths and the non-causal limit come from device tensors; no host value
-bounds the loop.
+order. Every key block is masked, also one that every row of the tile sees whole: without
+the mask there the compiler may fuse the scores' scale into the subtraction of the maximum
+on those blocks only (one rounding fewer), and which blocks those are depends on the tile; a
+version that skipped it failed the bit-equality tests on an H200 (a float32 query's bits
+across paths, DFlash == plain greedy on the Qwen3-8B shape). Positions, lengths and the
+non-causal limit come from device tensors; no host value bounds the loop.
 
 Long contexts are split: the keys are cut at fixed absolute positions 0, SPLIT, 2*SPLIT, ...;
 each split's key blocks go through their own online softmax (from m = -inf, l = 0), and the
@@ -47,7 +51,6 @@ FIXED_BITS = 48  # resolution of the softmax's row sums (_fixed_point_sum)
 FIXED_SCALE: tl.constexpr = tl.constexpr(float(2**FIXED_BITS))
 SPLIT = 2048  # key positions of a split (a multiple of BLOCK_N), from absolute position 0
 SPLIT_ROWS = 16  # tokens a row up to which each split runs in a program of its own
-SUM_BY_DOT = False  # the softmax's row sums: integer sums (False) or by the tensor cores
 WIDE_WARPS = 4  # warps of a program of wide tiles
 
 
@@ -64,69 +67,6 @@ def _fixed_point_sum(p):
 
 
 @triton.jit
-def _key_block(
-    q,
-    k_ptr,
-    v_ptr,
-    cache,
-    k0,
-    lo,
-    hi,
-    max_len,
-    stride_cl,
-    d,
-    d_ok,
-    m_i,
-    l_i,
-    acc,
-    MASKED: tl.constexpr,
-    SUM_BY_DOT: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """One key block of the online softmax. MASKED: some row of the tile may not see some key
-    of the block (or the block runs past the cache); unmasked blocks skip the mask, which on a
-    block every row sees in full is the identity, so either gives the same bits. That holds
-    because the scores are the product alone (the query is scaled before the loop): with a
-    multiply after the product, the compiler would fuse it into the subtraction of the max on
-    the unmasked path only (FP fusion), one rounding fewer there."""
-    kpos = k0 + tl.arange(0, BLOCK_N)
-    offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
-    if MASKED:
-        k_ok = (kpos < max_len)[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=k_ok, other=0.0)
-        v = tl.load(v_ptr + offs, mask=k_ok, other=0.0)
-    else:
-        k = tl.load(k_ptr + offs, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + offs, mask=d_ok[None, :], other=0.0)
-    if IEEE:  # float32 models: no tf32 rounding of the operands
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    if MASKED:
-        seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
-        s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    weights = p.to(v.dtype)
-    if SUM_BY_DOT:  # the row sums by the tensor cores (every column of the product is one)
-        ones = tl.full((BLOCK_N, 16), 1.0, v.dtype)
-        if IEEE:
-            sums = tl.max(tl.dot(weights, ones, input_precision="ieee"), axis=1)
-        else:
-            sums = tl.max(tl.dot(weights, ones), axis=1)
-    else:
-        sums = _fixed_point_sum(p)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(weights, v)
-    return m_new, l_i * alpha + sums, acc
-
-
-@triton.jit
 def _split_softmax(
     q,
     k_ptr,
@@ -136,34 +76,43 @@ def _split_softmax(
     hi,
     begin,
     end,
-    full_end,
     max_len,
+    scale,
     stride_cl,
     d,
     d_ok,
-    SUM_BY_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """The online softmax of one split: (running max, sum of weights, weighted values) over
-    the key blocks from `begin` to `end`, each query row seeing keys lo..hi; the blocks
-    before `full_end` are seen whole by every row of the tile and run unmasked."""
+    the key blocks from `begin` to `end`, each query row seeing keys lo..hi."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    middle = tl.maximum(begin, tl.minimum(end, full_end))
-    for k0 in range(begin, middle, BLOCK_N):
-        m_i, l_i, acc = _key_block(
-            q, k_ptr, v_ptr, cache, k0, lo, hi, max_len, stride_cl, d, d_ok, m_i, l_i, acc,
-            False, SUM_BY_DOT, IEEE, BLOCK_N,
-        )  # fmt: skip
-    for k0 in range(middle, end, BLOCK_N):
-        m_i, l_i, acc = _key_block(
-            q, k_ptr, v_ptr, cache, k0, lo, hi, max_len, stride_cl, d, d_ok, m_i, l_i, acc,
-            True, SUM_BY_DOT, IEEE, BLOCK_N,
-        )  # fmt: skip
+    for k0 in range(begin, end, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos < max_len
+        offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
+        k = tl.load(k_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:  # float32 models: no tf32 rounding of the operands
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + _fixed_point_sum(p)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -214,7 +163,6 @@ def _attention_kernel(
     HAS_VALID: tl.constexpr,
     IEEE: tl.constexpr,
     SPLITS_APART: tl.constexpr,
-    SUM_BY_DOT: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -240,9 +188,6 @@ def _attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    # scaled once, in the query's dtype: the scores are the product alone, so no multiply sits
-    # next to the mask or the max for the compiler to fuse on one path and not the other
-    q = (q * scale).to(q_ptr.dtype.element_ty)
     pos = tl.load(pos_ptr + b * stride_pb + t, mask=row_ok, other=0)
     if CAUSAL:
         hi = pos
@@ -264,10 +209,6 @@ def _attention_kernel(
     cache = slot.to(tl.int64) * stride_cs + kv_head * stride_ch
     start = (tl.maximum(tl.min(lo, axis=0), 0) // BLOCK_N) * BLOCK_N
     stop = tl.max(hi, axis=0) + 1
-    if SLIDING:  # every block masked
-        full_end = start
-    else:  # the key blocks every row of the tile sees whole (lo is 0)
-        full_end = ((tl.min(tl.where(row_ok, hi, 2147483647), axis=0) + 1) // BLOCK_N) * BLOCK_N
     if SPLITS_APART:
         m_s, l_s, acc_s = _split_softmax(
             q,
@@ -278,12 +219,11 @@ def _attention_kernel(
             hi,
             tl.maximum(split * SPLIT_LEN, start),
             tl.minimum((split + 1) * SPLIT_LEN, stop),
-            full_end,
             max_len,
+            scale,
             stride_cl,
             d,
             d_ok,
-            SUM_BY_DOT,
             IEEE,
             BLOCK_M,
             BLOCK_D,
@@ -307,12 +247,11 @@ def _attention_kernel(
                 hi,
                 tl.maximum(s0, start),
                 tl.minimum(s0 + SPLIT_LEN, stop),
-                full_end,
                 max_len,
+                scale,
                 stride_cl,
                 d,
                 d_ok,
-                SUM_BY_DOT,
                 IEEE,
                 BLOCK_M,
                 BLOCK_D,
@@ -445,7 +384,6 @@ def attention(
         HAS_VALID=valid_len is not None,
         IEEE=q.dtype == torch.float32,
         SPLITS_APART=apart,
-        SUM_BY_DOT=SUM_BY_DOT,
         SPLIT_LEN=split,
         D=D,
         BLOCK_D=block_d,

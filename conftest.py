@@ -53,6 +53,16 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # the tests that start servers fork them from a process that has imported the server's
+    # dependencies (tests/server_process.py): started now, its imports overlap the first tests
+    import sys
+
+    server_process = sys.modules.get("tests.server_process")
+    if server_process is not None and session.items and not server_process.fresh_servers():
+        server_process.start_fork_server()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

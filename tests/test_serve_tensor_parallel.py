@@ -60,7 +60,9 @@ def test_two_ranks_answer_what_one_engine_answers_and_stop_on_sigterm(pair) -> N
     launch = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     serve = ["-m", "reference_engine.serve", "--model", str(target_dir), "--dflash-draft-model-path"]
     serve += [str(draft_dir), "--device", "cpu", "--dtype", "float64", "--threads", "1"]
-    server = ServerProcess(*launch, *serve, "--tensor-parallel-size", "2", module="torch.distributed.run")
+    server = ServerProcess(
+        *launch, *serve, "--tensor-parallel-size", "2", module="torch.distributed.run", fresh=True
+    )
     try:
         for what, (prompt_ids, options) in REQUESTS.items():
             assert complete(server.url, prompt_ids, options) == one_process(models, prompt_ids, options), what

@@ -2,8 +2,8 @@
 bad input reported as one `error:` line with exit code 2 and no traceback.
 
 The main cases run as a user runs them, in a subprocess (about 4 s each, mostly importing
-torch); the rest call `main(argv)` in-process, where an escaping exception fails the test
-just as a traceback would."""
+torch; started together in the background, `cli_runs`); the rest call `main(argv)`
+in-process, where an escaping exception fails the test just as a traceback would."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from reference_engine.generate import main
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.tokenizer import load_tokenizer
+
+from .together import Results, together
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TEXT = "The quick brown fox jumps over"
@@ -54,21 +57,94 @@ def in_process(path: Path, prompt_ids: list[int], **params: object) -> list[int]
     return generate_plain(model, prompt_ids, SamplingParams(**params)).output_ids
 
 
+BAD_REQUESTS = [
+    (
+        ["--prompt-ids", "1,2,3,4,5,6", "--max-model-len", "6"],
+        "the prompt has 6 tokens but the context holds 6",
+    ),
+    (["--prompt-ids", ""], "the prompt is empty"),
+    (["--prompt-ids", "1,512,3"], "prompt token id(s) [512] outside the vocabulary [0, 512)"),
+    (["--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens must be positive, got 0"),
+    (["--prompt-ids", "1,2", "--device", "nonsense"], "nonsense"),
+]
+BAD_REQUEST_IDS = ["prompt-fills-context", "empty-ids", "id-past-vocab", "max-tokens-zero", "unknown-device"]
+
+
+@pytest.fixture(scope="module")
+def missing_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("missing") / "no-such-model"
+
+
+@pytest.fixture(scope="module")
+def cli_runs(
+    request: pytest.FixtureRequest, qwen3_checkpoint: Path, qwen3_5_checkpoint: Path, missing_model: Path
+) -> Results:
+    """This module's subprocess runs, side by side in the background (tests/together.py)."""
+    qwen3 = str(qwen3_checkpoint)
+    jobs = {
+        "test_json_output_for_a_text_prompt": (
+            "--model",
+            qwen3,
+            "--prompt",
+            PROMPT_TEXT,
+            "--max-tokens",
+            "10",
+            "--dtype",
+            "float64",
+            "--ignore-eos",
+            "--json",
+        ),
+        "test_json_output_for_token_ids_equals_generate_plain": (
+            "--model",
+            str(qwen3_5_checkpoint),
+            "--prompt-ids",
+            ",".join(map(str, PROMPT_IDS)),
+            "--max-tokens",
+            "12",
+            "--dtype",
+            "float64",
+            "--ignore-eos",
+            "--json",
+        ),
+        "test_plain_text_mode_prints_the_decoded_text": (
+            "--model",
+            qwen3,
+            "--prompt",
+            PROMPT_TEXT,
+            "--max-tokens",
+            "6",
+            "--dtype",
+            "float64",
+            "--ignore-eos",
+        ),
+        **{
+            f"test_bad_request_is_one_error_line_with_exit_code_2[{name}]": (
+                "--model",
+                qwen3,
+                "--max-tokens",
+                "4",
+                *args,
+            )
+            for name, (args, _) in zip(BAD_REQUEST_IDS, BAD_REQUESTS)
+        },
+        "test_missing_model_directory_is_one_error_line_with_exit_code_2": (
+            "--model",
+            str(missing_model),
+            "--prompt-ids",
+            "1,2",
+            "--max-tokens",
+            "4",
+        ),
+    }
+    return together(request, {name: partial(generate_cli, *args) for name, args in jobs.items()})
+
+
 # ----------------------------------------------------------------------------- output
-def test_json_output_for_a_text_prompt(qwen3_checkpoint: Path) -> None:
+def test_json_output_for_a_text_prompt(
+    qwen3_checkpoint: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
     path = qwen3_checkpoint
-    done = generate_cli(
-        "--model",
-        str(path),
-        "--prompt",
-        PROMPT_TEXT,
-        "--max-tokens",
-        "10",
-        "--dtype",
-        "float64",
-        "--ignore-eos",
-        "--json",
-    )
+    done = cli_runs[request.node.name]
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     tokenizer = load_tokenizer(path)
@@ -82,19 +158,10 @@ def test_json_output_for_a_text_prompt(qwen3_checkpoint: Path) -> None:
     assert ids == in_process(path, out["prompt_ids"], max_tokens=10, ignore_eos=True)
 
 
-def test_json_output_for_token_ids_equals_generate_plain(qwen3_5_checkpoint: Path) -> None:
-    done = generate_cli(
-        "--model",
-        str(qwen3_5_checkpoint),
-        "--prompt-ids",
-        ",".join(map(str, PROMPT_IDS)),
-        "--max-tokens",
-        "12",
-        "--dtype",
-        "float64",
-        "--ignore-eos",
-        "--json",
-    )
+def test_json_output_for_token_ids_equals_generate_plain(
+    qwen3_5_checkpoint: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
+    done = cli_runs[request.node.name]
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["prompt_ids"] == PROMPT_IDS
@@ -127,18 +194,10 @@ def test_stop_ids_end_the_output_with_the_stop_token(
     assert out["finish_reason"] == "stop"
 
 
-def test_plain_text_mode_prints_the_decoded_text(qwen3_checkpoint: Path) -> None:
-    done = generate_cli(
-        "--model",
-        str(qwen3_checkpoint),
-        "--prompt",
-        PROMPT_TEXT,
-        "--max-tokens",
-        "6",
-        "--dtype",
-        "float64",
-        "--ignore-eos",
-    )
+def test_plain_text_mode_prints_the_decoded_text(
+    qwen3_checkpoint: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
+    done = cli_runs[request.node.name]
     assert done.returncode == 0, done.stderr
     tokenizer = load_tokenizer(qwen3_checkpoint)
     ids = in_process(qwen3_checkpoint, tokenizer.encode(PROMPT_TEXT).ids, max_tokens=6, ignore_eos=True)
@@ -184,30 +243,19 @@ def assert_one_error_line(code: int, stdout: str, stderr: str, message: str) -> 
     assert message in stderr
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (
-            ["--prompt-ids", "1,2,3,4,5,6", "--max-model-len", "6"],
-            "the prompt has 6 tokens but the context holds 6",
-        ),
-        (["--prompt-ids", ""], "the prompt is empty"),
-        (["--prompt-ids", "1,512,3"], "prompt token id(s) [512] outside the vocabulary [0, 512)"),
-        (["--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens must be positive, got 0"),
-        (["--prompt-ids", "1,2", "--device", "nonsense"], "nonsense"),
-    ],
-    ids=["prompt-fills-context", "empty-ids", "id-past-vocab", "max-tokens-zero", "unknown-device"],
-)
+@pytest.mark.parametrize(("args", "message"), BAD_REQUESTS, ids=BAD_REQUEST_IDS)
 def test_bad_request_is_one_error_line_with_exit_code_2(
-    qwen3_checkpoint: Path, args: list[str], message: str
+    cli_runs: Results, request: pytest.FixtureRequest, args: list[str], message: str
 ) -> None:
-    done = generate_cli("--model", str(qwen3_checkpoint), "--max-tokens", "4", *args)
+    done = cli_runs[request.node.name]  # generate --model <qwen3> --max-tokens 4 *args
     assert_one_error_line(done.returncode, done.stdout, done.stderr, message)
 
 
-def test_missing_model_directory_is_one_error_line_with_exit_code_2(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-model"
-    done = generate_cli("--model", str(missing), "--prompt-ids", "1,2", "--max-tokens", "4")
+def test_missing_model_directory_is_one_error_line_with_exit_code_2(
+    missing_model: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
+    missing = missing_model
+    done = cli_runs[request.node.name]
     assert_one_error_line(done.returncode, done.stdout, done.stderr, "no config.json")
     assert done.stderr == f"error: {missing}: no config.json (is this a model directory?)\n"
 

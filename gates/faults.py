@@ -25,6 +25,7 @@ from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime import speculative_step as speculative_step_module
+from reference_engine.runtime.kv_pool import CellAllocator
 from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.sampling import sample
 from reference_engine.runtime.scheduler import Scheduler
@@ -55,6 +56,25 @@ def _sampled_walk_from_first_row(correct):
         return correct(candidates, edges[:, :1].expand_as(edges), *args)
 
     return sample_walk
+
+
+def _top_k_highest_on_tie_in_batches(correct):
+    def top_candidates(logits, k):
+        if logits.shape[0] == 1:
+            return correct(logits, k)
+        # the lowest ids of the reversed vocabulary: the highest ids among the tie at the k-th value
+        flipped, _ = correct(logits.flip(-1), k)
+        ids = (logits.shape[-1] - 1 - flipped).flip(-1)  # ascending again
+        return ids, logits.gather(-1, ids)
+
+    return top_candidates
+
+
+def _walk_last_on_tie(correct):
+    def lowest_best(scores):
+        return scores.shape[-1] - 1 - correct(scores.flip(-1))  # the last of equal scores
+
+    return lowest_best
 
 
 @dataclass(frozen=True)
@@ -301,6 +321,19 @@ def _prefill_past_token_budget(correct):
     return prefilling
 
 
+# ------------------------------------------------------------------ pooled KV cache
+def _overlapping_runs(correct):
+    def allocate(self, count):
+        first = correct(self, count)
+        if first:  # one cell into the run before it: both requests write its rows
+            del self.runs[first]
+            first -= 1
+            self.runs[first] = count
+        return first
+
+    return allocate
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault(
         "hybrid: keep the Gated DeltaNet state of the whole verified block",
@@ -446,6 +479,27 @@ FAULTS: dict[str, Fault] = {
         "sample_walk",
         _sampled_walk_from_first_row,
         speculative_step_module,
+    ),
+    "dflash2_top_k_highest_on_tie_in_batches": Fault(
+        "DFlash2: in a batch of more than one row, the candidates keep the highest ids among "
+        "logits tied at the K-th value (lossless: costs acceptance only)",
+        "top_candidates",
+        _top_k_highest_on_tie_in_batches,
+        dflash2_module,
+    ),
+    "kv_pool_overlapping_runs": Fault(
+        "pooled KV cache: a request's run starts one cell inside the run before it (two live "
+        "requests write the same rows)",
+        "allocate",
+        _overlapping_runs,
+        CellAllocator,
+    ),
+    "dflash2_walk_last_on_tie": Fault(
+        "DFlash2: the greedy walk takes the last of equal edge scores, the highest id of an exact "
+        "tie, on every path (lossless: costs acceptance only)",
+        "lowest_best",
+        _walk_last_on_tie,
+        dflash2_module,
     ),
 }
 

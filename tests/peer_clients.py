@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tests.server_process import REPO, ServerProcess
+from tests.together import WORKERS
 
 PEERS = REPO / ".peers"
 RECIPE = "make setup installs it into .peers/ (requirements/peers.txt; PEERS=no leaves it out)"
@@ -26,10 +28,14 @@ def client_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
 
 
-def client_missing(module: str, client: str) -> str | None:
-    """Why `client` cannot run (its `module` does not import, with the import's last line), or
-    None when it can."""
-    probe = subprocess.run(
+# the modules of the peer clients the gates run (gates/test_peer_*.py): the first probe starts
+# them all, side by side, and each later test finds its own probe done or under way
+PEER_MODULES = ("guidellm.benchmark", "vllm.benchmarks.serve", "sglang.bench_serving")
+_probes: dict[str, Future] = {}
+
+
+def _probe(module: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-c", f"import {module}"],
         cwd=REPO,
         env=client_env(),
@@ -37,6 +43,18 @@ def client_missing(module: str, client: str) -> str | None:
         text=True,
         timeout=120,
     )
+
+
+def client_missing(module: str, client: str) -> str | None:
+    """Why `client` cannot run (its `module` does not import, with the import's last line), or
+    None when it can."""
+    if module not in _probes:
+        pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="peer-probe")
+        for name in (module, *PEER_MODULES):
+            if name not in _probes:
+                _probes[name] = pool.submit(_probe, name)
+        pool.shutdown(wait=False)
+    probe = _probes[module].result()
     if probe.returncode == 0:
         return None
     last = (probe.stderr.strip().splitlines() or ["no output"])[-1]

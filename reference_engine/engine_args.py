@@ -96,6 +96,18 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "the same either way",
         {"default": "auto", "choices": VERIFY_WIDTHS},
     ),
+    "kv_cache_tokens": EngineOption(
+        ("--kv-cache-tokens",),
+        "a pooled KV cache of this many tokens that all requests share: each takes the cells "
+        "its prompt, max_tokens and one block need, so short requests leave room for long ones "
+        "(default: every slot holds max_model_len + one block; docs/engine.md, Memory)",
+        {"type": int, "default": None},
+    ),
+    "kv_cell_tokens": EngineOption(
+        ("--kv-cell-tokens",),
+        "tokens of one cell of the pooled KV cache (--kv-cache-tokens): a request takes whole cells",
+        {"type": int, "default": 256},
+    ),
     "numerics": EngineOption(("--numerics",), NUMERICS_HELP, {"choices": NUMERICS, "default": None}),
     "tensor_parallel_size": EngineOption(
         ("--tensor-parallel-size",),

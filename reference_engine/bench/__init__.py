@@ -111,6 +111,8 @@ class BenchArgs:
     verify_width: str
     prefill_chunk: int
     max_num_batched_tokens: int | None
+    kv_cache_tokens: int | None
+    kv_cell_tokens: int
     repeats: int
     seed: int
     profile_capture: bool
@@ -157,7 +159,7 @@ class BenchArgs:
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy")
         add_engine_options(p, "dtype", "device", "gpu_memory_utilization", "verify_width")
-        add_engine_options(p, "prefill_chunk", "max_num_batched_tokens")
+        add_engine_options(p, "prefill_chunk", "max_num_batched_tokens", "kv_cache_tokens", "kv_cell_tokens")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument(
@@ -255,11 +257,12 @@ def load_pair(args: BenchArgs) -> tuple:
             random_draft(args.random_shape, str(device), dtype, args.seed, block, draft_arch=arch)
             for arch in others
         ]
+        if tp is not None:  # drawn whole, then cut to this rank's slice
+            target = shard_target(target, tp)
     else:
-        target = load_target(args.model, dtype=dtype, device=device)
+        target = load_target(args.model, dtype=dtype, device=device, tensor_parallel=tp)
         drafts = [load_draft(args.draft, target)]
     if tp is not None:
-        shard_target(target, tp)
         for draft in drafts:
             share_with_draft(draft, tp)
     return target, drafts
@@ -317,6 +320,8 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
         verify_width=args.verify_width,
         prefill_chunk=args.prefill_chunk,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cell_tokens=args.kv_cell_tokens,
     )
     engine = Engine(target, draft, config)
     costs = engine.verify_width.costs if engine.verify_width is not None else None

@@ -40,17 +40,27 @@ class DraftState:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pool=None,  # runtime/kv_pool.PoolLayout: the target's pooled layout
+        cell_of: torch.Tensor | None = None,  # with a pool: the target state's slot -> row map
     ) -> None:
         shape = (num_slots, max_len, config.num_key_value_heads, config.head_dim)
         self.device = torch.device(device)
         self.max_len = max_len
-        self.k_cache = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
-        ]
-        self.v_cache = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
-        ]
+        heads = (config.num_key_value_heads, config.head_dim)
+
+        def cache() -> torch.Tensor:
+            if pool is None:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return pool.cache(*heads, dtype, self.device)
+
+        self.k_cache = [cache() for _ in range(config.num_hidden_layers)]
+        self.v_cache = [cache() for _ in range(config.num_hidden_layers)]
+        self.cell_of = cell_of
         self.lengths = [0] * num_slots  # committed context rows per slot
+
+    def cache_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The caches' rows of `slots` (runtime/state.TargetState.cache_rows)."""
+        return slots if self.cell_of is None else self.cell_of.index_select(0, slots)
 
 
 class DFlashDraft(nn.Module):

@@ -241,14 +241,14 @@ class SelfAttention(nn.Module):
             ctx.sin,
             k_cache,
             v_cache,
-            ctx.slots,
+            ctx.cache_slots,
             ctx.positions,
         )
         out = ops.attention(
             q,
             k_cache,
             v_cache,
-            ctx.slots,
+            ctx.cache_slots,
             ctx.positions,
             ctx.kv_len,
             self.head_dim**-0.5,
@@ -278,7 +278,7 @@ class SelfAttention(nn.Module):
             ctx.sin,
             k_cache,
             v_cache,
-            ctx.slots,
+            ctx.cache_slots,
             ctx.positions,
         )
 
@@ -319,6 +319,9 @@ class ForwardContext:
         self.valid_len = valid_len
         self.record = record
         self.slots = slots
+        # the attention caches' rows of the slots (a pooled cache maps them, runtime/kv_pool.py)
+        rows = getattr(state, "cache_rows", None)
+        self.cache_slots = slots if rows is None else rows(slots)
         self.positions = positions
         self.kv_len = kv_len
         self.rotary = rotary

@@ -40,6 +40,7 @@ from .commit import verify_record
 from .decode import context_length, stop_ids
 from .engine_config import EngineConfig
 from .graphs import PREFILL_BATCH_TOKENS
+from .kv_pool import CellAllocator, PoolLayout
 from .memory import GiB, MemoryPlan, activation_peak, plan_memory, state_cost, weight_bytes
 from .model_runner import ModelRunner, graphs_possible
 from .oracle import Proposer
@@ -88,11 +89,16 @@ class Engine:
         use_graphs = graphs_possible(self.device, ops, config.enforce_eager)
         # CUDA graphs pad a batch to its bucket with rows on one spare slot that no request owns
         slots = config.max_num_seqs + int(use_graphs)
+        self.pool = (
+            PoolLayout.for_tokens(config.kv_cache_tokens, config.kv_cell_tokens, room)
+            if config.kv_cache_tokens is not None
+            else None
+        )
         self.memory: MemoryPlan | None = None
         if self.device.type == "cuda" and config.gpu_memory_utilization is not None:
             self.memory = self._plan_memory(ops, slots, room, use_graphs)
         before = torch.cuda.memory_allocated(self.device) if self.memory is not None else 0
-        self.state, self.draft_state = self.build_states(slots, room, self.device)
+        self.state, self.draft_state = self.build_states(slots, room, self.device, self.pool)
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.admission,
@@ -102,6 +108,8 @@ class Engine:
             config.prefill_chunk,
             config.max_num_batched_tokens,
             self.block_size,
+            CellAllocator(self.pool.cells) if self.pool is not None else None,
+            self.cells_needed,
         )
         self.ranges = ranges or NvtxRanges()
         self.timer = PhaseTimer(self.device, self.ranges)
@@ -157,18 +165,25 @@ class Engine:
         self.commit_observer = None
 
     def build_states(
-        self, slots: int, room: int, device: torch.device
+        self, slots: int, room: int, device: torch.device, pool: PoolLayout | None = None
     ) -> tuple[TargetState, DraftState | None]:
-        """The target's and the draft's state for `slots` slots of `room` tokens each (on the
-        meta device: what they would take, for the memory plan)."""
+        """The target's and the draft's state for `slots` slots of `room` tokens each, or with
+        a `pool` their attention caches pooled (on the meta device: what they would take, for
+        the memory plan)."""
         config = self.config
         state = TargetState(
-            self.target.config, slots, room, self.dtype, device, self.block_size, config.commit_strategy
+            self.target.config, slots, room, self.dtype, device, self.block_size, config.commit_strategy, pool
         )
         draft_state = None
         if self.draft is not None:
-            draft_state = DraftState(self.draft.config, slots, room, self.dtype, device)
+            draft_state = DraftState(self.draft.config, slots, room, self.dtype, device, pool, state.cell_of)
         return state, draft_state
+
+    def cells_needed(self, seq: Sequence) -> int:
+        """Cells of a pooled KV cache a request takes: its prompt, its max_tokens (the context
+        without a limit) and one block, which a verify may write past its last token."""
+        tokens = len(seq.prompt_ids) + (seq.params.max_tokens or self.context_len)
+        return self.pool.cells_for(min(tokens, self.context_len) + self.block_size)
 
     def _plan_memory(self, ops: Kernels, slots: int, room: int, use_graphs: bool) -> MemoryPlan:
         """Whether `slots` x `room` tokens of state fit the device's budget (memory.py), from
@@ -197,6 +212,7 @@ class Engine:
             room,
             config.max_num_seqs,
             self.context_len,
+            self.pool.rows if self.pool is not None else None,
         )
 
     @property
@@ -258,6 +274,8 @@ class Engine:
         with self.timer.phase("schedule"):
             for seq in self.scheduler.admit():
                 self.state.reset(seq.slot)
+                if seq.cell is not None:
+                    self.state.place(seq.slot, seq.cell)
         with self.timer.phase("prefill"):
             self.prefill(self.scheduler.prefilling(), outputs)
         running = self.scheduler.running()

@@ -46,6 +46,11 @@ class EngineConfig:
     # most committed tokens per second from the requests' acceptance and the measured step
     # costs; "fixed" verifies all B-1. Output is the same either way.
     verify_width: str = "auto"
+    # a pooled KV cache (kv_pool.py): tokens of KV cache all requests share, in cells of
+    # kv_cell_tokens; a request takes the cells its prompt, max_tokens and one block need.
+    # None: every slot holds the whole room (max_model_len + one block), as without a pool
+    kv_cache_tokens: int | None = None
+    kv_cell_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -76,6 +81,10 @@ class EngineConfig:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens <= 0:
+            raise ConfigError(f"kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
+        if self.kv_cell_tokens <= 0:
+            raise ConfigError(f"kv_cell_tokens must be positive, got {self.kv_cell_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

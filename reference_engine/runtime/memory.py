@@ -39,8 +39,11 @@ class StateCost:
     per_token: int
     per_slot: int
 
-    def bytes_for(self, slots: int, room: int) -> int:
-        return slots * (self.per_slot + room * self.per_token)
+    def bytes_for(self, slots: int, room: int, pool_rows: int | None = None) -> int:
+        """`slots` slots of `room` tokens each, or with a pooled KV cache (kv_pool.py) their
+        per-slot state and the pool's rows of tokens."""
+        tokens = slots * room if pool_rows is None else pool_rows
+        return slots * self.per_slot + tokens * self.per_token
 
 
 def tensor_bytes(obj: object) -> int:
@@ -72,6 +75,7 @@ class MemoryPlan:
     cost: StateCost
     slots: int  # the state's slots (with the CUDA graphs' spare slot)
     room: int  # tokens a slot holds: the context and one block
+    pool_rows: int | None = None  # a pooled KV cache: its rows of tokens (kv_pool.PoolLayout.rows)
 
     @property
     def budget(self) -> int:
@@ -80,7 +84,7 @@ class MemoryPlan:
 
     @property
     def state(self) -> int:
-        return self.cost.bytes_for(self.slots, self.room)
+        return self.cost.bytes_for(self.slots, self.room, self.pool_rows)
 
     @property
     def tokens_that_fit(self) -> int:
@@ -91,8 +95,13 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One line for start-up: what the state reserved, out of which budget."""
+        tokens = (
+            f"{self.slots} slots x {self.room} tokens"
+            if self.pool_rows is None
+            else f"a pooled KV cache of {self.pool_rows} tokens for {self.slots} slots"
+        )
         return (
-            f"memory: state {self.state / GiB:.2f} GiB reserved ({self.slots} slots x {self.room} tokens x "
+            f"memory: state {self.state / GiB:.2f} GiB reserved ({tokens} x "
             f"{self.cost.per_token} B/token + {self.cost.per_slot} B/slot) of a budget of "
             f"{self.budget / GiB:.2f} GiB = {self.utilization:g} x {self.total / GiB:.2f} GiB - weights "
             f"{self.weights / GiB:.2f} GiB - activations {self.activations / GiB:.2f} GiB"
@@ -109,19 +118,29 @@ def plan_memory(
     room: int,
     max_num_seqs: int,
     max_model_len: int,
+    pool_rows: int | None = None,
 ) -> MemoryPlan:
     """The plan of an engine whose state needs `slots` x `room` tokens (`max_num_seqs` and
     `max_model_len` as the user gave them, for the message); ConfigError, one line with the
     numbers, when it does not fit the budget."""
     if not 0 < utilization <= 1:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    plan = MemoryPlan(total, utilization, weights, activations, cost, slots, room)
+    plan = MemoryPlan(total, utilization, weights, activations, cost, slots, room, pool_rows)
     if plan.budget <= 0:
         raise ConfigError(
             f"no memory left for the state: {utilization:g} x {total / GiB:.2f} GiB of device memory "
             f"= {utilization * total / GiB:.2f} GiB, but the weights take {weights / GiB:.2f} GiB and "
             f"the activations {activations / GiB:.2f} GiB; raise --gpu-memory-utilization or use a "
             "larger device"
+        )
+    if plan.state > plan.budget and pool_rows is not None:
+        fit = plan.tokens_that_fit
+        raise ConfigError(
+            f"the state does not fit: a pooled KV cache of {pool_rows} tokens x {cost.per_token} bytes "
+            f"(+ {cost.per_slot} per slot for {slots} slots) exceeds the budget of {plan.budget / GiB:.2f} "
+            f"GiB ({utilization:g} x {total / GiB:.2f} GiB - weights {weights / GiB:.2f} GiB - activations "
+            f"{activations / GiB:.2f} GiB), which holds {fit} tokens; lower --kv-cache-tokens (at most "
+            f"{max(0, fit - room)} fits with the spare room of {room}) or raise --gpu-memory-utilization"
         )
     if plan.state > plan.budget:
         fit = plan.tokens_that_fit

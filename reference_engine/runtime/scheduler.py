@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from ..errors import RequestError
+from .kv_pool import CellAllocator
 from .sequence import (
     FALLBACK_LOGPROBS,
     FALLBACK_LOW_ACCEPTANCE,
@@ -47,9 +49,13 @@ class Scheduler:
         prefill_chunk: int,
         max_num_batched_tokens: int | None = None,
         block_size: int = 0,
+        cells: CellAllocator | None = None,
+        cells_needed: Callable[[Sequence], int] | None = None,
     ) -> None:
         """`block_size`: the DFlash block size (0 without a draft), the target tokens a
-        speculative request's verify adds to a step at most."""
+        speculative request's verify adds to a step at most. `cells`: a pooled KV cache's
+        allocator (kv_pool.py), from which a request takes `cells_needed(seq)` consecutive
+        cells at admission and gives them back when it ends."""
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk, self.max_num_batched_tokens = prefill_chunk, max_num_batched_tokens
         self.block_size = block_size
@@ -57,6 +63,7 @@ class Scheduler:
         self.fallback_min_acceptance = fallback_min_acceptance
         self.fallback_after_steps = fallback_after_steps
         self.free_slots = list(range(max_num_seqs))
+        self.cells, self.cells_needed = cells, cells_needed
         self.waiting: deque[Sequence] = deque()
         self.active: dict[str, Sequence] = {}  # with a slot
         self.known: dict[str, Sequence] = {}  # every live request (waiting or active)
@@ -93,10 +100,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
-        """Give free slots to waiting requests, in arrival order; returns those admitted."""
+        """Give free slots (and with a pooled cache, a run of free cells) to waiting requests,
+        in arrival order; returns those admitted. A request whose run is not free yet stops
+        admission at the head of the queue until finished requests free one."""
         admitted = []
         while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if self.cells is not None:
+                seq.cell = self.cells.allocate(self.cells_needed(seq))
+                if seq.cell is None:
+                    break
+            self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
             seq.phase = Phase.PREFILL
             self.active[seq.request_id] = seq
@@ -143,6 +157,9 @@ class Scheduler:
         if seq.slot is not None and self.active.pop(seq.request_id, None) is not None:
             self.free_slots.append(seq.slot)
             self.free_slots.sort()
+            if seq.cell is not None:
+                self.cells.free(seq.cell)
+                seq.cell = None
 
     # ------------------------------------------------------------------ the step's rows
     def prefilling(self) -> list[Sequence]:

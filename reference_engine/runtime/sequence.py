@@ -48,6 +48,7 @@ class Sequence:
     generator: torch.Generator | None = None
     phase: Phase = Phase.WAITING
     slot: int | None = None
+    cell: int | None = None  # first cell of its run in a pooled KV cache (kv_pool.py)
     prefilled: int = 0  # prompt tokens run through the target so far
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)

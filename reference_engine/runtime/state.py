@@ -18,7 +18,16 @@ import torch
 from ..config import TargetConfig
 from ..errors import RequestError
 from ..kernels.reference import accumulation_dtype
+from .kv_pool import PoolLayout
 from .transfer import to_device
+
+
+def cell_map(pool: PoolLayout | None, num_slots: int, device: torch.device) -> torch.Tensor | None:
+    """Each slot's row in a pooled cache, every slot on the spare row until it is placed;
+    None without a pool."""
+    if pool is None:
+        return None
+    return torch.full((num_slots,), pool.spare_cell, dtype=torch.int64, device=device)
 
 
 class TargetState:
@@ -31,9 +40,12 @@ class TargetState:
         device: torch.device | str = "cpu",
         verify_len: int = 0,
         commit_strategy: str | None = None,
+        pool: PoolLayout | None = None,
     ) -> None:
         """`verify_len` and `commit_strategy` size the buffers a speculative verify keeps
-        for the `per_token` and `recompute` commit strategies (hybrid targets only)."""
+        for the `per_token` and `recompute` commit strategies (hybrid targets only). With a
+        `pool` the attention caches are one pooled KV cache (kv_pool.py) and `cell_of` maps
+        each slot to its run's row."""
         self.config = config
         self.num_slots = num_slots
         self.max_len = max_len
@@ -57,8 +69,21 @@ class TargetState:
                 for kind_i in self._kinds()
             ]
 
-        self.k_cache: list[torch.Tensor | None] = alloc("attention", kv_shape, dtype)
-        self.v_cache: list[torch.Tensor | None] = alloc("attention", kv_shape, dtype)
+        self.pool = pool
+        self.cell_of = cell_map(pool, num_slots, self.device)
+        if pool is None:
+            self.k_cache: list[torch.Tensor | None] = alloc("attention", kv_shape, dtype)
+            self.v_cache: list[torch.Tensor | None] = alloc("attention", kv_shape, dtype)
+        else:
+            if pool.room != max_len:
+                raise ValueError(f"a pool for rooms of {pool.room} tokens in a state of {max_len}")
+            heads = (config.num_key_value_heads, config.head_dim)
+
+            def pooled() -> list:
+                kinds = self._kinds()
+                return [pool.cache(*heads, dtype, self.device) if k == "attention" else None for k in kinds]
+
+            self.k_cache, self.v_cache = pooled(), pooled()
         self.conv: list[torch.Tensor | None] = alloc("linear", conv_shape, dtype)
         self.recurrent: list[torch.Tensor | None] = alloc("linear", rec_shape, state_dtype)
         self.saved_conv: list[torch.Tensor | None] = alloc("linear", conv_shape, dtype)
@@ -125,6 +150,16 @@ class TargetState:
                 f"states kept for {self.num_slots} rows of {self.verify_len} tokens"
             )
         return buffer[: math.prod(shape)].view(shape)
+
+    def cache_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The attention caches' rows of `slots`: the slots themselves, or with a pool their
+        runs' rows (on the device, so a CUDA graph reads the mapping as it is at replay)."""
+        return slots if self.cell_of is None else self.cell_of.index_select(0, slots)
+
+    def place(self, slot: int, cell: int) -> None:
+        """A pooled cache: `slot`'s request holds the run starting at `cell`."""
+        self._check_slot(slot)
+        self.cell_of[slot] = cell
 
     def _kinds(self) -> list[str]:
         return [

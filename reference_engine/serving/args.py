@@ -30,8 +30,10 @@ class ServeArgs:
     enforce_eager: bool
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     max_num_batched_tokens: int | None = None
+    kv_cache_tokens: int | None = None
+    kv_cell_tokens: int = 256
     max_body_mb: float = 4.0
     shutdown_grace: float = 5.0
     api_key_scope: str = "api"
@@ -71,6 +73,7 @@ class ServeArgs:
             "threads that wait on each other for a busy core slow every step",
         )
         add_engine_options(p, "max_model_len", "prefill_chunk", "max_num_batched_tokens")
+        add_engine_options(p, "kv_cache_tokens", "kv_cell_tokens")
         p.add_argument(
             "--max-waiting", type=int, default=256, help="queued requests beyond the slots; more get HTTP 429"
         )

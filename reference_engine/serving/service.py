@@ -19,7 +19,6 @@ from ..runtime.oracle import OracleProposer
 from ..runtime.tensor_parallel import (
     init_tensor_parallel,
     rank_device,
-    shard_target,
     share_with_draft,
 )
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
@@ -50,9 +49,7 @@ class Server:
         # above one rank, rank 0 serves and the others follow its engine (followers.py)
         self.tp = init_tensor_parallel(args.tensor_parallel_size, device, numerics, "serve")
         device = rank_device(device, self.tp)
-        target = load_target(args.model, dtype=dtype, device=device)
-        if self.tp is not None:
-            shard_target(target, self.tp)
+        target = load_target(args.model, dtype=dtype, device=device, tensor_parallel=self.tp)
         draft = None
         if args.draft:
             draft = load_draft(args.draft, target)
@@ -72,6 +69,8 @@ class Server:
             verify_width=args.verify_width,
             prefill_chunk=args.prefill_chunk,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_cell_tokens=args.kv_cell_tokens,
         )
         self.engine = Engine(target, draft, config)  # validates the pair and the options
         self.tokenizer = load_tokenizer(args.model)

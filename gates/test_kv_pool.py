@@ -1,0 +1,111 @@
+"""Gate: a pooled KV cache (reference_engine/runtime/kv_pool.py) changes no output. A mix of
+long and short requests runs on a pool too small to hold them all at once: requests wait
+for cells with slots free, finished requests' cells are taken again by others, and every
+request's output, plain and DFlash, equals plain greedy decode alone; the pool holds fewer
+tokens than slots x the longest room. Planted fault: an allocator that hands out runs
+overlapping the run before them by one cell (two live requests write the same rows), caught
+as output != plain greedy."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from reference_engine.runtime.decode import generate_plain
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.request import SamplingParams
+
+from .checks import Pair, require_block
+from .faults import planted
+
+CATCHES = ("kv_pool_overlapping_runs",)
+BLOCK = 8
+CELL = 8  # tokens a cell
+POOL = 128  # tokens: 16 cells, about two of the long requests at once
+MAX_MODEL_LEN = 96
+# (prompt tokens, max_tokens): rooms of 5 to 10 cells, one block included
+MIX = ((5, 20), (40, 10), (9, 30), (60, 8), (3, 24), (25, 12))
+
+
+@dataclass
+class PoolRun:
+    outputs: dict[str, list[int]]
+    waited: int = 0  # steps that left a request waiting for cells while a slot was free
+    reused: set[int] = field(default_factory=set)  # cells two requests held one after the other
+    pool_tokens: int = 0  # rows of one layer's pool
+    slot_tokens: int = 0  # what the unpooled cache would hold: slots x room
+
+
+def requests(pair: Pair) -> dict[str, tuple[list[int], SamplingParams]]:
+    rng = random.Random(31)
+    vocab = pair.target.config.vocab_size - 16
+    return {
+        f"r{i}": ([rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=m, ignore_eos=True))
+        for i, (n, m) in enumerate(MIX)
+    }
+
+
+def run_pooled(pair: Pair, speculative: bool) -> PoolRun:
+    config = EngineConfig(
+        max_num_seqs=4,
+        block_size=BLOCK if speculative else None,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_tokens=POOL,
+        kv_cell_tokens=CELL,
+        numerics=pair.numerics,
+    )
+    engine = Engine(pair.target, pair.draft if speculative else None, config)
+    wanted = requests(pair)
+    run = PoolRun({rid: [] for rid in wanted})
+    run.pool_tokens = engine.pool.rows
+    run.slot_tokens = config.max_num_seqs * (engine.context_len + engine.block_size)
+    for rid, (ids, params) in wanted.items():
+        engine.add_request(rid, ids, params)
+    holders: dict[int, str] = {}  # cell -> the last request whose run held it
+    while engine.has_unfinished():
+        for out in engine.step():
+            run.outputs[out.request_id].extend(out.new_token_ids)
+        scheduler = engine.scheduler
+        if scheduler.waiting and scheduler.free_slots:
+            run.waited += 1
+        for seq in scheduler.active.values():
+            for cell in range(seq.cell, seq.cell + engine.cells_needed(seq)):
+                if holders.get(cell, seq.request_id) != seq.request_id:
+                    run.reused.add(cell)
+                holders[cell] = seq.request_id
+    return run
+
+
+_plain: dict[str, dict[str, list[int]]] = {}
+
+
+def plain_outputs(pair: Pair) -> dict[str, list[int]]:
+    if pair.name not in _plain:
+        wanted = requests(pair).items()
+        _plain[pair.name] = {rid: generate_plain(pair.target, ids, p).output_ids for rid, (ids, p) in wanted}
+    return _plain[pair.name]
+
+
+def assert_pooled_equals_plain(pair: Pair, speculative: bool) -> PoolRun:
+    run = run_pooled(pair, speculative)
+    mode = "DFlash" if speculative else "plain"
+    for rid, want in plain_outputs(pair).items():
+        assert run.outputs[rid] == want, f"{pair.name}: {mode} on a pooled KV cache != plain greedy for {rid}"
+    return run
+
+
+@pytest.mark.parametrize("mode", ["plain", "dflash"])
+def test_a_pooled_cache_changes_no_output_for_a_mix_of_long_and_short_requests(pair: Pair, mode: str) -> None:
+    require_block(pair, BLOCK)
+    run = assert_pooled_equals_plain(pair, mode == "dflash")
+    assert run.waited > 0, "the pool never made a request wait: the gate does not exercise it"
+    assert run.reused, "no cell was held by two requests in turn: the gate does not exercise reuse"
+    assert run.pool_tokens < run.slot_tokens
+
+
+def test_an_allocator_that_overlaps_runs_is_caught(pair: Pair) -> None:
+    require_block(pair, BLOCK)
+    with planted("kv_pool_overlapping_runs"), pytest.raises(AssertionError, match="pooled KV cache"):
+        assert_pooled_equals_plain(pair, False)

@@ -1,0 +1,89 @@
+"""The pooled KV cache (reference_engine/runtime/kv_pool.py): runs of cells, the overlapping
+view the kernels address, the engine's admission by cells, its errors, and the memory plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference_engine.errors import ConfigError, RequestError
+from reference_engine.runtime.kv_pool import CellAllocator, PoolLayout
+from reference_engine.runtime.memory import GiB, StateCost, plan_memory
+
+
+def test_runs_are_first_fit_consecutive_and_freed_whole() -> None:
+    cells = CellAllocator(10)
+    assert cells.allocate(4) == 0 and cells.allocate(3) == 4 and cells.allocate(4) is None
+    assert cells.free_cells == 3 and cells.largest_free_run == 3
+    cells.free(0)
+    assert cells.allocate(2) == 0  # the first hole that fits
+    assert cells.allocate(3) == 7  # the 2 cells left at the start are too few
+    assert cells.largest_free_run == 2 and cells.free_cells == 2
+    with pytest.raises(RuntimeError, match="does not start a live run"):
+        cells.free(1)
+
+
+def test_a_row_of_the_view_starts_at_its_cell_and_the_spare_row_after_every_cell() -> None:
+    layout = PoolLayout(cells=4, cell_tokens=8, room=20)
+    assert layout.rows == 4 * 8 + 20 and layout.spare_cell == 4
+    cache = layout.cache(2, 3, torch.float32, torch.device("cpu"))
+    pool = cache._base
+    assert cache.shape == (5, 20, 2, 3) and pool.shape == (52, 2, 3)
+    rows, positions = torch.tensor([1, 4]), torch.tensor([[0, 19], [0, 19]])
+    cache[rows[:, None], positions] = torch.arange(1.0, 5.0).view(2, 2, 1, 1).expand(2, 2, 2, 3)
+    assert pool[8, 0, 0] == 1 and pool[8 + 19, 1, 2] == 2  # row 1: cell 1 onwards
+    assert pool[32, 0, 0] == 3 and pool[32 + 19, 0, 0] == 4  # the spare row: past the 4 cells
+    assert torch.equal(cache.index_select(0, torch.tensor([1]))[0, 19], pool[27])
+
+
+def test_a_pool_must_hold_one_request_of_the_full_room() -> None:
+    with pytest.raises(ConfigError, match="does not hold one request of the full room"):
+        PoolLayout.for_tokens(100, 16, 120)
+    assert PoolLayout.for_tokens(100, 16, 100).cells == 7  # whole cells: 112 tokens
+    with pytest.raises(ConfigError, match="kv_cell_tokens must be positive"):
+        PoolLayout.for_tokens(100, 0, 10)
+
+
+def test_the_engine_admits_by_cells_and_any_request_of_the_context_fits_the_pool(tiny_checkpoint) -> None:
+    from reference_engine.checkpoint import load_target
+    from reference_engine.runtime.engine import Engine, EngineConfig
+    from reference_engine.runtime.request import SamplingParams
+
+    target = load_target(tiny_checkpoint("qwen3"), dtype=torch.float32)
+    config = EngineConfig(max_num_seqs=3, max_model_len=40, kv_cache_tokens=48, kv_cell_tokens=8)
+    engine = Engine(target, None, config)
+    assert engine.pool.cells == 6 and engine.state.k_cache[0].shape[:2] == (7, 40)
+    long = SamplingParams(max_tokens=20, ignore_eos=True)
+    for rid in ("a", "b"):
+        engine.add_request(rid, [3] * 10, long)  # 10 + 20 + 0 tokens: 4 cells each
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.active.values()] == ["a"]
+    assert len(engine.scheduler.free_slots) == 2 and [s.request_id for s in engine.scheduler.waiting] == ["b"]
+    assert engine.state.cell_of.tolist() == [0, 6, 6]  # unplaced slots sit on the spare row
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.cells.free_cells == 6
+    # the longest request the context admits (40 tokens: 5 cells) fits the empty pool; a pool
+    # smaller than the room is refused at start, so no request waits for ever
+    engine.add_request("c", [3] * 30, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert engine.cells_needed(engine.get("c")) == 5
+    with pytest.raises(RequestError, match="exceeds the context of 40 tokens"):
+        engine.add_request("d", [3] * 30, SamplingParams(max_tokens=25))
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(ConfigError, match="does not hold one request of the full room"):
+        Engine(target, None, EngineConfig(max_model_len=40, kv_cache_tokens=32, kv_cell_tokens=8))
+
+
+def test_the_memory_plan_counts_the_pool_not_slots_times_the_room() -> None:
+    cost = StateCost(per_token=128 * 1024, per_slot=1000)
+    args = dict(total=100 * GiB, utilization=0.9, weights=16 * GiB, activations=2 * GiB, cost=cost)
+    pooled = plan_memory(**args, slots=65, room=32784, max_num_seqs=64, max_model_len=32768, pool_rows=300000)
+    assert pooled.state == 65 * 1000 + 300000 * 128 * 1024
+    assert "a pooled KV cache of 300000 tokens for 65 slots" in pooled.describe()
+    with pytest.raises(ConfigError) as info:
+        plan_memory(**args, slots=65, room=32784, max_num_seqs=64, max_model_len=32768, pool_rows=10**6)
+    message = str(info.value)
+    assert "a pooled KV cache of 1000000 tokens" in message and "lower --kv-cache-tokens" in message
+    fit = (pooled.budget - 65 * 1000) // (128 * 1024)
+    assert f"at most {fit - 32784} fits" in message and "\n" not in message

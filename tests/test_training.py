@@ -34,6 +34,8 @@ from reference_engine.training.loops import (
     target_views,
 )
 
+from .together import Results, together
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -328,6 +330,77 @@ def wheel_corpus(tmp_path_factory) -> tuple[Path, Path]:
     return lock, folder / "cache"
 
 
+def parts_run(parts: Path, lock: Path, cache: Path) -> tuple[list[subprocess.CompletedProcess], dict]:
+    """--stop-after target, then a --max-minutes 0 stop inside the draft loop, then the same
+    command again (each part only once the one before it succeeded); with what the first
+    part left: {"target": its target weights exist, "draft": its draft folder exists}."""
+    first = smoke(parts, lock, cache, "--stop-after", "target")
+    left = {
+        "target": (parts / "target" / "model.safetensors").exists(),
+        "draft": (parts / "draft").exists(),
+    }
+    if first.returncode != 0:
+        return [first], left
+    second = smoke(parts, lock, cache, "--max-minutes", "0")
+    if second.returncode != 3:
+        return [first, second], left
+    return [first, second, smoke(parts, lock, cache)], left
+
+
+def rejects_bad_settings(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train_demo_pair.py"),
+            "--smoke",
+            "--prompt-len",
+            "60",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
+def too_small_corpus(folder: Path) -> subprocess.CompletedProcess:
+    lock, _ = make_wheel_corpus(folder, packages=("json",), heldout=("json",))
+    return smoke(folder / "out", lock, folder / "cache")
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, wheel_corpus) -> Results:
+    """The recipe runs of the tests below, side by side in the background (tests/together.py)
+    while `smoke_pair` runs. Each fills a corpus cache of its own from the lock, as the first
+    run of `smoke_pair` fills the shared one (a cache is not written by two runs at once)."""
+    lock, _ = wheel_corpus
+
+    def folder(name: str) -> Path:
+        return tmp_path_factory.mktemp(name)
+
+    def second_smoke() -> tuple[Path, subprocess.CompletedProcess]:
+        out = folder("smoke-b")
+        return out, smoke(out / "b", lock, out / "cache")
+
+    def in_parts() -> tuple[Path, list[subprocess.CompletedProcess], dict]:
+        out = folder("parts")
+        return out / "parts", *parts_run(out / "parts", lock, out / "cache")
+
+    return together(
+        request,
+        {
+            "test_smoke_recipe_writes_a_loadable_pair_reproducibly": second_smoke,
+            "test_a_recipe_run_in_parts_equals_one_run": in_parts,
+            "test_recipe_rejects_bad_settings": lambda: rejects_bad_settings(folder("bad")),
+            "test_a_corpus_too_small_to_split_is_one_error_line_with_code_2": lambda: too_small_corpus(
+                folder("small")
+            ),
+        },
+    )
+
+
 @pytest.fixture(scope="module")
 def smoke_pair(tmp_path_factory, wheel_corpus) -> Path:
     out = tmp_path_factory.mktemp("smoke") / "a"
@@ -336,11 +409,8 @@ def smoke_pair(tmp_path_factory, wheel_corpus) -> Path:
     return out
 
 
-def test_smoke_recipe_writes_a_loadable_pair_reproducibly(
-    tmp_path: Path, wheel_corpus, smoke_pair: Path
-) -> None:
-    lock, cache = wheel_corpus
-    second = smoke(tmp_path / "b", lock, cache)
+def test_smoke_recipe_writes_a_loadable_pair_reproducibly(runs, request, smoke_pair: Path) -> None:
+    out, second = runs[request.node.name]  # the same smoke command, into out / "b"
     assert second.returncode == 0, second.stderr
     for name in (
         "target/model.safetensors",
@@ -348,7 +418,7 @@ def test_smoke_recipe_writes_a_loadable_pair_reproducibly(
         "target/tokenizer.json",
         "heldout_prompts.jsonl",
     ):
-        assert (smoke_pair / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        assert (smoke_pair / name).read_bytes() == (out / "b" / name).read_bytes(), name
     results = json.loads((smoke_pair / "training.json").read_text())
     assert set(results["acceptance"]) == {"2", "4"}
     assert all(row["mismatched_requests"] == 0 for row in results["acceptance"].values())
@@ -361,18 +431,17 @@ def test_smoke_recipe_writes_a_loadable_pair_reproducibly(
     assert draft.config.block_size == 4 and target.config.is_hybrid
 
 
-def test_a_recipe_run_in_parts_equals_one_run(tmp_path: Path, wheel_corpus, smoke_pair: Path) -> None:
+def test_a_recipe_run_in_parts_equals_one_run(runs, request, smoke_pair: Path) -> None:
     """--stop-after target, then a --max-minutes 0 stop inside the draft loop, then the
     same command again: the same files as one uninterrupted run."""
-    lock, cache = wheel_corpus
-    parts = tmp_path / "parts"
-    first = smoke(parts, lock, cache, "--stop-after", "target")
+    parts, done, left = runs[request.node.name]  # parts_run: the three commands
+    first = done[0]
     assert first.returncode == 0, first.stderr
-    assert (parts / "target" / "model.safetensors").exists() and not (parts / "draft").exists()
-    second = smoke(parts, lock, cache, "--max-minutes", "0")
+    assert left["target"] and not left["draft"]  # after the first part
+    second = done[1]
     assert second.returncode == 3, second.stderr
     assert "stopped at step 1/4" in second.stdout and "resume" in second.stdout
-    third = smoke(parts, lock, cache)
+    third = done[2]
     assert third.returncode == 0, third.stderr
     assert "draft: resumed at step 1/4" in third.stdout and "target step" not in third.stdout
     for name in ("target/model.safetensors", "draft/model.safetensors", "heldout_prompts.jsonl"):
@@ -380,29 +449,14 @@ def test_a_recipe_run_in_parts_equals_one_run(tmp_path: Path, wheel_corpus, smok
     assert not list((parts / "work").glob("*.ckpt.*"))  # finished stages leave no checkpoint
 
 
-def test_recipe_rejects_bad_settings(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "train_demo_pair.py"),
-            "--smoke",
-            "--prompt-len",
-            "60",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+def test_recipe_rejects_bad_settings(runs, request) -> None:
+    run = runs[request.node.name]  # rejects_bad_settings: --smoke --prompt-len 60
     assert run.returncode == 2
     assert "seq_len must hold a prompt and one block" in run.stderr
 
 
-def test_a_corpus_too_small_to_split_is_one_error_line_with_code_2(tmp_path: Path) -> None:
-    lock, _ = make_wheel_corpus(tmp_path, packages=("json",), heldout=("json",))
-    run = smoke(tmp_path / "out", lock, tmp_path / "cache")
+def test_a_corpus_too_small_to_split_is_one_error_line_with_code_2(runs, request) -> None:
+    run = runs[request.node.name]  # too_small_corpus: one package, and it is held out
     assert run.returncode == 2
     assert run.stderr.startswith("error: ") and "too few Python files" in run.stderr
     assert "Traceback" not in run.stderr

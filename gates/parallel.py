@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from reference_engine.checkpoint import load_draft, load_target
 from reference_engine.errors import ConfigError
 from reference_engine.runtime.engine import EngineConfig
-from reference_engine.runtime.tensor_parallel import TensorParallel, shard_target, share_with_draft
+from reference_engine.runtime.tensor_parallel import TensorParallel, share_with_draft
 
 from .exact import run_engine
 
@@ -151,7 +151,7 @@ def sharded_runs(
                 plant_size_dependent_order(tp)
             check = RowInvariance(tp)
             try:
-                target = shard_target(load_target(target_dir, dtype=getattr(torch, dtype)), tp)
+                target = load_target(target_dir, dtype=getattr(torch, dtype), tensor_parallel=tp)
             except ConfigError as exc:
                 results[family] = {"refused": str(exc)}
                 break

@@ -29,7 +29,7 @@ from .runtime.decode import generate_plain
 from .runtime.engine import EngineConfig
 from .runtime.one_request import generate_speculative
 from .runtime.request import SamplingParams
-from .runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, shard_target, share_with_draft
+from .runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, share_with_draft
 from .tokenizer import load_tokenizer
 
 
@@ -94,9 +94,7 @@ def run(args: GenerateArgs) -> dict:
     numerics = args.numerics or default_numerics(device, dtype)
     tp = init_tensor_parallel(args.tensor_parallel_size, device, numerics, "generate")
     device = rank_device(device, tp)
-    model = load_target(args.model, dtype=dtype, device=device)
-    if tp is not None:
-        shard_target(model, tp)
+    model = load_target(args.model, dtype=dtype, device=device, tensor_parallel=tp)
     tokenizer = None
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)

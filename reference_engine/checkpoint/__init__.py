@@ -8,6 +8,9 @@ Layouts read:
 - `model.safetensors`, or shards listed in `model.safetensors.index.json`;
 - tied (`tie_word_embeddings`, no `lm_head.weight` needed) or untied embeddings.
 
+Under tensor parallelism a rank reads only its slice of each tensor (`load_target(...,
+tensor_parallel=tp)`; the slices are runtime/tensor_parallel.py's `shard_of`).
+
 DFlash drafts (z-lab layout): `architectures: ["DFlashDraftModel"]`, tensors `layers.*`,
 `fc`, `hidden_norm`, `norm` (a leading `model.` is accepted too); the draft borrows the
 target's `embed_tokens` and `lm_head`. DFlash2 drafts (`DFlash2DraftModel`) add, per layer,
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ from ..models import CausalLM, build_draft, build_target, draft_expected_shapes,
 from ..models.base import target_rotary
 from ..models.dflash import DFlashDraft
 from ..models.layers import RotaryEmbedding
+from ..runtime.tensor_parallel import Shard, TensorParallel, shard_plan, sharded_target
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 WRAPPER_PREFIX = "model.language_model."
@@ -197,6 +202,8 @@ def read_tensors(
     device: torch.device | str,
     ignorable: tuple[str, ...] = (),
     strip_model_prefix: bool = False,
+    shards: dict[str, Shard | None] | None = None,
+    reads: list[tuple[str, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read exactly the expected tensors, checking names and shapes before any load.
 
@@ -204,7 +211,11 @@ def read_tensors(
     `lm_head.weight` stored beside tied embeddings). MoE experts are read from either
     layout: fused (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, as transformers 5
     holds them) or per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, as
-    `save_pretrained` writes them by default), and are returned fused."""
+    `save_pretrained` writes them by default), and are returned fused.
+
+    `shards` (tensor parallelism): for each expected name, the part to read (None: the
+    whole); only that part's bytes are read from the file, and the tensor returned is the
+    part. `reads`, when given, gets (checkpoint name, bytes read) for every read."""
     files = tensor_files(path)
     sources = _sources(path, list(files), expected, ignorable, strip_model_prefix)
     handles: dict[Path, Any] = {}
@@ -214,6 +225,18 @@ def read_tensors(
         if file not in handles:
             handles[file] = open_safetensors(file)
         return handles[file]
+
+    def read(name: str, shard: Shard | None) -> torch.Tensor:
+        if shard is None:
+            tensor = handle_of(name).get_tensor(name)
+        else:  # each piece straight from the file, without the rest of the tensor
+            whole = handle_of(name).get_slice(name)
+            before = (slice(None),) * shard.dim
+            pieces = [whole[(*before, slice(start, start + n))] for start, n in shard.pieces]
+            tensor = _cat(pieces, shard.dim)
+        if reads is not None:
+            reads.append((name, tensor.numel() * tensor.element_size()))
+        return tensor.to(device=device, dtype=dtype)
 
     try:
         for canonical, source in sources.items():
@@ -235,33 +258,78 @@ def read_tensors(
                     )
         tensors: dict[str, torch.Tensor] = {}
         for canonical, source in sources.items():
-            parts = [
-                handle_of(name).get_tensor(name).to(device=device, dtype=dtype) for name, _ in source.parts
-            ]
-            if source.join == "gate_up":  # [E, I, H] gates then [E, I, H] ups -> [E, 2I, H]
-                half = len(parts) // 2
-                joined = torch.cat([torch.stack(parts[:half]), torch.stack(parts[half:])], dim=1)
-            elif source.join == "down":
-                joined = torch.stack(parts)
+            shard = None if shards is None else shards[canonical]
+            if source.join == "one":
+                tensors[canonical] = read(source.parts[0][0], shard)
             else:
-                joined = parts[0]
-            tensors[canonical] = joined
+                tensors[canonical] = _read_experts(source, expected[canonical], shard, read)
     finally:
         handles.clear()
     return tensors
+
+
+def _read_experts(
+    source: Source,
+    shape: tuple[int, ...],
+    shard: Shard | None,
+    read: Callable[[str, Shard | None], torch.Tensor],
+) -> torch.Tensor:
+    """A fused expert tensor (gate_up [E, 2I, H]: the experts' gates stacked, then their ups;
+    down [E, H, I]) from the per-expert tensors, or the part `shard` names of it: along a
+    dim past the experts', each piece is read from every expert's tensor (and from the gates
+    or the ups, or both, by where the piece lies along gate_up's rows)."""
+    names = [name for name, _ in source.parts]
+    if source.join == "gate_up":
+        half = len(names) // 2
+        groups = [(names[:half], 0), (names[half:], shape[1] // 2)]  # (experts' names, first row)
+    else:
+        groups = [(names, 0)]
+    if shard is None:
+        return _cat([torch.stack([read(name, None) for name in group]) for group, _ in groups], dim=1)
+    if shard.dim == 0:
+        raise ValueError("a shard of the fused experts splits the experts' own dimensions, not their ids")
+    dim, rows = shard.dim - 1, shape[1] // len(groups)  # an expert's dim; its rows in one group
+    pieces = []
+    for start, length in shard.pieces:
+        parts = []
+        for group, first in groups:
+            if shard.dim == 1:  # only the rows of this piece within this group
+                lo, hi = max(start, first), min(start + length, first + rows)
+                if lo >= hi:
+                    continue
+                local = Shard(dim, ((lo - first, hi - lo),))
+            else:
+                local = Shard(dim, ((start, length),))
+            parts.append(torch.stack([read(name, local) for name in group]))
+        pieces.append(_cat(parts, dim=1))
+    return _cat(pieces, dim=shard.dim)
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
 def load_target(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    tensor_parallel: TensorParallel | None = None,
+    reads: list[tuple[str, int]] | None = None,
 ) -> CausalLM:
     """Load a target (any model_type of config.SUPPORTED_TARGET_TYPES) from a Hugging Face
-    model directory."""
+    model directory. Under `tensor_parallel`, this rank's slice only: each tensor's part
+    (`tensor_parallel.shard_of`) is read from the files, never the whole tensor. `reads`:
+    as read_tensors'."""
     config = TargetConfig.from_hf(read_config(path))
     expected = expected_shapes(config)
-    tensors = read_tensors(path, expected, dtype, device, ignorable=("lm_head.weight",))
-    model = assemble_target(config, tensors, device)
+    shards = None if tensor_parallel is None else shard_plan(config, expected, tensor_parallel)
+    tensors = read_tensors(
+        path, expected, dtype, device, ignorable=("lm_head.weight",), shards=shards, reads=reads
+    )
+    if tensor_parallel is None:
+        model = assemble_target(config, tensors, device)
+    else:
+        model = sharded_target(config, tensors, tensor_parallel, device)
     model.source_path = Path(path)
     return model
 

@@ -1,12 +1,15 @@
 """Tensor parallelism: one process per device, each holding a slice of every layer, exact
 under DFlash.
 
-A loaded target is sharded in place (`shard_target`): attention query heads and KV heads
-(a KV head is copied to several ranks when there are fewer KV heads than ranks), Gated
+Each rank keeps (`shard_of`, the one statement of the slicing) attention query heads and KV
+heads (a KV head is copied to several ranks when there are fewer KV heads than ranks), Gated
 DeltaNet key and value heads (their projections, conv channels, decay and gate
 parameters), the MLP's and every expert's intermediate dimension (routing stays whole and
 replicated, so every rank runs the same experts on the same tokens), and the vocabulary of
-the embedding and of the LM head. Column-parallel projections need no communication;
+the embedding and of the LM head. The loader reads only these parts from the checkpoint's
+files (`checkpoint.load_target(..., tensor_parallel=tp)`), so a rank never holds more than
+its slice plus the replicated tensors; `shard_target` cuts the same parts from a target
+already loaded whole (random weights). Column-parallel projections need no communication;
 each row-parallel one (o_proj, down_proj, the experts' down products, Gated DeltaNet's
 out_proj) leaves a partial sum that one reduction per sublayer completes, hooked on the
 sublayer module, so the model files stay as they are. The per-slot state follows the
@@ -31,7 +34,7 @@ NCCL on CUDA, gloo on the CPU.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -42,11 +45,10 @@ from torch import nn
 from ..config import TargetConfig
 from ..errors import ConfigError, RequestError
 from ..kernels import NUMERICS
-from ..models import CausalLM
+from ..models import CausalLM, build_target
+from ..models.base import target_rotary
 from ..models.dflash import DFlashDraft
-from ..models.layers import MLP, SelfAttention
 from ..models.moe import SparseMoeBlock
-from ..models.qwen3_5 import GatedDeltaNet
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); older torch has only it
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -169,102 +171,114 @@ class RowParallelOutput:
         return out if self.bias is None else out + self.bias
 
 
-def _keep(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
-    if value is not None:
-        setattr(module, name, nn.Parameter(value.contiguous().clone(), requires_grad=False))
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _columns(linear: nn.Linear, pieces: list[tuple[int, int]]) -> None:
-    """Keep the output rows (pieces of (start, length)) of a column-parallel linear."""
-    _keep(linear, "weight", torch.cat([linear.weight[s : s + n] for s, n in pieces]))
-    if linear.bias is not None:
-        _keep(linear, "bias", torch.cat([linear.bias[s : s + n] for s, n in pieces]))
-    linear.out_features = linear.weight.shape[0]  # FusedLinears sizes its views by it
+@dataclass(frozen=True)
+class Shard:
+    """The part of a tensor one rank keeps: along `dim`, the `pieces` (start, length) in order,
+    concatenated (a fused projection keeps one piece of each of its parts)."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+
+    def take(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole tensor (a copy)."""
+        return torch.cat([whole.narrow(self.dim, start, length) for start, length in self.pieces], self.dim)
 
 
-def _row_parallel(linear: nn.Linear, start: int, length: int) -> torch.Tensor | None:
-    """Keep the input columns of a row-parallel linear; returns its bias, taken off."""
-    _keep(linear, "weight", linear.weight[:, start : start + length])
-    linear.in_features = length
-    bias = linear.bias
-    linear.bias = None
-    return None if bias is None else bias.detach().clone()
+def _rows(*pieces: tuple[int, int]) -> Shard:
+    return Shard(0, pieces)
 
 
-def _hook(module: nn.Module, tp: TensorParallel, bias: torch.Tensor | None = None) -> None:
-    module.register_forward_hook(RowParallelOutput(tp, bias))
+def _scaled(piece: tuple[int, int], unit: int, offset: int = 0) -> tuple[int, int]:
+    """A piece counted in heads -> in rows of `unit` each, from `offset`."""
+    return offset + piece[0] * unit, piece[1] * unit
 
 
-def shard_attention(attn: SelfAttention, tp: TensorParallel) -> None:
-    """Query heads split evenly; KV heads split evenly, or, when there are fewer KV heads
-    than ranks, the one KV head this rank's query heads read copied to it."""
-    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    first, count = tp.split(heads, "num_attention_heads")
-    if kv_heads % tp.world_size and tp.world_size % kv_heads:
+def attention_heads(config: TargetConfig, tp: TensorParallel) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(first, count) of this rank's query heads and of its KV heads: KV heads split evenly,
+    or, when there are fewer KV heads than ranks, the one KV head its query heads read."""
+    heads, kv_heads, n = config.num_attention_heads, config.num_key_value_heads, tp.world_size
+    query = tp.split(heads, "num_attention_heads")
+    if kv_heads % n and n % kv_heads:
         raise ConfigError(
-            f"num_key_value_heads {kv_heads} neither divides nor is a multiple of "
-            f"--tensor-parallel-size {tp.world_size}"
+            f"num_key_value_heads {kv_heads} neither divides nor is a multiple of --tensor-parallel-size {n}"
         )
-    kv_count = max(1, kv_heads // tp.world_size)
-    kv_first = tp.rank * kv_heads // tp.world_size
-    q_rows = d * (2 if attn.gated else 1)  # gated: query and gate interleaved per head
-    _columns(attn.q_proj, [(first * q_rows, count * q_rows)])
-    _columns(attn.k_proj, [(kv_first * d, kv_count * d)])
-    _columns(attn.v_proj, [(kv_first * d, kv_count * d)])
-    _hook(attn, tp, _row_parallel(attn.o_proj, first * d, count * d))
-    attn.num_heads, attn.num_kv_heads = count, kv_count
-    attn.fused = None
+    return query, (tp.rank * kv_heads // n, max(1, kv_heads // n))
 
 
-def shard_gated_deltanet(gdn: GatedDeltaNet, tp: TensorParallel) -> None:
+def _attention_shard(proj: str, leaf: str, config: TargetConfig, tp: TensorParallel) -> Shard | None:
+    query, kv = attention_heads(config, tp)
+    d = config.head_dim
+    if proj == "q_proj":  # gated: query and gate interleaved per head, 2 * head_dim rows each
+        return _rows(_scaled(query, d * (2 if config.gated_attention else 1)))
+    if proj in ("k_proj", "v_proj"):
+        return _rows(_scaled(kv, d))
+    if proj == "o_proj" and leaf == "weight":
+        return Shard(1, (_scaled(query, d),))
+    return None  # q_norm, k_norm; o_proj's bias is added once, after the reduction
+
+
+def _gated_deltanet_shard(proj: str, leaf: str, config: TargetConfig, tp: TensorParallel) -> Shard | None:
     """Key heads and value heads split evenly (value heads 2i, 2i+1 read key head i for a
-    ratio of 2, so contiguous shares stay together): the q, k and v channels of the input
-    projection and of the conv, z, a, b, the decay parameters and out_proj's columns."""
-    k_first, k_count = tp.split(gdn.num_k_heads, "linear_num_key_heads")
-    v_first, v_count = tp.split(gdn.num_v_heads, "linear_num_value_heads")
-    dk, dv, key_dim = gdn.k_dim, gdn.v_dim, gdn.key_dim
-    channels = [(k_first * dk, k_count * dk), (key_dim + k_first * dk, k_count * dk)]
-    channels.append((2 * key_dim + v_first * dv, v_count * dv))
-    _columns(gdn.in_proj_qkv, channels)
-    _keep(gdn.conv1d, "weight", torch.cat([gdn.conv1d.weight[s : s + n] for s, n in channels]))
-    _columns(gdn.in_proj_z, [(v_first * dv, v_count * dv)])
-    _columns(gdn.in_proj_b, [(v_first, v_count)])
-    _columns(gdn.in_proj_a, [(v_first, v_count)])
-    _keep(gdn, "dt_bias", gdn.dt_bias[v_first : v_first + v_count])
-    _keep(gdn, "A_log", gdn.A_log[v_first : v_first + v_count])
-    _hook(gdn, tp, _row_parallel(gdn.out_proj, v_first * dv, v_count * dv))
-    gdn.num_k_heads, gdn.num_v_heads = k_count, v_count
-    gdn.key_dim, gdn.value_dim = k_count * dk, v_count * dv
-    gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
-    gdn.conv1d.in_channels = gdn.conv1d.out_channels = gdn.conv1d.groups = gdn.conv_dim
-    gdn.fused = None
+    ratio of 2, so contiguous shares stay together)."""
+    keys = tp.split(config.linear_num_key_heads, "linear_num_key_heads")
+    values = tp.split(config.linear_num_value_heads, "linear_num_value_heads")
+    dk, dv, key_dim = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_key_dim
+    if proj in ("in_proj_qkv", "conv1d"):  # q, k and v channels
+        return _rows(_scaled(keys, dk), _scaled(keys, dk, key_dim), _scaled(values, dv, 2 * key_dim))
+    if proj == "in_proj_z":
+        return _rows(_scaled(values, dv))
+    if proj in ("in_proj_a", "in_proj_b") or leaf in ("dt_bias", "A_log"):
+        return _rows(values)
+    if proj == "out_proj":
+        return Shard(1, (_scaled(values, dv),))
+    return None  # the gated norm, per value head dimension
 
 
-def shard_mlp(mlp: MLP, tp: TensorParallel, hook: bool = True) -> None:
-    """The intermediate dimension split: gate and up by rows, down by columns."""
-    first, count = tp.split(mlp.gate_proj.out_features, "the MLP's intermediate size")
-    _columns(mlp.gate_proj, [(first, count)])
-    _columns(mlp.up_proj, [(first, count)])
-    bias = _row_parallel(mlp.down_proj, first, count)
-    if hook:
-        _hook(mlp, tp, bias)
-    mlp.fused = None
+def _mlp_shard(proj: str, leaf: str, shape: tuple[int, ...], tp: TensorParallel) -> Shard | None:
+    """The intermediate dimension split: gate and up by rows, down by columns; every expert's
+    (gate_up [E, 2I, H] gate rows first, down [E, H, I]) and the shared expert's alike. The
+    router and the shared expert's gate stay whole, so routing is the same on every rank."""
+    if proj in ("gate_proj", "up_proj"):
+        return _rows(tp.split(shape[0], "the MLP's intermediate size"))
+    if proj == "down_proj" and leaf == "weight":
+        return Shard(1, (tp.split(shape[1], "the MLP's intermediate size"),))
+    if leaf == "gate_up_proj":
+        first, count = tp.split(shape[1] // 2, "moe_intermediate_size")
+        return Shard(1, ((first, count), (shape[1] // 2 + first, count)))
+    if leaf == "down_proj":
+        return Shard(2, (tp.split(shape[2], "moe_intermediate_size"),))
+    return None  # the router, the shared expert's gate, down_proj's bias
 
 
-def shard_moe(block: SparseMoeBlock, tp: TensorParallel) -> None:
-    """Every expert's intermediate dimension split (gate_up [E, 2I, H] gate rows first, down
-    [E, H, I]), and the shared expert's; the router and the shared expert's gate stay whole,
-    so routing is the same on every rank. One reduction for the block's output."""
-    experts = block.experts
-    width = experts.down_proj.shape[-1]
-    first, count = tp.split(width, "moe_intermediate_size")
-    gate_up = experts.gate_up_proj
-    gate, up = gate_up[:, first : first + count], gate_up[:, width + first : width + first + count]
-    _keep(experts, "gate_up_proj", torch.cat([gate, up], dim=1))
-    _keep(experts, "down_proj", experts.down_proj[..., first : first + count])
-    if block.shared_expert is not None:
-        shard_mlp(block.shared_expert, tp, hook=False)
-    _hook(block, tp)
+def shard_of(name: str, shape: tuple[int, ...], config: TargetConfig, tp: TensorParallel) -> Shard | None:
+    """The part of the target's tensor `name` (whole: `shape`) that this rank keeps, or None
+    for one every rank holds whole (norms, the router, the row-parallel biases). The one
+    statement of the slicing: the loader reads these parts from the files, and
+    `shard_target` cuts them from a target loaded whole."""
+    if name in VOCAB_PARALLEL:
+        return _rows(tp.split(config.vocab_size, "vocab_size"))
+    owner, _, leaf = name.rpartition(".")
+    module = owner.rpartition(".")[2]  # q_proj, in_proj_qkv, experts, ...
+    if ".self_attn." in name:
+        return _attention_shard(module, leaf, config, tp)
+    if ".linear_attn." in name:
+        return _gated_deltanet_shard(module, leaf, config, tp)
+    if ".mlp." in name:
+        return _mlp_shard(module, leaf, shape, tp)
+    return None
+
+
+def shard_plan(
+    config: TargetConfig, shapes: dict[str, tuple[int, ...]], tp: TensorParallel
+) -> dict[str, Shard | None]:
+    """`shard_of` for every tensor of the target (shapes: `models.expected_shapes`); fails on
+    a size the heads or widths do not divide before anything is read (the layers' sizes
+    named before the vocabulary's)."""
+    names = sorted(shapes, key=lambda name: name in VOCAB_PARALLEL)
+    return {name: shard_of(name, shapes[name], config, tp) for name in names}
 
 
 def sharded_config(config: TargetConfig, tp: TensorParallel) -> TargetConfig:
@@ -287,31 +301,57 @@ def sharded_config(config: TargetConfig, tp: TensorParallel) -> TargetConfig:
     )
 
 
+def sharded_target(
+    config: TargetConfig, tensors: dict[str, torch.Tensor], tp: TensorParallel, device: torch.device | str
+) -> CausalLM:
+    """This rank's target around its tensors (the parts `shard_plan` names, by checkpoint
+    name): the modules are those of the sharded config, so every tensor's shape is checked
+    against them, plus the vocabulary-parallel embedding and LM head; each row-parallel
+    sublayer gets its reduction, with its last product's bias taken off to be added once."""
+    first, count = tp.split(config.vocab_size, "vocab_size")
+    with torch.device("meta"):
+        model = build_target(sharded_config(config, tp))
+        model.model.embed_tokens = VocabParallelEmbedding(torch.empty(count, config.hidden_size), first, tp)
+        if not config.tie_word_embeddings:
+            model.lm_head = nn.Linear(config.hidden_size, count, bias=False)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    for layer in model.model.layers:
+        if getattr(layer, "is_linear", False):
+            _reduce(layer.linear_attn, tp, layer.linear_attn.out_proj)
+        else:
+            _reduce(layer.self_attn, tp, layer.self_attn.o_proj)
+        if isinstance(layer.mlp, SparseMoeBlock):  # the shared expert's down_proj has no bias
+            _reduce(layer.mlp, tp)
+        else:
+            _reduce(layer.mlp, tp, layer.mlp.down_proj)
+    model.rotary = target_rotary(config).to(device)
+    model.gather_logits = tp.gather_vocab
+    model.tensor_parallel = tp
+    return model.eval().requires_grad_(False)
+
+
+def _reduce(module: nn.Module, tp: TensorParallel, last: nn.Linear | None = None) -> None:
+    """Hook the reduction of a sublayer whose last product (`last`) is row-parallel."""
+    bias = None
+    if last is not None and last.bias is not None:
+        bias, last.bias = last.bias.detach(), None
+    module.register_forward_hook(RowParallelOutput(tp, bias))
+
+
 def shard_target(model: CausalLM, tp: TensorParallel) -> CausalLM:
-    """Keep this rank's slice of every layer of a loaded target, in place (before the engine
-    is built: fused projections and CUDA graphs are made from the slices)."""
+    """This rank's slice of a target loaded whole (random weights; a checkpoint is read slice
+    by slice instead: `checkpoint.load_target(..., tensor_parallel=tp)`): a new model, the
+    one the loader builds, around the parts `shard_of` names cut from the whole model's
+    tensors (those every rank holds whole are shared with it, not copied)."""
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("the target is already sharded")
-    config = model.config
-    for layer in model.model.layers:
-        mixer = layer.linear_attn if getattr(layer, "is_linear", False) else layer.self_attn
-        if isinstance(mixer, GatedDeltaNet):
-            shard_gated_deltanet(mixer, tp)
-        else:
-            shard_attention(mixer, tp)
-        if isinstance(layer.mlp, SparseMoeBlock):
-            shard_moe(layer.mlp, tp)
-        else:
-            shard_mlp(layer.mlp, tp)
-    first, count = tp.split(config.vocab_size, "vocab_size")
-    embed = model.model.embed_tokens.weight[first : first + count].contiguous().clone()
-    model.model.embed_tokens = VocabParallelEmbedding(embed, first, tp)
-    if not config.tie_word_embeddings:
-        _keep(model.lm_head, "weight", model.lm_head.weight[first : first + count])
-    model.gather_logits = tp.gather_vocab
-    model.config = sharded_config(config, tp)
-    model.tensor_parallel = tp
-    return model
+    whole = model.state_dict()
+    plan = shard_plan(model.config, {name: tuple(t.shape) for name, t in whole.items()}, tp)
+    tensors = {name: t if plan[name] is None else plan[name].take(t) for name, t in whole.items()}
+    sharded = sharded_target(model.config, tensors, tp, model.model.norm.weight.device)
+    if hasattr(model, "source_path"):
+        sharded.source_path = model.source_path
+    return sharded
 
 
 def share_with_draft(draft: DFlashDraft, tp: TensorParallel) -> DFlashDraft:

@@ -87,3 +87,21 @@ def test_the_memory_plan_counts_the_pool_not_slots_times_the_room() -> None:
     assert "a pooled KV cache of 1000000 tokens" in message and "lower --kv-cache-tokens" in message
     fit = (pooled.budget - 65 * 1000) // (128 * 1024)
     assert f"at most {fit - 32784} fits" in message and "\n" not in message
+
+
+def test_the_kv_cache_usage_is_the_share_of_cells_held_and_is_exported(tiny_checkpoint) -> None:
+    from reference_engine.checkpoint import load_target
+    from reference_engine.runtime.engine import Engine, EngineConfig
+    from reference_engine.runtime.request import SamplingParams
+    from reference_engine.serving.metrics import ServerMetrics
+
+    target = load_target(tiny_checkpoint("qwen3"), dtype=torch.float32)
+    config = EngineConfig(max_num_seqs=3, max_model_len=40, kv_cache_tokens=64, kv_cell_tokens=8)
+    pooled = Engine(target, None, config)
+    slots = Engine(target, None, EngineConfig(max_num_seqs=4, max_model_len=40))
+    for engine in (pooled, slots):
+        engine.add_request("a", [3] * 10, SamplingParams(max_tokens=20, ignore_eos=True))  # 4 cells
+        engine.step()
+    assert pooled.kv_cache_usage() == 4 / 8 and slots.kv_cache_usage() == 1 / 4
+    page, _ = ServerMetrics().render(pooled)
+    assert b"dflash:kv_cache_usage_perc 0.5" in page

@@ -51,6 +51,7 @@ def idle_engine(spec: SpecCounters | None = None, verify_widths: dict[int, int] 
         scheduler=scheduler,
         timer=timer,
         device=torch.device("cpu"),
+        kv_cache_usage=lambda: 0.0,
     )
 
 

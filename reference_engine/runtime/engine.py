@@ -179,6 +179,14 @@ class Engine:
             draft_state = DraftState(self.draft.config, slots, room, self.dtype, device, pool, state.cell_of)
         return state, draft_state
 
+    def kv_cache_usage(self) -> float:
+        """The share of the KV cache the running requests hold: a pooled cache's cells taken,
+        or the slots taken (each holds a whole room)."""
+        scheduler = self.scheduler
+        if scheduler.cells is not None:
+            return 1.0 - scheduler.cells.free_cells / scheduler.cells.cells
+        return len(scheduler.active) / scheduler.max_num_seqs
+
     def cells_needed(self, seq: Sequence) -> int:
         """Cells of a pooled KV cache a request takes: its prompt, its max_tokens (the context
         without a limit) and one block, which a verify may write past its last token."""

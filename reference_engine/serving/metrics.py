@@ -18,7 +18,8 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
   distribution in that request alone): every request counted once, in one of the two;
 - `dflash:prompt_tokens_total`, `dflash:generation_tokens_total` (the responses' output
   tokens: those past a stop string are not counted), `dflash:num_requests_running`,
-  `dflash:num_requests_waiting`;
+  `dflash:num_requests_waiting`, `dflash:kv_cache_usage_perc` (vLLM's name: the share of the
+  KV cache the running requests hold, 0 to 1; with a pooled cache its cells, else its slots);
 - `dflash:time_to_first_token_seconds` (every request that got a token),
   `dflash:inter_token_latency_seconds` (per token: the gap between two deliveries divided
   evenly among the tokens the later one carried), `dflash:e2e_request_latency_seconds`
@@ -125,6 +126,9 @@ class ServerMetrics:
         )
         self.running = Gauge(f"{p}:num_requests_running", "Requests with a slot", registry=r)
         self.waiting = Gauge(f"{p}:num_requests_waiting", "Requests queued", registry=r)
+        self.kv_cache_usage = Gauge(
+            f"{p}:kv_cache_usage_perc", "Share of the KV cache the running requests hold, 0 to 1", registry=r
+        )
         self.ttft = Histogram(
             f"{p}:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -174,6 +178,7 @@ class ServerMetrics:
                 self._advance(name, self.phase_seconds.labels(phase=phase), seconds)
         self.running.set(len(engine.scheduler.active))
         self.waiting.set(len(engine.scheduler.waiting))
+        self.kv_cache_usage.set(engine.kv_cache_usage())
 
     def request(self, prompt_tokens: int, arrival_s: float) -> RequestMetrics:
         """The metrics of one request that arrived at `arrival_s` (time.monotonic())."""
@@ -185,6 +190,7 @@ class ServerMetrics:
         # gauges are read at scrape time too: an idle engine takes no step to refresh them
         self.running.set(len(engine.scheduler.active))
         self.waiting.set(len(engine.scheduler.waiting))
+        self.kv_cache_usage.set(engine.kv_cache_usage())
         if openmetrics:
             return openmetrics_text.generate_latest(self.registry), openmetrics_text.CONTENT_TYPE_LATEST
         return generate_latest(self.registry), PROMETHEUS_TEXT

@@ -34,7 +34,10 @@ OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 def init_weights(model: torch.nn.Module, num_layers: int, seed: int) -> None:
     """GPT-style init (std 0.02, output projections scaled down by depth), Gated DeltaNet
     decay parameters as Qwen3.5 initialises them (A in [1, 16], dt in [1e-3, 1e-1]). Norm
-    weights keep their constructed values. Drawn on the CPU from `seed`."""
+    weights keep their constructed values. A DFlash2 draft's convolutions start as the
+    identity (base tap 0 at 1, the other taps and the dynamic weights at 0), so that it starts
+    as a DFlash draft; its selector's codebooks and projection take the std 0.02 rule. Drawn
+    on the CPU from `seed`."""
     gen = torch.Generator().manual_seed(seed)
 
     def uniform(shape, low: float, high: float) -> torch.Tensor:
@@ -48,6 +51,11 @@ def init_weights(model: torch.nn.Module, num_layers: int, seed: int) -> None:
             value = dt + torch.log(-torch.expm1(-dt))  # softplus(value) == dt
         elif p.ndim == 1:
             continue
+        elif name.endswith("base_kernel"):  # [2, taps, hidden]
+            value = torch.zeros(p.shape)
+            value[:, 0] = 1.0
+        elif name.endswith("kernel_projection.weight"):
+            value = torch.zeros(p.shape)
         elif name.endswith("conv1d.weight"):
             value = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
         else:
@@ -118,7 +126,7 @@ def optimise(
     model: torch.nn.Module,
     steps: int,
     lr: float,
-    loss_at: Callable[[int], torch.Tensor],
+    loss_at: Callable[[int], torch.Tensor | dict[str, torch.Tensor]],
     log: Callable[[str], None],
     what: str,
     log_every: int = 50,
@@ -130,12 +138,14 @@ def optimise(
     deadline: float | None = None,
 ) -> dict:
     """AdamW with warm-up and cosine decay, gradient clipping at 1. `loss_at(step)` builds
-    the batch and returns its loss. With `validate` (lower is better), the weights at the
-    best validation point are kept. With `checkpoint`, the loop resumes from it when one
-    is there, saves one every `checkpoint_every` steps and, past `deadline`
-    (time.perf_counter()), saves one and raises `Interrupted`; `generator` (the batch
-    sampler's) is saved and restored with it, so a resumed run draws the same batches.
-    Returns {"losses", "best_step", "best_score"}."""
+    the batch and returns its loss, or a dict of the loss ("loss") and other terms to record
+    per step (each in `terms`, a list per name, the way `losses` records the loss). With
+    `validate` (lower is better), the weights at the best validation point are kept. With
+    `checkpoint`, the loop resumes from it when one is there, saves one every
+    `checkpoint_every` steps and, past `deadline` (time.perf_counter()), saves one and raises
+    `Interrupted`; `generator` (the batch sampler's) is saved and restored with it, so a
+    resumed run draws the same batches.
+    Returns {"losses", "terms", "best_step", "best_score"}."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
@@ -146,6 +156,7 @@ def optimise(
         fused=params[0].is_cuda,
     )
     losses: list[float] = []
+    terms: dict[str, list[float]] = {}
     best = {"best_step": steps, "best_score": None}
     best_state = None
     first = 0
@@ -154,6 +165,7 @@ def optimise(
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         first, losses, best, best_state = (saved["step"], saved["losses"], saved["best"], saved["best_state"])
+        terms = saved.get("terms", {})
         if generator is not None:
             generator.set_state(saved["generator"])
         log(f"{what}: resumed at step {first}/{steps}")
@@ -165,6 +177,7 @@ def optimise(
                 "model": model.state_dict(),
                 "optimizer": opt.state_dict(),
                 "losses": losses,
+                "terms": terms,
                 "best": best,
                 "best_state": best_state,
                 "generator": generator.get_state() if generator is not None else None,
@@ -188,6 +201,11 @@ def optimise(
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         loss = loss_at(step)
+        if isinstance(loss, dict):
+            for name, value in loss.items():
+                if name != "loss":
+                    terms.setdefault(name, []).append(value.item())
+            loss = loss["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -210,7 +228,7 @@ def optimise(
     if best_state is not None:
         model.load_state_dict(best_state)
         log(f"{what}: kept the weights of step {best['best_step']} (validation {best['best_score']:.3f})")
-    return {"losses": losses, **best}
+    return {"losses": losses, "terms": terms, **best}
 
 
 def loss_curve(losses: list[float], points: int = 10) -> list[tuple[int, float]]:
@@ -267,7 +285,7 @@ def target_views(
     return torch.cat(features), torch.cat(greedy)
 
 
-def block_logits(
+def block_hidden(
     draft: DFlashDraft,
     target: CausalLM,
     seqs: torch.Tensor,
@@ -275,13 +293,15 @@ def block_logits(
     anchors: torch.Tensor,
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draft logits for blocks at `anchors` of `seqs`, as the engine drafts them.
+    """The draft's final hidden states for blocks at `anchors` of `seqs`, as the engine
+    drafts them.
 
     seqs: [n, T] token rows; features: their `target_views` features [n, T, F]; anchors:
     [n, K] anchor positions (positions anchor..anchor+B-1 inside T); lengths: [n*K] block
     lengths <= B (shorter blocks see only themselves, as the engine's final blocks and
-    smaller block sizes do), None for all B. Returns [n*K, B-1, vocab]: slot j proposes
-    the token at anchor + j. The context is every position before the anchor."""
+    smaller block sizes do), None for all B. Returns [n*K, B, hidden]: slot 0 holds the
+    anchor, slot j proposes the token at anchor + j. The context is every position before
+    the anchor."""
     n, T = seqs.shape
     K = anchors.shape[1]
     cfg = draft.config
@@ -294,14 +314,30 @@ def block_logits(
     draft.append_context(
         features.repeat_interleave(K, 0), torch.arange(T, device=device).expand(rows, T), slots, state
     )
-    starts = anchors.flatten()  # [n*K]
-    positions = starts[:, None] + torch.arange(B, device=device)  # [n*K, B]
+    positions = anchors.flatten()[:, None] + torch.arange(B, device=device)  # [n*K, B]
     block = torch.full((rows, B), cfg.mask_token_id, device=device)
-    block[:, 0] = seqs.repeat_interleave(K, 0)[slots, starts]
-    hidden = draft(
-        target.embed(block) * cfg.input_embedding_scale, positions, slots, state, T, valid_len=lengths
-    )
+    block[:, 0] = anchor_tokens(seqs, anchors)
+    embedded = target.embed(block) * cfg.input_embedding_scale
+    return draft(embedded, positions, slots, state, T, valid_len=lengths)
+
+
+def block_logits(
+    draft: DFlashDraft,
+    target: CausalLM,
+    seqs: torch.Tensor,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Draft logits for blocks at `anchors` of `seqs` (arguments as `block_hidden`):
+    [n*K, B-1, vocab], slot j proposing the token at anchor + j."""
+    hidden = block_hidden(draft, target, seqs, features, anchors, lengths)
     return draft.logits(hidden[:, 1:], target.lm_head_weight)
+
+
+def anchor_tokens(seqs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """The token at each anchor, the block's slot 0: seqs [n, T], anchors [n, K] -> [n*K]."""
+    return seqs.gather(1, anchors).flatten()
 
 
 def block_labels(greedy: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -315,12 +351,26 @@ def block_labels(greedy: torch.Tensor, anchors: torch.Tensor, block_size: int) -
 def block_loss(
     logits: torch.Tensor, labels: torch.Tensor, lengths: torch.Tensor | None, position_decay: float
 ) -> torch.Tensor:
-    """Cross-entropy per block slot, slot j weighted by exp(-(j-1)/decay) (early slots
-    matter most: a rejection ends the accepted run); slots past a block's length count 0."""
+    """Cross-entropy per block slot, weighted by `slot_weights`."""
     rows, slots = labels.shape
     losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-    index = torch.arange(slots, device=labels.device)
+    weights = slot_weights(rows, slots, lengths, position_decay, losses.dtype, labels.device)
+    return (losses.view(rows, slots) * weights).sum() / weights.sum()
+
+
+def slot_weights(
+    rows: int,
+    slots: int,
+    lengths: torch.Tensor | None,
+    position_decay: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The loss weight of each block slot [rows, slots]: slot j weighs exp(-(j-1)/decay)
+    (early slots matter most: a rejection ends the accepted run); slots past a block's
+    length weigh 0."""
+    index = torch.arange(slots, device=device, dtype=dtype)
     weights = torch.exp(-index / position_decay).expand(rows, slots)
     if lengths is not None:
         weights = weights * (index < (lengths - 1)[:, None])
-    return (losses.view(rows, slots) * weights).sum() / weights.sum()
+    return weights

@@ -1,5 +1,7 @@
 """Train the demo pair shipped in reference_engine/assets/demo (see
-reference_engine/training/recipe.py). `--smoke` runs tiny settings in seconds on a CPU."""
+reference_engine/training/recipe.py). `--smoke` runs tiny settings in seconds on a CPU;
+`--draft-arch dflash2 --from-pair reference_engine/assets/demo` trains a DFlash2 draft for
+the shipped target (docs/demo-pair.md)."""
 
 import sys
 from pathlib import Path

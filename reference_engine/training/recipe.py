@@ -2,13 +2,17 @@
 
     python scripts/train_demo_pair.py [--out DIR] [--corpus-cache DIR] [--device cuda]
         [--stop-after target|draft] [--max-minutes M] [--seed 0] [--smoke]
+        [--draft-arch dflash|dflash2] [--from-pair DIR]
 
 Everything follows from the `Recipe` fields, the seed and the corpus lock (pinned wheels from
-PyPI, `corpus.lock.json`; `--fetch-only` downloads them). The run is resumable: each stage
-(target, draft) leaves its model folder and `work/<stage>.json` in `--out` and is skipped
-when they are there; a training loop writes a checkpoint to `work/` every
-`checkpoint_every` steps and when `--max-minutes` runs out, and the same command goes on
-from it, drawing the same batches. `--smoke` is a seconds-long run with tiny settings (CPU
+PyPI, `corpus.lock.json`; `--fetch-only` downloads them). `--draft-arch dflash2` trains a
+DFlash2 draft (docs/dflash2.md, "Training") into `draft-dflash2/` instead of the DFlash draft
+in `draft/`, and measures both when both are there; `--from-pair DIR` starts from a finished
+pair (the shipped one), so that only the draft trains, against that pair's target. The run
+is resumable: each stage (target, draft) leaves its model folder and `work/<stage>.json` in
+`--out` and is skipped when they are there; a training loop writes a checkpoint to `work/`
+every `checkpoint_every` steps and when `--max-minutes` runs out, and the same command goes
+on from it, drawing the same batches. `--smoke` is a seconds-long run with tiny settings (CPU
 tests); the defaults are the shipped pair (about 15 minutes on one H200).
 """
 
@@ -33,6 +37,7 @@ from ..demo import DEMO_DIR, DEMO_PROMPTS, DEMO_RESULTS
 from ..errors import exit_with
 from ..models import build_target
 from ..models.dflash import DFlashDraft
+from ..models.dflash2 import DFlash2Draft
 from ..tokenizer import EOS_TOKEN, MASK_TOKEN, save_tokenizer
 from .corpus import (
     LOCK,
@@ -48,8 +53,9 @@ from .evaluation import evaluate, heldout_prompts, mean_tail, model_card
 from .loops import (
     Checkpoint,
     Interrupted,
+    anchor_tokens,
+    block_hidden,
     block_labels,
-    block_logits,
     block_loss,
     greedy_continue,
     init_weights,
@@ -58,9 +64,13 @@ from .loops import (
     optimise,
     target_views,
 )
+from .pair import adopt_pair
+from .selector import selector_loss
 
 RESULTS_FILE = DEMO_RESULTS.name
 CARD_FILE = "MODEL_CARD.md"
+DRAFT_ARCHS = ("dflash", "dflash2")
+DFLASH2_WINDOW = 2048  # the published draft's sliding window, longer than any demo context
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,12 @@ class Recipe:
     eval_prompts: int = 32
     eval_max_tokens: int = 128
     eval_block_sizes: tuple[int, ...] = (4, 8, 16)
+    draft_arch: str = "dflash"  # or "dflash2": the fields below shape and train it
+    conv_kernel_size: int = 2  # taps, as published
+    conv_group_size: int = 16  # channels per dynamic tap weight, as published
+    selector_rank: int = 64
+    selector_top_k: int = 16  # candidates per slot, as published
+    selector_loss_weight: float = 1.0  # loss = token loss + this * selector loss
 
     @classmethod
     def smoke(cls, seed: int = 0) -> Recipe:
@@ -121,6 +137,8 @@ class Recipe:
             eval_prompts=2,
             eval_max_tokens=12,
             eval_block_sizes=(2, 4),
+            selector_rank=16,
+            selector_top_k=8,
         )
 
     def __post_init__(self) -> None:
@@ -134,6 +152,26 @@ class Recipe:
             raise ValueError("training and evaluation block sizes cannot exceed block_size")
         if not 0.0 <= self.short_block_share <= 1.0:
             raise ValueError(f"short_block_share must be in [0, 1], got {self.short_block_share}")
+        if self.draft_arch not in DRAFT_ARCHS:
+            raise ValueError(f"draft_arch must be one of {', '.join(DRAFT_ARCHS)}, got '{self.draft_arch}'")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}"
+            )
+        if not 0 < self.selector_top_k <= self.vocab_size:
+            raise ValueError(f"selector_top_k must be in [1, {self.vocab_size}], got {self.selector_top_k}")
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+
+    @property
+    def draft_stage(self) -> str:
+        """The draft's stage: its folder in `--out` and its `work/` files (`draft` for DFlash,
+        `draft-dflash2` for DFlash2)."""
+        return "draft" if self.draft_arch == "dflash" else f"draft-{self.draft_arch}"
+
+    @property
+    def results_file(self) -> str:
+        return RESULTS_FILE if self.draft_arch == "dflash" else f"training-{self.draft_arch}.json"
 
     def target_config(self, eos_id: int) -> dict:
         """config.json of the Qwen3.5 hybrid target (text-only layout)."""
@@ -168,9 +206,10 @@ class Recipe:
         }
 
     def draft_config(self, mask_id: int) -> dict:
-        """config.json of the DFlash draft, in z-lab's format."""
+        """config.json of the draft, in z-lab's format: DFlash, or DFlash2 as published
+        (every layer sliding, non-causal; the convolution and selector in `dflash_config`)."""
         h = self.hidden_size
-        return {
+        raw = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "vocab_size": self.vocab_size,
@@ -190,13 +229,27 @@ class Recipe:
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": mask_id},
             "torch_dtype": "bfloat16",
         }
+        if self.draft_arch == "dflash2":
+            raw["architectures"] = ["DFlash2DraftModel"]
+            raw["layer_types"] = ["sliding_attention"] * self.draft_layers
+            raw["sliding_window"] = DFLASH2_WINDOW
+            raw["use_sliding_window"] = True
+            raw["is_causal"] = False
+            raw["dflash_config"] |= {
+                "block_size": self.block_size,
+                "conv_kernel_size": self.conv_kernel_size,
+                "conv_group_size": self.conv_group_size,
+                "selector_rank": self.selector_rank,
+                "selector_top_k": self.selector_top_k,
+            }
+        return raw
 
 
 def log(message: str) -> None:
     print(message, flush=True)
 
 
-STAGES = ("target", "draft")
+STAGES = ("target", "draft")  # "draft": the draft of the recipe's draft_arch
 
 
 def generator(seed: int, stage: int) -> torch.Generator:
@@ -222,14 +275,18 @@ def train(
     lock: Path = LOCK,
     stop_after: str | None = None,
     max_minutes: float | None = None,
+    from_pair: Path | None = None,
 ) -> dict | None:
     """Every stage not already finished in `out` (a finished stage leaves its model folder and
-    `work/<stage>.json`; an interrupted one its checkpoint in `work/`). Returns the results,
-    or None when `stop_after` ended it early."""
+    `work/<stage>.json`; an interrupted one its checkpoint in `work/`), after taking the
+    finished stages of the pair in `from_pair` (`adopt_pair`). Returns the results, or None
+    when `stop_after` ended it early."""
     t0 = time.perf_counter()
     deadline = None if max_minutes is None else t0 + 60 * max_minutes
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    if from_pair is not None:
+        adopt_pair(from_pair, out, recipe, log)
     torch.manual_seed(recipe.seed)
     if device.startswith("cuda"):
         # reproducible on the GPU too: deterministic kernels where torch has them
@@ -255,7 +312,7 @@ def train(
         f"{len(corpus.heldout)} held-out files ({len(heldout_stream):,} tokens); "
         f"{time.perf_counter() - t0:.0f} s"
     )
-    target_dir, draft_dir = out / "target", out / "draft"
+    target_dir, draft_dir = out / "target", out / recipe.draft_stage
 
     # ---- target: a causal LM on random windows of the train stream
     target_raw = recipe.target_config(eos_id)
@@ -307,7 +364,8 @@ def train(
     # ---- the draft: blocks at anchors inside the target's own greedy continuations of
     # train-stream prompts, against the frozen (shipped) target
     draft_raw = recipe.draft_config(mask_id)
-    if not (work / "draft.json").exists():
+    stage = recipe.draft_stage
+    if not (work / f"{stage}.json").exists():
         t2 = time.perf_counter()
         prompt_gen = generator(recipe.seed, 2)
         new_tokens = recipe.seq_len - recipe.prompt_len
@@ -320,14 +378,15 @@ def train(
         features, greedy = target_views(target, sequences, recipe.target_layer_ids)
         log(f"continuations: {len(sequences)} x {new_tokens} tokens, {time.perf_counter() - t2:.0f} s")
 
-        draft = DFlashDraft(DraftConfig.from_hf(draft_raw))
+        config = DraftConfig.from_hf(draft_raw)
+        draft = DFlash2Draft(config) if config.is_dflash2 else DFlashDraft(config)
         init_weights(draft, recipe.draft_layers, recipe.seed + 1)
         draft.to(device)
         t3 = time.perf_counter()
-        gen = generator(recipe.seed, 3)
+        gen = generator(recipe.seed, 3)  # the same blocks for either architecture
         blocks = recipe.draft_batch * recipe.anchors_per_seq
 
-        def draft_loss(step: int) -> torch.Tensor:
+        def draft_loss(step: int) -> torch.Tensor | dict[str, torch.Tensor]:
             rows = torch.randint(0, len(sequences), (recipe.draft_batch,), generator=gen)
             # anchors from the first generated token on (the first block an engine drafts)
             anchors = torch.randint(
@@ -338,9 +397,18 @@ def train(
             )
             lengths = draw_block_lengths(recipe, blocks, gen)
             rows, anchors, lengths = rows.to(device), anchors.to(device), lengths.to(device)
-            logits = block_logits(draft, target, sequences[rows], features[rows], anchors, lengths)
+            seqs = sequences[rows]
+            hidden = block_hidden(draft, target, seqs, features[rows], anchors, lengths)[:, 1:]
+            logits = draft.logits(hidden, target.lm_head_weight)
             labels = block_labels(greedy[rows], anchors, recipe.block_size)
-            return block_loss(logits, labels, lengths, recipe.position_decay)
+            token = block_loss(logits, labels, lengths, recipe.position_decay)
+            if not config.is_dflash2:
+                return token
+            selector, recall = selector_loss(
+                draft, hidden, logits, labels, anchor_tokens(seqs, anchors), lengths, recipe.position_decay
+            )
+            loss = token + recipe.selector_loss_weight * selector
+            return {"loss": loss, "token_loss": token, "selector_loss": selector, "candidate_recall": recall}
 
         fit = optimise(
             draft,
@@ -348,8 +416,8 @@ def train(
             recipe.draft_lr,
             draft_loss,
             log,
-            "draft",
-            checkpoint=Checkpoint(work, "draft"),
+            stage,
+            checkpoint=Checkpoint(work, stage),
             checkpoint_every=recipe.checkpoint_every,
             generator=gen,
             deadline=deadline,
@@ -363,12 +431,15 @@ def train(
             "continuation_seconds": t3 - t2,
             "parameters": sum(p.numel() for p in draft.parameters()),
         }
-        (work / "draft.json").write_text(json.dumps(summary, indent=2) + "\n")
-        Checkpoint(work, "draft").remove()
+        for name, values in fit["terms"].items():  # DFlash2: the token and selector terms
+            summary[f"final_{name}"] = mean_tail(values)
+            summary[f"{name}_curve"] = loss_curve(values)
+        (work / f"{stage}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        Checkpoint(work, stage).remove()
         del sequences, features, greedy, draft
-    draft_summary = json.loads((work / "draft.json").read_text())
+    draft_summary = json.loads((work / f"{stage}.json").read_text())
     if stop_after == "draft":
-        log(f"draft done ({draft_dir}); stopping as asked")
+        log(f"{stage} done ({draft_dir}); stopping as asked")
         return None
 
     # ---- evaluate what was written, as the engine loads it
@@ -379,18 +450,23 @@ def train(
     t4 = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False  # evaluate in true float32
     torch.backends.cudnn.allow_tf32 = False
-    acceptance = evaluate(
-        target,
-        load_draft(draft_dir, target),
-        [p["prompt_ids"] for p in prompts],
-        recipe.eval_block_sizes,
-        recipe.eval_max_tokens,
-    )
-    for B, row in acceptance.items():
-        log(
-            f"held-out acceptance, B={B}: mean length {row['mean_acceptance_length']:.2f}, "
-            f"{row['mismatched_requests']} of {len(prompts)} requests differ from plain"
+    prompt_ids = [p["prompt_ids"] for p in prompts]
+
+    def measure(folder: Path, what: str) -> dict:
+        acceptance = evaluate(
+            target, load_draft(folder, target), prompt_ids, recipe.eval_block_sizes, recipe.eval_max_tokens
         )
+        for B, row in acceptance.items():
+            log(
+                f"held-out acceptance, {what}, B={B}: mean length {row['mean_acceptance_length']:.2f}, "
+                f"{row['mismatched_requests']} of {len(prompts)} requests differ from plain"
+            )
+        return {str(B): row for B, row in acceptance.items()}
+
+    acceptance = measure(draft_dir, recipe.draft_arch)
+    # a DFlash2 run measures the DFlash draft beside it, on the same prompts in the same run
+    dflash_dir = out / "draft"
+    compared = measure(dflash_dir, "dflash") if stage != "draft" and dflash_dir.is_dir() else None
 
     results = {
         "recipe": dataclasses.asdict(recipe),
@@ -415,7 +491,7 @@ def train(
         },
         "target": target_summary,
         "draft": draft_summary,
-        "acceptance": {str(B): row for B, row in acceptance.items()},
+        "acceptance": acceptance,
         "eval": {
             "prompts": len(prompts),
             "max_tokens": recipe.eval_max_tokens,
@@ -428,16 +504,20 @@ def train(
             "draft": draft_summary["seconds"],
         },
     }
+    if compared is not None:
+        results["acceptance_dflash"] = compared
     results["seconds"]["eval"] = results["eval"]["seconds"]
-    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    (out / CARD_FILE).write_text(model_card(results))
+    (out / recipe.results_file).write_text(json.dumps(results, indent=2) + "\n")
+    if stage == "draft":  # the card describes the pair: its target and DFlash draft
+        (out / CARD_FILE).write_text(model_card(results))
     log(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
     return results
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python scripts/train_demo_pair.py", description="Train the demo target + DFlash draft pair."
+        prog="python scripts/train_demo_pair.py",
+        description="Train the demo target and its DFlash or DFlash2 draft.",
     )
     p.add_argument(
         "--out",
@@ -477,6 +557,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-files", type=int, default=None, help="use only the first N train files (default: all)"
     )
+    p.add_argument(
+        "--draft-arch",
+        choices=DRAFT_ARCHS,
+        default=None,
+        help="the draft to train: dflash (into draft/, the default) or dflash2 (into draft-dflash2/)",
+    )
+    p.add_argument(
+        "--from-pair",
+        type=Path,
+        default=None,
+        help="a finished pair folder (e.g. the shipped one) whose target, tokenizer and DFlash "
+        "draft the run takes instead of training them; its recipe must be this run's",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny settings, seconds on a CPU")
     scalar = {"int": int, "float": float}
@@ -509,7 +602,16 @@ def main(argv: list[str] | None = None) -> int:
             fetch(read_lock(ns.corpus_lock), ns.corpus_cache, log)
             log(f"corpus: {ns.corpus_cache} holds every wheel of {ns.corpus_lock}")
             return 0
-        train(ns.recipe, ns.out, ns.device, ns.corpus_cache, ns.corpus_lock, ns.stop_after, ns.max_minutes)
+        train(
+            ns.recipe,
+            ns.out,
+            ns.device,
+            ns.corpus_cache,
+            ns.corpus_lock,
+            ns.stop_after,
+            ns.max_minutes,
+            ns.from_pair,
+        )
     except Interrupted as exc:
         log(f"{exc}; run the same command again to resume")
         return 3

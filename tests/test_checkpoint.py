@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from reference_engine.checkpoint.synthetic import make_tiny_target
 from reference_engine.errors import CheckpointError, ConfigError
 from reference_engine.models import CausalLM
 from reference_engine.runtime.decode import new_state
+
+from .together import Results, together
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]
@@ -180,18 +183,15 @@ def test_same_seed_writes_identical_weights_and_another_seed_does_not(
 
 
 # ----------------------------------------------------------------------------- make-tiny CLI
-@pytest.mark.parametrize(
-    ("arch", "flags", "model_type"),
-    [
-        ("qwen3", [], "qwen3"),
-        ("qwen3_5", ["--multimodal-wrapper", "--tie-word-embeddings"], "qwen3_5"),
-    ],
-)
-def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
-    tmp_path: Path, tiny_checkpoint: TinyCheckpoint, arch: str, flags: list[str], model_type: str
-) -> None:
-    out = tmp_path / "tiny"
-    done = run_cli(
+MAKE_TINY = [
+    ("qwen3", [], "qwen3"),
+    ("qwen3_5", ["--multimodal-wrapper", "--tie-word-embeddings"], "qwen3_5"),
+]
+MAKE_TINY_IDS = ["qwen3-flags0-qwen3", "qwen3_5-flags1-qwen3_5"]
+
+
+def make_tiny(out: Path, arch: str, flags: list[str]) -> subprocess.CompletedProcess[str]:
+    return run_cli(
         "make-tiny",
         "--arch",
         arch,
@@ -207,6 +207,41 @@ def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
         "300",
         *flags,
     )
+
+
+@pytest.fixture(scope="module")
+def cli_runs(request, tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """The make-tiny command lines below, side by side in the background (tests/together.py):
+    name -> (the --out folder, the run)."""
+
+    def tiny(name: str, arch: str, flags: list[str]):
+        out = tmp_path_factory.mktemp(name) / "tiny"
+        return out, make_tiny(out, arch, flags)
+
+    def bad():
+        out = tmp_path_factory.mktemp("bad")  # an empty folder
+        return out, run_cli("make-tiny", "--arch", "qwen3", "--multimodal-wrapper", "--out", str(out))
+
+    jobs = {
+        f"test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer[{name}]": partial(
+            tiny, name, *case[:2]
+        )
+        for name, case in zip(MAKE_TINY_IDS, MAKE_TINY)
+    }
+    jobs["test_make_tiny_cli_reports_bad_options_without_traceback"] = bad
+    return together(request, jobs)
+
+
+@pytest.mark.parametrize(("arch", "flags", "model_type"), MAKE_TINY, ids=MAKE_TINY_IDS)
+def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
+    cli_runs: Results,
+    request: pytest.FixtureRequest,
+    tiny_checkpoint: TinyCheckpoint,
+    arch: str,
+    flags: list[str],
+    model_type: str,
+) -> None:
+    out, done = cli_runs[request.node.name]  # make_tiny(out, arch, flags)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
@@ -231,12 +266,15 @@ def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
     assert torch.equal(all_logits(model), all_logits(load_target(same)))
 
 
-def test_make_tiny_cli_reports_bad_options_without_traceback(tmp_path: Path) -> None:
-    done = run_cli("make-tiny", "--arch", "qwen3", "--multimodal-wrapper", "--out", str(tmp_path))
+def test_make_tiny_cli_reports_bad_options_without_traceback(
+    cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
+    # make-tiny --arch qwen3 --multimodal-wrapper --out <out>
+    out, done = cli_runs[request.node.name]
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and "--multimodal-wrapper" in done.stderr
     assert "Traceback" not in done.stderr
-    assert not (tmp_path / "config.json").exists()
+    assert not (out / "config.json").exists()
 
 
 # ----------------------------------------------------------------------------- bad checkpoints

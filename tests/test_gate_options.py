@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from .together import Results, together
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -23,51 +27,77 @@ def run_gates(args: list[str], env: dict[str, str] | None = None) -> subprocess.
     )
 
 
-def test_gates_run_on_user_checkpoints_given_by_options(tiny_pair, tmp_path) -> None:
-    target, draft = tiny_pair("qwen3_5", block_size=4)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        '{"prompt": "def f(x):"}\n{"prompt": "2 + 2 ="}\n'
-        '{"messages": [{"role": "user", "content": "hello"}]}\n'
+USER_PROMPTS = (
+    '{"prompt": "def f(x):"}\n{"prompt": "2 + 2 ="}\n{"messages": [{"role": "user", "content": "hello"}]}\n'
+)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tiny_pair, tmp_path_factory) -> Results:
+    """The two gate runs below, side by side in the background (tests/together.py)."""
+
+    def by_options() -> subprocess.CompletedProcess:
+        target, draft = tiny_pair("qwen3_5", block_size=4)
+        prompts = tmp_path_factory.mktemp("options") / "prompts.jsonl"
+        prompts.write_text(USER_PROMPTS)
+        return run_gates(
+            [
+                "-q",
+                "gates/test_lossless_greedy.py",
+                "gates/test_state_equality.py",
+                "-k",
+                "grid and replay or state_after_each_commit and replay",
+                "--target-model",
+                str(target),
+                "--draft-model",
+                str(draft),
+                "--gate-device",
+                "cpu",
+                "--gate-dtype",
+                "float32",
+                "--gate-prompts",
+                str(prompts),
+                "--gate-max-tokens",
+                "12",
+            ]
+        )
+
+    def by_environment() -> subprocess.CompletedProcess:
+        target, draft = tiny_pair("qwen3", block_size=4)
+        return run_gates(
+            ["gates/test_lossless_greedy.py", "-k", "first_token", "-v"],
+            env={
+                "DFLASH_GATE_TARGET": str(target),
+                "DFLASH_GATE_DRAFT": str(draft),
+                "DFLASH_GATE_DTYPE": "float32",
+                "DFLASH_GATE_MAX_TOKENS": "8",
+            },
+        )
+
+    # the pairs are written here, once, before the jobs read them
+    tiny_pair("qwen3_5", block_size=4)
+    tiny_pair("qwen3", block_size=4)
+    return together(
+        request,
+        {
+            "test_gates_run_on_user_checkpoints_given_by_options": by_options,
+            "test_gates_read_the_environment_variables": by_environment,
+        },
     )
-    done = run_gates(
-        [
-            "-q",
-            "gates/test_lossless_greedy.py",
-            "gates/test_state_equality.py",
-            "-k",
-            "grid and replay or state_after_each_commit and replay",
-            "--target-model",
-            str(target),
-            "--draft-model",
-            str(draft),
-            "--gate-device",
-            "cpu",
-            "--gate-dtype",
-            "float32",
-            "--gate-prompts",
-            str(prompts),
-            "--gate-max-tokens",
-            "12",
-        ]
-    )
+
+
+def test_gates_run_on_user_checkpoints_given_by_options(runs, request) -> None:
+    # the lossless grid and the state check at replay, on the qwen3_5 pair, by options
+    done = runs[request.node.name]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
     # blocks larger than the user's draft supports are skipped, not failed
     assert "skipped" in done.stdout
 
 
-def test_gates_read_the_environment_variables(tiny_pair) -> None:
-    target, draft = tiny_pair("qwen3", block_size=4)
-    done = run_gates(
-        ["gates/test_lossless_greedy.py", "-k", "first_token", "-v"],
-        env={
-            "DFLASH_GATE_TARGET": str(target),
-            "DFLASH_GATE_DRAFT": str(draft),
-            "DFLASH_GATE_DTYPE": "float32",
-            "DFLASH_GATE_MAX_TOKENS": "8",
-        },
-    )
+def test_gates_read_the_environment_variables(runs, request) -> None:
+    # the first-token test on the qwen3 pair, by DFLASH_GATE_* variables
+    done = runs[request.node.name]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[user]" in done.stdout
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+
+from .together import Results, together
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("reference_engine", "harness", "reports", "gates")
@@ -306,19 +309,30 @@ def test_no_planted_fault_branch_in_the_engine() -> None:
     assert found.returncode == 1 and found.stdout == "", found.stdout
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "reference_engine.serve",
-        "reference_engine.generate",
-        "reference_engine.checkpoint",
-        "reference_engine.bench",
-    ],
-)
-def test_entry_points_keep_their_names(module: str) -> None:
-    done = subprocess.run(
+ENTRY_POINTS = [
+    "reference_engine.serve",
+    "reference_engine.generate",
+    "reference_engine.checkpoint",
+    "reference_engine.bench",
+]
+
+
+def help_of(module: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture(scope="module")
+def helps(request) -> Results:
+    """`python -m <entry point> --help` of each, side by side in the background."""
+    jobs = {f"test_entry_points_keep_their_names[{m}]": partial(help_of, m) for m in ENTRY_POINTS}
+    return together(request, jobs)
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_entry_points_keep_their_names(helps, request, module: str) -> None:
+    done = helps[request.node.name]  # python -m <module> --help
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
 

@@ -1,7 +1,7 @@
 """Running a gate in a tensor-parallel group of local gloo processes, and the checks and the
 planted fault of the tensor-parallel gates (gates/test_tensor_parallel.py).
 
-`run_group` spawns one process per rank, joins them in a gloo group on a free local port and
+`run_group` starts one process per rank, joins them in a gloo group on a free local port and
 runs one job function in each; a hang fails after a timeout instead of blocking the suite.
 Each rank returns its job's result; the ranks' results must agree (every rank holds the same
 logits bits, so every rank chooses the same tokens).
@@ -58,15 +58,26 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, job, args: t
 
 
 def run_group(world_size: int, job, *args: Any, timeout_s: float = GROUP_TIMEOUT_S) -> list[Any]:
-    """`job(rank, world_size, *args)` in `world_size` spawned gloo processes; each rank's
-    JSON-able result, by rank. Raises if a rank fails or the group runs past `timeout_s`."""
+    """`job(rank, world_size, *args)` in `world_size` new gloo processes; each rank's
+    JSON-able result, by rank. Raises if a rank fails or the group runs past `timeout_s`.
+
+    The ranks are forked by the tests' fork server, which has imported torch and the engine
+    (tests/server_process.py), instead of each importing them anew; with
+    DFLASH_TEST_FRESH_SERVERS=1 they are spawned as new interpreters."""
+    from tests.server_process import fresh_servers, start_fork_server
+
+    if fresh_servers():
+        start_method = "spawn"
+    else:
+        start_method = "forkserver"
+        start_fork_server()
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _rank_main,
             args=(world_size, free_port(), out_dir, job, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=1):

@@ -325,9 +325,10 @@ def _prefill_past_token_budget(correct):
 def _overlapping_runs(correct):
     def allocate(self, count):
         first = correct(self, count)
-        if first:  # one cell into the run before it: both requests write its rows
+        before = [start for start in self.runs if first is not None and start < first]
+        if before:  # from the middle of the run before it: both requests write those rows
             del self.runs[first]
-            first -= 1
+            first = max(before) + self.runs[max(before)] // 2
             self.runs[first] = count
         return first
 
@@ -488,7 +489,7 @@ FAULTS: dict[str, Fault] = {
         dflash2_module,
     ),
     "kv_pool_overlapping_runs": Fault(
-        "pooled KV cache: a request's run starts one cell inside the run before it (two live "
+        "pooled KV cache: a request's run starts in the middle of the run before it (two live "
         "requests write the same rows)",
         "allocate",
         _overlapping_runs,

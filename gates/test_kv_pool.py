@@ -2,9 +2,9 @@
 long and short requests runs on a pool too small to hold them all at once: requests wait
 for cells with slots free, finished requests' cells are taken again by others, and every
 request's output, plain and DFlash, equals plain greedy decode alone; the pool holds fewer
-tokens than slots x the longest room. Planted fault: an allocator that hands out runs
-overlapping the run before them by one cell (two live requests write the same rows), caught
-as output != plain greedy."""
+tokens than slots x the longest room. Planted fault: an allocator that starts a run in
+the middle of the run before it (two live requests write the same rows), caught as output
+!= plain greedy."""
 
 from __future__ import annotations
 

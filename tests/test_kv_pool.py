@@ -105,3 +105,34 @@ def test_the_kv_cache_usage_is_the_share_of_cells_held_and_is_exported(tiny_chec
     assert pooled.kv_cache_usage() == 4 / 8 and slots.kv_cache_usage() == 1 / 4
     page, _ = ServerMetrics().render(pooled)
     assert b"dflash:kv_cache_usage_perc 0.5" in page
+
+
+def test_a_request_holds_the_cells_its_padded_prefill_writes_and_batches_keep_their_buckets(
+    tiny_checkpoint,
+) -> None:
+    """A captured prefill pads a chunk to its token bucket and writes the padding's rows: a
+    request's run covers its last chunk's bucket, and a batched first prefill only groups
+    chunks of one bucket (a short row padded to a long row's bucket would write past its
+    run)."""
+    from types import SimpleNamespace
+
+    from reference_engine.checkpoint import load_target
+    from reference_engine.runtime.engine import Engine, EngineConfig
+    from reference_engine.runtime.graphs import padded_end
+    from reference_engine.runtime.model_runner import ModelRunner
+    from reference_engine.runtime.request import SamplingParams
+
+    assert padded_end(20, 64, 200) == 32 and padded_end(64, 64, 200) == 64 and padded_end(70, 64, 200) == 80
+    assert padded_end(130, 64, 140) == 130  # the last chunk's bucket (16) would pass the room: eager
+    target = load_target(tiny_checkpoint("qwen3"), dtype=torch.float32)
+    pool = dict(kv_cache_tokens=200, kv_cell_tokens=4)
+    config = EngineConfig(max_num_seqs=3, max_model_len=100, prefill_chunk=64, **pool)
+    engine = Engine(target, None, config)
+    engine.add_request("a", [3] * 17, SamplingParams(max_tokens=1))
+    assert engine.cells_needed(engine.get("a")) == 8  # 17 tokens padded to 32, past 17 + 1
+    graphs = SimpleNamespace(prefill_buckets=(16, 32, 64), prefill_fits=lambda rows, longest: True)
+    graphs.token_bucket = lambda n: next(t for t in graphs.prefill_buckets if t >= n)
+    runner = SimpleNamespace(graphs=graphs, state=engine.state)
+    assert ModelRunner.prefill_groups(runner, [5, 20, 30, 10, 12]) == [[0], [1, 2], [3, 4]]
+    runner.state = SimpleNamespace(pool=None)  # without a pool one group pads them all
+    assert ModelRunner.prefill_groups(runner, [5, 20, 30, 10, 12]) == [[0, 1, 2, 3, 4]]

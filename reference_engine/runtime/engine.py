@@ -39,7 +39,7 @@ from ..models.dflash import DFlashDraft, DraftState
 from .commit import verify_record
 from .decode import context_length, stop_ids
 from .engine_config import EngineConfig
-from .graphs import PREFILL_BATCH_TOKENS
+from .graphs import PREFILL_BATCH_TOKENS, padded_end
 from .kv_pool import CellAllocator, PoolLayout
 from .memory import GiB, MemoryPlan, activation_peak, plan_memory, state_cost, weight_bytes
 from .model_runner import ModelRunner, graphs_possible
@@ -189,9 +189,12 @@ class Engine:
 
     def cells_needed(self, seq: Sequence) -> int:
         """Cells of a pooled KV cache a request takes: its prompt, its max_tokens (the context
-        without a limit) and one block, which a verify may write past its last token."""
-        tokens = len(seq.prompt_ids) + (seq.params.max_tokens or self.context_len)
-        return self.pool.cells_for(min(tokens, self.context_len) + self.block_size)
+        without a limit) and one block, which a verify may write past its last token, or, if
+        further, where a captured prefill of its prompt writes its last chunk's padding."""
+        prompt = len(seq.prompt_ids)
+        tokens = min(prompt + (seq.params.max_tokens or self.context_len), self.context_len) + self.block_size
+        padded = padded_end(prompt, self.config.prefill_chunk, self.pool.room)
+        return self.pool.cells_for(max(tokens, padded))
 
     def _plan_memory(self, ops: Kernels, slots: int, room: int, use_graphs: bool) -> MemoryPlan:
         """Whether `slots` x `room` tokens of state fit the device's budget (memory.py), from

@@ -69,6 +69,19 @@ def token_buckets(chunk: int, room: int) -> tuple[int, ...]:
     return tuple(t for t in out if t <= room)
 
 
+def padded_end(length: int, chunk: int, room: int) -> int:
+    """The position after the last one a prompt of `length` tokens, prefilled alone in chunks
+    of `chunk`, writes when its last chunk is padded to its token bucket (a captured prefill
+    writes the padding's keys and values too); a chunk that no bucket within the room holds
+    runs eagerly, unpadded."""
+    full, rest = divmod(length, chunk)
+    if not rest:
+        return length
+    start = full * chunk
+    fits = [b for b in token_buckets(chunk, room) if rest <= b <= room - start]
+    return start + (fits[0] if fits else rest)
+
+
 def prefill_shapes(
     row_buckets: tuple[int, ...], token_buckets: tuple[int, ...], chunk: int
 ) -> list[tuple[int, int]]:
@@ -309,6 +322,10 @@ class EngineGraphs:
             x.valid[rows:].fill_(1)
         g.graph.replay()
         return g.outputs.head(rows)
+
+    def token_bucket(self, tokens: int) -> int | None:
+        """The token bucket a chunk of `tokens` is padded to (None: longer than every bucket)."""
+        return next((t for t in sorted(self.prefill_buckets) if t >= tokens), None)
 
     def prefill_fits(self, rows: int, longest: int) -> bool:
         """Whether a bucket holds `rows` chunks of at most `longest` tokens."""

@@ -83,8 +83,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
     def prefill_groups(self, lengths: list[int]) -> list[list[int]]:
         """First chunks of these lengths, in order, grouped so that each group fits one
-        captured prefill (indices into `lengths`); each alone without graphs."""
+        captured prefill (indices into `lengths`); each alone without graphs. With a pooled
+        KV cache a group's chunks share one token bucket: a row padded past its own bucket
+        would write past the cells its request holds (kv_pool.py)."""
         groups: list[list[int]] = []
+        pooled = self.state.pool is not None
         for i, n in enumerate(lengths):
             group = groups[-1] if groups else None
             longest = max([n, *(lengths[j] for j in group or [])])
@@ -92,6 +95,7 @@ class ModelRunner:
                 group is not None
                 and self.graphs is not None
                 and self.graphs.prefill_fits(len(group) + 1, longest)
+                and (not pooled or self.graphs.token_bucket(n) == self.graphs.token_bucket(lengths[group[0]]))
             ):
                 group.append(i)
             else:

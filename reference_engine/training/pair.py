@@ -22,7 +22,7 @@ from ..errors import CheckpointError
 from ..tokenizer import EOS_TOKEN
 
 if TYPE_CHECKING:
-    from .recipe import Recipe
+    from .settings import Recipe
 
 
 def adopt_pair(pair: Path, out: Path, recipe: Recipe, log: Callable[[str], None]) -> None:

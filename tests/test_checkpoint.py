@@ -22,7 +22,7 @@ from reference_engine.errors import CheckpointError, ConfigError
 from reference_engine.models import CausalLM
 from reference_engine.runtime.decode import new_state
 
-from .together import Results, together
+from .together import Made
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]
@@ -209,39 +209,39 @@ def make_tiny(out: Path, arch: str, flags: list[str]) -> subprocess.CompletedPro
     )
 
 
-@pytest.fixture(scope="module")
-def cli_runs(request, tmp_path_factory: pytest.TempPathFactory) -> Results:
-    """The make-tiny command lines below, side by side in the background (tests/together.py):
-    name -> (the --out folder, the run)."""
+def background_jobs(made: Made) -> dict[str, Callable[[], tuple[Path, subprocess.CompletedProcess[str]]]]:
+    """The make-tiny command lines below, in the background from the session's start
+    (tests/together.py): name -> (the --out folder, the run)."""
+    tmp_path_factory = made.tmp_path_factory
 
-    def tiny(name: str, arch: str, flags: list[str]):
-        out = tmp_path_factory.mktemp(name) / "tiny"
+    def tiny(out: Path, arch: str, flags: list[str]):
         return out, make_tiny(out, arch, flags)
 
-    def bad():
-        out = tmp_path_factory.mktemp("bad")  # an empty folder
+    def bad(out: Path):
         return out, run_cli("make-tiny", "--arch", "qwen3", "--multimodal-wrapper", "--out", str(out))
 
     jobs = {
         f"test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer[{name}]": partial(
-            tiny, name, *case[:2]
+            tiny, tmp_path_factory.mktemp(name) / "tiny", *case[:2]
         )
         for name, case in zip(MAKE_TINY_IDS, MAKE_TINY)
     }
-    jobs["test_make_tiny_cli_reports_bad_options_without_traceback"] = bad
-    return together(request, jobs)
+    # --out: an empty folder
+    jobs["test_make_tiny_cli_reports_bad_options_without_traceback"] = partial(
+        bad, tmp_path_factory.mktemp("bad")
+    )
+    return jobs
 
 
 @pytest.mark.parametrize(("arch", "flags", "model_type"), MAKE_TINY, ids=MAKE_TINY_IDS)
 def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
-    cli_runs: Results,
-    request: pytest.FixtureRequest,
+    background,
     tiny_checkpoint: TinyCheckpoint,
     arch: str,
     flags: list[str],
     model_type: str,
 ) -> None:
-    out, done = cli_runs[request.node.name]  # make_tiny(out, arch, flags)
+    out, done = background()  # make_tiny(out, arch, flags)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
@@ -266,11 +266,9 @@ def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
     assert torch.equal(all_logits(model), all_logits(load_target(same)))
 
 
-def test_make_tiny_cli_reports_bad_options_without_traceback(
-    cli_runs: Results, request: pytest.FixtureRequest
-) -> None:
+def test_make_tiny_cli_reports_bad_options_without_traceback(background) -> None:
     # make-tiny --arch qwen3 --multimodal-wrapper --out <out>
-    out, done = cli_runs[request.node.name]
+    out, done = background()
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and "--multimodal-wrapper" in done.stderr
     assert "Traceback" not in done.stderr

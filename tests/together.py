@@ -1,55 +1,82 @@
-"""Slow, independent jobs of a module's tests (mostly commands in a subprocess, seconds of
-imports each) run side by side in the background, so that the machine's other cores do
-them while the tests wait for one.
+"""Slow, independent jobs of the tests (mostly commands in a subprocess, seconds of imports
+each) run in the background from the start of the session, so that the machine's other core
+does them while the tests before them run in this process.
 
-    @pytest.fixture(scope="module")
-    def runs(request, qwen3_checkpoint):
-        return together(request, {
-            "test_a": lambda: cli("--model", str(qwen3_checkpoint)),
-            "test_b[x]": lambda: cli("--model", str(qwen3_checkpoint), "--x"),
-        })
+A test module declares its jobs in a module-level function, keyed by the name of the test
+that checks each job's result:
 
-    def test_a(runs, request):
-        done = runs[request.node.name]
+    def background_jobs(made: Made) -> dict[str, Callable[[], Any]]:
+        target = str(made.tiny_checkpoint("qwen3"))
+        return {
+            "test_a": lambda: cli("--model", target),
+            "test_b[x]": lambda: cli("--model", target, "--x"),
+        }
 
-Each job is keyed by the name of the test that checks its result, and only the jobs of the
-tests selected in this session are started. A test gets its own job's result, or the
-exception the job raised.
+    def test_a(background):
+        done = background()  # test_a's job's result, or the exception it raised
+
+`background_jobs` runs in the main thread when the session starts (write checkpoints there,
+not in the jobs), and only the jobs of the tests selected in this session are started, in
+the order of the tests. A job whose name is not a test's (no "test_" prefix) is shared by
+the module's tests and started when any of them is selected; `background("name")` gets it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-# jobs running at once: one per core (the tests themselves mostly wait for them)
+# jobs running at once: one per core (the tests mostly wait for them, or run beside them)
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
-class Results(Mapping[str, Any]):
-    def __init__(self, futures: dict[str, Future]) -> None:
-        self._futures = futures
+@dataclass(frozen=True)
+class Made:
+    """The session's factories a module's `background_jobs` may use (conftest.py)."""
 
-    def __getitem__(self, name: str) -> Any:
-        return self._futures[name].result()
-
-    def __iter__(self):
-        return iter(self._futures)
-
-    def __len__(self) -> int:
-        return len(self._futures)
+    tiny_checkpoint: Callable[..., Any]
+    tiny_pair: Callable[..., Any]
+    tmp_path_factory: pytest.TempPathFactory
 
 
-def together(request: pytest.FixtureRequest, jobs: dict[str, Callable[[], Any]]) -> Results:
-    """Starts the jobs of the selected tests of `request`'s module; returns their results by
-    test name (each waits for its own job)."""
-    selected = {item.name for item in request.session.items if item.module is request.module}
-    chosen = {name: job for name, job in jobs.items() if name in selected}
-    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="together")
-    futures = {name: pool.submit(job) for name, job in chosen.items()}
-    pool.shutdown(wait=False)
-    return Results(futures)
+_futures: dict[tuple[str, str], Future] = {}
+_pool: ThreadPoolExecutor | None = None
+
+
+def start(items: list[pytest.Item], made: Made) -> None:
+    """Starts the background jobs of the selected `items`' modules, in the items' order."""
+    global _pool
+    modules = []
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "background_jobs") and module not in modules:
+            modules.append(module)
+    if not modules:
+        return
+    _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="background")
+    for module in modules:
+        order = [item.name for item in items if getattr(item, "module", None) is module]
+        jobs = module.background_jobs(made)
+        shared = [name for name in jobs if not name.startswith("test_")]
+        for name in shared + sorted((n for n in jobs if n in order), key=order.index):
+            _futures[(module.__name__, name)] = _pool.submit(jobs[name])
+
+
+def stop() -> None:
+    """Drops the jobs not yet started (an interrupted session); running ones finish."""
+    if _pool is not None:
+        _pool.shutdown(wait=False, cancel_futures=True)
+
+
+def result(request: pytest.FixtureRequest, name: str | None = None) -> Any:
+    """The result of the background job of `request`'s test (or the module's shared job
+    `name`), waiting for it if it is still running; the job's exception is raised here."""
+    key = (request.module.__name__, name or request.node.name)
+    if key not in _futures:
+        raise KeyError(f"no background job {key[1]!r} in {key[0]} (background_jobs declares none)")
+    return _futures[key].result()

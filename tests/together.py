@@ -19,11 +19,13 @@ that checks each job's result:
 not in the jobs), and only the jobs of the tests selected in this session are started, in
 the order of the tests. A job whose name is not a test's (no "test_" prefix) is shared by
 the module's tests and started when any of them is selected; `background("name")` gets it.
+The jobs run at the lowest priority (NICE), so that they slow the tests beside them little.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +35,19 @@ import pytest
 
 # jobs running at once: one per core (the tests mostly wait for them, or run beside them)
 WORKERS = max(1, min(4, os.cpu_count() or 1))
+# the jobs' threads, and every process they start, run at the lowest priority: they take the
+# cores the tests leave idle, and give them back at once when a test needs them (a test that
+# waits for its job leaves its core idle)
+NICE = 19
+
+
+def lower_priority() -> None:
+    """This thread, and the processes it starts from now on, at nice NICE (Linux: the nice
+    value is a thread's, and a child inherits its parent thread's)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,9 @@ def start(items: list[pytest.Item], made: Made) -> None:
             modules.append(module)
     if not modules:
         return
-    _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="background")
+    _pool = ThreadPoolExecutor(
+        max_workers=WORKERS, thread_name_prefix="background", initializer=lower_priority
+    )
     for module in modules:
         order = [item.name for item in items if getattr(item, "module", None) is module]
         jobs = module.background_jobs(made)

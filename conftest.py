@@ -137,31 +137,6 @@ def tiny_pair(tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPath
     return make
 
 
-@pytest.fixture(scope="session", autouse=True)
-def background_jobs(
-    request: pytest.FixtureRequest,
-    tiny_checkpoint: TinyCheckpoint,
-    tiny_pair: TinyPair,
-    tmp_path_factory: pytest.TempPathFactory,
-):
-    """Starts the slow independent jobs the selected test modules declare (their
-    `background_jobs`, tests/together.py), in the background, from the session's start."""
-    from tests import together
-
-    together.start(request.session.items, together.Made(tiny_checkpoint, tiny_pair, tmp_path_factory))
-    yield
-    together.stop()
-
-
-@pytest.fixture
-def background(request: pytest.FixtureRequest) -> Callable[..., Any]:
-    """`background()`: the result of this test's background job (tests/together.py);
-    `background(name)`: the module's shared job `name`."""
-    from tests import together
-
-    return lambda name=None: together.result(request, name)
-
-
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tiny_checkpoint: TinyCheckpoint) -> Path:
     """Dense Qwen3, untied embeddings, 4 layers, hidden 64, vocab 512."""

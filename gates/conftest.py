@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target, parse_dtype
-from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET
 
 from .checks import Pair
 from .prompts import gate_prompt_ids
@@ -99,29 +98,13 @@ def small_vocab_pair(tiny_pair):
 
 
 # ------------------------------------------------------------------ demo-pair servers
-# our plain server on the shipped demo target, float32, and our DFlash server (block size 8)
-# on the shipped demo pair
-DEMO_PLAIN_ARGS = ("--model", str(DEMO_TARGET), "--dtype", "float32", "--served-model-name", "demo")
-DEMO_DFLASH_ARGS = (
-    "--model",
-    str(DEMO_TARGET),
-    "--dflash-draft-model-path",
-    str(DEMO_DRAFT),
-    "--block-size",
-    "8",
-    "--dtype",
-    "float32",
-    "--served-model-name",
-    "demo",
-)
-
-
 @pytest.fixture(scope="session")
 def demo_plain_server():
     """Our plain server on the shipped demo target, float32 (shared by the HTTP gates)."""
+    from reference_engine.demo import DEMO_TARGET
     from tests.server_process import ServerProcess
 
-    server = ServerProcess(*DEMO_PLAIN_ARGS)
+    server = ServerProcess("--model", str(DEMO_TARGET), "--dtype", "float32", "--served-model-name", "demo")
     yield server
     server.stop()
 
@@ -129,8 +112,20 @@ def demo_plain_server():
 @pytest.fixture(scope="session")
 def demo_dflash_server():
     """Our DFlash server (block size 8) on the shipped demo pair, float32."""
+    from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET
     from tests.server_process import ServerProcess
 
-    server = ServerProcess(*DEMO_DFLASH_ARGS)
+    server = ServerProcess(
+        "--model",
+        str(DEMO_TARGET),
+        "--dflash-draft-model-path",
+        str(DEMO_DRAFT),
+        "--block-size",
+        "8",
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "demo",
+    )
     yield server
     server.stop()

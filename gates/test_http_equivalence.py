@@ -22,7 +22,7 @@ from harness.compare import ComparePolicy, compare
 from harness.server_kind import resolve
 from harness.tokens import TextTokenizer
 from harness.workloads import builtin, gate_prompts, load_jsonl, synthetic
-from tests.server_process import ServerProcess, start_servers
+from tests.server_process import ServerProcess
 
 from .faults import LIES
 from .lying_server import LyingServer, send_answer
@@ -79,77 +79,66 @@ def baseline_server(tiny_dirs):
     server.stop()
 
 
-STRATEGIES = ["replay", "per_token", "recompute"]
-
-
-def our_compares(target: str, draft: str) -> dict:
-    """Our plain server (the baseline) against our DFlash server at each commit strategy
-    (strict) and against a DFlash server with a planted fault (the default policy); each
-    (results, summary) by strategy, and "fault"."""
-    dflash = ("--model", target, "--dflash-draft-model-path", draft, "--dtype", "float64")
-    launches = [("--model", target, "--dtype", "float64")]
-    launches += [(*dflash, "--commit-strategy", strategy) for strategy in STRATEGIES]
-    launches.append({"args": ("skip_state_rollback", *dflash), "module": "gates.faulty_serve"})
-    baseline, *candidates = start_servers(*launches)
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_our_dflash_server_matches_our_plain_server_exactly(
+    baseline_server, tiny_dirs, strategy: str
+) -> None:
+    candidate = ServerProcess(
+        "--model",
+        str(tiny_dirs[0]),
+        "--dflash-draft-model-path",
+        str(tiny_dirs[1]),
+        "--dtype",
+        "float64",
+        "--commit-strategy",
+        strategy,
+    )
     try:
-        found = {}
-        for name, candidate in zip([*STRATEGIES, "fault"], candidates):
-            policy = ComparePolicy() if name == "fault" else ComparePolicy("strict")
-            found[name] = run_compare(
-                Endpoint(baseline.url), Endpoint(candidate.url), prompts_for_us(), policy
-            )
-        return found
-    finally:
-        for server in (baseline, *candidates):
-            server.stop()
-
-
-def gate_set_compare() -> tuple:
-    """Our plain and DFlash servers on the demo pair (as gates/conftest.py's) over the gate
-    prompt set, at concurrency 1 and 4."""
-    from .conftest import DEMO_DFLASH_ARGS, DEMO_PLAIN_ARGS
-
-    plain, dflash = start_servers(DEMO_PLAIN_ARGS, DEMO_DFLASH_ARGS)
-    try:
-        prompts = gate_prompts((128, 512))[:4]  # the demo target holds 4096 tokens in all
-        return asyncio.run(
-            compare(
-                Endpoint(plain.url),
-                Endpoint(dflash.url),
-                prompts,
-                16,
-                [1, 4],
-                ComparePolicy("strict"),
-            )
+        results, summary = run_compare(
+            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy("strict")
         )
     finally:
-        plain.stop()
-        dflash.stop()
-
-
-def background_jobs(made) -> dict:
-    """The comparisons of our own servers, in the background from the session's start
-    (tests/together.py)."""
-    target, draft = (str(path) for path in made.tiny_pair("qwen3_5", block_size=8))
-    return {"ours": lambda: our_compares(target, draft), "gate_set": gate_set_compare}
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_our_dflash_server_matches_our_plain_server_exactly(background, strategy: str) -> None:
-    results, summary = background("ours")[strategy]
+        candidate.stop()
     assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
     assert summary["compared"] == "ids" and summary["compared_ids"] == summary["prompts"]
 
 
-def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(background) -> None:
-    results, summary = background("ours")["fault"]  # a candidate with skip_state_rollback
+def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_server, tiny_dirs) -> None:
+    candidate = ServerProcess(
+        "skip_state_rollback",
+        "--model",
+        str(tiny_dirs[0]),
+        "--dflash-draft-model-path",
+        str(tiny_dirs[1]),
+        "--dtype",
+        "float64",
+        module="gates.faulty_serve",
+    )
+    try:
+        results, summary = run_compare(
+            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy()
+        )
+    finally:
+        candidate.stop()
     assert summary["verdict"] == "fail" and summary["mismatches"] > 0
     first = next(d for r in results for d in r.divergences)
     assert first.baseline_token != first.candidate_token and first.margin is not None
 
 
-def test_our_dflash_server_is_exact_at_each_concurrency_and_context_of_the_gate_set(background) -> None:
-    results, summary = background("gate_set")
+def test_our_dflash_server_is_exact_at_each_concurrency_and_context_of_the_gate_set(
+    demo_plain_server, demo_dflash_server
+) -> None:
+    prompts = gate_prompts((128, 512))[:4]  # the demo target holds 4096 tokens in all
+    results, summary = asyncio.run(
+        compare(
+            Endpoint(demo_plain_server.url),
+            Endpoint(demo_dflash_server.url),
+            prompts,
+            16,
+            [1, 4],
+            ComparePolicy("strict"),
+        )
+    )
     assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"] == 8, summary
     assert {c: v["exact"] for c, v in summary["by_concurrency"].items()} == {"1": 4, "4": 4}
     assert {b: v["exact"] for b, v in summary["by_context"].items()} == {"~128": 4, "~512": 4}

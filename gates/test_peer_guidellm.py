@@ -15,20 +15,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
-from functools import partial
-from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.peer_clients import PeerRun, client_env, peer_job
+from tests.peer_clients import client_env, peer_server
 from tests.test_serve_metrics import samples, value
-from tests.together import Made
 
 pytestmark = pytest.mark.peers
 
 NUM_PROMPTS = 8
 OUTPUT_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    yield from peer_server(tiny_pair, "guidellm.benchmark", "guidellm")
 
 
 def scenario(url: str, target, report) -> dict:
@@ -51,36 +53,22 @@ def scenario(url: str, target, report) -> dict:
     }
 
 
-def run_client(url: str, target: Path, folder: Path) -> subprocess.CompletedProcess:
-    config, report = folder / "scenario.json", folder / "report.json"
-    config.write_text(json.dumps(scenario(url, target, report)))
-    return subprocess.run(
+def test_guidellm_run_completes_and_counts_our_tokens(server, tmp_path) -> None:
+    server, target = server
+    config, report = tmp_path / "scenario.json", tmp_path / "report.json"
+    config.write_text(json.dumps(scenario(server.url, target, report)))
+    before = samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    done = subprocess.run(
         [sys.executable, "-m", "guidellm", "run", "-c", str(config), "--disable-console-interactive"],
-        cwd=folder,
+        cwd=tmp_path,
         env=client_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-
-
-def background_jobs(made: Made) -> dict[str, Callable[[], PeerRun]]:
-    """The client's run against our DFlash server, in the background (tests/together.py)."""
-    pair = made.tiny_pair("qwen3", block_size=4)
-    folder = made.tmp_path_factory.mktemp("guidellm")
-    client = partial(run_client, target=pair[0], folder=folder)
-    job = peer_job(pair, "guidellm.benchmark", "guidellm", (), client)
-    return {"test_guidellm_run_completes_and_counts_our_tokens": lambda: (folder, job())}
-
-
-def test_guidellm_run_completes_and_counts_our_tokens(background) -> None:
-    folder, run = background()
-    if run.skipped:
-        pytest.skip(run.skipped)
-    done, report = run.done, folder / "report.json"
     assert done.returncode == 0 and report.exists(), done.stdout[-2000:] + done.stderr[-2000:]
     benchmark = json.loads(report.read_text())["benchmarks"][0]
-    before, after = samples(run.before), samples(run.after)
+    after = samples(httpx.get(server.url + "/metrics", timeout=10).text)
     tokens = value(after, "dflash:generation_tokens_total") - value(before, "dflash:generation_tokens_total")
     requests = benchmark["requests"]
     assert len(requests["successful"]) == NUM_PROMPTS

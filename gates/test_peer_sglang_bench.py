@@ -15,16 +15,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
-from functools import partial
-from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.peer_clients import PeerRun, client_env, peer_job
+from tests.peer_clients import client_env, peer_server
 from tests.server_process import REPO
 from tests.test_serve_metrics import samples, value
-from tests.together import Made
 
 pytestmark = pytest.mark.peers
 
@@ -32,8 +29,16 @@ NUM_PROMPTS = 8
 OUTPUT_LEN = 8
 
 
-def run_client(url: str, target: Path, result_file: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    yield from peer_server(tiny_pair, "sglang.bench_serving", "SGLang's benchmark client")
+
+
+def test_sglang_bench_serving_completes_and_counts_our_tokens(server, tmp_path) -> None:
+    server, target = server
+    before = samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    result_file = tmp_path / "sglang.jsonl"
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -41,7 +46,7 @@ def run_client(url: str, target: Path, result_file: Path) -> subprocess.Complete
             "--backend",
             "vllm",
             "--base-url",
-            url,
+            server.url,
             "--model",
             target.name,
             "--tokenizer",
@@ -67,25 +72,9 @@ def run_client(url: str, target: Path, result_file: Path) -> subprocess.Complete
         text=True,
         timeout=300,
     )
-
-
-def background_jobs(made: Made) -> dict[str, Callable[[], PeerRun]]:
-    """The client's run against our DFlash server, in the background (tests/together.py)."""
-    pair = made.tiny_pair("qwen3", block_size=4)
-    result_file = made.tmp_path_factory.mktemp("sglang") / "sglang.jsonl"
-    client = partial(run_client, target=pair[0], result_file=result_file)
-    job = peer_job(pair, "sglang.bench_serving", "SGLang's benchmark client", (), client)
-    return {"test_sglang_bench_serving_completes_and_counts_our_tokens": lambda: (result_file, job())}
-
-
-def test_sglang_bench_serving_completes_and_counts_our_tokens(background) -> None:
-    result_file, run = background()
-    if run.skipped:
-        pytest.skip(run.skipped)
-    done, before = run.done, samples(run.before)
     assert done.returncode == 0 and result_file.exists(), done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(result_file.read_text().splitlines()[-1])
-    after = samples(run.after)
+    after = samples(httpx.get(server.url + "/metrics", timeout=10).text)
     tokens = value(after, "dflash:generation_tokens_total") - value(before, "dflash:generation_tokens_total")
     assert result["completed"] == NUM_PROMPTS
     # and one warm-up request of its first prompt, min(output length, 32) tokens, left out of its

@@ -19,17 +19,14 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET, demo_prompts
-from tests.server_process import REPO, free_port, start_servers
-from tests.together import Made
+from reference_engine.demo import DEMO_TARGET, demo_prompts
+from tests.server_process import REPO, ServerProcess, free_port
 
 NUM_PROMPTS = 6
 MAX_TOKENS = 24
@@ -43,8 +40,8 @@ def transformers_command() -> list[str]:
     return [found]
 
 
-@contextmanager
-def transformers_server() -> Iterator[str]:
+@pytest.fixture(scope="module")
+def transformers_server():
     port = free_port()
     # one intra-op thread: on a small machine it shares the cores with our server
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -91,7 +88,9 @@ def transformers_server() -> Iterator[str]:
             proc.wait()
 
 
-def write_prompts(path: Path) -> Path:
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("peer") / "prompts.jsonl"
     rows = demo_prompts()[:NUM_PROMPTS]
     path.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
     return path
@@ -125,21 +124,52 @@ def compare(baseline: str, candidate: str, prompts: Path, out: Path) -> tuple[in
     return done.returncode, summary, done.stdout + done.stderr
 
 
-def other_weights(path: Path) -> Path:
-    """The demo target with one MLP's weights scaled: other weights."""
+def test_the_gate_passes_against_transformers_serve_on_the_same_weights(
+    transformers_server, demo_dflash_server, prompts_file, tmp_path
+) -> None:
+    code, summary, log = compare(transformers_server, demo_dflash_server.url, prompts_file, tmp_path / "same")
+    assert "server kind openai" in log and "server kind ours" in log, log
+    assert code == 0, log
+    assert summary["exact"] == summary["prompts"] == NUM_PROMPTS and summary["errors"] == 0
+    assert summary["compared"] == "text" and summary["compared_text"] == NUM_PROMPTS
+    report = (tmp_path / "same" / "compare.md").read_text()
+    assert f"compared {NUM_PROMPTS} (0 by token ids, {NUM_PROMPTS} by text)" in report
+
+
+@pytest.fixture(scope="module")
+def other_weights_server(tmp_path_factory):
+    """Our plain server on the demo target with one MLP's weights scaled: other weights."""
+    path = tmp_path_factory.mktemp("other_weights") / "target"
     shutil.copytree(DEMO_TARGET, path)
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.5.mlp.down_proj.weight"
     tensors[name] = (tensors[name].float() * 1.5).to(tensors[name].dtype)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    server = ServerProcess("--model", str(path), "--dtype", "float32")
+    yield server
+    server.stop()
 
 
-def bench(url: str, out: Path) -> subprocess.CompletedProcess:
-    return harness(
+def test_the_gate_fails_against_a_server_with_other_weights(
+    transformers_server, other_weights_server, prompts_file, tmp_path
+) -> None:
+    code, summary, log = compare(
+        transformers_server, other_weights_server.url, prompts_file, tmp_path / "other"
+    )
+    assert code == 1, log
+    assert summary["mismatches"] > 0 and summary["errors"] == 0
+    assert "first divergence: position" in log
+    rows = [json.loads(line) for line in (tmp_path / "other" / "compare.jsonl").open()]
+    first = next(d for r in rows for d in r["divergences"])
+    assert first["position"] is not None and first["baseline_token"] != first["candidate_token"]
+
+
+def test_harness_bench_measures_transformers_serve(transformers_server, tmp_path) -> None:
+    out = tmp_path / "bench"
+    done = harness(
         "bench",
         "--base-url",
-        url,
+        transformers_server,
         "--tokenizer",
         str(DEMO_TARGET),
         "--builtin",
@@ -155,61 +185,6 @@ def bench(url: str, out: Path) -> subprocess.CompletedProcess:
         "--out",
         str(out),
     )
-
-
-def runs(folder: Path) -> dict[str, object]:
-    """`transformers serve` on the demo target, and against it: the gate with our DFlash
-    server on the same weights (as gates/conftest.py's demo_dflash_server), the gate with our
-    plain server on other weights, and the harness's benchmark; each test's result by name."""
-    prompts = write_prompts(folder / "prompts.jsonl")
-    with transformers_server() as url:
-        dflash, other = start_servers(
-            ("--model", str(DEMO_TARGET), "--dflash-draft-model-path", str(DEMO_DRAFT), "--block-size", "8")
-            + ("--dtype", "float32", "--served-model-name", "demo"),
-            ("--model", str(other_weights(folder / "other_weights" / "target")), "--dtype", "float32"),
-        )
-        try:
-            return {
-                "same": compare(url, dflash.url, prompts, folder / "same"),
-                "other": compare(url, other.url, prompts, folder / "other"),
-                "bench": bench(url, folder / "bench"),
-            }
-        finally:
-            dflash.stop()
-            other.stop()
-
-
-def background_jobs(made: Made) -> dict[str, Callable[[], dict[str, object]]]:
-    """This module's runs, in the background from the session's start (tests/together.py)."""
-    folder = made.tmp_path_factory.mktemp("peer")
-    return {"runs": lambda: (folder, runs(folder))}
-
-
-def test_the_gate_passes_against_transformers_serve_on_the_same_weights(background) -> None:
-    folder, results = background("runs")
-    code, summary, log = results["same"]  # compare(transformers serve, our DFlash server)
-    assert "server kind openai" in log and "server kind ours" in log, log
-    assert code == 0, log
-    assert summary["exact"] == summary["prompts"] == NUM_PROMPTS and summary["errors"] == 0
-    assert summary["compared"] == "text" and summary["compared_text"] == NUM_PROMPTS
-    report = (folder / "same" / "compare.md").read_text()
-    assert f"compared {NUM_PROMPTS} (0 by token ids, {NUM_PROMPTS} by text)" in report
-
-
-def test_the_gate_fails_against_a_server_with_other_weights(background) -> None:
-    folder, results = background("runs")
-    code, summary, log = results["other"]  # compare(transformers serve, our server, other weights)
-    assert code == 1, log
-    assert summary["mismatches"] > 0 and summary["errors"] == 0
-    assert "first divergence: position" in log
-    rows = [json.loads(line) for line in (folder / "other" / "compare.jsonl").open()]
-    first = next(d for r in rows for d in r["divergences"])
-    assert first["position"] is not None and first["baseline_token"] != first["candidate_token"]
-
-
-def test_harness_bench_measures_transformers_serve(background) -> None:
-    folder, results = background("runs")
-    out, done = folder / "bench", results["bench"]
     assert done.returncode == 0, done.stdout + done.stderr
     row = next(csv.DictReader((out / "summary.csv").open()))
     assert (row["completed"], row["failed"]) == ("4", "0"), row["errors"]

@@ -13,16 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
-from functools import partial
-from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.peer_clients import PeerRun, client_env, peer_job
+from tests.peer_clients import client_env, peer_server
 from tests.server_process import REPO
 from tests.test_serve_metrics import samples, value
-from tests.together import Made
 
 pytestmark = pytest.mark.peers
 
@@ -40,8 +37,17 @@ print("RESULT " + json.dumps({k: v for k, v in result.items() if not isinstance(
 """
 
 
-def run_client(url: str, target: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    # a random draft accepts nothing: --oracle-acceptance forces some for the client to read
+    options = ("--metrics-names", "dflash,vllm", "--oracle-acceptance", "3")
+    yield from peer_server(tiny_pair, "vllm.benchmarks.serve", "vLLM's benchmark client", *options)
+
+
+def test_vllm_bench_serve_completes_counts_our_tokens_and_reads_our_acceptance(server) -> None:
+    server, target = server
+    before = samples(httpx.get(server.url + "/metrics", timeout=10).text)
+    done = subprocess.run(
         [
             sys.executable,
             "-c",
@@ -49,7 +55,7 @@ def run_client(url: str, target: Path) -> subprocess.CompletedProcess:
             "--backend",
             "vllm",
             "--base-url",
-            url,
+            server.url,
             "--model",
             target.name,
             "--tokenizer",
@@ -73,26 +79,10 @@ def run_client(url: str, target: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
-
-
-def background_jobs(made: Made) -> dict[str, Callable[[], PeerRun]]:
-    """The client's run against our DFlash server, in the background (tests/together.py)."""
-    pair = made.tiny_pair("qwen3", block_size=4)
-    # a random draft accepts nothing: --oracle-acceptance forces some for the client to read
-    options = ("--metrics-names", "dflash,vllm", "--oracle-acceptance", "3")
-    client = partial(run_client, target=pair[0])
-    job = peer_job(pair, "vllm.benchmarks.serve", "vLLM's benchmark client", options, client)
-    return {"test_vllm_bench_serve_completes_counts_our_tokens_and_reads_our_acceptance": job}
-
-
-def test_vllm_bench_serve_completes_counts_our_tokens_and_reads_our_acceptance(background) -> None:
-    run = background()
-    if run.skipped:
-        pytest.skip(run.skipped)
-    done, before, after = run.done, samples(run.before), samples(run.after)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(lines[-1][len("RESULT ") :])
+    after = samples(httpx.get(server.url + "/metrics", timeout=10).text)
 
     def delta(name: str) -> float:
         return value(after, name) - value(before, name)

@@ -15,6 +15,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from reference_engine.demo import DEMO_TARGET, demo_prompts
 from reference_engine.tokenizer import load_tokenizer
@@ -111,74 +112,34 @@ def expected(ids: list[int], stops: list[str], decode) -> dict:
     return {"text": decode(ids), "ids": ids, "finish": "length"}
 
 
-def continuations(plain_url: str, dflash_url: str) -> list[tuple[list[int], list[int], list[int]]]:
+@pytest.fixture(scope="module")
+def continuations(demo_plain_server, demo_dflash_server):
     """Per prompt: the full greedy continuation and the DFlash server's chunk sizes."""
     prompts = [row["prompt_ids"] for row in demo_prompts()[:NUM_PROMPTS]]
-    plain = _run_all([(plain_url, p, False, None) for p in prompts])
-    spec = _run_all([(dflash_url, p, True, None) for p in prompts])
+    plain = _run_all([(demo_plain_server.url, p, False, None) for p in prompts])
+    spec = _run_all([(demo_dflash_server.url, p, True, None) for p in prompts])
     for a, b in zip(plain, spec):
         assert a["ids"] == b["ids"], "plain and DFlash continuations differ"
     assert any(n > 1 for s in spec for n in s["chunks"]), "no DFlash chunk carried >1 token"
     return [(p, a["ids"], b["chunks"]) for p, a, b in zip(prompts, plain, spec)]
 
 
-def sweep_cases(found: list[tuple[list[int], list[int], list[int]]], decode) -> list[tuple]:
+def test_stop_strings_cut_exactly_and_do_not_depend_on_chunking(
+    continuations, demo_plain_server, demo_dflash_server
+) -> None:
+    decode = load_tokenizer(DEMO_TARGET).decode
     cases = []
-    for prompt, ids, chunks in found:
+    for prompt, ids, chunks in continuations:
         for name, stop in stop_cases(ids, chunks, decode).items():
             cases.append((prompt, name, stop, expected(ids, [stop], decode)))
-    return cases
-
-
-def several_stops(found: list[tuple[list[int], list[int], list[int]]], decode) -> tuple[list[int], list[str]]:
-    prompt, ids, _ = found[0]
-    late, early = decode(ids[10:14]), decode(ids[6:8])
-    return prompt, [late, early, ABSENT]
-
-
-def requests(plain_url: str, dflash_url: str) -> dict:
-    """This module's requests to our plain and DFlash servers on the demo pair: the
-    continuations, then every stop case on both servers streamed and not, then the request
-    with several stop strings; each test checks its part."""
-    decode = load_tokenizer(DEMO_TARGET).decode
-    found = continuations(plain_url, dflash_url)
-    servers = {"plain": plain_url, "dflash": dflash_url}
-    cases = sweep_cases(found, decode)
+    servers = {"plain": demo_plain_server.url, "dflash": demo_dflash_server.url}
     jobs = [
         (url, prompt, stream, [stop])
         for prompt, _, stop, _ in cases
         for url in servers.values()
         for stream in (False, True)
     ]
-    prompt, stops = several_stops(found, decode)
-    several = {url: _run_all([(url, prompt, s, stops) for s in (False, True)]) for url in servers.values()}
-    return {"continuations": found, "sweep": _run_all(jobs), "several": several, "servers": servers}
-
-
-def background_jobs(made) -> dict:
-    """The requests, to servers of its own (as gates/conftest.py's demo servers), in the
-    background from the session's start (tests/together.py)."""
-    from tests.server_process import start_servers
-
-    from .conftest import DEMO_DFLASH_ARGS, DEMO_PLAIN_ARGS
-
-    def run() -> dict:
-        plain, dflash = start_servers(DEMO_PLAIN_ARGS, DEMO_DFLASH_ARGS)
-        try:
-            return requests(plain.url, dflash.url)
-        finally:
-            plain.stop()
-            dflash.stop()
-
-    return {"requests": run}
-
-
-def test_stop_strings_cut_exactly_and_do_not_depend_on_chunking(background) -> None:
-    decode = load_tokenizer(DEMO_TARGET).decode
-    done = background("requests")
-    cases = sweep_cases(done["continuations"], decode)
-    servers = done["servers"]
-    results = iter(done["sweep"])
+    results = iter(_run_all(jobs))
     failures, leaks, differ = [], 0, 0
     for _prompt, name, stop, want in cases:
         got = {
@@ -213,15 +174,17 @@ def test_stop_strings_cut_exactly_and_do_not_depend_on_chunking(background) -> N
     )
 
 
-def test_several_stop_strings_the_first_to_complete_wins(background) -> None:
+def test_several_stop_strings_the_first_to_complete_wins(
+    continuations, demo_plain_server, demo_dflash_server
+) -> None:
     decode = load_tokenizer(DEMO_TARGET).decode
-    done = background("requests")
-    prompt, stops = several_stops(done["continuations"], decode)
-    _, ids, _ = done["continuations"][0]
+    prompt, ids, _ = continuations[0]
+    late, early = decode(ids[10:14]), decode(ids[6:8])
+    stops = [late, early, ABSENT]
     want = expected(ids, stops, decode)
     assert want["finish"] == "stop" and len(want["ids"]) < 14
-    for url in done["servers"].values():
-        for got in done["several"][url]:
+    for url in (demo_plain_server.url, demo_dflash_server.url):
+        for got in _run_all([(url, prompt, s, stops) for s in (False, True)]):
             assert (got["text"], got["ids"], got["finish"]) == (want["text"], want["ids"], want["finish"]), (
                 url,
                 got,

@@ -3,10 +3,6 @@
 `make setup` installs them with --no-deps into .peers/ (requirements/peers.txt, scripts/setup.sh),
 a folder on the clients' own PYTHONPATH only: their modules (uvloop, aiohttp, vLLM) never reach
 the server or the tests. A client installed in the environment itself is found as well.
-
-A peer test's run (`peer_job`: the import probe, our server, the client, /metrics before and
-after) is one of the session's background jobs (tests/together.py); the test then checks
-what the run left.
 """
 
 from __future__ import annotations
@@ -14,13 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-
-import httpx
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tests.server_process import REPO, ServerProcess
+from tests.together import WORKERS
 
 PEERS = REPO / ".peers"
 RECIPE = "make setup installs it into .peers/ (requirements/peers.txt; PEERS=no leaves it out)"
@@ -35,10 +28,14 @@ def client_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
 
 
-def client_missing(module: str, client: str) -> str | None:
-    """Why `client` cannot run (its `module` does not import, with the import's last line), or
-    None when it can."""
-    probe = subprocess.run(
+# the modules of the peer clients the gates run (gates/test_peer_*.py): the first probe starts
+# them all, side by side, and each later test finds its own probe done or under way
+PEER_MODULES = ("guidellm.benchmark", "vllm.benchmarks.serve", "sglang.bench_serving")
+_probes: dict[str, Future] = {}
+
+
+def _probe(module: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-c", f"import {module}"],
         cwd=REPO,
         env=client_env(),
@@ -46,47 +43,34 @@ def client_missing(module: str, client: str) -> str | None:
         text=True,
         timeout=120,
     )
+
+
+def client_missing(module: str, client: str) -> str | None:
+    """Why `client` cannot run (its `module` does not import, with the import's last line), or
+    None when it can."""
+    if module not in _probes:
+        pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="peer-probe")
+        for name in (module, *PEER_MODULES):
+            if name not in _probes:
+                _probes[name] = pool.submit(_probe, name)
+        pool.shutdown(wait=False)
+    probe = _probes[module].result()
     if probe.returncode == 0:
         return None
     last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
     return f"{client} cannot be imported ({last}); {RECIPE}"
 
 
-@dataclass
-class PeerRun:
-    """What a peer client's run left: why it was skipped, or the client's run and our
-    server's /metrics text before and after it."""
+def peer_server(tiny_pair, module: str, client: str, *options: str):
+    """A peer test's server: our DFlash server on the tiny Qwen3 pair, started with `options`,
+    once `client` (its `module`) is found to import (else the test is skipped with why).
+    Yields (server, target directory); stops the server after."""
+    import pytest
 
-    skipped: str | None = None
-    url: str = ""
-    before: str = ""
-    done: subprocess.CompletedProcess | None = None
-    after: str = ""
-
-
-def peer_job(
-    pair: tuple[Path, Path],
-    module: str,
-    client: str,
-    options: tuple[str, ...],
-    run_client: Callable[[str], subprocess.CompletedProcess],
-) -> Callable[[], PeerRun]:
-    """A peer test's run: once `client` (its `module`) is found to import, our DFlash server
-    on `pair` started with `options`, its /metrics, `run_client(url)`, its /metrics again, the
-    server stopped."""
-
-    def job() -> PeerRun:
-        missing = client_missing(module, client)
-        if missing:
-            return PeerRun(skipped=missing)
-        target, draft = pair
-        server = ServerProcess("--model", str(target), "--dflash-draft-model-path", str(draft), *options)
-        try:
-            before = httpx.get(server.url + "/metrics", timeout=10).text
-            done = run_client(server.url)
-            after = httpx.get(server.url + "/metrics", timeout=10).text
-        finally:
-            server.stop()
-        return PeerRun(None, server.url, before, done, after)
-
-    return job
+    missing = client_missing(module, client)
+    if missing:
+        pytest.skip(missing)
+    target, draft = tiny_pair("qwen3", block_size=4)
+    server = ServerProcess("--model", str(target), "--dflash-draft-model-path", str(draft), *options)
+    yield server, target
+    server.stop()

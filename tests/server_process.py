@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -66,11 +65,8 @@ def _standard_streams() -> None:
     sys.stderr = sys.__stderr__ = stream(2, True, "backslashreplace")
 
 
-def _run_module(module: str, argv: list[str], log: str, cwd: str, env: dict[str, str], nice: int) -> None:
-    """In the forked process: `python -m module *argv` with stdout and stderr to `log`, at the
-    nice value of the thread that asked for it (as a process it started would inherit)."""
-    if nice > os.getpriority(os.PRIO_PROCESS, 0):
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
+def _run_module(module: str, argv: list[str], log: str, cwd: str, env: dict[str, str]) -> None:
+    """In the forked process: `python -m module *argv` with stdout and stderr to `log`."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -171,11 +167,8 @@ def _fork(module: str, argv: list[str]) -> ForkedProcess:
         atexit.register(_kill_leftovers)
     fd, log = tempfile.mkstemp(prefix="server-", suffix=".log")
     os.close(fd)
-    nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     process = context.Process(
-        target=_run_module,
-        args=(module, argv, log, str(REPO), dict(os.environ), nice),
-        name=f"server {module}",
+        target=_run_module, args=(module, argv, log, str(REPO), dict(os.environ)), name=f"server {module}"
     )
     process.start()
     proc = ForkedProcess(process, log)

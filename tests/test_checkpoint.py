@@ -22,7 +22,7 @@ from reference_engine.errors import CheckpointError, ConfigError
 from reference_engine.models import CausalLM
 from reference_engine.runtime.decode import new_state
 
-from .together import Made
+from .together import Results, together
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]
@@ -209,39 +209,39 @@ def make_tiny(out: Path, arch: str, flags: list[str]) -> subprocess.CompletedPro
     )
 
 
-def background_jobs(made: Made) -> dict[str, Callable[[], tuple[Path, subprocess.CompletedProcess[str]]]]:
-    """The make-tiny command lines below, in the background from the session's start
-    (tests/together.py): name -> (the --out folder, the run)."""
-    tmp_path_factory = made.tmp_path_factory
+@pytest.fixture(scope="module")
+def cli_runs(request, tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """The make-tiny command lines below, side by side in the background (tests/together.py):
+    name -> (the --out folder, the run)."""
 
-    def tiny(out: Path, arch: str, flags: list[str]):
+    def tiny(name: str, arch: str, flags: list[str]):
+        out = tmp_path_factory.mktemp(name) / "tiny"
         return out, make_tiny(out, arch, flags)
 
-    def bad(out: Path):
+    def bad():
+        out = tmp_path_factory.mktemp("bad")  # an empty folder
         return out, run_cli("make-tiny", "--arch", "qwen3", "--multimodal-wrapper", "--out", str(out))
 
     jobs = {
         f"test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer[{name}]": partial(
-            tiny, tmp_path_factory.mktemp(name) / "tiny", *case[:2]
+            tiny, name, *case[:2]
         )
         for name, case in zip(MAKE_TINY_IDS, MAKE_TINY)
     }
-    # --out: an empty folder
-    jobs["test_make_tiny_cli_reports_bad_options_without_traceback"] = partial(
-        bad, tmp_path_factory.mktemp("bad")
-    )
-    return jobs
+    jobs["test_make_tiny_cli_reports_bad_options_without_traceback"] = bad
+    return together(request, jobs)
 
 
 @pytest.mark.parametrize(("arch", "flags", "model_type"), MAKE_TINY, ids=MAKE_TINY_IDS)
 def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
-    background,
+    cli_runs: Results,
+    request: pytest.FixtureRequest,
     tiny_checkpoint: TinyCheckpoint,
     arch: str,
     flags: list[str],
     model_type: str,
 ) -> None:
-    out, done = background()  # make_tiny(out, arch, flags)
+    out, done = cli_runs[request.node.name]  # make_tiny(out, arch, flags)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
@@ -266,9 +266,11 @@ def test_make_tiny_cli_writes_a_loadable_checkpoint_with_tokenizer(
     assert torch.equal(all_logits(model), all_logits(load_target(same)))
 
 
-def test_make_tiny_cli_reports_bad_options_without_traceback(background) -> None:
+def test_make_tiny_cli_reports_bad_options_without_traceback(
+    cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
     # make-tiny --arch qwen3 --multimodal-wrapper --out <out>
-    out, done = background()
+    out, done = cli_runs[request.node.name]
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and "--multimodal-wrapper" in done.stderr
     assert "Traceback" not in done.stderr

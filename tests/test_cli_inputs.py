@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
 from functools import partial
 
 import pytest
 
 from .server_process import REPO
-from .together import Made
+from .together import Results, together
 
 
 def cli(*argv: str | bytes) -> subprocess.CompletedProcess:
@@ -34,10 +33,10 @@ PORTS = ["99999", "0", "http"]
 THREADS = ["0", "two"]
 
 
-def background_jobs(made: Made) -> dict[str, Callable[[], subprocess.CompletedProcess]]:
-    """This module's command lines, in the background from the session's start
-    (tests/together.py)."""
-    target, draft = (str(path) for path in made.tiny_pair("qwen3_5", block_size=8))
+@pytest.fixture(scope="module")
+def runs(request, pair) -> Results:
+    """This module's command lines, side by side in the background (tests/together.py)."""
+    target, draft = (str(path) for path in pair)
     generate = ("reference_engine.generate", "--model", target)
     serve = ("reference_engine.serve", "--model", target)
     jobs = {
@@ -68,29 +67,29 @@ def background_jobs(made: Made) -> dict[str, Callable[[], subprocess.CompletedPr
             for threads in THREADS
         },
     }
-    return {name: partial(cli, *argv) for name, argv in jobs.items()}
+    return together(request, {name: partial(cli, *argv) for name, argv in jobs.items()})
 
 
-def test_generate_block_size_0_is_refused_not_replaced_by_the_drafts(background) -> None:
+def test_generate_block_size_0_is_refused_not_replaced_by_the_drafts(runs, request) -> None:
     # generate --model <target> --draft <draft> --prompt-ids 1,2 --max-tokens 2 --block-size 0
-    one_error_line(background(), "block size must be >= 2, got 0")
+    one_error_line(runs[request.node.name], "block size must be >= 2, got 0")
 
 
-def test_generate_a_prompt_that_is_not_utf8_is_one_error_line(background) -> None:
+def test_generate_a_prompt_that_is_not_utf8_is_one_error_line(runs, request) -> None:
     # generate --model <target> --prompt b"caf\xe9" --max-tokens 2
-    one_error_line(background(), "--prompt is not valid UTF-8")
+    one_error_line(runs[request.node.name], "--prompt is not valid UTF-8")
 
 
 @pytest.mark.parametrize("port", PORTS)
-def test_serve_port_out_of_range_is_one_error_line(background, port: str) -> None:
+def test_serve_port_out_of_range_is_one_error_line(runs, request, port: str) -> None:
     # serve --model <target> --port <port>
-    one_error_line(background(), "--port")
+    one_error_line(runs[request.node.name], "--port")
 
 
 @pytest.mark.parametrize("threads", THREADS)
-def test_serve_threads_must_be_a_positive_count(background, threads: str) -> None:
+def test_serve_threads_must_be_a_positive_count(runs, request, threads: str) -> None:
     # serve --model <target> --threads <threads>
-    one_error_line(background(), "--threads")
+    one_error_line(runs[request.node.name], "--threads")
 
 
 def test_serve_threads_sets_the_operator_threads_and_info_reports_them(pair) -> None:

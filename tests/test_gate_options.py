@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from .together import Made
+import pytest
+
+from .together import Results, together
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,16 +32,14 @@ USER_PROMPTS = (
 )
 
 
-def background_jobs(made: Made) -> dict[str, Callable[[], subprocess.CompletedProcess]]:
-    """The two gate runs below, in the background from the session's start
-    (tests/together.py)."""
-    tiny_pair, tmp_path_factory = made.tiny_pair, made.tmp_path_factory
-
-    prompts = tmp_path_factory.mktemp("options") / "prompts.jsonl"
-    prompts.write_text(USER_PROMPTS)
+@pytest.fixture(scope="module")
+def runs(request, tiny_pair, tmp_path_factory) -> Results:
+    """The two gate runs below, side by side in the background (tests/together.py)."""
 
     def by_options() -> subprocess.CompletedProcess:
         target, draft = tiny_pair("qwen3_5", block_size=4)
+        prompts = tmp_path_factory.mktemp("options") / "prompts.jsonl"
+        prompts.write_text(USER_PROMPTS)
         return run_gates(
             [
                 "-q",
@@ -78,24 +77,27 @@ def background_jobs(made: Made) -> dict[str, Callable[[], subprocess.CompletedPr
     # the pairs are written here, once, before the jobs read them
     tiny_pair("qwen3_5", block_size=4)
     tiny_pair("qwen3", block_size=4)
-    return {
-        "test_gates_run_on_user_checkpoints_given_by_options": by_options,
-        "test_gates_read_the_environment_variables": by_environment,
-    }
+    return together(
+        request,
+        {
+            "test_gates_run_on_user_checkpoints_given_by_options": by_options,
+            "test_gates_read_the_environment_variables": by_environment,
+        },
+    )
 
 
-def test_gates_run_on_user_checkpoints_given_by_options(background) -> None:
+def test_gates_run_on_user_checkpoints_given_by_options(runs, request) -> None:
     # the lossless grid and the state check at replay, on the qwen3_5 pair, by options
-    done = background()
+    done = runs[request.node.name]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
     # blocks larger than the user's draft supports are skipped, not failed
     assert "skipped" in done.stdout
 
 
-def test_gates_read_the_environment_variables(background) -> None:
+def test_gates_read_the_environment_variables(runs, request) -> None:
     # the first-token test on the qwen3 pair, by DFLASH_GATE_* variables
-    done = background()
+    done = runs[request.node.name]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[user]" in done.stdout
 

@@ -2,7 +2,7 @@
 bad input reported as one `error:` line with exit code 2 and no traceback.
 
 The main cases run as a user runs them, in a subprocess (about 4 s each, mostly importing
-torch; run in the background from the session's start, `background_jobs`); the rest call `main(argv)`
+torch; started together in the background, `cli_runs`); the rest call `main(argv)`
 in-process, where an escaping exception fails the test just as a traceback would."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.tokenizer import load_tokenizer
 
-from .together import Made
+from .together import Results, together
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TEXT = "The quick brown fox jumps over"
@@ -70,12 +70,17 @@ BAD_REQUESTS = [
 BAD_REQUEST_IDS = ["prompt-fills-context", "empty-ids", "id-past-vocab", "max-tokens-zero", "unknown-device"]
 
 
-def background_jobs(made: Made) -> dict[str, Callable[[], object]]:
-    """This module's subprocess runs, in the background from the session's start
-    (tests/together.py)."""
-    qwen3 = str(made.tiny_checkpoint("qwen3"))
-    qwen3_5 = str(made.tiny_checkpoint("qwen3_5"))
-    missing_model = made.tmp_path_factory.mktemp("missing") / "no-such-model"
+@pytest.fixture(scope="module")
+def missing_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("missing") / "no-such-model"
+
+
+@pytest.fixture(scope="module")
+def cli_runs(
+    request: pytest.FixtureRequest, qwen3_checkpoint: Path, qwen3_5_checkpoint: Path, missing_model: Path
+) -> Results:
+    """This module's subprocess runs, side by side in the background (tests/together.py)."""
+    qwen3 = str(qwen3_checkpoint)
     jobs = {
         "test_json_output_for_a_text_prompt": (
             "--model",
@@ -91,7 +96,7 @@ def background_jobs(made: Made) -> dict[str, Callable[[], object]]:
         ),
         "test_json_output_for_token_ids_equals_generate_plain": (
             "--model",
-            qwen3_5,
+            str(qwen3_5_checkpoint),
             "--prompt-ids",
             ",".join(map(str, PROMPT_IDS)),
             "--max-tokens",
@@ -131,19 +136,15 @@ def background_jobs(made: Made) -> dict[str, Callable[[], object]]:
             "4",
         ),
     }
-    jobs = {name: partial(generate_cli, *args) for name, args in jobs.items()}
-    missing = jobs["test_missing_model_directory_is_one_error_line_with_exit_code_2"]
-    jobs["test_missing_model_directory_is_one_error_line_with_exit_code_2"] = lambda: (
-        missing_model,
-        missing(),
-    )
-    return jobs
+    return together(request, {name: partial(generate_cli, *args) for name, args in jobs.items()})
 
 
 # ----------------------------------------------------------------------------- output
-def test_json_output_for_a_text_prompt(qwen3_checkpoint: Path, background) -> None:
+def test_json_output_for_a_text_prompt(
+    qwen3_checkpoint: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
     path = qwen3_checkpoint
-    done = background()
+    done = cli_runs[request.node.name]
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     tokenizer = load_tokenizer(path)
@@ -157,8 +158,10 @@ def test_json_output_for_a_text_prompt(qwen3_checkpoint: Path, background) -> No
     assert ids == in_process(path, out["prompt_ids"], max_tokens=10, ignore_eos=True)
 
 
-def test_json_output_for_token_ids_equals_generate_plain(qwen3_5_checkpoint: Path, background) -> None:
-    done = background()
+def test_json_output_for_token_ids_equals_generate_plain(
+    qwen3_5_checkpoint: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
+    done = cli_runs[request.node.name]
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["prompt_ids"] == PROMPT_IDS
@@ -191,8 +194,10 @@ def test_stop_ids_end_the_output_with_the_stop_token(
     assert out["finish_reason"] == "stop"
 
 
-def test_plain_text_mode_prints_the_decoded_text(qwen3_checkpoint: Path, background) -> None:
-    done = background()
+def test_plain_text_mode_prints_the_decoded_text(
+    qwen3_checkpoint: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
+    done = cli_runs[request.node.name]
     assert done.returncode == 0, done.stderr
     tokenizer = load_tokenizer(qwen3_checkpoint)
     ids = in_process(qwen3_checkpoint, tokenizer.encode(PROMPT_TEXT).ids, max_tokens=6, ignore_eos=True)
@@ -239,13 +244,18 @@ def assert_one_error_line(code: int, stdout: str, stderr: str, message: str) -> 
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_REQUESTS, ids=BAD_REQUEST_IDS)
-def test_bad_request_is_one_error_line_with_exit_code_2(background, args: list[str], message: str) -> None:
-    done = background()  # generate --model <qwen3> --max-tokens 4 *args
+def test_bad_request_is_one_error_line_with_exit_code_2(
+    cli_runs: Results, request: pytest.FixtureRequest, args: list[str], message: str
+) -> None:
+    done = cli_runs[request.node.name]  # generate --model <qwen3> --max-tokens 4 *args
     assert_one_error_line(done.returncode, done.stdout, done.stderr, message)
 
 
-def test_missing_model_directory_is_one_error_line_with_exit_code_2(background) -> None:
-    missing, done = background()
+def test_missing_model_directory_is_one_error_line_with_exit_code_2(
+    missing_model: Path, cli_runs: Results, request: pytest.FixtureRequest
+) -> None:
+    missing = missing_model
+    done = cli_runs[request.node.name]
     assert_one_error_line(done.returncode, done.stdout, done.stderr, "no config.json")
     assert done.stderr == f"error: {missing}: no config.json (is this a model directory?)\n"
 

@@ -7,18 +7,18 @@ import csv
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 
 import pytest
 
-from . import together
 from .server_process import REPO
-from .together import Made
 
 
-def run_ab(target, draft, out):
+@pytest.fixture(scope="module")
+def ab_run(tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair("qwen3_5", block_size=8)
+    out = tmp_path_factory.mktemp("ab_out")
     serve = f"{sys.executable} -m reference_engine.serve --model {target}"
-    return subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -48,19 +48,6 @@ def run_ab(target, draft, out):
         text=True,
         timeout=600,
     )
-
-
-def background_jobs(made: Made) -> dict[str, Callable[[], tuple]]:
-    """The A/B run the tests read, in the background from the session's start
-    (tests/together.py)."""
-    target, draft = made.tiny_pair("qwen3_5", block_size=8)
-    out = made.tmp_path_factory.mktemp("ab_out")
-    return {"ab_run": lambda: (out, run_ab(target, draft, out))}
-
-
-@pytest.fixture(scope="module")
-def ab_run(request):
-    out, done = together.result(request, "ab_run")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return out, done.stdout
 

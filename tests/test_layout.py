@@ -11,13 +11,12 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import pytest
 
-from .together import Made
+from .together import Results, together
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("reference_engine", "harness", "reports", "gates")
@@ -324,14 +323,16 @@ def help_of(module: str) -> subprocess.CompletedProcess:
     )
 
 
-def background_jobs(made: Made) -> dict[str, Callable[[], subprocess.CompletedProcess]]:
-    """`python -m <entry point> --help` of each, in the background (tests/together.py)."""
-    return {f"test_entry_points_keep_their_names[{m}]": partial(help_of, m) for m in ENTRY_POINTS}
+@pytest.fixture(scope="module")
+def helps(request) -> Results:
+    """`python -m <entry point> --help` of each, side by side in the background."""
+    jobs = {f"test_entry_points_keep_their_names[{m}]": partial(help_of, m) for m in ENTRY_POINTS}
+    return together(request, jobs)
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
-def test_entry_points_keep_their_names(background, module: str) -> None:
-    done = background()  # python -m <module> --help
+def test_entry_points_keep_their_names(helps, request, module: str) -> None:
+    done = helps[request.node.name]  # python -m <module> --help
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
 

@@ -18,7 +18,6 @@ from reference_engine.runtime.request import SamplingParams
 from reference_engine.serving.followers import LeadingEngine
 
 from .server_process import ServerProcess, free_port
-from .together import Made
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 10
@@ -56,53 +55,31 @@ def workers(launcher: int) -> list[int]:
     return [int(pid) for pid in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()]
 
 
-def two_ranks(target_dir: Path, draft_dir: Path) -> dict:
-    """The server at --tensor-parallel-size 2 under torchrun: its answers to REQUESTS and to
-    one request without a seed, its ranks, then SIGTERM: whether torchrun ended within 20 s,
-    the ranks still alive after, and its output."""
+def test_two_ranks_answer_what_one_engine_answers_and_stop_on_sigterm(pair) -> None:
+    (target_dir, draft_dir), models = pair
     launch = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     serve = ["-m", "reference_engine.serve", "--model", str(target_dir), "--dflash-draft-model-path"]
     serve += [str(draft_dir), "--device", "cpu", "--dtype", "float64", "--threads", "1"]
     server = ServerProcess(
         *launch, *serve, "--tensor-parallel-size", "2", module="torch.distributed.run", fresh=True
     )
-    found: dict = {}
     try:
-        found["answers"] = {what: complete(server.url, *request) for what, request in REQUESTS.items()}
+        for what, (prompt_ids, options) in REQUESTS.items():
+            assert complete(server.url, prompt_ids, options) == one_process(models, prompt_ids, options), what
         # without a seed rank 0 draws one and sends it (the test below); here: no hang
-        found["unseeded"] = complete(server.url, [5, 17, 33, 2], {"temperature": 1.0})
-        ranks = found["ranks"] = workers(server.proc.pid)
+        assert len(complete(server.url, [5, 17, 33, 2], {"temperature": 1.0})) == MAX_TOKENS
+        ranks = workers(server.proc.pid)
+        assert len(ranks) == 2
         # torchrun passes SIGTERM to both ranks; rank 1 ignores it and stops at rank 0's stop
         # marker once rank 0 has drained (torchrun would kill a rank still there after 30 s)
         server.proc.send_signal(signal.SIGTERM)
-        try:
-            found["output"], _ = server.proc.communicate(timeout=20)
-            found["alive"] = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
-        except subprocess.TimeoutExpired:
-            found["output"] = None
+        output, _ = server.proc.communicate(timeout=20)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+        assert "followers.py" not in output, output  # no rank failed in the follower loop
+    except subprocess.TimeoutExpired:
+        pytest.fail("the ranks did not stop within 20 s of SIGTERM")
     finally:
         server.stop(signal.SIGKILL)
-    return found
-
-
-def background_jobs(made: Made) -> dict:
-    """The torchrun server's run, in the background from the session's start
-    (tests/together.py)."""
-    dirs = made.tiny_pair("qwen3_5", block_size=BLOCK_SIZE)
-    return {"test_two_ranks_answer_what_one_engine_answers_and_stop_on_sigterm": lambda: two_ranks(*dirs)}
-
-
-def test_two_ranks_answer_what_one_engine_answers_and_stop_on_sigterm(pair, background) -> None:
-    _, models = pair
-    found = background()  # two_ranks
-    for what, (prompt_ids, options) in REQUESTS.items():
-        assert found["answers"][what] == one_process(models, prompt_ids, options), what
-    assert len(found["unseeded"]) == MAX_TOKENS
-    assert len(found["ranks"]) == 2
-    if found["output"] is None:
-        pytest.fail("the ranks did not stop within 20 s of SIGTERM")
-    assert not found["alive"]
-    assert "followers.py" not in found["output"], found["output"]  # no rank failed in the follower loop
 
 
 def test_a_request_without_a_seed_is_sent_with_the_seed_rank_0_drew(pair) -> None:

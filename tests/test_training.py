@@ -10,7 +10,6 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ from reference_engine.training.loops import (
     target_views,
 )
 
-from .together import Made
+from .together import Results, together
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -324,6 +323,13 @@ def smoke(out: Path, lock: Path, cache: Path, *extra: str, seed: int = 0) -> sub
     )
 
 
+@pytest.fixture(scope="module")
+def wheel_corpus(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("corpus")
+    lock, _ = make_wheel_corpus(folder)
+    return lock, folder / "cache"
+
+
 def parts_run(parts: Path, lock: Path, cache: Path) -> tuple[list[subprocess.CompletedProcess], dict]:
     """--stop-after target, then a --max-minutes 0 stop inside the draft loop, then the same
     command again (each part only once the one before it succeeded); with what the first
@@ -364,44 +370,47 @@ def too_small_corpus(folder: Path) -> subprocess.CompletedProcess:
     return smoke(folder / "out", lock, folder / "cache")
 
 
-def background_jobs(made: Made) -> dict[str, Callable[[], object]]:
-    """The recipe runs of the tests below, in the background from the session's start
-    (tests/together.py): first `smoke_pair`'s, then the tests' own. Each fills a corpus cache
-    of its own from the lock, as `smoke_pair`'s run fills the shared one (a cache is not
-    written by two runs at once)."""
-    folder = made.tmp_path_factory.mktemp
-    corpus = folder("corpus")
-    lock, _ = make_wheel_corpus(corpus)
-    smoke_out, smoke_b, parts, bad, small = (folder(n) for n in ("smoke", "smoke-b", "parts", "bad", "small"))
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, wheel_corpus) -> Results:
+    """The recipe runs of the tests below, side by side in the background (tests/together.py)
+    while `smoke_pair` runs. Each fills a corpus cache of its own from the lock, as the first
+    run of `smoke_pair` fills the shared one (a cache is not written by two runs at once)."""
+    lock, _ = wheel_corpus
 
-    def first_smoke() -> tuple[Path, subprocess.CompletedProcess]:
-        return smoke_out / "a", smoke(smoke_out / "a", lock, corpus / "cache")
+    def folder(name: str) -> Path:
+        return tmp_path_factory.mktemp(name)
 
     def second_smoke() -> tuple[Path, subprocess.CompletedProcess]:
-        return smoke_b, smoke(smoke_b / "b", lock, smoke_b / "cache")
+        out = folder("smoke-b")
+        return out, smoke(out / "b", lock, out / "cache")
 
     def in_parts() -> tuple[Path, list[subprocess.CompletedProcess], dict]:
-        return parts / "parts", *parts_run(parts / "parts", lock, parts / "cache")
+        out = folder("parts")
+        return out / "parts", *parts_run(out / "parts", lock, out / "cache")
 
-    return {
-        "smoke_pair": first_smoke,
-        "test_smoke_recipe_writes_a_loadable_pair_reproducibly": second_smoke,
-        "test_a_recipe_run_in_parts_equals_one_run": in_parts,
-        "test_recipe_rejects_bad_settings": lambda: rejects_bad_settings(bad),
-        "test_a_corpus_too_small_to_split_is_one_error_line_with_code_2": lambda: too_small_corpus(small),
-    }
+    return together(
+        request,
+        {
+            "test_smoke_recipe_writes_a_loadable_pair_reproducibly": second_smoke,
+            "test_a_recipe_run_in_parts_equals_one_run": in_parts,
+            "test_recipe_rejects_bad_settings": lambda: rejects_bad_settings(folder("bad")),
+            "test_a_corpus_too_small_to_split_is_one_error_line_with_code_2": lambda: too_small_corpus(
+                folder("small")
+            ),
+        },
+    )
 
 
-@pytest.fixture
-def smoke_pair(background) -> Path:
-    """The smoke recipe's pair (`python scripts/train_demo_pair.py --smoke ...`)."""
-    out, run = background("smoke_pair")
+@pytest.fixture(scope="module")
+def smoke_pair(tmp_path_factory, wheel_corpus) -> Path:
+    out = tmp_path_factory.mktemp("smoke") / "a"
+    run = smoke(out, *wheel_corpus)
     assert run.returncode == 0, run.stderr
     return out
 
 
-def test_smoke_recipe_writes_a_loadable_pair_reproducibly(background, smoke_pair: Path) -> None:
-    out, second = background()  # the same smoke command, into out / "b"
+def test_smoke_recipe_writes_a_loadable_pair_reproducibly(runs, request, smoke_pair: Path) -> None:
+    out, second = runs[request.node.name]  # the same smoke command, into out / "b"
     assert second.returncode == 0, second.stderr
     for name in (
         "target/model.safetensors",
@@ -422,10 +431,10 @@ def test_smoke_recipe_writes_a_loadable_pair_reproducibly(background, smoke_pair
     assert draft.config.block_size == 4 and target.config.is_hybrid
 
 
-def test_a_recipe_run_in_parts_equals_one_run(background, smoke_pair: Path) -> None:
+def test_a_recipe_run_in_parts_equals_one_run(runs, request, smoke_pair: Path) -> None:
     """--stop-after target, then a --max-minutes 0 stop inside the draft loop, then the
     same command again: the same files as one uninterrupted run."""
-    parts, done, left = background()  # parts_run: the three commands
+    parts, done, left = runs[request.node.name]  # parts_run: the three commands
     first = done[0]
     assert first.returncode == 0, first.stderr
     assert left["target"] and not left["draft"]  # after the first part
@@ -440,14 +449,14 @@ def test_a_recipe_run_in_parts_equals_one_run(background, smoke_pair: Path) -> N
     assert not list((parts / "work").glob("*.ckpt.*"))  # finished stages leave no checkpoint
 
 
-def test_recipe_rejects_bad_settings(background) -> None:
-    run = background()  # rejects_bad_settings: --smoke --prompt-len 60
+def test_recipe_rejects_bad_settings(runs, request) -> None:
+    run = runs[request.node.name]  # rejects_bad_settings: --smoke --prompt-len 60
     assert run.returncode == 2
     assert "seq_len must hold a prompt and one block" in run.stderr
 
 
-def test_a_corpus_too_small_to_split_is_one_error_line_with_code_2(background) -> None:
-    run = background()  # too_small_corpus: one package, and it is held out
+def test_a_corpus_too_small_to_split_is_one_error_line_with_code_2(runs, request) -> None:
+    run = runs[request.node.name]  # too_small_corpus: one package, and it is held out
     assert run.returncode == 2
     assert run.stderr.startswith("error: ") and "too few Python files" in run.stderr
     assert "Traceback" not in run.stderr

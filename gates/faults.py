@@ -296,6 +296,15 @@ def _draft_context_from_next_row(correct):
     return context_features
 
 
+def _plain_step_without_draft_context(correct):
+    def context_features(self, features, width, n_t):
+        out = correct(self, features, width, n_t)
+        # a plain step (verify width 0) verifies the anchor alone: a block of one token
+        return torch.zeros_like(out) if features.shape[1] == 1 else out
+
+    return context_features
+
+
 def _draft_block_sees_padding(correct):
     def forward(self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH, **kwargs):
         return correct(self, block_embeds, positions, slots, state, kv_len, None, ops, **kwargs)
@@ -364,6 +373,11 @@ FAULTS: dict[str, Fault] = {
         "verify width: count one draft slot past the verified width as accepted",
         "accept",
         _commit_past_verified_width,
+    ),
+    "plain_step_without_draft_context": Fault(
+        "verify width: a plain step (width 0) hands the draft zeros for the anchor's context",
+        "context_features",
+        _plain_step_without_draft_context,
     ),
     "commit_wrong_slot": Fault(
         "engine: commit each row's state into the next row's slot", "commit_state", _commit_wrong_slot

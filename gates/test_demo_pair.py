@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET, demo_prompts
+from reference_engine.demo import DEMO_DRAFT, DEMO_DRAFT2, DEMO_TARGET, demo_prompts
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
 
@@ -25,6 +25,9 @@ MAX_TOKENS = 128
 # 3.642 at B=8 and 4.190 at B=16, the figures of the model card (training.json), which were
 # measured on an H200 in float32; each floor sits 0.12-0.14 under its measurement.
 ACCEPTANCE_FLOOR = {8: 3.52, 16: 4.05}
+# the DFlash2 draft (draft-dflash2/, training-dflash2.json), measured the same way: 4.867 at
+# B=8 and 5.700 at B=16; each floor 0.13-0.14 under
+DFLASH2_ACCEPTANCE_FLOOR = {8: 4.74, 16: 5.56}
 FEW = 8  # prompts for the fault that breaks the output (any one divergence shows)
 
 
@@ -80,8 +83,8 @@ def assert_identical(demo, plain: list[list[int]], outputs: list[list[int]], wha
         )
 
 
-def assert_acceptance(mean: float, block_size: int) -> None:
-    floor = ACCEPTANCE_FLOOR[block_size]
+def assert_acceptance(mean: float, block_size: int, floors: dict[int, float] = ACCEPTANCE_FLOOR) -> None:
+    floor = floors[block_size]
     if mean < floor:
         raise AssertionError(
             f"B={block_size}: mean acceptance length {mean:.3f} fell below "
@@ -112,3 +115,33 @@ def test_acceptance_floor_catches_context_features_shifted_by_one_position(demo,
     assert_identical(demo, plain, outputs, "B=8")
     with pytest.raises(AssertionError, match="fell below the floor"):
         assert_acceptance(mean, 8)
+
+
+@pytest.fixture(scope="module")
+def dflash2_draft(demo):
+    target = demo[0]
+    if not (DEMO_DRAFT2 / "model.safetensors").is_file():
+        pytest.fail(f"the demo DFlash2 draft is missing from {DEMO_DRAFT2}")
+    return load_draft(DEMO_DRAFT2, target)
+
+
+@pytest.mark.parametrize("block_size", sorted(DFLASH2_ACCEPTANCE_FLOOR))
+def test_demo_dflash2_is_byte_identical_and_keeps_its_acceptance(
+    demo, plain, dflash2_draft, block_size
+) -> None:
+    target, _, prompts = demo
+    outputs, mean = run(target, dflash2_draft, prompts, block_size)
+    print(f"demo pair, DFlash2 draft, B={block_size}: mean acceptance length {mean:.3f}")
+    assert_identical(demo, plain, outputs, f"DFlash2, B={block_size}")
+    assert_acceptance(mean, block_size, DFLASH2_ACCEPTANCE_FLOOR)
+    assert mean > ACCEPTANCE_FLOOR[block_size] + 1.0  # and it drafts well ahead of DFlash
+
+
+def test_dflash2_acceptance_floor_catches_context_features_shifted_by_one_position(
+    demo, plain, dflash2_draft
+) -> None:
+    target, _, prompts = demo
+    outputs, mean = run(target, dflash2_draft, prompts, 8, fault="feature_off_by_one")
+    assert_identical(demo, plain, outputs, "DFlash2, B=8")
+    with pytest.raises(AssertionError, match="fell below the floor"):
+        assert_acceptance(mean, 8, DFLASH2_ACCEPTANCE_FLOOR)

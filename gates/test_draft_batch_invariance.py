@@ -22,6 +22,7 @@ target layer in batches moved them by 0.05 to 1.4 where they first differed.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.speculative_step import SpeculativeStep
+from reference_engine.runtime.verify_width import StepCosts
 
 from .checks import EngineRequest, Pair, assert_batch_equivalent, run_engine
 from .conftest import TINY_PAIRS
@@ -129,10 +131,16 @@ def workload(pair: Pair, proposer: str) -> list[EngineRequest]:
 
 
 def record_run(
-    pair: Pair, requests: list[EngineRequest], references: dict[str, list[int]], slots: int
+    pair: Pair,
+    requests: list[EngineRequest],
+    references: dict[str, list[int]],
+    slots: int,
+    step_costs: StepCosts | None = None,
+    widths: Counter | None = None,
 ) -> tuple[DraftRecord, dict[str, list[int]]]:
-    """Run `requests` on a fresh engine of `slots` rows; returns what the draft computed and
-    each request's output."""
+    """Run `requests` on a fresh engine of `slots` rows (with `step_costs` for the verify
+    width, and the widths its steps chose counted into `widths`); returns what the draft
+    computed and each request's output."""
     engine = Engine(
         pair.target,
         pair.draft,
@@ -143,20 +151,26 @@ def record_run(
             max_model_len=max(PROMPT_LENGTHS) + MAX_TOKENS,
             enforce_eager=True,
         ),
+        step_costs=step_costs,
     )
     record = DraftRecord()
     with recording(record, engine):
         streamed = run_engine(engine, requests, references)
+    if widths is not None:
+        widths.update(engine.verify_widths)
     return record, streamed
 
 
 def assert_draft_batch_invariant(
-    alone: DraftRecord, batched: DraftRecord, committed: dict[str, int], what: str
+    alone: DraftRecord, batched: DraftRecord, committed: dict[str, int], what: str, every_step: bool = True
 ) -> None:
     """Every step the request ran alone ran in the batch from the same output position with
-    the same draft tokens and logits, and every committed position got the same features."""
+    the same draft tokens and logits (with `every_step` False: every step both ran), and
+    every committed position got the same features."""
     for (request_id, position), (tokens, logits) in sorted(alone.proposals.items()):
         got = batched.proposals.get((request_id, position))
+        if got is None and not every_step:
+            continue
         if got is None:
             raise AssertionError(
                 f"{what}: request {request_id} drafted at output position "
@@ -225,10 +239,11 @@ def test_draft_proposals_and_context_are_the_same_alone_and_in_a_batch(
     assert_draft_batch_invariant(alone, batched, committed, f"{pair.name}, {proposer}")
 
 
-CATCHES = ("draft_context_from_next_row", "draft_block_sees_padding", "dflash2_conv_across_rows")
+ACCEPTANCE_FAULTS = ("draft_context_from_next_row", "draft_block_sees_padding", "dflash2_conv_across_rows")
+CATCHES = (*ACCEPTANCE_FAULTS, "plain_step_without_draft_context")
 
 
-@pytest.mark.parametrize("fault", CATCHES)
+@pytest.mark.parametrize("fault", ACCEPTANCE_FAULTS)
 def test_draft_invariance_gate_catches_faults_that_cost_only_acceptance(
     pair: Pair, alone_runs, fault: str
 ) -> None:
@@ -240,3 +255,43 @@ def test_draft_invariance_gate_catches_faults_that_cost_only_acceptance(
     assert_batch_equivalent(streamed, references, fault)  # output equality cannot see it
     with pytest.raises(AssertionError, match="differs in the batch"):
         assert_draft_batch_invariant(alone, batched, committed, fault)
+
+
+# verify width auto on costs where a plain step (width 0) pays at 8 rows or more and never
+# below: the full batch runs plain steps, and its rows draft again as the batch empties
+PLAIN_PAYS_WIDE = StepCosts(
+    {
+        (rows, w): s
+        for rows in (1, 2, 4, 8, 16)
+        for w, s in ((0, 0.2 if rows >= 8 else 10.0), (1, 1.0), (3, 1.6), (7, 3.5))
+    },
+    measured=True,
+)
+
+
+def test_plain_steps_hand_the_draft_the_context_a_speculative_step_would(pair: Pair, alone_runs) -> None:
+    """A speculative request's plain steps (verify width 0: no draft, the anchor verified
+    alone) must leave the draft the context features its speculative steps would have: the
+    steps it drafts afterwards, from any output position both runs drafted at, propose what
+    the request proposed alone, and every committed position holds the same features."""
+    requests, references, alone, committed = alone_runs["draft"]
+    widths: Counter = Counter()
+    batched, streamed = record_run(pair, requests, references, BATCH, PLAIN_PAYS_WIDE, widths)
+    assert_batch_equivalent(streamed, references, "plain steps among speculative ones")
+    assert widths[0] > 0 and sum(n for w, n in widths.items() if w > 0) > 0, widths
+    shared = set(alone.proposals) & set(batched.proposals)
+    assert len(shared) > 5  # not vacuous: steps drafted after plain ones compared (11 here)
+    assert_draft_batch_invariant(alone, batched, committed, "after plain steps", every_step=False)
+
+
+def test_draft_invariance_gate_catches_plain_steps_that_drop_the_drafts_context(
+    pair: Pair, alone_runs
+) -> None:
+    requests, references, alone, committed = alone_runs["draft"]
+    with planted("plain_step_without_draft_context"):
+        batched, streamed = record_run(pair, requests, references, BATCH, PLAIN_PAYS_WIDE)
+    assert_batch_equivalent(streamed, references, "plain_step_without_draft_context")
+    with pytest.raises(AssertionError, match="differs in the batch"):
+        assert_draft_batch_invariant(
+            alone, batched, committed, "plain_step_without_draft_context", every_step=False
+        )

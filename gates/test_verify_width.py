@@ -22,7 +22,7 @@ CATCHES = ("commit_past_verified_width",)
 BLOCK = 8
 # seconds by (rows, verify width): a wide verify costs up to 3.5 narrow ones
 NARROW_PAYS = StepCosts(
-    {(rows, w): s for rows in (1, 2, 4) for w, s in ((1, 1.0), (3, 1.6), (7, 3.5))}, measured=True
+    {(rows, w): s for rows in (1, 2, 4) for w, s in ((0, 1.0), (1, 1.0), (3, 1.6), (7, 3.5))}, measured=True
 )
 MIXED = [7, 0, 3, 1, 5, 2]  # oracle rows: accepted counts that move the estimate both ways
 
@@ -79,3 +79,40 @@ def test_a_draft_token_committed_past_the_verified_width_is_caught(pair: Pair) -
     with planted("commit_past_verified_width"):
         outputs, _, _ = run(pair, "replay")
     assert outputs != plain_outputs(pair)
+
+
+# a plain step (width 0) pays with 4 rows running and never with fewer
+PLAIN_PAYS_WIDE = StepCosts(
+    {
+        (rows, w): s
+        for rows in (1, 2, 4)
+        for w, s in ((0, 0.2 if rows == 4 else 10.0), (1, 1.0), (3, 1.6), (7, 3.5))
+    },
+    measured=True,
+)
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_plain_steps_among_speculative_ones_equal_plain_greedy(pair: Pair, strategy: str) -> None:
+    """Four requests of different lengths: while all four run, every step is a plain one
+    (verify width 0: the anchor verified alone, no draft); as they finish, the rest draft
+    again from the context the plain steps left. Each greedy output equals plain greedy; a
+    sampled request beside them (its bonus drawn from the target at width 0) finishes."""
+    require_block(pair, BLOCK)
+    config = EngineConfig(max_num_seqs=4, block_size=BLOCK, commit_strategy=strategy, numerics=pair.numerics)
+    engine = Engine(pair.target, pair.draft, config, step_costs=PLAIN_PAYS_WIDE)
+    budgets = (6, 12, 20, 28)
+    expected = {}
+    for i, (prompt, budget) in enumerate(zip(pair.prompts[:3], budgets)):
+        params = SamplingParams(max_tokens=budget, ignore_eos=True)
+        expected[str(i)] = generate_plain(pair.target, list(prompt), params).output_ids
+        engine.add_request(str(i), list(prompt), params)
+    sampled = SamplingParams(max_tokens=budgets[3], ignore_eos=True, temperature=1.0, seed=3)
+    engine.add_request("sampled", list(pair.prompts[0]), sampled)
+    while engine.has_unfinished():
+        engine.step()
+    outputs = {rid: engine.collect(rid).output_ids for rid in expected}
+    assert outputs == expected, "speculative output != plain greedy with plain steps among speculative ones"
+    assert len(engine.collect("sampled").output_ids) == budgets[3]
+    widths = engine.stats()["verify_widths"]
+    assert widths.get(0, 0) >= budgets[0] - 1 and any(w > 0 for w in widths), widths

@@ -1,5 +1,5 @@
-"""The demo pair shipped inside the package: a small trained Qwen3.5 hybrid target and its
-DFlash draft (reference_engine/assets/demo, trained by scripts/train_demo_pair.py; see its
+"""The demo pair shipped inside the package: a small trained Qwen3.5 hybrid target, its
+DFlash draft and a DFlash2 draft (reference_engine/assets/demo, trained by scripts/train_demo_pair.py; see its
 MODEL_CARD.md). The default of `make bench`, `make profile` and docs/demo-pair.md's quick start."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFT = DEMO_DIR / "draft"
+DEMO_DRAFT2 = DEMO_DIR / "draft-dflash2"  # a DFlash2 draft of the same target (training-dflash2.json)
 DEMO_PROMPTS = DEMO_DIR / "heldout_prompts.jsonl"  # one per held-out file: prompt, prompt_ids
 DEMO_RESULTS = DEMO_DIR / "training.json"
 

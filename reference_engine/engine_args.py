@@ -96,6 +96,13 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "the same either way",
         {"default": "auto", "choices": VERIFY_WIDTHS},
     ),
+    "measure_step_costs": EngineOption(
+        ("--measure-step-costs",),
+        "without CUDA graphs (the CPU, --enforce-eager), time the eager draft and verify "
+        "forwards at start-up, so that --verify-width auto weighs real costs and may choose a "
+        "plain step where DFlash does not pay (with graphs the costs are always measured)",
+        {"action": "store_true"},
+    ),
     "kv_cache_tokens": EngineOption(
         ("--kv-cache-tokens",),
         "a pooled KV cache of this many tokens that all requests share: each takes the cells "

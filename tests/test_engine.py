@@ -717,3 +717,22 @@ def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(tiny_pa
         seq = engine.collect(str(i))
         assert seq.finish_reason == "length"
         assert seq.output_ids == generate_plain(target, p, params).output_ids
+
+
+def test_measured_eager_step_costs_cover_every_row_bucket_and_width_and_change_no_output(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    """`measure_step_costs` on the CPU: the verify width auto gets a measured table (rows 1,
+    2, 4 up to max_num_seqs, every candidate width, a plain step included), the forwards it
+    timed leave no trace in the slots, and the output is plain greedy's."""
+    engine = make_engine(target, draft, max_num_seqs=3, measure_step_costs=True)
+    costs = engine.verify_width.costs
+    assert costs.measured
+    assert set(costs.seconds) == {(r, w) for r in (1, 2, 3) for w in (0, 1, 3, 7)}
+    assert all(s > 0 for s in costs.seconds.values())
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(str(i), prompt, greedy(12))
+    drain(engine)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        assert engine.collect(str(i)).output_ids == reference(target, prompt, greedy(12))
+    assert not make_engine(target, draft, max_num_seqs=3).verify_width.costs.measured  # off: flat

@@ -18,7 +18,7 @@ from reference_engine.runtime.verify_width import (
     width_candidates,
 )
 
-WIDTHS = (1, 3, 7, 15)
+WIDTHS = (0, 1, 3, 7, 15)
 
 
 def costs(by_width: dict[int, float], rows: tuple[int, ...] = (1, 16, 64)) -> StepCosts:
@@ -29,10 +29,10 @@ def geometric(rate: float, n: int = 15) -> list[float]:
     return [rate**k for k in range(1, n + 1)]
 
 
-def test_candidates_are_blocks_of_powers_of_two_and_the_full_block() -> None:
+def test_candidates_are_a_plain_step_blocks_of_powers_of_two_and_the_full_block() -> None:
     assert width_candidates(16, "auto") == WIDTHS
-    assert width_candidates(10, "auto") == (1, 3, 7, 9)
-    assert width_candidates(2, "auto") == (1,)
+    assert width_candidates(10, "auto") == (0, 1, 3, 7, 9)
+    assert width_candidates(2, "auto") == (0, 1)
     assert width_candidates(16, "fixed") == (15,)
     with pytest.raises(ConfigError, match="verify width must be one of auto, fixed"):
         width_candidates(16, "wide")
@@ -48,13 +48,29 @@ def test_flat_costs_verify_the_full_block() -> None:
 
 def test_a_wide_batch_with_low_acceptance_verifies_fewer_tokens() -> None:
     """Arithmetic-bound wide verifies: a full block costs 3x a one-token verify."""
-    table = costs({1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0})
+    table = costs({0: 0.9, 1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0})
     # tokens per row: 1 + sum of r[:w]; per cost: w=1 1.5/1, w=3 1.875/1.2, w=7 ~2/1.6
     assert choose_width([geometric(0.5)] * 64, [15] * 64, table, WIDTHS) == 3
     assert choose_width([geometric(0.95)] * 64, [15] * 64, table, WIDTHS) == 7
     assert choose_width([geometric(0.99)] * 64, [15] * 64, table, WIDTHS) == 15
     # rows near their max_tokens cannot use a wide verify: the narrow one wins
     assert choose_width([geometric(0.95)] * 64, [1] * 64, table, WIDTHS) == 1
+
+
+def test_a_plain_step_wins_where_a_speculative_step_costs_more_than_it_commits() -> None:
+    """A CPU, or a batch wide enough that every verify is bound by arithmetic: a speculative
+    step costs 2.5-6 plain steps. Low acceptance: the plain step (W = 0, one token a row for
+    one unit) beats every width; high acceptance still pays for the full block."""
+    table = costs({0: 1.0, 1: 2.5, 3: 3.0, 7: 4.0, 15: 6.0})
+    # per row and unit of cost: w=0 1/1, w=1 1.5/2.5, w=3 1.875/3, w=7 ~2/4
+    assert choose_width([geometric(0.5)] * 16, [15] * 16, table, WIDTHS) == 0
+    # w=15: 1 + sum 0.95^k = 11.2 tokens for 6 units
+    assert choose_width([geometric(0.95)] * 16, [15] * 16, table, WIDTHS) == 15
+    # the same rows on a table where a plain step costs as much as a narrow verify: never 0
+    assert (
+        choose_width([[0.0] * 15] * 16, [15] * 16, costs({0: 1.0, 1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0}), WIDTHS)
+        == 1
+    )
 
 
 def test_the_cost_is_read_at_the_smallest_measured_row_count_that_holds_the_batch() -> None:
@@ -67,7 +83,7 @@ def test_the_cost_is_read_at_the_smallest_measured_row_count_that_holds_the_batc
 
 def test_an_engine_without_history_verifies_the_full_block() -> None:
     assert engine_rates(SpecCounters(), 15) == [1.0] * 15
-    chooser = VerifyWidth("auto", 16, costs({1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0}))
+    chooser = VerifyWidth("auto", 16, costs({0: 0.9, 1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0}))
     assert chooser.choose([15] * 64, [SpecCounters()] * 64, SpecCounters()) == 15
 
 
@@ -97,5 +113,28 @@ def test_positions_count_as_verified_up_to_the_first_rejection() -> None:
 
 
 def test_costs_must_cover_every_candidate() -> None:
-    with pytest.raises(ConfigError, match=r"no entry for verify width\(s\) \[7, 15\]"):
+    with pytest.raises(ConfigError, match=r"no entry for verify width\(s\) \[0, 7, 15\]"):
         VerifyWidth("auto", 16, costs({1: 1.0, 3: 1.0}))
+
+
+def test_runs_of_plain_steps_are_broken_by_probes_that_grow_apart() -> None:
+    """Plain steps move no acceptance count, so the policy drafts now and then to measure
+    again: after PROBE_AFTER plain steps, then after twice as many, up to PROBE_LIMIT."""
+    from reference_engine.runtime.verify_width import PROBE_AFTER, PROBE_LIMIT
+
+    chooser = VerifyWidth("auto", 16, costs({0: 1.0, 1: 2.5, 3: 3.0, 7: 4.0, 15: 6.0}))
+    low = SpecCounters()
+    for _ in range(40):
+        low.record(15, 0, 1)  # every first draft token rejected
+    picks = [chooser.choose([15] * 16, [low] * 16, low) for _ in range(300)]
+    drafted = [i for i, w in enumerate(picks) if w > 0]
+    gaps = [b - a - 1 for a, b in zip([-1, *drafted], drafted)]
+    expected = [min(PROBE_AFTER * 2**k, PROBE_LIMIT) for k in range(len(gaps))]
+    assert gaps == expected and gaps[-1] == PROBE_LIMIT
+    assert all(picks[i] == 1 for i in drafted)  # the best width above 0 on these costs
+    # a step that drafts on its own merit starts the runs afresh
+    high = SpecCounters()
+    for _ in range(40):
+        high.record(15, 15, 16)
+    assert chooser.choose([15] * 16, [high] * 16, high) == 15
+    assert [chooser.choose([15] * 16, [low] * 16, low) for _ in range(PROBE_AFTER + 1)][-1] > 0

@@ -109,6 +109,7 @@ class BenchArgs:
     device: str
     gpu_memory_utilization: float
     verify_width: str
+    measure_step_costs: bool
     prefill_chunk: int
     max_num_batched_tokens: int | None
     kv_cache_tokens: int | None
@@ -158,7 +159,9 @@ class BenchArgs:
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy")
-        add_engine_options(p, "dtype", "device", "gpu_memory_utilization", "verify_width")
+        add_engine_options(
+            p, "dtype", "device", "gpu_memory_utilization", "verify_width", "measure_step_costs"
+        )
         add_engine_options(p, "prefill_chunk", "max_num_batched_tokens", "kv_cache_tokens", "kv_cell_tokens")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
@@ -318,6 +321,7 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
         verify_width=args.verify_width,
+        measure_step_costs=args.measure_step_costs,
         prefill_chunk=args.prefill_chunk,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_tokens=args.kv_cache_tokens,

@@ -72,7 +72,8 @@ class Engine:
         step_costs: StepCosts | None = None,
     ) -> None:
         """`step_costs`: what a speculative step costs by (rows, verify width), for the verify
-        width `auto` (verify_width.py); by default measured from the CUDA graphs, flat without."""
+        width `auto` (verify_width.py); by default measured from the CUDA graphs, and without
+        them flat, or timed from the eager forwards with `config.measure_step_costs`."""
         config = config or EngineConfig()
         self.target, self.draft, self.config = target, draft, config
         weight = target.model.embed_tokens.weight
@@ -146,7 +147,10 @@ class Engine:
         self.verify_widths: Counter = Counter()  # verify width -> speculative steps
         if self.speculative_step is not None:
             self.speculative_step.capture_commit()
-            if step_costs is None and len(widths) > 1 and (measured := self.runner.step_seconds()):
+            measured = None
+            if step_costs is None and len(widths) > 1:
+                measured = self.runner.step_seconds(widths, eager=config.measure_step_costs)
+            if measured:
                 step_costs = StepCosts(measured, measured=True)
             if getattr(target, "tensor_parallel", None) is not None:
                 # every rank chooses widths from rank 0's costs: widths chosen from each rank's
@@ -306,7 +310,7 @@ class Engine:
                 self.verify_widths[width] += 1
                 commits = self.speculative_step(spec, width)
             for seq, commit in zip(spec, commits):
-                self._record_speculative(seq, commit, outputs)
+                self._record_speculative(seq, commit, outputs, drafted=width > 0)
         self.scheduler.finish_done()
         self.timer.flush()
         return outputs.items
@@ -331,11 +335,15 @@ class Engine:
         for seq, token, lp in zip(seqs, tokens, logprobs):
             outputs.emit(seq, token, lp)
 
-    def _record_speculative(self, seq: Sequence, commit: StepCommit, outputs: StepOutputs) -> None:
+    def _record_speculative(
+        self, seq: Sequence, commit: StepCommit, outputs: StepOutputs, drafted: bool = True
+    ) -> None:
+        """Emit a speculative step's tokens and count its acceptance; a plain step of a
+        speculative request (verify width 0, `drafted` False) verified nothing and counts none."""
         if self.commit_observer is not None:
             self.commit_observer(seq, self.state, self.state.lengths[seq.slot])
         before = len(seq.output_ids)
-        if not outputs.emit(seq, commit.tokens):
+        if not outputs.emit(seq, commit.tokens) or not drafted:
             return
         committed = len(seq.output_ids) - before
         seq.record_step(commit.proposed, commit.accepted, committed, commit.drafted)

@@ -274,10 +274,12 @@ class EngineGraphs:
     def step_seconds(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Device seconds of a speculative step's replayed draft, verify and commit, by (bucket,
         verify width): the median of `repeats` timed replays after one untimed, on the static
-        inputs of the capture (every row on the spare slot), so before any request runs."""
+        inputs of the capture (every row on the spare slot), so before any request runs. A
+        verify of the anchor alone (width 0, a plain step) runs no draft."""
         out = {}
         for (b, width), verify in sorted(self.verify_graphs.items()):
-            graphs = [self.draft_graphs[b, self.block_size], verify]
+            graphs = [self.draft_graphs[b, self.block_size]] if width > 1 else []
+            graphs.append(verify)
             graphs += [self.commit_graphs[b, width]] if (b, width) in self.commit_graphs else []
             times = []
             for r in range(repeats + 1):

@@ -10,6 +10,8 @@ slot's room) runs eagerly, and gives the same bits in the exact numerics.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,6 +55,7 @@ class ModelRunner:
         self.state, self.draft_state = state, draft_state
         self.ops = ops
         self.device = state.device
+        self.max_rows, self.block_size = max_rows, block_size
         self.capture_layers = draft.config.target_layer_ids if draft is not None else ()
         # what the verify keeps for the commit strategy (per-token states, inputs)
         self.record = verify_record(commit_strategy, target) if draft is not None else None
@@ -172,9 +175,11 @@ class ModelRunner:
         slots: torch.Tensor,
         valid: torch.Tensor,
         kv_len: int,
+        record: bool = True,
     ) -> Verified:
         """The target's forward over every block [b, N + 1], keeping the draft's context
-        features and what the commit strategy needs."""
+        features and what the commit strategy needs (an eager one without `record`: nothing,
+        the state moving past the whole block as in decode)."""
         replayed = self.graphs.verify(block, positions, slots, valid) if self.graphs is not None else None
         if replayed is not None:
             return replayed
@@ -186,17 +191,52 @@ class ModelRunner:
             kv_len,
             capture_layers=self.capture_layers,
             valid_len=valid,
-            record=self.record,
+            record=self.record if record else None,
             ops=self.ops,
         )
         return Verified(out.logits, out.features)
 
-    def step_seconds(self) -> dict[tuple[int, int], float] | None:
+    def step_seconds(
+        self, widths: tuple[int, ...], eager: bool = False
+    ) -> dict[tuple[int, int], float] | None:
         """Measured seconds of a speculative step by (rows, verify width), from the captured
-        graphs; None without them (an eager forward's time is not measured)."""
-        if self.graphs is None or not self.graphs.verify_graphs:
-            return None
-        return self.graphs.step_seconds()
+        graphs; without them, from the eager forwards when `eager`, else None."""
+        if self.graphs is not None and self.graphs.verify_graphs:
+            return self.graphs.step_seconds()
+        if eager and self.graphs is None and self.draft is not None:
+            return self.eager_step_seconds(widths)
+        return None
+
+    def eager_step_seconds(self, widths: tuple[int, ...], repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Host seconds of the eager draft forward and verify forward (with its argmax) of a
+        step, by (rows, verify width) for rows 1, 2, 4, ... up to max_rows: the median of
+        `repeats` timed runs after one untimed, on slots 0..rows-1 from position 0, so before
+        any request runs (a request's admission resets its slot). Width 0 runs no draft. The
+        commit is not timed: with per_token and recompute it is a copy a row, the same at
+        every width; with replay it re-runs the kept tokens, so this table undercounts a
+        wide step there."""
+        B, device = self.block_size, self.device
+        rows_list = sorted({min(1 << k, self.max_rows) for k in range(self.max_rows.bit_length() + 1)})
+        out = {}
+        for rows in rows_list:
+            slots = torch.arange(rows, device=device)
+            block = torch.zeros((rows, B), dtype=torch.int64, device=device)
+            positions = torch.arange(B, device=device)[None].repeat(rows, 1)
+            for width in widths:
+                valid = torch.full((rows,), width + 1, dtype=torch.int64, device=device)
+                times = []
+                for r in range(repeats + 1):
+                    start = time.perf_counter()
+                    if width > 0:
+                        self.propose(block, positions, slots, torch.full_like(valid, B), B).tokens.tolist()
+                    verified = self.verify(
+                        block[:, : width + 1], positions[:, : width + 1], slots, valid, width + 1, width > 0
+                    )
+                    self.ops.greedy(verified.logits).tolist()
+                    if r:
+                        times.append(time.perf_counter() - start)
+                out[rows, width] = statistics.median(times)
+        return out
 
     def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
         """Capture the commit `body` per batch bucket, reading the verify graphs' buffers."""

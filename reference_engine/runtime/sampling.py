@@ -83,6 +83,10 @@ def accept_sampled(
     a time. Returns (accepted [batch], bonus [batch]).
     """
     batch, n = draft_tokens.shape
+    if n == 0:  # nothing drafted (a plain step): the token is drawn from p_0
+        return torch.zeros(batch, dtype=torch.int64, device=target_probs.device), sample(
+            target_probs[:, 0], generator
+        )
     idx = draft_tokens[..., None]
     p = target_probs[:, :n].gather(-1, idx)[..., 0]  # [batch, n]
     q = draft_probs.gather(-1, idx)[..., 0]

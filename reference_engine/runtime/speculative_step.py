@@ -91,15 +91,20 @@ class SpeculativeStep:
         """One step; the verify checks the first `width` proposals of each row (all of them
         when None; verify_width.py)."""
         rows = self.rows(seqs)
-        with self.timer.phase("draft"):
-            block, proposals, draft_probs = self.propose(rows)
+        if width == 0:  # a plain step (verify_width.py): the anchor alone, no draft forward
+            rows = self.verified_rows(rows, 0)
+            block, proposals, draft_probs = self.no_proposals(rows)
+        else:
+            with self.timer.phase("draft"):
+                block, proposals, draft_probs = self.propose(rows)
         if width is not None and width < proposals.shape[1]:
             rows = self.verified_rows(rows, width)
             W = rows.positions.shape[1] - 1
             block, proposals = block[:, : W + 1].contiguous(), proposals[:, :W]
             draft_probs = [None if q is None else q[: rows.n[i]] for i, q in enumerate(draft_probs)]
+        plain = width == 0
         with self.timer.phase("verify"):
-            out = self.verify(rows, block)
+            out = self.verify(rows, block, record=not plain)
         with self.timer.phase("accept"):
             accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits, out.tokens)
             processed = self.processed(rows, accepted)
@@ -112,7 +117,8 @@ class SpeculativeStep:
             acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
             drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
             if not replayed:
-                self.commit_state(rows.slot_ids, rows, block, processed)
+                if not plain:  # a plain step keeps its whole block: the state is there already
+                    self.commit_state(rows.slot_ids, rows, block, processed)
                 width = max(kept)
                 features = self.context_features(out.features, width, rows.n_t)
                 self.draft.append_context(
@@ -202,14 +208,24 @@ class SpeculativeStep:
         block[:, 1:] = proposals
         return block, proposals, draft_probs
 
+    def no_proposals(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """A plain step's block: the anchors alone [b, 1], no proposals [b, 0], and for sampled
+        rows an empty draft distribution (the bonus is then drawn from the target's)."""
+        block = to_device([[s.output_ids[-1]] for s in rows.seqs], self.device)
+        proposals = block[:, 1:]
+        vocab = self.target.config.vocab_size
+        empty = torch.zeros((0, vocab), dtype=torch.float32, device=self.device)
+        return block, proposals, [None if s.params.greedy else empty for s in rows.seqs]
+
     # ------------------------------------------------------------------ verify
-    def verify(self, rows: Rows, block: torch.Tensor) -> Verified:
+    def verify(self, rows: Rows, block: torch.Tensor, record: bool = True) -> Verified:
         """One target forward over every block; captures the draft's context features and
         keeps what the commit strategy needs (a replayed one brings its argmax along, so
-        accept needs no second pass)."""
+        accept needs no second pass). Without `record` (a plain step, whose block is kept
+        whole) an eager forward keeps nothing for the commit and leaves the state after it."""
         if self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
             self.state.save_rows(rows.slot_ids)
-        return self.runner.verify(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len)
+        return self.runner.verify(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, record)
 
     # ------------------------------------------------------------------ accept
     def accept(

@@ -10,8 +10,9 @@ arithmetic once the batch is wide (64 x 16 rows on the 8B shape), where its comm
 grow slower than its cost.
 
 Policy `fixed` verifies every proposal (W = B-1). Policy `auto` picks, per step, the W of
-the candidates (1, 3, 7, ... and B-1: blocks of 2, 4, 8, ... and B tokens, a small set that
-CUDA graphs are captured for) that maximises expected committed tokens per second:
+the candidates (0, 1, 3, 7, ... and B-1: a plain step, then blocks of 2, 4, 8, ... and B
+tokens, a small set that CUDA graphs are captured for) that maximises expected committed
+tokens per second:
 
     sum over rows i of E_i(min(W, n_i)) / seconds(rows, W),   E_i(w) = 1 + sum_{k<=w} r_i[k]
 
@@ -25,10 +26,19 @@ verifies the full block, and a position no step has verified yet borrows the rat
 before it). Ties go to the wider W. The function of (counts, costs) is pure and so
 deterministic: the same requests with the same history choose the same widths.
 
+W = 0 is a plain step for the speculative rows: no draft forward, the verify of the anchor
+alone, whose token is the one plain decode gives; its commit still hands the draft the
+anchor's context, so a later step can draft again. It is chosen where a speculative step
+costs more than the tokens it is expected to commit (a batch so wide that the verify is bound
+by arithmetic, or a CPU), so that DFlash is never slower than plain decode by the engine's
+own measure. A plain step verifies nothing, so it moves no acceptance count; a run of them
+is broken by a drafted step now and then, which measures acceptance again (VerifyWidth).
+
 `seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA
-graphs at start-up, graphs.py) for the smallest measured row count >= rows. Where no graph is
-captured (the CPU, an eager engine) the table is flat, every width costs the same, and `auto`
-verifies the full block as `fixed` does.
+graphs at start-up, graphs.py; verify + commit for W = 0) for the smallest measured row count
+>= rows. Without graphs (the CPU, an eager engine) the table is flat, every width costs the
+same and `auto` verifies the full block as `fixed` does, unless the engine is told to time
+its eager forwards at start-up (`measure_step_costs`, ModelRunner.eager_step_seconds).
 """
 
 from __future__ import annotations
@@ -42,17 +52,19 @@ from .stats import SpecCounters
 VERIFY_WIDTHS = ("auto", "fixed")
 REQUEST_WEIGHT = 4.0  # pseudo-steps of the engine's rate in a request's estimate
 ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engine's
+PROBE_AFTER = 4  # plain steps in a row before a speculative step measures acceptance again
+PROBE_LIMIT = 64  # the longest run of plain steps between two such probes
 
 
 def width_candidates(block_size: int, policy: str) -> tuple[int, ...]:
     """The verify widths (draft tokens) a policy may choose: B-1 alone for `fixed`; for `auto`
-    1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ... tokens) and B-1."""
+    0 (a plain step), 1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ... tokens) and B-1."""
     if policy not in VERIFY_WIDTHS:
         raise ConfigError(f"verify width must be one of {', '.join(VERIFY_WIDTHS)}, got {policy!r}")
     full = block_size - 1
     if policy == "fixed" or full <= 0:
         return (full,)
-    out, block = [], 2
+    out, block = [0], 2
     while block - 1 < full:
         out.append(block - 1)
         block *= 2
@@ -132,12 +144,21 @@ def choose_width(
 
 
 class VerifyWidth:
-    """The engine's verify-width policy: the candidates it may choose and their costs."""
+    """The engine's verify-width policy: the candidates it may choose and their costs.
+
+    Plain steps verify nothing, so the estimates they were chosen on never move by
+    themselves: an unlucky start (the first blocks of a continuation accept least) would keep
+    a request plain for good. So after PROBE_AFTER plain steps in a row the next step drafts
+    at the best width above 0 to measure acceptance again; while plain steps keep winning,
+    the run before the next probe doubles, up to PROBE_LIMIT (a probe costs at most about
+    one step in 16 once it has settled), and it starts again from PROBE_AFTER when a step
+    drafts on its own merit."""
 
     def __init__(self, policy: str, block_size: int, costs: StepCosts | None = None) -> None:
         self.policy, self.block_size = policy, block_size
         self.candidates = width_candidates(block_size, policy)
         self.costs = costs or StepCosts.flat(self.candidates)
+        self.plain_run, self.probe_after = 0, PROBE_AFTER
         missing = sorted({w for w in self.candidates} - {w for _, w in self.costs.seconds})
         if missing:
             raise ConfigError(f"the step costs have no entry for verify width(s) {missing}")
@@ -149,4 +170,12 @@ class VerifyWidth:
             return self.candidates[0]
         prior = engine_rates(totals, self.block_size - 1)
         rates = [prefix_rates(c, prior) for c in counters]
-        return choose_width(rates, limits, self.costs, self.candidates)
+        width = choose_width(rates, limits, self.costs, self.candidates)
+        if width > 0:
+            self.plain_run, self.probe_after = 0, PROBE_AFTER
+            return width
+        self.plain_run += 1
+        if self.plain_run <= self.probe_after:
+            return 0
+        self.plain_run, self.probe_after = 0, min(2 * self.probe_after, PROBE_LIMIT)
+        return choose_width(rates, limits, self.costs, [w for w in self.candidates if w > 0])

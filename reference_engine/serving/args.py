@@ -30,6 +30,7 @@ class ServeArgs:
     enforce_eager: bool
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
+    measure_step_costs: bool = False
     prefill_chunk: int = 2048
     max_num_batched_tokens: int | None = None
     kv_cache_tokens: int | None = None
@@ -95,7 +96,13 @@ class ServeArgs:
             "requests (the draft still runs; output is not checked)",
         )
         add_engine_options(
-            p, "numerics", "enforce_eager", "gpu_memory_utilization", "verify_width", "tensor_parallel_size"
+            p,
+            "numerics",
+            "enforce_eager",
+            "gpu_memory_utilization",
+            "verify_width",
+            "measure_step_costs",
+            "tensor_parallel_size",
         )
         p.add_argument(
             "--max-body-mb",

@@ -67,6 +67,7 @@ class Server:
             enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization,
             verify_width=args.verify_width,
+            measure_step_costs=args.measure_step_costs,
             prefill_chunk=args.prefill_chunk,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_tokens=args.kv_cache_tokens,

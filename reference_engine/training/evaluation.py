@@ -45,6 +45,9 @@ def evaluate(target, draft, prompts: list[list[int]], block_sizes, max_tokens: i
                 max_num_seqs=len(prompts),
                 block_size=block_size,
                 commit_strategy="per_token",
+                # acceptance is a property of the draft at block size B: verify every draft
+                # token, whatever a step's measured cost would choose
+                verify_width="fixed",
                 max_model_len=max(map(len, prompts)) + max_tokens,
             ),
         )

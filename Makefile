@@ -75,14 +75,13 @@ tiny:
 # timed anyway), so that --verify-width auto takes plain steps where DFlash does not pay.
 BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token \
 	--device $(BENCH_DEVICE) --max-num-seqs 16 $(if $(BENCH_THREADS),--threads $(BENCH_THREADS))
-# BENCH_DRAFT: side B's draft, `dflash` (the shipped draft), `dflash2` (a DFlash2 demo draft,
-# which does not ship yet: docs/demo-pair.md, "A DFlash2 demo draft") or a draft folder for
-# the demo target.
+# BENCH_DRAFT: side B's draft, `dflash` (the shipped DFlash draft), `dflash2` (the shipped
+# DFlash2 draft: docs/demo-pair.md, "A DFlash2 demo draft") or a draft folder for the demo
+# target.
 BENCH_DRAFT ?= dflash
 BENCH_DRAFT_DIR = $(if $(filter dflash,$(BENCH_DRAFT)),$(DEMO)/draft,$(if $(filter dflash2,$(BENCH_DRAFT)),$(DEMO)/draft-dflash2,$(BENCH_DRAFT)))
 BENCH_NOTES = demo pair (reference_engine/assets/demo) on its held-out prompts, draft $(BENCH_DRAFT_DIR), DFlash block size $(BENCH_BLOCK)
 bench:
-	@test "$(BENCH_DRAFT)" != dflash2 || test -f "$(BENCH_DRAFT_DIR)/config.json" || { echo "make bench: BENCH_DRAFT=dflash2: no DFlash2 demo draft ships yet ($(BENCH_DRAFT_DIR) is missing; docs/demo-pair.md says how to train one); give BENCH_DRAFT=DIR, a draft folder for the demo target" >&2; exit 2; }
 	@test -f "$(BENCH_DRAFT_DIR)/config.json" || { echo "make bench: BENCH_DRAFT=$(BENCH_DRAFT): no config.json in $(BENCH_DRAFT_DIR) (expected dflash, dflash2 or a draft folder for the demo target)" >&2; exit 2; }
 	$(PYTHON) -m harness ab \
 		--a-cmd "$(BENCH_SERVE) --port {port}" \

@@ -25,13 +25,11 @@ def make(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_bench_draft_dflash2_stops_with_one_line_while_no_dflash2_demo_draft_ships() -> None:
-    assert not (ROOT / "reference_engine/assets/demo/draft-dflash2").exists()
-    run = make("BENCH_DRAFT=dflash2")
-    assert run.returncode == 2
-    first = run.stderr.splitlines()[0]
-    assert first.startswith("make bench: BENCH_DRAFT=dflash2: no DFlash2 demo draft ships yet")
-    assert "docs/demo-pair.md" in first and run.stdout == ""
+def test_bench_draft_dflash2_is_the_shipped_dflash2_demo_draft() -> None:
+    assert (ROOT / "reference_engine/assets/demo/draft-dflash2/config.json").is_file()
+    plan = make("-n", "BENCH_DRAFT=dflash2").stdout
+    assert "--dflash-draft-model-path reference_engine/assets/demo/draft-dflash2 " in plan
+    assert "--b-label dflash2" in plan and "--measure-step-costs" in plan
 
 
 def test_bench_draft_dir_is_side_bs_draft_and_a_missing_one_is_refused(tmp_path: Path) -> None:

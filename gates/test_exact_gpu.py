@@ -24,7 +24,6 @@ from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.verify_width import StepCosts
 
 from .exact import describe, divergences, model_ops, plain_with_logits, run_engine, verify_with
 from .prompts import gate_prompt_ids
@@ -123,40 +122,6 @@ def test_cuda_graphs_change_no_bit(demo, numerics: str) -> None:
         drafted[eager] = {rid: (engine.get(rid).output_ids, engine.get(rid).steps) for rid in prompts}
     assert drafted[False] == drafted[True]
     assert {rid: out for rid, (out, _) in drafted[False].items()} == references
-
-
-def test_plain_steps_replayed_from_graphs_equal_plain_greedy(demo, numerics: str) -> None:
-    """Plain steps (verify width 0: the captured verify of the anchor alone and its commit)
-    among speculative ones, replayed from CUDA graphs: on step costs where a plain step pays
-    with 8 rows or more, 32 requests of budgets from 1/8 of the gate's tokens to all of them
-    run plain while the batch is wide and draft again as it empties; every output equals plain
-    greedy's (the first `budget` tokens of it)."""
-    if numerics == "fast":
-        pytest.skip("only the exact numerics promise the bits of plain decode")
-    target, draft, prompts, max_tokens, plain = demo
-    buckets = (1, 2, 4, 8, 16, 32)
-    costs = StepCosts(
-        {(b, w): (0.2 if b >= 8 else 10.0) if w == 0 else 1.0 + w / 7 for b in buckets for w in (0, 1, 3, 7)},
-        measured=True,
-    )
-    config = EngineConfig(
-        max_num_seqs=len(prompts),
-        block_size=8,
-        commit_strategy="per_token",
-        max_model_len=max(map(len, prompts.values())) + max_tokens,
-    )
-    engine = Engine(target, draft, config, step_costs=costs)
-    assert engine.runner.captured
-    budgets = {rid: max(1, max_tokens * (1 + i % 8) // 8) for i, rid in enumerate(prompts)}
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=budgets[rid], ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    widths = engine.stats()["verify_widths"]
-    assert widths.get(0, 0) > 0 and any(w > 0 for w in widths), widths
-    for rid in prompts:
-        got = engine.collect(rid).output_ids
-        assert got == plain[rid][0][: budgets[rid]], f"{rid}: output != plain greedy with plain steps"
 
 
 def test_demo_gate_fails_on_vendor_kernels_in_the_verify_path(demo, numerics: str) -> None:

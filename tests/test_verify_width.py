@@ -34,6 +34,9 @@ def test_candidates_are_a_plain_step_blocks_of_powers_of_two_and_the_full_block(
     assert width_candidates(10, "auto") == (0, 1, 3, 7, 9)
     assert width_candidates(2, "auto") == (0, 1)
     assert width_candidates(16, "fixed") == (15,)
+    # on CUDA (no plain step yet): the blocks alone
+    assert width_candidates(16, "auto", plain_step=False) == (1, 3, 7, 15)
+    assert VerifyWidth("auto", 16, plain_step=False).candidates == (1, 3, 7, 15)
     with pytest.raises(ConfigError, match="verify width must be one of auto, fixed"):
         width_candidates(16, "wide")
     with pytest.raises(ConfigError, match="verify_width must be one of auto, fixed"):

@@ -115,7 +115,12 @@ class Engine:
         self.ranges = ranges or NvtxRanges()
         self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
-        widths = width_candidates(self.block_size, config.verify_width) if draft is not None else ()
+        # a plain step (verify width 0) runs on the CPU only: on CUDA neither its captured
+        # graphs nor its eager forwards (a verify of one token) have run on a device yet
+        plain_step = self.device.type == "cpu"
+        widths = (
+            width_candidates(self.block_size, config.verify_width, plain_step) if draft is not None else ()
+        )
         self.runner = ModelRunner(
             target,
             draft,
@@ -158,7 +163,7 @@ class Engine:
                 shared = [step_costs]
                 torch.distributed.broadcast_object_list(shared, src=0)
                 step_costs = shared[0]
-            self.verify_width = VerifyWidth(config.verify_width, self.block_size, step_costs)
+            self.verify_width = VerifyWidth(config.verify_width, self.block_size, step_costs, plain_step)
         self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
         if self.memory is not None:
             graphs = torch.cuda.memory_allocated(self.device) - before - self.memory.state

@@ -26,12 +26,15 @@ verifies the full block, and a position no step has verified yet borrows the rat
 before it). Ties go to the wider W. The function of (counts, costs) is pure and so
 deterministic: the same requests with the same history choose the same widths.
 
-W = 0 is a plain step for the speculative rows: no draft forward, the verify of the anchor
+W = 0 (on the CPU; on CUDA its graphs are not captured yet, and the widths start at 1) is a
+plain step for the speculative rows: no draft forward, the verify of the anchor
 alone, whose token is the one plain decode gives; its commit still hands the draft the
 anchor's context, so a later step can draft again. It is chosen where a speculative step
 costs more than the tokens it is expected to commit (a batch so wide that the verify is bound
-by arithmetic, or a CPU), so that DFlash is never slower than plain decode by the engine's
-own measure. A plain step verifies nothing, so it moves no acceptance count; a run of them
+by arithmetic, or a CPU), so that such an engine runs near plain decode's speed instead of
+below it (a plain step costs a little more than plain decode's: the verify keeps the draft's
+context features and the draft appends them; about 1.15x on the demo pair at c16 on one CPU
+thread). A plain step verifies nothing, so it moves no acceptance count; a run of them
 is broken by a drafted step now and then, which measures acceptance again (VerifyWidth).
 
 `seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA
@@ -56,15 +59,16 @@ PROBE_AFTER = 4  # plain steps in a row before a speculative step measures accep
 PROBE_LIMIT = 64  # the longest run of plain steps between two such probes
 
 
-def width_candidates(block_size: int, policy: str) -> tuple[int, ...]:
+def width_candidates(block_size: int, policy: str, plain_step: bool = True) -> tuple[int, ...]:
     """The verify widths (draft tokens) a policy may choose: B-1 alone for `fixed`; for `auto`
-    0 (a plain step), 1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ... tokens) and B-1."""
+    0 (a plain step, with `plain_step`), 1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ...
+    tokens) and B-1."""
     if policy not in VERIFY_WIDTHS:
         raise ConfigError(f"verify width must be one of {', '.join(VERIFY_WIDTHS)}, got {policy!r}")
     full = block_size - 1
     if policy == "fixed" or full <= 0:
         return (full,)
-    out, block = [0], 2
+    out, block = [0] if plain_step else [], 2
     while block - 1 < full:
         out.append(block - 1)
         block *= 2
@@ -154,9 +158,11 @@ class VerifyWidth:
     one step in 16 once it has settled), and it starts again from PROBE_AFTER when a step
     drafts on its own merit."""
 
-    def __init__(self, policy: str, block_size: int, costs: StepCosts | None = None) -> None:
+    def __init__(
+        self, policy: str, block_size: int, costs: StepCosts | None = None, plain_step: bool = True
+    ) -> None:
         self.policy, self.block_size = policy, block_size
-        self.candidates = width_candidates(block_size, policy)
+        self.candidates = width_candidates(block_size, policy, plain_step)
         self.costs = costs or StepCosts.flat(self.candidates)
         self.plain_run, self.probe_after = 0, PROBE_AFTER
         missing = sorted({w for w in self.candidates} - {w for _, w in self.costs.seconds})

@@ -90,3 +90,28 @@ def test_the_benchmark_under_tensor_parallelism_takes_one_numerics(tiny_pair, ca
     assert "measures one --numerics at a time" in capsys.readouterr().err
     assert bench.main(argv) == 2
     assert "--tensor-parallel-size 2 needs 2 processes" in capsys.readouterr().err
+
+
+def bench_job(rank: int, world_size: int, argv: list[str]) -> int:
+    return bench.main(argv)
+
+
+def test_the_benchmark_on_a_random_shape_runs_on_two_ranks(tmp_path) -> None:
+    """Each rank draws its own slice of the random target (bench.shapes.random_pair) and the
+    ranks step together; rank 0 writes one row per mode."""
+    out = tmp_path / "tp.csv"
+    argv = [
+        "--random-shape",
+        "qwen3-small",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--tensor-parallel-size",
+        "2",
+    ]
+    argv += ["--concurrency", "2", "--input-len", "8", "--output-len", "6", "--repeats", "1"]
+    argv += ["--oracle-acceptance", "2", "--block-size", "4", "--out", str(out)]
+    assert run_group(2, bench_job, argv) == [0, 0]
+    rows = out.read_text().splitlines()
+    assert len(rows) == 3 and rows[1].startswith("plain") and rows[2].startswith("dflash"), rows

@@ -181,3 +181,17 @@ def test_planted_fault_a_rule_one_head_off_on_both_paths_is_caught_by_the_coveri
     covering check sees the overlap and the query head no rank has."""
     assert covering_faults(qwen3_checkpoint, 2) == []
     assert covering_faults(qwen3_checkpoint, 2, plan_of=one_head_off) == [FAULTY]
+
+
+@pytest.mark.parametrize("shape", ["qwen3-small", "qwen3.5-small", "qwen3-moe-small"])
+def test_a_random_shapes_rank_draws_its_slice_alone_and_holds_the_whole_draws_slice(shape: str) -> None:
+    """The benchmark's random weights under tensor parallelism (`random_pair(...,
+    tensor_parallel=tp)`): each rank keeps its slice of each tensor as it is drawn, and holds
+    what drawing the whole target and `shard_target` give it, bit for bit."""
+    from reference_engine.bench.shapes import random_pair
+
+    whole, _ = random_pair(shape, "cpu", torch.float32, seed=3)
+    for tp in ranks(2):
+        alone, _ = random_pair(shape, "cpu", torch.float32, seed=3, tensor_parallel=tp)
+        assert alone.tensor_parallel is tp
+        assert differing(alone, shard_target(whole, tp)) == []

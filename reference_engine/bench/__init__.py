@@ -81,7 +81,7 @@ from ..runtime.engine import Engine, EngineConfig
 from ..runtime.oracle import OracleProposer
 from ..runtime.request import SamplingParams
 from ..runtime.stats import PHASES
-from ..runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, shard_target, share_with_draft
+from ..runtime.tensor_parallel import init_tensor_parallel, leads, rank_device, share_with_draft
 from ..tokenizer import load_tokenizer
 from .drafts import arch_of, print_drafts
 from .floor import prefill_compute_floor, weight_streaming_floor
@@ -255,13 +255,14 @@ def load_pair(args: BenchArgs) -> tuple:
     if args.random_shape:
         block = 16 if args.block_size is None else args.block_size
         first, *others = args.draft_arch
-        target, draft = random_pair(args.random_shape, str(device), dtype, args.seed, block, draft_arch=first)
+        # under tensor parallelism this rank's slice, drawn a tensor at a time
+        target, draft = random_pair(
+            args.random_shape, str(device), dtype, args.seed, block, draft_arch=first, tensor_parallel=tp
+        )
         drafts = [draft] + [
             random_draft(args.random_shape, str(device), dtype, args.seed, block, draft_arch=arch)
             for arch in others
         ]
-        if tp is not None:  # drawn whole, then cut to this rank's slice
-            target = shard_target(target, tp)
     else:
         target = load_target(args.model, dtype=dtype, device=device, tensor_parallel=tp)
         drafts = [load_draft(args.draft, target)]

@@ -22,6 +22,7 @@ from ..config import DraftConfig, TargetConfig, published_target_layer_ids
 from ..errors import ConfigError
 from ..models import CausalLM, draft_expected_shapes, expected_shapes
 from ..models.dflash import DFlashDraft
+from ..runtime.tensor_parallel import TensorParallel, shard_plan, sharded_target
 
 TARGET_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {
@@ -256,12 +257,26 @@ def random_pair(
     block_size: int = 16,
     draft_layers: int = 5,
     draft_arch: str = "dflash",
+    tensor_parallel: TensorParallel | None = None,
 ) -> tuple[CausalLM, DFlashDraft]:
+    """A random target of a real shape and its random draft. Under `tensor_parallel`, this
+    rank's slice of the target (the slices of the target drawn whole, bit for bit), drawn one
+    tensor at a time: the whole target never exists on the rank."""
     if shape not in TARGET_SHAPES:
         raise ConfigError(f"unknown shape '{shape}', expected one of {', '.join(TARGET_SHAPES)}")
     tconfig = TargetConfig.from_hf(TARGET_SHAPES[shape])
-    tensors = random_weights(expected_shapes(tconfig), seed, tconfig.norm_offset, device, dtype)
-    target = assemble_target(tconfig, tensors, device)
+    shapes = expected_shapes(tconfig)
+    if tensor_parallel is None:
+        tensors = random_weights(shapes, seed, tconfig.norm_offset, device, dtype)
+        target = assemble_target(tconfig, tensors, device)
+    else:
+        plan = shard_plan(tconfig, shapes, tensor_parallel)
+
+        def keep(name: str, whole: torch.Tensor) -> torch.Tensor:
+            return whole if plan[name] is None else plan[name].take(whole)
+
+        tensors = random_weights(shapes, seed, tconfig.norm_offset, device, dtype, keep)
+        target = sharded_target(tconfig, tensors, tensor_parallel, device)
     return target, random_draft(shape, device, dtype, seed, block_size, draft_layers, draft_arch)
 
 

@@ -5,6 +5,7 @@ benchmarks' real-shaped models."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,13 @@ def random_weights(
     norm_offset: bool,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights scaled so that models give varied, non-degenerate logits. Drawn in
-    float32 on `device` (real-shaped models straight on the GPU), then cast to `dtype`."""
+    float32 on `device` (real-shaped models straight on the GPU), then cast to `dtype`.
+    `keep(name, tensor)` gives what to hold of each tensor as it is drawn (a rank's slice
+    under tensor parallelism), so that only one whole tensor exists at a time; the values
+    are those drawn without it."""
     tied = "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -62,6 +67,8 @@ def random_weights(
         else:  # biases
             out[name] = normal(shape, 0.1)
         out[name] = out[name].to(dtype)
+        if keep is not None:
+            out[name] = keep(name, out[name])
     return out
 
 

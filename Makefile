@@ -71,8 +71,6 @@ tiny:
 # A/B on our reference server: plain baseline vs DFlash, the shipped demo pair (a trained
 # Qwen3.5 hybrid target and its DFlash draft) on its held-out prompts, whatever device is
 # present: real acceptance. BENCH_ACCEPTANCE=X forces X with the oracle proposer instead.
-# Side B times its steps at start-up (--measure-step-costs; on a GPU the CUDA graphs are
-# timed anyway), so that --verify-width auto takes plain steps where DFlash does not pay.
 BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token \
 	--device $(BENCH_DEVICE) --max-num-seqs 16 $(if $(BENCH_THREADS),--threads $(BENCH_THREADS))
 # BENCH_DRAFT: side B's draft, `dflash` (the shipped DFlash draft), `dflash2` (the shipped
@@ -85,7 +83,7 @@ bench:
 	@test -f "$(BENCH_DRAFT_DIR)/config.json" || { echo "make bench: BENCH_DRAFT=$(BENCH_DRAFT): no config.json in $(BENCH_DRAFT_DIR) (expected dflash, dflash2 or a draft folder for the demo target)" >&2; exit 2; }
 	$(PYTHON) -m harness ab \
 		--a-cmd "$(BENCH_SERVE) --port {port}" \
-		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(BENCH_DRAFT_DIR) --block-size $(BENCH_BLOCK) --measure-step-costs $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
+		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(BENCH_DRAFT_DIR) --block-size $(BENCH_BLOCK) $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
 		--a-label plain --b-label $(if $(filter dflash2,$(BENCH_DRAFT)),dflash2,dflash) $(BENCH_ARGS) --out $(BENCH_OUT) \
 		--notes "$(BENCH_NOTES)$(if $(BENCH_ACCEPTANCE),; acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode),; real acceptance)"
 

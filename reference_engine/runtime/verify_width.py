@@ -31,10 +31,10 @@ plain step for the speculative rows: no draft forward, the verify of the anchor
 alone, whose token is the one plain decode gives; its commit still hands the draft the
 anchor's context, so a later step can draft again. It is chosen where a speculative step
 costs more than the tokens it is expected to commit (a batch so wide that the verify is bound
-by arithmetic, or a CPU), so that such an engine runs near plain decode's speed instead of
-below it (a plain step costs a little more than plain decode's: the verify keeps the draft's
-context features and the draft appends them; about 1.15x on the demo pair at c16 on one CPU
-thread). A plain step verifies nothing, so it moves no acceptance count; a run of them
+by arithmetic, or a CPU). It costs more than a plain decode step (the verify keeps the
+draft's context features and the draft appends them): on the demo pair on one CPU thread
+about 1.2x at 16 rows and 1.5-1.8x at one row, so there it has not paid yet (docs/engine.md,
+"Verify width"). A plain step verifies nothing, so it moves no acceptance count; a run of them
 is broken by a drafted step now and then, which measures acceptance again (VerifyWidth).
 
 `seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA

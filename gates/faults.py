@@ -305,6 +305,21 @@ def _plain_step_without_draft_context(correct):
     return context_features
 
 
+def _plain_step_keeps_state_before_anchor(correct):
+    def verify(self, rows, block, record=True):
+        # a plain step (no record: its block is kept whole) puts the Gated DeltaNet state back
+        # where it was before the anchor
+        plain = not record and self.target.config.is_hybrid
+        if plain:
+            self.state.save_rows(rows.slot_ids)
+        out = correct(self, rows, block, record)
+        if plain:
+            self.state.restore_rows(self.state.slot_rows(rows.slot_ids))
+        return out
+
+    return verify
+
+
 def _draft_block_sees_padding(correct):
     def forward(self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH, **kwargs):
         return correct(self, block_embeds, positions, slots, state, kv_len, None, ops, **kwargs)
@@ -378,6 +393,11 @@ FAULTS: dict[str, Fault] = {
         "verify width: a plain step (width 0) hands the draft zeros for the anchor's context",
         "context_features",
         _plain_step_without_draft_context,
+    ),
+    "plain_step_keeps_state_before_anchor": Fault(
+        "verify width: a plain step (width 0) leaves the Gated DeltaNet state where it was before the anchor",
+        "verify",
+        _plain_step_keeps_state_before_anchor,
     ),
     "commit_wrong_slot": Fault(
         "engine: commit each row's state into the next row's slot", "commit_state", _commit_wrong_slot

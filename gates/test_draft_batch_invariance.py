@@ -257,8 +257,9 @@ def test_draft_invariance_gate_catches_faults_that_cost_only_acceptance(
         assert_draft_batch_invariant(alone, batched, committed, fault)
 
 
-# verify width auto on costs where a plain step (width 0) pays at 8 rows or more and never
-# below: the full batch runs plain steps, and its rows draft again as the batch empties
+# verify width auto on costs where a plain step (width 0) pays from 5 rows up (5 to 8 rows
+# read the 8-row costs) and never below: the full batch runs plain steps, and its rows draft
+# again as the batch empties
 PLAIN_PAYS_WIDE = StepCosts(
     {
         (rows, w): s

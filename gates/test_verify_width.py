@@ -18,7 +18,7 @@ from reference_engine.runtime.verify_width import StepCosts
 from .checks import Pair, require_block
 from .faults import planted
 
-CATCHES = ("commit_past_verified_width",)
+CATCHES = ("commit_past_verified_width", "plain_step_keeps_state_before_anchor")
 BLOCK = 8
 # seconds by (rows, verify width): a wide verify costs up to 3.5 narrow ones
 NARROW_PAYS = StepCosts(
@@ -81,7 +81,8 @@ def test_a_draft_token_committed_past_the_verified_width_is_caught(pair: Pair) -
     assert outputs != plain_outputs(pair)
 
 
-# a plain step (width 0) pays with 4 rows running and never with fewer
+# a plain step (width 0) pays with 3 or 4 rows running (both read the 4-row costs), never
+# with 1 or 2
 PLAIN_PAYS_WIDE = StepCosts(
     {
         (rows, w): s
@@ -94,25 +95,44 @@ PLAIN_PAYS_WIDE = StepCosts(
 
 @pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
 def test_plain_steps_among_speculative_ones_equal_plain_greedy(pair: Pair, strategy: str) -> None:
-    """Four requests of different lengths: while all four run, every step is a plain one
-    (verify width 0: the anchor verified alone, no draft); as they finish, the rest draft
-    again from the context the plain steps left. Each greedy output equals plain greedy; a
+    """Four requests of different lengths: while three or four run, steps are plain ones
+    (verify width 0: the anchor verified alone, no draft) but for the probes; as they finish,
+    the rest draft again from the context the plain steps left. Each greedy output equals plain greedy; a
     sampled request beside them (its bonus drawn from the target at width 0) finishes."""
     require_block(pair, BLOCK)
+    outputs, expected, sampled, widths = run_with_plain_steps(pair, strategy)
+    assert outputs == expected, "speculative output != plain greedy with plain steps among speculative ones"
+    assert len(sampled) == BUDGETS[3]
+    assert widths.get(0, 0) >= BUDGETS[0] - 1 and any(w > 0 for w in widths), widths
+
+
+BUDGETS = (6, 12, 20, 28)
+
+
+def run_with_plain_steps(pair: Pair, strategy: str):
+    """Three greedy requests of BUDGETS[:3] tokens and a sampled one beside them on
+    PLAIN_PAYS_WIDE: (greedy outputs, their plain greedy references, the sampled output, the
+    widths the steps chose)."""
     config = EngineConfig(max_num_seqs=4, block_size=BLOCK, commit_strategy=strategy, numerics=pair.numerics)
     engine = Engine(pair.target, pair.draft, config, step_costs=PLAIN_PAYS_WIDE)
-    budgets = (6, 12, 20, 28)
     expected = {}
-    for i, (prompt, budget) in enumerate(zip(pair.prompts[:3], budgets)):
+    for i, (prompt, budget) in enumerate(zip(pair.prompts[:3], BUDGETS)):
         params = SamplingParams(max_tokens=budget, ignore_eos=True)
         expected[str(i)] = generate_plain(pair.target, list(prompt), params).output_ids
         engine.add_request(str(i), list(prompt), params)
-    sampled = SamplingParams(max_tokens=budgets[3], ignore_eos=True, temperature=1.0, seed=3)
+    sampled = SamplingParams(max_tokens=BUDGETS[3], ignore_eos=True, temperature=1.0, seed=3)
     engine.add_request("sampled", list(pair.prompts[0]), sampled)
     while engine.has_unfinished():
         engine.step()
     outputs = {rid: engine.collect(rid).output_ids for rid in expected}
-    assert outputs == expected, "speculative output != plain greedy with plain steps among speculative ones"
-    assert len(engine.collect("sampled").output_ids) == budgets[3]
-    widths = engine.stats()["verify_widths"]
-    assert widths.get(0, 0) >= budgets[0] - 1 and any(w > 0 for w in widths), widths
+    return outputs, expected, engine.collect("sampled").output_ids, engine.stats()["verify_widths"]
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_a_plain_step_that_leaves_the_state_before_its_anchor_is_caught(pair: Pair, strategy: str) -> None:
+    if not pair.target.config.is_hybrid:
+        pytest.skip("dense targets have no recurrent state")
+    require_block(pair, BLOCK)
+    with planted("plain_step_keeps_state_before_anchor"):
+        outputs, expected, _, _ = run_with_plain_steps(pair, strategy)
+    assert outputs != expected

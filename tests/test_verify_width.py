@@ -116,7 +116,7 @@ def test_positions_count_as_verified_up_to_the_first_rejection() -> None:
 
 
 def test_costs_must_cover_every_candidate() -> None:
-    with pytest.raises(ConfigError, match=r"no entry for verify width\(s\) \[0, 7, 15\]"):
+    with pytest.raises(ConfigError, match=r"no entry for verify width\(s\) \[7, 15\]"):
         VerifyWidth("auto", 16, costs({1: 1.0, 3: 1.0}))
 
 
@@ -141,3 +141,15 @@ def test_runs_of_plain_steps_are_broken_by_probes_that_grow_apart() -> None:
         high.record(15, 15, 16)
     assert chooser.choose([15] * 16, [high] * 16, high) == 15
     assert [chooser.choose([15] * 16, [low] * 16, low) for _ in range(PROBE_AFTER + 1)][-1] > 0
+
+
+def test_a_table_without_a_plain_step_never_takes_one_and_reset_forgets_the_run() -> None:
+    table = costs({1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0})  # made for an engine without plain steps
+    assert VerifyWidth("auto", 16, table).candidates == (1, 3, 7, 15)
+    chooser = VerifyWidth("auto", 16, costs({0: 1.0, 1: 2.5, 3: 3.0, 7: 4.0, 15: 6.0}))
+    low = SpecCounters()
+    for _ in range(40):
+        low.record(15, 0, 1)
+    first = [chooser.choose([15] * 16, [low] * 16, low) for _ in range(40)]
+    chooser.reset()
+    assert [chooser.choose([15] * 16, [low] * 16, low) for _ in range(40)] == first

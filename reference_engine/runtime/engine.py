@@ -364,6 +364,8 @@ class Engine:
         self.scheduler.reset_stats()
         self.spec_totals = SpecCounters()
         self.verify_widths = Counter()
+        if self.verify_width is not None:
+            self.verify_width.reset()
         self.timer.reset()
 
     def stats(self) -> dict:

@@ -211,10 +211,14 @@ class ModelRunner:
         """Host seconds of the eager draft forward and verify forward (with its argmax) of a
         step, by (rows, verify width) for rows 1, 2, 4, ... up to max_rows: the median of
         `repeats` timed runs after one untimed, on slots 0..rows-1 from position 0, so before
-        any request runs (a request's admission resets its slot). Width 0 runs no draft. The
-        commit is not timed: with per_token and recompute it is a copy a row, the same at
-        every width; with replay it re-runs the kept tokens, so this table undercounts a
-        wide step there."""
+        any request runs (a request's admission resets its slot). Width 0 runs no draft. Not
+        timed: the step's host work, the same at every width, so leaving it out overstates a
+        drafted step against a plain one (on the demo pair at one row the table puts a full
+        block at 2.5 plain steps, the engine's own steps at about 2); the commit (with
+        per_token and recompute a copy a row; with replay a forward over the kept tokens); and
+        the attention over a request's context (every forward here starts at position 0),
+        which a drafted step runs in the draft and the verify, leaning the other way at long
+        contexts."""
         B, device = self.block_size, self.device
         rows_list = sorted({min(1 << k, self.max_rows) for k in range(self.max_rows.bit_length() + 1)})
         out = {}

@@ -223,7 +223,9 @@ class SpeculativeStep:
         keeps what the commit strategy needs (a replayed one brings its argmax along, so
         accept needs no second pass). Without `record` (a plain step, whose block is kept
         whole) an eager forward keeps nothing for the commit and leaves the state after it."""
-        if self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
+        # a plain step commits its whole block, so it needs no snapshot to go back to (plain
+        # steps run on the CPU only, where no captured commit reads one)
+        if record and self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
             self.state.save_rows(rows.slot_ids)
         return self.runner.verify(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, record)
 

@@ -23,8 +23,9 @@ product of conditional acceptance rates c_j (draft token j accepted, given 1..j-
 was verified), each the request's own count shrunk toward the engine's rate over all
 requests, and the engine's toward its rate at j-1 (starting from 1: an engine with no history
 verifies the full block, and a position no step has verified yet borrows the rate of the one
-before it). Ties go to the wider W. The function of (counts, costs) is pure and so
-deterministic: the same requests with the same history choose the same widths.
+before it). Ties go to the wider W. The choice is a function of the counts, the costs and
+the run of plain steps before it (VerifyWidth), so deterministic: the same requests with the
+same history choose the same widths (`Engine.reset_stats` starts the run afresh too).
 
 W = 0 (on the CPU; on CUDA its graphs are not captured yet, and the widths start at 1) is a
 plain step for the speculative rows: no draft forward, the verify of the anchor
@@ -150,13 +151,14 @@ def choose_width(
 class VerifyWidth:
     """The engine's verify-width policy: the candidates it may choose and their costs.
 
-    Plain steps verify nothing, so the estimates they were chosen on never move by
-    themselves: an unlucky start (the first blocks of a continuation accept least) would keep
-    a request plain for good. So after PROBE_AFTER plain steps in a row the next step drafts
-    at the best width above 0 to measure acceptance again; while plain steps keep winning,
-    the run before the next probe doubles, up to PROBE_LIMIT (a probe costs at most about
-    one step in 16 once it has settled), and it starts again from PROBE_AFTER when a step
-    drafts on its own merit."""
+        Plain steps verify nothing, so the estimates they were chosen on never move by
+        themselves: an unlucky start (the first blocks of a continuation accept least) would keep
+        a request plain for good. So after PROBE_AFTER plain steps in a row the next step drafts
+        at the best width above 0 to measure acceptance again; while plain steps keep winning,
+        the run before the next probe doubles, up to PROBE_LIMIT (once settled, one step in 65
+    drafts; at the start one in 5), and it starts again from PROBE_AFTER when a step drafts on
+    its own merit. A cost table with no entry for W = 0 (made for an engine without plain
+    steps) never takes one."""
 
     def __init__(
         self, policy: str, block_size: int, costs: StepCosts | None = None, plain_step: bool = True
@@ -164,10 +166,16 @@ class VerifyWidth:
         self.policy, self.block_size = policy, block_size
         self.candidates = width_candidates(block_size, policy, plain_step)
         self.costs = costs or StepCosts.flat(self.candidates)
-        self.plain_run, self.probe_after = 0, PROBE_AFTER
+        if self.candidates[0] == 0 and all(w != 0 for _, w in self.costs.seconds):
+            self.candidates = self.candidates[1:]
+        self.reset()
         missing = sorted({w for w in self.candidates} - {w for _, w in self.costs.seconds})
         if missing:
             raise ConfigError(f"the step costs have no entry for verify width(s) {missing}")
+
+    def reset(self) -> None:
+        """Forget the run of plain steps (a fresh engine's state)."""
+        self.plain_run, self.probe_after = 0, PROBE_AFTER
 
     def choose(self, limits: Sequence[int], counters: Sequence[SpecCounters], totals: SpecCounters) -> int:
         """This step's verify width for rows that may still produce `limits` draft tokens, with

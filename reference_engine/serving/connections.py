@@ -139,6 +139,15 @@ def connection_policy_protocol(
             self._wait_for(None)
             super().connection_lost(exc)
 
+        def timeout_keep_alive_handler(self) -> None:
+            """uvicorn's keep-alive timeout, but not while a response is under way: there
+            uvicorn's sends h11 a ConnectionClosed that h11 refuses (LocalProtocolError, logged
+            with a traceback from the event loop); the timer is armed again when the response
+            completes."""
+            if self.conn.our_state in (h11.SEND_RESPONSE, h11.SEND_BODY):
+                return
+            super().timeout_keep_alive_handler()
+
     return ConnectionPolicyProtocol
 
 

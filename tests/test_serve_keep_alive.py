@@ -1,4 +1,4 @@
-"""The keep-alive timeout of the server's connection protocol (serving/connections.py) while a
+"""Two races of the server's connection protocol. The keep-alive timeout (serving/connections.py) while a
 response is under way: uvicorn's handler would send h11 a ConnectionClosed there, which h11
 refuses, and the event loop logs the traceback (a known uvicorn race; the connection tests
 once found a traceback from an event-loop callback in the log on a loaded machine, its text
@@ -42,3 +42,32 @@ def test_the_keep_alive_timeout_waits_for_a_response_under_way() -> None:
     assert ours.conn.our_state is h11.SEND_BODY
     with pytest.raises(h11.LocalProtocolError):  # what the override is for
         mid_response(H11Protocol).timeout_keep_alive_handler()
+
+
+def test_an_answer_to_a_client_that_reset_the_connection_closes_it_without_raising() -> None:
+    """A 408 or 400 from the connection policy half-closes the connection (write_eof) and
+    lingers; a client that has reset it makes the half-close raise (OSError from the socket's
+    shutdown), inside a timer callback, which the event loop would log with a traceback."""
+    protocol = mid_response(connection_policy_protocol(10.0, 1.0, 8))
+    closed = []
+
+    class ResetTransport:
+        def is_closing(self):
+            return False
+
+        def write(self, data):
+            pass
+
+        def can_write_eof(self):
+            return True
+
+        def write_eof(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        def close(self):
+            closed.append(True)
+
+    protocol.transport = ResetTransport()
+    protocol._due, protocol._timer, protocol._closing = "body", None, False  # as connection_made
+    protocol._answer(408, "the request body did not arrive")
+    assert closed == [True]

@@ -108,7 +108,11 @@ def connection_policy_protocol(
             self._wait_for(None)
             self._closing = True
             if self.transport.can_write_eof():
-                self.transport.write_eof()
+                try:
+                    self.transport.write_eof()
+                except OSError:  # the client reset the connection first: nothing to linger for
+                    self.transport.close()
+                    return
             self.loop.call_later(LINGER_S, self.transport.close)
 
         def data_received(self, data: bytes) -> None:

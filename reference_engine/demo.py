@@ -1,6 +1,7 @@
 """The demo pair shipped inside the package: a small trained Qwen3.5 hybrid target, its
-DFlash draft and a DFlash2 draft (reference_engine/assets/demo, trained by scripts/train_demo_pair.py; see its
-MODEL_CARD.md). The default of `make bench`, `make profile` and docs/demo-pair.md's quick start."""
+DFlash draft and a DFlash2 draft (reference_engine/assets/demo, trained by
+scripts/train_demo_pair.py; see its MODEL_CARD.md). The default of `make bench`, `make
+profile` and docs/demo-pair.md's quick start."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from reference_engine.checkpoint import load_draft, load_target  # noqa: E402
 from reference_engine.demo import DEMO_PROMPTS, DEMO_TARGET, demo_prompts  # noqa: E402
+from reference_engine.errors import ReferenceEngineError  # noqa: E402
 from reference_engine.training.evaluation import evaluate  # noqa: E402
 
 
@@ -38,14 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, help="JSON file for the figures")
     args = p.parse_args(argv)
-    block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
+    try:
+        block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
+    except ValueError:
+        p.error(f"--block-sizes must be comma-separated integers, got {args.block_sizes!r}")
     torch.backends.cuda.matmul.allow_tf32 = False  # true float32 on a GPU too
-    target = load_target(args.target, torch.float32, args.device)
-    prompts = [row["prompt_ids"] for row in demo_prompts(args.prompts)]
+    try:
+        target = load_target(args.target, torch.float32, args.device)
+        prompts = [row["prompt_ids"] for row in demo_prompts(args.prompts)]
+        drafts = [(folder, load_draft(folder, target)) for folder in args.drafts]
+    except (ReferenceEngineError, OSError, KeyError) as e:
+        print(f"eval_demo_drafts.py: {e}", file=sys.stderr)
+        return 2
     results = {}
-    for folder in args.drafts:
+    for folder, draft in drafts:
         start = time.perf_counter()
-        acceptance = evaluate(target, load_draft(folder, target), prompts, block_sizes, args.max_tokens)
+        acceptance = evaluate(target, draft, prompts, block_sizes, args.max_tokens)
         for B, row in acceptance.items():
             print(
                 f"{folder}: B={B}: mean acceptance length {row['mean_acceptance_length']:.3f}, "

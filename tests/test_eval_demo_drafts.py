@@ -12,10 +12,21 @@ from reference_engine.demo import DEMO_DRAFT, DEMO_DRAFT2
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "eval_demo_drafts.py"
 
 
-def test_both_shipped_drafts_are_measured_lossless_and_dflash2_accepts_more(tmp_path: Path, capsys) -> None:
+def load_script():
     spec = importlib.util.spec_from_file_location("eval_demo_drafts", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_a_folder_that_is_no_draft_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    assert load_script().main([str(tmp_path), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eval_demo_drafts.py: ") and err.count("\n") == 1 and str(tmp_path) in err
+
+
+def test_both_shipped_drafts_are_measured_lossless_and_dflash2_accepts_more(tmp_path: Path, capsys) -> None:
+    module = load_script()
     out = tmp_path / "acceptance.json"
     argv = [str(DEMO_DRAFT), str(DEMO_DRAFT2), "--block-sizes", "8", "--max-tokens", "24", "--out", str(out)]
     assert module.main(argv) == 0

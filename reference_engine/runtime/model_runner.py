@@ -212,9 +212,7 @@ class ModelRunner:
         step, by (rows, verify width) for rows 1, 2, 4, ... up to max_rows: the median of
         `repeats` timed runs after one untimed, on slots 0..rows-1 from position 0, so before
         any request runs (a request's admission resets its slot). Width 0 runs no draft. Not
-        timed: the step's host work, the same at every width, so leaving it out overstates a
-        drafted step against a plain one (on the demo pair at one row the table puts a full
-        block at 2.5 plain steps, the engine's own steps at about 2); the commit (with
+        timed: the step's host work, about the same at every width; the commit (with
         per_token and recompute a copy a row; with replay a forward over the kept tokens); and
         the attention over a request's context (every forward here starts at position 0),
         which a drafted step runs in the draft and the verify, leaning the other way at long

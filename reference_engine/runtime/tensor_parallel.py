@@ -8,9 +8,10 @@ parameters), the MLP's and every expert's intermediate dimension (routing stays 
 replicated, so every rank runs the same experts on the same tokens), and the vocabulary of
 the embedding and of the LM head. The loader reads only these parts from the checkpoint's
 files (`checkpoint.load_target(..., tensor_parallel=tp)`), so a rank never holds more than
-its slice plus the replicated tensors; `shard_target` cuts the same parts from a target
-already loaded whole (random weights). Column-parallel projections need no communication;
-each row-parallel one (o_proj, down_proj, the experts' down products, Gated DeltaNet's
+its slice plus the replicated tensors; a benchmark's random target is drawn the same way,
+a slice at a time (bench/shapes.random_pair), and `shard_target` cuts the same parts from a
+target already loaded whole (the tests' reference for both). Column-parallel projections
+need no communication; each row-parallel one (o_proj, down_proj, the experts' down products, Gated DeltaNet's
 out_proj) leaves a partial sum that one reduction per sublayer completes, hooked on the
 sublayer module, so the model files stay as they are. The per-slot state follows the
 sharded config (`model.config` describes this rank's slice), so the KV caches and Gated
@@ -339,8 +340,9 @@ def _reduce(module: nn.Module, tp: TensorParallel, last: nn.Linear | None = None
 
 
 def shard_target(model: CausalLM, tp: TensorParallel) -> CausalLM:
-    """This rank's slice of a target loaded whole (random weights; a checkpoint is read slice
-    by slice instead: `checkpoint.load_target(..., tensor_parallel=tp)`): a new model, the
+    """This rank's slice of a target loaded whole (the reference the tests hold the sliced
+    loader and the sliced random draw to; a checkpoint is read slice by slice instead:
+    `checkpoint.load_target(..., tensor_parallel=tp)`): a new model, the
     one the loader builds, around the parts `shard_of` names cut from the whole model's
     tensors (those every rank holds whole are shared with it, not copied)."""
     if getattr(model, "tensor_parallel", None) is not None:

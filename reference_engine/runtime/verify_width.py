@@ -33,10 +33,10 @@ alone, whose token is the one plain decode gives; its commit still hands the dra
 anchor's context, so a later step can draft again. It is chosen where a speculative step
 costs more than the tokens it is expected to commit (a batch so wide that the verify is bound
 by arithmetic, or a CPU). It costs more than a plain decode step (the verify keeps the
-draft's context features and the draft appends them): on the demo pair on one CPU thread
-about 1.2x at 16 rows and 1.5-1.8x at one row, so there it has not paid yet (docs/engine.md,
-"Verify width"). A plain step verifies nothing, so it moves no acceptance count; a run of them
-is broken by a drafted step now and then, which measures acceptance again (VerifyWidth).
+draft's context features and the draft appends them), and on the 2-core CPU it has not paid
+yet (docs/engine.md, "Verify width"). A plain step verifies nothing, so it moves no
+acceptance count; a run of them is broken by a drafted step now and then, which measures
+acceptance again (VerifyWidth).
 
 `seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA
 graphs at start-up, graphs.py; verify + commit for W = 0) for the smallest measured row count
@@ -151,11 +151,11 @@ def choose_width(
 class VerifyWidth:
     """The engine's verify-width policy: the candidates it may choose and their costs.
 
-        Plain steps verify nothing, so the estimates they were chosen on never move by
-        themselves: an unlucky start (the first blocks of a continuation accept least) would keep
-        a request plain for good. So after PROBE_AFTER plain steps in a row the next step drafts
-        at the best width above 0 to measure acceptance again; while plain steps keep winning,
-        the run before the next probe doubles, up to PROBE_LIMIT (once settled, one step in 65
+    Plain steps verify nothing, so the estimates they were chosen on never move by
+    themselves: an unlucky start (the first blocks of a continuation accept least) would keep
+    a request plain for good. So after PROBE_AFTER plain steps in a row the next step drafts
+    at the best width above 0 to measure acceptance again; while plain steps keep winning,
+    the run before the next probe doubles, up to PROBE_LIMIT (once settled, one step in 65
     drafts; at the start one in 5), and it starts again from PROBE_AFTER when a step drafts on
     its own merit. A cost table with no entry for W = 0 (made for an engine without plain
     steps) never takes one."""

@@ -122,8 +122,8 @@ class VerifyLogitCheck:
         step = engine.speculative_step
         correct = step.verify
 
-        def verify(rows, block):
-            out = correct(rows, block)
+        def verify(rows, block, record=True):
+            out = correct(rows, block, record)
             self._check(rows, block, out.logits)
             return out
 
@@ -140,7 +140,7 @@ class VerifyLogitCheck:
                     break
                 self.compared += 1
                 if not torch.equal(verify_logits[i, j], plain[k]):
-                    diff = (verify_logits[i, j].float() - plain[k].float()).abs().max().item()
+                    diff = (verify_logits[i, j].double() - plain[k].double()).abs().max().item()
                     self.mismatches.append(
                         f"{seq.request_id} output {k} (block slot {j}): max |diff| {diff:.3g}"
                     )
@@ -188,12 +188,12 @@ def verify_with(**kernels) -> Iterator[None]:
     vendor matmul), every other forward with the engine's own (graphs included)."""
     correct = SpeculativeStep.verify
 
-    def verify(self, rows, block):
+    def verify(self, rows, block, record=True):
         runner = self.runner
         own, graphs = runner.ops, runner.graphs
         runner.ops, runner.graphs = replace(own, **kernels), None
         try:
-            return correct(self, rows, block)
+            return correct(self, rows, block, record)
         finally:
             runner.ops, runner.graphs = own, graphs
 

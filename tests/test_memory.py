@@ -14,11 +14,14 @@ from reference_engine.bench.shapes import TARGET_SHAPES, draft_raw
 from reference_engine.checkpoint import load_draft, load_target
 from reference_engine.config import DraftConfig, TargetConfig
 from reference_engine.errors import ConfigError
+from reference_engine.kernels import TORCH
 from reference_engine.models.dflash import DraftState
+from reference_engine.runtime.commit import verify_record
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.memory import (
     GiB,
     StateCost,
+    largest_forwards,
     plan_memory,
     state_cost,
     tensor_bytes,
@@ -132,3 +135,23 @@ def test_weights_shared_with_the_draft_are_counted_once(tiny_pair: TinyPair) -> 
     own = sum(t.numel() * t.element_size() for t in (*draft.parameters(), *draft.buffers()))
     assert weight_bytes(target, draft) == weight_bytes(target) + own
     assert weight_bytes(target, target) == weight_bytes(target)
+
+
+@pytest.mark.parametrize(
+    ("arch", "draft_arch"), [("qwen3", "dflash"), ("qwen3_5", "dflash2"), ("qwen3", "dflash2")]
+)
+def test_the_forwards_the_activation_peak_runs_work_for_every_draft(
+    tiny_pair: TinyPair, arch: str, draft_arch: str
+) -> None:
+    """The start-up measure of the activations (CUDA only) runs these forwards: on the CPU
+    they must run too, for every draft kind (a DFlash2 draft's selector needs the anchors)."""
+    target_dir, draft_dir = tiny_pair(arch, block_size=8, draft_arch=draft_arch)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    engine = Engine(
+        target, draft, EngineConfig(max_num_seqs=3, max_model_len=40, commit_strategy="per_token")
+    )
+    state, draft_state = engine.build_states(3, 24 + 8, torch.device("cpu"))
+    record = verify_record("per_token", target)
+    largest_forwards(target, draft, TORCH, state, draft_state, 3, 8, 24, record)
+    largest_forwards(target, None, TORCH, state, None, 3, 8, 24, None)

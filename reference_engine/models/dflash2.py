@@ -239,6 +239,10 @@ class DFlash2Draft(DFlashDraft):
         selector's greedy path [batch, N], and what a sampled walk needs: the candidates
         [batch, N, K] and the edges [batch, N, K, K] (runtime/walk.py). The `selector` phase
         is what the selector adds to DFlash's logits: the top-K, the edges, the greedy walk."""
+        if anchors is None:
+            raise ValueError(
+                "a DFlash2 draft's proposals need the block's anchors (the selector starts from them)"
+            )
         logits = self.logits(hidden, lm_head_weight, ops)[:, 1:]
         with phase("selector"):
             candidates, unary = top_candidates(logits, self.config.selector_top_k)

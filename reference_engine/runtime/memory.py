@@ -181,44 +181,63 @@ def activation_peak(
     prefill_tokens: int,
     record: str | None,
 ) -> int:
-    """The device memory (CUDA) that the engine's largest forwards allocate beyond the state
-    they write: a prefill of `prefill_tokens` on one row and, with a draft, the draft and the
-    verify of `rows` full blocks, run on a throwaway state of `rows` slots from `build`."""
+    """The device memory (CUDA) that the engine's largest forwards (`largest_forwards`)
+    allocate beyond the state they write, run on a throwaway state of `rows` slots from
+    `build`."""
     device = target.model.embed_tokens.weight.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     with torch.inference_mode():
         state, draft_state = build(rows, prefill_tokens + block_size, device)
-        layers = draft.config.target_layer_ids if draft is not None else ()
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        ids = torch.zeros((1, prefill_tokens), dtype=torch.int64, device=device)
-        slot = torch.zeros((1,), dtype=torch.int64, device=device)
-        positions = torch.arange(prefill_tokens, device=device)[None]
-        target(ids, positions, slot, state, prefill_tokens, capture_layers=layers, last_only=True, ops=ops)
-        if draft is not None:
-            block = torch.zeros((rows, block_size), dtype=torch.int64, device=device)
-            slots = torch.arange(rows, device=device)
-            positions = torch.arange(block_size, device=device)[None].repeat(rows, 1)
-            valid = torch.full((rows,), block_size, dtype=torch.int64, device=device)
-            embeds = target.embed(block) * draft.config.input_embedding_scale
-            hidden = draft(embeds, positions, slots, draft_state, block_size, valid_len=valid, ops=ops)
-            draft.proposals(hidden, target.lm_head_weight, ops)
-            del embeds, hidden
-            target(
-                block,
-                positions,
-                slots,
-                state,
-                block_size,
-                capture_layers=layers,
-                valid_len=valid,
-                record=record,
-                ops=ops,
-            )
+        largest_forwards(target, draft, ops, state, draft_state, rows, block_size, prefill_tokens, record)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
         del state, draft_state
     torch.cuda.empty_cache()
     return peak
+
+
+def largest_forwards(
+    target: CausalLM,
+    draft: DFlashDraft | None,
+    ops: Kernels,
+    state,
+    draft_state,
+    rows: int,
+    block_size: int,
+    prefill_tokens: int,
+    record: str | None,
+) -> None:
+    """The forwards whose activations the engine must leave room for, on any device: a
+    prefill of `prefill_tokens` on one row and, with a draft, the draft (its proposals
+    included) and the verify of `rows` full blocks of `block_size`."""
+    device = target.model.embed_tokens.weight.device
+    layers = draft.config.target_layer_ids if draft is not None else ()
+    ids = torch.zeros((1, prefill_tokens), dtype=torch.int64, device=device)
+    slot = torch.zeros((1,), dtype=torch.int64, device=device)
+    positions = torch.arange(prefill_tokens, device=device)[None]
+    target(ids, positions, slot, state, prefill_tokens, capture_layers=layers, last_only=True, ops=ops)
+    if draft is None:
+        return
+    block = torch.zeros((rows, block_size), dtype=torch.int64, device=device)
+    slots = torch.arange(rows, device=device)
+    positions = torch.arange(block_size, device=device)[None].repeat(rows, 1)
+    valid = torch.full((rows,), block_size, dtype=torch.int64, device=device)
+    embeds = target.embed(block) * draft.config.input_embedding_scale
+    hidden = draft(embeds, positions, slots, draft_state, block_size, valid_len=valid, ops=ops)
+    draft.proposals(hidden, target.lm_head_weight, ops, block[:, 0])
+    del embeds, hidden
+    target(
+        block,
+        positions,
+        slots,
+        state,
+        block_size,
+        capture_layers=layers,
+        valid_len=valid,
+        record=record,
+        ops=ops,
+    )

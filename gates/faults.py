@@ -52,8 +52,8 @@ def _walk_from_first_row(correct):
 
 
 def _sampled_walk_from_first_row(correct):
-    def sample_walk(candidates, edges, *args):
-        return correct(candidates, edges[:, :1].expand_as(edges), *args)
+    def sample_walk(candidates, edges, *args, **kwargs):
+        return correct(candidates, edges[:, :1].expand_as(edges), *args, **kwargs)
 
     return sample_walk
 
@@ -321,8 +321,10 @@ def _plain_step_keeps_state_before_anchor(correct):
 
 
 def _draft_block_sees_padding(correct):
-    def forward(self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH, **kwargs):
-        return correct(self, block_embeds, positions, slots, state, kv_len, None, ops, **kwargs)
+    def forward(
+        self, block_embeds, positions, slots, state, kv_len, valid_len=None, ops=TORCH, *args, **kwargs
+    ):
+        return correct(self, block_embeds, positions, slots, state, kv_len, None, ops, *args, **kwargs)
 
     return forward
 

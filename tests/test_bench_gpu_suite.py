@@ -1,4 +1,5 @@
-"""scripts/bench_gpu_suite.sh refuses to start without a CUDA device, in one line."""
+"""scripts/bench_gpu_suite.sh refuses, in one line, to start without a CUDA device or with a part
+it does not know."""
 
 from __future__ import annotations
 
@@ -25,3 +26,19 @@ def test_the_suite_stops_with_one_line_without_a_gpu(tmp_path: Path) -> None:
     assert run.returncode == 2
     assert run.stderr == "bench_gpu_suite.sh: needs a CUDA device (torch sees none)\n"
     assert run.stdout == ""
+
+
+def test_an_unknown_part_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    run = subprocess.run(
+        ["bash", "scripts/bench_gpu_suite.sh", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "PARTS": "long soak"},
+    )
+    assert run.returncode == 2
+    assert run.stderr == (
+        "bench_gpu_suite.sh: unknown part 'soak' (gates, long, sweep, 4b, bench, dflash2, moe)\n"
+    )
+    assert not (tmp_path / "out").exists()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU benchmarks of docs/results (h200-long-context, h200-moe, h200-dflash2-demo) in
 # one command, each part under a time limit so that the whole fits a budget. Parts, in order
-# (PARTS picks and orders them; default all but moe):
+# (PARTS picks and orders them; default all but reach):
 #   gates     the Qwen3-8B real-shape exact gates and the graphs gate
 #   long      long-context decode and prefill: 32K prompt, c1, exact and fast, floors measured
 #   sweep     DFlash/plain by concurrency on the 8B shape (c1, c16, c32, c64)
@@ -9,12 +9,13 @@
 #   bench     `make bench` at c16 with the DFlash and the DFlash2 demo drafts
 #   dflash2   DFlash2 against DFlash on the 8B shape: with graphs, and eager (the convolution's
 #             and the selector's shares of the draft phase are timed only eagerly)
-#   moe       the Qwen3-30B-A3B and Qwen3.5-35B-A3B shapes, c1 and c16, floors measured
+#   reach     the Qwen3-30B-A3B, Qwen3.5-35B-A3B, Llama-3.1-8B and Qwen3-8B shapes, c1 and c16,
+#             floors measured (the MoE goals, and Llama against Qwen3-8B in one run)
 # Every log and CSV goes to OUT (default results/gpu-suite-<time>); the last lines printed
 # are each part's summary.
 #
 #   bash scripts/bench_gpu_suite.sh [OUT] [SECONDS]     # SECONDS: the whole budget (550)
-#   PARTS="dflash2 moe" bash scripts/bench_gpu_suite.sh
+#   PARTS="dflash2 reach" bash scripts/bench_gpu_suite.sh
 set -u
 OUT=${1:-results/gpu-suite-$(date +%Y%m%d-%H%M%S)}
 BUDGET=${2:-550}
@@ -22,8 +23,8 @@ PARTS=${PARTS:-gates long sweep 4b bench dflash2}
 PYTHON=${PYTHON:-python3}
 for name in $PARTS; do
     case $name in
-        gates | long | sweep | 4b | bench | dflash2 | moe) ;;
-        *) echo "bench_gpu_suite.sh: unknown part '$name' (gates, long, sweep, 4b, bench, dflash2, moe)" >&2; exit 2 ;;
+        gates | long | sweep | 4b | bench | dflash2 | reach) ;;
+        *) echo "bench_gpu_suite.sh: unknown part '$name' (gates, long, sweep, 4b, bench, dflash2, reach)" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -87,15 +88,15 @@ run_dflash2() {
         grep -A3 -E "^numerics \| concurrency \| (DFlash ms|DFlash2 conv)" "$OUT/dflash2-8b${eager:+-eager}.log"
     done
 }
-run_moe() {
+run_reach() {
     local shape strategy
-    for shape in qwen3-30b-a3b qwen3.5-35b-a3b; do
-        part "MoE: $shape, c1 and c16" || return
+    for shape in qwen3-30b-a3b qwen3.5-35b-a3b llama3.1-8b qwen3-8b; do
+        part "$shape, c1 and c16" || return
         strategy=replay
         [ "$shape" = qwen3.5-35b-a3b ] && strategy=per_token
         timeout "$(limit 130)" $B --floor --random-shape $shape --commit-strategy $strategy --concurrency 1,16 \
-            --out "$OUT/moe-$shape.csv" > "$OUT/moe-$shape.log" 2>&1
-        grep -A3 -E "^draft \| numerics \| concurrency \| DFlash/plain" "$OUT/moe-$shape.log"
+            --out "$OUT/reach-$shape.csv" > "$OUT/reach-$shape.log" 2>&1
+        grep -A3 -E "^draft \| numerics \| concurrency \| DFlash/plain" "$OUT/reach-$shape.log"
     done
 }
 

@@ -39,6 +39,6 @@ def test_an_unknown_part_is_refused_before_anything_runs(tmp_path: Path) -> None
     )
     assert run.returncode == 2
     assert run.stderr == (
-        "bench_gpu_suite.sh: unknown part 'soak' (gates, long, sweep, 4b, bench, dflash2, moe)\n"
+        "bench_gpu_suite.sh: unknown part 'soak' (gates, long, sweep, 4b, bench, dflash2, reach)\n"
     )
     assert not (tmp_path / "out").exists()

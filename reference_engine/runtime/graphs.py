@@ -189,13 +189,18 @@ class EngineGraphs:
             flush=True,
         )
 
-    def _capture(self, rows: int, width: int, body, inputs: StepInputs | None = None) -> _Graph:
-        inputs = inputs or StepInputs(
+    def static_inputs(self, rows: int, width: int) -> StepInputs:
+        """The input buffers of a decode, draft or verify graph of `rows` x `width` tokens."""
+        return StepInputs(
             ids=torch.zeros((rows, width), dtype=torch.int64, device=self.device),
             positions=torch.arange(width, device=self.device)[None].repeat(rows, 1),
             slots=torch.full((rows,), self.pad_slot, dtype=torch.int64, device=self.device),
             valid=torch.full((rows,), width, dtype=torch.int64, device=self.device),
         )
+
+    def _capture(self, rows: int, width: int, body, inputs: StepInputs | None = None) -> _Graph:
+        """`body` run twice outside the capture (compilation, autotuning), then captured."""
+        inputs = inputs or self.static_inputs(rows, width)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():

@@ -1,0 +1,81 @@
+"""The forwards the engine captures as CUDA graphs (runtime/graphs.py), run eagerly on the
+CPU: every prefill, decode, draft and verify body at every bucket, and the speculative step's
+commit body, for each family and draft kind and commit strategy. Only a GPU captures them, so
+without this a body whose calls no longer fit the models' (a DFlash2 draft's anchors, a
+verify's record) would first fail there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference_engine.checkpoint import load_draft, load_target
+from reference_engine.kernels import TORCH
+from reference_engine.runtime.commit import verify_record
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.graphs import EngineGraphs, _Graph
+
+TinyPair = Callable[..., tuple[Path, Path]]
+
+
+class EagerGraphs(EngineGraphs):
+    """Runs each body once where EngineGraphs captures it, and keeps what it returned."""
+
+    def _capture(self, rows, width, body, inputs=None) -> _Graph:
+        inputs = inputs or self.static_inputs(rows, width)
+        with torch.no_grad():
+            return _Graph(None, inputs, body(inputs))
+
+
+@pytest.mark.parametrize(
+    ("arch", "draft_arch", "strategy"),
+    [
+        ("qwen3", "dflash", "replay"),
+        ("qwen3_5", "dflash", "per_token"),
+        ("qwen3_5", "dflash", "recompute"),
+        ("qwen3_5", "dflash", "replay"),
+        ("qwen3_5", "dflash2", "per_token"),
+        ("qwen3", "dflash2", "replay"),
+    ],
+)
+def test_every_captured_body_runs_eagerly(
+    tiny_pair: TinyPair, arch: str, draft_arch: str, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no CUDA here
+    target_dir, draft_dir = tiny_pair(arch, block_size=8, draft_arch=draft_arch)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=4, max_model_len=64, commit_strategy=strategy))
+    vocab = target.config.vocab_size
+    graphs = EagerGraphs(
+        target,
+        draft,
+        engine.state,
+        engine.draft_state,
+        TORCH,
+        max_rows=4,
+        pad_slot=3,
+        block_size=8,
+        capture_layers=tuple(draft.config.target_layer_ids),
+        record=verify_record(strategy, target),
+        prefill_chunk=16,
+        verify_widths=(1, 3, 7),
+    )
+    graphs.capture(progress=False)
+    assert set(graphs.verify_graphs) == {(b, w) for b in graphs.buckets for w in (2, 4, 8)}
+    for (rows, _), g in graphs.decode_graphs.items():
+        assert g.outputs.logits.shape == (rows, vocab)
+    for (rows, block), g in graphs.draft_graphs.items():
+        # DFlash: logits and tokens; DFlash2 adds the candidates and the edges
+        assert (g.outputs.candidates is None) == (draft_arch == "dflash")
+        assert g.outputs.tokens.shape == (rows, block - 1)
+    for (rows, width), g in graphs.verify_graphs.items():
+        assert g.outputs.logits.shape == (rows, width, vocab)
+    for (rows, _), g in graphs.prefill_graphs.items():
+        assert g.outputs.logits.shape == (rows, vocab)
+    engine.runner.graphs = graphs
+    engine.speculative_step.capture_commit()
+    assert set(graphs.commit_graphs) == set(graphs.verify_graphs)

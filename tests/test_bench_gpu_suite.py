@@ -3,6 +3,7 @@ it does not know."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,46 @@ def test_an_unknown_part_is_refused_before_anything_runs(tmp_path: Path) -> None
         "bench_gpu_suite.sh: unknown part 'soak' (gates, long, sweep, 4b, bench, dflash2, reach)\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_every_part_calls_the_benchmarks_with_options_they_take(tmp_path: Path) -> None:
+    """A dry run: a stand-in for python says there is a GPU and records each command; every
+    part runs, every engine benchmark's options parse, every harness run's too, and every
+    gate file named exists. A renamed option would otherwise first fail on the GPU."""
+    from harness.__main__ import parser as harness_parser
+    from reference_engine.bench import BenchArgs
+
+    log = tmp_path / "argv.jsonl"
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1" = -c ]; then echo 1; exit 0; fi\n'
+        f'"{sys.executable}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> "{log}"\n'
+    )
+    stub.chmod(0o755)
+    run = subprocess.run(
+        ["bash", "scripts/bench_gpu_suite.sh", str(tmp_path / "out"), "100000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            "PYTHON": str(stub),
+            "PATH": "/usr/bin:/bin",
+            "PARTS": "gates long sweep 4b bench dflash2 reach",
+        },
+    )
+    assert run.returncode == 0, run.stderr
+    assert "skipped" not in run.stdout and "timed out" not in run.stdout, run.stdout
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    benches = [c[1:] for c in calls if c[0] == "scripts/bench_engine.py"]
+    # long, sweep, 4b, dflash2 with graphs and eager, four reach shapes
+    assert len(benches) == 9, calls
+    for argv in benches:
+        BenchArgs.parse(argv)  # exits with the parser's message on an unknown option
+    harness_runs = [c[2:] for c in calls if c[:2] == ["-m", "harness"]]
+    assert len(harness_runs) == 2  # make bench with each demo draft
+    for argv in harness_runs:
+        harness_parser().parse_args(argv)
+    gates = [c for c in calls if c[:2] == ["-m", "pytest"]]
+    assert len(gates) == 1 and all((ROOT / a).is_file() for a in gates[0] if a.startswith("gates/"))

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_draft, load_target
-from reference_engine.kernels import TORCH
+from reference_engine.runtime import engine as engine_module
+from reference_engine.runtime import model_runner
 from reference_engine.runtime.commit import verify_record
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.graphs import EngineGraphs, _Graph
@@ -28,6 +29,9 @@ class EagerGraphs(EngineGraphs):
         inputs = inputs or self.static_inputs(rows, width)
         with torch.no_grad():
             return _Graph(None, inputs, body(inputs))
+
+    def step_seconds(self, repeats: int = 3) -> dict:
+        return {}  # nothing was captured to time: the engine keeps its flat costs
 
 
 @pytest.mark.parametrize(
@@ -44,28 +48,22 @@ class EagerGraphs(EngineGraphs):
 def test_every_captured_body_runs_eagerly(
     tiny_pair: TinyPair, arch: str, draft_arch: str, strategy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The engine wires its graphs as on a GPU (pad slot, widths, record, layers), with the
+    capture replaced by one eager run of each body."""
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no CUDA here
+    monkeypatch.setattr(engine_module, "graphs_possible", lambda *args: True)
+    monkeypatch.setattr(model_runner, "EngineGraphs", EagerGraphs)
     target_dir, draft_dir = tiny_pair(arch, block_size=8, draft_arch=draft_arch)
     target = load_target(target_dir, dtype=torch.float64)
     draft = load_draft(draft_dir, target)
-    engine = Engine(target, draft, EngineConfig(max_num_seqs=4, max_model_len=64, commit_strategy=strategy))
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, commit_strategy=strategy, prefill_chunk=16)
+    engine = Engine(target, draft, config)
+    graphs = engine.runner.graphs
+    assert isinstance(graphs, EagerGraphs) and graphs.pad_slot == 4  # the spare slot past the requests'
+    assert graphs.record == verify_record(strategy, target)
     vocab = target.config.vocab_size
-    graphs = EagerGraphs(
-        target,
-        draft,
-        engine.state,
-        engine.draft_state,
-        TORCH,
-        max_rows=4,
-        pad_slot=3,
-        block_size=8,
-        capture_layers=tuple(draft.config.target_layer_ids),
-        record=verify_record(strategy, target),
-        prefill_chunk=16,
-        verify_widths=(1, 3, 7),
-    )
-    graphs.capture(progress=False)
-    assert set(graphs.verify_graphs) == {(b, w) for b in graphs.buckets for w in (2, 4, 8)}
+    widths = {w + 1 for w in graphs.verify_widths}
+    assert len(widths) > 1 and set(graphs.verify_graphs) == {(b, w) for b in graphs.buckets for w in widths}
     for (rows, _), g in graphs.decode_graphs.items():
         assert g.outputs.logits.shape == (rows, vocab)
     for (rows, block), g in graphs.draft_graphs.items():
@@ -76,6 +74,4 @@ def test_every_captured_body_runs_eagerly(
         assert g.outputs.logits.shape == (rows, width, vocab)
     for (rows, _), g in graphs.prefill_graphs.items():
         assert g.outputs.logits.shape == (rows, vocab)
-    engine.runner.graphs = graphs
-    engine.speculative_step.capture_commit()
-    assert set(graphs.commit_graphs) == set(graphs.verify_graphs)
+    assert set(graphs.commit_graphs) == set(graphs.verify_graphs)  # the speculative commit

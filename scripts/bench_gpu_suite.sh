@@ -107,7 +107,7 @@ run_bench() {
         timed "$(limit 120)" "$OUT/make-bench-$draft.log" make bench PYTHON="$PYTHON" BENCH_DRAFT=$draft \
             BENCH_OUT="$OUT/make-bench-$draft-c16" \
             BENCH_ARGS="--concurrency 16 --output-len 128 --repeats 3 --dataset reference_engine/assets/demo/heldout_prompts.jsonl"
-        grep -E "^- (Concurrency|Outputs identical|Mean acceptance length)" "$OUT/make-bench-$draft-c16/report.md" \
+        grep -E "^- (Concurrency|Outputs identical|Mean acceptance length)" "$OUT/make-bench-$draft-c16/report.md" 2> /dev/null \
             || echo "   (no report in $OUT/make-bench-$draft-c16)"
     done
 }

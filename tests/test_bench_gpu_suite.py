@@ -1,5 +1,5 @@
 """scripts/bench_gpu_suite.sh refuses, in one line, to start without a CUDA device or with a part
-it does not know."""
+it does not know; a dry run checks every command it issues."""
 
 from __future__ import annotations
 
@@ -14,30 +14,28 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-def test_the_suite_stops_with_one_line_without_a_gpu(tmp_path: Path) -> None:
-    run = subprocess.run(
-        ["bash", "scripts/bench_gpu_suite.sh", str(tmp_path / "out")],
+def suite(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The suite writing to `out`, with PYTHON this interpreter unless `env` says otherwise."""
+    return subprocess.run(
+        ["bash", "scripts/bench_gpu_suite.sh", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
-        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+        timeout=300,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", **env},
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_suite_stops_with_one_line_without_a_gpu(tmp_path: Path) -> None:
+    run = suite(tmp_path / "out")
     assert run.returncode == 2
     assert run.stderr == "bench_gpu_suite.sh: needs a CUDA device (torch sees none)\n"
     assert run.stdout == ""
 
 
 def test_an_unknown_part_is_refused_before_anything_runs(tmp_path: Path) -> None:
-    run = subprocess.run(
-        ["bash", "scripts/bench_gpu_suite.sh", str(tmp_path / "out")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "PARTS": "long soak"},
-    )
+    run = suite(tmp_path / "out", PARTS="long soak")
     assert run.returncode == 2
     assert run.stderr == (
         "bench_gpu_suite.sh: unknown part 'soak' (gates, long, sweep, 4b, bench, dflash2, reach)\n"

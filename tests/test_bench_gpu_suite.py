@@ -58,18 +58,7 @@ def test_every_part_calls_the_benchmarks_with_options_they_take(tmp_path: Path) 
         f'"{sys.executable}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> "{log}"\n'
     )
     stub.chmod(0o755)
-    run = subprocess.run(
-        ["bash", "scripts/bench_gpu_suite.sh", str(tmp_path / "out"), "100000"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={
-            "PYTHON": str(stub),
-            "PATH": "/usr/bin:/bin",
-            "PARTS": "gates long sweep 4b bench dflash2 reach",
-        },
-    )
+    run = suite(tmp_path / "out", "100000", PYTHON=str(stub), PARTS="gates long sweep 4b bench dflash2 reach")
     assert run.returncode == 0, run.stderr
     assert "skipped" not in run.stdout and "timed out" not in run.stdout, run.stdout
     calls = [json.loads(line) for line in log.read_text().splitlines()]

@@ -574,6 +574,11 @@ LIES: dict[str, _liar.Lie] = {
     "ids_wrong_text_right": _liar.Lie(
         "the right text with the first token id changed", ("mismatch:ids_text",), answer=_liar.change_first_id
     ),
+    "withheld_ids": _liar.Lie(
+        "the token ids and the usage its server kind returns, withheld (the text stays right)",
+        ("missing_ids",),
+        answer=_liar.withhold_ids,
+    ),
     "another_token": _liar.Lie(
         "another first token, text and usage in step with it",
         ("mismatch:token",),

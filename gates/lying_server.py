@@ -261,6 +261,13 @@ def change_first_id(answer: Answer) -> None:
         answer.token_ids = [answer.token_ids[0] + 1] + answer.token_ids[1:]
 
 
+def withhold_ids(answer: Answer) -> None:
+    """Another first token id behind the same text, the ids and the usage withheld (what is
+    left to compare is the text alone)."""
+    change_first_id(answer)
+    answer.token_ids, answer.usage = None, None
+
+
 def other_first_token(answer: Answer) -> None:
     """Another first token, far from the honest one (text and usage agree)."""
     if answer.token_ids:

@@ -291,6 +291,7 @@ def test_compare_command_exit_codes_and_files(tmp_path) -> None:
 CATCHES_LIES = (
     "text_wrong_ids_right",
     "ids_wrong_text_right",
+    "withheld_ids",
     "another_token",
     "one_token_short",
     "one_token_long",

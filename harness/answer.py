@@ -45,6 +45,7 @@ ERRORS: dict[str, tuple[int, str]] = {
     "error_object": (9, "HTTP 200 with an error object (or an error event in a stream)"),
     "truncated_stream": (10, "a stream ended before its finish_reason"),
     "inconsistent_answer": (11, "an answer contradicts itself (usage counts, logprob ids)"),
+    "missing_ids": (12, "a server whose kind returns token ids sent an answer without them"),
 }
 
 

@@ -213,6 +213,7 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
     try:
         while ask.max_tokens > 0:
             base, cand = await session.answers(ask)
+            withheld_ids(session, base, cand)
             if offset == 0:
                 result.prompt_tokens = (
                     base.prompt_tokens
@@ -263,6 +264,22 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
         result.error, result.error_name = exc.message, exc.name
         result.exact = False
     return result
+
+
+def withheld_ids(session: _Session, base: Answer, cand: Answer) -> None:
+    """AnswerError when a side whose server kind returns token ids sent none: without them the
+    comparison falls back to text, where another token sequence with the same text, or
+    another token count, would pass."""
+    for side, endpoint, answer in (
+        ("baseline", session.baseline, base),
+        ("candidate", session.candidate, cand),
+    ):
+        if answer.ids is None and endpoint.accepts.returns_ids:
+            raise AnswerError(
+                "missing_ids",
+                f"the {side}'s answer carries no token ids, though its server kind "
+                f"({endpoint.accepts.name}) returns them",
+            )
 
 
 def compared_kind(results: list[PromptResult]) -> str:

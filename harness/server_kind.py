@@ -44,6 +44,11 @@ class ServerKind:
         if self.name not in SERVER_KINDS[1:]:
             raise ValueError(f"unknown server kind '{self.name}', expected one of {', '.join(SERVER_KINDS)}")
 
+    @property
+    def returns_ids(self) -> bool:
+        """Whether its answers carry the generated token ids (by default or when asked)."""
+        return self.ids_in_responses or self.return_token_ids
+
     def extras(self, ignore_eos: bool) -> dict:
         """Fields beyond plain OpenAI to add to a completions or chat body."""
         body: dict = {}
@@ -64,7 +69,7 @@ class ServerKind:
             "server_kind": self.name,
             "ignore_eos": self.ignore_eos,
             "continuous_usage": self.continuous_usage,
-            "ids_in_responses": self.ids_in_responses or self.return_token_ids,
+            "ids_in_responses": self.returns_ids,
             "prompt_ids": self.prompt_ids,
             "evidence": self.evidence,
         }
@@ -162,8 +167,11 @@ def probe(
         elif r.status_code == 200:
             choice = _first_choice(r)
             notes.append(f"probe request ok, ids {'returned' if 'token_ids' in choice else 'absent'}")
-            if "token_ids" in choice and not kind.ids_in_responses and not kind.return_token_ids:
+            if "token_ids" in choice and not kind.returns_ids:
                 kind = replace(kind, ids_in_responses=True)
+            elif "token_ids" not in choice and kind.returns_ids:  # e.g. a vLLM before return_token_ids
+                kind = replace(kind, ids_in_responses=False, return_token_ids=False)
+                notes.append("compared by text")
         else:
             notes.append(f"probe request: HTTP {r.status_code}: {r.text[:200]}")
         if kind.name == "openai":

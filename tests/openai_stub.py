@@ -33,10 +33,14 @@ KNOWN_FIELDS = {
 
 
 def serve(
-    pieces_for: Callable[[str, int], list[str]], bodies: list[dict] | None = None, owned_by: str = "local"
+    pieces_for: Callable[[str, int], list[str]],
+    bodies: list[dict] | None = None,
+    owned_by: str = "local",
+    also_accepts: frozenset[str] = frozenset(),
 ) -> tuple[ThreadingHTTPServer, str]:
     """`pieces_for(prompt, max_tokens)`: the output, one string per token; `bodies`
-    collects the requests; `owned_by`: what /v1/models says."""
+    collects the requests; `owned_by`: what /v1/models says; `also_accepts`: fields it takes
+    (and ignores) beyond plain OpenAI's."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -70,7 +74,7 @@ def serve(
                 bodies.append(body)
             if self.path != "/v1/completions":
                 return self.reply(404, {"detail": "Not Found"})
-            unknown = set(body) - KNOWN_FIELDS
+            unknown = set(body) - KNOWN_FIELDS - also_accepts
             if unknown:
                 return self.reply(422, {"detail": f"Unexpected fields in the request: {unknown}"})
             if not isinstance(body.get("prompt"), str):

@@ -173,13 +173,14 @@ def test_markdown_names_each_prompt_by_its_line_in_its_file_not_its_place_in_the
 
 
 # ------------------------------------------------------------------ every field must agree
-def against(base_answer, cand_answer, prompts=None, policy=None, levels=1, stream=True):
-    """Compare two scripted servers: `*_answer(path, body) -> completion`."""
+def against(base_answer, cand_answer, prompts=None, policy=None, levels=1, stream=True, kind=None):
+    """Compare two scripted servers: `*_answer(path, body) -> completion`; `kind`: both
+    servers' ServerKind (None: ours)."""
     with Stub(base_answer) as base, Stub(cand_answer) as cand:
         results, summary = asyncio.run(
             compare(
-                Endpoint(base.url),
-                Endpoint(cand.url),
+                Endpoint(base.url, server=kind),
+                Endpoint(cand.url, server=kind),
                 prompts or [Prompt(token_ids=(5, 6))],
                 8,
                 levels,
@@ -259,8 +260,22 @@ def test_text_answers_differing_only_in_the_usage_count_are_a_length_mismatch() 
     _, summary = against(
         lambda p, b: completion(None, "ab", completion_tokens=2),
         lambda p, b: completion(None, "ab", completion_tokens=3),
+        kind=KNOWN["openai"],  # a server that returns no token ids: text is all there is
     )
     assert summary["compared"] == "text" and summary["first_mismatch"] == "length"
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+def test_a_server_whose_kind_returns_ids_and_sends_none_is_an_error(side: str) -> None:
+    """Without the ids the comparison would be of text alone, where another token sequence
+    with the same text passes: a side whose kind promises ids must send them."""
+    with_ids, without = (lambda p, b: completion([1, 2])), (lambda p, b: completion(None, "ab"))
+    answers = (without, with_ids) if side == "baseline" else (with_ids, without)
+    _, summary = against(*answers)
+    assert summary["verdict"] == "fail" and summary["error"] == "missing_ids"
+    assert summary["error_message"].startswith(f"the {side}'s answer carries no token ids")
+    _, summary = against(*answers, kind=KNOWN["openai"])  # a kind that returns none
+    assert summary["error"] is None
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,25 @@ def test_a_refused_extension_downgrades_the_guess_to_plain_openai(tokenizer) -> 
     assert found.kind.name == "openai" and "vllm extensions got HTTP 422" in found.kind.evidence
 
 
+def test_a_known_kind_whose_probe_answer_has_no_ids_is_compared_by_text() -> None:
+    """A server that calls itself vLLM and takes its fields but returns no token ids (a vLLM
+    before `return_token_ids`): the kind keeps the other extensions and stops promising ids,
+    so a comparison reads its text (a declared kind that withholds them is an error:
+    tests/test_harness_compare.py)."""
+    server, url = serve(
+        lambda prompt, n: ["a"] * n,
+        owned_by="vllm",
+        also_accepts=frozenset({"ignore_eos", "return_token_ids"}),
+    )
+    try:
+        found = probe(url)
+    finally:
+        server.shutdown()
+    assert found.kind.name == "vllm" and found.kind.ignore_eos and not found.kind.returns_ids
+    assert "ids absent" in found.kind.evidence and "compared by text" in found.kind.evidence
+    assert "return_token_ids" not in payload(Endpoint(url, server=found.kind), Prompt(text="a"), 8)
+
+
 def test_bench_against_a_strict_server_counts_tokens_with_the_tokenizer(
     strict_server, tokenizer, tmp_path
 ) -> None:

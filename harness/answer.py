@@ -394,6 +394,14 @@ def listed_ids(answer: Answer, position: int) -> set[int] | None:
     return None if None in ids else ids
 
 
+def listed_texts(answer: Answer, position: int) -> set[str]:
+    """The texts of the alternatives listed at one position (those that name one)."""
+    positions = _positions(answer)
+    if not positions or position >= len(positions):
+        return set()
+    return {t for _, t, _ in positions[position] if t is not None}
+
+
 def token_texts(answer: Answer, position: int) -> dict[int, str]:
     """Token id -> text at one position, as far as the logprobs tell."""
     out = {}

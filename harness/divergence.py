@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .answer import Answer, Ask, listed_ids, margin, token_pieces, token_texts
+from .answer import Answer, Ask, listed_ids, listed_texts, margin, token_pieces, token_texts
 
 
 @dataclass
@@ -120,7 +120,11 @@ def compare_texts(
     if base.ids == ta and b_tok != -1 and c_tok != -1:  # its logprobs index these tokens
         margin_ = margin(base, at)
     what = "length" if -1 in (b_tok, c_tok) or char == min(len(a), len(b)) else "token"
-    kind = "mismatch" if what == "length" else _triage(base, at, c_tok, margin_, tie_threshold)
+    kind = (
+        "mismatch"
+        if what == "length"
+        else _triage(base, at, c_tok, margin_, tie_threshold, cand_piece=tokenizer.token_text(c_tok))
+    )
     text = tokenizer.token_text
     return Divergence(
         offset + at,
@@ -189,14 +193,36 @@ def ids_round(base: Answer, cand: Answer, offset: int, tie_threshold: float) -> 
     if prefix is not None and base.text.startswith(prefix) and not cand.text.startswith(prefix):
         return _text_divergence(base, cand, "text"), at  # the agreed ids, another text
     margin_ = margin(base, at)
-    kind = _triage(base, at, cand_ids[at], margin_, tie_threshold)
+    cand_piece = token_texts(cand, at).get(cand_ids[at])
+    cand_rest = cand.text[len(prefix) :] if prefix is not None and cand.text.startswith(prefix) else None
+    kind = _triage(base, at, cand_ids[at], margin_, tie_threshold, cand_piece, cand_rest)
     return _divergence(base, cand, at, offset, kind, "token", margin_), at
 
 
-def _triage(base: Answer, at: int, cand_token: int, margin_: float | None, tie_threshold: float) -> str:
-    """A tie: the baseline's top two all but equal, and the candidate took the other one
-    (when the baseline lists its alternatives by id); else a mismatch."""
+def _triage(
+    base: Answer,
+    at: int,
+    cand_token: int,
+    margin_: float | None,
+    tie_threshold: float,
+    cand_piece: str | None = None,
+    cand_rest: str | None = None,
+) -> str:
+    """A tie: the baseline's top two all but equal, and the candidate took another token the
+    baseline lists there; else a mismatch. Alternatives listed by text only (no ids) are
+    matched by the candidate token's text (`cand_piece`), else by the candidate's text from
+    that position on (`cand_rest`) starting with a listed runner-up's; knowing neither, or
+    finding no such runner-up, it is a mismatch (any token would do otherwise)."""
     if margin_ is None or margin_ >= tie_threshold:
         return "mismatch"
     listed = listed_ids(base, at)
-    return "tie" if listed is None or cand_token in listed else "mismatch"
+    if listed is not None:
+        return "tie" if cand_token in listed else "mismatch"
+    pieces = token_pieces(base)
+    own = pieces[at] if pieces and at < len(pieces) else None
+    runners_up = {t for t in listed_texts(base, at) if t and t != own}
+    if cand_piece is not None:
+        return "tie" if cand_piece in runners_up else "mismatch"
+    if cand_rest is not None:
+        return "tie" if any(cand_rest.startswith(t) for t in runners_up) else "mismatch"
+    return "mismatch"

@@ -233,6 +233,35 @@ def test_a_near_tie_is_a_tie_only_when_the_candidate_took_the_runner_up(token: i
     assert (results[0].divergences[0].what, results[0].divergences[0].kind) == ("token", kind)
 
 
+def text_listed_near_tie_baseline(ids: list[int]):
+    """As near_tie_baseline, with the alternatives listed by text only (OpenAI's and vLLM's
+    completions `top_logprobs`): the runner-up of token t is t + 1."""
+
+    def answer(path: str, body: dict) -> dict:
+        data = completion(ids, prompt_tokens=2)
+        data["choices"][0]["logprobs"] = {
+            "tokens": [f"<{t}>" for t in ids],
+            "top_logprobs": [{f"<{t}>": -1.0, f"<{t + 1}>": -1.01} for t in ids],
+        }
+        return data
+
+    return answer
+
+
+@pytest.mark.parametrize(("token", "kind"), [(3, "tie"), (7, "mismatch"), (2, "mismatch")])
+def test_alternatives_listed_by_text_make_a_tie_only_of_a_listed_runner_up(token: int, kind: str) -> None:
+    """The candidate's text after the agreed prefix must start with a runner-up's text: any
+    other token at a near-tie was a tie before (a lie that passed). Token 2 is the baseline's
+    own text, under another id here only because the stub writes it so: not a runner-up."""
+    text = "".join(f"<{t}>" for t in (1, token, 3))
+    results, _ = against(
+        text_listed_near_tie_baseline([1, 2, 3]),
+        lambda p, b: completion([1, token + 100 * (token == 2), 3], text, prompt_tokens=2),
+    )
+    d = results[0].divergences[0]
+    assert (d.position, d.kind) == (1, kind), d
+
+
 @pytest.mark.parametrize("cand_ids", [[1, 2], [1, 2, 3, 4]], ids=["short", "long"])
 def test_one_token_short_or_long_is_a_mismatch_never_a_tie(cand_ids: list[int]) -> None:
     policy = ComparePolicy(max_tie_rate=1.0)  # ties would pass

@@ -193,9 +193,9 @@ def ids_round(base: Answer, cand: Answer, offset: int, tie_threshold: float) -> 
     if prefix is not None and base.text.startswith(prefix) and not cand.text.startswith(prefix):
         return _text_divergence(base, cand, "text"), at  # the agreed ids, another text
     margin_ = margin(base, at)
-    cand_piece = token_texts(cand, at).get(cand_ids[at])
+    # the candidate sends no logprobs, so its token's text is known only as the text it goes on with
     cand_rest = cand.text[len(prefix) :] if prefix is not None and cand.text.startswith(prefix) else None
-    kind = _triage(base, at, cand_ids[at], margin_, tie_threshold, cand_piece, cand_rest)
+    kind = _triage(base, at, cand_ids[at], margin_, tie_threshold, cand_rest=cand_rest)
     return _divergence(base, cand, at, offset, kind, "token", margin_), at
 
 

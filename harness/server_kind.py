@@ -171,7 +171,7 @@ def probe(
                 kind = replace(kind, ids_in_responses=True)
             elif "token_ids" not in choice and kind.returns_ids:  # e.g. a vLLM before return_token_ids
                 kind = replace(kind, ids_in_responses=False, return_token_ids=False)
-                notes.append("compared by text")
+                notes.append("no ids promised")
         else:
             notes.append(f"probe request: HTTP {r.status_code}: {r.text[:200]}")
         if kind.name == "openai":

@@ -79,7 +79,7 @@ def test_a_known_kind_whose_probe_answer_has_no_ids_is_compared_by_text() -> Non
     finally:
         server.shutdown()
     assert found.kind.name == "vllm" and found.kind.ignore_eos and not found.kind.returns_ids
-    assert "ids absent" in found.kind.evidence and "compared by text" in found.kind.evidence
+    assert "ids absent" in found.kind.evidence and "no ids promised" in found.kind.evidence
     assert "return_token_ids" not in payload(Endpoint(url, server=found.kind), Prompt(text="a"), 8)
 
 

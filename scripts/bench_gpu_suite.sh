@@ -10,13 +10,15 @@
 #   dflash2   DFlash2 against DFlash on the 8B shape: with graphs, and eager (the convolution's
 #             and the selector's shares of the draft phase are timed only eagerly)
 #   reach     the Qwen3-30B-A3B, Qwen3.5-35B-A3B, Llama-3.1-8B and Qwen3-8B shapes, c1 and c16,
-#             floors measured (the MoE goals, and Llama against Qwen3-8B in one run)
+#             floors measured (the MoE goals, and Llama against Qwen3-8B in one run);
+#             REACH_SHAPES picks and orders the shapes
 # Every log and CSV goes to OUT (default results/gpu-suite-<time>); each part prints its
 # summary tables. A part runs only if what is left of the budget is at least its usual
 # length (else it says it was skipped), and one that reaches its time limit says so.
 #
 #   bash scripts/bench_gpu_suite.sh [OUT] [SECONDS]     # SECONDS: the whole budget (550)
 #   PARTS=reach bash scripts/bench_gpu_suite.sh results/reach 540
+#   PARTS=reach REACH_SHAPES="llama3.1-8b qwen3-8b" bash scripts/bench_gpu_suite.sh results/dense 280
 set -u
 set -f  # PARTS is a list of names, never a pattern
 OUT=${1:-results/gpu-suite-$(date +%Y%m%d-%H%M%S)}
@@ -24,6 +26,7 @@ BUDGET=${2:-550}
 PARTS=${PARTS-gates long sweep 4b bench dflash2}
 PYTHON=${PYTHON:-python3}
 KNOWN="gates long sweep 4b bench dflash2 reach"
+REACH_SHAPES=${REACH_SHAPES-qwen3-30b-a3b qwen3.5-35b-a3b llama3.1-8b qwen3-8b}
 [ -n "${PARTS// /}" ] || { echo "bench_gpu_suite.sh: PARTS names no part (${KNOWN// /, })" >&2; exit 2; }
 for name in $PARTS; do
     case " $KNOWN " in
@@ -123,7 +126,7 @@ run_dflash2() {
 }
 run_reach() {
     local shape strategy
-    for shape in qwen3-30b-a3b qwen3.5-35b-a3b llama3.1-8b qwen3-8b; do
+    for shape in $REACH_SHAPES; do
         part "$shape, c1 and c16" 100 || return 0
         strategy=replay
         [ "$shape" = qwen3.5-35b-a3b ] && strategy=per_token

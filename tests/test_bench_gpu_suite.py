@@ -73,3 +73,20 @@ def test_every_part_calls_the_benchmarks_with_options_they_take(tmp_path: Path) 
         harness_parser().parse_args(argv)
     gates = [c for c in calls if c[:2] == ["-m", "pytest"]]
     assert len(gates) == 1 and all((ROOT / a).is_file() for a in gates[0] if a.startswith("gates/"))
+
+
+def test_reach_shapes_picks_the_shapes(tmp_path: Path) -> None:
+    """REACH_SHAPES runs the reach part on the shapes it names, in its order."""
+    log = tmp_path / "argv.jsonl"
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1" = -c ]; then echo 1; exit 0; fi\n'
+        f'"{sys.executable}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> "{log}"\n'
+    )
+    stub.chmod(0o755)
+    run = suite(tmp_path / "out", "100000", PYTHON=str(stub), PARTS="reach", REACH_SHAPES="llama3.1-8b qwen3-8b")
+    assert run.returncode == 0, run.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    shapes = [c[c.index("--random-shape") + 1] for c in calls if "--random-shape" in c]
+    assert shapes == ["llama3.1-8b", "qwen3-8b"]

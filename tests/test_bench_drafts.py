@@ -133,3 +133,30 @@ def test_draft_arch_errors_exit_2(argv: list[str], message: str, capsys: pytest.
         bench.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_floor_tables_name_a_speculative_row_by_its_draft(capsys: pytest.CaptureFixture) -> None:
+    """With both drafts in one run, the floor tables tell the DFlash2 row from the DFlash row."""
+    from reference_engine.bench import print_floor
+
+    base = {
+        "numerics": "exact",
+        "concurrency": 1,
+        "ms_per_decode_step": 5.0,
+        "floor_ms": 4.0,
+        "floor_ms_min": 4.0,
+        "floor_ms_max": 4.0,
+        "over_floor": 1.25,
+        "floor_cache_bytes": 10**6,
+        "ms_prefill": 3.0,
+        "floor_prefill_ms": 1.0,
+        "prefill_over_floor": 3.0,
+    }
+    rows = [
+        {**base, "mode": "plain", "draft": None},
+        {**base, "mode": "dflash", "draft": "dflash"},
+        {**base, "mode": "dflash", "draft": "dflash2"},
+    ]
+    print_floor(rows)
+    labels = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if "| exact |" in line]
+    assert labels == ["plain", "dflash", "dflash2"] * 2

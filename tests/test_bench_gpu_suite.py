@@ -85,7 +85,9 @@ def test_reach_shapes_picks_the_shapes(tmp_path: Path) -> None:
         f'"{sys.executable}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> "{log}"\n'
     )
     stub.chmod(0o755)
-    run = suite(tmp_path / "out", "100000", PYTHON=str(stub), PARTS="reach", REACH_SHAPES="llama3.1-8b qwen3-8b")
+    run = suite(
+        tmp_path / "out", "100000", PYTHON=str(stub), PARTS="reach", REACH_SHAPES="llama3.1-8b qwen3-8b"
+    )
     assert run.returncode == 0, run.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     shapes = [c[c.index("--random-shape") + 1] for c in calls if "--random-shape" in c]

@@ -420,6 +420,11 @@ def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> f
     return 1000 * sum(phases.get(kind + name, 0.0) for name in names) / max(count, 1)
 
 
+def mode_label(row: dict) -> str:
+    """A row's mode as the floor tables print it: a speculative row by its draft's kind."""
+    return (row.get("draft") or row["mode"]) if row["mode"] == "dflash" else row["mode"]
+
+
 def print_floor(rows: list[dict]) -> None:
     moe = any(r.get("floor_experts_per_layer") is not None for r in rows)
     print(
@@ -428,7 +433,7 @@ def print_floor(rows: list[dict]) -> None:
     )
     for r in rows:
         print(
-            f"{r['mode']} | {r['numerics']} | {r['concurrency']} | "
+            f"{mode_label(r)} | {r['numerics']} | {r['concurrency']} | "
             f"{_figure(r, 'ms_per_decode_step', 2)} | "
             f"{r['floor_ms']:.2f} [{r['floor_ms_min']:.2f}, {r['floor_ms_max']:.2f}] | "
             f"{r['over_floor']:.2f} | {r['floor_cache_bytes'] / 1e9:.3f}"
@@ -437,7 +442,7 @@ def print_floor(rows: list[dict]) -> None:
     print("mode | numerics | concurrency | ms prefill | compute floor ms | x floor")
     for r in rows:
         print(
-            f"{r['mode']} | {r['numerics']} | {r['concurrency']} | {_figure(r, 'ms_prefill', 1)} | "
+            f"{mode_label(r)} | {r['numerics']} | {r['concurrency']} | {_figure(r, 'ms_prefill', 1)} | "
             f"{r['floor_prefill_ms']:.1f} | {r['prefill_over_floor']:.2f}"
         )
 

@@ -736,3 +736,29 @@ def test_measured_eager_step_costs_cover_every_row_bucket_and_width_and_change_n
     for i, prompt in enumerate(PROMPTS[:3]):
         assert engine.collect(str(i)).output_ids == reference(target, prompt, greedy(12))
     assert not make_engine(target, draft, max_num_seqs=3).verify_width.costs.measured  # off: flat
+
+
+def test_measured_eager_step_costs_time_a_different_token_at_every_position(
+    target: CausalLM, draft: DFlashDraft, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timed verifies read `timing_ids`, not one repeated token: a mixture of experts
+    routes a block of one token to that token's k experts, and its verify would be timed as
+    if it read a decode step's experts."""
+    from reference_engine.runtime.model_runner import ModelRunner
+    from reference_engine.runtime.verify_width import timing_ids
+
+    seen = []
+    verify = ModelRunner.verify
+
+    def recording(self, ids, *args, **kwargs):
+        seen.append(ids.clone())
+        return verify(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "verify", recording)
+    make_engine(target, draft, max_num_seqs=2, measure_step_costs=True)
+    assert seen
+    vocab = target.config.vocab_size
+    for ids in seen:
+        rows, width = ids.shape
+        assert torch.equal(ids, timing_ids(rows, BLOCK_SIZE, vocab)[:, :width])
+        assert len(set(ids.flatten().tolist())) == ids.numel()

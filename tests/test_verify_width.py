@@ -4,7 +4,10 @@ request's counts and the engine's, and the per-position counts it reads (stats.p
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from reference_engine.errors import ConfigError
 from reference_engine.runtime.engine_config import EngineConfig
@@ -153,3 +156,63 @@ def test_a_table_without_a_plain_step_never_takes_one_and_reset_forgets_the_run(
     first = [chooser.choose([15] * 16, [low] * 16, low) for _ in range(40)]
     chooser.reset()
     assert [chooser.choose([15] * 16, [low] * 16, low) for _ in range(40)] == first
+
+
+@pytest.mark.parametrize("vocab", [7, 64, 128256, 151936, 248320])
+def test_timing_ids_are_fixed_in_range_and_all_different_within_a_block(vocab: int) -> None:
+    from reference_engine.runtime.verify_width import timing_ids
+
+    rows, width = {7: (2, 3), 64: (4, 16)}.get(vocab, (64, 16))  # at most vocab tokens
+    ids = timing_ids(rows, width, vocab)
+    assert ids.shape == (rows, width) and ids.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < vocab
+    assert len(set(ids.flatten().tolist())) == rows * width  # no token repeated: no routing shared
+    assert torch.equal(ids, timing_ids(rows, width, vocab))
+
+
+class _Timed:
+    """A captured graph stand-in: its replay records the token ids its buffers hold."""
+
+    def __init__(self, rows: int, width: int, seen: list) -> None:
+        self.inputs = SimpleNamespace(ids=torch.zeros(rows, width, dtype=torch.int64))
+        self.graph = SimpleNamespace(replay=lambda: seen.append((width, self.inputs.ids.clone())))
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: _Event) -> float:
+        return 1.0
+
+
+def test_graph_step_costs_are_timed_on_spread_token_ids_and_the_buffers_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replayed draft and verify read a different token at every position while timed (a
+    mixture of experts' verify then reads as many experts as a verify of text does, not the k
+    of one repeated token), and their buffers hold zeros again after."""
+    from reference_engine.runtime.graphs import EngineGraphs
+    from reference_engine.runtime.verify_width import timing_ids
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    seen: list = []
+    graphs = EngineGraphs.__new__(EngineGraphs)
+    graphs.target = SimpleNamespace(config=SimpleNamespace(vocab_size=1000))
+    graphs.device = torch.device("cpu")
+    graphs.block_size = 4
+    graphs.draft_graphs = {(2, 4): _Timed(2, 4, seen)}
+    graphs.verify_graphs = {(2, w): _Timed(2, w, seen) for w in (1, 2, 4)}
+    graphs.commit_graphs = {}
+    costs = graphs.step_seconds(repeats=1)
+    assert set(costs) == {(2, 0), (2, 1), (2, 3)}
+    assert seen and all(torch.equal(ids, timing_ids(2, w, 1000)) for w, ids in seen)
+    assert {w for w, _ in seen} == {1, 2, 4}  # the draft (width 4) replayed with the verifies
+    for g in (*graphs.verify_graphs.values(), *graphs.draft_graphs.values()):
+        assert not g.inputs.ids.any()

@@ -46,6 +46,7 @@ from ..models.dflash import DFlashDraft, DraftState
 from .forwards import Logits, Proposals, StepInputs, Verified
 from .state import TargetState
 from .transfer import to_pinned
+from .verify_width import timing_ids
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SMALLEST_PREFILL = 16  # tokens; prefill buckets double from here up to the prefill chunk
@@ -279,12 +280,18 @@ class EngineGraphs:
     def step_seconds(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Device seconds of a speculative step's replayed draft, verify and commit, by (bucket,
         verify width): the median of `repeats` timed replays after one untimed, on the static
-        inputs of the capture (every row on the spare slot), so before any request runs. A
-        verify of the anchor alone (width 0, a plain step) runs no draft."""
+        inputs of the capture (every row on the spare slot), so before any request runs, with
+        the draft's and the verify's token ids `timing_ids` (a different token at every
+        position: a mixture of experts routes them as it routes text, verify_width.py) and
+        put back to zeros after. A verify of the anchor alone (width 0, a plain step) runs no
+        draft."""
         out = {}
+        vocab = self.target.config.vocab_size
         for (b, width), verify in sorted(self.verify_graphs.items()):
             graphs = [self.draft_graphs[b, self.block_size]] if width > 1 else []
             graphs.append(verify)
+            for g in graphs:
+                g.inputs.ids.copy_(timing_ids(*g.inputs.ids.shape, vocab, self.device))
             graphs += [self.commit_graphs[b, width]] if (b, width) in self.commit_graphs else []
             times = []
             for r in range(repeats + 1):
@@ -297,6 +304,9 @@ class EngineGraphs:
                 if r:
                     times.append(start.elapsed_time(end) / 1000.0)
             out[b, width - 1] = statistics.median(times)
+            for g in (verify, self.draft_graphs.get((b, self.block_size))):
+                if g is not None:
+                    g.inputs.ids.zero_()
         return out
 
     # ------------------------------------------------------------------ replay

@@ -25,6 +25,7 @@ from .forwards import Logits, Proposals, StepInputs, Verified
 from .graphs import EngineGraphs
 from .state import TargetState
 from .transfer import to_device
+from .verify_width import timing_ids
 
 
 def graphs_possible(device: torch.device, ops: Kernels, enforce_eager: bool) -> bool:
@@ -211,7 +212,9 @@ class ModelRunner:
         """Host seconds of the eager draft forward and verify forward (with its argmax) of a
         step, by (rows, verify width) for rows 1, 2, 4, ... up to max_rows: the median of
         `repeats` timed runs after one untimed, on slots 0..rows-1 from position 0, so before
-        any request runs (a request's admission resets its slot). Width 0 runs no draft. Not
+        any request runs (a request's admission resets its slot), on the token ids
+        `timing_ids` (a different token at every position: a mixture of experts routes them
+        as it routes text, verify_width.py). Width 0 runs no draft. Not
         timed: the step's host work, about the same at every width; the commit (with
         per_token and recompute a copy a row; with replay a forward over the kept tokens); and
         the attention over a request's context (every forward here starts at position 0),
@@ -222,7 +225,7 @@ class ModelRunner:
         out = {}
         for rows in rows_list:
             slots = torch.arange(rows, device=device)
-            block = torch.zeros((rows, B), dtype=torch.int64, device=device)
+            block = timing_ids(rows, B, self.target.config.vocab_size, device)
             positions = torch.arange(B, device=device)[None].repeat(rows, 1)
             for width in widths:
                 valid = torch.full((rows,), width + 1, dtype=torch.int64, device=device)

@@ -40,15 +40,22 @@ acceptance again (VerifyWidth).
 
 `seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA
 graphs at start-up, graphs.py; verify + commit for W = 0) for the smallest measured row count
->= rows. Without graphs (the CPU, an eager engine) the table is flat, every width costs the
-same and `auto` verifies the full block as `fixed` does, unless the engine is told to time
-its eager forwards at start-up (`measure_step_costs`, ModelRunner.eager_step_seconds).
+>= rows. The timed forwards read `timing_ids`, a different token at every position: a mixture
+of experts routes each token to its own k experts, so a verify of rows x (W + 1) tokens of
+text reads many more experts than a decode step, and a block of one repeated token would be
+timed as if it read the k experts of one token (a 16-token verify of Qwen3.5-35B-A3B reads
+about 100 of its 256 experts a layer, a decode step 8). Without graphs (the CPU, an eager
+engine) the table is flat, every width costs the same and `auto` verifies the full block as
+`fixed` does, unless the engine is told to time its eager forwards at start-up
+(`measure_step_costs`, ModelRunner.eager_step_seconds).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from ..errors import ConfigError
 from .stats import SpecCounters
@@ -58,6 +65,18 @@ REQUEST_WEIGHT = 4.0  # pseudo-steps of the engine's rate in a request's estimat
 ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engine's
 PROBE_AFTER = 4  # plain steps in a row before a speculative step measures acceptance again
 PROBE_LIMIT = 64  # the longest run of plain steps between two such probes
+
+
+TIMING_STRIDE = 2_654_435_761  # a prime (Knuth's multiplicative hash): consecutive ids land far apart
+
+
+def timing_ids(rows: int, width: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[rows, width] token ids for timing a step before any request runs: position i of the
+    flattened block takes (i * TIMING_STRIDE + 1) mod vocab. The table is fixed (the same at
+    every start-up) and spread over the vocabulary; the stride is a prime larger than any
+    vocabulary, so the ids of a block of up to `vocab` tokens are all different."""
+    index = torch.arange(rows * width, dtype=torch.int64, device=device)
+    return ((index * TIMING_STRIDE + 1) % vocab).view(rows, width)
 
 
 def width_candidates(block_size: int, policy: str, plain_step: bool = True) -> tuple[int, ...]:

@@ -158,3 +158,17 @@ def test_the_prefill_floor_counts_every_product_over_the_prompt_and_the_causal_a
     want += c.num_hidden_layers * 2.0 * 40 * 40 * c.num_attention_heads * c.head_dim
     assert floor.flops == want and floor.tokens == 40 and floor.repeats == 2
     assert 0 < floor.ms_min <= floor.ms_median <= floor.ms_max
+
+
+def test_the_census_means_over_every_width_a_speculative_run_verified_at() -> None:
+    """`--verify-width auto` verifies at several widths: the distinct experts of a run are the
+    mean over all of its verifies, each call weighted alike, not those of the full block's."""
+    from reference_engine.models.moe import ExpertCensus
+
+    census = ExpertCensus("cpu")
+    census.counter(8).add_(torch.tensor([3 * 20, 3]))  # three verifies of 8 tokens, 20 experts each
+    census.counter(16).add_(torch.tensor([40, 1]))  # one of 16 tokens, 40 experts
+    census.counter(128).add_(torch.tensor([90, 1]))  # a prefill chunk
+    assert census.mean_distinct(16) == 40.0
+    assert census.mean_distinct(*range(1, 17)) == (60 + 40) / 4
+    assert census.mean_distinct(2, 4) is None

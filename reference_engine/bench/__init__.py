@@ -401,7 +401,11 @@ def run_once(
         **{f"n_{phase}": engine.timer.calls[phase] for phase in PHASES},
         "phase_clock": "cuda_events" if on_gpu else "host",
         # a mixture of experts: distinct experts per layer of a decode step (plain) or verify
-        "distinct_experts": census.mean_distinct(block if draft else 1) if census is not None else None,
+        # (a verify at any width up to the block's, its forward W + 1 tokens wide; prefill
+        # chunks are wider than a block unless the prompts are as short)
+        "distinct_experts": census.mean_distinct(*range(1, block + 1) if draft else (1,))
+        if census is not None
+        else None,
         "steps": steps,
         # DFlash: the verify width (draft tokens checked) per step, mean and counts
         "verify_width_mean": mean_width(stats.get("verify_widths")) if draft else None,

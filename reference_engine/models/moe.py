@@ -87,12 +87,15 @@ class ExpertCensus:
     def reset(self) -> None:
         self.counts.zero_()
 
-    def mean_distinct(self, width: int) -> float | None:
-        """Distinct experts per layer per call at a width, None when no call ran at it."""
-        row = self.rows.get(width)
-        if row is None or row >= len(self.counts):
-            return None
-        distinct, calls = self.counts[row].tolist()
+    def mean_distinct(self, *widths: int) -> float | None:
+        """Distinct experts per layer per call over the calls at any of `widths` (a speculative
+        run's verifies come at several widths), None when no call ran at any of them."""
+        distinct = calls = 0
+        for width in widths:
+            row = self.rows.get(width)
+            if row is not None and row < len(self.counts):
+                d, c = self.counts[row].tolist()
+                distinct, calls = distinct + d, calls + c
         return distinct / calls if calls else None
 
 

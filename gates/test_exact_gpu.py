@@ -233,10 +233,10 @@ def slots_reversed_when_many_tokens(exact_experts):
     """A fault in the style of a batch-dependent MoE reduction: a step of several tokens adds
     each token's k expert outputs in the opposite order."""
 
-    def experts(x, weights, ids, gate_up, down, census=None):
+    def experts(x, weights, ids, gate_up, down, census=None, residual=None):
         if x.shape[0] == 1:
-            return exact_experts(x, weights, ids, gate_up, down, census)
-        return exact_experts(x, weights.flip(-1), ids.flip(-1), gate_up, down, census)
+            return exact_experts(x, weights, ids, gate_up, down, census, residual)
+        return exact_experts(x, weights.flip(-1), ids.flip(-1), gate_up, down, census, residual)
 
     return experts
 

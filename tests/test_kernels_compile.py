@@ -63,7 +63,11 @@ KERNELS = {
             for g, m, n, k in ((True, 16, 64, 128), (False, 16, 128, 128), (True, 64, 64, 64))
         ],
     ),
-    "moe._slot_sum_kernel": ({"x_ptr": "bf16", "out_ptr": "bf16"}, {}, [{"TOP_K": 8, "BLOCK": 1024}]),
+    "moe._slot_sum_kernel": (
+        {"x_ptr": "bf16", "res_ptr": "bf16", "out_ptr": "bf16"},
+        {},
+        [{"TOP_K": 8, "RESIDUAL": r, "BLOCK": 1024} for r in (True, False)],
+    ),
     "rope._attention_inputs_kernel": (
         {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "qw_ptr": "bf16", "kw_ptr": "bf16"}
         | {"cos_ptr": "bf16", "sin_ptr": "bf16", "out_ptr": "bf16", "kc_ptr": "bf16", "vc_ptr": "bf16"}

@@ -87,6 +87,21 @@ def test_experts_equal_the_per_expert_loop(dtype: torch.dtype, tokens: int, expe
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_residual_is_added_after_the_slot_sum_as_one_more_rounded_add(dtype: torch.dtype) -> None:
+    """experts(..., residual) is the bits of residual + experts(...): the layer's residual
+    connection in the slot sum's launch changes no bit of the layer's output."""
+    tokens, experts, top_k = 7, 8, 3
+    x = rand(tokens, HIDDEN, dtype=dtype, seed=3)
+    residual = rand(tokens, HIDDEN, dtype=dtype, seed=5, scale=4.0)
+    weights, ids = ref.route_experts(rand(tokens, experts, dtype=dtype, seed=4), top_k, True)
+    gate_up, down = stacks(experts, dtype)
+    alone = moe.experts(x, weights, ids, gate_up, down)
+    assert torch.equal(moe.experts(x, weights, ids, gate_up, down, residual=residual), residual + alone)
+    want = ref.experts(x, weights, ids, gate_up, down, residual=residual)
+    assert torch.equal(want, residual + ref.experts(x, weights, ids, gate_up, down))
+
+
 def test_a_tokens_bits_do_not_depend_on_the_other_tokens() -> None:
     """A token alone, then at another place among tokens that share its experts (their groups
     grow past a tile, so it lands at another tile row) and tokens routed elsewhere."""

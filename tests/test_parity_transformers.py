@@ -319,8 +319,8 @@ class SwappedWeights(torch.nn.Module):
         super().__init__()
         self.inner = experts
 
-    def forward(self, x, weights, experts, ops=None, census=None) -> torch.Tensor:
-        return self.inner(x, weights.flip(-1), experts)
+    def forward(self, x, weights, experts, ops=None, census=None, residual=None) -> torch.Tensor:
+        return self.inner(x, weights.flip(-1), experts, residual=residual)
 
 
 def experts_summed_with_swapped_weights(model: torch.nn.Module) -> None:

@@ -15,7 +15,8 @@ captured in a CUDA graph, with every token's bits independent of the other token
      silu(gate) * up in group order.
   3. `_grouped_kernel` without: the down product, each row times its routing weight, written
      at the pair's own row.
-  4. `_slot_sum_kernel`: each token's k weighted outputs added in slot order.
+  4. `_slot_sum_kernel`: each token's k weighted outputs added in slot order, then the
+     layer's residual when one is given (the residual connection in the same launch).
   Grids are fixed by the shapes (a product's grid has min(experts, pairs) rows, each taking
   the next expert with pairs from a list the grouping wrote; rows past the last do nothing),
   so one graph per shape replays for any routing.
@@ -261,7 +262,9 @@ def _grouped_kernel(
 
 
 @triton.jit
-def _slot_sum_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _slot_sum_kernel(
+    x_ptr, res_ptr, out_ptr, H, TOP_K: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -271,6 +274,9 @@ def _slot_sum_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr
         acc = (acc + tl.load(x_ptr + (token * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)).to(
             out_ty
         )
+        acc = acc.to(tl.float32)
+    if RESIDUAL:  # residual + sum, rounded, as the model-dtype add of the two tensors
+        acc = (tl.load(res_ptr + token * H + cols, mask=ok, other=0.0).to(tl.float32) + acc).to(out_ty)
         acc = acc.to(tl.float32)
     tl.store(out_ptr + token * H + cols, acc.to(out_ty), mask=ok)
 
@@ -282,6 +288,7 @@ def experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     census: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     tiles: tuple[Tiles, Tiles] | None = None,
 ) -> torch.Tensor:
     """kernels/reference.experts's contract (module docstring: how, and why the bits hold).
@@ -292,6 +299,8 @@ def experts(
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if not tokens:
         return out
+    if residual is not None:
+        residual = residual.reshape(tokens, hidden).contiguous()
     pairs = tokens * k
     x = x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
@@ -319,7 +328,14 @@ def experts(
     weighted = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # in pair order
     _product(gated, down, weighted, groups, weights, k, False, projection)
     _slot_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        weighted, out, hidden, TOP_K=k, BLOCK=SUM_BLOCK, **LAUNCH
+        weighted,
+        residual if residual is not None else weighted,
+        out,
+        hidden,
+        TOP_K=k,
+        RESIDUAL=residual is not None,
+        BLOCK=SUM_BLOCK,
+        **LAUNCH,
     )
     return out
 

@@ -452,13 +452,16 @@ def experts(
     gate_up: torch.Tensor,  # [experts, 2 * inter, hidden], gate rows first
     down: torch.Tensor,  # [experts, hidden, inter]
     census: torch.Tensor | None = None,  # [2] int64: (distinct experts, calls), added to
+    residual: torch.Tensor | None = None,  # [tokens, hidden]: added to the sum, rounded
 ) -> torch.Tensor:
     """sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t, where expert e
     is the SwiGLU MLP down[e] @ (silu(gate[e] @ x) * up[e] @ x). Each (token, expert) output is
     rounded to x's dtype, times its weight (rounded), and the k products are added one at a
     time in slot order j = 0, 1, ..., each sum rounded: the order transformers' eager loop adds
     them in, and one that does not depend on the other tokens. `census`, when given, gets the
-    number of distinct experts the tokens chose and one call added. Returns [tokens, hidden].
+    number of distinct experts the tokens chose and one call added. With `residual`, the
+    result is residual + the sum, one more rounded add (a layer's residual connection, so the
+    capturable kernels add it in the launch that sums the slots). Returns [tokens, hidden].
 
     One expert at a time, for the experts that have tokens (a host synchronisation: which
     ones), so it cannot be captured in a CUDA graph; kernels/moe.py is the capturable one.
@@ -477,4 +480,4 @@ def experts(
     out = weighted[:, 0]
     for j in range(1, k):
         out = out + weighted[:, j]
-    return out
+    return out if residual is None else residual + out

@@ -124,9 +124,14 @@ class MLP(nn.Module):
         """Compute gate and up projections by one matmul from now on (FusedLinears)."""
         self.fused = FusedLinears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ops: Kernels = TORCH, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), plus `residual` when given (the layer's residual
+        connection, as a mixture of experts takes it: models/moe.SparseMoeBlock)."""
         gate, up = run_linears([self.gate_proj, self.up_proj], self.fused, x, ops)
-        return ops.linear(ops.silu_mul(gate, up), self.down_proj.weight, self.down_proj.bias)
+        out = ops.linear(ops.silu_mul(gate, up), self.down_proj.weight, self.down_proj.bias)
+        return out if residual is None else residual + out
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:

@@ -62,10 +62,12 @@ class Experts(nn.Module):
         experts: torch.Tensor,  # [tokens, k] ascending ids per token
         ops: Kernels = TORCH,
         census: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """sum over j of weights[t, j] * expert_{experts[t, j]}(x[t]), j = 0, 1, ... in turn.
-        Returns [tokens, hidden]."""
-        return ops.experts(x, weights, experts, self.gate_up_proj, self.down_proj, census)
+        """sum over j of weights[t, j] * expert_{experts[t, j]}(x[t]), j = 0, 1, ... in turn,
+        plus `residual` [tokens, hidden] when given (one more rounded add). Returns [tokens,
+        hidden]."""
+        return ops.experts(x, weights, experts, self.gate_up_proj, self.down_proj, census, residual)
 
 
 class ExpertCensus:
@@ -135,13 +137,19 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: Kernels = TORCH) -> torch.Tensor:
-        # x: [batch, T, hidden] -> [batch, T, hidden]
+    def forward(
+        self, x: torch.Tensor, ops: Kernels = TORCH, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [batch, T, hidden] -> [batch, T, hidden]; `residual` (x's shape) + that when
+        given: the layer's residual connection, added by the experts' slot sum where no shared
+        expert comes between (one launch less a layer), after the shared expert's term else."""
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.gate(flat, ops)
         counter = self.census.counter(x.shape[1]) if self.census is not None else None
+        if self.shared_expert is None:
+            fused = None if residual is None else residual.reshape(flat.shape)
+            return self.experts(flat, weights, experts, ops, counter, fused).view_as(x)
         out = self.experts(flat, weights, experts, ops, counter)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat, ops)
-            out = out + torch.sigmoid(ops.linear(flat, self.shared_expert_gate.weight)) * shared
-        return out.view_as(x)
+        shared = self.shared_expert(flat, ops)
+        out = (out + torch.sigmoid(ops.linear(flat, self.shared_expert_gate.weight)) * shared).view_as(x)
+        return out if residual is None else residual + out

@@ -46,7 +46,7 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x, ctx.ops), ctx, layer)
         normed, x = self.post_attention_layernorm.add(x, attended, ctx.ops)  # residual add + norm
-        return x + self.mlp(normed, ctx.ops)
+        return self.mlp(normed, ctx.ops, residual=x)
 
 
 def build_qwen3(config: TargetConfig) -> CausalLM:

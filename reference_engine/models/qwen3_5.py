@@ -108,7 +108,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.is_linear else self.self_attn
         mixed = mixer(self.input_layernorm(x, ctx.ops), ctx, layer)
         normed, x = self.post_attention_layernorm.add(x, mixed, ctx.ops)  # residual add + norm
-        return x + self.mlp(normed, ctx.ops)
+        return self.mlp(normed, ctx.ops, residual=x)
 
 
 def build_qwen3_5(config: TargetConfig) -> CausalLM:

@@ -160,16 +160,25 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class RowParallelOutput:
-    """A forward hook on a sublayer whose last product is row-parallel: its output is this
-    rank's partial sum; the hook returns the sum over ranks plus the product's bias, which
-    the sharding took off the linear so that it is added once."""
+    """The hooks of a sublayer whose last product is row-parallel: its output is this rank's
+    partial sum; the forward hook returns the sum over ranks plus the product's bias, which
+    the sharding took off the linear so that it is added once. A residual the layer hands the
+    sublayer (`residual=`, an MLP's: models/layers.MLP) is taken off the call by the pre-hook
+    and added after the sum, once, where the sublayer would have added it to each rank's part."""
 
     def __init__(self, tp: TensorParallel, bias: torch.Tensor | None = None) -> None:
         self.tp, self.bias = tp, bias
+        self.residual: torch.Tensor | None = None
+
+    def take_residual(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.residual = kwargs.pop("residual", None)
+        return args, kwargs
 
     def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(out)
-        return out if self.bias is None else out + self.bias
+        out = out if self.bias is None else out + self.bias
+        residual, self.residual = self.residual, None
+        return out if residual is None else residual + out
 
 
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
@@ -336,7 +345,9 @@ def _reduce(module: nn.Module, tp: TensorParallel, last: nn.Linear | None = None
     bias = None
     if last is not None and last.bias is not None:
         bias, last.bias = last.bias.detach(), None
-    module.register_forward_hook(RowParallelOutput(tp, bias))
+    hooks = RowParallelOutput(tp, bias)
+    module.register_forward_pre_hook(hooks.take_residual, with_kwargs=True)
+    module.register_forward_hook(hooks)
 
 
 def shard_target(model: CausalLM, tp: TensorParallel) -> CausalLM:

@@ -60,7 +60,13 @@ KERNELS = {
         {},
         [
             {"TOP_K": 8, "SWIGLU": g, "IEEE": False, "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}
-            for g, m, n, k in ((True, 16, 64, 128), (False, 16, 128, 128), (True, 64, 64, 64))
+            for g, m, n, k in (
+                (True, 16, 32, 128),
+                (False, 16, 64, 128),
+                (True, 16, 64, 128),
+                (False, 16, 128, 128),
+                (True, 64, 64, 64),
+            )
         ],
     ),
     "moe._slot_sum_kernel": (

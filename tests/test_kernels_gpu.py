@@ -308,5 +308,5 @@ def test_every_moe_tile_pair_gives_the_same_bits(tokens: int) -> None:
     x, router, gate_up, down = moe_inputs(hidden, inter, n_experts, tokens)
     weights, ids = moe.route_experts(ref.linear(x, router), k, True)
     want = moe.experts(x, weights, ids, gate_up, down)
-    for pair in (moe.FEW, moe.MANY, (moe.Tiles(64, 64, 64, 4, 4), moe.Tiles(32, 128, 128, 8, 3))):
+    for pair in (moe.ONE, moe.FEW, moe.MANY, (moe.Tiles(64, 64, 64, 4, 4), moe.Tiles(32, 128, 128, 8, 3))):
         assert torch.equal(moe.experts(x, weights, ids, gate_up, down, tiles=pair), want), pair

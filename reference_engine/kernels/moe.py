@@ -50,8 +50,13 @@ SUM_BLOCK = 1024
 
 # Chosen by scripts/bench_kernels.py --moe-sweep on the H200 over the Qwen3-30B-A3B and
 # Qwen3.5-35B-A3B shapes, replayed from CUDA graphs (docs/results/h200-moe/moe-sweep.log):
-# for 1-64 tokens the 64- and 128-column tiles run within 5% of the best pair at each count,
-# past that 64-row tiles reuse a weight tile over more pairs.
+# for 2-64 tokens the 64- and 128-column tiles run within 5% of the best pair at each count,
+# past that 64-row tiles reuse a weight tile over more pairs. One token (a decode step of
+# one request: k pairs) gives too few programs of those to fill the GPU (8 experts x 8
+# column tiles of Qwen3.5-35B-A3B's gate and up: 64 programs for 132 SMs); half as many
+# columns a program took 20.4 us against 23.8 there, 29.4 against 30.0 on Qwen3-30B-A3B.
+ONE_TOKEN_PAIRS = 8
+ONE = (Tiles(16, 32, 128, 4, 4), Tiles(16, 64, 128, 4, 4))
 FEW_PAIRS = 1024
 FEW = (Tiles(16, 64, 128, 4, 3), Tiles(16, 128, 128, 4, 3))
 MANY = (Tiles(64, 64, 64, 4, 4), Tiles(64, 64, 64, 4, 4))
@@ -60,7 +65,7 @@ MANY = (Tiles(64, 64, 64, 4, 4), Tiles(64, 64, 64, 4, 4))
 def expert_tiles(pairs: int, dtype: torch.dtype) -> tuple[Tiles, Tiles]:
     """The (gate-and-up, down) tiles for a step of `pairs` (token, expert) pairs. No tile
     changes an element's sum (module docstring); float32 loads half the K (shared memory)."""
-    tiles = FEW if pairs <= FEW_PAIRS else MANY
+    tiles = ONE if pairs <= ONE_TOKEN_PAIRS else FEW if pairs <= FEW_PAIRS else MANY
     if dtype == torch.float32:
         return tuple(t._replace(block_k=t.block_k // 4) for t in tiles)
     return tiles

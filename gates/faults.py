@@ -592,6 +592,17 @@ LIES: dict[str, _liar.Lie] = {
         ("mismatch:length",),
         answer=_liar.repeat_last_token,
     ),
+    "wrong_reasoning": _liar.Lie(
+        "a chat reply with the right content and ids and another reasoning_content (added where "
+        "the honest reply has none)",
+        ("mismatch:reasoning",),
+        answer=_liar.change_reasoning,
+    ),
+    "added_tool_call": _liar.Lie(
+        "a chat reply with the right content and ids and a tool call the honest reply does not make",
+        ("mismatch:tool_calls",),
+        answer=_liar.add_tool_call,
+    ),
     "wrong_finish_reason": _liar.Lie(
         "the right tokens with the other finish_reason",
         ("mismatch:finish_reason",),
@@ -657,5 +668,11 @@ LIES: dict[str, _liar.Lie] = {
         "a stream with a token chunk after the finish_reason",
         ("malformed_body",),
         events=_liar.tokens_after_finish,
+    ),
+    "two_chunks_one_event": _liar.Lie(
+        "a stream whose first two token chunks are two data: lines of one event (no blank line "
+        "between them: a client reads one data text, two JSON objects joined by a newline)",
+        ("malformed_body",),
+        events=_liar.two_chunks_in_one_event,
     ),
 }

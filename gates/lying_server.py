@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
+from harness.sse import event_data
+
 
 @dataclass
 class Answer:
@@ -34,6 +36,8 @@ class Answer:
     usage: dict | None
     prompt_token_ids: list[int] | None = None  # echoed (whole completions only)
     decode: Callable[[list[int]], str] | None = None  # the model's detokenizer, when given
+    reasoning: str | None = None  # chat only: reasoning_content
+    tool_calls: list[dict] | None = None  # chat only: as a whole message carries them
 
 
 @dataclass(frozen=True)
@@ -62,20 +66,28 @@ class Lie:
 
 # ------------------------------------------------------------------ reading and writing replies
 def parse_events(content: bytes) -> list:
-    """A stream's events: dicts, and strings for what is not JSON ([DONE])."""
+    """A stream's events (split as a client splits them, harness/sse.py): dicts, and strings
+    for what is not JSON ([DONE])."""
     out = []
-    for line in content.decode(errors="replace").splitlines():
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            try:
-                out.append(json.loads(data))
-            except ValueError:
-                out.append(data)
+    for data in event_data(content):
+        try:
+            out.append(json.loads(data))
+        except ValueError:
+            out.append(data)
     return out
 
 
 def write_events(events: list) -> bytes:
-    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+    """Each event as one `data:` line and a blank line; an event given as a tuple is sent as
+    one `data:` line per item, all in one event (no blank line between them)."""
+
+    def data(e) -> str:
+        return e if isinstance(e, str) else json.dumps(e)
+
+    return "".join(
+        "".join(f"data: {data(item)}\n" for item in (e if isinstance(e, tuple) else (e,))) + "\n"
+        for e in events
+    ).encode()
 
 
 def fold(events: list, chat: bool) -> Answer:
@@ -87,8 +99,13 @@ def fold(events: list, chat: bool) -> Answer:
         if event.get("usage") is not None:
             answer.usage = event["usage"]
         for choice in event.get("choices") or []:
-            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if chat else choice.get("text")
             answer.text += piece or ""
+            if chat and delta.get("reasoning_content"):
+                answer.reasoning = (answer.reasoning or "") + delta["reasoning_content"]
+            if chat and delta.get("tool_calls"):
+                answer.tool_calls = (answer.tool_calls or []) + delta["tool_calls"]
             if choice.get("token_ids") is not None:
                 answer.token_ids = (answer.token_ids or []) + list(choice["token_ids"])
             answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
@@ -102,6 +119,11 @@ def unfold(answer: Answer, events: list, chat: bool) -> list:
     choice: dict = {"index": 0, "logprobs": None, "finish_reason": answer.finish_reason}
     if chat:
         choice["delta"] = {"role": "assistant", "content": answer.text}
+        if answer.reasoning is not None:
+            choice["delta"]["reasoning_content"] = answer.reasoning
+        if answer.tool_calls is not None:
+            # a stream's calls keep the index they came with; a whole message's get their place
+            choice["delta"]["tool_calls"] = [{"index": k, **c} for k, c in enumerate(answer.tool_calls)]
     else:
         choice["text"] = answer.text
     if answer.token_ids is not None:
@@ -120,17 +142,23 @@ def edit_whole(
     if not isinstance(choices, list) or not choices:
         return data
     choice = choices[0]
+    message = choice.get("message") or {}
     answer = Answer(
-        choice["message"]["content"] if chat else choice["text"],
+        message["content"] if chat else choice["text"],
         choice.get("token_ids"),
         choice.get("finish_reason"),
         data.get("usage"),
         choice.get("prompt_token_ids"),
         decode,
+        message.get("reasoning_content"),
+        message.get("tool_calls"),
     )
     edit(answer)
     if chat:
-        choice["message"]["content"] = answer.text
+        message["content"] = answer.text
+        for key, value in (("reasoning_content", answer.reasoning), ("tool_calls", answer.tool_calls)):
+            if value is not None or key in message:
+                message[key] = value
     else:
         choice["text"] = answer.text
         choice["prompt_token_ids"] = answer.prompt_token_ids
@@ -155,11 +183,14 @@ def send_answer(handler: BaseHTTPRequestHandler, request: dict, data: dict) -> N
         return
     choice = data["choices"][0]
     chat = "message" in choice
+    message = choice.get("message") or {}
     answer = Answer(
-        choice["message"]["content"] if chat else choice["text"],
+        message["content"] if chat else choice["text"],
         choice.get("token_ids"),
         choice.get("finish_reason"),
         data.get("usage"),
+        reasoning=message.get("reasoning_content"),
+        tool_calls=message.get("tool_calls"),
     )
     send_reply(handler, Reply(200, write_events(unfold(answer, [data], chat)), "text/event-stream"))
 
@@ -259,6 +290,23 @@ def change_text(answer: Answer) -> None:
 def change_first_id(answer: Answer) -> None:
     if answer.token_ids:
         answer.token_ids = [answer.token_ids[0] + 1] + answer.token_ids[1:]
+
+
+def change_reasoning(answer: Answer) -> None:
+    """A chat reply's reasoning text changed by one character, or added where it had none
+    (completions carry none: left as they are)."""
+    text = answer.reasoning
+    if text:
+        k = len(text) // 2
+        answer.reasoning = text[:k] + ("x" if text[k] != "x" else "y") + text[k + 1 :]
+    else:
+        answer.reasoning = "Let me think."
+
+
+def add_tool_call(answer: Answer) -> None:
+    """A tool call added to a chat reply (completions carry none: left as they are)."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    answer.tool_calls = (answer.tool_calls or []) + [call]
 
 
 def withhold_ids(answer: Answer) -> None:
@@ -394,6 +442,17 @@ def tokens_after_finish(events: list) -> list:
     for choice in extra["choices"]:
         choice["finish_reason"] = None
     return events[: content[-1] + 1] + [extra] + events[content[-1] + 1 :]
+
+
+def two_chunks_in_one_event(events: list) -> list:
+    """The first two token chunks as two `data:` lines of one event: a client joins them into
+    one data text, which is not JSON."""
+    content = _content_events(events)
+    if len(content) < 2:
+        return events
+    first, second = content[:2]
+    joined = (events[first], events[second])
+    return events[:first] + [joined] + events[first + 1 : second] + events[second + 1 :]
 
 
 def cut_body(data: dict) -> bytes:

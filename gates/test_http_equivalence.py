@@ -296,6 +296,8 @@ CATCHES_LIES = (
     "one_token_short",
     "one_token_long",
     "wrong_finish_reason",
+    "wrong_reasoning",
+    "added_tool_call",
     "usage_off_by_one",
     "wrong_prompt_tokens",
     "answers_another_prompt",
@@ -310,6 +312,7 @@ CATCHES_LIES = (
     "duplicated_chunk",
     "missing_chunk",
     "tokens_after_finish",
+    "two_chunks_one_event",
 )
 LIE_PROMPTS = [
     {"prompt": "The cache holds"},

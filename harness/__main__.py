@@ -220,13 +220,18 @@ def run_compare(args) -> int:
 def _compare_into(out: Path, args, prompts: list, policy, tokenizer: TextTokenizer | None) -> int:
     import asyncio
 
+    from .answer import ERRORS
     from .compare import compare
-    from .compare_io import RowLog, exit_status, verdict_line, write_outputs
+    from .compare_io import ResumeConflict, RowLog, exit_status, run_identity, verdict_line, write_outputs
 
     baseline, candidate = (
         endpoint_for(url, args, "completions", tokenizer) for url in (args.baseline, args.candidate)
     )
-    log = RowLog(out, args.resume)
+    try:
+        log = RowLog(out, args.resume, run_identity(baseline, candidate, policy, args.stream))
+    except ResumeConflict as exc:  # the folder is left as it was
+        print(f"error: resume_conflict: {exc}", file=sys.stderr)
+        return ERRORS["resume_conflict"][0]
     if args.resume:
         print(
             f"resume: {len(log.kept)} comparisons kept, {log.dropped} lines dropped "

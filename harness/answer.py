@@ -1,6 +1,7 @@
 """One greedy answer from an OpenAI-compatible server, read strictly: what it generated (the
-text, the token ids when the server reports them, the finish_reason, the usage counts) or the
-named reason why the reply is not an answer.
+text, the token ids when the server reports them, the finish_reason, the usage counts; in a
+chat reply also the reasoning text and the tool calls) or the named reason why the reply is
+not an answer.
 
 `harness compare` reads every reply through here, whole (`/v1/completions` or
 `/v1/chat/completions` JSON) or streamed (SSE, assembled chunk by chunk). A reply that is not
@@ -27,11 +28,12 @@ kind; each class has its own exit status (see `ERRORS`):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from .client import Endpoint
+from .sse import event_data
 
 # error class -> (exit status of `harness compare`, what it means); 0 is a pass, 1 a
 # difference between the answers, 2 bad arguments
@@ -46,6 +48,10 @@ ERRORS: dict[str, tuple[int, str]] = {
     "truncated_stream": (10, "a stream ended before its finish_reason"),
     "inconsistent_answer": (11, "an answer contradicts itself (usage counts, logprob ids)"),
     "missing_ids": (12, "a server whose kind returns token ids sent an answer without them"),
+    "resume_conflict": (
+        13,
+        "--resume of a folder whose rows were compared against other servers or settings",
+    ),
 }
 
 
@@ -77,6 +83,11 @@ class Ask:
         return json.dumps([self.max_tokens, self.prompt, self.messages], sort_keys=True)
 
 
+# the fields of a chat message (or delta) that carry generated reasoning text besides
+# `content`: `reasoning_content` (vLLM, SGLang, DeepSeek) and `reasoning` (vLLM's newer name)
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
 @dataclass
 class Answer:
     text: str
@@ -86,6 +97,17 @@ class Answer:
     prompt_tokens: int | None = None
     prompt_ids: list[int] | None = None  # the prompt's token ids, when echoed
     logprobs: dict | None = None  # as the server sent them (asked of the baseline only)
+    # chat only: each REASONING_FIELDS field's text, absent when the server sent none, null
+    # or "" (the three read the same)
+    reasoning: dict[str, str] = field(default_factory=dict)
+    # chat only: the tool calls in order, each {"type", "name", "arguments"} (a stream's
+    # pieces joined); [] for none, null or absent. The call ids are left out: servers draw
+    # them at random per request
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def generated(self) -> tuple:
+        """Everything generated as text: content, reasoning and tool calls."""
+        return self.text, self.reasoning, self.tool_calls
 
 
 def takes_ids(endpoint: Endpoint) -> bool:
@@ -133,7 +155,7 @@ async def ask_server(
     if r.status_code != 200:
         raise AnswerError(f"http_{r.status_code}", f"HTTP {r.status_code}: {r.text[:200]!r}")
     try:
-        return read_stream(r.text, ask.chat) if stream else read_whole(r.content, ask.chat)
+        return read_stream(r.content, ask.chat) if stream else read_whole(r.content, ask.chat)
     except (LookupError, TypeError, ValueError, AttributeError) as exc:  # a shape not foreseen
         raise AnswerError("malformed_body", f"unreadable ({type(exc).__name__}: {exc})") from None
 
@@ -153,11 +175,15 @@ def read_whole(content: bytes, chat: bool) -> Answer:
     if not choices:
         raise AnswerError("empty_choices", "HTTP 200 with choices: []")
     choice = _one_choice(choices, "the body")
+    reasoning: dict[str, str] = {}
+    tool_calls: dict[int, dict] = {}
     if chat:
         message = choice.get("message")
         if not isinstance(message, dict):
             raise AnswerError("malformed_body", "a chat choice without a message object")
         text = _text(message.get("content"), "message.content", none_ok=True)
+        reasoning = _reasoning(message, "message")
+        _tool_calls(message.get("tool_calls"), "message.tool_calls", tool_calls)
     else:
         text = _text(choice.get("text"), "choice text")
     ids = _ids(choice.get("token_ids"), "token_ids")
@@ -176,18 +202,17 @@ def read_whole(content: bytes, chat: bool) -> Answer:
         raise AnswerError(
             "inconsistent_answer", f"logprobs name token ids {logprob_ids[:8]}..., the answer {ids[:8]}..."
         )
-    return _consistent(Answer(text, ids, finish, completion, prompt, prompt_ids, logprobs))
+    answer = Answer(text, ids, finish, completion, prompt, prompt_ids, logprobs)
+    answer.reasoning, answer.tool_calls = reasoning, _joined_calls(tool_calls)
+    return _consistent(answer)
 
 
-def read_stream(body: str, chat: bool) -> Answer:
-    """A streamed answer: `data:` events up to `data: [DONE]` (a stream that ends after its
-    finish_reason without [DONE], as plain OpenAI servers do, is whole)."""
-    events, data_lines, done = [], 0, False
-    for line in body.splitlines():
-        if not line.startswith("data:"):
-            continue
-        data_lines += 1
-        data = line[5:].strip()
+def read_stream(body: bytes | str, chat: bool) -> Answer:
+    """A streamed answer: its events (split as a real SSE client splits them, sse.py) up to
+    `data: [DONE]` (a stream that ends after its finish_reason without [DONE], as plain
+    OpenAI servers do, is whole)."""
+    events, datas, done = [], event_data(body), False
+    for data in datas:
         if data == "[DONE]":
             done = True
             break
@@ -199,9 +224,11 @@ def read_stream(body: str, chat: bool) -> Answer:
             raise AnswerError("malformed_body", f"event {len(events)} is not an object")
         _no_error(event, "an error event in the stream")
         events.append(event)
-    if not data_lines:
-        raise AnswerError("malformed_body", f"not an event stream: {body[:120]!r}")
+    if not datas:
+        raise AnswerError("malformed_body", f"not an event stream (no event ended): {body[:120]!r}")
     pieces, ids, finish = [], [], None
+    reasoning: dict[str, list[str]] = {}  # field -> its pieces
+    tool_calls: dict[int, dict] = {}  # index -> the call's pieces so far
     with_ids = without_ids = False
     completion = prompt = None
     chosen = 0
@@ -220,17 +247,22 @@ def read_stream(body: str, chat: bool) -> Answer:
             if not isinstance(delta, dict):
                 raise AnswerError("malformed_body", f"event {n}: delta is not an object")
             piece = _text(delta.get("content"), f"event {n} delta.content", none_ok=True)
+            thought = _reasoning(delta, f"event {n} delta")
+            called = _tool_calls(delta.get("tool_calls"), f"event {n} delta.tool_calls", tool_calls)
         else:
             piece = _text(choice.get("text"), f"event {n} text")
+            thought, called = {}, False
         chunk_ids = _ids(choice.get("token_ids"), f"event {n} token_ids")
-        if finish is not None and (piece or chunk_ids):
+        if finish is not None and (piece or chunk_ids or thought or called):
             raise AnswerError(
                 "malformed_body", f"event {n} carries tokens after the finish_reason {finish!r}"
             )
+        for name, text in thought.items():
+            reasoning.setdefault(name, []).append(text)
         if chunk_ids is not None:
             with_ids = True
             ids += chunk_ids
-        elif piece:
+        elif piece or thought or called:
             without_ids = True
         pieces.append(piece)
         reason = choice.get("finish_reason")
@@ -253,7 +285,10 @@ def read_stream(body: str, chat: bool) -> Answer:
         )
     if with_ids and without_ids:
         raise AnswerError("malformed_body", "token_ids in some chunks only")
-    return _consistent(Answer("".join(pieces), ids if with_ids else None, finish, completion, prompt))
+    answer = Answer("".join(pieces), ids if with_ids else None, finish, completion, prompt)
+    answer.reasoning = {name: "".join(parts) for name, parts in reasoning.items()}
+    answer.tool_calls = _joined_calls(tool_calls)
+    return _consistent(answer)
 
 
 def _no_error(data: dict, what: str) -> None:
@@ -275,6 +310,46 @@ def _text(value, what: str, none_ok: bool = False) -> str:
     if not isinstance(value, str):
         raise AnswerError("malformed_body", f"{what} is {value!r}, not a string")
     return value
+
+
+def _reasoning(message: dict, where: str) -> dict[str, str]:
+    """The reasoning texts of a chat message or delta, by field; none, null and "" left out."""
+    out = {}
+    for name in REASONING_FIELDS:
+        text = _text(message.get(name), f"{where}.{name}", none_ok=True)
+        if text:
+            out[name] = text
+    return out
+
+
+def _tool_calls(value, what: str, calls: dict[int, dict]) -> bool:
+    """Add a message's or delta's tool calls (OpenAI's shape: `index`, `type`,
+    `function.name`, `function.arguments`) to `calls` by index, joining a stream's pieces of
+    one call; True when it carried any. A whole message's calls are indexed by their place."""
+    if value is None:
+        return False
+    if not isinstance(value, list):
+        raise AnswerError("malformed_body", f"{what} is {str(value)[:80]}, not a list")
+    for k, call in enumerate(value):
+        if not isinstance(call, dict):
+            raise AnswerError("malformed_body", f"{what}[{k}] is not an object")
+        index = call.get("index", k)
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise AnswerError("malformed_body", f"{what}[{k}].index is {index!r}, not an integer")
+        function = call.get("function") or {}
+        if not isinstance(function, dict):
+            raise AnswerError("malformed_body", f"{what}[{k}].function is not an object")
+        joined = calls.setdefault(index, {"type": None, "name": "", "arguments": ""})
+        kind = _text(call.get("type"), f"{what}[{k}].type", none_ok=True)
+        joined["type"] = joined["type"] or kind or None
+        for part in ("name", "arguments"):
+            joined[part] += _text(function.get(part), f"{what}[{k}].function.{part}", none_ok=True)
+    return bool(value)
+
+
+def _joined_calls(calls: dict[int, dict]) -> list[dict]:
+    """The tool calls in index order (a missing type is OpenAI's only one, "function")."""
+    return [{**calls[i], "type": calls[i]["type"] or "function"} for i in sorted(calls)]
 
 
 def _ids(value, what: str) -> list[int] | None:

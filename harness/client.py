@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from .server_kind import KNOWN, ServerKind
+from .sse import EventReader
 from .tokens import TextTokenizer
 from .workloads import Prompt
 
@@ -215,28 +216,37 @@ class _Counter:
 
 
 class StreamReader:
-    """Reads one SSE response line by line, each with its arrival time (seconds since the
-    request was sent), into the request's record. Kept apart from the socket so that the
-    timing rules can be checked against a scripted clock."""
+    """Reads one SSE response into the request's record: its events as a real client splits
+    them (sse.py), each timed at the arrival of the blank line that ends it (seconds since the
+    request was sent). Kept apart from the socket so that the timing rules can be checked
+    against a scripted clock."""
 
     def __init__(self, endpoint: Endpoint, record: RequestRecord) -> None:
         self.endpoint, self.record = endpoint, record
         self.counter = _Counter(endpoint)
+        self.events = EventReader()
         self.done = False  # data: [DONE] arrived
 
+    def feed_bytes(self, piece: bytes, now: float) -> bool:
+        """Take the next bytes of the body; True when the stream is over."""
+        return any(self.feed(line, now) for line in self.events.lines(piece))
+
     def feed(self, line: str, now: float) -> bool:
-        """Take one line; True when the stream is over (the [DONE] marker or an error)."""
+        """Take one line (without its line end); True when the stream is over (the [DONE]
+        marker or an error)."""
+        data = self.events.line(line)
+        return False if data is None else self.event(data, now)
+
+    def event(self, data: str, now: float) -> bool:
+        """Take one event's data; True when the stream is over."""
         record = self.record
-        if not line.startswith("data:"):
-            return False
-        data = line[5:].strip()
         if data == "[DONE]":
             self.done = True
             return True
         try:
             event = json.loads(data)
         except json.JSONDecodeError:
-            record.error = f"malformed SSE line: {data[:200]!r}"
+            record.error = f"malformed SSE event: {data[:200]!r}"
             return True
         if isinstance(event, dict) and "error" in event:
             record.error = f"server error in stream: {str(event['error'])[:300]}"
@@ -284,8 +294,8 @@ async def send(
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return record
-            async for line in response.aiter_lines():
-                if reader.feed(line, time.perf_counter() - sent):
+            async for piece in response.aiter_bytes():
+                if reader.feed_bytes(piece, time.perf_counter() - sent):
                     break
     except httpx.TimeoutException:
         record.error = f"timed out after {timeout} s"

@@ -5,7 +5,8 @@ Both servers decode every prompt greedily. At a divergence of the token ids the 
 top-2 logprob margin there decides: `tie` below the threshold (kernels that round
 differently may pick either of two all but equal tokens), `mismatch` otherwise (a bug). The
 comparison then resumes from the prompt + the common prefix + the baseline's token, as
-token ids, so one tie does not hide a later bug (a chat prompt cannot be extended by ids).
+token ids, so one tie does not hide a later bug (a chat prompt cannot be extended by ids,
+nor a text comparison: what follows such a tie is `unchecked`).
 Only the baseline is asked for logprobs (a candidate asked for them may leave its
 speculative path, ours does); its answers are the reference, one request per prompt
 whatever the number of concurrency levels. The candidate is asked for streamed answers by
@@ -20,7 +21,9 @@ extensions the server accepts (`Endpoint.server`, see server_kind.py). At each c
 level N the candidate gets every prompt in a closed loop, N in flight.
 
 The verdict: a run passes when every level passes (no error, no mismatch, ties within the
-policy: tie-tolerant allows `max_tie_rate` per comparison at each level, strict none). No
+policy: tie-tolerant allows `max_tie_rate` per comparison at each level, strict none, and no
+comparison left `unchecked`: a tie it could not resume from, with output positions after it
+that were never compared, fails as `unchecked`, since a pass would vouch for them). No
 comparison at all is the error `no_usable_prompts`, never a pass; a run with errors is named
 after its first (by level, then prompt). The summary counts overall, per level and per
 context bucket (prompt tokens from the server's usage, else the prompt's id count).
@@ -86,6 +89,9 @@ class PromptResult:
     prompt_tokens: int | None = None
     context: str = "unknown"  # the context bucket
     max_tokens: int | None = None
+    # why the output after the last tie was never compared (the tie could not be resumed
+    # from: a chat prompt, a text comparison, ...); None when every position was compared
+    unchecked: str | None = None
 
     @property
     def key(self) -> str:
@@ -243,8 +249,8 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
                 return result
             result.exact = False
             result.divergences.append(divergence)
-            if not by_ids or divergence.kind != "tie" or len(result.divergences) >= policy.max_divergences:
-                return result  # a text comparison does not resume
+            if divergence.kind != "tie":
+                return result
             # resume after the tie: prompt + common prefix + the baseline's token, as ids
             at = divergence.position - offset
             prompt_ids = (
@@ -252,18 +258,35 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
                 if base.prompt_ids is not None
                 else (list(ask.prompt) if isinstance(ask.prompt, tuple) else None)
             )
-            if (
-                ask.chat
-                or prompt_ids is None
-                or not all(takes_ids(e) for e in (session.baseline, session.candidate))
-            ):
-                return result  # cannot resume without the prompt's ids
+            why = _why_not_resumed(session, ask, by_ids, prompt_ids, len(result.divergences))
+            if why is not None:
+                if ask.max_tokens > at + 1:  # positions after the tie that were never compared
+                    result.unchecked = f"from position {divergence.position + 1} on: {why}"
+                return result
             ask = Ask(ask.max_tokens - (at + 1), prompt=tuple(prompt_ids) + tuple(base.ids[: at + 1]))
             offset += at + 1
     except AnswerError as exc:
         result.error, result.error_name = exc.message, exc.name
         result.exact = False
     return result
+
+
+def _why_not_resumed(
+    session: _Session, ask: Ask, by_ids: bool, prompt_ids: list[int] | None, divergences: int
+) -> str | None:
+    """Why the comparison cannot go on after a tie (None: it can)."""
+    if divergences >= session.policy.max_divergences:
+        return f"--max-divergences {session.policy.max_divergences} reached"
+    if not by_ids:
+        return "a text comparison does not resume (no ids to resume from)"
+    if ask.chat:
+        return "a chat prompt cannot be extended by token ids"
+    if prompt_ids is None:
+        return "the prompt's token ids are not known (neither sent nor echoed)"
+    refusing = [e.base_url for e in (session.baseline, session.candidate) if not takes_ids(e)]
+    if refusing:
+        return f"{refusing[0]} takes no token-id prompts"
+    return None
 
 
 def withheld_ids(session: _Session, base: Answer, cand: Answer) -> None:
@@ -300,6 +323,7 @@ def _counts(results: list[PromptResult]) -> dict:
         "ties": ties,
         "mismatches": sum(1 for r in results for d in r.divergences if d.kind == "mismatch"),
         "errors": sum(1 for r in results if r.error),
+        "unchecked": sum(1 for r in results if r.unchecked and not r.error),
         "match_rate": exact / prompts if prompts else 0.0,
         "tie_rate": ties / prompts if prompts else 0.0,
     }
@@ -313,6 +337,8 @@ def _reason(counts: dict, policy: ComparePolicy) -> str | None:
         return "mismatch"
     if counts["ties"] and (policy.policy == "strict" or counts["tie_rate"] > policy.max_tie_rate):
         return "ties"
+    if counts["unchecked"]:
+        return "unchecked"  # a pass would vouch for tokens never compared
     return None
 
 
@@ -334,7 +360,7 @@ def verdict(results: list[PromptResult], policy: ComparePolicy, unusable: Sequen
         reason = error
     else:
         reasons = {_reason(c, policy) for c in by_level.values()}
-        reason = "mismatch" if "mismatch" in reasons else "ties" if "ties" in reasons else None
+        reason = next((r for r in ("mismatch", "ties", "unchecked") if r in reasons), None)
     return {
         **_counts(results),
         "policy": policy.policy,
@@ -354,6 +380,7 @@ def verdict(results: list[PromptResult], policy: ComparePolicy, unusable: Sequen
         "by_concurrency": by_level,
         "by_context": by_context,
         "first_mismatch": first.what if first else None,
+        "first_unchecked": next((r.unchecked for r in results if r.unchecked and not r.error), None),
         "mismatch_what": dict(
             Counter(d.what for r in results for d in r.divergences if d.kind == "mismatch")
         ),

@@ -4,8 +4,11 @@
 made, flushed, so an interrupted run keeps what it compared; `--resume` keeps every row
 without an error and compares the rest (a torn last line is dropped). Each row carries the
 prompt (text, token ids or chat messages) and its source (`FILE:LINE`, `builtin:SET#INDEX`).
-At the end: `compare_summary.json` (the summary), `compare_summary.csv` (one row overall,
-one per level, one per context bucket) and `compare.md`.
+`compare_run.json` holds what the rows were compared against (`run_identity`: both servers
+and the settings that shape a row); `--resume` refuses a folder whose rows were made against
+anything else (`ResumeConflict`), since a row of another candidate proves nothing about this
+one. At the end: `compare_summary.json` (the summary), `compare_summary.csv` (one row
+overall, one per level, one per context bucket) and `compare.md`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,81 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from .answer import ERRORS, error_class
-from .compare import PromptResult
+from .client import Endpoint
+from .compare import ComparePolicy, PromptResult
 from .divergence import Divergence
 from .resume import read_request_rows
 
 ROWS = "compare.jsonl"
+RUN = "compare_run.json"
 _FIELDS = {f.name for f in fields(PromptResult)}
+
+
+class ResumeConflict(Exception):
+    """--resume of a folder whose rows were made against other servers or settings."""
+
+
+def run_identity(baseline: Endpoint, candidate: Endpoint, policy: ComparePolicy, stream: bool) -> dict:
+    """What the rows of one run were compared against: each server (its URL, the model it is
+    sent, the extensions and id reporting of its kind, the tokenizer) and the settings that
+    change a row (streamed or whole candidate answers, the tie threshold, the divergences
+    followed per prompt). The prompt, max_tokens and level are each row's own key; the
+    policy and --max-tie-rate only judge the rows, so a resumed run may change them."""
+
+    def side(endpoint: Endpoint) -> dict:
+        kind = endpoint.accepts.as_dict()
+        kind.pop("evidence")  # how the kind was decided, not what it is
+        return {
+            "url": endpoint.base_url.rstrip("/"),
+            "model": endpoint.model,
+            **kind,
+            "return_token_ids": endpoint.accepts.return_token_ids,
+            "tokenizer": endpoint.tokenizer.path if endpoint.tokenizer is not None else None,
+        }
+
+    return {
+        "baseline": side(baseline),
+        "candidate": side(candidate),
+        "stream": stream,
+        "tie_threshold": policy.tie_threshold,
+        "max_divergences": policy.max_divergences,
+    }
+
+
+def _differences(saved: dict, now: dict, where: str = "") -> list[str]:
+    out = []
+    for key in sorted(saved.keys() | now.keys()):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{where}{key}.")
+        elif a != b:
+            out.append(f"{where}{key} was {a!r}, now {b!r}")
+    return out
+
+
+def check_resumable(out: Path, identity: dict) -> None:
+    """ResumeConflict unless every row in `out` was made against `identity`."""
+    rows, dropped = read_request_rows(out / ROWS)
+    if not rows and not dropped:
+        return  # nothing to keep
+    path = out / RUN
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResumeConflict(
+            f"{out / ROWS} has {len(rows)} rows but no {RUN} says what they were compared "
+            "against; compare afresh without --resume (or into another --out)"
+        ) from None
+    except ValueError:
+        raise ResumeConflict(f"{path} is not JSON: cannot tell what the rows were compared against") from None
+    differ = _differences(saved, identity) if isinstance(saved, dict) else [f"{RUN} is not an object"]
+    if differ:
+        raise ResumeConflict(
+            f"the {len(rows)} rows in {out / ROWS} were compared against another run: "
+            + "; ".join(differ[:4])
+            + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
+            + "; compare afresh without --resume (or into another --out)"
+        )
 
 
 def result_from_row(row: dict) -> PromptResult | None:
@@ -36,13 +108,20 @@ def result_from_row(row: dict) -> PromptResult | None:
 
 
 class RowLog:
-    """compare.jsonl, appended and flushed one comparison at a time."""
+    """compare.jsonl, appended and flushed one comparison at a time, and compare_run.json, the
+    identity its rows were made against. With `resume` the rows of an earlier run are kept,
+    after ResumeConflict unless that run's identity is `identity`."""
 
-    def __init__(self, out: Path, resume: bool) -> None:
+    def __init__(self, out: Path, resume: bool, identity: dict) -> None:
+        if resume:
+            check_resumable(out, identity)
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / ROWS
         self.kept: dict[str, PromptResult] = {}  # by key: comparisons an earlier run made
         self.dropped = 0  # torn or unreadable lines, and rows with an error (compared again)
+        tmp = out / (RUN + ".tmp")
+        tmp.write_text(json.dumps(identity, indent=2) + "\n")
+        os.replace(tmp, out / RUN)
         if resume and self.path.exists():
             rows, self.dropped = read_request_rows(self.path)
             for row in rows:
@@ -81,6 +160,7 @@ def write_outputs(out: Path, results: list[PromptResult], summary: dict) -> None
         "ties",
         "mismatches",
         "errors",
+        "unchecked",
         "match_rate",
         "tie_rate",
         "verdict",
@@ -125,6 +205,12 @@ def verdict_line(results: list[PromptResult], summary: dict) -> str:
         return (
             f"pass: {summary['exact']} of {n} comparisons exact, {summary['ties']} ties "
             f"(concurrency {levels}; policy {summary['policy']})"
+        )
+    if summary["reason"] == "unchecked":
+        r = next(r for r in results if r.unchecked and not r.error)
+        return (
+            f"fail: unchecked: {summary['unchecked']} of {n} comparisons not compared to the end "
+            f"after a tie (first: prompt {r.source} at c={r.concurrency}, {r.unchecked})"
         )
     if summary["reason"] == "ties":
         worst = max(summary["by_concurrency"].items(), key=lambda kv: kv[1]["tie_rate"])
@@ -182,8 +268,8 @@ def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
         f"compared {compared} ({summary['compared_ids']} by token ids, "
         f"{summary['compared_text']} by text), errors {summary['errors']} (not comparisons); "
         f"exact {summary['exact']} ({100 * summary['match_rate']:.1f}%), ties "
-        f"{summary['ties']}, mismatches {summary['mismatches']}. Compared: "
-        f"**{summary['compared']}**.",
+        f"{summary['ties']}, mismatches {summary['mismatches']}, unchecked after a tie "
+        f"{summary['unchecked']}. Compared: **{summary['compared']}**.",
         "",
     ]
     if summary.get("error"):
@@ -225,6 +311,7 @@ def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
             else "exact"
             if r.exact
             else f"{len(r.divergences)} divergence(s)"
+            + (f", the rest unchecked ({md_quote(r.unchecked)})" if r.unchecked else "")
         )
         lines.append(
             f"| {prompt_name(r)} | {r.concurrency} | {r.context} "

@@ -14,6 +14,10 @@ the character position is known). Each divergence says what differed (`what`):
                    mismatch, never a tie
     text           the ids agree and the texts do not
     ids_text       the ids differ and the texts are the same (ids that disagree with text)
+    reasoning      the same tokens and text, another reasoning text (a chat reply's
+                   `reasoning_content` or `reasoning`; none, null and "" are the same)
+    tool_calls     the same tokens, text and reasoning, other tool calls (type, function
+                   name and arguments, in order; none, null and [] are the same)
     finish_reason  the same tokens, another finish_reason
     prompt         the servers saw different prompts (usage.prompt_tokens or echoed prompt
                    ids disagree, or the candidate's echo is not the prompt sent)
@@ -38,7 +42,7 @@ class Divergence:
     candidate_text: str
     margin: float | None  # the baseline's top-1 minus top-2 logprob there
     kind: str  # "tie" or "mismatch"
-    char_position: int | None = None  # in the generated text, for a text comparison
+    char_position: int | None = None  # in the generated text (text comparison) or the reasoning text
     what: str = "token"  # what differed (see the module doc)
 
 
@@ -140,9 +144,43 @@ def compare_texts(
 
 
 def _same_ending(base: Answer, cand: Answer, at: int, offset: int) -> Divergence | None:
-    """After the same tokens: the same text and finish_reason."""
+    """After the same tokens: the same text, reasoning, tool calls and finish_reason."""
     if base.text != cand.text:
         return _text_divergence(base, cand, "text")
+    for name in sorted(base.reasoning.keys() | cand.reasoning.keys()):
+        a, b = base.reasoning.get(name, ""), cand.reasoning.get(name, "")
+        if a != b:
+            char = _first_char_difference(a, b)
+            return Divergence(
+                offset + at,
+                -1,
+                -1,
+                f"{name}: {a[char : char + 20] or '(end)'}",
+                f"{name}: {b[char : char + 20] or '(end)'}",
+                None,
+                "mismatch",
+                char,
+                "reasoning",
+            )
+    if base.tool_calls != cand.tool_calls:
+        k = next(
+            (k for k, (a, b) in enumerate(zip(base.tool_calls, cand.tool_calls)) if a != b),
+            min(len(base.tool_calls), len(cand.tool_calls)),
+        )
+        shown = [
+            f"{calls[k]['name']}({calls[k]['arguments'][:40]})" if k < len(calls) else "(none)"
+            for calls in (base.tool_calls, cand.tool_calls)
+        ]
+        return Divergence(
+            offset + at,
+            -1,
+            -1,
+            f"call {k}: {shown[0]}",
+            f"call {k}: {shown[1]}",
+            None,
+            "mismatch",
+            what="tool_calls",
+        )
     if base.finish_reason != cand.finish_reason:
         return Divergence(
             offset + at,
@@ -186,7 +224,7 @@ def ids_round(base: Answer, cand: Answer, offset: int, tie_threshold: float) -> 
         if len(base_ids) != len(cand_ids):
             return _divergence(base, cand, common, offset, "mismatch", "length"), common
         return _same_ending(base, cand, common, offset), common
-    if base.text and base.text == cand.text:  # another token, the same text: a lie
+    if any(base.generated()) and base.generated() == cand.generated():  # other ids, the same text: a lie
         return _divergence(base, cand, at, offset, "mismatch", "ids_text"), at
     pieces = token_pieces(base)
     prefix = "".join(pieces[:at]) if pieces else None

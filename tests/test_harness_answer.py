@@ -62,6 +62,80 @@ def test_chat_answers_are_read_from_message_and_delta() -> None:
     assert (answer.text, answer.ids, answer.finish_reason) == ("hi", [5], "stop")
 
 
+def chat_whole(ids: tuple[int, ...] = (5,), **message) -> bytes:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", **message},
+        "token_ids": list(ids),
+        "finish_reason": "stop",
+    }
+    return json.dumps({"choices": [choice]}).encode()
+
+
+def chat_chunk(finish: str | None = None, ids: list[int] | None = None, **delta) -> dict:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"choices": [choice]}
+
+
+CALL = {"type": "function", "name": "lookup", "arguments": '{"q": "kv"}'}
+
+
+def test_a_chat_replys_reasoning_and_tool_calls_are_read_whole_and_streamed() -> None:
+    """A stream's pieces are joined: reasoning by field, a tool call's name and arguments by
+    its index; the call ids (drawn at random per request) are left out."""
+    call = {"id": "call_a", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "kv"}'}}
+    whole_answer = read_whole(
+        chat_whole((1, 2, 3, 4), content="hi", reasoning_content="think", tool_calls=[call]), chat=True
+    )
+    first_piece = {"index": 0, "id": "call_b", "type": "function", "function": {"name": "lookup"}}
+    events = [
+        chat_chunk(ids=[1], role="assistant", reasoning_content="thi"),
+        chat_chunk(ids=[2], reasoning_content="nk", content="hi"),
+        chat_chunk(ids=[3], tool_calls=[first_piece]),
+        chat_chunk(ids=[4], tool_calls=[{"index": 0, "function": {"arguments": '{"q": '}}]),
+        chat_chunk("stop", [], tool_calls=[{"index": 0, "function": {"arguments": '"kv"}'}}]),
+    ]
+    streamed = read_stream(stream(*events), chat=True)
+    for answer in (whole_answer, streamed):
+        assert answer.ids == [1, 2, 3, 4]
+        assert (answer.text, answer.reasoning, answer.tool_calls) == (
+            "hi",
+            {"reasoning_content": "think"},
+            [CALL],
+        )
+
+
+@pytest.mark.parametrize(
+    "none", [{}, {"reasoning_content": None, "tool_calls": None}, {"reasoning_content": "", "tool_calls": []}]
+)
+def test_absent_null_and_empty_reasoning_and_tool_calls_read_the_same(none: dict) -> None:
+    answer = read_whole(chat_whole(content="hi", **none), chat=True)
+    assert (answer.reasoning, answer.tool_calls) == ({}, [])
+    answer = read_stream(stream(chat_chunk("stop", [5], content="hi", **none)), chat=True)
+    assert (answer.reasoning, answer.tool_calls) == ({}, [])
+
+
+CHAT_STREAM_FAULTS = {
+    "reasoning after the finish": stream(
+        chat_chunk("stop", [5], content="hi"), chat_chunk(None, [], reasoning_content="more")
+    ),
+    "a tool call after the finish": stream(
+        chat_chunk("stop", [5], content="hi"), chat_chunk(None, [], tool_calls=[{"index": 0}])
+    ),
+    "tool_calls not a list": stream(chat_chunk("stop", [5], tool_calls={"index": 0})),
+    "reasoning not a string": stream(chat_chunk("stop", [5], reasoning_content=7)),
+}
+
+
+@pytest.mark.parametrize("fault", list(CHAT_STREAM_FAULTS))
+def test_a_chat_stream_with_reasoning_or_tool_calls_out_of_place_is_named(fault: str) -> None:
+    with pytest.raises(AnswerError) as caught:
+        read_stream(CHAT_STREAM_FAULTS[fault], chat=True)
+    assert caught.value.name == "malformed_body", caught.value
+
+
 def test_a_plain_openai_stream_without_done_is_whole_after_its_finish_reason() -> None:
     answer = read_stream(stream(chunk("ab", None, "length"), done=False), chat=False)
     assert answer.ids is None and answer.text == "ab"

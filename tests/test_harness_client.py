@@ -75,7 +75,7 @@ def test_over_http_each_chunk_is_timed_no_earlier_than_the_server_sent_it() -> N
 
 def test_a_malformed_sse_line_is_a_counted_failure() -> None:
     record, _ = one_record(Script(CHUNKS, malformed_at=2))
-    assert not record.success and "malformed SSE line" in record.error
+    assert not record.success and "malformed SSE event" in record.error
 
 
 def test_a_timeout_is_a_counted_failure() -> None:

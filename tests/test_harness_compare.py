@@ -18,7 +18,7 @@ import pytest
 from gates.lying_server import Reply, send_answer
 from harness.client import Endpoint
 from harness.compare import ComparePolicy, Divergence, PromptResult, compare, context_bucket, verdict
-from harness.compare_io import markdown
+from harness.compare_io import exit_status, markdown, verdict_line
 from harness.server_kind import KNOWN
 from harness.tokens import TextTokenizer
 from harness.workloads import Prompt
@@ -29,6 +29,7 @@ from .openai_stub import serve as serve_text_only
 
 TEXT = "import os\nimport sys\n\n\ndef main(argv=None):\n    return 0\n"
 PROMPTS = [Prompt(text="a"), Prompt(text="b"), Prompt(text="c")]
+CHAT = [Prompt(messages=({"role": "user", "content": "hi"},))]
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +226,73 @@ def test_other_ids_with_the_same_text_fail_even_at_a_near_tie() -> None:
     assert summary["verdict"] == "fail" and summary["first_mismatch"] == "ids_text", summary
 
 
+def near_tie_chat_baseline(ids: list[int], tied: int):
+    """A chat baseline whose answer is all but tied at position `tied` (margin 0.01; the
+    runner-up of token t is t + 1) and clear everywhere else."""
+
+    def answer(path: str, body: dict) -> dict:
+        data = completion(ids, chat=True)
+        content = []
+        for k, t in enumerate(ids):
+            margin = 0.01 if k == tied else 3.0
+            tops = [
+                {"token": f"<{t}>", "token_id": t, "logprob": -1.0},
+                {"token": f"<{t + 1}>", "token_id": t + 1, "logprob": -1.0 - margin},
+            ]
+            content.append({"token": f"<{t}>", "token_id": t, "logprob": -1.0, "top_logprobs": tops})
+        data["choices"][0]["logprobs"] = {"content": content}
+        return data
+
+    return answer
+
+
+TIE_TOLERANT = ComparePolicy(max_tie_rate=1.0)  # any number of ties passes
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_tokens_after_a_tie_that_cannot_be_resumed_are_unchecked_never_a_pass(stream: bool) -> None:
+    """A chat prompt cannot be extended by token ids, so the comparison stops at its first
+    tie; a candidate that goes anywhere after it (here 9 for 4) must not pass on tokens
+    never compared."""
+    results, summary = against(
+        near_tie_chat_baseline([1, 2, 3, 4], tied=1),
+        lambda p, b: completion([1, 3, 3, 9], chat=True),
+        CHAT,
+        policy=TIE_TOLERANT,
+        stream=stream,
+    )
+    assert [(d.position, d.kind) for d in results[0].divergences] == [(1, "tie")]
+    assert results[0].unchecked == "from position 2 on: a chat prompt cannot be extended by token ids"
+    assert summary["verdict"] == "fail" and summary["reason"] == "unchecked", summary
+    assert summary["unchecked"] == 1 and summary["by_concurrency"]["1"]["unchecked"] == 1
+    assert summary["first_unchecked"] == results[0].unchecked
+    line = verdict_line(results, summary)
+    assert line.startswith("fail: unchecked: 1 of 1 comparisons not compared to the end after a tie"), line
+    assert exit_status(summary) == 1
+
+
+def test_a_tie_at_the_last_position_leaves_nothing_unchecked() -> None:
+    with (
+        Stub(near_tie_chat_baseline([1, 2, 3], tied=2)) as base,
+        Stub(lambda p, b: completion([1, 2, 4], chat=True)) as cand,
+    ):
+        results, summary = asyncio.run(
+            compare(Endpoint(base.url), Endpoint(cand.url), CHAT, 3, 1, TIE_TOLERANT)
+        )
+    assert [(d.position, d.kind) for d in results[0].divergences] == [(2, "tie")]
+    assert results[0].unchecked is None and summary["verdict"] == "pass", summary
+
+
+def test_tokens_after_the_last_tie_max_divergences_allows_are_unchecked() -> None:
+    """Each tie is resumed from until --max-divergences; what follows the last is unchecked."""
+    policy = ComparePolicy(max_tie_rate=1.0, max_divergences=1)
+    results, summary = against(
+        near_tie_baseline([1, 2, 3]), lambda p, b: completion([1, 3, 3], prompt_tokens=2), policy=policy
+    )
+    assert results[0].unchecked == "from position 2 on: --max-divergences 1 reached"
+    assert summary["reason"] == "unchecked", summary
+
+
 @pytest.mark.parametrize(("token", "kind"), [(3, "tie"), (7, "mismatch")])
 def test_a_near_tie_is_a_tie_only_when_the_candidate_took_the_runner_up(token: int, kind: str) -> None:
     results, _ = against(
@@ -276,6 +344,68 @@ def test_one_token_short_or_long_is_a_mismatch_never_a_tie(cand_ids: list[int]) 
 def test_another_finish_reason_is_a_mismatch() -> None:
     _, summary = against(lambda p, b: completion([1, 2]), lambda p, b: completion([1, 2], finish="stop"))
     assert summary["verdict"] == "fail" and summary["first_mismatch"] == "finish_reason"
+
+
+def chat_reply(ids: list[int], text: str | None = None, **message):
+    """A chat server's answer: `message` fields besides the content (reasoning, tool calls)."""
+
+    def answer(path: str, body: dict) -> dict:
+        data = completion(ids, text, chat=True)
+        data["choices"][0]["message"].update(message)
+        return data
+
+    return answer
+
+
+LOOKUP = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("base_fields", "cand_fields", "what"),
+    [
+        ({}, {"reasoning_content": "Let me think."}, "reasoning"),
+        ({"reasoning_content": "think"}, {"reasoning_content": "thinx"}, "reasoning"),
+        ({"reasoning": "think"}, {}, "reasoning"),
+        ({}, {"tool_calls": [LOOKUP]}, "tool_calls"),
+        (
+            {"tool_calls": [LOOKUP]},
+            {"tool_calls": [{**LOOKUP, "function": {"name": "lookup", "arguments": "{1}"}}]},
+            "tool_calls",
+        ),
+    ],
+    ids=["reasoning added", "reasoning changed", "reasoning dropped", "tool call added", "tool call changed"],
+)
+def test_a_chat_reply_with_other_reasoning_or_tool_calls_fails(
+    base_fields: dict, cand_fields: dict, what: str, stream: bool
+) -> None:
+    results, summary = against(
+        chat_reply([4, 5], **base_fields), chat_reply([4, 5], **cand_fields), CHAT, stream=stream
+    )
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == what, summary
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_absent_null_and_empty_reasoning_and_tool_calls_agree_and_call_ids_are_not_compared(
+    stream: bool,
+) -> None:
+    base = chat_reply([4, 5], reasoning_content=None, tool_calls=[LOOKUP])
+    cand = chat_reply([4, 5], reasoning_content="", reasoning=None, tool_calls=[{**LOOKUP, "id": "call_2"}])
+    _, summary = against(base, cand, CHAT, stream=stream)
+    assert summary["verdict"] == "pass", summary
+    _, summary = against(chat_reply([4, 5]), chat_reply([4, 5], tool_calls=[]), CHAT, stream=stream)
+    assert summary["verdict"] == "pass", summary
+
+
+def test_other_ids_with_the_same_content_and_other_reasoning_are_a_token_divergence() -> None:
+    """The ids cover the reasoning too: another token inside it, with the content the same, is
+    not ids that disagree with the text."""
+    _, summary = against(
+        chat_reply([3, 4, 5], "ok", reasoning_content="ab"),
+        chat_reply([3, 4, 6], "ok", reasoning_content="aX"),
+        CHAT,
+    )
+    assert summary["first_mismatch"] == "token", summary
 
 
 def test_a_candidate_that_saw_another_prompt_fails() -> None:

@@ -87,14 +87,15 @@ def test_an_interrupted_compare_keeps_its_rows_and_resume_makes_the_rest(tmp_pat
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err
-    assert "interrupted: 2 comparisons kept" in err and "Traceback" not in err
-    kept = rows(out)
-    assert [r["source"] for r in kept] == [f"{prompts}:1", f"{prompts}:2"]
-    assert [r["prompt"] for r in kept] == [{"text": "prompt 0"}, {"text": "prompt 1"}]
-    with Stub(answer) as base, Stub(answer) as cand:
-        assert main(args(base.url, cand.url, prompts, out, "--concurrency", "1", "--resume")) == 0
-        assert [b["prompt"] for b in cand.bodies] == ["prompt 2", "prompt 3"]
+        assert proc.returncode == 130, err
+        assert "interrupted: 2 comparisons kept" in err and "Traceback" not in err
+        kept = rows(out)
+        assert [r["source"] for r in kept] == [f"{prompts}:1", f"{prompts}:2"]
+        assert [r["prompt"] for r in kept] == [{"text": "prompt 0"}, {"text": "prompt 1"}]
+        stalled.release.set()  # the same servers again: the rows kept were made against them
+        asked = len(stalled.bodies)
+        assert main(args(base.url, stalled.url, prompts, out, "--concurrency", "1", "--resume")) == 0
+        assert [b["prompt"] for b in stalled.bodies[asked:]] == ["prompt 2", "prompt 3"]
     summary = json.loads((out / "compare_summary.json").read_text())
     assert summary["prompts"] == summary["exact"] == 4 and len(rows(out)) == 4
 
@@ -102,22 +103,80 @@ def test_an_interrupted_compare_keeps_its_rows_and_resume_makes_the_rest(tmp_pat
 def test_resume_compares_again_what_failed_and_drops_a_torn_line(tmp_path) -> None:
     prompts = prompts_file(tmp_path, [{"prompt": "a"}, {"prompt": "b"}])
     out = tmp_path / "out"
+    busy = {"b"}  # the prompts the candidate refuses, for now
     with (
         Stub(answer) as base,
-        Stub(lambda p, b: Reply(503, b"busy") if b["prompt"] == "b" else answer(p, b)) as cand,
+        Stub(lambda p, b: Reply(503, b"busy") if b["prompt"] in busy else answer(p, b)) as cand,
     ):
         assert main(args(base.url, cand.url, prompts, out)) == ERRORS["http_error"][0]
-    with (out / "compare.jsonl").open("a") as f:
-        f.write('{"index": 7, "exa')
-    log = RowLog(out, resume=True)
-    log.close()
-    assert len(log.kept) == 1 and log.dropped == 2  # the http_503 row and the torn line
-    with Stub(answer) as base, Stub(answer) as cand:
+        with (out / "compare.jsonl").open("a") as f:
+            f.write('{"index": 7, "exa')
+        log = RowLog(out, resume=True, identity=json.loads((out / "compare_run.json").read_text()))
+        log.close()
+        assert len(log.kept) == 1 and log.dropped == 2  # the http_503 row and the torn line
+        busy.clear()
         assert main(args(base.url, cand.url, prompts, out, "--resume")) == 0
-        assert [b["prompt"] for b in cand.bodies] == ["b"]
-    with Stub(answer) as base, Stub(answer) as cand:  # another length: other comparisons
+        assert [b["prompt"] for b in cand.bodies[2:]] == ["b"]
+        # another length: other comparisons
         assert main(args(base.url, cand.url, prompts, out, "--resume", "--max-tokens", "3")) == 0
-        assert sorted(b["prompt"] for b in cand.bodies) == ["a", "b"]  # concurrent: any order
+        assert sorted(b["prompt"] for b in cand.bodies[3:]) == ["a", "b"]  # concurrent: any order
+
+
+def results(out: Path) -> dict[str, bytes]:
+    """The files of a run (not the lock each run takes)."""
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"}
+
+
+@pytest.mark.parametrize(
+    ("change", "differs"),
+    [
+        ("candidate", "candidate.url"),
+        ("--model", "baseline.model"),
+        ("--server-kind", "baseline.server_kind"),  # both servers: sorted first
+        ("--no-stream", "stream"),
+        ("--tie-threshold", "tie_threshold"),
+        ("--max-divergences", "max_divergences"),
+    ],
+)
+def test_resume_refuses_rows_made_against_another_candidate_or_settings(
+    tmp_path, capsys, change: str, differs: str
+) -> None:
+    """A row of another candidate (URL, model, server kind) or of other settings proves
+    nothing about this run: --resume stops with its status and leaves the folder as it was."""
+    prompts = prompts_file(tmp_path, [{"prompt": "a"}, {"prompt": "b"}])
+    out = tmp_path / "out"
+    with Stub(answer) as base, Stub(answer) as cand, Stub(answer) as other:
+        assert main(args(base.url, cand.url, prompts, out)) == 0
+        before = results(out)
+        extra = {
+            "--model": ["--model", "another"],
+            "--server-kind": ["--server-kind", "openai"],
+            "--no-stream": ["--no-stream"],
+            "--tie-threshold": ["--tie-threshold", "0.5"],
+            "--max-divergences": ["--max-divergences", "2"],
+        }.get(change, [])
+        again = args(
+            base.url, other.url if change == "candidate" else cand.url, prompts, out, "--resume", *extra
+        )
+        capsys.readouterr()
+        assert main(again) == ERRORS["resume_conflict"][0]
+        assert other.bodies == [] and len(cand.bodies) == 2  # nothing was asked
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("error: resume_conflict: the 2 rows in ") and f"{differs} was " in line, line
+    assert results(out) == before
+
+
+def test_resume_refuses_rows_that_say_nothing_of_what_they_were_compared_against(tmp_path, capsys) -> None:
+    prompts = prompts_file(tmp_path, [{"prompt": "a"}])
+    out = tmp_path / "out"
+    with Stub(answer) as base, Stub(answer) as cand:
+        assert main(args(base.url, cand.url, prompts, out)) == 0
+        (out / "compare_run.json").unlink()  # as an older harness left its folders
+        assert main(args(base.url, cand.url, prompts, out, "--resume")) == ERRORS["resume_conflict"][0]
+        assert "no compare_run.json says" in capsys.readouterr().err
+        assert (
+            main(args(base.url, cand.url, prompts, tmp_path / "fresh", "--resume")) == 0
+        )  # no rows: nothing to refuse
 
 
 def test_each_concurrency_level_is_a_row_of_its_own(tmp_path) -> None:

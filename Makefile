@@ -10,6 +10,9 @@ DEPS ?= range
 # no: leave out the peer clients (requirements/peers.txt, about 1.3 GB in .peers/); their tests skip
 PEERS ?= yes
 PYTEST_ARGS ?=
+# make test's pytest processes (pytest-xdist): the CPU tier keeps one core busy, two halve it
+# on 2 cores; 0 runs it in this process alone, auto on every core
+TEST_WORKERS ?= 2
 
 # the trained demo pair shipped in the package (reference_engine/assets/demo)
 DEMO ?= reference_engine/assets/demo
@@ -42,7 +45,7 @@ setup:
 	PYTHON="$(PYTHON)" TORCH="$(TORCH)" TORCH_INDEX="$(TORCH_INDEX)" DEPS="$(DEPS)" PEERS="$(PEERS)" bash scripts/setup.sh
 
 test:
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 gate:
 	$(PYTHON) -m pytest -q gates $(PYTEST_ARGS)

@@ -37,7 +37,15 @@ from .client import ENDPOINT_KINDS, Endpoint
 from .load import LoadSpec, measure
 from .outcome import verdict_line
 from .output import OutputError, claim
-from .resume import prepare, read_request_rows, trim_torn_tail
+from .resume import (
+    ResumeConflict,
+    check_identity,
+    prepare,
+    read_request_rows,
+    run_identity,
+    trim_torn_tail,
+    write_identity,
+)
 from .server_kind import SERVER_KINDS, resolve
 from .tokens import TextTokenizer
 from .workloads import GROUPS, WorkloadError, builtin, load_jsonl, mixed_long, synthetic, take
@@ -449,7 +457,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     servers: dict[str, ManagedServer] = {}
+    identity = run_identity(args)
+    if args.resume:
+        try:
+            check_identity(out, identity)
+        except ResumeConflict as exc:  # nothing started, the folder left as it was
+            hold.release()
+            print(f"error: resume_conflict: {exc}", file=sys.stderr)
+            return 2
     try:
+        write_identity(out, identity)
         if args.command == "bench":
             servers[args.label] = ManagedServer(args.base_url)
         else:

@@ -24,15 +24,11 @@ from .answer import ERRORS, error_class
 from .client import Endpoint
 from .compare import ComparePolicy, PromptResult
 from .divergence import Divergence
-from .resume import read_request_rows
+from .resume import ResumeConflict, differences, read_request_rows
 
 ROWS = "compare.jsonl"
 RUN = "compare_run.json"
 _FIELDS = {f.name for f in fields(PromptResult)}
-
-
-class ResumeConflict(Exception):
-    """--resume of a folder whose rows were made against other servers or settings."""
 
 
 def run_identity(baseline: Endpoint, candidate: Endpoint, policy: ComparePolicy, stream: bool) -> dict:
@@ -62,17 +58,6 @@ def run_identity(baseline: Endpoint, candidate: Endpoint, policy: ComparePolicy,
     }
 
 
-def _differences(saved: dict, now: dict, where: str = "") -> list[str]:
-    out = []
-    for key in sorted(saved.keys() | now.keys()):
-        a, b = saved.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{where}{key}.")
-        elif a != b:
-            out.append(f"{where}{key} was {a!r}, now {b!r}")
-    return out
-
-
 def check_resumable(out: Path, identity: dict) -> None:
     """ResumeConflict unless every row in `out` was made against `identity`."""
     rows, dropped = read_request_rows(out / ROWS)
@@ -88,7 +73,7 @@ def check_resumable(out: Path, identity: dict) -> None:
         ) from None
     except ValueError:
         raise ResumeConflict(f"{path} is not JSON: cannot tell what the rows were compared against") from None
-    differ = _differences(saved, identity) if isinstance(saved, dict) else [f"{RUN} is not an object"]
+    differ = differences(saved, identity) if isinstance(saved, dict) else [f"{RUN} is not an object"]
     if differ:
         raise ResumeConflict(
             f"the {len(rows)} rows in {out / ROWS} were compared against another run: "

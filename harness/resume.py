@@ -13,7 +13,9 @@ and its runs are measured again.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,105 @@ RUN_COLUMNS = ("label", "concurrency", "repeat")  # the first columns of summary
 
 REQUESTS = "requests.jsonl"
 SUMMARY = "summary.csv"
+IDENTITY = "bench_run.json"  # what the folder's rows were measured with (run_identity)
+
+# the options of `harness bench` and `harness ab` that change what a request is, whom it goes
+# to, or a row: the servers, the model and kind asked for, the workload, the SLOs
+IDENTITY_OPTIONS = (
+    "base_url",
+    "a_url",
+    "a_cmd",
+    "b_url",
+    "b_cmd",
+    "model",
+    "server_kind",
+    "tokenizer",
+    "endpoint",
+    "num_prompts",
+    "input_len",
+    "output_len",
+    "dataset",
+    "builtin",
+    "text",
+    "long_input_len",
+    "long_share",
+    "warmup",
+    "request_rate",
+    "burstiness",
+    "timeout",
+    "seed",
+    "slo_ttft_ms",
+    "slo_tpot_ms",
+    "slo_e2e_ms",
+)
+
+
+class ResumeConflict(Exception):
+    """--resume of a folder whose rows were made against other servers or settings."""
+
+
+def differences(saved: dict, now: dict, where: str = "") -> list[str]:
+    """`key was A, now B` for every key whose value differs, nested keys as `a.b`; `command`
+    first (the subcommand: the plainest difference), then by name."""
+    out = []
+    for key in sorted(saved.keys() | now.keys(), key=lambda k: (k != "command", k)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{where}{key}.")
+        elif a != b:
+            out.append(f"{where}{key} was {a!r}, now {b!r}")
+    return out
+
+
+def run_identity(args) -> dict:
+    """What the rows of a `harness bench` or `harness ab` folder were measured with: the
+    command, the servers (the URL attached to, or the command that started one: its port
+    changes from run to run), the model and server kind asked for, every workload setting,
+    the bytes of the dataset, the SLOs. Not in it: the concurrency levels and repeats (each
+    run's own key, so a resumed run may add levels or repeats), the failure threshold (it
+    judges rows), labels, notes and the API key."""
+    identity: dict = {"command": args.command}
+    for name in IDENTITY_OPTIONS:
+        if hasattr(args, name):
+            value = getattr(args, name)
+            identity[name] = "inf" if isinstance(value, float) and math.isinf(value) else value
+    if getattr(args, "dataset", None):
+        try:
+            identity["dataset_sha256"] = hashlib.sha256(Path(args.dataset).read_bytes()).hexdigest()
+        except OSError:
+            identity["dataset_sha256"] = None  # the workload's own error says why
+    return identity
+
+
+def check_identity(out: Path, identity: dict) -> None:
+    """ResumeConflict unless every row in `out` was measured with `identity` (bench_run.json)."""
+    rows, dropped = read_request_rows(out / REQUESTS)
+    summary = (out / SUMMARY).exists() and (out / SUMMARY).stat().st_size > 0
+    if not rows and not dropped and not summary:
+        return  # nothing to keep
+    path = out / IDENTITY
+    again = "measure afresh without --resume (or into another --out)"
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResumeConflict(
+            f"{out} holds measured rows but no {IDENTITY} says what they were measured with; {again}"
+        ) from None
+    except ValueError:
+        raise ResumeConflict(f"{path} is not JSON: cannot tell what the rows were measured with") from None
+    differ = differences(saved, identity) if isinstance(saved, dict) else [f"{IDENTITY} is not an object"]
+    if differ:
+        raise ResumeConflict(
+            f"the rows in {out} were measured with other servers or settings: "
+            + "; ".join(differ[:4])
+            + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
+            + f"; {again}"
+        )
+
+
+def write_identity(out: Path, identity: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomically(out / IDENTITY, json.dumps(identity, indent=2) + "\n")
 
 
 def read_request_rows(path: Path) -> tuple[list[dict], int]:

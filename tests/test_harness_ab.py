@@ -102,9 +102,14 @@ def test_acceptance_from_prometheus_equals_the_servers_own_statistics(ab_run) ->
         assert sum(hist.values()) == steps
 
 
-def test_resume_skips_runs_already_measured(ab_run, tiny_checkpoint) -> None:
+def test_resume_refuses_a_folder_measured_with_other_servers_and_leaves_it_as_it_was(ab_run) -> None:
+    """The A/B folder resumed by `bench` against another URL: its rows were measured with
+    other servers, so nothing is measured, nothing is sent (the URL is dead on purpose) and
+    no file changes; the saved identity names the servers by the commands that started them."""
     out, _ = ab_run
-    before = (out / "summary.csv").read_text()
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"}
+    saved = json.loads((out / "bench_run.json").read_text())
+    assert saved["command"] == "ab" and "--port {port}" in saved["a_cmd"] and saved["a_url"] is None
     done = subprocess.run(
         [
             sys.executable,
@@ -130,6 +135,9 @@ def test_resume_skips_runs_already_measured(ab_run, tiny_checkpoint) -> None:
         text=True,
         timeout=120,
     )
-    # every (A, c, repeat) is already there: nothing is sent (the URL is dead on purpose)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (out / "summary.csv").read_text() == before
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: resume_conflict: ") and "command was 'ab', now 'bench'" in last
+    assert "Traceback" not in done.stderr
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"}
+    assert after == before

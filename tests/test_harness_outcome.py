@@ -109,20 +109,19 @@ def test_bad_arguments_are_refused_at_once_without_a_traceback(argv, message, tm
 # ------------------------------------------------------------------ resume
 def test_resume_measures_failed_and_interrupted_runs_again_without_duplicates(tmp_path) -> None:
     out = tmp_path / "run"
-    flaky, flaky_url = serve(Script(CHUNKS, fail_every=3))
+    script = Script(CHUNKS, fail_every=3)
+    server, url = serve(script)
+    argv = ["bench", "--base-url", url, *RUN, "--repeats", "2", "--out", str(out)]
     try:
-        assert main(["bench", "--base-url", flaky_url, *RUN, "--repeats", "2", "--out", str(out)]) == 1
-    finally:
-        flaky.shutdown()
-    # an interrupt: the last summary row is gone and requests.jsonl ends in a torn line cut
-    # inside a multi-byte character
-    lines = (out / "summary.csv").read_text().splitlines(keepends=True)
-    (out / "summary.csv").write_text("".join(lines[:-1]))
-    with (out / "requests.jsonl").open("ab") as f:
-        f.write('{"label": "A", "concurrency": 1, "repeat": 0, "error": "caf\u00e9'.encode()[:-1])
-    healthy, url = serve(Script(CHUNKS))
-    try:
-        assert main(["bench", "--base-url", url, *RUN, "--repeats", "2", "--resume", "--out", str(out)]) == 0
+        assert main(argv) == 1
+        # an interrupt: the last summary row is gone and requests.jsonl ends in a torn line cut
+        # inside a multi-byte character
+        lines = (out / "summary.csv").read_text().splitlines(keepends=True)
+        (out / "summary.csv").write_text("".join(lines[:-1]))
+        with (out / "requests.jsonl").open("ab") as f:
+            f.write('{"label": "A", "concurrency": 1, "repeat": 0, "error": "caf\u00e9'.encode()[:-1])
+        script.fail_every = None  # the same server, healthy again
+        assert main([*argv, "--resume"]) == 0
         rows = summary(out)
         assert sorted((r["concurrency"], r["repeat"]) for r in rows) == [
             ("1", "0"),
@@ -134,27 +133,55 @@ def test_resume_measures_failed_and_interrupted_runs_again_without_duplicates(tm
         found = keys(out)
         assert len(found) == len(set(found)) == 2 * 2 * 4
         assert read_request_rows(out / "requests.jsonl")[1] == 0  # no torn line left
-        # nothing left to do: a second resume sends nothing (the URL is dead on purpose)
-        before = (out / "requests.jsonl").read_bytes()
-        assert (
-            main(
-                [
-                    "bench",
-                    "--base-url",
-                    f"http://127.0.0.1:{free_port()}",
-                    *RUN,
-                    "--repeats",
-                    "2",
-                    "--resume",
-                    "--out",
-                    str(out),
-                ]
-            )
-            == 0
-        )
-        assert (out / "requests.jsonl").read_bytes() == before
     finally:
-        healthy.shutdown()
+        server.shutdown()
+    # nothing left to do: a second resume sends nothing (the server is down on purpose)
+    before = (out / "requests.jsonl").read_bytes()
+    assert main([*argv, "--resume"]) == 0
+    assert (out / "requests.jsonl").read_bytes() == before
+
+
+def test_resume_refuses_rows_measured_with_another_server_or_workload(tmp_path, capsys) -> None:
+    """A resumed run whose server or workload differs from the folder's would mix rows of two
+    benchmarks under one summary: refused with one line, nothing sent, no file changed."""
+    out = tmp_path / "run"
+    server, url = serve(Script(CHUNKS))
+    try:
+        assert main(["bench", "--base-url", url, *RUN, "--out", str(out)]) == 0
+
+        def files() -> dict:
+            return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"}
+
+        before = files()
+        for change, named in (
+            (["--base-url", f"http://127.0.0.1:{free_port()}", *RUN], "base_url was"),
+            (["--base-url", url, *RUN, "--output-len", "7"], "output_len was"),
+            (["--base-url", url, *RUN, "--seed", "3"], "seed was"),
+            (["--base-url", url, *RUN, "--server-kind", "openai"], "server_kind was"),
+        ):
+            capsys.readouterr()
+            assert main(["bench", *change, "--resume", "--out", str(out)]) == 2
+            last = capsys.readouterr().err.strip().splitlines()[-1]
+            assert last.startswith("error: resume_conflict: ") and named in last, last
+            assert files() == before
+        # more repeats or concurrency levels are the same benchmark, continued
+        assert len(summary(out)) == 2  # concurrency 1 and 2, one repeat
+        assert main(["bench", "--base-url", url, *RUN, "--repeats", "2", "--resume", "--out", str(out)]) == 0
+        assert len(summary(out)) == 4
+    finally:
+        server.shutdown()
+
+
+def test_resume_refuses_rows_that_say_nothing_of_what_they_were_measured_with(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    server, url = serve(Script(CHUNKS))
+    try:
+        assert main(["bench", "--base-url", url, *RUN, "--out", str(out)]) == 0
+        (out / "bench_run.json").unlink()
+        assert main(["bench", "--base-url", url, *RUN, "--resume", "--out", str(out)]) == 2
+        assert "no bench_run.json says what they were measured with" in capsys.readouterr().err
+    finally:
+        server.shutdown()
 
 
 def test_read_request_rows_drops_a_torn_last_line_and_keeps_the_rest(tmp_path) -> None:

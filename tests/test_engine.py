@@ -738,6 +738,23 @@ def test_measured_eager_step_costs_cover_every_row_bucket_and_width_and_change_n
     assert not make_engine(target, draft, max_num_seqs=3).verify_width.costs.measured  # off: flat
 
 
+def test_a_row_with_one_token_left_is_credited_no_draft_token(target: CausalLM, draft: DFlashDraft) -> None:
+    """A step commits at most what a request has left: its accepted draft tokens and the
+    target's own token after them, so a row with r tokens left can gain at most r - 1 from
+    its draft. With one token left a drafted step gains nothing over a plain step, and where
+    a plain step costs less the width choice takes it (crediting r draft tokens, it drafted)."""
+    from reference_engine.runtime.verify_width import StepCosts
+
+    costs = StepCosts({(1, w): s for w, s in ((0, 1.0), (1, 1.6), (3, 2.0), (7, 3.0))}, measured=True)
+    full = reference(target, PROMPTS[0], greedy(10))
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=1, block_size=BLOCK_SIZE), step_costs=costs)
+    engine.add_request("r", PROMPTS[0], greedy(10), oracle=OracleProposer(full, [BLOCK_SIZE - 1], VOCAB))
+    drain(engine)
+    assert engine.collect("r").output_ids == full
+    # the prefill's token, a full block of 8 (1 + 7 accepted), then one token left: a plain step
+    assert engine.stats()["verify_widths"] == {7: 1, 0: 1}
+
+
 def test_measured_eager_step_costs_time_a_different_token_at_every_position(
     target: CausalLM, draft: DFlashDraft, monkeypatch: pytest.MonkeyPatch
 ) -> None:

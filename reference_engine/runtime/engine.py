@@ -307,8 +307,10 @@ class Engine:
         if spec:
             commits: list[StepCommit] = []
             with outputs.failing(spec):
+                # the draft tokens a row can commit: a step commits at most what it has left,
+                # its accepted draft tokens and the target's own token after them
                 width = self.verify_width.choose(
-                    [min(self.block_size - 1, s.remaining) for s in spec],
+                    [min(self.block_size - 1, max(s.remaining - 1, 0)) for s in spec],
                     [s.spec for s in spec],
                     self.spec_totals,
                 )

@@ -16,7 +16,8 @@ tokens per second:
 
     sum over rows i of E_i(min(W, n_i)) / seconds(rows, W),   E_i(w) = 1 + sum_{k<=w} r_i[k]
 
-where n_i is what row i may still produce and r_i[k] the probability that its draft tokens
+where n_i is how many draft tokens row i can still commit (one less than the tokens it has
+left: the step's last token is the target's own) and r_i[k] the probability that its draft tokens
 1..k are all accepted. The forward is padded to its widest row, so one W for the step is best
 for every row: a row verified narrower than its neighbours would save nothing. r_i[k] is the
 product of conditional acceptance rates c_j (draft token j accepted, given 1..j-1 were and j

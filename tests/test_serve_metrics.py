@@ -41,8 +41,10 @@ def value(page: Samples, name: str, **labels: str) -> float:
     return page.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def idle_engine(spec: SpecCounters | None = None, verify_widths: dict[int, int] | None = None):
-    """What `on_step` reads of an engine, with nothing running."""
+def idle_engine(
+    spec: SpecCounters | None = None, verify_widths: dict[int, int] | None = None, epoch: int = 0
+):
+    """What `on_step` reads of an engine, with nothing running (`epoch`: its resets so far)."""
     timer = SimpleNamespace(as_dict=lambda: {})
     scheduler = SimpleNamespace(fallbacks={}, active={}, waiting=[])
     return SimpleNamespace(
@@ -52,6 +54,7 @@ def idle_engine(spec: SpecCounters | None = None, verify_widths: dict[int, int] 
         timer=timer,
         device=torch.device("cpu"),
         kv_cache_usage=lambda: 0.0,
+        stats_epoch=epoch,
     )
 
 
@@ -120,6 +123,23 @@ def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset()
         if name == "dflash:spec_decode_num_accepted_tokens_per_pos_total"
     }
     assert per_pos == {1: 3, 2: 2, 3: 2, 4: 1, 5: 1, 6: 1, 7: 1}
+
+
+def test_a_reset_whose_new_totals_pass_the_old_ones_is_counted_whole() -> None:
+    """Totals that restart and, by the next step seen, exceed what was seen before the reset
+    do not look restarted: the engine's reset count says so, and all of them are new."""
+    metrics = ServerMetrics()
+    spec = SpecCounters()
+    spec.record(7, 3, 4)
+    metrics.on_step(idle_engine(spec, verify_widths={7: 1}))
+    spec = SpecCounters()  # Engine.reset_stats, then two steps before the next one seen
+    spec.record(7, 2, 3)
+    spec.record(7, 5, 6)
+    metrics.on_step(idle_engine(spec, verify_widths={7: 2}, epoch=1))
+    page = samples(metrics.render(idle_engine(epoch=1))[0])
+    assert value(page, "dflash:spec_decode_num_drafts_total") == 3
+    assert value(page, "dflash:spec_decode_num_accepted_tokens_total") == 3 + 2 + 5
+    assert value(page, "dflash:spec_decode_verify_width_total", width="7") == 3
 
 
 def test_the_acceptance_counters_under_vllm_and_lmdeploy_names_count_the_same_from_position_0() -> None:

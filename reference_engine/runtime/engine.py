@@ -115,6 +115,7 @@ class Engine:
         self.ranges = ranges or NvtxRanges()
         self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
+        self.stats_epoch = 0  # how many times reset_stats started the statistics afresh
         # a plain step (verify width 0) runs on the CPU only: on CUDA neither its captured
         # graphs nor its eager forwards (a verify of one token) have run on a device yet
         plain_step = self.device.type == "cpu"
@@ -314,8 +315,8 @@ class Engine:
                     [s.spec for s in spec],
                     self.spec_totals,
                 )
-                self.verify_widths[width] += 1
                 commits = self.speculative_step(spec, width)
+                self.verify_widths[width] += 1  # a step that ran (one that raised is not counted)
             for seq, commit in zip(spec, commits):
                 self._record_speculative(seq, commit, outputs, drafted=width > 0)
         self.scheduler.finish_done()
@@ -364,6 +365,7 @@ class Engine:
         if self.has_unfinished():
             raise RequestError("reset_stats needs an idle engine: requests are still running")
         self.scheduler.reset_stats()
+        self.stats_epoch += 1  # readers of the totals (serving/metrics.py) start their differences afresh
         self.spec_totals = SpecCounters()
         self.verify_widths = Counter()
         if self.verify_width is not None:

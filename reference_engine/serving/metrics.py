@@ -146,12 +146,13 @@ class ServerMetrics:
         )
         self.phase_seconds = Counter(f"{p}:phase_seconds", "Engine time per phase", ["phase"], registry=r)
         self._seen: dict[str, float] = {}  # last engine totals: counters advance by differences
+        self._epoch = 0  # the engine's resets seen (Engine.stats_epoch)
 
     def _advance(self, key: str, counter: Counter | list[Counter], value: float) -> None:
         """Advance `counter` (or each of a list: one count under several names) to the engine
         total `value`."""
         seen = self._seen.get(key, 0)
-        # totals that went down were restarted (Engine.reset_stats): all of `value` is new
+        # totals that went down were restarted (a reset on_step did not see): all of `value` is new
         delta = value - seen if value >= seen else value
         if delta > 0:
             for each in counter if isinstance(counter, list) else [counter]:
@@ -160,6 +161,10 @@ class ServerMetrics:
 
     def on_step(self, engine: Engine) -> None:
         """Called on the engine thread after each step, before its outputs are handed on."""
+        epoch = getattr(engine, "stats_epoch", 0)
+        if epoch != self._epoch:  # Engine.reset_stats: every total restarted from zero
+            self._seen.clear()
+            self._epoch = epoch
         spec = engine.spec_totals
         names = self.acceptance
         self._advance("drafts", [c.drafts for c in names], spec.steps)

@@ -29,13 +29,6 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-# Under pytest-xdist (make test: TEST_WORKERS processes) each worker's operators take their
-# share of the cores, not all of them: two workers each running torch on every core of a
-# 2-core machine would leave a timed test (the client's ceiling) a fraction of one
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
-
 from reference_engine.checkpoint.synthetic import make_tiny_draft, make_tiny_target  # noqa: E402
 
 # --target-model / --draft-model / --gate-device / --gate-dtype for the gates
@@ -56,7 +49,8 @@ pytest_plugins = ["gates.options"]
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
-    # thread hand-off makes a 64-wide matmul take milliseconds instead of microseconds.
+    # thread hand-off makes a 64-wide matmul take milliseconds instead of microseconds (so
+    # each pytest-xdist worker of make test keeps to one core too).
     torch.set_num_threads(1)
 
 

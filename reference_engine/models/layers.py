@@ -125,7 +125,7 @@ class MLP(nn.Module):
         self.fused = FusedLinears([self.gate_proj, self.up_proj])
 
     def forward(
-        self, x: torch.Tensor, ops: Kernels = TORCH, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, ops: Kernels = TORCH, *, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)), plus `residual` when given (the layer's residual
         connection, as a mixture of experts takes it: models/moe.SparseMoeBlock)."""

@@ -138,7 +138,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(
-        self, x: torch.Tensor, ops: Kernels = TORCH, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, ops: Kernels = TORCH, *, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x: [batch, T, hidden] -> [batch, T, hidden]; `residual` (x's shape) + that when
         given: the layer's residual connection, added by the experts' slot sum where no shared

@@ -636,6 +636,14 @@ LIES: dict[str, _liar.Lie] = {
         body=_liar.error_body,
         events=_liar.error_events,
     ),
+    "refuses_token_id_prompts": _liar.Lie(
+        "hide its server kind from the probe and refuse token-id prompts with HTTP 400 (taken "
+        "for a text-only server, it would be judged on its text prompts alone)",
+        ("unsent",),
+        refuse=_liar.refuse_token_id_prompts,
+        get=_liar.hide_server_kind,
+        args=("--server-kind", "auto"),
+    ),
     "not_json": _liar.Lie("HTTP 200 with an HTML page", ("malformed_body",), reply=_liar.not_json),
     "cut_short": _liar.Lie(
         "the body cut in half (a stream: ended before its finish_reason)",

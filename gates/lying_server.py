@@ -7,7 +7,10 @@ A lie edits one or more of: the request as forwarded (`request`), the generated 
 (`answer`: text, token ids, finish_reason, usage, whole or streamed alike), a whole reply's
 JSON (`body`), a stream's events (`events`, the `[DONE]` marker included as a string), or the
 raw reply (`reply`, given the previous honest reply of the same path and form, whole or
-streamed). GET requests pass untouched.
+streamed). A lie may also answer a request itself instead of forwarding it (`refuse`) and
+edit what GET requests return (`get`: what the server says about itself, which the
+harness's probe reads); otherwise GET requests pass untouched. `args` are the `harness
+compare` arguments a lie is run with (a lie to the probe needs `--server-kind auto`).
 
     with LyingServer(honest.url, LIES["one_token_short"], tokenizer) as liar:
         ...  # harness compare --candidate liar.url
@@ -56,11 +59,14 @@ class Lie:
     body: Callable[[dict], dict | bytes] | None = None
     events: Callable[[list], list] | None = None
     reply: Callable[[Reply, Reply | None], Reply] | None = None
+    refuse: Callable[[dict], Reply | None] | None = None  # a reply instead of forwarding (None: forward)
+    get: Callable[[str, Reply], Reply] | None = None  # (path, honest reply) -> the reply to a GET
+    args: tuple[str, ...] = ()  # harness compare arguments to run it with
 
     @property
     def forms(self) -> tuple[str, ...]:
         """The reply forms it lies in: `whole`, `stream` or both."""
-        both = self.request or self.answer or self.reply
+        both = self.request or self.answer or self.reply or self.refuse
         return tuple(f for f, hook in (("whole", self.body), ("stream", self.events)) if both or hook)
 
 
@@ -213,9 +219,10 @@ class LyingServer:
 
             def do_GET(self) -> None:
                 r = liar.client.get(liar.upstream + self.path)
-                send_reply(
-                    self, Reply(r.status_code, r.content, r.headers.get("content-type", "application/json"))
-                )
+                reply = Reply(r.status_code, r.content, r.headers.get("content-type", "application/json"))
+                if liar.lie is not None and liar.lie.get is not None:
+                    reply = liar.lie.get(self.path, reply)
+                send_reply(self, reply)
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -228,6 +235,9 @@ class LyingServer:
 
     def answer(self, path: str, body: dict) -> Reply:
         lie = self.lie
+        refused = lie.refuse(body) if lie is not None and lie.refuse is not None else None
+        if refused is not None:
+            return refused
         if lie is not None and lie.request is not None:
             body = lie.request(json.loads(json.dumps(body)))
         r = self.client.post(self.upstream + path, json=body)
@@ -471,6 +481,26 @@ def cut_stream(events: list) -> list:
         len(events),
     )
     return events[:at]
+
+
+def refuse_token_id_prompts(body: dict) -> Reply | None:
+    """HTTP 400 for a completions prompt of token ids, as a server that takes text only."""
+    if isinstance(body.get("prompt"), list):
+        return Reply(400, json.dumps({"error": {"message": "prompt must be a string"}}).encode())
+    return None
+
+
+def hide_server_kind(path: str, reply: Reply) -> Reply:
+    """Say nothing about what the server is: no owner in /v1/models, no /metrics (the probe
+    then takes it for a plain OpenAI server and asks whether it takes token-id prompts)."""
+    if path.startswith("/metrics"):
+        return Reply(404, b'{"detail": "Not Found"}')
+    if path.startswith("/v1/models") and reply.status == 200:
+        data = json.loads(reply.content)
+        for model in data.get("data") or []:
+            model["owned_by"] = "organization-owner"
+        return Reply(200, json.dumps(data).encode())
+    return reply
 
 
 def not_json(reply: Reply, previous: Reply | None) -> Reply:

@@ -13,8 +13,8 @@ from reference_engine.tokenizer import load_tokenizer
 
 def gate_prompt_ids(config: pytest.Config, tokenizer_dir, count: int) -> list[list[int]]:
     """The prompts a gate runs on a real pair, as token ids: `--gate-prompts FILE.jsonl`
-    (rows with `prompt_ids`, `prompt` text, or chat `messages`, whose turns' contents are
-    joined by newlines); else the demo pair's held-out prompts when no --target-model is
+    (rows with `prompt_ids`, `prompt` as token ids or text, or chat `messages`, whose
+    turns' contents are joined by newlines); else the demo pair's held-out prompts when no --target-model is
     given; else the first `count` prompts of the built-in mixed set."""
     from harness.workloads import builtin, load_jsonl
 
@@ -33,5 +33,11 @@ def gate_prompt_ids(config: pytest.Config, tokenizer_dir, count: int) -> list[li
     else:
         prompts = builtin("mixed")[:count]
     tokenizer = load_tokenizer(tokenizer_dir)
-    texts = [p.text if p.text is not None else "\n".join(m["content"] for m in p.messages) for p in prompts]
-    return [tokenizer.encode(text).ids for text in texts]
+    out = []
+    for p in prompts:
+        if p.token_ids is not None:
+            out.append(list(p.token_ids))
+        else:
+            text = p.text if p.text is not None else "\n".join(m["content"] for m in p.messages)
+            out.append(tokenizer.encode(text).ids)
+    return out

@@ -11,6 +11,7 @@ import importlib
 import io
 import json
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from harness.client import Endpoint
 from harness.compare import ComparePolicy, compare
 from harness.server_kind import resolve
 from harness.tokens import TextTokenizer
-from harness.workloads import builtin, gate_prompts, load_jsonl, synthetic
+from harness.workloads import Prompt, builtin, gate_prompts, load_jsonl, synthetic
 from tests.server_process import ServerProcess
 
 from .faults import LIES
@@ -45,31 +46,109 @@ def prompts_for_us():
     return [p for p in builtin("mixed") if p.text] + synthetic(6, 20, seed=5)
 
 
-def test_user_servers_are_equivalent(request) -> None:
-    config = request.config
+# the user-servers gate: both reply forms (streamed and whole), at each of these levels
+USER_LEVELS = (1, 8)
+USER_FORMS = {"stream": True, "whole": False}
+
+
+@dataclass(frozen=True)
+class UserServers:
+    """What the user-servers gate compares, read from the pytest command line."""
+
+    baseline: str
+    candidate: str
+    model: str | None
+    api_key: str | None
+    prompts: list[Prompt]  # text, token-id and chat prompts alike
+    policy: ComparePolicy
+    server_kind: str
+    tokenizer: str | None
+    levels: tuple[int, ...] = USER_LEVELS
+
+
+def user_servers(config: pytest.Config) -> UserServers | None:
+    """The servers given by --baseline-url and --candidate-url (None: not both given) and what
+    to compare them on: the --compare-prompts file, else the whole built-in mixed set, whose
+    chat prompts go to /v1/chat/completions (every server kind takes chat)."""
     base, cand = config.getoption("--baseline-url"), config.getoption("--candidate-url")
     if not (base and cand):
-        pytest.skip("no --baseline-url/--candidate-url given (the tests below use our servers)")
-    model, key = config.getoption("--compare-model"), config.getoption("--compare-api-key")
+        return None
     file = config.getoption("--compare-prompts")
-    prompts = load_jsonl(file) if file else [p for p in builtin("mixed") if p.text]
-    policy = ComparePolicy(config.getoption("--compare-policy"))
-    kind, tok = config.getoption("--compare-server-kind"), config.getoption("--compare-tokenizer")
-    tokenizer = TextTokenizer(tok) if tok else None
+    return UserServers(
+        base,
+        cand,
+        config.getoption("--compare-model"),
+        config.getoption("--compare-api-key"),
+        load_jsonl(file) if file else builtin("mixed"),
+        ComparePolicy(config.getoption("--compare-policy")),
+        config.getoption("--compare-server-kind"),
+        config.getoption("--compare-tokenizer"),
+    )
+
+
+@pytest.mark.parametrize("form", list(USER_FORMS))
+def test_user_servers_are_equivalent(request, form: str) -> None:
+    """Every prompt, text and chat, answered alike by the candidate streamed or whole (one
+    form per run), at concurrency 1 and at a level that batches."""
+    given = user_servers(request.config)
+    if given is None:
+        pytest.skip("no --baseline-url/--candidate-url given (the tests below use our servers)")
+    tokenizer = TextTokenizer(given.tokenizer) if given.tokenizer else None
 
     def endpoint(url: str) -> Endpoint:
-        found = resolve(kind, url, model, key)
+        found = resolve(given.server_kind, url, given.model, given.api_key)
         return Endpoint(
             url,
-            model or (found.models[0] if found.models else None),
-            api_key=key,
+            given.model or (found.models[0] if found.models else None),
+            api_key=given.api_key,
             server=found.kind,
             tokenizer=tokenizer,
         )
 
-    results, summary = run_compare(endpoint(base), endpoint(cand), prompts, policy)
+    results, summary = asyncio.run(
+        compare(
+            endpoint(given.baseline),
+            endpoint(given.candidate),
+            given.prompts,
+            MAX_TOKENS,
+            list(given.levels),
+            given.policy,
+            stream=USER_FORMS[form],
+        )
+    )
     first = next((d for r in results for d in r.divergences), None)
-    assert summary["verdict"] == "pass", f"{summary}; first divergence: {first}"
+    assert summary["verdict"] == "pass", f"{form}: {summary}; first divergence: {first}"
+    assert summary["levels"] == list(given.levels), summary
+    chat = sum(1 for p in given.prompts if p.messages is not None)
+    assert sum(1 for r in results if r.endpoint == "chat") == chat * len(given.levels), summary
+
+
+def test_the_user_servers_gate_reads_its_servers_and_covers_chat_both_forms_and_two_levels(
+    tmp_path,
+) -> None:
+    """The user-servers gate runs only where servers are given, so its plan is checked here."""
+
+    class Config:
+        def __init__(self, **options) -> None:
+            self.options = options
+
+        def getoption(self, name: str):
+            return self.options.get(name.lstrip("-").replace("-", "_"))
+
+    defaults = {"compare_policy": "tie-tolerant", "compare_server_kind": "auto"}
+    assert user_servers(Config(baseline_url="http://127.0.0.1:1", **defaults)) is None
+    urls = {"baseline_url": "http://127.0.0.1:1", "candidate_url": "http://127.0.0.1:2"}
+    given = user_servers(Config(**urls, **defaults))
+    assert (given.baseline, given.candidate, given.server_kind) == (*urls.values(), "auto")
+    assert given.prompts == builtin("mixed") and any(p.messages for p in given.prompts)
+    assert given.levels[0] == 1 and max(given.levels) > 1 and set(USER_FORMS.values()) == {True, False}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    options = {**urls, **defaults, "compare_prompts": str(prompts), "compare_policy": "strict"}
+    given = user_servers(Config(**options, compare_model="m"))
+
+    assert [p.messages is not None for p in given.prompts] == [False, True]
+    assert given.policy.policy == "strict" and given.model == "m"
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +276,6 @@ def test_a_near_tie_is_a_tie_and_resumption_finds_the_later_mismatch() -> None:
     base, base_url = scripted_server(BASE, with_logprobs=True)
     cand, cand_url = scripted_server(CAND, with_logprobs=False)
     try:
-        from harness.workloads import Prompt
-
         results, summary = asyncio.run(
             compare(
                 Endpoint(base_url),
@@ -304,6 +381,7 @@ CATCHES_LIES = (
     "stale_answer",
     "empty_choices",
     "error_object",
+    "refuses_token_id_prompts",
     "not_json",
     "cut_short",
     "http_500",
@@ -318,6 +396,7 @@ LIE_PROMPTS = [
     {"prompt": "The cache holds"},
     {"prompt": "A draft model proposes a block of tokens and the target"},
     {"messages": [{"role": "user", "content": "What is a key-value cache?"}]},
+    {"prompt": [11, 23, 5, 42, 7]},  # token ids
 ]
 
 
@@ -379,7 +458,12 @@ def test_the_gate_fails_loudly_on_a_lying_candidate(
 ) -> None:
     with LyingServer(baseline_server.url, LIES[lie], TextTokenizer(tiny_dirs[0])) as liar:
         code, summary, err = harness_compare(
-            baseline_server.url, liar.url, lie_prompts, tmp_path, f"--{'no-' * (form == 'whole')}stream"
+            baseline_server.url,
+            liar.url,
+            lie_prompts,
+            tmp_path,
+            f"--{'no-' * (form == 'whole')}stream",
+            *LIES[lie].args,
         )
     reason = summary["reason"]
     named = {reason, f"{reason}:{summary['first_mismatch']}"}

@@ -168,7 +168,8 @@ def _compare_parser(sub) -> None:
     source = c.add_mutually_exclusive_group()
     source.add_argument(
         "--prompts",
-        help="JSONL with 'prompt' (text) or 'messages' (chat, sent to /v1/chat/completions) per line",
+        help="JSONL with 'prompt' (text, or a list of token ids) or 'messages' (chat, sent to "
+        "/v1/chat/completions) per line",
     )
     source.add_argument(
         "--builtin",

@@ -23,10 +23,15 @@ level N the candidate gets every prompt in a closed loop, N in flight.
 The verdict: a run passes when every level passes (no error, no mismatch, ties within the
 policy: tie-tolerant allows `max_tie_rate` per comparison at each level, strict none, and no
 comparison left `unchecked`: a tie it could not resume from, with output positions after it
-that were never compared, fails as `unchecked`, since a pass would vouch for them). No
-comparison at all is the error `no_usable_prompts`, never a pass; a run with errors is named
-after its first (by level, then prompt). The summary counts overall, per level and per
-context bucket (prompt tokens from the server's usage, else the prompt's id count).
+that were never compared, or a tie before which the candidate's text over the agreed ids
+could not be compared (the baseline's logprobs name no token texts and there is no
+tokenizer), fails as `unchecked`, since a pass would vouch for them; and no prompt left
+unsent: token-id prompts for a server that takes text only, without a tokenizer to decode
+them, fail the run as `unsent`, so a candidate cannot choose the prompts it is judged on by
+refusing ids at the probe). No comparison at all is the error `no_usable_prompts`, never a
+pass; a run with errors is named after its first (by level, then prompt). The summary counts
+overall, per level and per context bucket (prompt tokens from the server's usage, else the
+prompt's id count).
 
 Default tie threshold, 0.1 (logprob units, equal to the logit margin): bfloat16 keeps 8
 significant bits, so a logit of magnitude 16-32 is rounded in steps of 0.125 and two
@@ -89,8 +94,9 @@ class PromptResult:
     prompt_tokens: int | None = None
     context: str = "unknown"  # the context bucket
     max_tokens: int | None = None
-    # why the output after the last tie was never compared (the tie could not be resumed
-    # from: a chat prompt, a text comparison, ...); None when every position was compared
+    # what output was never compared, and why: the positions after a tie that could not be
+    # resumed from (a chat prompt, a text comparison, ...), or the text over the agreed ids
+    # before a tie that nothing told; None when everything was compared
     unchecked: str | None = None
 
     @property
@@ -122,12 +128,17 @@ class Case:
 
 def plan(
     prompts: Sequence[Prompt], max_tokens: int, endpoints: Sequence[Endpoint]
-) -> tuple[list[Case], list[str]]:
-    """The usable prompts, and why each other one is not."""
-    cases, unusable = [], []
+) -> tuple[list[Case], list[str], list[str]]:
+    """The usable prompts; why each prompt unusable in itself is (empty, chat turns without
+    roles); and why each prompt a server would not take was not sent (token ids for a server
+    that takes text only, with no --tokenizer to decode them into text). The first are the
+    prompts file's fault and only noted; the second are a server's choice, so the verdict
+    fails on them (`unsent`): a candidate that refuses token-id prompts at the probe must
+    not shrink the set of prompts it is judged on."""
+    cases, unusable, unsent = [], [], []
     for i, p in enumerate(prompts):
         source = p.source or f"#{i}"
-        why = None
+        why = refused = None
         if p.messages is not None:
             if not p.messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in p.messages
@@ -136,22 +147,21 @@ def plan(
             ask = Ask(max_tokens, messages=tuple(p.messages))
         elif p.token_ids is not None:
             refusing = [e.base_url for e in endpoints if not takes_ids(e)]
-            why = (
-                "no token ids"
-                if not p.token_ids
-                else f"token ids, and {refusing[0]} takes text only (give --tokenizer)"
-                if refusing
-                else None
-            )
+            if not p.token_ids:
+                why = "no token ids"
+            elif refusing:
+                refused = f"token ids, and {refusing[0]} takes text only (give --tokenizer)"
             ask = Ask(max_tokens, prompt=tuple(p.token_ids))
         else:
             why = "an empty prompt" if not p.text else None
             ask = Ask(max_tokens, prompt=p.text)
-        if why is None:
-            cases.append(Case(i, source, ask))
-        else:
+        if why is not None:
             unusable.append(f"{source}: {why}")
-    return cases, unusable
+        elif refused is not None:
+            unsent.append(f"{source}: {refused}")
+        else:
+            cases.append(Case(i, source, ask))
+    return cases, unusable, unsent
 
 
 class _Session:
@@ -240,7 +250,7 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
                 tokenizer = session.candidate.tokenizer or session.baseline.tokenizer
                 threshold = policy.tie_threshold
                 divergence, agreed = (
-                    ids_round(base, cand, offset, threshold)
+                    ids_round(base, cand, offset, threshold, tokenizer)
                     if by_ids
                     else text_round(base, cand, tokenizer, offset, threshold)
                 )
@@ -251,6 +261,13 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
             result.divergences.append(divergence)
             if divergence.kind != "tie":
                 return result
+            if divergence.prefix_unchecked:
+                _unchecked(
+                    result,
+                    f"the text of positions {offset}-{divergence.position - 1}, before the tie at "
+                    f"{divergence.position}: the baseline's logprobs name no token texts and no "
+                    "--tokenizer was given",
+                )
             # resume after the tie: prompt + common prefix + the baseline's token, as ids
             at = divergence.position - offset
             prompt_ids = (
@@ -261,7 +278,7 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
             why = _why_not_resumed(session, ask, by_ids, prompt_ids, len(result.divergences))
             if why is not None:
                 if ask.max_tokens > at + 1:  # positions after the tie that were never compared
-                    result.unchecked = f"from position {divergence.position + 1} on: {why}"
+                    _unchecked(result, f"from position {divergence.position + 1} on: {why}")
                 return result
             ask = Ask(ask.max_tokens - (at + 1), prompt=tuple(prompt_ids) + tuple(base.ids[: at + 1]))
             offset += at + 1
@@ -269,6 +286,11 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
         result.error, result.error_name = exc.message, exc.name
         result.exact = False
     return result
+
+
+def _unchecked(result: PromptResult, why: str) -> None:
+    """Note output the comparison did not check (each such stretch, in order)."""
+    result.unchecked = why if result.unchecked is None else f"{result.unchecked}; {why}"
 
 
 def _why_not_resumed(
@@ -342,7 +364,15 @@ def _reason(counts: dict, policy: ComparePolicy) -> str | None:
     return None
 
 
-def verdict(results: list[PromptResult], policy: ComparePolicy, unusable: Sequence[str] = ()) -> dict:
+def verdict(
+    results: list[PromptResult],
+    policy: ComparePolicy,
+    unusable: Sequence[str] = (),
+    unsent: Sequence[str] = (),
+) -> dict:
+    """The summary of a run. `unusable`: prompts unusable in themselves (noted); `unsent`:
+    prompts a server would not take, never compared, which fail the run (`unsent`) unless
+    something else already does."""
     results = sorted(results, key=lambda r: (r.concurrency, r.index))
     levels = sorted({r.concurrency for r in results})
     by_level = {str(c): _counts([r for r in results if r.concurrency == c]) for c in levels}
@@ -353,7 +383,8 @@ def verdict(results: list[PromptResult], policy: ComparePolicy, unusable: Sequen
     error = message = None
     if not results:
         error = "no_usable_prompts"
-        message = "no usable prompt" + (f" ({unusable[0]})" if unusable else "")
+        first_why = [*unsent, *unusable][:1]
+        message = "no usable prompt" + (f" ({first_why[0]})" if first_why else "")
     elif failed is not None:
         error, message = failed.error_name, failed.error
     if error is not None:
@@ -361,6 +392,8 @@ def verdict(results: list[PromptResult], policy: ComparePolicy, unusable: Sequen
     else:
         reasons = {_reason(c, policy) for c in by_level.values()}
         reason = next((r for r in ("mismatch", "ties", "unchecked") if r in reasons), None)
+        if reason is None and unsent:
+            reason = "unsent"  # a pass would vouch for prompts never compared
     return {
         **_counts(results),
         "policy": policy.policy,
@@ -376,6 +409,8 @@ def verdict(results: list[PromptResult], policy: ComparePolicy, unusable: Sequen
         "distinct_prompts": len({(r.source, json.dumps(r.prompt, sort_keys=True)) for r in results}),
         "unusable": len(unusable),
         "unusable_reasons": list(unusable[:5]),
+        "unsent": len(unsent),
+        "unsent_reasons": list(unsent[:5]),
         "levels": levels,
         "by_concurrency": by_level,
         "by_context": by_context,
@@ -403,7 +438,7 @@ async def compare(
     """Compare every usable prompt at each concurrency level. `done`: comparisons already
     made (by key, from an earlier run), kept as they are; `on_result` sees each new one."""
     levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
-    cases, unusable = plan(prompts, max_tokens, (baseline, candidate))
+    cases, unusable, unsent = plan(prompts, max_tokens, (baseline, candidate))
     done = done or {}
     results: list[PromptResult] = []
     if cases:
@@ -416,4 +451,4 @@ async def compare(
                 todo = [c for c in cases if keys[c.index] not in done]
                 results += await session.level(todo, level, on_result)
     results.sort(key=lambda r: (r.concurrency, r.index))
-    return results, verdict(results, policy, unusable)
+    return results, verdict(results, policy, unusable, unsent)

@@ -168,7 +168,8 @@ def write_outputs(out: Path, results: list[PromptResult], summary: dict) -> None
 
 
 def exit_status(summary: dict) -> int:
-    """0 pass, 1 a difference (mismatch, ties), else the error class's status (answer.py)."""
+    """0 pass, 1 a difference or output never compared (mismatch, ties, unchecked, unsent), else
+    the error class's status (answer.py)."""
     if summary["error"]:
         return ERRORS[error_class(summary["error"])][0]
     return 0 if summary["verdict"] == "pass" else 1
@@ -194,8 +195,13 @@ def verdict_line(results: list[PromptResult], summary: dict) -> str:
     if summary["reason"] == "unchecked":
         r = next(r for r in results if r.unchecked and not r.error)
         return (
-            f"fail: unchecked: {summary['unchecked']} of {n} comparisons not compared to the end "
-            f"after a tie (first: prompt {r.source} at c={r.concurrency}, {r.unchecked})"
+            f"fail: unchecked: {summary['unchecked']} of {n} comparisons not compared in full "
+            f"at a tie (first: prompt {r.source} at c={r.concurrency}, {r.unchecked})"
+        )
+    if summary["reason"] == "unsent":
+        return (
+            f"fail: unsent: {summary['unsent']} prompts never sent, so never compared; the "
+            f"{n} comparisons made do not cover the prompt set (first: {summary['unsent_reasons'][0]})"
         )
     if summary["reason"] == "ties":
         worst = max(summary["by_concurrency"].items(), key=lambda kv: kv[1]["tie_rate"])
@@ -262,6 +268,12 @@ def markdown(results: list[PromptResult], summary: dict, shown: int = 5) -> str:
     if summary.get("unusable"):
         lines += [
             f"Unusable prompts: {summary['unusable']} (first: {md_quote(summary['unusable_reasons'][0])}).",
+            "",
+        ]
+    if summary.get("unsent"):
+        lines += [
+            f"Prompts not sent (a server would not take them), never compared: {summary['unsent']} "
+            f"(first: {md_quote(summary['unsent_reasons'][0])}).",
             "",
         ]
     if len(summary.get("by_concurrency", {})) > 1 or len(summary.get("by_context", {})) > 1:

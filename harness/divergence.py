@@ -44,6 +44,9 @@ class Divergence:
     kind: str  # "tie" or "mismatch"
     char_position: int | None = None  # in the generated text (text comparison) or the reasoning text
     what: str = "token"  # what differed (see the module doc)
+    # the candidate's text over the agreed ids before this position was never compared: the
+    # baseline's logprobs name no token texts and no tokenizer decodes the agreed ids
+    prefix_unchecked: bool = False
 
 
 def _divergence(
@@ -214,9 +217,30 @@ def text_round(
     return divergence, agreed
 
 
-def ids_round(base: Answer, cand: Answer, offset: int, tie_threshold: float) -> tuple[Divergence | None, int]:
+def agreed_text(base: Answer, at: int, tokenizer) -> str | None:
+    """The text of the baseline's first `at` generated tokens: its logprobs' token texts, else
+    the agreed ids decoded by the tokenizer (up to a character a token boundary cuts, which
+    decodes to U+FFFD), trusted only as a prefix of the baseline's own text; None when
+    neither tells it."""
+    if at == 0:
+        return ""
+    pieces = token_pieces(base)
+    if pieces is not None and len(pieces) >= at:
+        return "".join(pieces[:at])
+    if tokenizer is not None:
+        decoded = tokenizer.decode(base.ids[:at]).rstrip("\ufffd")
+        if base.text.startswith(decoded):
+            return decoded
+    return None
+
+
+def ids_round(
+    base: Answer, cand: Answer, offset: int, tie_threshold: float, tokenizer=None
+) -> tuple[Divergence | None, int]:
     """The divergence of one round compared by ids (None: the same answer), and the
-    tokens agreed before it."""
+    tokens agreed before it. At a token divergence the candidate's text must still begin
+    with the text of the agreed ids (`agreed_text`); where nothing tells that text the
+    divergence says so (`prefix_unchecked`), since a tie would vouch for it."""
     base_ids, cand_ids = base.ids, cand.ids
     at = next((i for i, (a, b) in enumerate(zip(base_ids, cand_ids)) if a != b), None)
     if at is None:
@@ -226,15 +250,16 @@ def ids_round(base: Answer, cand: Answer, offset: int, tie_threshold: float) -> 
         return _same_ending(base, cand, common, offset), common
     if any(base.generated()) and base.generated() == cand.generated():  # other ids, the same text: a lie
         return _divergence(base, cand, at, offset, "mismatch", "ids_text"), at
-    pieces = token_pieces(base)
-    prefix = "".join(pieces[:at]) if pieces else None
+    prefix = agreed_text(base, at, tokenizer)
     if prefix is not None and base.text.startswith(prefix) and not cand.text.startswith(prefix):
         return _text_divergence(base, cand, "text"), at  # the agreed ids, another text
     margin_ = margin(base, at)
     # the candidate sends no logprobs, so its token's text is known only as the text it goes on with
     cand_rest = cand.text[len(prefix) :] if prefix is not None and cand.text.startswith(prefix) else None
     kind = _triage(base, at, cand_ids[at], margin_, tie_threshold, cand_rest=cand_rest)
-    return _divergence(base, cand, at, offset, kind, "token", margin_), at
+    divergence = _divergence(base, cand, at, offset, kind, "token", margin_)
+    divergence.prefix_unchecked = prefix is None
+    return divergence, at
 
 
 def _triage(

@@ -84,8 +84,9 @@ def mixed_long(
 
 
 def load_jsonl(path: str | Path) -> list[Prompt]:
-    """Rows with `prompt` (text) or `messages` (chat), optionally `max_tokens` /
-    `output_len`: the custom-dataset format of vLLM's and SGLang's benchmark clients."""
+    """Rows with `prompt` (text, or a list of token ids: the OpenAI API's other prompt form)
+    or `messages` (chat), optionally `max_tokens` / `output_len`: the custom-dataset format of
+    vLLM's and SGLang's benchmark clients."""
     path = Path(path)
     if not path.is_file():
         raise WorkloadError(f"dataset {path} does not exist")
@@ -103,10 +104,14 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
             raise WorkloadError(f"{source}: a JSON object per line, got {type(row).__name__}")
         if isinstance(row.get("prompt"), str):
             prompts.append(Prompt(text=row["prompt"], max_tokens=max_tokens, source=source))
+        elif isinstance(row.get("prompt"), list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in row["prompt"]
+        ):
+            prompts.append(Prompt(token_ids=tuple(row["prompt"]), max_tokens=max_tokens, source=source))
         elif isinstance(row.get("messages"), list):
             prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens, source=source))
         else:
-            raise WorkloadError(f"{path}:{n}: needs a 'prompt' string or a 'messages' list")
+            raise WorkloadError(f"{path}:{n}: needs a 'prompt' string or token-id list, or a 'messages' list")
     if not prompts:
         raise WorkloadError(f"{path}: no prompts")
     return prompts

@@ -133,5 +133,9 @@ def test_gate_prompts_take_ids_text_or_messages_and_the_demo_is_the_default(
     rows = tmp_path / "ids.jsonl"
     rows.write_text('{"prompt_ids": [5, 6, 7]}\n\n{"prompt_ids": [9]}\n')
     assert gate_prompt_ids(Options(**{"--gate-prompts": str(rows)}), target, 32) == [[5, 6, 7], [9]]
+    mixed = tmp_path / "mixed.jsonl"  # a prompt given as token ids, beside a text prompt
+    mixed.write_text('{"prompt": [4, 8]}\n{"prompt": "the model"}\n')
+    got = gate_prompt_ids(Options(**{"--gate-prompts": str(mixed)}), target, 32)
+    assert got[0] == [4, 8] and got[1] and all(isinstance(t, int) for t in got[1])
     demo = gate_prompt_ids(Options(), target, 32)
     assert demo == [row["prompt_ids"] for row in demo_prompts()][:32] and len(demo) == 32

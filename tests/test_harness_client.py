@@ -105,22 +105,23 @@ def test_a_server_dying_mid_stream_is_a_counted_failure_and_rows_are_kept(tmp_pa
 
 def test_one_client_process_sustains_hundreds_of_requests_per_second() -> None:
     """The client is not the bottleneck: against a stub that answers at once, one process
-    completes this many short streaming requests per second (printed; floor asserted). A
-    ceiling is what the client can do, so the best of up to three runs counts: a run slowed by
-    other work on the machine (the other test process) says nothing of the client."""
+    completes this many short streaming requests per second of its own CPU time (printed;
+    floor asserted). CPU time, not wall time: the tier runs in two processes on two cores, and
+    the other one's load (91 requests per wall second in one run, 140-240 on an idle machine)
+    says nothing of the client; the stub's threads share the process, so the client alone
+    does better still."""
     server, url = serve(Script([(0.0, [1]), (0.0, [2, 3])]))
-    rates = []
     try:
         spec = LoadSpec(concurrency=32, num_prompts=400, output_len=3, timeout_s=10.0)
-        while len(rates) < 3 and not (rates and max(rates) > 100):
-            start = time.perf_counter()
-            records, _ = asyncio.run(run_requests(Endpoint(url), synthetic(400, 4, 0), spec))
-            rates.append(len(records) / (time.perf_counter() - start))
-            assert all(r.success for r in records)
+        wall, cpu = time.perf_counter(), time.process_time()
+        records, _ = asyncio.run(run_requests(Endpoint(url), synthetic(400, 4, 0), spec))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         server.shutdown()
-    print(f"\nclient ceiling: {max(rates):.0f} requests/s (3 tokens each, concurrency 32; runs {len(rates)})")
-    assert max(rates) > 100
+    assert all(r.success for r in records)
+    rate = len(records) / cpu
+    print(f"\nclient ceiling: {rate:.0f} requests per CPU second ({len(records) / wall:.0f} per wall second)")
+    assert rate > 150
 
 
 def test_the_same_seed_sends_the_same_prompts_in_the_same_order() -> None:

@@ -19,7 +19,7 @@ from gates.lying_server import Reply, send_answer
 from harness.client import Endpoint
 from harness.compare import ComparePolicy, Divergence, PromptResult, compare, context_bucket, verdict
 from harness.compare_io import exit_status, markdown, verdict_line
-from harness.server_kind import KNOWN
+from harness.server_kind import KNOWN, probe
 from harness.tokens import TextTokenizer
 from harness.workloads import Prompt
 from reference_engine.demo import DEMO_TARGET
@@ -267,7 +267,7 @@ def test_tokens_after_a_tie_that_cannot_be_resumed_are_unchecked_never_a_pass(st
     assert summary["unchecked"] == 1 and summary["by_concurrency"]["1"]["unchecked"] == 1
     assert summary["first_unchecked"] == results[0].unchecked
     line = verdict_line(results, summary)
-    assert line.startswith("fail: unchecked: 1 of 1 comparisons not compared to the end after a tie"), line
+    assert line.startswith("fail: unchecked: 1 of 1 comparisons not compared in full at a tie"), line
     assert exit_status(summary) == 1
 
 
@@ -291,6 +291,70 @@ def test_tokens_after_the_last_tie_max_divergences_allows_are_unchecked() -> Non
     )
     assert results[0].unchecked == "from position 2 on: --max-divergences 1 reached"
     assert summary["reason"] == "unchecked", summary
+
+
+def resumable(ids: list[int], logprobs: bool = False, text=None):
+    """A completions server that goes on from where a resumed prompt (5, 6, then output ids)
+    left off: ids[settled:], all but tied everywhere (margin 0.01, runner-up t + 1) with
+    `logprobs`, listed by id with no `tokens` list (as some servers send them); `text(ids)`
+    the text of an answer (default: `<t>` per token)."""
+
+    def answer(path: str, body: dict) -> dict:
+        out = ids[len(body["prompt"]) - 2 :][: body["max_tokens"]]
+        data = completion(out, None if text is None else text(out), prompt_tokens=len(body["prompt"]))
+        if logprobs and body.get("logprobs"):
+            data["choices"][0]["logprobs"] = {
+                "token_ids": out,
+                "top_token_logprobs": [
+                    [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": -1.01}] for t in out
+                ],
+            }
+        return data
+
+    return answer
+
+
+def compare_resumable(base_answer, cand_answer, tokenizer=None):
+    with Stub(base_answer) as base, Stub(cand_answer) as cand:
+        return asyncio.run(
+            compare(
+                Endpoint(base.url, tokenizer=tokenizer),
+                Endpoint(cand.url),
+                [Prompt(token_ids=(5, 6))],
+                4,
+                1,
+                TIE_TOLERANT,
+            )
+        )
+
+
+def test_the_text_over_the_agreed_ids_is_compared_without_the_baselines_token_texts(tokenizer) -> None:
+    """A baseline whose logprobs carry ids but no `tokens` list cannot say where the agreed
+    ids' text ends in its text. The candidate's text there must still be checked: decoded by
+    the tokenizer when one is given, else the comparison says it is unchecked, never a
+    pass; a tie after a wrong prefix text would otherwise vouch for it."""
+    base_ids = tokenizer.encode("import os\nimport sys\n")[:4]
+    cand_ids = base_ids[:2] + [base_ids[2] + 1] + base_ids[3:]  # the runner-up at position 2
+    baseline = resumable(base_ids, logprobs=True, text=tokenizer.decode)
+
+    def wrong_prefix(ids: list[int]) -> str:  # the first answer's first character changed
+        text = tokenizer.decode(ids)
+        return "X" + text[1:] if len(ids) == len(cand_ids) else text
+
+    honest, lying = resumable(cand_ids, text=tokenizer.decode), resumable(cand_ids, text=wrong_prefix)
+    results, summary = compare_resumable(baseline, honest, tokenizer)
+    assert [(d.position, d.kind) for d in results[0].divergences] == [(2, "tie")]
+    assert summary["verdict"] == "pass" and results[0].unchecked is None, summary
+    results, summary = compare_resumable(baseline, lying, tokenizer)
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "text", summary
+    results, summary = compare_resumable(baseline, lying)  # no tokenizer: nothing tells the text
+    assert [(d.position, d.kind) for d in results[0].divergences] == [(2, "tie")]
+    assert results[0].divergences[0].prefix_unchecked
+    assert results[0].unchecked == (
+        "the text of positions 0-1, before the tie at 2: the baseline's logprobs name no token "
+        "texts and no --tokenizer was given"
+    )
+    assert summary["verdict"] == "fail" and summary["reason"] == "unchecked", summary
 
 
 @pytest.mark.parametrize(("token", "kind"), [(3, "tie"), (7, "mismatch")])
@@ -465,6 +529,65 @@ def test_no_usable_prompt_is_an_error_never_a_pass() -> None:
     )
     assert results == [] and summary["verdict"] == "fail"
     assert summary["error"] == "no_usable_prompts" and summary["unusable"] == 3
+
+
+def refuses_token_id_prompts(path: str, body: dict) -> dict | Reply:
+    """A server that answers text prompts and refuses a prompt of token ids with a 400."""
+    if isinstance(body.get("prompt"), list):
+        return Reply(400, b'{"error": {"message": "prompt must be a string"}}')
+    return completion([1, 2])
+
+
+def test_token_id_prompts_a_probed_candidate_refuses_fail_the_run_and_never_vanish(tokenizer) -> None:
+    """A candidate that refuses token-id prompts at the probe takes text only; its token-id
+    prompts cannot be sent, and the run fails `unsent`, counting them, rather than passing on
+    the prompts the candidate chose to take. With a tokenizer they go as their text."""
+    ids_prompt = Prompt(token_ids=(5, 6), source="prompts.jsonl:4")
+    with Stub(lambda p, b: completion([1, 2])) as base, Stub(refuses_token_id_prompts) as cand:
+        kind = probe(cand.url).kind
+        assert kind.name == "openai" and not kind.prompt_ids, kind
+        for tokenizer_ in (None, tokenizer):
+            results, summary = asyncio.run(
+                compare(
+                    Endpoint(base.url),
+                    Endpoint(cand.url, server=kind, tokenizer=tokenizer_),
+                    PROMPTS + [ids_prompt],
+                    8,
+                    1,
+                    ComparePolicy(),
+                )
+            )
+            if tokenizer_ is None:
+                assert summary["verdict"] == "fail" and summary["reason"] == "unsent", summary
+                assert summary["error"] is None and summary["exact"] == summary["prompts"] == 3
+                assert summary["unsent"] == 1 and summary["unsent_reasons"] == [
+                    f"prompts.jsonl:4: token ids, and {cand.url} takes text only (give --tokenizer)"
+                ]
+                assert exit_status(summary) == 1
+                assert verdict_line(results, summary).startswith("fail: unsent: 1 prompts never sent")
+                assert "Prompts not sent (a server would not take them)" in markdown(results, summary)
+            else:
+                assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"] == 4
+                assert summary["unsent"] == 0
+        assert cand.bodies[-1]["prompt"] == tokenizer.decode([5, 6])  # the ids went as their text
+
+
+def test_only_unsent_prompts_are_no_usable_prompts(tokenizer) -> None:
+    """Every prompt unsent: nothing was compared, the error `no_usable_prompts`, naming why."""
+    with Stub(refuses_token_id_prompts) as cand:
+        kind = probe(cand.url).kind
+        _, summary = asyncio.run(
+            compare(
+                Endpoint(cand.url),
+                Endpoint(cand.url, server=kind),
+                [Prompt(token_ids=(5, 6))],
+                8,
+                1,
+                ComparePolicy(),
+            )
+        )
+    assert summary["error"] == "no_usable_prompts" and summary["unsent"] == 1
+    assert summary["error_message"].startswith("no usable prompt (#0: token ids, and ")
 
 
 def test_chat_prompts_are_compared_over_chat_completions() -> None:

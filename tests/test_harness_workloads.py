@@ -27,6 +27,17 @@ def test_prompts_know_their_file_line_or_builtin_index(tmp_path) -> None:
     assert mixed[0].source == "builtin:chat#0" and len({p.source for p in mixed}) == len(mixed)
 
 
+def test_a_prompt_may_be_a_list_of_token_ids_and_nothing_else(tmp_path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": [11, 23, 5]}\n')
+    (prompt,) = load_jsonl(path)
+    assert prompt.token_ids == (11, 23, 5) and prompt.text is None and prompt.messages is None
+    for row in ('{"prompt": [1, "a"]}', '{"prompt": [true]}'):
+        path.write_text(row + "\n")
+        with pytest.raises(WorkloadError, match="needs a 'prompt' string or token-id list"):
+            load_jsonl(path)
+
+
 def test_the_gate_set_has_prompts_of_about_128_512_and_4096_tokens() -> None:
     prompts = gate_prompts()
     assert prompts == gate_prompts()  # deterministic

@@ -40,6 +40,7 @@ from .output import OutputError, claim
 from .resume import (
     ResumeConflict,
     check_identity,
+    holds_rows,
     prepare,
     read_request_rows,
     run_identity,
@@ -459,6 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     servers: dict[str, ManagedServer] = {}
     identity = run_identity(args)
+    if not args.resume and holds_rows(out):  # appending would put two benchmarks in one folder
+        hold.release()
+        print(
+            f"error: {out} already holds measured rows (requests.jsonl, summary.csv): "
+            "--resume continues that benchmark, another --out starts a new one",
+            file=sys.stderr,
+        )
+        return 2
     if args.resume:
         try:
             check_identity(out, identity)

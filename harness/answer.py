@@ -213,7 +213,7 @@ def read_stream(body: bytes | str, chat: bool) -> Answer:
     OpenAI servers do, is whole)."""
     events, datas, done = [], event_data(body), False
     for data in datas:
-        if data == "[DONE]":
+        if data.strip() == "[DONE]":  # padded as some servers send it; the OpenAI client accepts it
             done = True
             break
         try:

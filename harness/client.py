@@ -240,7 +240,7 @@ class StreamReader:
     def event(self, data: str, now: float) -> bool:
         """Take one event's data; True when the stream is over."""
         record = self.record
-        if data == "[DONE]":
+        if data.strip() == "[DONE]":  # padded as some servers send it; the OpenAI client accepts it
             self.done = True
             return True
         try:

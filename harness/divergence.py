@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .answer import Answer, Ask, listed_ids, listed_texts, margin, token_pieces, token_texts
+from .answer import REASONING_FIELDS, Answer, Ask, listed_ids, listed_texts, margin, token_pieces, token_texts
 
 
 @dataclass
@@ -146,12 +146,25 @@ def compare_texts(
     )
 
 
+def _reasoning_pairs(base: dict[str, str], cand: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(field, baseline text, candidate text) to compare. Servers name one reasoning text
+    differently (`reasoning_content`, vLLM's newer `reasoning`, some both): where the two
+    sides name theirs differently and each side's fields agree with each other, the one text
+    of each is compared under the first name either used; else field by field, a field one
+    side lacks being empty there."""
+    names = sorted(base.keys() | cand.keys())
+    one = {k: set(r.values()) for k, r in (("base", base), ("cand", cand))}
+    if base.keys() != cand.keys() and base and cand and len(one["base"]) == len(one["cand"]) == 1:
+        name = next(n for n in REASONING_FIELDS if n in base or n in cand)
+        return [(name, *one["base"], *one["cand"])]
+    return [(name, base.get(name, ""), cand.get(name, "")) for name in names]
+
+
 def _same_ending(base: Answer, cand: Answer, at: int, offset: int) -> Divergence | None:
     """After the same tokens: the same text, reasoning, tool calls and finish_reason."""
     if base.text != cand.text:
         return _text_divergence(base, cand, "text")
-    for name in sorted(base.reasoning.keys() | cand.reasoning.keys()):
-        a, b = base.reasoning.get(name, ""), cand.reasoning.get(name, "")
+    for name, a, b in _reasoning_pairs(base.reasoning, cand.reasoning):
         if a != b:
             char = _first_char_difference(a, b)
             return Divergence(

@@ -121,6 +121,11 @@ def check_identity(out: Path, identity: dict) -> None:
         )
 
 
+def holds_rows(out: Path) -> bool:
+    """Whether `out` holds measured rows (requests.jsonl or summary.csv not empty)."""
+    return any((out / name).exists() and (out / name).stat().st_size > 0 for name in (REQUESTS, SUMMARY))
+
+
 def write_identity(out: Path, identity: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _write_atomically(out / IDENTITY, json.dumps(identity, indent=2) + "\n")

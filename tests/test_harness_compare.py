@@ -461,6 +461,21 @@ def test_absent_null_and_empty_reasoning_and_tool_calls_agree_and_call_ids_are_n
     assert summary["verdict"] == "pass", summary
 
 
+def test_one_reasoning_text_under_either_name_agrees_and_another_text_does_not() -> None:
+    """Servers name the same reasoning `reasoning_content` or `reasoning` (vLLM's newer name,
+    some send both): the text is compared, not the name. Whole replies: the scripted stream
+    writes `reasoning_content` alone."""
+    base = chat_reply([4, 5], reasoning_content="think")
+    for cand, want in (
+        (chat_reply([4, 5], reasoning="think"), "pass"),
+        (chat_reply([4, 5], reasoning_content="think", reasoning="think"), "pass"),
+        (chat_reply([4, 5], reasoning="thinx"), "fail"),
+        (chat_reply([4, 5], reasoning_content="think", reasoning="other"), "fail"),
+    ):
+        _, summary = against(base, cand, CHAT, stream=False)
+        assert summary["verdict"] == want, summary
+
+
 def test_other_ids_with_the_same_content_and_other_reasoning_are_a_token_divergence() -> None:
     """The ids cover the reasoning too: another token inside it, with the content the same, is
     not ids that disagree with the text."""

@@ -172,6 +172,22 @@ def test_resume_refuses_rows_measured_with_another_server_or_workload(tmp_path, 
         server.shutdown()
 
 
+def test_a_run_without_resume_into_a_folder_with_rows_is_refused(tmp_path, capsys) -> None:
+    """Without --resume a second benchmark would append its rows to the first's and overwrite
+    what they were measured with: refused, nothing sent, no file changed."""
+    out = tmp_path / "run"
+    server, url = serve(Script(CHUNKS))
+    try:
+        assert main(["bench", "--base-url", url, *RUN, "--out", str(out)]) == 0
+        before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"}
+        capsys.readouterr()
+        assert main(["bench", "--base-url", url, *RUN, "--seed", "4", "--out", str(out)]) == 2
+        assert "already holds measured rows" in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"} == before
+    finally:
+        server.shutdown()
+
+
 def test_resume_refuses_rows_that_say_nothing_of_what_they_were_measured_with(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     server, url = serve(Script(CHUNKS))

@@ -124,3 +124,12 @@ def test_two_chunks_as_two_data_lines_of_one_event_are_not_an_answer() -> None:
     answer, record = both_readers(body)
     assert isinstance(answer, AnswerError) and answer.name == "malformed_body", answer
     assert not record.success and "malformed SSE" in (record.error or "")
+
+
+def test_a_done_marker_padded_with_spaces_ends_the_stream() -> None:
+    """`data: [DONE] ` (a trailing space) ends a stream for the OpenAI client; so for both readers."""
+    body = stream_body(chunk("a", [1]), chunk("b", [2], "length"), USAGE).replace(b"[DONE]", b"[DONE] ")
+    answer, record = both_readers(body)
+    assert not isinstance(answer, AnswerError), answer
+    assert (answer.text, answer.ids) == ("ab", [1, 2])
+    assert record.success and record.done_marker, record.error

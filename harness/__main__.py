@@ -232,7 +232,7 @@ def _compare_into(out: Path, args, prompts: list, policy, tokenizer: TextTokeniz
 
     from .answer import ERRORS
     from .compare import compare
-    from .compare_io import ResumeConflict, RowLog, exit_status, run_identity, verdict_line, write_outputs
+    from .compare_io import RowLog, exit_status, run_identity, verdict_line, write_outputs
 
     baseline, candidate = (
         endpoint_for(url, args, "completions", tokenizer) for url in (args.baseline, args.candidate)

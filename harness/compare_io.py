@@ -24,7 +24,7 @@ from .answer import ERRORS, error_class
 from .client import Endpoint
 from .compare import ComparePolicy, PromptResult
 from .divergence import Divergence
-from .resume import ResumeConflict, differences, read_request_rows
+from .resume import check_saved_identity, read_request_rows
 
 ROWS = "compare.jsonl"
 RUN = "compare_run.json"
@@ -63,24 +63,14 @@ def check_resumable(out: Path, identity: dict) -> None:
     rows, dropped = read_request_rows(out / ROWS)
     if not rows and not dropped:
         return  # nothing to keep
-    path = out / RUN
-    try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ResumeConflict(
-            f"{out / ROWS} has {len(rows)} rows but no {RUN} says what they were compared "
-            "against; compare afresh without --resume (or into another --out)"
-        ) from None
-    except ValueError:
-        raise ResumeConflict(f"{path} is not JSON: cannot tell what the rows were compared against") from None
-    differ = differences(saved, identity) if isinstance(saved, dict) else [f"{RUN} is not an object"]
-    if differ:
-        raise ResumeConflict(
-            f"the {len(rows)} rows in {out / ROWS} were compared against another run: "
-            + "; ".join(differ[:4])
-            + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
-            + "; compare afresh without --resume (or into another --out)"
-        )
+    check_saved_identity(
+        out / RUN,
+        identity,
+        f"{out / ROWS} has {len(rows)} rows",
+        f"the {len(rows)} rows in {out / ROWS} were compared against another run",
+        "compared against",
+        "compare afresh without --resume (or into another --out)",
+    )
 
 
 def result_from_row(row: dict) -> PromptResult | None:

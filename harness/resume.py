@@ -95,30 +95,39 @@ def run_identity(args) -> dict:
     return identity
 
 
-def check_identity(out: Path, identity: dict) -> None:
-    """ResumeConflict unless every row in `out` was measured with `identity` (bench_run.json)."""
-    rows, dropped = read_request_rows(out / REQUESTS)
-    summary = (out / SUMMARY).exists() and (out / SUMMARY).stat().st_size > 0
-    if not rows and not dropped and not summary:
-        return  # nothing to keep
-    path = out / IDENTITY
-    again = "measure afresh without --resume (or into another --out)"
+def check_saved_identity(path: Path, identity: dict, held: str, differ: str, made: str, again: str) -> None:
+    """ResumeConflict unless `path`, the identity file of a folder's rows, holds `identity`.
+    The message: `held` (what the folder holds), `differ` (those rows, made otherwise), `made`
+    (what they were made with: "compared against", "measured with"), `again` (what to do)."""
     try:
         saved = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ResumeConflict(
-            f"{out} holds measured rows but no {IDENTITY} says what they were measured with; {again}"
-        ) from None
+        raise ResumeConflict(f"{held} but no {path.name} says what they were {made}; {again}") from None
     except ValueError:
-        raise ResumeConflict(f"{path} is not JSON: cannot tell what the rows were measured with") from None
-    differ = differences(saved, identity) if isinstance(saved, dict) else [f"{IDENTITY} is not an object"]
-    if differ:
+        raise ResumeConflict(f"{path} is not JSON: cannot tell what the rows were {made}") from None
+    found = differences(saved, identity) if isinstance(saved, dict) else [f"{path.name} is not an object"]
+    if found:
         raise ResumeConflict(
-            f"the rows in {out} were measured with other servers or settings: "
-            + "; ".join(differ[:4])
-            + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
+            f"{differ}: "
+            + "; ".join(found[:4])
+            + (f" (and {len(found) - 4} more)" if len(found) > 4 else "")
             + f"; {again}"
         )
+
+
+def check_identity(out: Path, identity: dict) -> None:
+    """ResumeConflict unless every row in `out` was measured with `identity` (bench_run.json)."""
+    rows, dropped = read_request_rows(out / REQUESTS)
+    if not rows and not dropped and not holds_rows(out):
+        return  # nothing to keep
+    check_saved_identity(
+        out / IDENTITY,
+        identity,
+        f"{out} holds measured rows",
+        f"the rows in {out} were measured with other servers or settings",
+        "measured with",
+        "measure afresh without --resume (or into another --out)",
+    )
 
 
 def holds_rows(out: Path) -> bool:

@@ -43,13 +43,9 @@ def test_an_unknown_part_is_refused_before_anything_runs(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()
 
 
-def test_every_part_calls_the_benchmarks_with_options_they_take(tmp_path: Path) -> None:
-    """A dry run: a stand-in for python says there is a GPU and records each command; every
-    part runs, every engine benchmark's options parse, every harness run's too, and every
-    gate file named exists. A renamed option would otherwise first fail on the GPU."""
-    from harness.__main__ import parser as harness_parser
-    from reference_engine.bench import BenchArgs
-
+def recording_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in for python that says there is a GPU and appends each command's arguments
+    to a JSONL log, and that log."""
     log = tmp_path / "argv.jsonl"
     stub = tmp_path / "python"
     stub.write_text(
@@ -58,6 +54,17 @@ def test_every_part_calls_the_benchmarks_with_options_they_take(tmp_path: Path) 
         f'"{sys.executable}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> "{log}"\n'
     )
     stub.chmod(0o755)
+    return stub, log
+
+
+def test_every_part_calls_the_benchmarks_with_options_they_take(tmp_path: Path) -> None:
+    """A dry run: a stand-in for python says there is a GPU and records each command; every
+    part runs, every engine benchmark's options parse, every harness run's too, and every
+    gate file named exists. A renamed option would otherwise first fail on the GPU."""
+    from harness.__main__ import parser as harness_parser
+    from reference_engine.bench import BenchArgs
+
+    stub, log = recording_python(tmp_path)
     run = suite(tmp_path / "out", "100000", PYTHON=str(stub), PARTS="gates long sweep 4b bench dflash2 reach")
     assert run.returncode == 0, run.stderr
     assert "skipped" not in run.stdout and "timed out" not in run.stdout, run.stdout
@@ -77,14 +84,7 @@ def test_every_part_calls_the_benchmarks_with_options_they_take(tmp_path: Path) 
 
 def test_reach_shapes_picks_the_shapes(tmp_path: Path) -> None:
     """REACH_SHAPES runs the reach part on the shapes it names, in its order."""
-    log = tmp_path / "argv.jsonl"
-    stub = tmp_path / "python"
-    stub.write_text(
-        "#!/bin/bash\n"
-        'if [ "$1" = -c ]; then echo 1; exit 0; fi\n'
-        f'"{sys.executable}" -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" >> "{log}"\n'
-    )
-    stub.chmod(0o755)
+    stub, log = recording_python(tmp_path)
     run = suite(
         tmp_path / "out", "100000", PYTHON=str(stub), PARTS="reach", REACH_SHAPES="llama3.1-8b qwen3-8b"
     )

@@ -262,7 +262,7 @@ def scripted_server(sequence: list[int], with_logprobs: bool):
                     )
                 choice["logprobs"] = {
                     "token_ids": ids,
-                    "tokens": [str(t) for t in ids],
+                    "tokens": [f"<{t}>" for t in ids],  # each token's text, as the text joins them
                     "top_token_logprobs": tops,
                 }
             send_answer(self, body, {"choices": [choice]})

@@ -100,14 +100,19 @@ class Answer:
     # chat only: each REASONING_FIELDS field's text, absent when the server sent none, null
     # or "" (the three read the same)
     reasoning: dict[str, str] = field(default_factory=dict)
+    # chat only: the reasoning a client reads, the first non-empty REASONING_FIELDS field of
+    # each message or delta, joined (a stream that sends a piece under one name and the next
+    # under the other reads as both pieces)
+    reasoning_seen: str = ""
     # chat only: the tool calls in order, each {"type", "name", "arguments"} (a stream's
     # pieces joined); [] for none, null or absent. The call ids are left out: servers draw
     # them at random per request
     tool_calls: list[dict] = field(default_factory=list)
 
     def generated(self) -> tuple:
-        """Everything generated as text: content, reasoning and tool calls."""
-        return self.text, self.reasoning, self.tool_calls
+        """Everything generated as text: content, reasoning (as a client reads it, and by
+        field) and tool calls."""
+        return self.text, self.reasoning_seen, self.reasoning, self.tool_calls
 
 
 def takes_ids(endpoint: Endpoint) -> bool:
@@ -204,6 +209,7 @@ def read_whole(content: bytes, chat: bool) -> Answer:
         )
     answer = Answer(text, ids, finish, completion, prompt, prompt_ids, logprobs)
     answer.reasoning, answer.tool_calls = reasoning, _joined_calls(tool_calls)
+    answer.reasoning_seen = _seen(reasoning)
     return _consistent(answer)
 
 
@@ -213,7 +219,7 @@ def read_stream(body: bytes | str, chat: bool) -> Answer:
     OpenAI servers do, is whole)."""
     events, datas, done = [], event_data(body), False
     for data in datas:
-        if data.strip() == "[DONE]":  # padded as some servers send it; the OpenAI client accepts it
+        if data.strip() == "[DONE]":  # padded with spaces: still the end
             done = True
             break
         try:
@@ -228,6 +234,7 @@ def read_stream(body: bytes | str, chat: bool) -> Answer:
         raise AnswerError("malformed_body", f"not an event stream (no event ended): {body[:120]!r}")
     pieces, ids, finish = [], [], None
     reasoning: dict[str, list[str]] = {}  # field -> its pieces
+    seen: list[str] = []  # each delta's reasoning as a client reads it
     tool_calls: dict[int, dict] = {}  # index -> the call's pieces so far
     with_ids = without_ids = False
     completion = prompt = None
@@ -259,6 +266,7 @@ def read_stream(body: bytes | str, chat: bool) -> Answer:
             )
         for name, text in thought.items():
             reasoning.setdefault(name, []).append(text)
+        seen.append(_seen(thought))
         if chunk_ids is not None:
             with_ids = True
             ids += chunk_ids
@@ -287,6 +295,7 @@ def read_stream(body: bytes | str, chat: bool) -> Answer:
         raise AnswerError("malformed_body", "token_ids in some chunks only")
     answer = Answer("".join(pieces), ids if with_ids else None, finish, completion, prompt)
     answer.reasoning = {name: "".join(parts) for name, parts in reasoning.items()}
+    answer.reasoning_seen = "".join(seen)
     answer.tool_calls = _joined_calls(tool_calls)
     return _consistent(answer)
 
@@ -310,6 +319,11 @@ def _text(value, what: str, none_ok: bool = False) -> str:
     if not isinstance(value, str):
         raise AnswerError("malformed_body", f"{what} is {value!r}, not a string")
     return value
+
+
+def _seen(texts: dict[str, str]) -> str:
+    """The reasoning a client reads of one message or delta: its first non-empty field."""
+    return next((texts[name] for name in REASONING_FIELDS if texts.get(name)), "")
 
 
 def _reasoning(message: dict, where: str) -> dict[str, str]:

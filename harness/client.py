@@ -120,7 +120,15 @@ def payload(
         if endpoint.model:
             body["model"] = endpoint.model
         if endpoint.kind == "chat":
-            messages = prompt.messages or ({"role": "user", "content": prompt.text or ""},)
+            text = prompt.text
+            if prompt.messages is None and text is None and prompt.token_ids is not None:
+                if endpoint.tokenizer is None:  # an empty message would be measured instead
+                    raise ValueError(
+                        "the chat endpoint takes messages, not token ids: send text (--text, "
+                        "a dataset) or give --tokenizer to send the ids as their text"
+                    )
+                text = endpoint.tokenizer.decode(list(prompt.token_ids))
+            messages = prompt.messages or ({"role": "user", "content": text or ""},)
             body["messages"] = list(messages)
         else:
             if prompt.token_ids is not None and accepts.prompt_ids:
@@ -240,7 +248,7 @@ class StreamReader:
     def event(self, data: str, now: float) -> bool:
         """Take one event's data; True when the stream is over."""
         record = self.record
-        if data.strip() == "[DONE]":  # padded as some servers send it; the OpenAI client accepts it
+        if data.strip() == "[DONE]":  # padded with spaces: still the end
             self.done = True
             return True
         try:

@@ -24,8 +24,8 @@ The verdict: a run passes when every level passes (no error, no mismatch, ties w
 policy: tie-tolerant allows `max_tie_rate` per comparison at each level, strict none, and no
 comparison left `unchecked`: a tie it could not resume from, with output positions after it
 that were never compared, or a tie before which the candidate's text over the agreed ids
-could not be compared (the baseline's logprobs name no token texts and there is no
-tokenizer), fails as `unchecked`, since a pass would vouch for them; and no prompt left
+could not be compared (neither the baseline's token texts nor a tokenizer tell that text),
+fails as `unchecked`, since a pass would vouch for them; and no prompt left
 unsent: token-id prompts for a server that takes text only, without a tokenizer to decode
 them, fail the run as `unsent`, so a candidate cannot choose the prompts it is judged on by
 refusing ids at the probe). No comparison at all is the error `no_usable_prompts`, never a
@@ -265,8 +265,8 @@ async def compare_prompt(session: _Session, case: Case, concurrency: int) -> Pro
                 _unchecked(
                     result,
                     f"the text of positions {offset}-{divergence.position - 1}, before the tie at "
-                    f"{divergence.position}: the baseline's logprobs name no token texts and no "
-                    "--tokenizer was given",
+                    f"{divergence.position}: neither the baseline's logprobs (token texts that join "
+                    "to its text) nor a --tokenizer (a decode that begins it) tell that text",
                 )
             # resume after the tie: prompt + common prefix + the baseline's token, as ids
             at = divergence.position - offset

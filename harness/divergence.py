@@ -45,7 +45,7 @@ class Divergence:
     char_position: int | None = None  # in the generated text (text comparison) or the reasoning text
     what: str = "token"  # what differed (see the module doc)
     # the candidate's text over the agreed ids before this position was never compared: the
-    # baseline's logprobs name no token texts and no tokenizer decodes the agreed ids
+    # neither the baseline's token texts nor a tokenizer tell the text of the agreed ids
     prefix_unchecked: bool = False
 
 
@@ -146,25 +146,26 @@ def compare_texts(
     )
 
 
-def _reasoning_pairs(base: dict[str, str], cand: dict[str, str]) -> list[tuple[str, str, str]]:
+def _reasoning_pairs(base: Answer, cand: Answer) -> list[tuple[str, str, str]]:
     """(field, baseline text, candidate text) to compare. Servers name one reasoning text
-    differently (`reasoning_content`, vLLM's newer `reasoning`, some both): where the two
-    sides name theirs differently and each side's fields agree with each other, the one text
-    of each is compared under the first name either used; else field by field, a field one
-    side lacks being empty there."""
-    names = sorted(base.keys() | cand.keys())
-    one = {k: set(r.values()) for k, r in (("base", base), ("cand", cand))}
-    if base.keys() != cand.keys() and base and cand and len(one["base"]) == len(one["cand"]) == 1:
-        name = next(n for n in REASONING_FIELDS if n in base or n in cand)
-        return [(name, *one["base"], *one["cand"])]
-    return [(name, base.get(name, ""), cand.get(name, "")) for name in names]
+    differently (`reasoning_content`, vLLM's newer `reasoning`, some both), so the texts a
+    client reads are compared first (`reasoning_seen`, under the first name either side
+    used), then every field the candidate sent, each against the baseline's field of that
+    name or, where the baseline has none, the baseline's text: a field a client may read
+    instead must say the same."""
+    fields = base.reasoning.keys() | cand.reasoning.keys()
+    name = next((n for n in REASONING_FIELDS if n in fields), REASONING_FIELDS[0])
+    pairs = [(name, base.reasoning_seen, cand.reasoning_seen)]
+    for field, text in sorted(cand.reasoning.items()):
+        pairs.append((field, base.reasoning.get(field, base.reasoning_seen), text))
+    return pairs
 
 
 def _same_ending(base: Answer, cand: Answer, at: int, offset: int) -> Divergence | None:
     """After the same tokens: the same text, reasoning, tool calls and finish_reason."""
     if base.text != cand.text:
         return _text_divergence(base, cand, "text")
-    for name, a, b in _reasoning_pairs(base.reasoning, cand.reasoning):
+    for name, a, b in _reasoning_pairs(base, cand):
         if a != b:
             char = _first_char_difference(a, b)
             return Divergence(
@@ -233,15 +234,22 @@ def text_round(
 def agreed_text(base: Answer, at: int, tokenizer) -> str | None:
     """The text of the baseline's first `at` generated tokens: its logprobs' token texts, else
     the agreed ids decoded by the tokenizer (up to a character a token boundary cuts, which
-    decodes to U+FFFD), trusted only as a prefix of the baseline's own text; None when
+    decodes to U+FFFD), each trusted only as a prefix of the baseline's own text; None when
     neither tells it."""
     if at == 0:
         return ""
     pieces = token_pieces(base)
     if pieces is not None and len(pieces) >= at:
-        return "".join(pieces[:at])
+        joined = "".join(pieces[:at])
+        # token texts need not join to the text (a character split over two tokens reads as
+        # U+FFFD in each; a leading space dropped): then the tokenizer, else nothing
+        if base.text.startswith(joined):
+            return joined
     if tokenizer is not None:
-        decoded = tokenizer.decode(base.ids[:at]).rstrip("\ufffd")
+        try:
+            decoded = tokenizer.decode(base.ids[:at]).rstrip("\ufffd")
+        except (OverflowError, TypeError, ValueError):  # ids the tokenizer cannot decode
+            return None
         if base.text.startswith(decoded):
             return decoded
     return None

@@ -104,14 +104,19 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
             raise WorkloadError(f"{source}: a JSON object per line, got {type(row).__name__}")
         if isinstance(row.get("prompt"), str):
             prompts.append(Prompt(text=row["prompt"], max_tokens=max_tokens, source=source))
-        elif isinstance(row.get("prompt"), list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in row["prompt"]
+        elif (
+            isinstance(row.get("prompt"), list)
+            and row["prompt"]
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in row["prompt"])
         ):
             prompts.append(Prompt(token_ids=tuple(row["prompt"]), max_tokens=max_tokens, source=source))
         elif isinstance(row.get("messages"), list):
             prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens, source=source))
         else:
-            raise WorkloadError(f"{path}:{n}: needs a 'prompt' string or token-id list, or a 'messages' list")
+            raise WorkloadError(
+                f"{path}:{n}: needs a 'prompt' string or a non-empty list of token ids (integers "
+                "from 0), or a 'messages' list"
+            )
     if not prompts:
         raise WorkloadError(f"{path}: no prompts")
     return prompts

@@ -247,3 +247,43 @@ def test_the_margin_is_read_from_completions_and_chat_logprobs() -> None:
     assert margin(completions, 0) == pytest.approx(0.2)
     assert margin(chat, 0) == pytest.approx(0.5)
     assert margin(chat, 1) is None
+
+
+def reasoning_stream(*deltas: dict) -> Answer:
+    events = [chat_chunk(None, [k + 1], **d) for k, d in enumerate(deltas)]
+    return read_stream(stream(*events, chat_chunk("stop", [], content="")), chat=True)
+
+
+@pytest.mark.parametrize(
+    ("cand", "agrees"),
+    [
+        ([{"reasoning": "thi"}, {"reasoning": "nk"}], True),  # the other name
+        (
+            [
+                {"reasoning_content": "thi", "reasoning": "thi"},
+                {"reasoning_content": "nk", "reasoning": "nk"},
+            ],
+            True,
+        ),
+        ([{"reasoning_content": "think"}, {"reasoning": "think"}], False),  # a client reads it twice
+        (
+            [{"reasoning_content": "thi", "reasoning": "xx"}, {"reasoning_content": "nk", "reasoning": "yy"}],
+            False,
+        ),
+    ],
+    ids=["renamed", "both names alike", "one piece under each name", "both names differing"],
+)
+def test_reasoning_is_compared_as_a_client_reads_it_and_every_field_must_say_the_same(
+    cand: list[dict], agrees: bool
+) -> None:
+    """A client reads a delta's first non-empty reasoning field: a stream that sends one
+    piece under one name and the next under the other reads as both pieces, whatever each
+    field holds on its own; a field a client may read instead must agree too."""
+    from harness.divergence import text_round
+
+    base = reasoning_stream({"reasoning_content": "thi"}, {"reasoning_content": "nk"})
+    assert base.reasoning_seen == "think"
+    divergence, _ = text_round(base, reasoning_stream(*cand), None, 0, 0.1)
+    assert (divergence is None) == agrees, divergence
+    if not agrees:
+        assert divergence.what == "reasoning" and divergence.kind == "mismatch"

@@ -351,9 +351,35 @@ def test_the_text_over_the_agreed_ids_is_compared_without_the_baselines_token_te
     assert [(d.position, d.kind) for d in results[0].divergences] == [(2, "tie")]
     assert results[0].divergences[0].prefix_unchecked
     assert results[0].unchecked == (
-        "the text of positions 0-1, before the tie at 2: the baseline's logprobs name no token "
-        "texts and no --tokenizer was given"
+        "the text of positions 0-1, before the tie at 2: neither the baseline's logprobs (token "
+        "texts that join to its text) nor a --tokenizer (a decode that begins it) tell that text"
     )
+    assert summary["verdict"] == "fail" and summary["reason"] == "unchecked", summary
+
+
+def test_token_texts_that_do_not_join_to_the_text_do_not_stand_for_it(tokenizer) -> None:
+    """Token texts of the baseline's logprobs that are no prefix of its text (a character
+    split over two tokens reads as U+FFFD in each) tell nothing of the candidate's text
+    before a tie: the tokenizer's decode is used, else the comparison is unchecked."""
+    base_ids = tokenizer.encode("import os\nimport sys\n")[:4]
+    cand_ids = base_ids[:2] + [base_ids[2] + 1] + base_ids[3:]  # the runner-up at position 2
+    plain = resumable(base_ids, logprobs=True, text=tokenizer.decode)
+
+    def baseline(path: str, body: dict) -> dict:
+        data = plain(path, body)
+        if "logprobs" in data["choices"][0]:
+            data["choices"][0]["logprobs"]["tokens"] = ["\ufffd"] * len(data["choices"][0]["token_ids"])
+        return data
+
+    def wrong_prefix(ids: list[int]) -> str:
+        text = tokenizer.decode(ids)
+        return "X" + text[1:] if len(ids) == len(cand_ids) else text
+
+    lying = resumable(cand_ids, text=wrong_prefix)
+    _, summary = compare_resumable(baseline, lying, tokenizer)
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "text", summary
+    results, summary = compare_resumable(baseline, lying)
+    assert results[0].divergences[0].prefix_unchecked
     assert summary["verdict"] == "fail" and summary["reason"] == "unchecked", summary
 
 

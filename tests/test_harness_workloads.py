@@ -32,9 +32,9 @@ def test_a_prompt_may_be_a_list_of_token_ids_and_nothing_else(tmp_path) -> None:
     path.write_text('{"prompt": [11, 23, 5]}\n')
     (prompt,) = load_jsonl(path)
     assert prompt.token_ids == (11, 23, 5) and prompt.text is None and prompt.messages is None
-    for row in ('{"prompt": [1, "a"]}', '{"prompt": [true]}'):
+    for row in ('{"prompt": [1, "a"]}', '{"prompt": [true]}', '{"prompt": []}', '{"prompt": [-3]}'):
         path.write_text(row + "\n")
-        with pytest.raises(WorkloadError, match="needs a 'prompt' string or token-id list"):
+        with pytest.raises(WorkloadError, match="needs a 'prompt' string or a non-empty list of token ids"):
             load_jsonl(path)
 
 

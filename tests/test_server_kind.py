@@ -111,6 +111,17 @@ def test_bench_against_a_strict_server_counts_tokens_with_the_tokenizer(
     assert records[0].estimated_counts
 
 
+def test_id_prompts_to_the_chat_endpoint_need_the_tokenizer(tokenizer) -> None:
+    """The chat endpoint takes messages: a token-id prompt (synthetic, or a dataset's) is sent
+    as its text with a tokenizer, never as an empty message (which would be measured)."""
+    with pytest.raises(ValueError, match="the chat endpoint takes messages, not token ids"):
+        payload(Endpoint("http://127.0.0.1:9", kind="chat"), Prompt(token_ids=(10, 11)), 4)
+    body = payload(
+        Endpoint("http://127.0.0.1:9", kind="chat", tokenizer=tokenizer), Prompt(token_ids=(10, 11)), 4
+    )
+    assert body["messages"] == [{"role": "user", "content": tokenizer.decode([10, 11])}]
+
+
 def test_id_prompts_to_a_text_only_server_need_the_tokenizer(strict_server, tokenizer) -> None:
     url, bodies, _ = strict_server
     kind = probe(url).kind

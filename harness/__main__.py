@@ -39,11 +39,11 @@ from .outcome import verdict_line
 from .output import OutputError, claim
 from .resume import (
     ResumeConflict,
+    bench_identity,
     check_identity,
     holds_rows,
     prepare,
     read_request_rows,
-    run_identity,
     trim_torn_tail,
     write_identity,
 )
@@ -459,22 +459,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     servers: dict[str, ManagedServer] = {}
-    identity = run_identity(args)
+    identity = bench_identity(args)
+    refusal = None  # nothing is started and the folder is left as it was
     if not args.resume and holds_rows(out):  # appending would put two benchmarks in one folder
-        hold.release()
-        print(
-            f"error: {out} already holds measured rows (requests.jsonl, summary.csv): "
-            "--resume continues that benchmark, another --out starts a new one",
-            file=sys.stderr,
+        refusal = (
+            f"{out} already holds measured rows (requests.jsonl, summary.csv): "
+            "--resume continues that benchmark, another --out starts a new one"
         )
-        return 2
-    if args.resume:
+    elif args.resume:
         try:
             check_identity(out, identity)
-        except ResumeConflict as exc:  # nothing started, the folder left as it was
-            hold.release()
-            print(f"error: resume_conflict: {exc}", file=sys.stderr)
-            return 2
+        except ResumeConflict as exc:
+            refusal = f"resume_conflict: {exc}"
+    if refusal is not None:
+        hold.release()
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     try:
         write_identity(out, identity)
         if args.command == "bench":

@@ -25,7 +25,7 @@ RUN_COLUMNS = ("label", "concurrency", "repeat")  # the first columns of summary
 
 REQUESTS = "requests.jsonl"
 SUMMARY = "summary.csv"
-IDENTITY = "bench_run.json"  # what the folder's rows were measured with (run_identity)
+IDENTITY = "bench_run.json"  # what the folder's rows were measured with (bench_identity)
 
 # the options of `harness bench` and `harness ab` that change what a request is, whom it goes
 # to, or a row: the servers, the model and kind asked for, the workload, the SLOs
@@ -75,7 +75,7 @@ def differences(saved: dict, now: dict, where: str = "") -> list[str]:
     return out
 
 
-def run_identity(args) -> dict:
+def bench_identity(args) -> dict:
     """What the rows of a `harness bench` or `harness ab` folder were measured with: the
     command, the servers (the URL attached to, or the command that started one: its port
     changes from run to run), the model and server kind asked for, every workload setting,

@@ -112,7 +112,7 @@ def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset()
     metrics.on_step(idle_engine(spec))  # the same totals again: nothing new
     spec = SpecCounters()  # Engine.reset_stats
     spec.record(7, 1, 2)
-    metrics.on_step(idle_engine(spec))
+    metrics.on_step(idle_engine(spec, epoch=1))
     page = samples(metrics.render(idle_engine())[0])
     assert value(page, "dflash:spec_decode_num_drafts_total") == 3
     assert value(page, "dflash:spec_decode_num_draft_tokens_total") == 21

@@ -288,11 +288,11 @@ class EngineGraphs:
         out = {}
         vocab = self.target.config.vocab_size
         for (b, width), verify in sorted(self.verify_graphs.items()):
-            graphs = [self.draft_graphs[b, self.block_size]] if width > 1 else []
-            graphs.append(verify)
-            for g in graphs:
+            fed = [self.draft_graphs[b, self.block_size]] if width > 1 else []
+            fed.append(verify)
+            for g in fed:
                 g.inputs.ids.copy_(timing_ids(*g.inputs.ids.shape, vocab, self.device))
-            graphs += [self.commit_graphs[b, width]] if (b, width) in self.commit_graphs else []
+            graphs = fed + ([self.commit_graphs[b, width]] if (b, width) in self.commit_graphs else [])
             times = []
             for r in range(repeats + 1):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -304,9 +304,8 @@ class EngineGraphs:
                 if r:
                     times.append(start.elapsed_time(end) / 1000.0)
             out[b, width - 1] = statistics.median(times)
-            for g in (verify, self.draft_graphs.get((b, self.block_size))):
-                if g is not None:
-                    g.inputs.ids.zero_()
+            for g in fed:
+                g.inputs.ids.zero_()
         return out
 
     # ------------------------------------------------------------------ replay

@@ -151,9 +151,7 @@ class ServerMetrics:
     def _advance(self, key: str, counter: Counter | list[Counter], value: float) -> None:
         """Advance `counter` (or each of a list: one count under several names) to the engine
         total `value`."""
-        seen = self._seen.get(key, 0)
-        # totals that went down were restarted (a reset on_step did not see): all of `value` is new
-        delta = value - seen if value >= seen else value
+        delta = value - self._seen.get(key, 0)  # since the last step seen, or the last reset
         if delta > 0:
             for each in counter if isinstance(counter, list) else [counter]:
                 each.inc(delta)
@@ -161,10 +159,9 @@ class ServerMetrics:
 
     def on_step(self, engine: Engine) -> None:
         """Called on the engine thread after each step, before its outputs are handed on."""
-        epoch = getattr(engine, "stats_epoch", 0)
-        if epoch != self._epoch:  # Engine.reset_stats: every total restarted from zero
+        if engine.stats_epoch != self._epoch:  # Engine.reset_stats: every total restarted from zero
             self._seen.clear()
-            self._epoch = epoch
+            self._epoch = engine.stats_epoch
         spec = engine.spec_totals
         names = self.acceptance
         self._advance("drafts", [c.drafts for c in names], spec.steps)

@@ -395,6 +395,63 @@ def test_a_query_gets_the_same_bits_from_either_split_path_and_any_split_count()
     assert torch.equal(longer[0, 0], alone[0, 0])
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(
+    ("causal", "window", "T"),
+    [(True, None, 1), (True, None, 16), (True, None, 40), (True, 150, 40), (False, None, 8)],
+    ids=["decode", "verify", "prefill", "sliding-prefill", "block"],
+)
+def test_the_key_blocks_a_tile_sees_whole_give_the_same_bits_unmasked(
+    monkeypatch, dtype, causal: bool, window, T: int
+) -> None:
+    """The blocks every row of a tile sees whole run without the mask; masking them as well
+    (MASK_WHOLE_BLOCKS) must change no bit, in one split and across splits."""
+    from reference_engine.kernels import attention as module
+
+    k_cache, v_cache = cache(dtype, length=300)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    positions = torch.stack([torch.arange(230, 230 + T), torch.arange(150, 150 + T)]).to(DEVICE)
+    q = rand(2, T, 4, 24, dtype=dtype, seed=3)
+    args = (q, k_cache, v_cache, slots, positions, 230 + T, 24**-0.5, causal, window)
+    for split in (module.SPLIT, 64):
+        unmasked = attention(*args, split=split)
+        monkeypatch.setattr(module, "MASK_WHOLE_BLOCKS", True)
+        masked = attention(*args, split=split)
+        monkeypatch.setattr(module, "MASK_WHOLE_BLOCKS", False)
+        assert torch.equal(unmasked, masked)
+        assert_close(unmasked, ref.attention(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_the_fast_numerics_take_the_vendor_attention_for_a_prefill_chunk_alone(monkeypatch, dtype) -> None:
+    """One request's prefill chunk (positions the last T before kv_len, T > 16) goes to the
+    vendor's fused attention, with the causal mask aligned to the last key; every other call
+    (a batch, a verify block, a window, the draft's block, positions that are not the chunk's
+    tail) to the Triton kernel."""
+    from reference_engine.kernels import prefill_attention as module
+
+    k_cache, v_cache = cache(dtype, length=300)
+    slots = torch.tensor([2], device=DEVICE)
+    q = rand(1, 40, 4, 24, dtype=dtype, seed=3)
+    chunk = torch.arange(190, 230, device=DEVICE)[None]
+    taken = []
+    monkeypatch.setattr(module, "triton_attention", lambda *a: taken.append(a) or ref.attention(*a))
+    args = (q, k_cache, v_cache, slots, chunk, 230, 24**-0.5)
+    assert_close(module.attention(*args), ref.attention(*args), dtype)
+    assert not taken
+    others = [
+        (q.expand(2, -1, -1, -1), k_cache, v_cache, torch.tensor([2, 0]), chunk.expand(2, -1), 230, 0.2),
+        (q[:, :16], k_cache, v_cache, slots, chunk[:, :16], 206, 0.2),
+        (q, k_cache, v_cache, slots, chunk, 230, 0.2, True, 64),
+        (q, k_cache, v_cache, slots, chunk, 230, 0.2, False),
+        (q, k_cache, v_cache, slots, chunk, 231, 0.2),  # a key past the chunk
+        (q, k_cache, v_cache, slots, chunk.flip(1), 230, 0.2),
+    ]
+    for i, other in enumerate(others, 1):
+        module.attention(*(x.to(DEVICE) if torch.is_tensor(x) else x for x in other))
+        assert len(taken) == i
+
+
 def test_a_split_must_be_whole_key_blocks() -> None:
     k_cache, v_cache = cache(torch.float32)
     q, pos, slots = rand(1, 1, 4, 24), torch.tensor([[5]], device=DEVICE), torch.tensor([0], device=DEVICE)
@@ -504,9 +561,13 @@ def test_the_switch_runs_references_off_cuda_and_triton_in_exact_mode_on_cuda() 
     fast = kernels.select("fast", "cuda", torch.bfloat16)
     exact = kernels.select(None, "cuda", torch.bfloat16)
     assert exact.name == "triton" and fast.name == "vendor"
-    # the fast numerics differ from the exact ones in the matrix products (cuBLAS) and argmax
-    # alone, and both are captured as CUDA graphs; the references are not
-    assert fast.linear is kernels.TORCH.linear and fast.attention is exact.attention
+    # the fast numerics differ from the exact ones in the matrix products (cuBLAS), argmax and
+    # a prefill chunk's attention alone, and both are captured as CUDA graphs; the references
+    # are not
+    from reference_engine.kernels import prefill_attention
+
+    assert fast.linear is kernels.TORCH.linear and fast.attention is prefill_attention.attention
+    assert fast.gated_delta is exact.gated_delta and fast.experts is exact.experts
     assert fast.capturable and exact.capturable and not kernels.TORCH.capturable
     assert kernels.select("fast", "cuda", torch.float64) is kernels.TORCH
     assert kernels.default_numerics("cuda") == "exact" and kernels.default_numerics("cpu") == "fast"

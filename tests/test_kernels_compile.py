@@ -27,21 +27,22 @@ KERNELS = {
     "attention._attention_kernel": (
         {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "out_ptr": "bf16", "slots_ptr": "i64"}
         | {"pos_ptr": "i64", "valid_ptr": "i64", "m_part": "fp32", "l_part": "fp32", "acc_part": "fp32"},
-        {"scale": "fp32"},
+        {"scale_log2e": "fp32"},
         [
             {"CAUSAL": c, "SLIDING": s, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": a}
-            | {"SPLIT_LEN": 2048, "D": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64}
+            | {"SPLIT_LEN": 2048, "MASK_WHOLE": False, "D": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64}
             for c, s, a in ((True, False, True), (True, True, False), (False, False, False))
         ]
         + [  # a prefill chunk's wide tiles, head_dim 128 and 256
             {"CAUSAL": True, "SLIDING": False, "HAS_VALID": False, "IEEE": False, "SPLITS_APART": False}
-            | {"SPLIT_LEN": 2048, "D": d, "BLOCK_D": d, "BLOCK_M": 8192 // d, "BLOCK_N": 64, "num_warps": 4}
-            for d in (128, 256)
+            | {"SPLIT_LEN": 2048, "MASK_WHOLE": w, "D": d, "BLOCK_D": d, "BLOCK_M": 8192 // d, "BLOCK_N": 64}
+            | {"num_warps": 4}
+            for d, w in ((128, False), (256, False), (128, True))
         ],
     ),
     "attention._merge_kernel": (
         {"m_part": "fp32", "l_part": "fp32", "acc_part": "fp32", "out_ptr": "bf16"},
-        {},
+        {"scale_log2e": "fp32"},
         [{"D": 128, "BLOCK_D": 128, "BLOCK_M": 16}],
     ),
     "moe._route_kernel": (

@@ -13,11 +13,12 @@ the running maximum does not move, so the rescale factor is exactly 1). The tile
 move a row's bits either: each element of the two products sums its terms in the tensor
 cores' order for any tile (the GPU tier checks it), the running maximum is exact in any
 order, and the row sums of the weights are integer sums (`_fixed_point_sum`), which have no
-order. Every key block is masked, also one that every row of the tile sees whole: without
-the mask there the compiler may fuse the scores' scale into the subtraction of the maximum
-on those blocks only (one rounding fewer), and which blocks those are depends on the tile; a
-version that skipped it failed the bit-equality tests on an H200 (a float32 query's bits
-across paths, DFlash == plain greedy on the Qwen3-8B shape). Positions, lengths and the
+order. A key block that every row of the tile sees whole runs without the mask, which there
+is the identity, and the others with it. The mask is applied to the raw scores, before the
+scale: the weights are exp2(s * c - m * c) with c = scale * log2(e) in both kinds of block,
+so the compiler contracts the same multiply and subtraction into one fused multiply-add in
+both (a version that scaled first and masked between the scale and the subtraction fused it
+on unmasked blocks only, one rounding fewer there, and failed the bit tests). Positions, lengths and the
 non-causal limit come from device tensors; no host value bounds the loop.
 
 Long contexts are split: the keys are cut at fixed absolute positions 0, SPLIT, 2*SPLIT, ...;
@@ -52,6 +53,8 @@ FIXED_SCALE: tl.constexpr = tl.constexpr(float(2**FIXED_BITS))
 SPLIT = 2048  # key positions of a split (a multiple of BLOCK_N), from absolute position 0
 SPLIT_ROWS = 16  # tokens a row up to which each split runs in a program of its own
 WIDE_WARPS = 4  # warps of a program of wide tiles
+MASK_WHOLE_BLOCKS = False  # mask also the key blocks a tile sees whole (the same bits, slower)
+LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -67,6 +70,59 @@ def _fixed_point_sum(p):
 
 
 @triton.jit
+def _key_block(
+    q,
+    k_ptr,
+    v_ptr,
+    cache,
+    k0,
+    lo,
+    hi,
+    max_len,
+    c,
+    stride_cl,
+    d,
+    d_ok,
+    m_i,
+    l_i,
+    acc,
+    MASKED: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One key block of the online softmax, in the scores' raw units (m is a raw score; c =
+    scale * log2(e)). MASKED: some row of the tile may not see some key of the block, or the
+    block runs past the cache. On a block that every row sees whole the mask is the identity,
+    and the weights' arithmetic from the raw scores on is the same in both, so either gives
+    the same bits."""
+    kpos = k0 + tl.arange(0, BLOCK_N)
+    offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
+    if MASKED:
+        kv_ok = (kpos < max_len)[:, None] & d_ok[None, :]
+    else:
+        kv_ok = d_ok[None, :]
+    k = tl.load(k_ptr + offs, mask=kv_ok, other=0.0)
+    v = tl.load(v_ptr + offs, mask=kv_ok, other=0.0)
+    if IEEE:  # float32 models: no tf32 rounding of the operands
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * c - (m_safe * c)[:, None])
+    alpha = tl.exp2(m_i * c - m_safe * c)
+    l_i = l_i * alpha + _fixed_point_sum(p)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _split_softmax(
     q,
     k_ptr,
@@ -76,53 +132,55 @@ def _split_softmax(
     hi,
     begin,
     end,
+    whole_lo,
+    whole_hi,
     max_len,
-    scale,
+    c,
     stride_cl,
     d,
     d_ok,
+    MASK_WHOLE: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """The online softmax of one split: (running max, sum of weights, weighted values) over
-    the key blocks from `begin` to `end`, each query row seeing keys lo..hi."""
+    the key blocks from `begin` to `end` in ascending order, each query row seeing keys
+    lo..hi. The blocks from `whole_lo` to `whole_hi` (block-aligned) are seen whole by every
+    row of the tile and run unmasked (masked too with MASK_WHOLE, the same bits, for the
+    kernel benchmark's comparison); those before and after, masked."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for k0 in range(begin, end, BLOCK_N):
-        kpos = k0 + tl.arange(0, BLOCK_N)
-        k_ok = kpos < max_len
-        offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
-        k = tl.load(k_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + offs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:  # float32 models: no tf32 rounding of the operands
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        seen = (kpos[None, :] <= hi[:, None]) & (kpos[None, :] >= lo[:, None])
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + _fixed_point_sum(p)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    first = tl.minimum(tl.maximum(whole_lo, begin), end)
+    last = tl.maximum(tl.minimum(whole_hi, end), first)
+    for k0 in range(begin, first, BLOCK_N):
+        m_i, l_i, acc = _key_block(
+            q, k_ptr, v_ptr, cache, k0, lo, hi, max_len, c, stride_cl, d, d_ok, m_i, l_i, acc,
+            True, IEEE, BLOCK_N,
+        )  # fmt: skip
+    for k0 in range(first, last, BLOCK_N):
+        m_i, l_i, acc = _key_block(
+            q, k_ptr, v_ptr, cache, k0, lo, hi, max_len, c, stride_cl, d, d_ok, m_i, l_i, acc,
+            MASK_WHOLE, IEEE, BLOCK_N,
+        )  # fmt: skip
+    for k0 in range(last, end, BLOCK_N):
+        m_i, l_i, acc = _key_block(
+            q, k_ptr, v_ptr, cache, k0, lo, hi, max_len, c, stride_cl, d, d_ok, m_i, l_i, acc,
+            True, IEEE, BLOCK_N,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
 @triton.jit
-def _combine(m_run, l_run, acc_run, m_s, l_s, acc_s):
-    """The running result with one more split's added: every split in ascending order."""
+def _combine(m_run, l_run, acc_run, m_s, l_s, acc_s, c):
+    """The running result with one more split's added: every split in ascending order (m in
+    raw score units, c = scale * log2(e))."""
     m_new = tl.maximum(m_run, m_s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    old = tl.exp(m_run - m_safe)
-    new = tl.exp(m_s - m_safe)
+    old = tl.exp2(m_run * c - m_safe * c)
+    new = tl.exp2(m_s * c - m_safe * c)
     return m_new, l_run * old + l_s * new, acc_run * old[:, None] + acc_s * new[:, None]
 
 
@@ -146,7 +204,7 @@ def _attention_kernel(
     G,
     n_splits,
     max_len,
-    scale,
+    scale_log2e,
     window,
     stride_qb,
     stride_qt,
@@ -164,6 +222,7 @@ def _attention_kernel(
     IEEE: tl.constexpr,
     SPLITS_APART: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
+    MASK_WHOLE: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -209,6 +268,10 @@ def _attention_kernel(
     cache = slot.to(tl.int64) * stride_cs + kv_head * stride_ch
     start = (tl.maximum(tl.min(lo, axis=0), 0) // BLOCK_N) * BLOCK_N
     stop = tl.max(hi, axis=0) + 1
+    # the key blocks every row of the tile sees whole (padding rows see none and bound none)
+    whole_lo = tl.cdiv(tl.max(tl.where(row_ok, lo, 0), axis=0), BLOCK_N) * BLOCK_N
+    whole_hi = tl.min(tl.where(row_ok, hi, 2147483646), axis=0) + 1
+    whole_hi = (tl.minimum(whole_hi, max_len) // BLOCK_N) * BLOCK_N
     if SPLITS_APART:
         m_s, l_s, acc_s = _split_softmax(
             q,
@@ -219,11 +282,14 @@ def _attention_kernel(
             hi,
             tl.maximum(split * SPLIT_LEN, start),
             tl.minimum((split + 1) * SPLIT_LEN, stop),
+            whole_lo,
+            whole_hi,
             max_len,
-            scale,
+            scale_log2e,
             stride_cl,
             d,
             d_ok,
+            MASK_WHOLE,
             IEEE,
             BLOCK_M,
             BLOCK_D,
@@ -247,17 +313,20 @@ def _attention_kernel(
                 hi,
                 tl.maximum(s0, start),
                 tl.minimum(s0 + SPLIT_LEN, stop),
+                whole_lo,
+                whole_hi,
                 max_len,
-                scale,
+                scale_log2e,
                 stride_cl,
                 d,
                 d_ok,
+                MASK_WHOLE,
                 IEEE,
                 BLOCK_M,
                 BLOCK_D,
                 BLOCK_N,
             )
-            m_i, l_i, acc = _combine(m_i, l_i, acc, m_s, l_s, acc_s)
+            m_i, l_i, acc = _combine(m_i, l_i, acc, m_s, l_s, acc_s, scale_log2e)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -275,6 +344,7 @@ def _merge_kernel(
     T,
     G,
     n_splits,
+    scale_log2e,
     stride_ob,
     stride_ot,
     stride_oh,
@@ -301,7 +371,7 @@ def _merge_kernel(
         m_s = tl.load(m_part + at)
         l_s = tl.load(l_part + at)
         acc_s = tl.load(acc_part + at[:, None] * BLOCK_D + d[None, :])
-        m_i, l_i, acc = _combine(m_i, l_i, acc, m_s, l_s, acc_s)
+        m_i, l_i, acc = _combine(m_i, l_i, acc, m_s, l_s, acc_s, scale_log2e)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -367,7 +437,7 @@ def attention(
         G,
         n_splits,
         max_len,
-        scale,
+        scale * LOG2_E,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
@@ -385,6 +455,7 @@ def attention(
         IEEE=q.dtype == torch.float32,
         SPLITS_APART=apart,
         SPLIT_LEN=split,
+        MASK_WHOLE=MASK_WHOLE_BLOCKS,
         D=D,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
@@ -401,6 +472,7 @@ def attention(
             T,
             G,
             n_splits,
+            scale * LOG2_E,
             out.stride(0),
             out.stride(1),
             out.stride(2),

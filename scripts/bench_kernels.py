@@ -150,18 +150,27 @@ def moe_projection_sweep() -> None:
             )
 
 
-def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512):
+def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512, kernel=None):
+    kernel = kernel or attention
     return torch.cat(
         [
-            attention(q[:, a : a + chunk], kc, vc, slots, pos[:, a : a + chunk], a + chunk, scale)
+            kernel(q[:, a : a + chunk], kc, vc, slots, pos[:, a : a + chunk], a + chunk, scale)
             for a in range(0, q.shape[1], chunk)
         ],
         dim=1,
     )
 
 
-# (warps, query rows a tile, chunk tokens) of the prefill sweep; the engine's first
-WIDE_VARIANTS = ((4, 64, 2048), (4, 64, 512), (4, 64, 4096), (4, 32, 2048), (8, 128, 2048))
+# (warps, query rows a tile, chunk tokens, mask the key blocks a tile sees whole) of the
+# prefill sweep; the engine's first
+WIDE_VARIANTS = (
+    (4, 64, 2048, False),
+    (4, 64, 2048, True),
+    (4, 64, 512, False),
+    (4, 64, 4096, False),
+    (4, 32, 2048, False),
+    (8, 128, 2048, False),
+)
 
 
 def long_attention(bw: float) -> None:
@@ -170,12 +179,15 @@ def long_attention(bw: float) -> None:
     (flash, kv heads repeated), for each wide-tile variant (warps, rows a tile, chunk size),
     with whether each variant gives the bits of the engine's; then decode (T = 1) and verify
     (T = 16) rows at 8K-32K positions, replayed from CUDA graphs, against the time to read
-    their keys and values at the copy bandwidth."""
+    their keys and values at the copy bandwidth. The `mask` column says whether the key
+    blocks a tile sees whole run unmasked (the engine's) or masked too (the same bits); the
+    `fast` row is the fast numerics' prefill (the vendor's attention a chunk)."""
     from reference_engine.kernels import attention as module
+    from reference_engine.kernels.prefill_attention import attention as fast_attention
 
-    engine = module.WIDE_WARPS, module.WIDE_ELEMENTS
+    engine = module.WIDE_WARPS, module.WIDE_ELEMENTS, module.MASK_WHOLE_BLOCKS
     heads, kv_heads, dim = 32, 8, 128
-    print("prefill attention | tokens | warps | tile rows | chunk | ms | flash ms | x flash | bits")
+    print("prefill attention | tokens | warps | tile rows | chunk | mask | ms | flash ms | x flash | bits")
     for tokens in (16384, 32768):
         kc = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -188,22 +200,31 @@ def long_attention(bw: float) -> None:
         flash = median_ms(torch.nn.functional.scaled_dot_product_attention, qh, kh, vh, None, 0.0, True)
         del qh, kh, vh
         first = None
-        for warps, rows, chunk in WIDE_VARIANTS:
-            if tokens > 16384 and (warps, rows, chunk) != WIDE_VARIANTS[0]:
+        for warps, rows, chunk, masked in WIDE_VARIANTS:
+            if tokens > 16384 and (warps, rows, chunk) != WIDE_VARIANTS[0][:3]:
                 continue
-            module.WIDE_WARPS, module.WIDE_ELEMENTS = warps, rows * dim
+            module.WIDE_WARPS, module.WIDE_ELEMENTS, module.MASK_WHOLE_BLOCKS = warps, rows * dim, masked
             out = prefill_in_chunks(q, kc, vc, slots, pos, dim**-0.5, chunk)
             same = first is None or torch.equal(out, first)
             first = out if first is None else first
             ms = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5, chunk)
+            mask = "every" if masked else "whole"
             print(
-                f"prefill attention | {tokens} | {warps} | {rows} | {chunk} | {ms:.1f} | {flash:.1f} | "
-                f"{ms / flash:.2f} | {'same' if same else 'DIFF'}",
+                f"prefill attention | {tokens} | {warps} | {rows} | {chunk} | {mask} | "
+                f"{ms:.1f} | {flash:.1f} | {ms / flash:.2f} | {'same' if same else 'DIFF'}",
                 flush=True,
             )
+        module.WIDE_WARPS, module.WIDE_ELEMENTS, module.MASK_WHOLE_BLOCKS = engine
+        chunk = WIDE_VARIANTS[0][2]
+        ms = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5, chunk, fast_attention)
+        print(
+            f"prefill attention | {tokens} | fast | - | {chunk} | - | {ms:.1f} | {flash:.1f} | "
+            f"{ms / flash:.2f} | -",
+            flush=True,
+        )
         del kc, vc, q, first, out
-    module.WIDE_WARPS, module.WIDE_ELEMENTS = engine
-    print("long attention | shape | exact us | floor us | x floor")
+    module.WIDE_WARPS, module.WIDE_ELEMENTS, module.MASK_WHOLE_BLOCKS = engine
+    print("long attention | shape | mask | exact us | floor us | x floor")
     for ctx in (32768, 16384, 8192):
         kc = torch.randn(16, ctx + 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -212,9 +233,14 @@ def long_attention(bw: float) -> None:
             slots = torch.arange(b, device="cuda")
             pos = (ctx + torch.arange(T, device="cuda"))[None].expand(b, T).contiguous()
             floor = 1000 * b * (ctx + T) * kv_heads * dim * 2 * 2 / bw / 1e6
-            us = graph_us(attention, q, kc, vc, slots, pos, ctx + T, dim**-0.5)
             shape = f"ctx={ctx} b={b} T={T}"
-            print(f"long attention | {shape} | {us:.1f} | {floor:.1f} | {us / floor:.2f}", flush=True)
+            for masked in (False, True):
+                module.MASK_WHOLE_BLOCKS = masked
+                us = graph_us(attention, q, kc, vc, slots, pos, ctx + T, dim**-0.5)
+                mask = "every" if masked else "whole"
+                ratio = f"{us:.1f} | {floor:.1f} | {us / floor:.2f}"
+                print(f"long attention | {shape} | {mask} | {ratio}", flush=True)
+            module.MASK_WHOLE_BLOCKS = engine[2]
         del kc, vc
 
 

@@ -150,11 +150,10 @@ def moe_projection_sweep() -> None:
             )
 
 
-def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512, kernel=None):
-    kernel = kernel or attention
+def prefill_in_chunks(q, kc, vc, slots, pos, scale, chunk: int = 512):
     return torch.cat(
         [
-            kernel(q[:, a : a + chunk], kc, vc, slots, pos[:, a : a + chunk], a + chunk, scale)
+            attention(q[:, a : a + chunk], kc, vc, slots, pos[:, a : a + chunk], a + chunk, scale)
             for a in range(0, q.shape[1], chunk)
         ],
         dim=1,
@@ -180,10 +179,8 @@ def long_attention(bw: float) -> None:
     with whether each variant gives the bits of the engine's; then decode (T = 1) and verify
     (T = 16) rows at 8K-32K positions, replayed from CUDA graphs, against the time to read
     their keys and values at the copy bandwidth. The `mask` column says whether the key
-    blocks a tile sees whole run unmasked (the engine's) or masked too (the same bits); the
-    `fast` row is the fast numerics' prefill (the vendor's attention a chunk)."""
+    blocks a tile sees whole run unmasked (the engine's) or masked too (the same bits)."""
     from reference_engine.kernels import attention as module
-    from reference_engine.kernels.prefill_attention import attention as fast_attention
 
     engine = module.WIDE_WARPS, module.WIDE_ELEMENTS, module.MASK_WHOLE_BLOCKS
     heads, kv_heads, dim = 32, 8, 128
@@ -214,14 +211,6 @@ def long_attention(bw: float) -> None:
                 f"{ms:.1f} | {flash:.1f} | {ms / flash:.2f} | {'same' if same else 'DIFF'}",
                 flush=True,
             )
-        module.WIDE_WARPS, module.WIDE_ELEMENTS, module.MASK_WHOLE_BLOCKS = engine
-        chunk = WIDE_VARIANTS[0][2]
-        ms = median_ms(prefill_in_chunks, q, kc, vc, slots, pos, dim**-0.5, chunk, fast_attention)
-        print(
-            f"prefill attention | {tokens} | fast | - | {chunk} | - | {ms:.1f} | {flash:.1f} | "
-            f"{ms / flash:.2f} | -",
-            flush=True,
-        )
         del kc, vc, q, first, out
     module.WIDE_WARPS, module.WIDE_ELEMENTS, module.MASK_WHOLE_BLOCKS = engine
     print("long attention | shape | mask | exact us | floor us | x floor")

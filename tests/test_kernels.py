@@ -86,14 +86,15 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 
 def test_every_triton_launch_pins_the_compiler_options() -> None:
     """The exact numerics' bits must not move with a compiler default (FP fusion changes its
-    default in Triton 3.10): every launch in the kernels package passes **LAUNCH."""
+    default in Triton 3.10): every launch in the kernels package passes **LAUNCH, or, in the
+    attention kernels (two code paths that must agree bit for bit), **UNFUSED."""
     import ast
     from pathlib import Path
 
-    from reference_engine.kernels.launch import LAUNCH
+    from reference_engine.kernels.launch import LAUNCH, UNFUSED
 
-    assert LAUNCH == {"enable_fp_fusion": True}
-    launches, unpinned = 0, []
+    assert LAUNCH == {"enable_fp_fusion": True} and UNFUSED == {"enable_fp_fusion": False}
+    launches, unpinned, unfused = 0, [], []
     for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if (
@@ -103,12 +104,15 @@ def test_every_triton_launch_pins_the_compiler_options() -> None:
                 and node.func.value.id.endswith("_kernel")
             ):
                 launches += 1
-                if not any(
-                    k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "LAUNCH"
-                    for k in node.keywords
-                ):
+                options = {
+                    k.value.id for k in node.keywords if k.arg is None and isinstance(k.value, ast.Name)
+                }
+                if options not in ({"LAUNCH"}, {"UNFUSED"}):
                     unpinned.append(f"{path.name}:{node.lineno}")
-    assert launches >= 13 and not unpinned, f"launches without **LAUNCH: {unpinned}"
+                if options == {"UNFUSED"}:
+                    unfused.append(f"{path.name}:{node.func.value.id}")
+    assert unfused == ["attention.py:_attention_kernel", "attention.py:_merge_kernel"]
+    assert launches >= 13 and not unpinned, f"launches without **LAUNCH or **UNFUSED: {unpinned}"
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -422,36 +426,6 @@ def test_the_key_blocks_a_tile_sees_whole_give_the_same_bits_unmasked(
         assert_close(unmasked, ref.attention(*args), dtype)
 
 
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-def test_the_fast_numerics_take_the_vendor_attention_for_a_prefill_chunk_alone(monkeypatch, dtype) -> None:
-    """One request's prefill chunk (positions the last T before kv_len, T > 16) goes to the
-    vendor's fused attention, with the causal mask aligned to the last key; every other call
-    (a batch, a verify block, a window, the draft's block, positions that are not the chunk's
-    tail) to the Triton kernel."""
-    from reference_engine.kernels import prefill_attention as module
-
-    k_cache, v_cache = cache(dtype, length=300)
-    slots = torch.tensor([2], device=DEVICE)
-    q = rand(1, 40, 4, 24, dtype=dtype, seed=3)
-    chunk = torch.arange(190, 230, device=DEVICE)[None]
-    taken = []
-    monkeypatch.setattr(module, "triton_attention", lambda *a: taken.append(a) or ref.attention(*a))
-    args = (q, k_cache, v_cache, slots, chunk, 230, 24**-0.5)
-    assert_close(module.attention(*args), ref.attention(*args), dtype)
-    assert not taken
-    others = [
-        (q.expand(2, -1, -1, -1), k_cache, v_cache, torch.tensor([2, 0]), chunk.expand(2, -1), 230, 0.2),
-        (q[:, :16], k_cache, v_cache, slots, chunk[:, :16], 206, 0.2),
-        (q, k_cache, v_cache, slots, chunk, 230, 0.2, True, 64),
-        (q, k_cache, v_cache, slots, chunk, 230, 0.2, False),
-        (q, k_cache, v_cache, slots, chunk, 231, 0.2),  # a key past the chunk
-        (q, k_cache, v_cache, slots, chunk.flip(1), 230, 0.2),
-    ]
-    for i, other in enumerate(others, 1):
-        module.attention(*(x.to(DEVICE) if torch.is_tensor(x) else x for x in other))
-        assert len(taken) == i
-
-
 def test_a_split_must_be_whole_key_blocks() -> None:
     k_cache, v_cache = cache(torch.float32)
     q, pos, slots = rand(1, 1, 4, 24), torch.tensor([[5]], device=DEVICE), torch.tensor([0], device=DEVICE)
@@ -561,13 +535,9 @@ def test_the_switch_runs_references_off_cuda_and_triton_in_exact_mode_on_cuda() 
     fast = kernels.select("fast", "cuda", torch.bfloat16)
     exact = kernels.select(None, "cuda", torch.bfloat16)
     assert exact.name == "triton" and fast.name == "vendor"
-    # the fast numerics differ from the exact ones in the matrix products (cuBLAS), argmax and
-    # a prefill chunk's attention alone, and both are captured as CUDA graphs; the references
-    # are not
-    from reference_engine.kernels import prefill_attention
-
-    assert fast.linear is kernels.TORCH.linear and fast.attention is prefill_attention.attention
-    assert fast.gated_delta is exact.gated_delta and fast.experts is exact.experts
+    # the fast numerics differ from the exact ones in the matrix products (cuBLAS) and argmax
+    # alone, and both are captured as CUDA graphs; the references are not
+    assert fast.linear is kernels.TORCH.linear and fast.attention is exact.attention
     assert fast.capturable and exact.capturable and not kernels.TORCH.capturable
     assert kernels.select("fast", "cuda", torch.float64) is kernels.TORCH
     assert kernels.default_numerics("cuda") == "exact" and kernels.default_numerics("cpu") == "fast"

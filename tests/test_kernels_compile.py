@@ -145,12 +145,14 @@ KERNELS = {
 # turns every @triton.jit into an interpreted function
 COMPILE = textwrap.dedent(
     """
-    import importlib, json, sys
+    import importlib, json, re, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from reference_engine.kernels.launch import LAUNCH, UNFUSED
 
-    failures = {}
+    failures, contractable = {}, {}
+    unfused = set(json.loads(sys.argv[2]))
     for name, (pointers, scalars, variants) in json.loads(sys.argv[1]).items():
         module, kernel = name.split(".")
         fn = getattr(importlib.import_module("reference_engine.kernels." + module), kernel)
@@ -160,21 +162,28 @@ COMPILE = textwrap.dedent(
                 return "*" + pointers[a] if a in pointers else scalars.get(a, "i32")
             signature = {a: "constexpr" if a in constexprs else kind(a) for a in fn.arg_names}
             fixed = {(fn.arg_names.index(a),): v for a, v in constexprs.items()}
+            options = {"num_warps": warps, **(UNFUSED if name in unfused else LAUNCH)}
             try:
                 source = ASTSource(fn=fn, signature=signature, constexprs=fixed)
-                triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             except Exception as exc:
                 failures.setdefault(name, []).append(f"{constexprs}: {type(exc).__name__}: {exc}")
-    print(json.dumps(failures))
+                continue
+            if name in unfused:  # float multiplies and adds the assembler may contract
+                ops = re.findall(r"\\b(?:fma\\.rn|mul|add|sub)\\.f32\\b", compiled.asm["ptx"])
+                contractable[name] = contractable.get(name, 0) + len(ops)
+    print(json.dumps({"failures": failures, "contractable": contractable}))
     """
 )
+# the kernels launched with launch.UNFUSED (test_kernels.py checks which those are)
+UNFUSED_KERNELS = ["attention._attention_kernel", "attention._merge_kernel"]
 
 
 @pytest.fixture(scope="module")
-def failures() -> dict[str, list[str]]:
+def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-c", COMPILE, json.dumps(KERNELS)],
+        [sys.executable, "-c", COMPILE, json.dumps(KERNELS), json.dumps(UNFUSED_KERNELS)],
         capture_output=True,
         text=True,
         env=env,
@@ -186,6 +195,17 @@ def failures() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_the_kernel_compiles_for_sm90_in_every_variant(name: str, failures: dict[str, list[str]]) -> None:
-    found = failures.get(name, [])
+def test_the_kernel_compiles_for_sm90_in_every_variant(name: str, compiled: dict) -> None:
+    found = compiled["failures"].get(name, [])
     assert not found, f"{name} does not compile:\n" + "\n".join(f[-2000:] for f in found)
+
+
+@pytest.mark.parametrize("name", UNFUSED_KERNELS)
+def test_the_unfused_kernels_hold_no_float_arithmetic_the_assembler_may_contract(
+    name: str, compiled: dict
+) -> None:
+    """Compiled as the engine launches them (launch.UNFUSED), the attention kernels write every
+    float32 multiply and add rounded (mul.rn, add.rn, sub.rn), so the assembler cannot fuse a
+    multiply-add on one of a key block's two paths and not on the other. With fusion on,
+    Triton writes them plain, and this counts them."""
+    assert compiled["contractable"].get(name) == 0, f"{name}: {compiled['contractable'].get(name)} ops"

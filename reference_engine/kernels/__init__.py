@@ -9,10 +9,9 @@ argmax, a mixture of experts' routing and expert products). Three tables exist:
 - `TRITON` (triton_ops.py): batch- and verify-invariant Triton kernels, the `exact`
   numerics on CUDA: a token's results are the same bits whether it runs alone, in a batch,
   or inside a verify block of B, so DFlash equals plain greedy bit for bit in bfloat16.
-- `VENDOR` (triton_ops.py): the `fast` numerics on CUDA: cuBLAS GEMMs and the vendor's
-  fused attention for long prefill chunks (prefill_attention.py), the Triton kernels for the
-  rest (the experts' grouped products included: kernels/moe.py). A token's bits move with
-  the batch (the GEMMs) and the prefill's chunking, as in serving engines.
+- `VENDOR` (triton_ops.py): the `fast` numerics on CUDA: cuBLAS GEMMs, the Triton kernels
+  for the rest (the experts' grouped products included: kernels/moe.py). A token's bits
+  move with the batch (the GEMMs), as in serving engines.
 
 `select(numerics, device, dtype)` picks one. This package imports only torch and triton.
 """

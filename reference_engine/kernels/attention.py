@@ -14,11 +14,14 @@ move a row's bits either: each element of the two products sums its terms in the
 cores' order for any tile (the GPU tier checks it), the running maximum is exact in any
 order, and the row sums of the weights are integer sums (`_fixed_point_sum`), which have no
 order. A key block that every row of the tile sees whole runs without the mask, which there
-is the identity, and the others with it. The mask is applied to the raw scores, before the
-scale: the weights are exp2(s * c - m * c) with c = scale * log2(e) in both kinds of block,
-so the compiler contracts the same multiply and subtraction into one fused multiply-add in
-both (a version that scaled first and masked between the scale and the subtraction fused it
-on unmasked blocks only, one rounding fewer there, and failed the bit tests). Positions, lengths and the
+is the identity, and the others with it; which blocks those are depends on the tile, so the
+two must give the same bits. Both kernels are compiled without FP fusion (launch.UNFUSED):
+with fusion on, the compiler may contract the scores' scale into the subtraction of the
+maximum on one kind of block and not on the other (one rounding fewer there), and two
+versions that left such blocks unmasked with fusion on failed the bit tests on an H200 (a
+float32 query's bits across split paths; DFlash == plain greedy on the Qwen3-8B shape;
+verify logits against decode's beside a 32K prompt). The mask is applied to the raw scores;
+the weights are exp2(s * c - m * c) with c = scale * log2(e). Positions, lengths and the
 non-causal limit come from device tensors; no host value bounds the loop.
 
 Long contexts are split: the keys are cut at fixed absolute positions 0, SPLIT, 2*SPLIT, ...;
@@ -43,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LAUNCH
+from .launch import UNFUSED
 
 BLOCK_M = 16  # query rows of a program for a decode step or a verify block
 WIDE_ELEMENTS = 64 * 128  # a prefill chunk's tile (more than SPLIT_ROWS tokens): rows x BLOCK_D
@@ -461,7 +464,7 @@ def attention(
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         num_warps=warps,
-        **LAUNCH,
+        **UNFUSED,
     )
     if apart:
         _merge_kernel[(tiles, kv_heads, batch)](
@@ -480,6 +483,6 @@ def attention(
             BLOCK_D=block_d,
             BLOCK_M=BLOCK_M,
             num_warps=4,
-            **LAUNCH,
+            **UNFUSED,
         )
     return out

@@ -3,13 +3,12 @@
 `TRITON`, the `exact` numerics: every entry a batch- and verify-invariant Triton kernel with
 the contract of its PyTorch reference (kernels/reference.py).
 
-`VENDOR`, the `fast` numerics: cuBLAS GEMMs (through the reference `linear`), PyTorch's
-argmax, and the vendor's fused attention for one request's prefill chunk outside a graph
-(kernels/prefill_attention.py); every other kernel the Triton one (a mixture of experts'
-grouped products too, so exact and fast differ in the dense projections and long prefills
-alone). Those are the kernels whose bits move with the batch or the chunking, and the ones a
-vendor library runs faster; the other Triton kernels take lengths from device tensors, so
-the fast numerics are captured as CUDA graphs too."""
+`VENDOR`, the `fast` numerics: cuBLAS GEMMs (through the reference `linear`) and PyTorch's
+argmax, every other kernel the Triton one (a mixture of experts' grouped products too, so
+exact and fast differ in the dense projections alone). The GEMMs are the only kernels whose bits move
+with the batch, and the only ones a vendor library runs faster at every row count; the other
+Triton kernels take lengths from device tensors, so the fast numerics are captured as CUDA
+graphs too, and exact vs fast compares the cost of invariant matrix products alone."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from .gated_delta import causal_conv_step, gated_delta, gated_delta_inputs
 from .matmul import matmul
 from .moe import experts, route_experts
 from .norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
-from .prefill_attention import attention as prefill_attention
 from .rope import attention_inputs
 from .rows import conv_state_at, copy_rows
 from .table import Kernels
@@ -47,6 +45,4 @@ TRITON = Kernels(
     capturable=True,
 )
 
-VENDOR = replace(
-    TRITON, name="vendor", linear=reference.linear, greedy=reference.greedy, attention=prefill_attention
-)
+VENDOR = replace(TRITON, name="vendor", linear=reference.linear, greedy=reference.greedy)

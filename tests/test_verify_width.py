@@ -13,9 +13,11 @@ from reference_engine.errors import ConfigError
 from reference_engine.runtime.engine_config import EngineConfig
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.runtime.verify_width import (
+    REQUEST_WEIGHT,
     StepCosts,
     VerifyWidth,
     choose_width,
+    conditional_rates,
     engine_rates,
     prefix_rates,
     width_candidates,
@@ -216,3 +218,52 @@ def test_graph_step_costs_are_timed_on_spread_token_ids_and_the_buffers_put_back
     assert {w for w, _ in seen} == {1, 2, 4}  # the draft (width 4) replayed with the verifies
     for g in (*graphs.verify_graphs.values(), *graphs.draft_graphs.values()):
         assert not g.inputs.ids.any()
+
+
+def test_choose_width_is_the_formula_of_its_docstring():
+    """The running sums choose what the formula does, row by row, on rows of every kind
+    (limits under, at and past the widths; rates from counts; ties), and prefix_rates is the
+    product of conditional_rates."""
+    import random
+
+    def by_formula(rates, limits, costs, candidates):
+        best, best_value = candidates[-1], -1.0
+        for width in sorted(candidates, reverse=True):
+            tokens = sum(1.0 + sum(r[: min(width, n)]) for r, n in zip(rates, limits))
+            if tokens / costs.of(len(rates), width) > best_value:
+                best, best_value = width, tokens / costs.of(len(rates), width)
+        return best
+
+    rng = random.Random(0)
+    chosen = set()
+    for trial in range(400):
+        rows = rng.choice([1, 3, 16, 64])
+        prior = [rng.uniform(0.3, 1.0) for _ in range(15)]
+        counters = []
+        for _ in range(rows):
+            c = SpecCounters()
+            for _ in range(rng.randrange(0, 12)):
+                proposed = rng.choice([1, 3, 7, 15])
+                c.record(proposed, rng.randrange(0, proposed + 1), 1)
+            counters.append(c)
+        rates = [prefix_rates(c, prior) for c in counters]
+        for c, r in zip(counters, rates):
+            product, expected = 1.0, []
+            for rate in conditional_rates(
+                [c.accepted_per_position[j] for j in range(1, 16)],
+                [c.verified_per_position[j] for j in range(1, 16)],
+                prior,
+                REQUEST_WEIGHT,
+            ):
+                product *= rate
+                expected.append(product)
+            assert r == expected
+        limits = [rng.choice([0, 1, 2, 5, 15, 15]) for _ in range(rows)]
+        seconds = {(b, w): rng.uniform(1.0, 3.0) * (1 + w / 8) for b in (1, 4, 16, 64) for w in WIDTHS}
+        if trial % 5 == 0:  # ties
+            seconds = {key: 1.0 for key in seconds}
+        table = StepCosts(seconds, measured=True)
+        width = choose_width(rates, limits, table, WIDTHS)
+        assert width == by_formula(rates, limits, table, WIDTHS)
+        chosen.add(width)
+    assert chosen == set(WIDTHS)  # every candidate came up

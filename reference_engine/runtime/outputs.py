@@ -43,7 +43,7 @@ class StepOutputs:
         """Commit a request's new tokens; False (and the request failed) when one of them is
         not a token: its row's distribution was not finite (greedy gives `vocab` for a NaN
         row, sampling NOT_A_DISTRIBUTION)."""
-        if not all(0 <= t < self.vocab_size for t in tokens):
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
             self.fail(
                 seq,
                 "numerical failure: the next-token distribution is not finite "

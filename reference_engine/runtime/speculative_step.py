@@ -59,6 +59,7 @@ class Rows:
     starts: list[int]  # position of each row's anchor
     n: list[int]  # draft tokens per row (B - 1, fewer near max_tokens)
     n_t: torch.Tensor  # [b] the same on the device
+    anchors: torch.Tensor  # [b] each row's last committed token, on the device
     positions: torch.Tensor  # [b, N + 1] anchor and draft slots, N = max(n)
     kv_len: int  # attention rows a forward of this step may read
 
@@ -138,10 +139,12 @@ class SpeculativeStep:
         N = self.block_size - 1 if self.pad_blocks else max(n)
         starts = self.anchor_positions(seqs)
         slot_ids = [s.slot for s in seqs]
-        # one host-to-device copy for the three
-        starts_t, slots_t, n_t = to_device(starts + slot_ids + n, self.device).split(len(seqs))
+        anchors = [s.output_ids[-1] for s in seqs]
+        # one host-to-device copy for the four
+        packed = to_device(starts + slot_ids + n + anchors, self.device)
+        starts_t, slots_t, n_t, anchors_t = packed.split(len(seqs))
         positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
-        return Rows(seqs, slot_ids, slots_t, starts, n, n_t, positions, max(starts) + N + 1)
+        return Rows(seqs, slot_ids, slots_t, starts, n, n_t, anchors_t, positions, max(starts) + N + 1)
 
     def verified_rows(self, rows: Rows, width: int) -> Rows:
         """The rows as the verify sees them: each row's first min(n_i, width) proposals, padded
@@ -156,6 +159,7 @@ class SpeculativeStep:
             rows.starts,
             n,
             n_t,
+            rows.anchors,
             rows.positions[:, : W + 1],
             max(rows.starts) + W + 1,
         )
@@ -171,7 +175,8 @@ class SpeculativeStep:
         DFlash2 draft's greedy proposals are its selector's path; its sampled rows draw along
         the path (walk.py)."""
         dcfg, N = self.draft.config, rows.positions.shape[1] - 1
-        block = to_device([[s.output_ids[-1]] + [dcfg.mask_token_id] * N for s in rows.seqs], self.device)
+        block = torch.full((len(rows.seqs), N + 1), dcfg.mask_token_id, dtype=torch.int64, device=self.device)
+        block[:, 0] = rows.anchors
         with self.timer.parts() as part:  # a DFlash2 draft's convolution and selector, when eager
             drafted = self.runner.propose(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, part)
         draft_logits = drafted.logits  # [b, N, vocab], until the next replay
@@ -200,8 +205,11 @@ class SpeculativeStep:
         if guesses:  # one host-to-device copy for every oracle row (-1: keep the draft's)
             width = proposals.shape[1]
             guessed = to_device([g + [-1] * (width - len(g)) for g in guesses.values()], self.device)
-            at = to_device(list(guesses), self.device)
-            proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
+            if len(guesses) == len(rows.seqs):  # every row (a benchmark): no gather, no scatter
+                proposals = torch.where(guessed >= 0, guessed, proposals)
+            else:
+                at = to_device(list(guesses), self.device)
+                proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
         proposals.clamp_(0, self.target.config.vocab_size - 1)
@@ -211,7 +219,7 @@ class SpeculativeStep:
     def no_proposals(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
         """A plain step's block: the anchors alone [b, 1], no proposals [b, 0], and for sampled
         rows an empty draft distribution (the bonus is then drawn from the target's)."""
-        block = to_device([[s.output_ids[-1]] for s in rows.seqs], self.device)
+        block = rows.anchors[:, None].clone()
         proposals = block[:, 1:]
         vocab = self.target.config.vocab_size
         empty = torch.zeros((0, vocab), dtype=torch.float32, device=self.device)
@@ -248,7 +256,9 @@ class SpeculativeStep:
             for i, seq in enumerate(rows.seqs)
             if seq.oracle is not None and seq.oracle.forced
         ]  # benchmarks only
-        if forced:  # one host-to-device copy for every forced row
+        if forced and len(forced) == len(rows.seqs):  # every row (a benchmark): one copy, no scatter
+            accepted = to_device([count for _, count in forced], self.device)
+        elif forced:  # one host-to-device copy for every forced row
             at, counts = to_device(list(zip(*forced)), self.device)
             accepted[at] = counts
         bonus = target_tokens.gather(1, self.bonus_index(accepted, rows.n_t)[:, None])[:, 0]
@@ -318,7 +328,7 @@ class SpeculativeStep:
 
         def body(x: StepInputs, verified: Verified) -> None:
             width = x.ids.shape[1]  # the verify's block: anchor and the draft tokens it checks
-            rows = Rows([], [], x.slots, [], [], x.valid - 1, x.positions, 1)
+            rows = Rows([], [], x.slots, [], [], x.valid - 1, x.ids[:, 0], x.positions, 1)
             REFERENCE_PHASES["commit_state"](self, x.slots, rows, x.ids, x.processed)
             features = REFERENCE_PHASES["context_features"](self, verified.features, width, rows.n_t)
             self.draft.append_context(features, x.positions[:, :width], x.slots, self.draft_state, self.ops)

@@ -91,6 +91,11 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device, ranges: NvtxRanges | None = None) -> None:
         self.cuda = device.type == "cuda"
+        # events record on the device's current stream, named by index: without one, each
+        # record looks the current device up through CUDA availability checks (tens of us)
+        self.device_index = None
+        if self.cuda:
+            self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.ranges = ranges or NvtxRanges()
         self.host_s: Counter = Counter()
         self.device_s: Counter = Counter()
@@ -105,7 +110,7 @@ class PhaseTimer:
         if self.cuda:
             start_event = torch.cuda.Event(enable_timing=True)
             end_event = torch.cuda.Event(enable_timing=True)
-            start_event.record()
+            start_event.record(torch.cuda.current_stream(self.device_index))
         t0 = time.perf_counter()
         try:
             with self.ranges.range(name):
@@ -114,7 +119,7 @@ class PhaseTimer:
             self.host_s[name] += time.perf_counter() - t0
             self.calls[name] += count
             if self.cuda:
-                end_event.record()
+                end_event.record(torch.cuda.current_stream(self.device_index))
                 self._pending.append((name, start_event, end_event))
 
     @contextmanager

@@ -12,6 +12,7 @@ allocator keeps the buffer until the copy has run. Off CUDA it is a plain tensor
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -27,7 +28,14 @@ def to_device(values: Sequence, device: torch.device | str, dtype: torch.dtype =
 def to_pinned(values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`values` as a host tensor that a non-blocking copy to the GPU can read from (pinned
     where CUDA is present)."""
-    return torch.tensor(values, dtype=dtype, pin_memory=torch.cuda.is_available())
+    return torch.tensor(values, dtype=dtype, pin_memory=_pinned())
+
+
+@cache
+def _pinned() -> bool:
+    """Whether host buffers are pinned: CUDA is present. Asked once: each
+    `torch.cuda.is_available()` reads the environment again (tens of us a step)."""
+    return torch.cuda.is_available()
 
 
 class HostCopy:
@@ -43,7 +51,8 @@ class HostCopy:
         self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         self.host.copy_(values, non_blocking=True)
         self.event = torch.cuda.Event()
-        self.event.record()
+        # on the current stream, named by its device (a record without one looks it up)
+        self.event.record(torch.cuda.current_stream(values.device.index))
 
     def tolist(self) -> list:
         if self.event is not None:

@@ -139,17 +139,12 @@ def engine_rates(totals: SpecCounters, positions: int) -> list[float]:
 
 def prefix_rates(counters: SpecCounters, prior: Sequence[float]) -> list[float]:
     """r[k], k = 1..len(prior): the chance that a request's draft tokens 1..k are all accepted,
-    from its own counts shrunk toward the engine's conditional rates `prior`."""
-    positions = range(1, len(prior) + 1)
-    conditional = conditional_rates(
-        [counters.accepted_per_position[j] for j in positions],
-        [counters.verified_per_position[j] for j in positions],
-        prior,
-        REQUEST_WEIGHT,
-    )
+    from its own counts shrunk toward the engine's conditional rates `prior` (the arithmetic
+    of `conditional_rates`, in one pass: the engine runs this for every row of every step)."""
+    accepted, verified = counters.accepted_per_position, counters.verified_per_position
     out, product = [], 1.0
-    for c in conditional:
-        product *= c
+    for j, p in enumerate(prior, 1):
+        product *= (accepted.get(j, 0) + REQUEST_WEIGHT * p) / (verified.get(j, 0) + REQUEST_WEIGHT)
         out.append(product)
     return out
 
@@ -158,11 +153,23 @@ def choose_width(
     rates: Sequence[Sequence[float]], limits: Sequence[int], costs: StepCosts, candidates: Sequence[int]
 ) -> int:
     """The candidate W with the most expected committed tokens per second over the rows (row i:
-    prefix acceptance `rates[i]`, at most `limits[i]` draft tokens); the wider on a tie."""
-    best, best_value = candidates[-1], -1.0
-    for width in sorted(candidates, reverse=True):
-        tokens = sum(1.0 + sum(r[: min(width, n)]) for r, n in zip(rates, limits))
-        value = tokens / costs.of(len(rates), width)
+    prefix acceptance `rates[i]`, at most `limits[i]` draft tokens); the wider on a tie.
+
+    Row i is expected to commit 1 + sum(rates[i][:min(W, limits[i])]) tokens; the sums are
+    running sums, taken once per row for every candidate."""
+    widths = sorted(candidates, reverse=True)
+    tokens = dict.fromkeys(widths, 0)
+    for r, n in zip(rates, limits):
+        sums, total = [0], 0
+        for x in r[: min(widths[0], n)]:
+            total += x
+            sums.append(total)
+        last = len(sums) - 1
+        for width in widths:
+            tokens[width] += 1.0 + sums[min(width, last)]
+    best, best_value = widths[0], -1.0
+    for width in widths:
+        value = tokens[width] / costs.of(len(rates), width)
         if value > best_value:
             best, best_value = width, value
     return best

@@ -73,6 +73,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _device_memory_back_after_each_module() -> Any:
+    """On a GPU, what a test module left for the garbage collector (a model, an engine's
+    caches in a cycle of some test's own making) is collected when the module ends, so the
+    GPU tier's later modules, run in the same process, find the device's memory free."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _checkpoint_name(arch: str, options: dict[str, Any]) -> str:
     parts = [arch]
     for key, value in sorted(options.items()):

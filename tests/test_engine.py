@@ -779,3 +779,29 @@ def test_measured_eager_step_costs_time_a_different_token_at_every_position(
         rows, width = ids.shape
         assert torch.equal(ids, timing_ids(rows, BLOCK_SIZE, vocab)[:, :width])
         assert len(set(ids.flatten().tolist())) == ids.numel()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["slots", "pooled"])
+def test_a_dropped_engine_frees_its_state_without_the_garbage_collector(
+    hybrid: tuple[CausalLM, DFlashDraft], pooled: bool
+) -> None:
+    """No reference cycle runs through an engine: dropping the last reference frees its state
+    (on a GPU, its caches) at once, so a second engine in the same process has the memory."""
+    import gc
+    import weakref
+
+    target, draft = hybrid
+    options = {"kv_cache_tokens": 4096 + 2 * BLOCK_SIZE, "kv_cell_tokens": 16} if pooled else {}
+    engine = make_engine(target, draft, max_num_seqs=2, max_model_len=64, **options)
+    engine.add_request("a", LONG_PROMPT, greedy(6))
+    drain(engine)
+    engine.collect("a")
+    alive = weakref.ref(engine), weakref.ref(engine.state), weakref.ref(engine.draft_state)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del engine
+        assert [ref() is None for ref in alive] == [True] * 3
+    finally:
+        if enabled:
+            gc.enable()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import weakref
 from collections import Counter
 
 import torch
@@ -100,6 +101,11 @@ class Engine:
             self.memory = self._plan_memory(ops, slots, room, use_graphs)
         before = torch.cuda.memory_allocated(self.device) if self.memory is not None else 0
         self.state, self.draft_state = self.build_states(slots, room, self.device, self.pool)
+        # the scheduler asks for cells through a weak reference: the bound method would tie
+        # the engine into a reference cycle, and its device memory would then wait for the
+        # garbage collector after the engine is dropped (a second engine in the same process
+        # could run out of memory meanwhile)
+        cells_needed = weakref.WeakMethod(self.cells_needed)
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.admission,
@@ -110,7 +116,7 @@ class Engine:
             config.max_num_batched_tokens,
             self.block_size,
             CellAllocator(self.pool.cells) if self.pool is not None else None,
-            self.cells_needed,
+            lambda seq: cells_needed()(seq),
         )
         self.ranges = ranges or NvtxRanges()
         self.timer = PhaseTimer(self.device, self.ranges)

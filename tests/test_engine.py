@@ -466,6 +466,7 @@ def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM, draft: 
         "spec",
         "verify_widths",
         "fallbacks",
+        "draft_ahead",
         "phases",
     }
     spec = stats["spec"]
@@ -805,3 +806,105 @@ def test_a_dropped_engine_frees_its_state_without_the_garbage_collector(
     finally:
         if enabled:
             gc.enable()
+
+
+def _drafts_and_outputs(target, draft, ahead: bool, arrivals: dict[int, list[str]], fault=None):
+    """Run requests through an eager engine (drafting ahead or not), joining at the steps of
+    `arrivals`; returns each request's output and drafted blocks, and the engine."""
+    engine = make_engine(target, draft, max_num_seqs=3)
+    engine.speculative_step.draft_ahead = ahead
+    if fault is not None:
+        engine.speculative_step.launch_ahead = fault(engine.speculative_step.launch_ahead)
+    prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": LONG_PROMPT, "d": PROMPTS[2]}
+    budgets = {"a": 30, "b": 11, "c": 25, "d": 9}
+    step = 0
+    while step == 0 or engine.has_unfinished() or any(s > step for s in arrivals):
+        for rid in arrivals.get(step, []):
+            engine.add_request(rid, prompts[rid], greedy(budgets[rid]))
+        engine.step()
+        step += 1
+    done = {rid: engine.collect(rid) for rid in prompts}
+    return {rid: (s.output_ids, [r.drafted for r in s.steps]) for rid, s in done.items()}, engine
+
+
+@pytest.mark.parametrize("pair", ["qwen3", "qwen3_5"])
+def test_a_draft_queued_ahead_proposes_what_a_fresh_draft_would(
+    target: CausalLM, draft: DFlashDraft, hybrid: tuple[CausalLM, DFlashDraft], pair: str
+) -> None:
+    """The next step's draft, queued before the host reads a step's results (DraftAhead),
+    proposes the very blocks a fresh draft does, step by step, and is dropped when the rows
+    change (a request joins or ends): outputs and every drafted block equal the engine's
+    without it. A queued draft off by one position proposes other blocks (the check fails)."""
+    pair_models = (target, draft) if pair == "qwen3" else hybrid
+    arrivals = {0: ["a", "b"], 3: ["c"], 9: ["d"]}
+    fresh, _ = _drafts_and_outputs(*pair_models, ahead=False, arrivals=arrivals)
+    queued, engine = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert queued == fresh
+    step = engine.speculative_step
+    assert step.ahead_used > 5 and step.ahead_dropped >= 1  # used while the rows held, dropped after
+    for rid, (out, _) in fresh.items():
+        assert out == reference(
+            pair_models[0],
+            {"a": PROMPTS[0], "b": PROMPTS[1], "c": LONG_PROMPT, "d": PROMPTS[2]}[rid],
+            greedy(len(out)),
+        )
+
+    def shifted(launch):
+        def launch_ahead(rows, bonus, processed, *args):
+            return launch(rows, bonus, processed - 1, *args)
+
+        return launch_ahead
+
+    faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals, fault=shifted)
+    assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()]
+    assert [o for o, _ in faulty.values()] == [o for o, _ in fresh.values()]  # lossless all the same
+
+
+def _as_if_captured(engine: Engine) -> None:
+    """Run the speculative step as with CUDA graphs, on the CPU: full padded blocks, and a
+    "replayed" commit that runs the captured commit's body eagerly right after accept (it
+    writes the draft context of every verified position), so that the step queues the next
+    draft from the device's results before the host reads them, as on a GPU."""
+    step = engine.speculative_step
+    step.pad_blocks = True
+    verify = step.verify
+
+    def stash(rows, block, record=True):
+        out = verify(rows, block, record)
+        step._verified = (rows, block, out)
+        return out
+
+    def commit_replayed(processed):
+        rows, block, out = step._verified
+        if block.shape[1] == 1:  # a plain step commits eagerly
+            return False
+        step.commit_state(rows.slot_ids, rows, block, processed)
+        features = step.context_features(out.features, block.shape[1], rows.n_t)
+        step.draft.append_context(features, rows.positions, rows.slots, step.draft_state, step.ops)
+        return True
+
+    step.verify, step.commit_replayed = stash, commit_replayed
+
+
+@pytest.mark.parametrize("pair", ["qwen3", "qwen3_5"])
+def test_a_draft_queued_behind_a_replayed_commit_proposes_what_a_fresh_draft_would(
+    target: CausalLM, draft: DFlashDraft, hybrid: tuple[CausalLM, DFlashDraft], pair: str, monkeypatch
+) -> None:
+    """The GPU's path of DraftAhead, on the CPU: queued from the device's bonus tokens,
+    processed counts and remaining budgets, before the host has read them."""
+    pair_models = (target, draft) if pair == "qwen3" else hybrid
+    arrivals = {0: ["a", "b"], 3: ["c"], 9: ["d"]}
+    made = []
+    original = Engine.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _as_if_captured(self)
+        made.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    fresh, _ = _drafts_and_outputs(*pair_models, ahead=False, arrivals=arrivals)
+    queued, engine = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert queued == fresh
+    assert engine.speculative_step.ahead_used > 5
+    assert engine.stats()["draft_ahead"]["used"] == engine.speculative_step.ahead_used

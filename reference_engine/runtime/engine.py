@@ -321,7 +321,10 @@ class Engine:
                     [s.spec for s in spec],
                     self.spec_totals,
                 )
-                commits = self.speculative_step(spec, width)
+                # the next step's draft may be queued behind this one's commit when no
+                # request is about to join these rows (speculative_step.DraftAhead)
+                same_rows = not self.scheduler.may_join_next()
+                commits = self.speculative_step(spec, width, same_rows_next=same_rows)
                 self.verify_widths[width] += 1  # a step that ran (one that raised is not counted)
             for seq, commit in zip(spec, commits):
                 self._record_speculative(seq, commit, outputs, drafted=width > 0)
@@ -376,6 +379,9 @@ class Engine:
         self.verify_widths = Counter()
         if self.verify_width is not None:
             self.verify_width.reset()
+        if self.speculative_step is not None:
+            self.speculative_step.ahead = None
+            self.speculative_step.ahead_used = self.speculative_step.ahead_dropped = 0
         self.timer.reset()
 
     def stats(self) -> dict:
@@ -389,5 +395,11 @@ class Engine:
             # speculative steps by the draft tokens each row verified (at most: fewer near max_tokens)
             "verify_widths": dict(sorted(self.verify_widths.items())),
             "fallbacks": dict(self.scheduler.fallbacks),
+            # drafts queued behind a step's commit (speculative_step.DraftAhead): taken by the
+            # next step, or dropped because its rows had changed
+            "draft_ahead": {
+                "used": step.ahead_used if (step := self.speculative_step) is not None else 0,
+                "dropped": step.ahead_dropped if step is not None else 0,
+            },
             "phases": self.timer.as_dict(),
         }

@@ -180,6 +180,14 @@ class Scheduler:
             left -= tokens
         return chosen
 
+    def may_join_next(self) -> bool:
+        """Whether a request may join the running ones at the next step: one is waiting, or
+        one's prompt has at most a chunk left to prefill."""
+        return bool(self.waiting) or any(
+            s.phase is Phase.PREFILL and len(s.prompt_ids) - s.prefilled <= self.prefill_chunk
+            for s in self.active.values()
+        )
+
     def decode_tokens(self, seq: Sequence) -> int:
         """Target tokens a running request adds to a step: its verify block (at most B), or
         one plain decode token."""

@@ -29,7 +29,7 @@ from ..kernels import Kernels
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
 from .commit import commit_hybrid, needs_snapshot
-from .forwards import StepInputs, Verified
+from .forwards import Proposals, StepInputs, Verified
 from .model_runner import ModelRunner
 from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
@@ -60,8 +60,35 @@ class Rows:
     n: list[int]  # draft tokens per row (B - 1, fewer near max_tokens)
     n_t: torch.Tensor  # [b] the same on the device
     anchors: torch.Tensor  # [b] each row's last committed token, on the device
+    remaining_t: torch.Tensor  # [b] tokens each row may still produce, on the device
     positions: torch.Tensor  # [b, N + 1] anchor and draft slots, N = max(n)
     kv_len: int  # attention rows a forward of this step may read
+
+
+@dataclass
+class DraftAhead:
+    """The next step's draft, queued right behind a step's captured commit (before the host
+    has read the step's results): the host's work between two steps then overlaps the
+    draft's forward instead of leaving the device idle. Its inputs come from the device (each
+    row's bonus token as the next anchor, at its start + processed tokens), so it is the very
+    forward the next step would run, if that step has the same rows, each where this one
+    left it: `matches` checks that on the host, and the next step drafts afresh otherwise."""
+
+    seqs: list[Sequence]
+    block: torch.Tensor  # [b, N + 1] the bonus tokens, then mask tokens
+    drafted: Proposals  # views of the draft graph's outputs, valid until its next replay
+    starts: list[int] | None = None  # each row's next anchor position (set once read)
+    n: list[int] | None = None  # each row's next draft tokens
+
+    def matches(self, rows: Rows) -> bool:
+        return (
+            self.starts is not None
+            and len(rows.seqs) == len(self.seqs)
+            and all(a is b for a, b in zip(rows.seqs, self.seqs))
+            and rows.starts == self.starts
+            and rows.n == self.n
+            and rows.positions.shape[1] == self.block.shape[1]
+        )
 
 
 class SpeculativeStep:
@@ -87,10 +114,19 @@ class SpeculativeStep:
         # that a last, shorter block still replays the captured full-block graphs
         self.pad_blocks = runner.captured
         self.device = state.device
+        # queue the next step's draft behind the captured commit (DraftAhead); on by default
+        # with graphs, where it overlaps the host's work; eager, it would only run earlier
+        self.draft_ahead = runner.captured
+        self.ahead: DraftAhead | None = None
+        self.ahead_used = self.ahead_dropped = 0  # queued drafts a step took, or drafted afresh
 
-    def __call__(self, seqs: list[Sequence], width: int | None = None) -> list[StepCommit]:
+    def __call__(
+        self, seqs: list[Sequence], width: int | None = None, same_rows_next: bool = False
+    ) -> list[StepCommit]:
         """One step; the verify checks the first `width` proposals of each row (all of them
-        when None; verify_width.py)."""
+        when None; verify_width.py). `same_rows_next`: the caller expects the next step to
+        run these rows again (no request waiting to join them), so the next step's draft may
+        be queued now (DraftAhead)."""
         rows = self.rows(seqs)
         if width == 0:  # a plain step (verify_width.py): the anchor alone, no draft forward
             rows = self.verified_rows(rows, 0)
@@ -114,6 +150,11 @@ class SpeculativeStep:
             pending = HostCopy(torch.cat([accepted, bonus, processed, proposals.flatten()]))
         with self.timer.phase("commit"):
             replayed = self.commit_replayed(processed)
+        ahead = self.draft_ahead and same_rows_next and not plain
+        if ahead and replayed:  # queued behind the commit, it runs while the host reads the step
+            with self.timer.phase("draft", count=False):
+                self.launch_ahead_replayed(rows, bonus, processed)
+        with self.timer.phase("commit", count=False):
             flat = pending.tolist()
             acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
             drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
@@ -128,6 +169,9 @@ class SpeculativeStep:
             for i, slot in enumerate(rows.slot_ids):
                 self.state.lengths[slot] = rows.starts[i] + kept[i]
                 self.draft_state.lengths[slot] = rows.starts[i] + kept[i]
+        if ahead:
+            with self.timer.phase("draft", count=False):
+                self.expect_ahead(rows, kept, bonus_list, replayed)
         return [
             StepCommit(rows.n[i], acc_list[i], drafted[i], drafted[i][: acc_list[i]] + [bonus_list[i]])
             for i in range(b)
@@ -140,11 +184,14 @@ class SpeculativeStep:
         starts = self.anchor_positions(seqs)
         slot_ids = [s.slot for s in seqs]
         anchors = [s.output_ids[-1] for s in seqs]
-        # one host-to-device copy for the four
-        packed = to_device(starts + slot_ids + n + anchors, self.device)
-        starts_t, slots_t, n_t, anchors_t = packed.split(len(seqs))
+        remaining = [s.remaining for s in seqs]
+        # one host-to-device copy for the five
+        packed = to_device(starts + slot_ids + n + anchors + remaining, self.device)
+        starts_t, slots_t, n_t, anchors_t, remaining_t = packed.split(len(seqs))
         positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
-        return Rows(seqs, slot_ids, slots_t, starts, n, n_t, anchors_t, positions, max(starts) + N + 1)
+        return Rows(
+            seqs, slot_ids, slots_t, starts, n, n_t, anchors_t, remaining_t, positions, max(starts) + N + 1
+        )
 
     def verified_rows(self, rows: Rows, width: int) -> Rows:
         """The rows as the verify sees them: each row's first min(n_i, width) proposals, padded
@@ -160,6 +207,7 @@ class SpeculativeStep:
             n,
             n_t,
             rows.anchors,
+            rows.remaining_t,
             rows.positions[:, : W + 1],
             max(rows.starts) + W + 1,
         )
@@ -169,16 +217,67 @@ class SpeculativeStep:
         return [self.state.lengths[s.slot] for s in seqs]
 
     # ------------------------------------------------------------------ draft
+    def block_of(self, anchors: torch.Tensor, N: int) -> torch.Tensor:
+        """The draft's blocks [b, N + 1]: each row's anchor, then N mask tokens."""
+        mask = self.draft.config.mask_token_id
+        block = torch.full((anchors.shape[0], N + 1), mask, dtype=torch.int64, device=self.device)
+        block[:, 0] = anchors
+        return block
+
+    def launch_ahead(
+        self,
+        rows: Rows,
+        bonus: torch.Tensor,  # [b] each row's next anchor
+        processed: torch.Tensor,  # [b] block tokens each row kept
+        n: torch.Tensor,  # [b] each row's next draft tokens
+        N: int,  # the next block's draft slots
+        kv_len: int,  # what an eager forward reads (a replayed one ignores it)
+    ) -> None:
+        """Queue the next step's draft (DraftAhead): each row's bonus as its anchor, at its
+        start + processed."""
+        block = self.block_of(bonus, N)
+        positions = (rows.positions[:, 0] + processed)[:, None] + torch.arange(N + 1, device=self.device)
+        drafted = self.runner.propose(block, positions, rows.slots, n + 1, kv_len)
+        self.ahead = DraftAhead(list(rows.seqs), block, drafted)
+
+    def launch_ahead_replayed(self, rows: Rows, bonus: torch.Tensor, processed: torch.Tensor) -> None:
+        """Behind a captured commit, from the device's results alone: a full block of B - 1
+        slots (as every replayed draft), min(B - 1, remaining - processed) of them real."""
+        n = (rows.remaining_t - processed).clamp(0, self.block_size - 1)
+        self.launch_ahead(rows, bonus, processed, n, self.block_size - 1, self.state.max_len)
+
+    def expect_ahead(self, rows: Rows, kept: list[int], bonus: list[int], replayed: bool) -> None:
+        """Once the step's results are read: where the queued draft put each row, checked
+        against the next step's rows (DraftAhead.matches). An eager step queues it only now,
+        after its commit has given the draft its context, with the next step's own shapes."""
+        starts = [start + k for start, k in zip(rows.starts, kept)]
+        n = [min(self.block_size - 1, s.remaining - k) for s, k in zip(rows.seqs, kept)]
+        if not replayed:
+            if min(n) <= 0:  # a row ends here: the next step's rows differ
+                return
+            N = self.block_size - 1 if self.pad_blocks else max(n)
+            processed_t, bonus_t, n_t = to_device([kept, bonus, n], self.device)
+            self.launch_ahead(rows, bonus_t, processed_t, n_t, N, max(starts) + N + 1)
+        if self.ahead is not None:
+            self.ahead.starts, self.ahead.n = starts, n
+
     def propose(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
-        """One draft forward over every row's block. Returns (block [b, N + 1]: anchor and
-        proposals, proposals [b, N], draft distributions per row (sampled rows only)). A
-        DFlash2 draft's greedy proposals are its selector's path; its sampled rows draw along
-        the path (walk.py)."""
-        dcfg, N = self.draft.config, rows.positions.shape[1] - 1
-        block = torch.full((len(rows.seqs), N + 1), dcfg.mask_token_id, dtype=torch.int64, device=self.device)
-        block[:, 0] = rows.anchors
-        with self.timer.parts() as part:  # a DFlash2 draft's convolution and selector, when eager
-            drafted = self.runner.propose(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, part)
+        """One draft forward over every row's block (or the one queued for these rows by the
+        step before, DraftAhead). Returns (block [b, N + 1]: anchor and proposals, proposals
+        [b, N], draft distributions per row (sampled rows only)). A DFlash2 draft's greedy
+        proposals are its selector's path; its sampled rows draw along the path (walk.py)."""
+        N = rows.positions.shape[1] - 1
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.matches(rows):
+            block, drafted = ahead.block, ahead.drafted
+            self.ahead_used += 1
+        else:
+            self.ahead_dropped += ahead is not None
+            block = self.block_of(rows.anchors, N)
+            with self.timer.parts() as part:  # a DFlash2 draft's convolution and selector, when eager
+                drafted = self.runner.propose(
+                    block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, part
+                )
         draft_logits = drafted.logits  # [b, N, vocab], until the next replay
         proposals = drafted.tokens.clone()  # [b, N]
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
@@ -328,7 +427,7 @@ class SpeculativeStep:
 
         def body(x: StepInputs, verified: Verified) -> None:
             width = x.ids.shape[1]  # the verify's block: anchor and the draft tokens it checks
-            rows = Rows([], [], x.slots, [], [], x.valid - 1, x.ids[:, 0], x.positions, 1)
+            rows = Rows([], [], x.slots, [], [], x.valid - 1, x.ids[:, 0], x.valid - 1, x.positions, 1)
             REFERENCE_PHASES["commit_state"](self, x.slots, rows, x.ids, x.processed)
             features = REFERENCE_PHASES["context_features"](self, verified.features, width, rows.n_t)
             self.draft.append_context(features, x.positions[:, :width], x.slots, self.draft_state, self.ops)

@@ -41,3 +41,24 @@ def test_chunks_fit_what_the_decodes_leave_and_a_shorter_later_one_may_still_fit
 def test_the_oldest_prompt_runs_its_chunk_even_past_the_budget() -> None:
     s = scheduler(CHUNK, {"a": 100, "b": 100}, {f"x{i}": True for i in range(4)})
     assert ids(s.prefilling()) == ["a"]
+
+
+def test_a_request_may_join_the_next_step_when_it_can_get_a_slot_or_ends_its_prefill() -> None:
+    """may_join_next (whether the next step's draft may be queued ahead): a waiting request
+    counts only with a slot for it (free now, or freed by a request already finished); a
+    prefilling one only with at most a chunk of its prompt left."""
+    full = Scheduler(2, "wait", 8, None, 8, CHUNK, None, BLOCK)
+    for rid in ("x", "y", "z"):
+        full.queue(Sequence(rid, [1], SamplingParams(max_tokens=8), frozenset(), 0.0, True))
+    for seq in full.admit():
+        seq.phase = Phase.RUNNING
+    assert ids(list(full.waiting)) == ["z"] and not full.may_join_next()  # no slot for z
+    full.get("x").finish_reason = "length"  # finished before the step: its slot frees at its end
+    assert full.may_join_next()
+
+    assert not scheduler(None, {}, {"x": True}).may_join_next()
+    assert not scheduler(None, {"a": CHUNK + 1}, {"x": True}).may_join_next()  # two chunks left
+    assert scheduler(None, {"a": CHUNK}, {"x": True}).may_join_next()  # its last chunk
+    free = scheduler(None, {}, {"x": True})
+    free.queue(Sequence("w", [1], SamplingParams(max_tokens=8), frozenset(), 0.0, True))
+    assert free.may_join_next()  # a free slot for w

@@ -411,8 +411,8 @@ def run_once(
         "verify_width_mean": mean_width(stats.get("verify_widths")) if draft else None,
         "verify_widths": widths_text(stats.get("verify_widths")) if draft else None,
         # DFlash with graphs: drafts queued behind a commit that the next step took, or not
+        "draft_ahead_queued": stats["draft_ahead"]["queued"] if draft else None,
         "draft_ahead_used": stats["draft_ahead"]["used"] if draft else None,
-        "draft_ahead_dropped": stats["draft_ahead"]["dropped"] if draft else None,
         "output_tokens": total,
         "wall_s": wall,
     }

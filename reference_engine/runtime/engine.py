@@ -381,7 +381,7 @@ class Engine:
             self.verify_width.reset()
         if self.speculative_step is not None:
             self.speculative_step.ahead = None
-            self.speculative_step.ahead_used = self.speculative_step.ahead_dropped = 0
+            self.speculative_step.ahead_queued = self.speculative_step.ahead_used = 0
         self.timer.reset()
 
     def stats(self) -> dict:
@@ -395,11 +395,11 @@ class Engine:
             # speculative steps by the draft tokens each row verified (at most: fewer near max_tokens)
             "verify_widths": dict(sorted(self.verify_widths.items())),
             "fallbacks": dict(self.scheduler.fallbacks),
-            # drafts queued behind a step's commit (speculative_step.DraftAhead): taken by the
-            # next step, or dropped because its rows had changed
+            # drafts queued behind a step's commit (speculative_step.DraftAhead), and those the
+            # next step took (the others it drafted afresh: its rows had changed)
             "draft_ahead": {
-                "used": step.ahead_used if (step := self.speculative_step) is not None else 0,
-                "dropped": step.ahead_dropped if step is not None else 0,
+                "queued": step.ahead_queued if (step := self.speculative_step) is not None else 0,
+                "used": step.ahead_used if step is not None else 0,
             },
             "phases": self.timer.as_dict(),
         }

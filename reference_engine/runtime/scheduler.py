@@ -181,11 +181,14 @@ class Scheduler:
         return chosen
 
     def may_join_next(self) -> bool:
-        """Whether a request may join the running ones at the next step: one is waiting, or
-        one's prompt has at most a chunk left to prefill."""
-        return bool(self.waiting) or any(
-            s.phase is Phase.PREFILL and len(s.prompt_ids) - s.prefilled <= self.prefill_chunk
-            for s in self.active.values()
+        """Whether a request may join the running ones at the next step: one is waiting and a
+        slot is free for it (or freed at this step's end by a request already finished; one
+        that finishes in the step changes the rows anyway), or one's prompt has at most a chunk
+        left to prefill."""
+        active = self.active.values()
+        free = len(self.free_slots) + sum(s.finish_reason is not None for s in active)
+        return (bool(self.waiting) and free > 0) or any(
+            s.phase is Phase.PREFILL and len(s.prompt_ids) - s.prefilled <= self.prefill_chunk for s in active
         )
 
     def decode_tokens(self, seq: Sequence) -> int:

@@ -118,7 +118,7 @@ class SpeculativeStep:
         # with graphs, where it overlaps the host's work; eager, it would only run earlier
         self.draft_ahead = runner.captured
         self.ahead: DraftAhead | None = None
-        self.ahead_used = self.ahead_dropped = 0  # queued drafts a step took, or drafted afresh
+        self.ahead_queued = self.ahead_used = 0  # drafts queued ahead, and those a step took
 
     def __call__(
         self, seqs: list[Sequence], width: int | None = None, same_rows_next: bool = False
@@ -129,6 +129,7 @@ class SpeculativeStep:
         be queued now (DraftAhead)."""
         rows = self.rows(seqs)
         if width == 0:  # a plain step (verify_width.py): the anchor alone, no draft forward
+            self.ahead = None  # a draft queued for it goes unused
             rows = self.verified_rows(rows, 0)
             block, proposals, draft_probs = self.no_proposals(rows)
         else:
@@ -150,7 +151,8 @@ class SpeculativeStep:
             pending = HostCopy(torch.cat([accepted, bonus, processed, proposals.flatten()]))
         with self.timer.phase("commit"):
             replayed = self.commit_replayed(processed)
-        ahead = self.draft_ahead and same_rows_next and not plain
+        # not when a row ends here for sure (its last token): the next step's rows differ
+        ahead = self.draft_ahead and same_rows_next and not plain and all(s.remaining > 1 for s in seqs)
         if ahead and replayed:  # queued behind the commit, it runs while the host reads the step
             with self.timer.phase("draft", count=False):
                 self.launch_ahead_replayed(rows, bonus, processed)
@@ -239,6 +241,7 @@ class SpeculativeStep:
         positions = (rows.positions[:, 0] + processed)[:, None] + torch.arange(N + 1, device=self.device)
         drafted = self.runner.propose(block, positions, rows.slots, n + 1, kv_len)
         self.ahead = DraftAhead(list(rows.seqs), block, drafted)
+        self.ahead_queued += 1
 
     def launch_ahead_replayed(self, rows: Rows, bonus: torch.Tensor, processed: torch.Tensor) -> None:
         """Behind a captured commit, from the device's results alone: a full block of B - 1
@@ -272,7 +275,6 @@ class SpeculativeStep:
             block, drafted = ahead.block, ahead.drafted
             self.ahead_used += 1
         else:
-            self.ahead_dropped += ahead is not None
             block = self.block_of(rows.anchors, N)
             with self.timer.parts() as part:  # a DFlash2 draft's convolution and selector, when eager
                 drafted = self.runner.propose(

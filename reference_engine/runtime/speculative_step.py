@@ -147,37 +147,55 @@ class SpeculativeStep:
             accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits, out.tokens)
             processed = self.processed(rows, accepted)
             # the one host transfer of the step, read once the captured commit is queued
-            b, N = len(seqs), proposals.shape[1]
+            b = len(seqs)
             pending = HostCopy(torch.cat([accepted, bonus, processed, proposals.flatten()]))
-        with self.timer.phase("commit"):
-            replayed = self.commit_replayed(processed)
         # not when a row ends here for sure (its last token): the next step's rows differ
         ahead = self.draft_ahead and same_rows_next and not plain and all(s.remaining > 1 for s in seqs)
+        with self.timer.phase("commit"):
+            replayed = self.commit_replayed(processed)
+            if not (ahead and replayed):
+                read = self.read_step(rows, block, out, processed, pending, replayed, plain)
         if ahead and replayed:  # queued behind the commit, it runs while the host reads the step
             with self.timer.phase("draft", count=False):
                 self.launch_ahead_replayed(rows, bonus, processed)
-        with self.timer.phase("commit", count=False):
-            flat = pending.tolist()
-            acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
-            drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
-            if not replayed:
-                if not plain:  # a plain step keeps its whole block: the state is there already
-                    self.commit_state(rows.slot_ids, rows, block, processed)
-                width = max(kept)
-                features = self.context_features(out.features, width, rows.n_t)
-                self.draft.append_context(
-                    features, rows.positions[:, :width], rows.slots, self.draft_state, self.ops
-                )
-            for i, slot in enumerate(rows.slot_ids):
-                self.state.lengths[slot] = rows.starts[i] + kept[i]
-                self.draft_state.lengths[slot] = rows.starts[i] + kept[i]
+            with self.timer.phase("commit", count=False):
+                read = self.read_step(rows, block, out, processed, pending, replayed, plain)
+        acc_list, bonus_list, kept, drafted = read
         if ahead:
-            with self.timer.phase("draft", count=False):
-                self.expect_ahead(rows, kept, bonus_list, replayed)
+            self.expect_ahead(rows, kept, bonus_list, replayed)
         return [
             StepCommit(rows.n[i], acc_list[i], drafted[i], drafted[i][: acc_list[i]] + [bonus_list[i]])
             for i in range(b)
         ]
+
+    def read_step(
+        self,
+        rows: Rows,
+        block: torch.Tensor,
+        out: Verified,
+        processed: torch.Tensor,
+        pending: HostCopy,
+        replayed: bool,
+        plain: bool,
+    ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+        """The commit's host side: read the step's results (the one transfer), commit eagerly
+        when no captured commit ran, and move the rows' lengths. Returns each row's accepted
+        count, bonus, processed tokens and drafted tokens."""
+        b, N = len(rows.seqs), block.shape[1] - 1
+        flat = pending.tolist()
+        acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
+        drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
+        if not replayed:
+            if not plain:  # a plain step keeps its whole block: the state is there already
+                self.commit_state(rows.slot_ids, rows, block, processed)
+            width = max(kept)
+            features = self.context_features(out.features, width, rows.n_t)
+            positions = rows.positions[:, :width]
+            self.draft.append_context(features, positions, rows.slots, self.draft_state, self.ops)
+        for i, slot in enumerate(rows.slot_ids):
+            self.state.lengths[slot] = rows.starts[i] + kept[i]
+            self.draft_state.lengths[slot] = rows.starts[i] + kept[i]
+        return acc_list, bonus_list, kept, drafted
 
     # ------------------------------------------------------------------ layout
     def rows(self, seqs: list[Sequence]) -> Rows:
@@ -260,7 +278,8 @@ class SpeculativeStep:
                 return
             N = self.block_size - 1 if self.pad_blocks else max(n)
             processed_t, bonus_t, n_t = to_device([kept, bonus, n], self.device)
-            self.launch_ahead(rows, bonus_t, processed_t, n_t, N, max(starts) + N + 1)
+            with self.timer.phase("draft", count=False):
+                self.launch_ahead(rows, bonus_t, processed_t, n_t, N, max(starts) + N + 1)
         if self.ahead is not None:
             self.ahead.starts, self.ahead.n = starts, n
 

@@ -25,6 +25,7 @@ from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullErro
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Phase, Sequence
+from reference_engine.runtime.speculative_step import DraftAhead
 from reference_engine.runtime.stats import SpecCounters
 
 TinyCheckpoint = Callable[..., Path]
@@ -811,12 +812,12 @@ def test_a_dropped_engine_frees_its_state_without_the_garbage_collector(
 def _drafts_and_outputs(target, draft, ahead: bool, arrivals: dict[int, list[str]], fault=None):
     """Run requests through an eager engine (drafting ahead or not), joining at the steps of
     `arrivals`; returns each request's output and drafted blocks, and the engine."""
-    engine = make_engine(target, draft, max_num_seqs=3)
+    engine = make_engine(target, draft, max_num_seqs=4)
     engine.speculative_step.draft_ahead = ahead
     if fault is not None:
         engine.speculative_step.launch_ahead = fault(engine.speculative_step.launch_ahead)
     prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": LONG_PROMPT, "d": PROMPTS[2]}
-    budgets = {"a": 30, "b": 11, "c": 25, "d": 9}
+    budgets = {"a": 12, "b": 30, "c": 25, "d": 9}  # a, admitted first, ends first
     step = 0
     while step == 0 or engine.has_unfinished() or any(s > step for s in arrivals):
         for rid in arrivals.get(step, []):
@@ -842,6 +843,7 @@ def test_a_draft_queued_ahead_proposes_what_a_fresh_draft_would(
     assert queued == fresh
     step = engine.speculative_step
     assert step.ahead_used > 5 and step.ahead_queued > step.ahead_used  # used while the rows held
+    assert step.ahead_narrowed >= 1  # and after some had ended
     for rid, (out, _) in fresh.items():
         assert out == reference(
             pair_models[0],
@@ -906,5 +908,16 @@ def test_a_draft_queued_behind_a_replayed_commit_proposes_what_a_fresh_draft_wou
     fresh, _ = _drafts_and_outputs(*pair_models, ahead=False, arrivals=arrivals)
     queued, engine = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
     assert queued == fresh
-    assert engine.speculative_step.ahead_used > 5
-    assert engine.stats()["draft_ahead"]["used"] == engine.speculative_step.ahead_used
+    step = engine.speculative_step
+    assert step.ahead_used > 5 and step.ahead_narrowed >= 1  # some taken after rows ended
+    assert engine.stats()["draft_ahead"]["used"] == step.ahead_used
+
+    # a queued draft taken for the first rows, not for the rows that go on, proposes others
+    rows_for = DraftAhead.rows_for
+    monkeypatch.setattr(
+        DraftAhead,
+        "rows_for",
+        lambda self, rows: None if rows_for(self, rows) is None else list(range(len(rows.seqs))),
+    )
+    faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()]

@@ -15,6 +15,17 @@ from ..models import ForwardOutput
 
 
 class _Rows:
+    def rows(self, at: torch.Tensor):
+        """The same output for the rows `at` [k] (indices), copied out of the buffers."""
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).index_select(0, at)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
     def head(self, rows: int):
         """The same output for the first `rows` rows (a bucket's padding rows dropped)."""
         return replace(

@@ -71,8 +71,10 @@ class DraftAhead:
     has read the step's results): the host's work between two steps then overlaps the
     draft's forward instead of leaving the device idle. Its inputs come from the device (each
     row's bonus token as the next anchor, at its start + processed tokens), so it is the very
-    forward the next step would run, if that step has the same rows, each where this one
-    left it: `matches` checks that on the host, and the next step drafts afresh otherwise."""
+    forward the next step would run for the rows that go on, each where this one left it:
+    `rows_for` checks that on the host and picks those rows (the draft is batch-invariant, so
+    a row's proposals do not depend on the others'), and the next step drafts afresh when a
+    row of its own is not among them."""
 
     seqs: list[Sequence]
     block: torch.Tensor  # [b, N + 1] the bonus tokens, then mask tokens
@@ -80,15 +82,20 @@ class DraftAhead:
     starts: list[int] | None = None  # each row's next anchor position (set once read)
     n: list[int] | None = None  # each row's next draft tokens
 
-    def matches(self, rows: Rows) -> bool:
-        return (
-            self.starts is not None
-            and len(rows.seqs) == len(self.seqs)
-            and all(a is b for a, b in zip(rows.seqs, self.seqs))
-            and rows.starts == self.starts
-            and rows.n == self.n
-            and rows.positions.shape[1] == self.block.shape[1]
-        )
+    def rows_for(self, rows: Rows) -> list[int] | None:
+        """The queued rows that are `rows`, in their order: each the same request, at the
+        start and with the draft tokens the queued draft assumed; None when one is not (or
+        the blocks differ in width)."""
+        if self.starts is None or rows.positions.shape[1] != self.block.shape[1]:
+            return None
+        queued = {id(seq): i for i, seq in enumerate(self.seqs)}
+        out = []
+        for seq, start, n in zip(rows.seqs, rows.starts, rows.n):
+            i = queued.get(id(seq))
+            if i is None or self.seqs[i] is not seq or self.starts[i] != start or self.n[i] != n:
+                return None
+            out.append(i)
+        return out
 
 
 class SpeculativeStep:
@@ -119,6 +126,7 @@ class SpeculativeStep:
         self.draft_ahead = runner.captured
         self.ahead: DraftAhead | None = None
         self.ahead_queued = self.ahead_used = 0  # drafts queued ahead, and those a step took
+        self.ahead_narrowed = 0  # of those, taken for some of their rows (others had ended)
 
     def __call__(
         self, seqs: list[Sequence], width: int | None = None, same_rows_next: bool = False
@@ -149,8 +157,7 @@ class SpeculativeStep:
             # the one host transfer of the step, read once the captured commit is queued
             b = len(seqs)
             pending = HostCopy(torch.cat([accepted, bonus, processed, proposals.flatten()]))
-        # not when a row ends here for sure (its last token): the next step's rows differ
-        ahead = self.draft_ahead and same_rows_next and not plain and all(s.remaining > 1 for s in seqs)
+        ahead = self.draft_ahead and same_rows_next and not plain
         with self.timer.phase("commit"):
             replayed = self.commit_replayed(processed)
             if not (ahead and replayed):
@@ -269,17 +276,20 @@ class SpeculativeStep:
 
     def expect_ahead(self, rows: Rows, kept: list[int], bonus: list[int], replayed: bool) -> None:
         """Once the step's results are read: where the queued draft put each row, checked
-        against the next step's rows (DraftAhead.matches). An eager step queues it only now,
+        against the next step's rows (DraftAhead.rows_for). An eager step queues it only now,
         after its commit has given the draft its context, with the next step's own shapes."""
         starts = [start + k for start, k in zip(rows.starts, kept)]
         n = [min(self.block_size - 1, s.remaining - k) for s, k in zip(rows.seqs, kept)]
         if not replayed:
-            if min(n) <= 0:  # a row ends here: the next step's rows differ
+            # shaped for the rows that go on (a row that ends drafts nothing and is not taken)
+            going_on = [(start, k) for start, k in zip(starts, n) if k > 0]
+            if not going_on:
                 return
-            N = self.block_size - 1 if self.pad_blocks else max(n)
-            processed_t, bonus_t, n_t = to_device([kept, bonus, n], self.device)
+            N = self.block_size - 1 if self.pad_blocks else max(k for _, k in going_on)
+            kv_len = max(start for start, _ in going_on) + N + 1
+            processed_t, bonus_t, n_t = to_device([kept, bonus, [max(k, 0) for k in n]], self.device)
             with self.timer.phase("draft", count=False):
-                self.launch_ahead(rows, bonus_t, processed_t, n_t, N, max(starts) + N + 1)
+                self.launch_ahead(rows, bonus_t, processed_t, n_t, N, kv_len)
         if self.ahead is not None:
             self.ahead.starts, self.ahead.n = starts, n
 
@@ -290,8 +300,13 @@ class SpeculativeStep:
         proposals are its selector's path; its sampled rows draw along the path (walk.py)."""
         N = rows.positions.shape[1] - 1
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.matches(rows):
+        taken = ahead.rows_for(rows) if ahead is not None else None
+        if taken is not None:
             block, drafted = ahead.block, ahead.drafted
+            if taken != list(range(len(ahead.seqs))):  # rows ended: their blocks are left out
+                at = to_device(taken, self.device)
+                block, drafted = block.index_select(0, at), drafted.rows(at)
+                self.ahead_narrowed += 1
             self.ahead_used += 1
         else:
             block = self.block_of(rows.anchors, N)

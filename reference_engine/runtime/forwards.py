@@ -15,27 +15,24 @@ from ..models import ForwardOutput
 
 
 class _Rows:
-    def rows(self, at: torch.Tensor):
-        """The same output for the rows `at` [k] (indices), copied out of the buffers."""
+    def _each(self, pick):
+        """The same output with `pick` applied to each of its tensors (along their rows)."""
         return replace(
             self,
             **{
-                f.name: getattr(self, f.name).index_select(0, at)
+                f.name: pick(getattr(self, f.name))
                 for f in fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },
         )
 
+    def rows(self, at: torch.Tensor):
+        """The same output for the rows `at` [k] (indices), copied out of the buffers."""
+        return self._each(lambda t: t.index_select(0, at))
+
     def head(self, rows: int):
         """The same output for the first `rows` rows (a bucket's padding rows dropped)."""
-        return replace(
-            self,
-            **{
-                f.name: getattr(self, f.name)[:rows]
-                for f in fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            },
-        )
+        return self._each(lambda t: t[:rows])
 
 
 @dataclass

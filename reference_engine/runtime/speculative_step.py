@@ -340,11 +340,8 @@ class SpeculativeStep:
         if guesses:  # one host-to-device copy for every oracle row (-1: keep the draft's)
             width = proposals.shape[1]
             guessed = to_device([g + [-1] * (width - len(g)) for g in guesses.values()], self.device)
-            if len(guesses) == len(rows.seqs):  # every row (a benchmark): no gather, no scatter
-                proposals = torch.where(guessed >= 0, guessed, proposals)
-            else:
-                at = to_device(list(guesses), self.device)
-                proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
+            at = to_device(list(guesses), self.device)
+            proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
         proposals.clamp_(0, self.target.config.vocab_size - 1)
@@ -391,9 +388,7 @@ class SpeculativeStep:
             for i, seq in enumerate(rows.seqs)
             if seq.oracle is not None and seq.oracle.forced
         ]  # benchmarks only
-        if forced and len(forced) == len(rows.seqs):  # every row (a benchmark): one copy, no scatter
-            accepted = to_device([count for _, count in forced], self.device)
-        elif forced:  # one host-to-device copy for every forced row
+        if forced:  # one host-to-device copy for every forced row
             at, counts = to_device(list(zip(*forced)), self.device)
             accepted[at] = counts
         bonus = target_tokens.gather(1, self.bonus_index(accepted, rows.n_t)[:, None])[:, 0]
@@ -463,6 +458,7 @@ class SpeculativeStep:
 
         def body(x: StepInputs, verified: Verified) -> None:
             width = x.ids.shape[1]  # the verify's block: anchor and the draft tokens it checks
+            # only the device fields the commit reads are real (remaining_t is a stand-in)
             rows = Rows([], [], x.slots, [], [], x.valid - 1, x.ids[:, 0], x.valid - 1, x.positions, 1)
             REFERENCE_PHASES["commit_state"](self, x.slots, rows, x.ids, x.processed)
             features = REFERENCE_PHASES["context_features"](self, verified.features, width, rows.n_t)

@@ -14,7 +14,7 @@ from reference_engine.kernels import reference as ref
 pytestmark = pytest.mark.gpu
 
 PROJECTIONS = [(4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (2560, 9216)]  # (N, K)
-ROW_COUNTS = [1, 2, 3, 7, 16, 17, 31, 48, 49, 64, 96, 97, 256, 1000]  # both sides of each tile switch
+ROW_COUNTS = [1, 2, 3, 7, 16, 17, 31, 48, 49, 64, 65, 96, 97, 256, 1000]  # both sides of each tile switch
 
 
 def randn(*shape: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:

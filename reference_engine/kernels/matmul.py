@@ -18,7 +18,7 @@ kernels (and split-K) as M changes, so its rows move.
 The grid runs the row tiles of one column tile next to each other, so a weight tile read from
 memory serves every row tile from L2.
 
-Tiles loaded by the tensor memory accelerator (past 48 rows) need their descriptors encoded
+Tiles loaded by the tensor memory accelerator (past 16 rows) need their descriptors encoded
 on the host at each launch: 30-50 us more host time per launch than pointer loads when run
 eagerly (docs/results/h200-prefill/eager-tma.log), nothing inside a CUDA graph, where the
 engine runs them.
@@ -51,24 +51,27 @@ class Tiles(NamedTuple):
 # for the accelerator's tiles docs/results/h200-prefill/matmul-tma-sweep*.log and
 # docs/results/h200-verify/matmul-sweep*.log): the first row bound that covers M. NARROW
 # streams a weight at cuBLAS's speed for 1-16 rows (a decode step, a verify block of one
-# request). Past 48 rows (a batch's verify and draft, a prefill chunk) the tiles are loaded
+# request). Past 16 rows (a batch's verify and draft, a prefill chunk) the tiles are loaded
 # by the tensor memory accelerator and follow the weight's class (`weight_class`) up to 512
 # rows: a wave of 132 SMs fits some tile counts better than others, so the best tiles for
-# the MLP's gate and up change four times between 48 and 512 rows. Past a class's last
+# the MLP's gate and up change four times between 16 and 512 rows. Rows 17-64 take the
+# 64-row tiles: the 32-row pointer tiles these rows had before timed slower in the engine
+# than 64 rows on the 64-row tiles (the 8B shape's verify of 32 rows: 5.35 ms of matmuls
+# against 4.60 ms for 64 rows, docs/results/h200-draft-ahead), and the accelerator loads
+# no memory for the rows past M. Past a class's last
 # bound (past 512 rows at the latest, batched prefill) every projection takes LARGE. They
 # run in 0.96-1.72x cuBLAS's time at 64 rows (the Qwen3.5-4B Gated DeltaNet's input
 # projection excepted, which the sweep timed only as slower than its five best, >= 1.08x),
 # 0.93-1.35x at 256 rows, 1.04-1.26x at 2048 rows (cuBLAS balances its waves by splitting
 # K, which an invariant product may not).
 NARROW = Tiles(16, 16, 256, 2, 5)
-MID = Tiles(32, 64, 128, 4, 4)
-ROW_TILES = ((16, NARROW), (48, MID))  # (row bound, tiles), in order
+ROW_TILES = ((16, NARROW),)  # (row bound, tiles), in order
 FEW_ROWS_DEEP = Tiles(64, 64, 128, 4, 4, tma=True)
 MANY_ROWS = Tiles(64, 128, 64, 4, 4, tma=True)
 MANY_ROWS_DEEP = Tiles(64, 128, 128, 4, 4, tma=True)
 SQUARE_DEEP = Tiles(128, 128, 128, 8, 3, tma=True)
 LARGE = Tiles(128, 128, 64, 4, 3, tma=True)
-MANY_ROW_TILES = {  # past 48 rows, by weight class: (row bound, tiles), in order
+MANY_ROW_TILES = {  # past 16 rows, by weight class: (row bound, tiles), in order
     "narrow": ((64, FEW_ROWS_DEEP), (96, MANY_ROWS_DEEP), (512, MANY_ROWS)),  # attention
     "deep": ((64, FEW_ROWS_DEEP), (384, MANY_ROWS_DEEP), (512, SQUARE_DEEP)),  # MLP down
     "wide": ((64, MANY_ROWS), (128, LARGE), (192, MANY_ROWS), (256, SQUARE_DEEP)),  # gate, up
@@ -191,7 +194,7 @@ def tiles_for(M: int, N: int, K: int, dtype: torch.dtype, sm_count: int) -> Tile
 
 
 def weight_class(N: int, K: int) -> str:
-    """A [N, K] weight's class for the tiles past 48 rows (MANY_ROW_TILES)."""
+    """A [N, K] weight's class for the tiles past 16 rows (MANY_ROW_TILES)."""
     if N >= VOCAB_N:
         return "vocab"
     if N >= WIDE_N:
@@ -214,7 +217,7 @@ def matmul(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias): [..., K] x [N, K] -> [..., N], batch-invariant (module docstring).
     `tiles` overrides the configuration, for tile sweeps and the tests that compare them
-    (the configurations past 48 rows are for half precision: in float32 the deepest would
+    (the configurations past 16 rows are for half precision: in float32 the deepest would
     overflow an SM's shared memory)."""
     N, K = weight.shape
     if x.shape[-1] != K:

@@ -697,6 +697,41 @@ def test_blocks_padded_to_full_length_stay_lossless(tiny_pair: TinyPair, strateg
     assert set(widths) == {8}
 
 
+@pytest.mark.parametrize("every", [2, 3, 8])
+def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
+    tiny_pair: TinyPair, monkeypatch, every: int
+) -> None:
+    """The per_token commit resumes from the checkpoint at or before each row's boundary
+    (state.checkpoint_every): with checkpoints every 2, 3 or 8 tokens of a block of 8, rows
+    accepting different counts each step, the output is plain greedy's and every slot's
+    Gated DeltaNet state ends where an engine keeping every token's state leaves it."""
+    from reference_engine.runtime import state as state_module
+
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    prompts = [[5, 9, 3, 77, 12], [40, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 7, 1]]
+    params = SamplingParams(max_tokens=23, ignore_eos=True)
+    refs = [generate_plain(target, p, params).output_ids for p in prompts]
+    recurrent = {}
+    for kept_every in (1, every):
+        monkeypatch.setattr(state_module, "checkpoint_every", lambda device, dtype, n=kept_every: n)
+        engine = Engine(target, draft, EngineConfig(max_num_seqs=3, commit_strategy="per_token"))
+        assert engine.state.every == kept_every
+        for i, p in enumerate(prompts):
+            accepts = [[7, 2, 5, 0, 3, 6, 1], [4, 6, 1, 3, 7, 0, 2], [1, 3, 7, 5, 2, 4, 0]][i]
+            engine.add_request(
+                str(i), p, params, oracle=OracleProposer(refs[i], accepts, target.config.vocab_size)
+            )
+        while engine.has_unfinished():
+            engine.step()
+        assert [engine.collect(str(i)).output_ids for i in range(3)] == refs
+        layers = target.config.linear_layers
+        recurrent[kept_every] = [engine.state.recurrent[layer].clone() for layer in layers]
+    for got, want in zip(recurrent[every], recurrent[1]):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(tiny_pair: TinyPair) -> None:
     target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
     target = load_target(target_dir, dtype=torch.float64)

@@ -31,6 +31,7 @@ from reference_engine.kernels.gated_delta import (  # noqa: E402
     causal_conv_step,
     gated_delta,
     gated_delta_inputs,
+    gated_delta_resume,
 )
 from reference_engine.kernels.matmul import (  # noqa: E402
     CONFIGURATIONS,
@@ -460,6 +461,79 @@ def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_state
     assert_close(final, want_final, torch.float32)
     assert_close(got_states, want_states, torch.float32)
     assert torch.equal(final[0], got_states[0, 1])  # row 0 stopped after its 2 valid tokens
+
+
+@pytest.mark.parametrize("every", [2, 3, 8])
+def test_checkpoints_every_few_tokens_and_a_resume_from_them_reach_every_state_bit_for_bit(
+    every: int,
+) -> None:
+    """The per_token commit's path: a verify keeps the state after tokens 0, every, ...; the
+    commit runs a row on from the checkpoint at or before its boundary over the inputs. For
+    each boundary of each row, the state reached is the very state a verify keeping every
+    token passed through there (the same kernel, the same arithmetic). Rows resume in an
+    order other than their own and write into slots other than their own."""
+    batch, T, heads, dk, dv = 3, 7, 2, 16, 40
+    q, k, v, g, beta, state = delta_inputs(batch, T, heads, dk, dv)
+    all_states = torch.zeros(batch, T, heads, dk, dv, device=DEVICE)
+    gated_delta(q, k, v, g, beta, state, None, all_states)
+    kept = -(-T // every)
+    checkpoints = torch.full((batch, kept, heads, dk, dv), float("nan"), device=DEVICE)
+    gated_delta(q, k, v, g, beta, state, None, checkpoints, every=every)
+    assert torch.equal(checkpoints, all_states[:, ::every])
+    steps = min(every, T) - 1
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    for processed in range(1, T + 1):
+        last = torch.tensor([processed - 1, (processed + 2) % T, T - 1 - (processed - 1)], device=DEVICE)
+        at = last // every
+        rows = torch.arange(batch, device=DEVICE) * kept + at
+        slot_states = torch.full((6, heads, dk, dv), float("nan"), device=DEVICE)
+        gated_delta_resume(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            checkpoints.flatten(0, 1),
+            rows,
+            at * every + 1,
+            last - at * every,
+            steps,
+            slot_states,
+            slots,
+        )
+        want = all_states[torch.arange(batch, device=DEVICE), last]
+        assert torch.equal(slot_states[slots], want), processed
+        assert slot_states[[1, 3, 5]].isnan().all()  # other slots untouched
+        reference = torch.full_like(slot_states, float("nan"))
+        ref.gated_delta_resume(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            checkpoints.flatten(0, 1),
+            rows,
+            at * every + 1,
+            last - at * every,
+            steps,
+            reference,
+            slots,
+        )
+        assert_close(reference[slots], want, torch.float32)
+
+
+def test_gated_delta_inputs_write_into_the_buffers_given() -> None:
+    batch, T, k_heads, v_heads, k_dim, v_dim = 2, 3, 2, 4, 16, 24
+    mixed = rand(batch, 2 * k_heads * k_dim + v_heads * v_dim, T, seed=7)
+    a, b = rand(batch, T, v_heads, seed=8), rand(batch, T, v_heads, seed=9)
+    A_log, dt_bias = rand(v_heads, seed=9), rand(v_heads, seed=10)
+    want = gated_delta_inputs(mixed, a, b, A_log, dt_bias, k_heads, k_dim, v_dim)
+    out = tuple(torch.full_like(w, float("nan")) for w in want)
+    got = gated_delta_inputs(mixed, a, b, A_log, dt_bias, k_heads, k_dim, v_dim, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="out q must be contiguous float32"):
+        gated_delta_inputs(mixed, a, b, A_log, dt_bias, k_heads, k_dim, v_dim, out=(out[0][:, :2], *out[1:]))
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)

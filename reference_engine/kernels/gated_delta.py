@@ -9,7 +9,10 @@ every T (T, the flags and the row strides are not specialisation keys), so a tok
 and the state after it are the same bits in decode, in a verify block, and in a prefill
 chunk of any size: prefill runs this same recurrence, so any prefill chunking gives the same
 state. Tokens at t >= valid_len of their row leave the state alone; with `states_out`, the
-state after every token is written out (the `per_token` commit strategy).
+state after every `every`-th token (the first included) is written out: the checkpoints of
+the `per_token` commit, which `gated_delta_resume` runs on from over the verify's recorded
+inputs. It is the same kernel, so the state it reaches has the bits of the state the
+verify's own run passed through at that token.
 
 The conv sums its `kernel` taps in a fixed order in float32 per output element.
 """
@@ -25,7 +28,7 @@ from .launch import LAUNCH
 BLOCK_V = 32
 
 
-@triton.jit(do_not_specialize=["T", "store_states"])
+@triton.jit(do_not_specialize=["T", "T_rows", "store_states", "every", "kept"])
 def _gated_delta_kernel(
     q_ptr,
     k_ptr,
@@ -38,12 +41,20 @@ def _gated_delta_kernel(
     final_ptr,
     states_ptr,
     slots_ptr,
+    first_ptr,
+    init_ptr,
+    init_rows_ptr,
     T,
+    T_rows,
     H,
-    store_states,  # all contiguous: q, k [batch, T, H, DK]; v, out [batch, T, H, DV];
-    # g, beta [batch, T, H]; state, final [batch, H, DK, DV] (or, with slots, state is every
-    # slot's [slots, H, DK, DV] and final is state); states [batch, T, H, DK, DV]
+    store_states,
+    every,
+    kept,  # all contiguous: q, k [batch, T_rows, H, DK]; v, out [batch, T, H, DV];
+    # g, beta [batch, T_rows, H]; state, final [batch, H, DK, DV] (or, with slots, state is
+    # every slot's [slots, H, DK, DV] and final is state); states [batch, kept, H, DK, DV],
+    # the state after token t at t // every when t % every == 0
     HAS_SLOTS: tl.constexpr,
+    RESUME: tl.constexpr,  # row b runs its tokens first[b] .. from init[init_rows[b]], no outputs
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -63,10 +74,19 @@ def _gated_delta_kernel(
     else:
         row_state = b.to(tl.int64)
     head_state = (row_state * H + h) * DK * DV
-    S = tl.load(state_ptr + head_state + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    if RESUME:
+        first = tl.load(first_ptr + b)
+        init_row = tl.load(init_rows_ptr + b).to(tl.int64)
+        S = tl.load(init_ptr + (init_row * H + h) * DK * DV + tile, mask=tile_ok, other=0.0)
+    else:
+        first = 0
+        S = tl.load(state_ptr + head_state + tile, mask=tile_ok, other=0.0)
+    S = S.to(tl.float32)
     valid = tl.load(valid_ptr + b)
     for t in range(0, T):
-        tok = (b * T + t).to(tl.int64) * H + h  # token (b, t) of head h
+        # token (b, first + t) of head h; a resumed row's tokens past its count are read (from
+        # its own row: the index stops at its last) but change nothing
+        tok = (b * T_rows + tl.minimum(first + t, T_rows - 1)).to(tl.int64) * H + h
         q = tl.load(q_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + tok * DV + vs, mask=v_ok, other=0.0).to(tl.float32)
@@ -76,11 +96,14 @@ def _gated_delta_kernel(
         kv_mem = tl.sum(decayed * k[:, None], axis=0)
         delta = (v - kv_mem) * beta
         updated = decayed + k[:, None] * delta[None, :]
-        o = tl.sum(updated * q[:, None], axis=0)
-        tl.store(out_ptr + tok * DV + vs, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+        if not RESUME:
+            o = tl.sum(updated * q[:, None], axis=0)
+            tl.store(out_ptr + tok * DV + vs, o.to(out_ptr.dtype.element_ty), mask=v_ok)
         S = tl.where(t < valid, updated, S)
         if store_states != 0:
-            tl.store(states_ptr + tok * DK * DV + tile, S, mask=tile_ok)
+            if t % every == 0:
+                at = ((b * kept + t // every).to(tl.int64) * H + h) * DK * DV
+                tl.store(states_ptr + at + tile, S, mask=tile_ok)
     tl.store(final_ptr + head_state + tile, S, mask=tile_ok)
 
 
@@ -92,12 +115,13 @@ def gated_delta(
     beta: torch.Tensor,  # [batch, T, v_heads]
     state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim] float32
     valid_len: torch.Tensor | None = None,  # [batch]
-    states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim]
+    states_out: torch.Tensor | None = None,  # [batch, ceil(T / every), v_heads, k_dim, v_dim]
     slots: torch.Tensor | None = None,  # [batch]: `state` is every slot's, updated in place
+    every: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as kernels.reference.gated_delta: (outputs [batch, T, v_heads, v_dim],
     final state, or None with `slots`). With `slots` the rows' states are read and written
-    in the slot tensor itself: no gather before, no scatter after."""
+    in the slot tensor itself: no gather, no scatter after."""
     batch, T, H, DK = q.shape
     DV = v.shape[-1]
     if state.dtype != torch.float32:
@@ -110,14 +134,76 @@ def gated_delta(
     final = state if slots is not None else torch.empty_like(state)
     if valid_len is None:
         valid_len = torch.full((batch,), T, dtype=torch.int64, device=q.device)
-    scratch = states_out if states_out is not None else final
-    if states_out is not None and not states_out.is_contiguous():
-        raise ValueError("gated_delta: states_out must be contiguous")
+    if every < 1:
+        raise ValueError(f"gated_delta: every must be >= 1, got {every}")
+    kept = -(-T // every)  # states kept: after tokens 0, every, 2 * every, ...
+    if states_out is not None:
+        if not states_out.is_contiguous():
+            raise ValueError("gated_delta: states_out must be contiguous")
+        if states_out.shape[:2] != (batch, kept):
+            raise ValueError(
+                f"gated_delta: states_out holds {tuple(states_out.shape[:2])} states, "
+                f"expected ({batch}, {kept})"
+            )
     result = (out, None) if slots is not None else (out, final)
     if batch == 0:
         return result
-    grid = (batch, H, triton.cdiv(DV, BLOCK_V))
-    _gated_delta_kernel[grid](
+    _launch(
+        (q, k, v, g, beta), state, valid_len, out, final, states_out, slots, None, None, T, T, every, kept
+    )
+    return result
+
+
+def gated_delta_resume(
+    q: torch.Tensor,  # [batch, T, v_heads, k_dim] float32: a verify's recorded inputs
+    k: torch.Tensor,  # [batch, T, v_heads, k_dim]
+    v: torch.Tensor,  # [batch, T, v_heads, v_dim]
+    g: torch.Tensor,  # [batch, T, v_heads]
+    beta: torch.Tensor,  # [batch, T, v_heads]
+    init: torch.Tensor,  # [n, v_heads, k_dim, v_dim] float32 states to start from
+    init_rows: torch.Tensor,  # [batch] row b starts from init[init_rows[b]]
+    first: torch.Tensor,  # [batch] its first token
+    count: torch.Tensor,  # [batch] how many of its tokens to run, at most `steps`
+    steps: int,
+    state: torch.Tensor,  # [slots, v_heads, k_dim, v_dim] float32, contiguous
+    slots: torch.Tensor,  # [batch] where each row's final state goes
+) -> None:
+    """Same contract as kernels.reference.gated_delta_resume, in one launch."""
+    batch, T, H, DK = q.shape
+    if state.dtype != torch.float32 or init.dtype != torch.float32:
+        raise ValueError("gated_delta_resume: the states are kept in float32")
+    if not (state.is_contiguous() and init.is_contiguous()):
+        raise ValueError("gated_delta_resume: the states must be contiguous")
+    if batch == 0:
+        return
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    _launch(
+        (q, k, v, g, beta), state, count, None, state, None, slots, first, (init, init_rows), steps, T, 1, 0
+    )
+
+
+def delta_input_buffers(
+    batch: int, T: int, H: int, k_dim: int, v_dim: int, device, out: tuple[torch.Tensor, ...] | None
+) -> tuple[torch.Tensor, ...]:
+    """Float32 q, k, v, g, beta for `gated_delta_inputs`: new, or `out` checked."""
+    shapes = ((batch, T, H, k_dim), (batch, T, H, k_dim), (batch, T, H, v_dim), (batch, T, H), (batch, T, H))
+    if out is None:
+        return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
+    for name, x, shape in zip(("q", "k", "v", "g", "beta"), out, shapes):
+        if x.shape != shape or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"gated_delta_inputs: out {name} must be contiguous float32 {shape}")
+    return tuple(out)
+
+
+def _launch(
+    inputs, state, valid_len, out, final, states_out, slots, first, init, T, T_rows, every, kept
+) -> None:
+    q, k, v, g, beta = inputs
+    batch, _, H, DK = q.shape
+    DV = v.shape[-1]
+    resume = init is not None
+    init_states, init_rows = init if resume else (state, valid_len)
+    _gated_delta_kernel[(batch, H, triton.cdiv(DV, BLOCK_V))](
         q,
         k,
         v,
@@ -125,14 +211,21 @@ def gated_delta(
         beta,
         state,
         valid_len.contiguous(),
-        out,
+        out if out is not None else final,
         final,
-        scratch,
+        states_out if states_out is not None else final,
         slots.contiguous() if slots is not None else valid_len,
+        first.contiguous() if resume else valid_len,
+        init_states,
+        init_rows.contiguous(),
         T,
+        T_rows,
         H,
         int(states_out is not None),
+        every,
+        kept,
         HAS_SLOTS=slots is not None,
+        RESUME=resume,
         DK=DK,
         DV=DV,
         BLOCK_K=max(16, triton.next_power_of_2(DK)),
@@ -140,7 +233,6 @@ def gated_delta(
         num_warps=4,
         **LAUNCH,
     )
-    return result
 
 
 @triton.jit(do_not_specialize=["T", "s_mb", "s_mc", "s_mt", "s_ab", "s_at", "s_bb", "s_bt"])
@@ -209,6 +301,7 @@ def gated_delta_inputs(
     k_heads: int,
     k_dim: int,
     v_dim: int,
+    out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.reference.gated_delta_inputs, in one launch (one program per
     token and value head). a and b may be column views of a fused projection."""
@@ -216,10 +309,7 @@ def gated_delta_inputs(
     H = A_log.shape[0]
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("gated_delta_inputs: a's and b's heads must be contiguous")
-    f32 = dict(dtype=torch.float32, device=mixed.device)
-    q, k = torch.empty((batch, T, H, k_dim), **f32), torch.empty((batch, T, H, k_dim), **f32)
-    v = torch.empty((batch, T, H, v_dim), **f32)
-    g, beta = torch.empty((batch, T, H), **f32), torch.empty((batch, T, H), **f32)
+    q, k, v, g, beta = delta_input_buffers(batch, T, H, k_dim, v_dim, mixed.device, out)
     if batch * T:
         _inputs_kernel[(batch * T, H)](
             mixed,

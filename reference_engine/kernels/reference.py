@@ -222,6 +222,7 @@ def gated_delta_inputs(
     k_heads: int,
     k_dim: int,
     v_dim: int,
+    out: tuple[torch.Tensor, ...] | None = None,  # q, k, v, g, beta written here when given
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gated delta rule's inputs from a Gated DeltaNet layer's conv output: q and k
     L2-normalised per key head (q also scaled by k_dim^-0.5) and repeated for the value heads
@@ -242,7 +243,11 @@ def gated_delta_inputs(
     k = k.repeat_interleave(ratio, dim=2)
     beta = torch.sigmoid(b).to(acc)
     g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
-    return q, k, v, g, beta
+    if out is None:
+        return q, k, v, g, beta
+    for into, x in zip(out, (q, k, v, g, beta)):
+        into.copy_(x)
+    return tuple(out)
 
 
 def gated_delta(
@@ -253,8 +258,9 @@ def gated_delta(
     beta: torch.Tensor,  # [batch, T, v_heads] write strength in (0, 1)
     state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
     valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
-    states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
+    states_out: torch.Tensor | None = None,  # [batch, ceil(T / every), v_heads, k_dim, v_dim]
     slots: torch.Tensor | None = None,  # [batch]: `state` holds every slot's, updated in place
+    every: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule as the engine runs it off the Triton path (the CPU and float64
     models): a decode step (T = 1) takes one step of the recurrence, a verify block or a
@@ -264,12 +270,46 @@ def gated_delta(
     k_dim, v_dim], row i starts from state[slots[i]] and its final state is written back
     there; the second result is then None."""
     if slots is not None:
-        out, final = gated_delta(q, k, v, g, beta, state.index_select(0, slots), valid_len, states_out)
+        out, final = gated_delta(
+            q, k, v, g, beta, state.index_select(0, slots), valid_len, states_out, every=every
+        )
         state.index_copy_(0, slots, final)
         return out, None
     if q.shape[1] == 1:
-        return gated_delta_recurrent(q, k, v, g, beta, state, valid_len, states_out)
-    return gated_delta_chunked(q, k, v, g, beta, state, valid_len, states_out)
+        return gated_delta_recurrent(q, k, v, g, beta, state, valid_len, states_out, every)
+    if states_out is None or every == 1:
+        return gated_delta_chunked(q, k, v, g, beta, state, valid_len, states_out)
+    every_state = states_out.new_empty((q.shape[0], q.shape[1], *states_out.shape[2:]))
+    out, final = gated_delta_chunked(q, k, v, g, beta, state, valid_len, every_state)
+    states_out.copy_(every_state[:, ::every])
+    return out, final
+
+
+def gated_delta_resume(
+    q: torch.Tensor,  # [batch, T, v_heads, k_dim]: a verify's recorded inputs
+    k: torch.Tensor,  # [batch, T, v_heads, k_dim]
+    v: torch.Tensor,  # [batch, T, v_heads, v_dim]
+    g: torch.Tensor,  # [batch, T, v_heads]
+    beta: torch.Tensor,  # [batch, T, v_heads]
+    init: torch.Tensor,  # [n, v_heads, k_dim, v_dim] states to start from
+    init_rows: torch.Tensor,  # [batch] row b starts from init[init_rows[b]]
+    first: torch.Tensor,  # [batch] its first token
+    count: torch.Tensor,  # [batch] how many of its tokens to run, at most `steps`
+    steps: int,  # a host bound on count (no value is read back)
+    state: torch.Tensor,  # [slots, v_heads, k_dim, v_dim]
+    slots: torch.Tensor,  # [batch] where each row's final state goes
+) -> None:
+    """Run each row on from a kept state: from init[init_rows[b]], over its tokens first[b] ..
+    first[b] + count[b] - 1 of the inputs, the state after them written into state[slots[b]]
+    in place; no outputs. The `per_token` commit: from the checkpoint at or before a row's
+    accepted boundary (the verify kept the state after every `every`-th token) up to it."""
+    start = init.index_select(0, init_rows)
+    if steps > 0:
+        at = (first[:, None] + torch.arange(steps, device=q.device)).clamp(max=q.shape[1] - 1)
+        rows = torch.arange(q.shape[0], device=q.device)[:, None]
+        taken = [x[rows, at] for x in (q, k, v, g, beta)]
+        _, start = gated_delta(*taken, start, valid_len=count)
+    state.index_copy_(0, slots, start)
 
 
 def gated_delta_recurrent(
@@ -280,7 +320,8 @@ def gated_delta_recurrent(
     beta: torch.Tensor,  # [batch, T, v_heads] write strength in (0, 1)
     state: torch.Tensor,  # [batch, v_heads, k_dim, v_dim]
     valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
-    states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
+    states_out: torch.Tensor | None = None,  # [batch, ceil(T / every), v_heads, k_dim, v_dim]
+    every: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, one token at a time, per value head:
 
@@ -288,8 +329,9 @@ def gated_delta_recurrent(
 
     Returns (outputs [batch, T, v_heads, v_dim], final state). Tokens at t >= valid_len of
     their row leave the state unchanged (padding in a batch of unequal rows). When
-    `states_out` is given, the state after every token is written into it (the `per_token`
-    commit strategy).
+    `states_out` is given, the state after token t is written into states_out[:, t // every]
+    for every t that `every` divides (every = 1: after every token): the `per_token` commit's
+    checkpoints.
 
     The readable definition, which the Triton kernel follows step for step and the chunked
     form is tested against; the engine calls it for one-token decode steps only.
@@ -305,8 +347,8 @@ def gated_delta_recurrent(
             state = updated
         else:
             state = torch.where((t < valid_len)[:, None, None, None], updated, state)
-        if states_out is not None:
-            states_out[:, t] = state
+        if states_out is not None and t % every == 0:
+            states_out[:, t // every] = state
     return torch.stack(outputs, dim=1), state
 
 

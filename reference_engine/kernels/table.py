@@ -23,6 +23,7 @@ class Kernels:
     attention: Callable
     gated_delta_inputs: Callable
     gated_delta: Callable
+    gated_delta_resume: Callable
     greedy: Callable
     copy_rows: Callable
     conv_state_at: Callable
@@ -45,6 +46,7 @@ TORCH = Kernels(
     attention=reference.attention,
     gated_delta_inputs=reference.gated_delta_inputs,
     gated_delta=reference.gated_delta,
+    gated_delta_resume=reference.gated_delta_resume,
     greedy=reference.greedy,
     copy_rows=reference.copy_rows,
     conv_state_at=reference.conv_state_at,

@@ -17,7 +17,7 @@ from dataclasses import replace
 from . import reference
 from .argmax import greedy
 from .attention import attention
-from .gated_delta import causal_conv_step, gated_delta, gated_delta_inputs
+from .gated_delta import causal_conv_step, gated_delta, gated_delta_inputs, gated_delta_resume
 from .matmul import matmul
 from .moe import experts, route_experts
 from .norms import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
@@ -37,6 +37,7 @@ TRITON = Kernels(
     attention=attention,
     gated_delta_inputs=gated_delta_inputs,
     gated_delta=gated_delta,
+    gated_delta_resume=gated_delta_resume,
     greedy=greedy,
     copy_rows=copy_rows,
     conv_state_at=conv_state_at,

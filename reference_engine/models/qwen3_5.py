@@ -59,21 +59,26 @@ class GatedDeltaNet(nn.Module):
             projected, state.conv[layer], ctx.slots, self.conv1d.weight, ctx.valid_len
         )
 
+        per_token = ctx.record == "per_token"
+        # the per_token commit reads the recurrence inputs where they are written
+        kept = state.verify_inputs_of(layer, batch, T) if per_token else None
         q, k, v, g, beta = ops.gated_delta_inputs(
-            mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.k_dim, self.v_dim
+            mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.k_dim, self.v_dim, out=kept
         )
 
         states_out = None
         if ctx.record is not None:
             state.record_verify_inputs(layer, ctx.slots, full, q, k, v, g, beta)
-            if ctx.record == "per_token":
+            if per_token:
                 states_out = state.verify_states_of(layer, batch, T)
         recurrent = state.recurrent[layer]
         if ctx.chunked:
             out, final = gated_delta_chunked(q, k, v, g, beta, recurrent.index_select(0, ctx.slots))
             recurrent.index_copy_(0, ctx.slots, final)
         else:  # the rows' states read and written in place
-            out, _ = ops.gated_delta(q, k, v, g, beta, recurrent, ctx.valid_len, states_out, slots=ctx.slots)
+            out, _ = ops.gated_delta(
+                q, k, v, g, beta, recurrent, ctx.valid_len, states_out, slots=ctx.slots, every=state.every
+            )
 
         z = z.reshape(batch, T, self.num_v_heads, self.v_dim)
         out = self.norm(out, z, ops)  # rounds the float32 output to the model dtype first

@@ -7,8 +7,12 @@ need nothing: the committed length moves back and the next writes overwrite the 
 
 - `replay`: restore the state saved before verify, then run the processed tokens through
   the target again (a second, shorter forward; its logits are discarded).
-- `per_token`: verify keeps the recurrent state after every position; commit picks the one
-  after the last processed token. Costs memory (B states per layer), no compute.
+- `per_token`: verify keeps the recurrent state after block tokens 0, E, 2E, ... (E =
+  `state.PER_TOKEN_EVERY`; 1 keeps every position) and the recurrence inputs; commit takes the
+  checkpoint at or before the last processed token and runs the recurrence on from it over
+  the fewer than E tokens up to it. It is the verify's own arithmetic from the verify's own
+  state, so the bits are those of the state after that token. Costs memory (B / E states per
+  layer and row) and that short recurrence, not the projections.
 - `recompute`: verify keeps each layer's recurrence inputs (q, k, v, g, beta after the
   conv); commit runs the recurrence again from the saved state over the processed tokens
   only. Costs the recurrence, not the projections.
@@ -25,7 +29,7 @@ import torch
 from ..errors import ConfigError
 from ..kernels import TORCH, Kernels
 from ..models import CausalLM
-from .state import TargetState
+from .state import TargetState, kept_states
 
 COMMIT_STRATEGIES = ("replay", "per_token", "recompute")
 
@@ -70,15 +74,38 @@ def commit_hybrid(
         return
     T = block_tokens.shape[1]
     kernel = model.config.linear_conv_kernel_dim
-    # per_token: row i's states are rows i*T .. i*T+T-1 of the verify's [batch * T, ...]
-    kept = torch.arange(len(slot_ids), device=slots.device) * T + processed - 1
+    rows = len(slot_ids)
+    # per_token: row i's checkpoints are rows i*kept .. of the verify's [batch * kept, ...],
+    # checkpoint j the state after block token j * every. A row keeping `processed` tokens
+    # needs the state after token processed - 1: the checkpoint at or before it, then the
+    # tokens after that checkpoint (fewer than `every`) run again from it.
+    every = state.every
+    kept = kept_states(T, every)
+    last = processed - 1
+    at = last // every
+    checkpoint_rows = torch.arange(rows, device=slots.device) * kept + at
+    after = at * every + 1  # the first token after the checkpoint
+    steps = min(every, T) - 1  # the most tokens any row runs again
     for layer in model.config.linear_layers:
         ops.conv_state_at(
             state.conv[layer], slots, state.verify_conv[layer][..., : kernel - 1 + T], processed
         )
         if strategy == "per_token":
-            states = state.verify_states_of(layer, len(slot_ids), T)
-            ops.copy_rows(state.recurrent[layer], slots, states.flatten(0, 1), kept)
+            states = state.verify_states_of(layer, rows, T).flatten(0, 1)
+            if steps == 0:  # every state kept: the one after the boundary is copied
+                ops.copy_rows(state.recurrent[layer], slots, states, checkpoint_rows)
+                continue
+            inputs = state.verify_inputs_of(layer, rows, T)
+            ops.gated_delta_resume(
+                *inputs,
+                states,
+                checkpoint_rows,
+                after,
+                last - at * every,
+                steps,
+                state.recurrent[layer],
+                slots,
+            )
             continue
         _, final = ops.gated_delta(
             state.verify_q[layer][:, :T].index_select(0, slots),

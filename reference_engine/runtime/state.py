@@ -17,9 +17,35 @@ import torch
 
 from ..config import TargetConfig
 from ..errors import RequestError
+from ..kernels import EXACT_DTYPES
 from ..kernels.reference import accumulation_dtype
 from .kv_pool import PoolLayout
 from .transfer import to_device
+
+# The `per_token` commit's checkpoints: a verify keeps the Gated DeltaNet state after block
+# tokens 0, EVERY, 2 * EVERY, ... and its recurrence inputs; the commit runs a row on from the
+# checkpoint at or before its boundary over at most EVERY - 1 tokens (commit.py). 1 keeps the
+# state after every token. On the Qwen3.5-4B shape at 16 rows x 8 tokens, every state kept
+# is 2 MiB a row and layer written by the verify: 6 GiB a step at 1, 0.75 GiB at 8.
+PER_TOKEN_EVERY = 8
+
+
+def checkpoint_every(device: torch.device | str, dtype: torch.dtype) -> int:
+    """How often a `per_token` verify keeps the state: PER_TOKEN_EVERY where the gated delta
+    rule runs token by token (the Triton kernel, CUDA in bfloat16, float16 or float32), so a
+    run on from a checkpoint reaches the very bits of a run from the block's start; 1 on the
+    references, whose chunked form rounds by where a run starts (and whose models are small),
+    so `per_token` equals `recompute` bit for bit on both paths."""
+    triton = torch.device(device).type == "cuda" and dtype in EXACT_DTYPES
+    return PER_TOKEN_EVERY if triton else 1
+
+
+def kept_states(T: int, every: int) -> int:
+    """How many states a block of T tokens keeps, one after every `every`-th token from the
+    first: ceil(T / every)."""
+    if every < 1:
+        raise ValueError(f"per-token checkpoints: every must be >= 1, got {every}")
+    return -(-T // every)
 
 
 def cell_map(pool: PoolLayout | None, num_slots: int, device: torch.device) -> torch.Tensor | None:
@@ -94,18 +120,22 @@ class TargetState:
 
         # What a verify pass keeps for the commit strategies; see commit.py.
         none = [None] * n
-        self.verify_conv, self.verify_states = none, none
+        self.verify_conv, self.verify_states, self.verify_inputs = none, none, none
         self.verify_q, self.verify_k, self.verify_v = none, none, none
         self.verify_g, self.verify_beta = none, none
+        self.every = checkpoint_every(device, dtype)
         if config.is_hybrid and commit_strategy in ("per_token", "recompute") and verify_len:
             K, T = config.linear_conv_kernel_dim, verify_len
             hv, dk, dv = rec_shape[1:]
             self.verify_conv = alloc("linear", (num_slots, config.conv_dim, K - 1 + T), dtype)
             if commit_strategy == "per_token":
                 # by the verify's batch row, not by slot (the commit of the same step reads
-                # them), and flat: any batch's [rows, T, ...] states are one contiguous
-                # block at its start, which the verify writes in place (`verify_states_of`)
-                self.verify_states = alloc("linear", (num_slots * T * hv * dk * dv,), state_dtype)
+                # them), and flat: any batch's [rows, kept, ...] states and [rows, T, ...]
+                # inputs are one contiguous block at the start of each buffer, which the
+                # verify writes in place (`verify_states_of`, `verify_inputs_of`)
+                kept = kept_states(T, self.every)
+                self.verify_states = alloc("linear", (num_slots * kept * hv * dk * dv,), state_dtype)
+                self.verify_inputs = alloc("linear", (num_slots * T * hv * (2 * dk + dv + 2),), state_dtype)
             else:
                 self.verify_q = alloc("linear", (num_slots, T, hv, dk), state_dtype)
                 self.verify_k = alloc("linear", (num_slots, T, hv, dk), state_dtype)
@@ -137,19 +167,39 @@ class TargetState:
             self.verify_beta[layer][slots, :T] = beta
 
     def verify_states_of(self, layer: int, rows: int, T: int) -> torch.Tensor:
-        """Where a verify of `rows` rows and T tokens keeps the state after each token for
-        the `per_token` commit: [rows, T, v_heads, k_dim, v_dim], contiguous, row i of the
-        batch at index i."""
+        """Where a verify of `rows` rows and T tokens keeps its checkpoints for the
+        `per_token` commit: [rows, kept_states(T, every), v_heads, k_dim, v_dim], contiguous,
+        row i of the batch at index i, checkpoint j the state after block token j * every."""
         buffer = self.verify_states[layer]
         if buffer is None:
             raise RuntimeError("per-token states need a state built with commit strategy per_token")
-        shape = (rows, T, *self.recurrent[layer].shape[1:])
+        self._check_fits(rows, T)
+        shape = (rows, kept_states(T, self.every), *self.recurrent[layer].shape[1:])
+        return buffer[: math.prod(shape)].view(shape)
+
+    def verify_inputs_of(self, layer: int, rows: int, T: int) -> tuple[torch.Tensor, ...]:
+        """Where a verify of `rows` rows and T tokens keeps its recurrence inputs for the
+        `per_token` commit: q, k [rows, T, v_heads, k_dim], v [rows, T, v_heads, v_dim], g,
+        beta [rows, T, v_heads], each contiguous."""
+        buffer = self.verify_inputs[layer]
+        if buffer is None:
+            raise RuntimeError("per-token inputs need a state built with commit strategy per_token")
+        self._check_fits(rows, T)
+        hv, dk, dv = self.recurrent[layer].shape[1:]
+        shapes = ((rows, T, hv, dk), (rows, T, hv, dk), (rows, T, hv, dv), (rows, T, hv), (rows, T, hv))
+        views, at = [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            views.append(buffer[at : at + size].view(shape))
+            at += size
+        return tuple(views)
+
+    def _check_fits(self, rows: int, T: int) -> None:
         if rows > self.num_slots or T > self.verify_len:
             raise RuntimeError(
                 f"a verify of {rows} rows and {T} tokens does not fit the per-token "
                 f"states kept for {self.num_slots} rows of {self.verify_len} tokens"
             )
-        return buffer[: math.prod(shape)].view(shape)
 
     def cache_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """The attention caches' rows of `slots`: the slots themselves, or with a pool their

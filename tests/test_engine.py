@@ -702,10 +702,10 @@ def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
     tiny_pair: TinyPair, monkeypatch, every: int
 ) -> None:
     """The per_token commit resumes from the checkpoint at or before each row's boundary
-    (state.checkpoint_every): with checkpoints every 2, 3 or 8 tokens of a block of 8, rows
+    (state.checkpoint_every, as on the GPU): with checkpoints every 2, 3 or 8 tokens of a block of 8, rows
     accepting different counts each step, the output is plain greedy's and every slot's
     Gated DeltaNet state ends where an engine keeping every token's state leaves it."""
-    from reference_engine.runtime import state as state_module
+    from reference_engine.runtime import engine as engine_module
 
     target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
     target = load_target(target_dir, dtype=torch.float64)
@@ -715,7 +715,7 @@ def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
     refs = [generate_plain(target, p, params).output_ids for p in prompts]
     recurrent = {}
     for kept_every in (1, every):
-        monkeypatch.setattr(state_module, "checkpoint_every", lambda device, dtype, n=kept_every: n)
+        monkeypatch.setattr(engine_module, "checkpoint_every", lambda device, dtype, n=kept_every: n)
         engine = Engine(target, draft, EngineConfig(max_num_seqs=3, commit_strategy="per_token"))
         assert engine.state.every == kept_every
         for i, p in enumerate(prompts):

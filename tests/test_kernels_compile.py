@@ -107,9 +107,14 @@ KERNELS = {
     "gated_delta._gated_delta_kernel": (
         {"q_ptr": "fp32", "k_ptr": "fp32", "v_ptr": "fp32", "g_ptr": "fp32", "beta_ptr": "fp32"}
         | {"state_ptr": "fp32", "valid_ptr": "i64", "out_ptr": "bf16", "final_ptr": "fp32"}
-        | {"states_ptr": "fp32", "slots_ptr": "i64"},
+        | {"states_ptr": "fp32", "slots_ptr": "i64", "first_ptr": "i64", "init_ptr": "fp32"}
+        | {"init_rows_ptr": "i64"},
         {},
-        [{"HAS_SLOTS": h, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32} for h in (True, False)],
+        [
+            {"HAS_SLOTS": h, "RESUME": r, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32}
+            for h in (True, False)
+            for r in (False, True)
+        ],
     ),
     "gated_delta._inputs_kernel": (
         {"mixed_ptr": "bf16", "a_ptr": "bf16", "b_ptr": "bf16", "alog_ptr": "fp32", "dt_ptr": "bf16"}

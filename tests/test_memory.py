@@ -115,9 +115,27 @@ def test_the_qwen3_5_4b_shape_at_its_default_context_is_refused_on_one_h200() ->
 
 
 @pytest.mark.parametrize(
-    ("arch", "strategy"), [("qwen3", "replay"), ("qwen3_5", "per_token"), ("qwen3_5", "recompute")]
+    ("arch", "strategy", "every"),
+    [
+        ("qwen3", "replay", 1),
+        ("qwen3_5", "per_token", 1),
+        ("qwen3_5", "per_token", 3),
+        ("qwen3_5", "recompute", 1),
+    ],
 )
-def test_the_cost_is_what_the_engine_allocates(tiny_pair: TinyPair, arch: str, strategy: str) -> None:
+def test_the_cost_is_what_the_engine_allocates(
+    tiny_pair: TinyPair, monkeypatch, arch: str, strategy: str, every: int
+) -> None:
+    """Measured on the meta device, the state costs what the engine allocates, per_token
+    checkpoints every few tokens (as on the GPU) included."""
+    from reference_engine.runtime import engine as engine_module
+    from reference_engine.runtime import state as state_module
+
+    def by_device(device: torch.device | str, dtype: torch.dtype) -> int:  # as on the GPU: by device
+        return every if torch.device(device).type == "cpu" else 1
+
+    monkeypatch.setattr(state_module, "checkpoint_every", by_device)
+    monkeypatch.setattr(engine_module, "checkpoint_every", by_device)
     target_dir, draft_dir = tiny_pair(arch, block_size=8)
     target = load_target(target_dir, dtype=torch.float64)
     draft = load_draft(draft_dir, target)

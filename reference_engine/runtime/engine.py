@@ -52,7 +52,7 @@ from .request import SamplingParams, new_generator, validate_request
 from .scheduler import EngineFullError, Scheduler
 from .sequence import Sequence
 from .speculative_step import SpeculativeStep, StepCommit
-from .state import TargetState
+from .state import TargetState, checkpoint_every
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
 from .transfer import to_device
@@ -187,8 +187,17 @@ class Engine:
         a `pool` their attention caches pooled (on the meta device: what they would take, for
         the memory plan)."""
         config = self.config
+        every = checkpoint_every(self.device, self.dtype)  # the engine's device, also for a meta state
         state = TargetState(
-            self.target.config, slots, room, self.dtype, device, self.block_size, config.commit_strategy, pool
+            self.target.config,
+            slots,
+            room,
+            self.dtype,
+            device,
+            self.block_size,
+            config.commit_strategy,
+            pool,
+            every,
         )
         draft_state = None
         if self.draft is not None:

@@ -67,10 +67,13 @@ class TargetState:
         verify_len: int = 0,
         commit_strategy: str | None = None,
         pool: PoolLayout | None = None,
+        every: int | None = None,
     ) -> None:
         """`verify_len` and `commit_strategy` size the buffers a speculative verify keeps
-        for the `per_token` and `recompute` commit strategies (hybrid targets only). With a
-        `pool` the attention caches are one pooled KV cache (kv_pool.py) and `cell_of` maps
+        for the `per_token` and `recompute` commit strategies (hybrid targets only); `every`
+        spaces the `per_token` checkpoints (default: `checkpoint_every` of this device and
+        dtype; a state built on the meta device to be measured gives its real device's). With
+        a `pool` the attention caches are one pooled KV cache (kv_pool.py) and `cell_of` maps
         each slot to its run's row."""
         self.config = config
         self.num_slots = num_slots
@@ -123,7 +126,7 @@ class TargetState:
         self.verify_conv, self.verify_states, self.verify_inputs = none, none, none
         self.verify_q, self.verify_k, self.verify_v = none, none, none
         self.verify_g, self.verify_beta = none, none
-        self.every = checkpoint_every(device, dtype)
+        self.every = checkpoint_every(device, dtype) if every is None else every
         if config.is_hybrid and commit_strategy in ("per_token", "recompute") and verify_len:
             K, T = config.linear_conv_kernel_dim, verify_len
             hv, dk, dv = rec_shape[1:]

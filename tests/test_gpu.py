@@ -4,6 +4,7 @@ device in float64, batched, and a bfloat16 real-shaped smoke run."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -55,6 +56,36 @@ def test_real_shaped_bfloat16_pair_runs_on_cuda() -> None:
     while engine.has_unfinished():
         engine.step()
     assert len(engine.collect("a").output_ids) == 32
+
+
+def test_graph_capture_survives_cuda_calls_from_another_thread(tiny_pair) -> None:
+    """While the engine captures its CUDA graphs, another thread of the process allocates
+    pinned host memory again and again (a call that is unsafe during a capture): the capture
+    completes and the output is plain greedy's. It fails when captures run in the global
+    error mode, where that thread's call invalidates the capture."""
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
+    target = load_target(target_dir, dtype=torch.bfloat16, device="cuda")
+    draft = load_draft(draft_dir, target)
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = generate_plain(target, prompt, params).output_ids
+    stop, allocations = threading.Event(), []
+
+    def pin_in_a_loop() -> None:
+        while not stop.is_set():
+            allocations.append(torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True).numel())
+
+    other = threading.Thread(target=pin_in_a_loop, daemon=True)
+    other.start()
+    try:
+        engine = Engine(target, draft, EngineConfig(max_num_seqs=4, max_model_len=128))
+    finally:
+        stop.set()
+        other.join()
+    assert engine.runner.graphs is not None and allocations
+    engine.add_request("a", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.collect("a").output_ids == ref
 
 
 def test_step_inputs_are_copied_without_waiting_for_queued_work() -> None:

@@ -209,7 +209,10 @@ class EngineGraphs:
                 body(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: only this thread's unsafe calls (a sync, a host allocation) break the
+        # capture; under the default, one from any other thread of the process (a client's
+        # pinned copy, a library's helper thread) invalidates it mid-way
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = body(inputs)
         return _Graph(graph, inputs, outputs)
 

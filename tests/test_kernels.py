@@ -486,39 +486,14 @@ def test_checkpoints_every_few_tokens_and_a_resume_from_them_reach_every_state_b
         last = torch.tensor([processed - 1, (processed + 2) % T, T - 1 - (processed - 1)], device=DEVICE)
         at = last // every
         rows = torch.arange(batch, device=DEVICE) * kept + at
+        where = (checkpoints.flatten(0, 1), rows, at * every + 1, last - at * every, steps)
         slot_states = torch.full((6, heads, dk, dv), float("nan"), device=DEVICE)
-        gated_delta_resume(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            checkpoints.flatten(0, 1),
-            rows,
-            at * every + 1,
-            last - at * every,
-            steps,
-            slot_states,
-            slots,
-        )
+        gated_delta_resume(q, k, v, g, beta, *where, slot_states, slots)
         want = all_states[torch.arange(batch, device=DEVICE), last]
         assert torch.equal(slot_states[slots], want), processed
         assert slot_states[[1, 3, 5]].isnan().all()  # other slots untouched
         reference = torch.full_like(slot_states, float("nan"))
-        ref.gated_delta_resume(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            checkpoints.flatten(0, 1),
-            rows,
-            at * every + 1,
-            last - at * every,
-            steps,
-            reference,
-            slots,
-        )
+        ref.gated_delta_resume(q, k, v, g, beta, *where, reference, slots)
         assert_close(reference[slots], want, torch.float32)
 
 

@@ -8,7 +8,8 @@ need nothing: the committed length moves back and the next writes overwrite the 
 - `replay`: restore the state saved before verify, then run the processed tokens through
   the target again (a second, shorter forward; its logits are discarded).
 - `per_token`: verify keeps the recurrent state after block tokens 0, E, 2E, ... (E =
-  `state.PER_TOKEN_EVERY`; 1 keeps every position) and the recurrence inputs; commit takes the
+  `state.checkpoint_every`: PER_TOKEN_EVERY on the Triton path, 1, every position, on the
+  references) and the recurrence inputs; commit takes the
   checkpoint at or before the last processed token and runs the recurrence on from it over
   the fewer than E tokens up to it. It is the verify's own arithmetic from the verify's own
   state, so the bits are those of the state after that token. Costs memory (B / E states per

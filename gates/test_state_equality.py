@@ -6,7 +6,9 @@ Tolerance: verify runs B tokens per forward and plain decode one, so float64 res
 differ in the last bits (different matmul shapes); 1e-9 absolute is far below any real
 fault (a skipped rollback moves the state by O(0.1)); float32 (a user's checkpoints) gets
 1e-3, and bfloat16 state is not compared. per_token and recompute run the very same
-recurrence, so they must agree bit for bit.
+recurrence, so they must agree bit for bit. per_token's checkpoints every few tokens (8 on
+the GPU) are run here on the references at 2 and 3 tokens of a block of 8: each commit then
+runs a row on from a checkpoint, and the state must still be plain decode's.
 """
 
 from __future__ import annotations
@@ -69,3 +71,15 @@ def test_commit_strategies_agree_with_each_other(pair: Pair, reference) -> None:
     }
     assert_states_close(by_strategy["per_token"], by_strategy["recompute"], 0.0, "per_token vs recompute")
     assert_states_close(by_strategy["per_token"], by_strategy["replay"], atol, "per_token vs replay")
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_per_token_checkpoints_every_few_tokens_reach_the_state_of_plain_decode(
+    pair: Pair, reference, every: int
+) -> None:
+    prompt, params, ref, expected = reference
+    atol = state_tolerance(pair)
+    config = EngineConfig(block_size=BLOCK_SIZE, commit_strategy="per_token", checkpoint_every=every)
+    got = speculative_states(pair, prompt, params, config, SCHEDULE, ref)
+    compared = assert_states_close(expected, got, atol, f"{pair.name}/per_token every {every}")
+    assert compared >= 4

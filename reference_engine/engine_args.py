@@ -116,6 +116,14 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "tokens of one cell of the pooled KV cache (--kv-cache-tokens): a request takes whole cells",
         {"type": int, "default": 256},
     ),
+    "checkpoint_every": EngineOption(
+        ("--checkpoint-every",),
+        "per_token commit: a verify keeps the Gated DeltaNet state every N block tokens and the "
+        "commit runs a row on from the last one over fewer than N tokens (memory and the verify's "
+        "writes against the commit's work; default 8 with the Triton kernels, 1 on the CPU's "
+        "references); output is the same either way",
+        {"type": int, "default": None},
+    ),
     "numerics": EngineOption(("--numerics",), NUMERICS_HELP, {"choices": NUMERICS, "default": None}),
     "tensor_parallel_size": EngineOption(
         ("--tensor-parallel-size",),

@@ -359,6 +359,7 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
             {"max_num_batched_tokens": 256},
             r"max_num_batched_tokens must be at least prefill_chunk \(2048\), got 256",
         ),
+        ({"checkpoint_every": 0}, r"checkpoint_every must be >= 1, got 0"),
     ],
     ids=[
         "max_num_seqs",
@@ -368,6 +369,7 @@ def test_an_oracle_with_a_sampling_request_is_refused_at_add_request(
         "commit_strategy",
         "fallback_after_steps",
         "max_num_batched_tokens",
+        "checkpoint_every",
     ],
 )
 def test_engine_config_out_of_range_is_rejected_with_the_value(options: dict, pattern: str) -> None:
@@ -699,14 +701,13 @@ def test_blocks_padded_to_full_length_stay_lossless(tiny_pair: TinyPair, strateg
 
 @pytest.mark.parametrize("every", [2, 3, 8])
 def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
-    tiny_pair: TinyPair, monkeypatch, every: int
+    tiny_pair: TinyPair, every: int
 ) -> None:
     """The per_token commit resumes from the checkpoint at or before each row's boundary
-    (state.checkpoint_every, as on the GPU): with checkpoints every 2, 3 or 8 tokens of a block of 8, rows
-    accepting different counts each step, the output is plain greedy's and every slot's
-    Gated DeltaNet state ends where an engine keeping every token's state leaves it."""
-    from reference_engine.runtime import engine as engine_module
-
+    (EngineConfig.checkpoint_every, 8 on the GPU): with checkpoints every 2, 3 or 8 tokens of
+    a block of 8, rows accepting different counts each step, the output is plain greedy's and
+    every slot's Gated DeltaNet state ends where an engine keeping every token's state leaves
+    it."""
     target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
     target = load_target(target_dir, dtype=torch.float64)
     draft = load_draft(draft_dir, target)
@@ -714,10 +715,10 @@ def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
     params = SamplingParams(max_tokens=23, ignore_eos=True)
     refs = [generate_plain(target, p, params).output_ids for p in prompts]
     recurrent = {}
-    for kept_every in (1, every):
-        monkeypatch.setattr(engine_module, "checkpoint_every", lambda device, dtype, n=kept_every: n)
-        engine = Engine(target, draft, EngineConfig(max_num_seqs=3, commit_strategy="per_token"))
-        assert engine.state.every == kept_every
+    for kept_every in (None, every):
+        config = EngineConfig(max_num_seqs=3, commit_strategy="per_token", checkpoint_every=kept_every)
+        engine = Engine(target, draft, config)
+        assert engine.state.every == (kept_every or 1)  # the CPU's references keep every state
         for i, p in enumerate(prompts):
             accepts = [[7, 2, 5, 0, 3, 6, 1], [4, 6, 1, 3, 7, 0, 2], [1, 3, 7, 5, 2, 4, 0]][i]
             engine.add_request(
@@ -728,7 +729,7 @@ def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
         assert [engine.collect(str(i)).output_ids for i in range(3)] == refs
         layers = target.config.linear_layers
         recurrent[kept_every] = [engine.state.recurrent[layer].clone() for layer in layers]
-    for got, want in zip(recurrent[every], recurrent[1]):
+    for got, want in zip(recurrent[every], recurrent[None]):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 

@@ -105,6 +105,7 @@ class BenchArgs:
     output_len: int
     block_size: int | None
     commit_strategy: str
+    checkpoint_every: int | None
     dtype: str
     device: str
     gpu_memory_utilization: float
@@ -158,7 +159,7 @@ class BenchArgs:
         p.add_argument("--num-prompts", type=int, default=None)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
-        add_engine_options(p, "block_size", "commit_strategy")
+        add_engine_options(p, "block_size", "commit_strategy", "checkpoint_every")
         add_engine_options(
             p, "dtype", "device", "gpu_memory_utilization", "verify_width", "measure_step_costs"
         )
@@ -317,6 +318,7 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
         max_num_seqs=concurrency,
         block_size=args.block_size,
         commit_strategy=args.commit_strategy,
+        checkpoint_every=args.checkpoint_every,
         max_model_len=max(map(len, prompts)) + args.output_len,
         numerics=numerics,
         enforce_eager=args.enforce_eager,

@@ -187,7 +187,8 @@ class Engine:
         a `pool` their attention caches pooled (on the meta device: what they would take, for
         the memory plan)."""
         config = self.config
-        every = checkpoint_every(self.device, self.dtype)  # the engine's device, also for a meta state
+        # the engine's device decides, also for a state measured on the meta device
+        every = config.checkpoint_every or checkpoint_every(self.device, self.dtype)
         state = TargetState(
             self.target.config,
             slots,

@@ -55,6 +55,12 @@ class EngineConfig:
     # None: every slot holds the whole room (max_model_len + one block), as without a pool
     kv_cache_tokens: int | None = None
     kv_cell_tokens: int = 256
+    # the `per_token` commit's checkpoints (state.py): a verify keeps the Gated DeltaNet state
+    # every this many block tokens and the commit runs a row on from one over fewer than that;
+    # None: state.checkpoint_every (8 on the Triton path, 1 on the references, where a larger
+    # one still gives plain greedy's output but per_token then no longer matches recompute's
+    # state bit for bit)
+    checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -89,6 +95,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
         if self.kv_cell_tokens <= 0:
             raise ConfigError(f"kv_cell_tokens must be positive, got {self.kv_cell_tokens}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -260,3 +260,18 @@ def test_small_step_inputs_reach_the_device_as_plain_tensors_off_cuda() -> None:
 
     t = to_device([[1, 2], [3, 4]], "cpu")
     assert t.dtype == torch.int64 and t.tolist() == [[1, 2], [3, 4]] and t.device.type == "cpu"
+
+
+@pytest.mark.parametrize("T", [2, 8])
+def test_per_token_buffers_put_a_row_at_the_same_place_for_any_row_count(hybrid: CausalLM, T: int) -> None:
+    """A CUDA graph's verify writes the per_token checkpoints and inputs for its padded bucket
+    of rows; an eager commit after it reads them for the step's real rows: row i's views must
+    be the same memory either way, for every one of q, k, v, g, beta and the checkpoints."""
+    state = TargetState(hybrid.config, 5, MAX_LEN, torch.float32, "cpu", 8, "per_token", every=3)
+    layer = hybrid.config.linear_layers[0]
+    written = [*state.verify_inputs_of(layer, 4, T), state.verify_states_of(layer, 4, T)]
+    for i, view in enumerate(written):
+        view.copy_(torch.arange(view.numel(), dtype=view.dtype).view_as(view) + 1000 * i)
+    read = [*state.verify_inputs_of(layer, 3, T), state.verify_states_of(layer, 3, T)]
+    for i, (wide, narrow) in enumerate(zip(written, read)):
+        assert torch.equal(narrow, wide[:3]), f"view {i} of 5 moved with the row count"

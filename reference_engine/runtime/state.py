@@ -133,9 +133,11 @@ class TargetState:
             self.verify_conv = alloc("linear", (num_slots, config.conv_dim, K - 1 + T), dtype)
             if commit_strategy == "per_token":
                 # by the verify's batch row, not by slot (the commit of the same step reads
-                # them), and flat: any batch's [rows, kept, ...] states and [rows, T, ...]
-                # inputs are one contiguous block at the start of each buffer, which the
-                # verify writes in place (`verify_states_of`, `verify_inputs_of`)
+                # them), and flat: any batch's [rows, kept, ...] states and each of its
+                # [rows, T, ...] inputs are one contiguous block at the start of their buffer
+                # or region, which the verify writes in place (`verify_states_of`,
+                # `verify_inputs_of`); row i sits at the same place for any row count (a
+                # graph's verify of a padded bucket, an eager commit of its real rows)
                 kept = kept_states(T, self.every)
                 self.verify_states = alloc("linear", (num_slots * kept * hv * dk * dv,), state_dtype)
                 self.verify_inputs = alloc("linear", (num_slots * T * hv * (2 * dk + dv + 2),), state_dtype)
@@ -189,12 +191,11 @@ class TargetState:
             raise RuntimeError("per-token inputs need a state built with commit strategy per_token")
         self._check_fits(rows, T)
         hv, dk, dv = self.recurrent[layer].shape[1:]
-        shapes = ((rows, T, hv, dk), (rows, T, hv, dk), (rows, T, hv, dv), (rows, T, hv), (rows, T, hv))
-        views, at = [], 0
-        for shape in shapes:
-            size = math.prod(shape)
-            views.append(buffer[at : at + size].view(shape))
-            at += size
+        views, region = [], 0
+        for inner in ((hv, dk), (hv, dk), (hv, dv), (hv,), (hv,)):  # q, k, v, g, beta
+            size = rows * T * math.prod(inner)
+            views.append(buffer[region : region + size].view(rows, T, *inner))
+            region += self.num_slots * self.verify_len * math.prod(inner)  # room for the most rows
         return tuple(views)
 
     def _check_fits(self, rows: int, T: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -95,8 +96,10 @@ def test_graph_capture_survives_cuda_calls_from_another_thread(tiny_pair) -> Non
     ref = generate_plain(target, prompt, params).output_ids
     x = torch.zeros(1024, device="cuda")
     with HostRegistrations() as other:
+        started = time.monotonic()
         while other.calls < 10:  # the thread is under way
-            pass
+            assert other.thread.is_alive() and time.monotonic() - started < 30, "the other thread stopped"
+            time.sleep(0.001)
         broken = False
         try:
             with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="global"):

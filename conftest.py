@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+# The tests start commands from several threads at once (tests/together.py). A child made by
+# vfork shares its parent's memory until it calls exec, and where the kernel mishandles that
+# beside the parent's other threads a spawn fails with EFAULT ("Bad address") though the
+# interpreter's path is right. A forked child has a copy of its own; this is the switch
+# Python's subprocess documentation names for turning vfork off.
+subprocess._USE_VFORK = False
 
 from reference_engine.checkpoint.synthetic import make_tiny_draft, make_tiny_target  # noqa: E402
 

@@ -41,6 +41,7 @@ from .commit import verify_record
 from .decode import context_length, stop_ids
 from .engine_config import EngineConfig
 from .graphs import PREFILL_BATCH_TOKENS, padded_end
+from .host_memory import keep_freed_memory
 from .kv_pool import CellAllocator, PoolLayout
 from .memory import GiB, MemoryPlan, activation_peak, plan_memory, state_cost, weight_bytes
 from .model_runner import ModelRunner, graphs_possible
@@ -81,6 +82,8 @@ class Engine:
         self.device, self.dtype = weight.device, weight.dtype
         self.numerics = config.numerics or default_numerics(self.device, self.dtype)
         ops = select(self.numerics, self.device, self.dtype)
+        if self.device.type == "cpu":  # a step's freed activations reused, not unmapped (host_memory.py)
+            keep_freed_memory()
         self.context_len = context_length(target, config.max_model_len)
         self.block_size = config.block_size_for(target, draft)
         if self.device.type == "cuda":  # one matmul per group of projections that share an input

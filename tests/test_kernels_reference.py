@@ -96,15 +96,19 @@ def test_a_rerun_over_the_processed_tokens_reaches_the_per_token_state_bit_for_b
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_decode_step_is_one_step_of_the_recurrence(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("valid", [[1, 0, 1, 1], [1, 1, 1, 1]])  # a held row; every row real
+def test_a_decode_step_is_one_step_of_the_recurrence(dtype: torch.dtype, valid: list[int]) -> None:
+    """Also with every row real (a plain step's verify of the anchor alone), where the step
+    skips the hold of rows past their length: the same bits as the recurrence with it."""
     q, k, v, g, beta, state = delta_inputs(4, 1, dtype, seed=3)
-    valid_len = torch.tensor([1, 0, 1, 1])
+    valid_len = torch.tensor(valid)
     got_states, want_states = states_buffer(q, v), states_buffer(q, v)
     out, final = gated_delta(q, k, v, g, beta, state, valid_len, got_states)
     want_out, want_final = gated_delta_recurrent(q, k, v, g, beta, state, valid_len, want_states)
     assert torch.equal(out, want_out) and torch.equal(final, want_final)
     assert torch.equal(got_states, want_states)
-    assert torch.equal(final[1], state[1])
+    for row, n in enumerate(valid):
+        assert torch.equal(final[row], state[row]) == (n == 0)
 
 
 def test_a_wrong_write_is_seen() -> None:

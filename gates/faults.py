@@ -305,6 +305,16 @@ def _plain_step_without_draft_context(correct):
     return context_features
 
 
+def _deferred_context_one_position_late(correct):
+    def flush_context(self, seqs, only=False):
+        # the context plain steps deferred is written one position after its own
+        for entry in self.deferred.values():
+            entry.first += 1
+        return correct(self, seqs, only)
+
+    return flush_context
+
+
 def _plain_step_keeps_state_before_anchor(correct):
     def verify(self, rows, block, record=True):
         # a plain step (no record: its block is kept whole) puts the Gated DeltaNet state back
@@ -395,6 +405,11 @@ FAULTS: dict[str, Fault] = {
         "verify width: a plain step (width 0) hands the draft zeros for the anchor's context",
         "context_features",
         _plain_step_without_draft_context,
+    ),
+    "deferred_context_one_position_late": Fault(
+        "verify width: the context plain steps deferred reaches the draft one position late",
+        "flush_context",
+        _deferred_context_one_position_late,
     ),
     "plain_step_keeps_state_before_anchor": Fault(
         "verify width: a plain step (width 0) leaves the Gated DeltaNet state where it was before the anchor",

@@ -240,7 +240,7 @@ def test_draft_proposals_and_context_are_the_same_alone_and_in_a_batch(
 
 
 ACCEPTANCE_FAULTS = ("draft_context_from_next_row", "draft_block_sees_padding", "dflash2_conv_across_rows")
-CATCHES = (*ACCEPTANCE_FAULTS, "plain_step_without_draft_context")
+CATCHES = (*ACCEPTANCE_FAULTS, "plain_step_without_draft_context", "deferred_context_one_position_late")
 
 
 @pytest.mark.parametrize("fault", ACCEPTANCE_FAULTS)
@@ -285,14 +285,13 @@ def test_plain_steps_hand_the_draft_the_context_a_speculative_step_would(pair: P
     assert_draft_batch_invariant(alone, batched, committed, "after plain steps", every_step=False)
 
 
+@pytest.mark.parametrize("fault", ["plain_step_without_draft_context", "deferred_context_one_position_late"])
 def test_draft_invariance_gate_catches_plain_steps_that_drop_the_drafts_context(
-    pair: Pair, alone_runs
+    pair: Pair, alone_runs, fault: str
 ) -> None:
     requests, references, alone, committed = alone_runs["draft"]
-    with planted("plain_step_without_draft_context"):
+    with planted(fault):
         batched, streamed = record_run(pair, requests, references, BATCH, PLAIN_PAYS_WIDE)
-    assert_batch_equivalent(streamed, references, "plain_step_without_draft_context")
+    assert_batch_equivalent(streamed, references, fault)
     with pytest.raises(AssertionError, match="differs in the batch"):
-        assert_draft_batch_invariant(
-            alone, batched, committed, "plain_step_without_draft_context", every_step=False
-        )
+        assert_draft_batch_invariant(alone, batched, committed, fault, every_step=False)

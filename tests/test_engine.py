@@ -27,6 +27,7 @@ from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Phase, Sequence
 from reference_engine.runtime.speculative_step import DraftAhead
 from reference_engine.runtime.stats import SpecCounters
+from reference_engine.runtime.verify_width import StepCosts
 
 TinyCheckpoint = Callable[..., Path]
 TinyPair = Callable[..., tuple[Path, Path]]
@@ -774,6 +775,67 @@ def test_measured_eager_step_costs_cover_every_row_bucket_and_width_and_change_n
     for i, prompt in enumerate(PROMPTS[:3]):
         assert engine.collect(str(i)).output_ids == reference(target, prompt, greedy(12))
     assert not make_engine(target, draft, max_num_seqs=3).verify_width.costs.measured  # off: flat
+
+
+# plain steps (verify width 0) pay from 2 rows up and never for one row alone
+PLAIN_PAYS_FROM_TWO = StepCosts(
+    {
+        (rows, w): s
+        for rows in (1, 2)
+        for w, s in ((0, 0.2 if rows == 2 else 10.0), (1, 1.0), (3, 1.6), (7, 3.5))
+    },
+    measured=True,
+)
+
+
+def record_proposals(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, int], list[int]]:
+    """(request id, output position) -> the draft tokens each drafted step proposed there."""
+    proposed: dict[tuple[str, int], list[int]] = {}
+    step = engine.speculative_step
+    propose = step.propose
+
+    def recorded(rows):
+        block, proposals, probs = propose(rows)
+        for i, seq in enumerate(rows.seqs):
+            proposed[seq.request_id, len(seq.output_ids)] = proposals[i, : rows.n[i]].tolist()
+        return block, proposals, probs
+
+    monkeypatch.setattr(step, "propose", recorded)
+    return proposed
+
+
+def test_the_context_a_plain_step_defers_reaches_its_own_request_alone(
+    target: CausalLM, draft: DFlashDraft, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain step's draft context waits for the request's next draft (DeferredContext).
+    Request a runs plain steps beside b and is aborted with its context still owed; c takes
+    its slot with a longer prompt, runs plain steps beside b, then drafts alone once b ends.
+    Every step c drafts proposes what c proposes on an engine of its own: nothing a left
+    for its slot reaches c, and c's own plain steps' context is all there."""
+    config = EngineConfig(max_num_seqs=2, block_size=BLOCK_SIZE)
+    engine = Engine(target, draft, config, step_costs=PLAIN_PAYS_FROM_TWO)
+    batched = record_proposals(engine, monkeypatch)
+    engine.add_request("a", PROMPTS[1], greedy(40))
+    engine.add_request("b", PROMPTS[0], greedy(30))
+    for _ in range(8):
+        engine.step()
+    assert engine.stats()["verify_widths"].get(0, 0) >= 4
+    slot = engine.get("a").slot
+    engine.abort("a")
+    engine.add_request("c", LONG_PROMPT, greedy(24))
+    engine.step()
+    assert engine.get("c").slot == slot
+    drain(engine)
+    assert engine.collect("c").output_ids == reference(target, LONG_PROMPT, greedy(24))
+    monkeypatch.undo()
+    alone_engine = Engine(target, draft, config, step_costs=PLAIN_PAYS_FROM_TWO)
+    alone = record_proposals(alone_engine, monkeypatch)
+    alone_engine.add_request("c", LONG_PROMPT, greedy(24))
+    drain(alone_engine)
+    shared = [p for (rid, p) in batched if rid == "c" and ("c", p) in alone]
+    assert len(shared) >= 2, (sorted(batched), sorted(alone))  # not vacuous
+    for position in shared:
+        assert batched["c", position] == alone["c", position], f"c's draft at output position {position}"
 
 
 def test_a_row_with_one_token_left_is_credited_no_draft_token(target: CausalLM, draft: DFlashDraft) -> None:

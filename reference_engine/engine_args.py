@@ -98,10 +98,10 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
     ),
     "measure_step_costs": EngineOption(
         ("--measure-step-costs",),
-        "without CUDA graphs (the CPU, --enforce-eager), time the eager draft and verify "
-        "forwards at start-up, so that --verify-width auto weighs measured costs and, on the "
-        "CPU, may take plain steps (with graphs the costs are always measured; on the 2-core "
-        "CPU it has not paid yet: docs/engine.md, Verify width)",
+        "without CUDA graphs (the CPU, --enforce-eager), time whole speculative steps at "
+        "start-up (each row count and verify width), so that --verify-width auto weighs "
+        "measured costs and, on the CPU, may take plain steps (with graphs the costs are "
+        "always measured; docs/engine.md, Verify width)",
         {"action": "store_true"},
     ),
     "kv_cache_tokens": EngineOption(

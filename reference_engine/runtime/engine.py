@@ -75,7 +75,8 @@ class Engine:
     ) -> None:
         """`step_costs`: what a speculative step costs by (rows, verify width), for the verify
         width `auto` (verify_width.py); by default measured from the CUDA graphs, and without
-        them flat, or timed from the eager forwards with `config.measure_step_costs`."""
+        them flat, or timed from whole eager steps with `config.measure_step_costs`
+        (SpeculativeStep.seconds)."""
         config = config or EngineConfig()
         self.target, self.draft, self.config = target, draft, config
         weight = target.model.embed_tokens.weight
@@ -164,7 +165,9 @@ class Engine:
             self.speculative_step.capture_commit()
             measured = None
             if step_costs is None and len(widths) > 1:
-                measured = self.runner.step_seconds(widths, eager=config.measure_step_costs)
+                measured = self.runner.step_seconds()
+                if measured is None and config.measure_step_costs and not use_graphs:
+                    measured = self.speculative_step.seconds(widths, config.max_num_seqs)
             if measured:
                 step_costs = StepCosts(measured, measured=True)
             if getattr(target, "tensor_parallel", None) is not None:

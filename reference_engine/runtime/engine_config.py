@@ -46,8 +46,8 @@ class EngineConfig:
     # most committed tokens per second from the requests' acceptance and the measured step
     # costs; "fixed" verifies all B-1. Output is the same either way.
     verify_width: str = "auto"
-    # without CUDA graphs (the CPU, enforce_eager), time the eager draft and verify forwards
-    # at start-up so that verify_width "auto" weighs real costs (with graphs they are always
+    # without CUDA graphs (the CPU, enforce_eager), time whole speculative steps at start-up
+    # so that verify_width "auto" weighs real costs (with graphs they are always
     # measured); off, every width costs the same there and "auto" verifies the full block
     measure_step_costs: bool = False
     # a pooled KV cache (kv_pool.py): tokens of KV cache all requests share, in cells of

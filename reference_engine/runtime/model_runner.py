@@ -10,8 +10,6 @@ slot's room) runs eagerly, and gives the same bits in the exact numerics.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -25,7 +23,6 @@ from .forwards import Logits, Proposals, StepInputs, Verified
 from .graphs import EngineGraphs
 from .state import TargetState
 from .transfer import to_device
-from .verify_width import timing_ids
 
 
 def graphs_possible(device: torch.device, ops: Kernels, enforce_eager: bool) -> bool:
@@ -197,51 +194,12 @@ class ModelRunner:
         )
         return Verified(out.logits, out.features)
 
-    def step_seconds(
-        self, widths: tuple[int, ...], eager: bool = False
-    ) -> dict[tuple[int, int], float] | None:
+    def step_seconds(self) -> dict[tuple[int, int], float] | None:
         """Measured seconds of a speculative step by (rows, verify width), from the captured
-        graphs; without them, from the eager forwards when `eager`, else None."""
+        graphs; None without them (SpeculativeStep.seconds times eager steps)."""
         if self.graphs is not None and self.graphs.verify_graphs:
             return self.graphs.step_seconds()
-        if eager and self.graphs is None and self.draft is not None:
-            return self.eager_step_seconds(widths)
         return None
-
-    def eager_step_seconds(self, widths: tuple[int, ...], repeats: int = 3) -> dict[tuple[int, int], float]:
-        """Host seconds of the eager draft forward and verify forward (with its argmax) of a
-        step, by (rows, verify width) for rows 1, 2, 4, ... up to max_rows: the median of
-        `repeats` timed runs after one untimed, on slots 0..rows-1 from position 0, so before
-        any request runs (a request's admission resets its slot), on the token ids
-        `timing_ids` (a different token at every position: a mixture of experts routes them
-        as it routes text, verify_width.py). Width 0 runs no draft. Not
-        timed: the step's host work, about the same at every width; the commit (with
-        per_token and recompute a copy a row; with replay a forward over the kept tokens); and
-        the attention over a request's context (every forward here starts at position 0),
-        which a drafted step runs in the draft and the verify, leaning the other way at long
-        contexts."""
-        B, device = self.block_size, self.device
-        rows_list = sorted({min(1 << k, self.max_rows) for k in range(self.max_rows.bit_length() + 1)})
-        out = {}
-        for rows in rows_list:
-            slots = torch.arange(rows, device=device)
-            block = timing_ids(rows, B, self.target.config.vocab_size, device)
-            positions = torch.arange(B, device=device)[None].repeat(rows, 1)
-            for width in widths:
-                valid = torch.full((rows,), width + 1, dtype=torch.int64, device=device)
-                times = []
-                for r in range(repeats + 1):
-                    start = time.perf_counter()
-                    if width > 0:
-                        self.propose(block, positions, slots, torch.full_like(valid, B), B).tokens.tolist()
-                    verified = self.verify(
-                        block[:, : width + 1], positions[:, : width + 1], slots, valid, width + 1, width > 0
-                    )
-                    self.ops.greedy(verified.logits).tolist()
-                    if r:
-                        times.append(time.perf_counter() - start)
-                out[rows, width] = statistics.median(times)
-        return out
 
     def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
         """Capture the commit `body` per batch bucket, reading the verify graphs' buffers."""

@@ -21,6 +21,8 @@ deliberate faults that way); the engine sees only `__call__`.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +33,13 @@ from ..models.dflash import DFlashDraft, DraftState
 from .commit import commit_hybrid, needs_snapshot
 from .forwards import Proposals, StepInputs, Verified
 from .model_runner import ModelRunner
+from .request import SamplingParams
 from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
 from .state import TargetState
 from .stats import PhaseTimer
 from .transfer import HostCopy, to_device
+from .verify_width import timing_ids
 from .walk import sample_walk
 
 
@@ -111,6 +115,22 @@ class DeferredContext:
     slot: int
     first: int  # position of the first feature
     features: list[torch.Tensor]  # [n * hidden] each, of positions first, first + 1, ...
+
+
+class TimingProposals:
+    """A placeholder request's proposals while the step is timed (SpeculativeStep.seconds):
+    fixed tokens, compared with the target's choices as a draft's would be."""
+
+    forced = False
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def scheduled(self, step: int, n: int) -> int:
+        return 0
+
+    def propose(self, step: int, generated: int, n: int) -> list[int]:
+        return self.tokens[:n]
 
 
 class SpeculativeStep:
@@ -190,6 +210,57 @@ class SpeculativeStep:
             StepCommit(rows.n[i], acc_list[i], drafted[i], drafted[i][: acc_list[i]] + [bonus_list[i]])
             for i in range(b)
         ]
+
+    def seconds(
+        self, widths: tuple[int, ...], max_rows: int, repeats: int = 5
+    ) -> dict[tuple[int, int], float]:
+        """Wall seconds of whole eager steps by (rows, verify width), for rows 1, 2, 4, ... up
+        to max_rows: the median of `repeats` timed steps after one untimed (the widths timed
+        in turn, round by round), each on
+        placeholder requests in slots 0..rows-1 from position 0, so before any request runs (a
+        request's admission resets its slot). A step is timed as the engine runs it: the rows'
+        layout, the draft forward (none at width 0), the verify, accept, the commit and the
+        draft's context, and the read of the results. Block position i of the flattened rows
+        holds `timing_ids` (a different token at every position: a mixture of experts routes
+        them as it routes text, verify_width.py); the draft's proposals are those tokens.
+        Not timed: the engine's work around a step (emitting tokens, stop checks), and the
+        attention over a request's context (every step here starts at position 0)."""
+        B = self.block_size
+        vocab = self.target.config.vocab_size
+        rows_list = sorted({min(1 << k, max_rows) for k in range(max_rows.bit_length() + 1)})
+        out = {}
+        for rows in rows_list:
+            ids = timing_ids(rows, B, vocab).tolist()
+            seqs = [
+                Sequence(
+                    f"timing-{i}",
+                    [],
+                    SamplingParams(max_tokens=B + 1, ignore_eos=True),
+                    frozenset(),
+                    0.0,
+                    True,
+                    oracle=TimingProposals(ids[i][1:]),
+                    slot=i,
+                    output_ids=[ids[i][0]],
+                )
+                for i in range(rows)
+            ]
+            times: dict[int, list[float]] = {width: [] for width in widths}
+            for r in range(repeats + 1):  # the widths in turn, so a machine's drift meets each alike
+                for width in widths:
+                    for i in range(rows):
+                        self.state.lengths[i] = self.draft_state.lengths[i] = 0
+                    start = time.perf_counter()
+                    self(seqs, width)
+                    if r:
+                        times[width].append(time.perf_counter() - start)
+            for width in widths:
+                out[rows, width] = statistics.median(times[width])
+            self.deferred.clear()  # what the plain steps kept for the placeholders
+        for i in range(max_rows):
+            self.state.lengths[i] = self.draft_state.lengths[i] = 0
+        self.timer.reset()
+        return out
 
     def read_step(
         self,

@@ -48,8 +48,8 @@ text reads many more experts than a decode step, and a block of one repeated tok
 timed as if it read the k experts of one token (a 16-token verify of Qwen3.5-35B-A3B reads
 about 100 of its 256 experts a layer, a decode step 8). Without graphs (the CPU, an eager
 engine) the table is flat, every width costs the same and `auto` verifies the full block as
-`fixed` does, unless the engine is told to time its eager forwards at start-up
-(`measure_step_costs`, ModelRunner.eager_step_seconds).
+`fixed` does, unless the engine is told to time whole eager steps at start-up, host work and
+commit included (`measure_step_costs`, SpeculativeStep.seconds).
 """
 
 from __future__ import annotations

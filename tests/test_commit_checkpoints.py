@@ -1,6 +1,7 @@
 """The `per_token` commit on the Triton recurrence (run by the interpreter on the CPU): a verify
 that keeps checkpoints every few tokens, then `commit_hybrid`, leaves every slot's Gated
-DeltaNet state with the bits a verify keeping every token's state leaves. Block widths below,
+DeltaNet state with the bits a verify keeping every token's state leaves (on the GPU where there
+is one, its compiled kernel). Block widths below,
 at and above the spacing; rows that keep different counts; a step whose verify ran a padded
 bucket (a row on the spare slot) and whose commit runs the real rows only, as an eager commit
 after a replayed graph does."""
@@ -25,19 +26,21 @@ pytestmark = pytest.mark.kernels
 # the references everywhere but the recurrence, which is the Triton kernel's
 OPS = replace(TORCH, gated_delta=triton_delta.gated_delta, gated_delta_resume=triton_delta.gated_delta_resume)
 SLOTS, SPARE, BLOCK = 4, 4, 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 9, 3, 77, 12], [40, 8, 1, 2, 3, 4, 5, 6, 7], [7, 7, 1], [300, 2, 9, 11, 4, 6, 8]]
 
 
 @pytest.fixture(scope="module")
 def hybrid(qwen3_5_checkpoint: Path) -> CausalLM:
-    return load_target(qwen3_5_checkpoint, dtype=torch.float32)
+    return load_target(qwen3_5_checkpoint, dtype=torch.float32, device=DEVICE)
 
 
 def prefilled(model: CausalLM, every: int) -> TargetState:
-    state = TargetState(model.config, SLOTS + 1, 96, torch.float32, "cpu", BLOCK, "per_token", every=every)
+    state = TargetState(model.config, SLOTS + 1, 96, torch.float32, DEVICE, BLOCK, "per_token", every=every)
     for slot, prompt in enumerate(PROMPTS):
-        ids = torch.tensor([prompt])
-        model(ids, torch.arange(len(prompt))[None], torch.tensor([slot]), state, len(prompt), ops=OPS)
+        ids = torch.tensor([prompt], device=DEVICE)
+        positions = torch.arange(len(prompt), device=DEVICE)[None]
+        model(ids, positions, torch.tensor([slot], device=DEVICE), state, len(prompt), ops=OPS)
         state.lengths[slot] = len(prompt)
     return state
 
@@ -48,15 +51,18 @@ def speculative_step(
     """A verify of T tokens for `slots` (plus `pad` rows on the spare slot), then the commit of
     the real rows keeping `processed` tokens each."""
     rows = slots + [SPARE] * pad
-    starts = torch.tensor([state.lengths[s] if s != SPARE else 0 for s in rows])
-    block = (torch.arange(len(rows) * T).view(len(rows), T) * 37 + 11) % model.config.vocab_size
-    positions = starts[:, None] + torch.arange(T)
+    starts = torch.tensor([state.lengths[s] if s != SPARE else 0 for s in rows], device=DEVICE)
+    ids = torch.arange(len(rows) * T, device=DEVICE).view(len(rows), T)
+    block = (ids * 37 + 11) % model.config.vocab_size
+    positions = starts[:, None] + torch.arange(T, device=DEVICE)
     kv_len = int(starts.max()) + T
-    valid = torch.full((len(rows),), T)
-    model(block, positions, torch.tensor(rows), state, kv_len, valid_len=valid, record="per_token", ops=OPS)
+    valid = torch.full((len(rows),), T, device=DEVICE)
+    at = torch.tensor(rows, device=DEVICE)
+    model(block, positions, at, state, kv_len, valid_len=valid, record="per_token", ops=OPS)
     n = len(slots)
-    kept = torch.tensor(processed)
-    commit_hybrid("per_token", model, state, torch.tensor(slots), block[:n], positions[:n], kept, kv_len, OPS)
+    kept = torch.tensor(processed, device=DEVICE)
+    live = torch.tensor(slots, device=DEVICE)
+    commit_hybrid("per_token", model, state, live, block[:n], positions[:n], kept, kv_len, OPS)
     for slot, p in zip(slots, processed):
         state.lengths[slot] += p
 

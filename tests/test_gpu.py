@@ -117,6 +117,57 @@ def test_graph_capture_survives_cuda_calls_from_another_thread(tiny_pair) -> Non
     assert engine.collect("a").output_ids == ref
 
 
+def engine_freed_only_by_the_collector(target, draft) -> None:
+    """An engine with CUDA graphs, dropped inside a reference cycle: its graphs are freed when
+    the garbage collector next runs, not before."""
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=2, max_model_len=128))
+    assert engine.runner.graphs is not None
+    cycle: list = [engine]
+    cycle.append(cycle)
+
+
+def test_graph_capture_survives_the_collector_freeing_an_earlier_engines_graphs(tiny_pair) -> None:
+    """With an earlier engine's graphs due to the garbage collector and the collector running
+    at nearly every allocation, a new engine captures its graphs and gives plain greedy's
+    output. The control: the same garbage freed inside a plain capture breaks it, else the
+    test proves nothing."""
+    import gc
+
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
+    target = load_target(target_dir, dtype=torch.bfloat16, device="cuda")
+    draft = load_draft(draft_dir, target)
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = generate_plain(target, prompt, params).output_ids
+    x = torch.zeros(1024, device="cuda")
+    thresholds = gc.get_threshold()
+    gc.collect()
+    try:
+        engine_freed_only_by_the_collector(target, draft)
+        gc.set_threshold(1)
+        broken = False
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+                for _ in range(200):
+                    x.add_(1.0)
+                    [[] for _ in range(10)]  # allocations, each may start a collection
+        except RuntimeError:
+            broken = True
+        gc.set_threshold(*thresholds)
+        gc.collect()
+        torch.cuda.synchronize()
+        assert broken, "freeing an engine's graphs inside a capture did not break it"
+        engine_freed_only_by_the_collector(target, draft)
+        gc.set_threshold(1)
+        engine = Engine(target, draft, EngineConfig(max_num_seqs=4, max_model_len=128))
+    finally:
+        gc.set_threshold(*thresholds)
+    assert engine.runner.graphs is not None
+    engine.add_request("a", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.collect("a").output_ids == ref
+
+
 def test_step_inputs_are_copied_without_waiting_for_queued_work() -> None:
     """runtime/transfer.to_device queues its copy behind the work already on the stream and
     returns; `torch.tensor(..., device="cuda")` waits for that work first (the probe that the

@@ -32,10 +32,12 @@ them. A chunk whose bucket would reach past its slot's rows runs eagerly.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +97,22 @@ def prefill_shapes(
         for rows in row_buckets
         if rows == 1 or rows * tokens <= budget
     ]
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused around a capture: a collection that runs
+    inside one (any allocation of the capture's Python work can start it) frees whatever
+    garbage is due, an earlier engine's CUDA graphs among it, and destroying a graph while a
+    stream captures is not permitted: the capture is invalidated ("operation failed due to a
+    previous error during capture", with CUDAGraph reset warnings)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -212,7 +230,11 @@ class EngineGraphs:
         # thread_local: only this thread's unsafe calls (a sync, a host allocation) break the
         # capture; under the default, one from any other thread of the process (a client's
         # pinned copy, a library's helper thread) invalidates it mid-way
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with (
+            collector_paused(),
+            torch.no_grad(),
+            torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
+        ):
             outputs = body(inputs)
         return _Graph(graph, inputs, outputs)
 

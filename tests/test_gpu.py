@@ -126,12 +126,14 @@ def engine_freed_only_by_the_collector(target, draft) -> None:
     cycle.append(cycle)
 
 
-def test_graph_capture_survives_the_collector_freeing_an_earlier_engines_graphs(tiny_pair) -> None:
-    """With an earlier engine's graphs due to the garbage collector and the collector running
-    at nearly every allocation, a new engine captures its graphs and gives plain greedy's
-    output. The control: the same garbage freed inside a plain capture breaks it, else the
-    test proves nothing."""
+def test_captures_run_with_the_garbage_collector_paused(tiny_pair, monkeypatch) -> None:
+    """The engine captures its graphs with Python's garbage collector paused, and resumes it
+    after: an automatic collection inside a capture can free an earlier engine's graphs,
+    which breaks the capture. The control: a collection inside a plain capture, with an
+    earlier engine's graphs due, breaks it, else the pause guards against nothing."""
     import gc
+
+    from reference_engine.runtime.graphs import EngineGraphs
 
     target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
     target = load_target(target_dir, dtype=torch.bfloat16, device="cuda")
@@ -139,29 +141,30 @@ def test_graph_capture_survives_the_collector_freeing_an_earlier_engines_graphs(
     prompt, params = list(range(3, 40)), SamplingParams(max_tokens=24, ignore_eos=True)
     ref = generate_plain(target, prompt, params).output_ids
     x = torch.zeros(1024, device="cuda")
-    thresholds = gc.get_threshold()
     gc.collect()
+    engine_freed_only_by_the_collector(target, draft)
+    broken = False
     try:
-        engine_freed_only_by_the_collector(target, draft)
-        gc.set_threshold(1)
-        broken = False
-        try:
-            with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
-                for _ in range(200):
-                    x.add_(1.0)
-                    [[] for _ in range(10)]  # allocations, each may start a collection
-        except RuntimeError:
-            broken = True
-        gc.set_threshold(*thresholds)
-        gc.collect()
-        torch.cuda.synchronize()
-        assert broken, "freeing an engine's graphs inside a capture did not break it"
-        engine_freed_only_by_the_collector(target, draft)
-        gc.set_threshold(1)
-        engine = Engine(target, draft, EngineConfig(max_num_seqs=4, max_model_len=128))
-    finally:
-        gc.set_threshold(*thresholds)
-    assert engine.runner.graphs is not None
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            x.add_(1.0)
+            gc.collect()
+            x.add_(1.0)
+    except RuntimeError:
+        broken = True
+    torch.cuda.synchronize()
+    assert broken, "freeing an engine's graphs inside a capture did not break it"
+    enabled: list[bool] = []  # the collector's state at each run of a decode body
+    decode_body = EngineGraphs._decode_body
+
+    def recording(self, inputs):
+        enabled.append(gc.isenabled())
+        return decode_body(self, inputs)
+
+    monkeypatch.setattr(EngineGraphs, "_decode_body", recording)
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=4, max_model_len=128))
+    assert engine.runner.graphs is not None and gc.isenabled()
+    # the collector paused for each decode graph's captured run alone
+    assert enabled.count(False) == len(engine.runner.graphs.decode_graphs) > 0, enabled
     engine.add_request("a", prompt, params)
     while engine.has_unfinished():
         engine.step()

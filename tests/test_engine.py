@@ -859,7 +859,7 @@ def test_measured_eager_step_costs_time_the_whole_step(
     target: CausalLM, draft: DFlashDraft, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The eager table times whole steps, the commit and the step's host work included, not
-    the forwards alone: a commit that takes 40 ms more shows in every drafted width's cost and
+    the forwards alone: a commit that takes 50 ms more shows in every drafted width's cost and
     in no plain step's (a plain step commits nothing: its block is kept whole)."""
     import time
 
@@ -868,15 +868,14 @@ def test_measured_eager_step_costs_time_the_whole_step(
     commit_state = SpeculativeStep.commit_state
 
     def slow(self, *args, **kwargs):
-        time.sleep(0.04)
+        time.sleep(0.05)
         return commit_state(self, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeStep, "commit_state", slow)
     costs = make_engine(target, draft, max_num_seqs=2, measure_step_costs=True).verify_width.costs
     for rows in (1, 2):
-        assert costs.of(rows, 0) < 0.04
         for width in (1, 3, 7):
-            assert costs.of(rows, width) >= 0.04
+            assert costs.of(rows, width) >= costs.of(rows, 0) + 0.04, costs.as_dict()
 
 
 def test_measured_eager_step_costs_time_a_different_token_at_every_position(

@@ -84,16 +84,28 @@ class HostRegistrations:
         self.thread.join()
 
 
+def capture_pair(tiny_pair):
+    """The tiny hybrid pair in bfloat16 on the GPU, for the capture tests."""
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
+    target = load_target(target_dir, dtype=torch.bfloat16, device="cuda")
+    return target, load_draft(draft_dir, target)
+
+
+def assert_plain_greedy(engine: Engine, target) -> None:
+    """One request through `engine` gives plain greedy decode's output."""
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=24, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.collect("a").output_ids == generate_plain(target, prompt, params).output_ids
+
+
 def test_graph_capture_survives_cuda_calls_from_another_thread(tiny_pair) -> None:
     """While the engine captures its CUDA graphs, another thread of the process makes CUDA
     calls that are unsafe during a capture: the captures complete and the output is plain
     greedy's. The control: the same thread's calls break a capture in CUDA's global error mode
     (the engine's before it captured in the thread-local one), else the test proves nothing."""
-    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
-    target = load_target(target_dir, dtype=torch.bfloat16, device="cuda")
-    draft = load_draft(draft_dir, target)
-    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = generate_plain(target, prompt, params).output_ids
+    target, draft = capture_pair(tiny_pair)
     x = torch.zeros(1024, device="cuda")
     with HostRegistrations() as other:
         started = time.monotonic()
@@ -111,10 +123,7 @@ def test_graph_capture_survives_cuda_calls_from_another_thread(tiny_pair) -> Non
         torch.cuda.synchronize()
         engine = Engine(target, draft, EngineConfig(max_num_seqs=4, max_model_len=128))
         assert engine.runner.graphs is not None
-    engine.add_request("a", prompt, params)
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.collect("a").output_ids == ref
+    assert_plain_greedy(engine, target)
 
 
 def engine_freed_only_by_the_collector(target, draft) -> None:
@@ -135,11 +144,7 @@ def test_captures_run_with_the_garbage_collector_paused(tiny_pair, monkeypatch) 
 
     from reference_engine.runtime.graphs import EngineGraphs
 
-    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
-    target = load_target(target_dir, dtype=torch.bfloat16, device="cuda")
-    draft = load_draft(draft_dir, target)
-    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = generate_plain(target, prompt, params).output_ids
+    target, draft = capture_pair(tiny_pair)
     x = torch.zeros(1024, device="cuda")
     gc.collect()
     engine_freed_only_by_the_collector(target, draft)
@@ -165,10 +170,7 @@ def test_captures_run_with_the_garbage_collector_paused(tiny_pair, monkeypatch) 
     assert engine.runner.graphs is not None and gc.isenabled()
     # the collector paused for each decode graph's captured run alone
     assert enabled.count(False) == len(engine.runner.graphs.decode_graphs) > 0, enabled
-    engine.add_request("a", prompt, params)
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.collect("a").output_ids == ref
+    assert_plain_greedy(engine, target)
 
 
 def test_step_inputs_are_copied_without_waiting_for_queued_work() -> None:

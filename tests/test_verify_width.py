@@ -4,6 +4,7 @@ request's counts and the engine's, and the per-position counts it reads (stats.p
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -125,39 +126,64 @@ def test_costs_must_cover_every_candidate() -> None:
         VerifyWidth("auto", 16, costs({1: 1.0, 3: 1.0}))
 
 
-def test_runs_of_plain_steps_are_broken_by_probes_that_grow_apart() -> None:
-    """Plain steps move no acceptance count, so the policy drafts now and then to measure
-    again: after PROBE_AFTER plain steps, then after twice as many, up to PROBE_LIMIT."""
-    from reference_engine.runtime.verify_width import PROBE_AFTER, PROBE_LIMIT
+def counts(accepted: int, steps: int = 40) -> SpecCounters:
+    """A request (or engine) whose every step verified 15 draft tokens and accepted `accepted`."""
+    out = SpecCounters()
+    for _ in range(steps):
+        out.record(15, accepted, accepted + 1)
+    return out
 
-    chooser = VerifyWidth("auto", 16, costs({0: 1.0, 1: 2.5, 3: 3.0, 7: 4.0, 15: 6.0}))
-    low = SpecCounters()
-    for _ in range(40):
-        low.record(15, 0, 1)  # every first draft token rejected
-    picks = [chooser.choose([15] * 16, [low] * 16, low) for _ in range(300)]
+
+def probe_gaps(
+    chooser: VerifyWidth, counters: SpecCounters, steps: int, rows: int = 16
+) -> tuple[list[int], list[int]]:
+    """The plain steps between consecutive probes over `steps` choices, and the widths probed."""
+    picks = [chooser.choose([15] * rows, [counters] * rows, counters) for _ in range(steps)]
     drafted = [i for i, w in enumerate(picks) if w > 0]
-    gaps = [b - a - 1 for a, b in zip([-1, *drafted], drafted)]
-    expected = [min(PROBE_AFTER * 2**k, PROBE_LIMIT) for k in range(len(gaps))]
-    assert gaps == expected and gaps[-1] == PROBE_LIMIT
-    assert all(picks[i] == 1 for i in drafted)  # the best width above 0 on these costs
-    # a step that drafts on its own merit starts the runs afresh
-    high = SpecCounters()
-    for _ in range(40):
-        high.record(15, 15, 16)
+    return [b - a - 1 for a, b in zip([-1, *drafted], drafted)], [picks[i] for i in drafted]
+
+
+def test_probes_take_a_bounded_share_of_a_plain_run() -> None:
+    """Plain steps move no acceptance count, so a run of them is broken by a probe at the best
+    width above 0 once the run's plain steps have cost 1 / PROBE_SHARE times the probe's
+    expected loss (its cost less what plain steps take for its expected tokens): never before
+    PROBE_AFTER plain steps, never after PROBE_LIMIT."""
+    from reference_engine.runtime.verify_width import PROBE_AFTER, PROBE_LIMIT, PROBE_SHARE
+
+    table = {0: 1.0, 1: 2.5, 3: 3.0, 7: 4.0, 15: 6.0}
+    # every first draft token rejected: a width-1 step commits about one token for 2.5 plain
+    # steps' time, so it loses about 1.5 plain steps and waits for 1.5 / PROBE_SHARE of them
+    chooser = VerifyWidth("auto", 16, costs(table))
+    low = counts(0)
+    gaps, widths = probe_gaps(chooser, low, 1000)
+    prior = engine_rates(low, 15)
+    rate = prefix_rates(low, prior)[0]  # the first draft token's estimated acceptance
+    loss = 2.5 - (1.0 + rate)  # in plain steps
+    run = max(PROBE_AFTER, min(PROBE_LIMIT, math.ceil(loss / PROBE_SHARE - 1e-9)))
+    assert 60 < run < PROBE_LIMIT and gaps == [run] * len(gaps) and len(gaps) == 1000 // (run + 1)
+    assert set(widths) == {1}  # the best width above 0 on these costs
+    # the probes' expected loss is PROBE_SHARE of the plain steps' time, give or take a step
+    assert abs(len(gaps) * loss - PROBE_SHARE * sum(gaps)) <= loss
+    # a drafted width that nearly wins loses little a probe: probed after PROBE_AFTER steps
+    near = VerifyWidth("auto", 16, costs({0: 1.0, 1: 2.05, 3: 3.0, 7: 4.5, 15: 8.5}))
+    assert probe_gaps(near, counts(1), 60)[0] == [PROBE_AFTER] * 12
+    # one far behind is probed after PROBE_LIMIT plain steps at the latest
+    far = VerifyWidth("auto", 16, costs({0: 1.0, 1: 40.0, 3: 50.0, 7: 60.0, 15: 80.0}))
+    assert probe_gaps(far, low, 3 * (PROBE_LIMIT + 1))[0] == [PROBE_LIMIT] * 3
+    # a step that drafts on its own merit starts the run afresh
+    high = counts(15)
     assert chooser.choose([15] * 16, [high] * 16, high) == 15
-    assert [chooser.choose([15] * 16, [low] * 16, low) for _ in range(PROBE_AFTER + 1)][-1] > 0
+    assert probe_gaps(chooser, low, run + 1)[0] == [run]
 
 
 def test_a_table_without_a_plain_step_never_takes_one_and_reset_forgets_the_run() -> None:
     table = costs({1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0})  # made for an engine without plain steps
     assert VerifyWidth("auto", 16, table).candidates == (1, 3, 7, 15)
     chooser = VerifyWidth("auto", 16, costs({0: 1.0, 1: 2.5, 3: 3.0, 7: 4.0, 15: 6.0}))
-    low = SpecCounters()
-    for _ in range(40):
-        low.record(15, 0, 1)
-    first = [chooser.choose([15] * 16, [low] * 16, low) for _ in range(40)]
+    low = counts(0)
+    first = [chooser.choose([15] * 16, [low] * 16, low) for _ in range(200)]
     chooser.reset()
-    assert [chooser.choose([15] * 16, [low] * 16, low) for _ in range(40)] == first
+    assert [chooser.choose([15] * 16, [low] * 16, low) for _ in range(200)] == first and any(first)
 
 
 @pytest.mark.parametrize("vocab", [7, 64, 128256, 151936, 248320])

@@ -171,7 +171,7 @@ class ModelRunner:
         block: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        valid: torch.Tensor,
+        valid: torch.Tensor | None,  # real tokens a row; None: every token of every row
         kv_len: int,
         record: bool = True,
     ) -> Verified:

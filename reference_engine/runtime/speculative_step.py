@@ -494,7 +494,10 @@ class SpeculativeStep:
         # steps run on the CPU only, where no captured commit reads one)
         if record and self.target.config.is_hybrid and needs_snapshot(self.commit_strategy):
             self.state.save_rows(rows.slot_ids)
-        return self.runner.verify(block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, record)
+        # a block of the anchor alone is real in every row: an eager forward then takes
+        # decode's path (no row held back, the conv state moved on by a slice, not a gather)
+        valid = None if block.shape[1] == 1 and not self.runner.captured else rows.n_t + 1
+        return self.runner.verify(block, rows.positions, rows.slots, valid, rows.kv_len, record)
 
     # ------------------------------------------------------------------ accept
     def accept(

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -65,8 +66,9 @@ from .stats import SpecCounters
 VERIFY_WIDTHS = ("auto", "fixed")
 REQUEST_WEIGHT = 4.0  # pseudo-steps of the engine's rate in a request's estimate
 ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engine's
-PROBE_AFTER = 4  # plain steps in a row before a speculative step measures acceptance again
-PROBE_LIMIT = 64  # the longest run of plain steps between two such probes
+PROBE_AFTER = 4  # the fewest plain steps in a row before a speculative step measures acceptance again
+PROBE_SHARE = 0.02  # of the plain run's time, what a probe's expected loss may take
+PROBE_LIMIT = 256  # the longest run of plain steps between two such probes
 
 
 TIMING_STRIDE = 2_654_435_761  # a prime (Knuth's multiplicative hash): consecutive ids land far apart
@@ -110,9 +112,14 @@ class StepCosts:
 
     def of(self, rows: int, width: int) -> float:
         """The cost at the smallest measured row count >= rows (the largest past them all)."""
-        counts = sorted({r for r, _ in self.seconds})
+        counts = self.row_counts
         bucket = next((r for r in counts if r >= rows), counts[-1])
         return self.seconds[bucket, width]
+
+    @cached_property
+    def row_counts(self) -> list[int]:
+        """The measured row counts, ascending (once: `of` runs for every candidate a step)."""
+        return sorted({r for r, _ in self.seconds})
 
     def as_dict(self) -> dict[str, float]:
         return {f"{r}x{w}": s for (r, w), s in sorted(self.seconds.items())}
@@ -150,16 +157,15 @@ def prefix_rates(counters: SpecCounters, prior: Sequence[float]) -> list[float]:
     return out
 
 
-def choose_width(
-    rates: Sequence[Sequence[float]], limits: Sequence[int], costs: StepCosts, candidates: Sequence[int]
-) -> int:
-    """The candidate W with the most expected committed tokens per second over the rows (row i:
-    prefix acceptance `rates[i]`, at most `limits[i]` draft tokens); the wider on a tie.
-
-    Row i is expected to commit 1 + sum(rates[i][:min(W, limits[i])]) tokens; the sums are
-    running sums, taken once per row for every candidate."""
+def expected_tokens(
+    rates: Sequence[Sequence[float]], limits: Sequence[int], candidates: Sequence[int]
+) -> dict[int, float]:
+    """Expected committed tokens of a step over the rows at each candidate W (row i: prefix
+    acceptance `rates[i]`, at most `limits[i]` draft tokens): row i commits
+    1 + sum(rates[i][:min(W, limits[i])]); the sums are running sums, taken once per row for
+    every candidate."""
     widths = sorted(candidates, reverse=True)
-    tokens = dict.fromkeys(widths, 0)
+    tokens = dict.fromkeys(widths, 0.0)
     for r, n in zip(rates, limits):
         sums, total = [0], 0
         for x in r[: min(widths[0], n)]:
@@ -168,12 +174,32 @@ def choose_width(
         last = len(sums) - 1
         for width in widths:
             tokens[width] += 1.0 + sums[min(width, last)]
-    best, best_value = widths[0], -1.0
-    for width in widths:
-        value = tokens[width] / costs.of(len(rates), width)
+    return tokens
+
+
+def best_width(tokens: dict[int, float], rows: int, costs: StepCosts) -> int:
+    """The W of `tokens` (expected_tokens) with the most per second; the wider on a tie."""
+    best, best_value = 0, -1.0
+    for width in sorted(tokens, reverse=True):
+        value = tokens[width] / costs.of(rows, width)
         if value > best_value:
             best, best_value = width, value
     return best
+
+
+def choose_width(
+    rates: Sequence[Sequence[float]], limits: Sequence[int], costs: StepCosts, candidates: Sequence[int]
+) -> int:
+    """The candidate W with the most expected committed tokens per second over the rows
+    (expected_tokens); the wider on a tie."""
+    return best_width(expected_tokens(rates, limits, candidates), len(rates), costs)
+
+
+def probe_loss(tokens: dict[int, float], rows: int, costs: StepCosts, width: int) -> float:
+    """Seconds a step at `width` is expected to lose against plain steps (W = 0): its cost
+    less the time plain steps take to commit its expected tokens (`tokens`: expected_tokens)."""
+    plain = costs.of(rows, 0) / tokens[0]  # seconds a token of a plain step
+    return costs.of(rows, width) - tokens[width] * plain
 
 
 class VerifyWidth:
@@ -181,12 +207,16 @@ class VerifyWidth:
 
     Plain steps verify nothing, so the estimates they were chosen on never move by
     themselves: an unlucky start (the first blocks of a continuation accept least) would keep
-    a request plain for good. So after PROBE_AFTER plain steps in a row the next step drafts
-    at the best width above 0 to measure acceptance again; while plain steps keep winning,
-    the run before the next probe doubles, up to PROBE_LIMIT (once settled, one step in 65
-    drafts; at the start one in 5), and it starts again from PROBE_AFTER when a step drafts on
-    its own merit. A cost table with no entry for W = 0 (made for an engine without plain
-    steps) never takes one."""
+    a request plain for good. So a run of plain steps is broken by a probe, a step that
+    drafts at the best width above 0 to measure acceptance again. A probe is expected to
+    lose time: its cost less what plain steps would take for the tokens it is expected to
+    commit (`probe_loss`). It comes once the run's plain steps have cost 1 / PROBE_SHARE
+    times that loss (so probes take about PROBE_SHARE of a plain run's time), after at
+    least PROBE_AFTER plain steps and at most PROBE_LIMIT. A drafted width that nearly wins
+    is probed often (it loses little, and its acceptance may tip it), one far behind rarely
+    (at 16 rows on a 2-core CPU a drafted step costs 3-6 plain steps and commits 2-3 tokens
+    a row). A step that drafts on its own merit starts the run afresh. A cost table with
+    no entry for W = 0 (made for an engine without plain steps) never takes one."""
 
     def __init__(
         self, policy: str, block_size: int, costs: StepCosts | None = None, plain_step: bool = True
@@ -203,21 +233,49 @@ class VerifyWidth:
 
     def reset(self) -> None:
         """Forget the run of plain steps (a fresh engine's state)."""
-        self.plain_run, self.probe_after = 0, PROBE_AFTER
+        self.plain_run, self.plain_seconds = 0, 0.0
+        self.memo: tuple | None = None  # (key, counters, expected tokens) of the last choice
+
+    def expected(
+        self, limits: Sequence[int], counters: Sequence[SpecCounters], totals: SpecCounters
+    ) -> dict[int, float]:
+        """expected_tokens for these rows, or the last step's when nothing it was computed
+        from has moved: the same counters (every count moves a step count) and limits. A run
+        of plain steps moves no count, so it computes them once."""
+        key = (totals.steps, tuple(limits), tuple(c.steps for c in counters))
+        memo = self.memo
+        if (
+            memo is not None
+            and memo[0] == key
+            and memo[1][0] is totals
+            and all(a is b for a, b in zip(memo[1][1:], counters))
+        ):
+            return memo[2]
+        prior = engine_rates(totals, self.block_size - 1)
+        rates = [prefix_rates(c, prior) for c in counters]
+        tokens = expected_tokens(rates, limits, self.candidates)
+        self.memo = (key, (totals, *counters), tokens)
+        return tokens
 
     def choose(self, limits: Sequence[int], counters: Sequence[SpecCounters], totals: SpecCounters) -> int:
         """This step's verify width for rows that may still produce `limits` draft tokens, with
         their own and the engine's acceptance counts."""
         if len(self.candidates) == 1:
             return self.candidates[0]
-        prior = engine_rates(totals, self.block_size - 1)
-        rates = [prefix_rates(c, prior) for c in counters]
-        width = choose_width(rates, limits, self.costs, self.candidates)
+        tokens = self.expected(limits, counters, totals)
+        rows = len(limits)
+        width = best_width(tokens, rows, self.costs)
         if width > 0:
-            self.plain_run, self.probe_after = 0, PROBE_AFTER
+            self.plain_run, self.plain_seconds = 0, 0.0
             return width
+        drafted = {w: t for w, t in tokens.items() if w > 0}
+        probe = best_width(drafted, rows, self.costs)
+        if self.plain_run >= PROBE_AFTER and (
+            self.plain_run >= PROBE_LIMIT
+            or PROBE_SHARE * self.plain_seconds >= probe_loss(tokens, rows, self.costs, probe)
+        ):
+            self.plain_run, self.plain_seconds = 0, 0.0
+            return probe
         self.plain_run += 1
-        if self.plain_run <= self.probe_after:
-            return 0
-        self.plain_run, self.probe_after = 0, min(2 * self.probe_after, PROBE_LIMIT)
-        return choose_width(rates, limits, self.costs, [w for w in self.candidates if w > 0])
+        self.plain_seconds += self.costs.of(rows, 0)
+        return 0

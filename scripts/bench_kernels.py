@@ -2,12 +2,19 @@
 counterpart on real model shapes, medians of CUDA-event timings (triton.testing.do_bench),
 plus the device's copy bandwidth as the memory ceiling.
 
-    python scripts/bench_kernels.py [--out FILE.csv] [--sweep] [--moe-sweep] [--long-attention]
+    python scripts/bench_kernels.py [--out FILE.csv] [--sweep] [--moe-sweep] [--delta-sweep]
+        [--long-attention]
 
 --moe-sweep times the mixture-of-experts products (kernels/moe.py) of the Qwen3-30B-A3B and
 Qwen3.5-35B-A3B shapes for 1 to 256 tokens under each candidate tile pair, replayed from a
 CUDA graph (the engine runs them so), against the time to stream the distinct experts' bytes
 at the copy bandwidth, and checks that every pair gives the bits of the engine's.
+
+--delta-sweep times the gated delta recurrence (kernels/gated_delta.py) of the Qwen3.5 shapes
+(32 value heads of 128 x 128) under each layout (value columns a program, warps, inputs
+loaded a token ahead) for decode steps, verify blocks keeping the per_token checkpoints, and
+prefill chunks, replayed from CUDA graphs, and checks each layout's block against its
+one-token steps bit for bit (the invariance the engine needs of the layout it runs).
 """
 
 from __future__ import annotations
@@ -233,6 +240,63 @@ def long_attention(bw: float) -> None:
         del kc, vc
 
 
+def delta_sweep() -> None:
+    from reference_engine.kernels.gated_delta import DELTA_TILES, DeltaTiles
+
+    H, D = 32, 128
+    layouts = [DELTA_TILES] + [
+        DeltaTiles(bv, w, f)
+        for bv in (16, 32, 64)
+        for w in (1, 2, 4, 8)
+        for f in (False, True)
+        if DeltaTiles(bv, w, f) != DELTA_TILES
+    ]
+    cases = ((1, 1), (16, 1), (64, 1), (1, 8), (16, 8), (64, 8), (16, 16), (1, 128), (1, 1024))
+    print("gated delta: us per layout (block_v, warps, prefetch), engine's first")
+    print("layouts:", " ".join(f"{t.block_v}/{t.warps}/{int(t.prefetch)}" for t in layouts))
+    slot_state = torch.randn(64, H, D, D, device="cuda") * 0.1
+    for batch, T in cases:
+        torch.manual_seed(batch * 1000 + T)
+
+        def r(*shape):
+            return torch.randn(*shape, device="cuda")
+
+        q = torch.nn.functional.normalize(r(batch, T, H, D), dim=-1)
+        k = torch.nn.functional.normalize(r(batch, T, H, D), dim=-1)
+        v, g, beta = r(batch, T, H, D), -r(batch, T, H).abs() * 0.1, torch.sigmoid(r(batch, T, H))
+        slots = torch.arange(batch, device="cuda")
+        every = 8
+        states = torch.empty(batch, -(-T // every), H, D, D, device="cuda") if 1 < T <= 16 else None
+        times = []
+        for tiles in layouts:
+            work = slot_state.clone()
+            times.append(graph_us(gated_delta, q, k, v, g, beta, work, None, states, slots, every, tiles))
+        best = min(range(len(times)), key=times.__getitem__)
+        t = layouts[best]
+        print(
+            f"batch={batch:<3} T={T:<5} engine {times[0]:7.1f} best {times[best]:7.1f} "
+            f"({t.block_v}/{t.warps}/{int(t.prefetch)}) | " + " ".join(f"{x:.1f}" for x in times),
+            flush=True,
+        )
+    # each layout's block against its own one-token steps, bit for bit
+    batch, T = 4, 8
+    q = torch.nn.functional.normalize(torch.randn(batch, T, H, D, device="cuda"), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(batch, T, H, D, device="cuda"), dim=-1)
+    v, g = torch.randn(batch, T, H, D, device="cuda"), -torch.rand(batch, T, H, device="cuda") * 0.1
+    beta, state = torch.rand(batch, T, H, device="cuda"), torch.randn(batch, H, D, D, device="cuda") * 0.1
+    engine = gated_delta(q, k, v, g, beta, state)
+    for tiles in layouts:
+        out, final = gated_delta(q, k, v, g, beta, state, tiles=tiles)
+        step = state
+        same = True
+        for t in range(T):
+            o, step = gated_delta(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), step, tiles=tiles)
+            same &= torch.equal(o[:, 0], out[:, t])
+        same &= torch.equal(step, final)
+        engine_bits = torch.equal(out, engine[0]) and torch.equal(final, engine[1])
+        print(f"layout {tiles}: block == its steps: {same}; the engine layout's bits: {engine_bits}")
+
+
 def graph_us(fn, *args, **kwargs) -> float:
     """Median microseconds of fn(*args) replayed from a CUDA graph."""
     return 1000 * triton.testing.do_bench_cudagraph(lambda: fn(*args, **kwargs))
@@ -247,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also time matmul tile configurations (and whether row bits agree)",
     )
     p.add_argument("--moe-sweep", action="store_true", help="time the MoE products' tile pairs")
+    p.add_argument("--delta-sweep", action="store_true", help="time the gated delta recurrence's layouts")
     p.add_argument(
         "--long-attention", action="store_true", help="time attention over 8K-32K caches and 8K-32K prefills"
     )
@@ -278,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe_sweep:
         moe_sweep(bw)
         moe_projection_sweep()
+    if args.delta_sweep:
+        delta_sweep()
     if args.long_attention:
         long_attention(bw)
     x, w = (

@@ -1,10 +1,13 @@
 """Where a step's GPU time goes, kernel by kernel: the draft forward, the verify forward (with
 its argmax) and a plain decode step of a random target of a real shape, run eagerly (so the
 profiler sees every kernel) at given rows x verify widths, exact numerics. Prints the GPU
-milliseconds of each part per call and its eight most costly kernels.
+milliseconds of each part per call and its twelve most costly kernels.
 
     python scripts/profile_step.py --random-shape qwen3-8b --cases 4x7,4x15,16x3
     python scripts/profile_step.py --random-shape qwen3.5-4b --commit-strategy per_token --cases 16x7
+    python scripts/profile_step.py --random-shape qwen3.5-35b-a3b --prefill 128
+
+`--prefill N` also profiles the prefill of one N-token prompt (with the draft's context from it).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def profiled(fn, label: str) -> None:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events) / CALLS / 1000
     print(f"== {label}: {total:.3f} ms GPU per call", flush=True)
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]:
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
         print(f"   {e.self_device_time_total / CALLS / 1000:7.3f} ms {e.count // CALLS:5d}x  {e.key[:100]}")
 
 
@@ -67,22 +70,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--random-shape", required=True, choices=sorted(TARGET_SHAPES))
     p.add_argument("--commit-strategy", default="replay")
-    p.add_argument("--cases", required=True, help="rows x verify width, e.g. 4x7,16x3")
+    p.add_argument("--cases", default="", help="rows x verify width, e.g. 4x7,16x3")
+    p.add_argument("--prefill", type=int, default=0, help="also profile a prefill of this many tokens")
     args = p.parse_args()
+    if not args.cases and args.prefill <= 0:
+        raise SystemExit("give --cases, --prefill N (N >= 1), or both")
     if not torch.cuda.is_available():
         sys.exit("profile_step.py: needs a CUDA device")
-    cases = parse_cases(args.cases)
+    cases = parse_cases(args.cases) if args.cases else []
     target, draft = random_pair(args.random_shape, "cuda")
     config = EngineConfig(
-        max_num_seqs=max(rows for rows, _ in cases),
+        max_num_seqs=max([rows for rows, _ in cases] + [1]),
         block_size=BLOCK,
         commit_strategy=args.commit_strategy,
-        max_model_len=512,
+        max_model_len=max(512, args.prefill + 2 * BLOCK),
         numerics="exact",
         enforce_eager=True,
         verify_width="fixed",
     )
     runner = Engine(target, draft, config).runner
+    if args.prefill > 0:
+        ids = timing_ids(1, args.prefill, target.config.vocab_size)[0].tolist()
+        label = f"{args.random_shape} prefill {args.prefill}"
+        profiled(lambda: runner.prefill(ids, 0, 0, speculative=True), label)
     for rows, width in cases:
         label = f"{args.random_shape} {args.commit_strategy}"
         profile_case(runner, label, target.config.vocab_size, rows, width)

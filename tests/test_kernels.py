@@ -28,6 +28,7 @@ from reference_engine.kernels import reference as ref  # noqa: E402
 from reference_engine.kernels.argmax import greedy  # noqa: E402
 from reference_engine.kernels.attention import attention  # noqa: E402
 from reference_engine.kernels.gated_delta import (  # noqa: E402
+    DeltaTiles,
     causal_conv_step,
     gated_delta,
     gated_delta_inputs,
@@ -495,6 +496,27 @@ def test_checkpoints_every_few_tokens_and_a_resume_from_them_reach_every_state_b
         reference = torch.full_like(slot_states, float("nan"))
         ref.gated_delta_resume(q, k, v, g, beta, *where, reference, slots)
         assert_close(reference[slots], want, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "tiles", [DeltaTiles(32, 4, False), DeltaTiles(32, 4, True), DeltaTiles(16, 2, True)]
+)
+def test_a_block_and_its_tokens_one_at_a_time_reach_the_same_bits_under_each_layout(tiles) -> None:
+    """Decode, verify and prefill run one layout: under it, a block of T tokens gives each
+    token's output and the state after it with the bits of T one-token steps. The inputs
+    loaded a token ahead (`prefetch`) change no bit of the layout without."""
+    batch, T, heads, dk, dv = 2, 5, 2, 16, 40
+    q, k, v, g, beta, state = delta_inputs(batch, T, heads, dk, dv)
+    states = torch.zeros(batch, T, heads, dk, dv, device=DEVICE)
+    out, final = gated_delta(q, k, v, g, beta, state, None, states, tiles=tiles)
+    step_state = state.clone()
+    for t in range(T):
+        one = [x[:, t : t + 1] for x in (q, k, v, g, beta)]
+        step_out, step_state = gated_delta(*one, step_state, tiles=tiles)
+        assert torch.equal(step_out[:, 0], out[:, t]) and torch.equal(step_state, states[:, t]), t
+    assert torch.equal(step_state, final)
+    plain = gated_delta(q, k, v, g, beta, state, None, tiles=tiles._replace(prefetch=not tiles.prefetch))
+    assert torch.equal(plain[0], out) and torch.equal(plain[1], final)
 
 
 def test_gated_delta_inputs_write_into_the_buffers_given() -> None:

@@ -111,9 +111,10 @@ KERNELS = {
         | {"init_rows_ptr": "i64"},
         {},
         [
-            {"HAS_SLOTS": h, "RESUME": r, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32}
+            {"HAS_SLOTS": h, "RESUME": r, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "PREFETCH": f}
             for h in (True, False)
             for r in (False, True)
+            for f in (False, True)
         ],
     ),
     "gated_delta._inputs_kernel": (

@@ -19,13 +19,27 @@ The conv sums its `kernel` taps in a fixed order in float32 per output element.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .launch import LAUNCH
 
-BLOCK_V = 32
+
+class DeltaTiles(NamedTuple):
+    """How the recurrence is laid out: value columns a program, warps, and whether the next
+    token's inputs load ahead. The value columns and warps decide how a state tile spreads over
+    the threads, so they may move a sum's bits: one choice serves every T (decode, verify,
+    prefill), which keeps those the same bits. PREFETCH changes no bits."""
+
+    block_v: int
+    warps: int
+    prefetch: bool
+
+
+DELTA_TILES = DeltaTiles(32, 4, False)
 
 
 @triton.jit(do_not_specialize=["T", "T_rows", "store_states", "every", "kept"])
@@ -59,6 +73,7 @@ def _gated_delta_kernel(
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -83,15 +98,31 @@ def _gated_delta_kernel(
         S = tl.load(state_ptr + head_state + tile, mask=tile_ok, other=0.0)
     S = S.to(tl.float32)
     valid = tl.load(valid_ptr + b)
+    # token (b, first + t) of head h; a resumed row's tokens past its count are read (from its
+    # own row: the index stops at its last) but change nothing. With PREFETCH the next
+    # token's inputs are loaded before this token's arithmetic, so their latency overlaps it
+    # (the arithmetic is the same either way)
+    tok = (b * T_rows + tl.minimum(first, T_rows - 1)).to(tl.int64) * H + h
+    q = tl.load(q_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + tok * DV + vs, mask=v_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + tok).to(tl.float32)
+    beta = tl.load(beta_ptr + tok).to(tl.float32)
     for t in range(0, T):
-        # token (b, first + t) of head h; a resumed row's tokens past its count are read (from
-        # its own row: the index stops at its last) but change nothing
-        tok = (b * T_rows + tl.minimum(first + t, T_rows - 1)).to(tl.int64) * H + h
-        q = tl.load(q_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + tok * DV + vs, mask=v_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + tok).to(tl.float32)
-        beta = tl.load(beta_ptr + tok).to(tl.float32)
+        if not PREFETCH:
+            tok = (b * T_rows + tl.minimum(first + t, T_rows - 1)).to(tl.int64) * H + h
+            q = tl.load(q_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + tok * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + tok * DV + vs, mask=v_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + tok).to(tl.float32)
+            beta = tl.load(beta_ptr + tok).to(tl.float32)
+        else:
+            nxt = (b * T_rows + tl.minimum(first + t + 1, T_rows - 1)).to(tl.int64) * H + h
+            q_next = tl.load(q_ptr + nxt * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
+            k_next = tl.load(k_ptr + nxt * DK + ks, mask=k_ok, other=0.0).to(tl.float32)
+            v_next = tl.load(v_ptr + nxt * DV + vs, mask=v_ok, other=0.0).to(tl.float32)
+            g_next = tl.load(g_ptr + nxt).to(tl.float32)
+            beta_next = tl.load(beta_ptr + nxt).to(tl.float32)
         decayed = S * tl.exp(g)
         kv_mem = tl.sum(decayed * k[:, None], axis=0)
         delta = (v - kv_mem) * beta
@@ -104,6 +135,8 @@ def _gated_delta_kernel(
             if t % every == 0:
                 at = ((b * kept + t // every).to(tl.int64) * H + h) * DK * DV
                 tl.store(states_ptr + at + tile, S, mask=tile_ok)
+        if PREFETCH:
+            tok, q, k, v, g, beta = nxt, q_next, k_next, v_next, g_next, beta_next
     tl.store(final_ptr + head_state + tile, S, mask=tile_ok)
 
 
@@ -118,6 +151,7 @@ def gated_delta(
     states_out: torch.Tensor | None = None,  # [batch, ceil(T / every), v_heads, k_dim, v_dim]
     slots: torch.Tensor | None = None,  # [batch]: `state` is every slot's, updated in place
     every: int = 1,
+    tiles: DeltaTiles | None = None,  # the engine's DELTA_TILES unless given (sweeps, tests)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as kernels.reference.gated_delta: (outputs [batch, T, v_heads, v_dim],
     final state, or None with `slots`). With `slots` the rows' states are read and written
@@ -149,7 +183,20 @@ def gated_delta(
     if batch == 0:
         return result
     _launch(
-        (q, k, v, g, beta), state, valid_len, out, final, states_out, slots, None, None, T, T, every, kept
+        (q, k, v, g, beta),
+        state,
+        valid_len,
+        out,
+        final,
+        states_out,
+        slots,
+        None,
+        None,
+        T,
+        T,
+        every,
+        kept,
+        tiles,
     )
     return result
 
@@ -196,14 +243,15 @@ def delta_input_buffers(
 
 
 def _launch(
-    inputs, state, valid_len, out, final, states_out, slots, first, init, T, T_rows, every, kept
+    inputs, state, valid_len, out, final, states_out, slots, first, init, T, T_rows, every, kept, tiles=None
 ) -> None:
     q, k, v, g, beta = inputs
     batch, _, H, DK = q.shape
     DV = v.shape[-1]
     resume = init is not None
     init_states, init_rows = init if resume else (state, valid_len)
-    _gated_delta_kernel[(batch, H, triton.cdiv(DV, BLOCK_V))](
+    tiles = tiles or DELTA_TILES
+    _gated_delta_kernel[(batch, H, triton.cdiv(DV, tiles.block_v))](
         q,
         k,
         v,
@@ -229,8 +277,9 @@ def _launch(
         DK=DK,
         DV=DV,
         BLOCK_K=max(16, triton.next_power_of_2(DK)),
-        BLOCK_V=BLOCK_V,
-        num_warps=4,
+        BLOCK_V=tiles.block_v,
+        PREFETCH=tiles.prefetch,
+        num_warps=tiles.warps,
         **LAUNCH,
     )
 

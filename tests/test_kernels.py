@@ -552,6 +552,20 @@ def test_causal_conv_step_equals_the_reference_and_moves_slot_states_on_in_place
     assert_close(got, want, dtype)
     assert torch.equal(got_states, want_states)  # the kept inputs are copied, not computed
     assert torch.equal(got_states[[1, 3, 5]], states[[1, 3, 5]])  # other slots untouched
+    # a verify's conv keeps its input for the commit, in a buffer longer than the block
+    full = torch.cat([states[slots], x.transpose(1, 2)], -1)
+    for impl in (causal_conv_step, ref.causal_conv_step):
+        record = torch.full((6, C, kernel - 1 + T + 2), -7.0, dtype=dtype, device=DEVICE)
+        kept = states.clone()
+        out = impl(x, kept, slots, weight, valid, record=record)
+        assert torch.equal(out, impl(x, states.clone(), slots, weight, valid))  # nothing else moves
+        assert torch.equal(kept, got_states)
+        assert torch.equal(record[slots, :, : kernel - 1 + T], full)
+        assert (record[slots, :, kernel - 1 + T :] == -7).all() and (record[[1, 3, 5]] == -7).all()
+    with pytest.raises(ValueError, match="record must be"):
+        causal_conv_step(
+            x, states.clone(), slots, weight, valid, record=torch.zeros(6, C, T, dtype=dtype, device=DEVICE)
+        )
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)

@@ -39,7 +39,12 @@ class DeltaTiles(NamedTuple):
     prefetch: bool
 
 
-DELTA_TILES = DeltaTiles(32, 4, False)
+# Chosen by scripts/bench_kernels.py --delta-sweep on the H200 (32 value heads of 128 x 128,
+# replayed from CUDA graphs; docs/results/h200-delta-layouts/delta-sweep.log), against the
+# layout before (32 columns, 4 warps, no loading ahead): a verify of 16 rows x 8 tokens with
+# its checkpoints 51.5 against 67.4 us, 16 x 16 84.7 against 121.8, a 1024-token prefill
+# chunk 612 against 1010, decode steps of 1, 16 and 64 rows within 4%.
+DELTA_TILES = DeltaTiles(32, 2, True)
 
 
 @triton.jit(do_not_specialize=["T", "T_rows", "store_states", "every", "kept"])
@@ -393,7 +398,7 @@ def gated_delta_inputs(
     return q, k, v, g, beta
 
 
-@triton.jit(do_not_specialize=["T", "s_xb", "s_xt", "s_ob", "s_ot"])
+@triton.jit(do_not_specialize=["T", "s_xb", "s_xt", "s_ob", "s_ot", "s_rs", "s_rc"])
 def _conv_step_kernel(
     x_ptr,
     state_ptr,
@@ -401,13 +406,17 @@ def _conv_step_kernel(
     valid_ptr,
     w_ptr,
     out_ptr,
+    record_ptr,
     C,
     T,
     s_xb,
     s_xt,
     s_ob,
     s_ot,
+    s_rs,
+    s_rc,
     KERNEL: tl.constexpr,
+    RECORD: tl.constexpr,  # record[slot, c, :W + T] = the old state then the inputs
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -422,6 +431,11 @@ def _conv_step_kernel(
     state = state_ptr + (slot * C + cs)[:, None] * W  # [BLOCK_C, 1] row starts
     x_row = x_ptr + b * s_xb + cs[:, None]
     out_ty = out_ptr.dtype.element_ty
+    if RECORD:  # a verify keeps its conv input for the commit: the old state, then x below
+        rec = record_ptr + slot * s_rs + cs[:, None] * s_rc
+        w_i = tl.arange(0, BLOCK_W)
+        old_ok = c_ok[:, None] & (w_i[None, :] < W)
+        tl.store(rec + w_i[None, :], tl.load(state + w_i[None, :], mask=old_ok, other=0.0), mask=old_ok)
     # the new state: full[valid + i] for i < W, full = old state (W inputs) then x (T inputs);
     # loaded before any store, then stored after every read of the old state
     for t0 in range(0, T, BLOCK_T):
@@ -436,6 +450,9 @@ def _conv_step_kernel(
             xv = tl.where(from_state, old, new).to(tl.float32)
             w = tl.load(w_ptr + cs * KERNEL + j, mask=c_ok, other=0.0).to(tl.float32)
             acc += w[:, None] * xv
+        if RECORD:
+            x_t = tl.load(x_row + ts[None, :] * s_xt, mask=ok, other=0.0)
+            tl.store(rec + W + ts[None, :], x_t, mask=ok)
         y = acc.to(out_ty).to(tl.float32)  # conv1d's output in the model dtype, then SiLU
         y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + b * s_ob + cs[:, None] + ts[None, :] * s_ot, y.to(out_ty), mask=ok)
@@ -455,15 +472,24 @@ def causal_conv_step(
     slots: torch.Tensor,
     weight: torch.Tensor,
     valid_len: torch.Tensor | None = None,
+    record: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.causal_conv_step, in one launch: the slot states
-    are read and written in place (no gather, no concatenation, no scatter). x may be a
+    are read and written in place (no gather, no concatenation, no scatter), and `record`
+    written in the same pass. x may be a
     column view of a fused projection (channels contiguous). Each output sums its `kernel`
     taps in order in float32, so a token's output is the same bits whichever runs it."""
     batch, T, C = x.shape
     kernel = weight.shape[-1]
     if x.stride(-1) != 1 or not conv_state.is_contiguous():
         raise ValueError("causal_conv_step: x's channels and the conv state must be contiguous")
+    if record is not None and (
+        record.dtype != x.dtype or record.shape[1] != C or record.shape[2] < kernel - 1 + T or record.stride(2) != 1
+    ):
+        raise ValueError(
+            f"causal_conv_step: record must be {x.dtype} [slots, {C}, >= {kernel - 1 + T}] with its last axis "
+            f"contiguous, got {record.dtype} {tuple(record.shape)}"
+        )
     # [batch, C, T] as the contract says, laid out token-major for the next kernel's reads
     out = torch.empty((batch, T, C), dtype=x.dtype, device=x.device).transpose(1, 2)
     if batch == 0 or T == 0:
@@ -478,13 +504,17 @@ def causal_conv_step(
         valid_len.contiguous(),
         weight.reshape(C, kernel).contiguous(),
         out,
+        record if record is not None else out,
         C,
         T,
         x.stride(0),
         x.stride(1),
         out.stride(0),
         out.stride(2),
+        record.stride(0) if record is not None else 0,
+        record.stride(1) if record is not None else 0,
         KERNEL=kernel,
+        RECORD=record is not None,
         BLOCK_C=block_c,
         BLOCK_T=16,
         BLOCK_W=triton.next_power_of_2(max(kernel - 1, 1)),

@@ -147,11 +147,15 @@ def causal_conv_step(
     slots: torch.Tensor,  # [batch]
     weight: torch.Tensor,  # [channels, 1, kernel]
     valid_len: torch.Tensor | None = None,  # [batch] real tokens per row, None: all T
+    record: torch.Tensor | None = None,  # [slots, channels, >= kernel-1+T]
 ) -> torch.Tensor:
     """`causal_conv` over each row's slot state followed by x, the slot state moved on in
     place to the last kernel-1 inputs up to the row's valid length. Returns [batch, channels,
-    T] (SiLU applied)."""
+    T] (SiLU applied). With `record`, record[slots[i], :, :kernel-1+T] is set to row i's
+    conv input (its old slot state, then x): what a verify keeps for the commit."""
     full = torch.cat([conv_state.index_select(0, slots), x.transpose(1, 2)], -1)
+    if record is not None:
+        record[slots, :, : full.shape[-1]] = full
     conv_state.index_copy_(0, slots, conv_state_after(full, weight.shape[-1], valid_len))
     return causal_conv(full, weight)
 

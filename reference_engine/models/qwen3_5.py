@@ -51,12 +51,11 @@ class GatedDeltaNet(nn.Module):
         # Depthwise causal conv1d + SiLU, continuing from the slot's conv state (the last
         # kernel-1 inputs; zeros for a fresh slot, which equals left zero-padding).
         projected, z, b, a = run_linears(self._inputs(), self.fused, x, ops)
-        full = None
-        if ctx.record is not None:  # the conv state followed by the inputs, for the commit
-            full = torch.cat([state.conv[layer].index_select(0, ctx.slots), projected.transpose(1, 2)], -1)
-        # the conv state of each row's slot read and moved on in place
+        # the conv state of each row's slot read and moved on in place; a verify's conv also
+        # keeps its input (the old state followed by the block's inputs) for the commit
+        record = state.verify_conv_of(layer) if ctx.record is not None else None
         mixed = ops.causal_conv_step(
-            projected, state.conv[layer], ctx.slots, self.conv1d.weight, ctx.valid_len
+            projected, state.conv[layer], ctx.slots, self.conv1d.weight, ctx.valid_len, record=record
         )
 
         per_token = ctx.record == "per_token"
@@ -68,7 +67,7 @@ class GatedDeltaNet(nn.Module):
 
         states_out = None
         if ctx.record is not None:
-            state.record_verify_inputs(layer, ctx.slots, full, q, k, v, g, beta)
+            state.record_verify_inputs(layer, ctx.slots, q, k, v, g, beta)
             if per_token:
                 states_out = state.verify_states_of(layer, batch, T)
         recurrent = state.recurrent[layer]

@@ -148,21 +148,25 @@ class TargetState:
                 self.verify_g = alloc("linear", (num_slots, T, hv), state_dtype)
                 self.verify_beta = alloc("linear", (num_slots, T, hv), state_dtype)
 
+    def verify_conv_of(self, layer: int) -> torch.Tensor:
+        """Where a verify keeps each slot's conv input (the conv state followed by the block's
+        inputs) for the commit: [slots, conv_dim, kernel-1+B], written by the conv itself."""
+        if self.verify_conv[layer] is None:
+            raise RuntimeError("verify recording needs a state built with a commit strategy")
+        return self.verify_conv[layer]
+
     def record_verify_inputs(
         self,
         layer: int,
         slots: torch.Tensor,  # [batch]
-        full: torch.Tensor,  # [batch, conv_dim, kernel-1+T] conv state followed by inputs
         q: torch.Tensor,  # [batch, T, v_heads, k_dim]
         k: torch.Tensor,  # [batch, T, v_heads, k_dim]
         v: torch.Tensor,  # [batch, T, v_heads, v_dim]
         g: torch.Tensor,  # [batch, T, v_heads]
         beta: torch.Tensor,  # [batch, T, v_heads]
     ) -> None:
-        """Keep a verify pass's Gated DeltaNet inputs (those the strategy needs)."""
-        if self.verify_conv[layer] is None:
-            raise RuntimeError("verify recording needs a state built with a commit strategy")
-        self.verify_conv[layer][slots, :, : full.shape[-1]] = full
+        """Keep a verify pass's recurrence inputs where the strategy needs them elsewhere
+        (`recompute`; `per_token` has them written in place, verify_inputs_of)."""
         if self.verify_q[layer] is not None:
             T = q.shape[1]
             self.verify_q[layer][slots, :T] = q

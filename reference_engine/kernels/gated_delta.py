@@ -484,11 +484,14 @@ def causal_conv_step(
     if x.stride(-1) != 1 or not conv_state.is_contiguous():
         raise ValueError("causal_conv_step: x's channels and the conv state must be contiguous")
     if record is not None and (
-        record.dtype != x.dtype or record.shape[1] != C or record.shape[2] < kernel - 1 + T or record.stride(2) != 1
+        record.dtype != x.dtype
+        or record.shape[1] != C
+        or record.shape[2] < kernel - 1 + T
+        or record.stride(2) != 1
     ):
         raise ValueError(
-            f"causal_conv_step: record must be {x.dtype} [slots, {C}, >= {kernel - 1 + T}] with its last axis "
-            f"contiguous, got {record.dtype} {tuple(record.shape)}"
+            f"causal_conv_step: record must be {x.dtype} [slots, {C}, >= {kernel - 1 + T}] with its "
+            f"last axis contiguous, got {record.dtype} {tuple(record.shape)}"
         )
     # [batch, C, T] as the contract says, laid out token-major for the next kernel's reads
     out = torch.empty((batch, T, C), dtype=x.dtype, device=x.device).transpose(1, 2)

@@ -27,6 +27,9 @@ BENCH_DEVICE ?= $(shell $(PYTHON) -c "import torch; print('cuda' if torch.cuda.i
 # cores and operators whose threads wait on each other for a busy core run several times
 # slower (docs/harness.md, "make bench on the CPU and on the H200"); empty: torch's default
 BENCH_THREADS ?= $(if $(filter cpu,$(BENCH_DEVICE)),1,)
+# side B's verify-width costs: on the CPU timed from whole eager steps at start-up (plain
+# steps among the choices, docs/engine.md "Verify width"); CUDA graphs time their own
+BENCH_STEP_COSTS ?= $(if $(filter cpu,$(BENCH_DEVICE)),--measure-step-costs,)
 
 # make profile: where each step's time goes, plain vs DFlash, under Nsight Systems
 # (scripts/profile.sh); NSYS=none uses the built-in phase timer instead. PROFILE_ARGS is the
@@ -86,7 +89,7 @@ bench:
 	@test -f "$(BENCH_DRAFT_DIR)/config.json" || { echo "make bench: BENCH_DRAFT=$(BENCH_DRAFT): no config.json in $(BENCH_DRAFT_DIR) (expected dflash, dflash2 or a draft folder for the demo target)" >&2; exit 2; }
 	$(PYTHON) -m harness ab \
 		--a-cmd "$(BENCH_SERVE) --port {port}" \
-		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(BENCH_DRAFT_DIR) --block-size $(BENCH_BLOCK) $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
+		--b-cmd "$(BENCH_SERVE) --dflash-draft-model-path $(BENCH_DRAFT_DIR) --block-size $(BENCH_BLOCK) $(BENCH_STEP_COSTS) $(if $(BENCH_ACCEPTANCE),--oracle-acceptance $(BENCH_ACCEPTANCE)) --port {port}" \
 		--a-label plain --b-label $(if $(filter dflash2,$(BENCH_DRAFT)),dflash2,dflash) $(BENCH_ARGS) --out $(BENCH_OUT) \
 		--notes "$(BENCH_NOTES)$(if $(BENCH_ACCEPTANCE),; acceptance forced to $(BENCH_ACCEPTANCE) by the oracle proposer (output not checked in this mode),; real acceptance)"
 

@@ -40,3 +40,18 @@ def test_bench_draft_dir_is_side_bs_draft_and_a_missing_one_is_refused(tmp_path:
     run = make(f"BENCH_DRAFT={tmp_path}")
     assert run.returncode == 2
     assert run.stderr.startswith(f"make bench: BENCH_DRAFT={tmp_path}: no config.json in {tmp_path}")
+
+
+def test_side_b_times_its_verify_widths_on_the_cpu_only() -> None:
+    """On the CPU side B measures its step costs at start-up (plain steps among the verify
+    widths); BENCH_STEP_COSTS= runs the flat table; on CUDA the graphs time the widths."""
+
+    def sides(*args: str) -> tuple[str, str]:
+        plan = make("-n", *args).stdout
+        a, b = plan.split("--a-cmd", 1)[1].split("--b-cmd", 1)
+        return a, b.split("--a-label", 1)[0]
+
+    a, b = sides()
+    assert "--measure-step-costs" in b and "--measure-step-costs" not in a
+    assert "--measure-step-costs" not in sides("BENCH_STEP_COSTS=")[1]
+    assert "--measure-step-costs" not in sides("BENCH_DEVICE=cuda")[1]

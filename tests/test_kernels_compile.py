@@ -125,9 +125,9 @@ KERNELS = {
     ),
     "gated_delta._conv_step_kernel": (
         {"x_ptr": "bf16", "state_ptr": "bf16", "slots_ptr": "i64", "valid_ptr": "i64", "w_ptr": "bf16"}
-        | {"out_ptr": "bf16"},
+        | {"out_ptr": "bf16", "record_ptr": "bf16"},
         {},
-        [{"KERNEL": 4, "BLOCK_C": 64, "BLOCK_T": 16, "BLOCK_W": 32}],
+        [{"KERNEL": 4, "RECORD": r, "BLOCK_C": 64, "BLOCK_T": 16, "BLOCK_W": 32} for r in (False, True)],
     ),
     "argmax._chunk_max_kernel": (
         {"x_ptr": "bf16", "best_ptr": "fp32", "id_ptr": "i64"},

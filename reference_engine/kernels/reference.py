@@ -280,8 +280,6 @@ def gated_delta(
         state.index_copy_(0, slots, final)
         return out, None
     if q.shape[1] == 1:
-        if valid_len is not None and valid_len.device.type == "cpu" and bool((valid_len > 0).all()):
-            valid_len = None  # every row's one token is real (a plain step): no row to hold back
         return gated_delta_recurrent(q, k, v, g, beta, state, valid_len, states_out, every)
     if states_out is None or every == 1:
         return gated_delta_chunked(q, k, v, g, beta, state, valid_len, states_out)

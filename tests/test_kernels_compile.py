@@ -55,6 +55,11 @@ KERNELS = {
         {},
         [{"CENSUS": c, "CHUNK": 32, "BLOCK_E": 128} for c in (True, False)],
     ),
+    "moe._expert_group_kernel": (
+        {"ids_ptr": "i64", "order_ptr": "i32", "starts_ptr": "i32", "active_ptr": "i32", "census_ptr": "i64"},
+        {},
+        [{"CENSUS": c, "CHUNK": 1024} for c in (True, False)],
+    ),
     "moe._grouped_kernel": (
         {"a_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "order_ptr": "i32", "starts_ptr": "i32"}
         | {"active_ptr": "i32", "scale_ptr": "bf16"},

@@ -74,10 +74,12 @@ def test_an_exact_tie_between_experts_goes_to_the_lower_id() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (29, 6, 3), (6, 40, 4)])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (29, 6, 3), (6, 40, 4), (300, 16, 4)])
 def test_experts_equal_the_per_expert_loop(dtype: torch.dtype, tokens: int, experts: int, top_k: int) -> None:
-    """29 tokens x 3 of 6 experts: every expert gets more pairs than a 16-row tile; 40 experts:
-    more than the grouping program reads at a time, most without pairs."""
+    """29 tokens x 3 of 6 experts: every expert gets more pairs than a 16-row tile (grouped a
+    program per expert); 40 experts: more than the one grouping program reads at a time, most
+    without pairs; 300 x 4: more pairs than a per-expert program reads at a time, and the
+    products' widest tiles."""
     x = rand(tokens, HIDDEN, dtype=dtype, seed=3)
     weights, ids = ref.route_experts(rand(tokens, experts, dtype=dtype, seed=4), top_k, True)
     gate_up, down = stacks(experts, dtype)
@@ -85,6 +87,34 @@ def test_experts_equal_the_per_expert_loop(dtype: torch.dtype, tokens: int, expe
     want = ref.experts(x, weights, ids, gate_up, down)
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(3, 40, 4), (10, 40, 8), (29, 6, 3), (300, 16, 4)])
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_the_grouping_lists_each_experts_pairs_in_pair_order(
+    tokens: int, experts: int, top_k: int, per_expert: bool
+) -> None:
+    """Both grouping kernels, on fewer pairs than experts and on more (300 x 4: more than a
+    per-expert program reads at a time): the groups of a stable sort by expert, their
+    starts, the experts the product programs take (listed first, or each at its own row)
+    and the census, against plain PyTorch."""
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k].sort().values for _ in range(tokens)])
+    ids = ids.to(DEVICE)
+    census = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    order, starts, active, programs = moe.group_pairs(ids, experts, census, per_expert=per_expert)
+    flat = ids.flatten().cpu()
+    counts = torch.bincount(flat, minlength=experts)
+    assert order.cpu().tolist() == torch.sort(flat, stable=True).indices.tolist()
+    assert starts.cpu().tolist() == [0, *torch.cumsum(counts, 0).tolist()]
+    used = (counts > 0).nonzero().flatten().tolist()
+    if per_expert:
+        assert programs == experts
+        assert active.cpu().tolist() == [e if counts[e] else -1 for e in range(experts)]
+    else:
+        assert programs == tokens * top_k
+        assert active.cpu().tolist() == used + [-1] * (experts - len(used))
+    assert census.tolist() == [len(used), 1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,9 +7,16 @@ captured in a CUDA graph, with every token's bits independent of the other token
   number of tokens in a fixed layout, so a token's sums run in one order whatever the token count.
 - `experts`: the (token, slot) pairs grouped by expert, then two grouped matrix products over
   the groups and the per-token sum over slots:
-  1. `_group_kernel`, one program: each expert's pair count, the groups' starts and the pairs
-     in expert order (stable: a group keeps pair order). It also adds the number of distinct
-     experts to a census when one is given (the benchmark's floor counts them).
+  1. the grouping (`group_pairs`): each expert's pair count, the groups' starts, the pairs in
+     expert order (stable: a group keeps pair order) and the list of experts the products'
+     programs take. Fewer pairs than experts (a decode or a short verify): `_group_kernel`,
+     one program, which lists the experts with pairs first, so only as many product programs
+     as experts with pairs work. As many or more (a prefill, a wide verify): `_expert_group_kernel`,
+     a program per expert, each reading every pair id for its own group's start, size and
+     places (one program reading 1024 pairs took about 60 us on the H200, 40 times a prefill
+     of 128 tokens on Qwen3.5-35B-A3B); the product grid has a row per expert then anyway,
+     and row e takes expert e. Either adds the number of distinct experts to a census when one
+     is given (the benchmark's floor counts them).
   2. `_grouped_kernel` with SWIGLU: program (e, column tile) runs over expert e's pairs, 16
      rows at a time, the gate and up products of the same columns side by side, and writes
      silu(gate) * up in group order.
@@ -44,7 +51,8 @@ from .matmul import Tiles  # rows, columns, K per load, warps, stages (no accele
 # a decode step's one token computes one row, not a tile of 16: 2.7-3.3 us against 4.8-10.1 us
 # for 16 tokens and 4 warps on the H200 (docs/results/h200-moe/moe-sweep.log).
 ROUTE_LAYOUT = (1, 1)
-GROUP_CHUNK = 32  # pairs the grouping program reads at a time
+GROUP_CHUNK = 32  # pairs the one grouping program reads at a time
+EXPERT_GROUP_CHUNK = 1024  # pairs each program of the per-expert grouping reads at a time
 SUM_BLOCK = 1024
 
 
@@ -190,6 +198,46 @@ def _group_kernel(
 
 
 @triton.jit
+def _expert_group_kernel(
+    ids_ptr,
+    order_ptr,
+    starts_ptr,
+    active_ptr,
+    census_ptr,
+    P,
+    E,
+    CENSUS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # program e: its group starts after every pair of a lower expert, and a pair of e goes
+    # to that start plus the pairs of e before it (stable, as _group_kernel's)
+    e = tl.program_id(0)
+    below = 0
+    count = 0
+    for p0 in range(0, P, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < P, other=E).to(tl.int32)  # E: no expert's
+        below += tl.sum((ids < e).to(tl.int32), axis=0)
+        count += tl.sum((ids == e).to(tl.int32), axis=0)
+    tl.store(starts_ptr + e, below)
+    if e == 0:
+        tl.store(starts_ptr + E, P)
+    tl.store(active_ptr + e, tl.where(count > 0, e, -1))  # product row e takes expert e
+    filled = below
+    for p0 in range(0, P, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < P, other=E).to(tl.int32)
+        hit = (ids == e).to(tl.int32)
+        place = filled + tl.cumsum(hit, axis=0) - hit
+        tl.store(order_ptr + place, pairs, mask=hit > 0)
+        filled += tl.sum(hit, axis=0)
+    if CENSUS:  # integer adds: the same total in any order
+        tl.atomic_add(census_ptr, (count > 0).to(tl.int64))
+        if e == 0:
+            tl.atomic_add(census_ptr + 1, 1)
+
+
+@triton.jit
 def _grouped_kernel(
     a_ptr,
     w_ptr,
@@ -309,24 +357,8 @@ def experts(
     pairs = tokens * k
     x = x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
-    order = torch.empty(pairs, dtype=torch.int32, device=x.device)
-    starts = torch.empty(n_experts + 1, dtype=torch.int32, device=x.device)
-    active = torch.empty(n_experts, dtype=torch.int32, device=x.device)
-    _group_kernel[(1,)](
-        ids.contiguous(),
-        order,
-        starts,
-        active,
-        census if census is not None else starts,
-        pairs,
-        n_experts,
-        CENSUS=census is not None,
-        CHUNK=GROUP_CHUNK,
-        BLOCK_E=triton.next_power_of_2(n_experts),
-        **LAUNCH,
-    )
+    groups = group_pairs(ids, n_experts, census)
     swiglu, projection = tiles or expert_tiles(pairs, x.dtype)
-    groups = (order, starts, active, min(n_experts, pairs))  # at most that many experts have pairs
     weights = weights.contiguous()
     gated = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # in group order
     _product(x, gate_up, gated, groups, weights, k, True, swiglu)
@@ -343,6 +375,52 @@ def experts(
         **LAUNCH,
     )
     return out
+
+
+def group_pairs(
+    ids: torch.Tensor, n_experts: int, census: torch.Tensor | None = None, per_expert: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The (token, slot) pairs of `ids` [tokens, k] grouped by expert: (order [pairs] int32,
+    the pairs in expert order, a group in pair order; starts [experts + 1] int32, group e
+    is order[starts[e]:starts[e + 1]]; active [experts] int32, the expert a product program
+    takes, -1 for none; the product grid's rows). Fewer pairs than experts: the experts with
+    pairs come first in `active`, in id order, and the grid has a row per pair (at most that
+    many experts have pairs); else `active[e]` is e or -1 and a row per expert (module
+    docstring). `per_expert` forces one kernel or the other, for the tests that compare them."""
+    ids = ids.contiguous()
+    pairs = ids.numel()
+    order = torch.empty(pairs, dtype=torch.int32, device=ids.device)
+    starts = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
+    active = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
+    counted = census is not None
+    if not (pairs >= n_experts if per_expert is None else per_expert):
+        _group_kernel[(1,)](
+            ids,
+            order,
+            starts,
+            active,
+            census if counted else starts,
+            pairs,
+            n_experts,
+            CENSUS=counted,
+            CHUNK=GROUP_CHUNK,
+            BLOCK_E=triton.next_power_of_2(n_experts),
+            **LAUNCH,
+        )
+        return order, starts, active, pairs
+    _expert_group_kernel[(n_experts,)](
+        ids,
+        order,
+        starts,
+        active,
+        census if counted else starts,
+        pairs,
+        n_experts,
+        CENSUS=counted,
+        CHUNK=EXPERT_GROUP_CHUNK,
+        **LAUNCH,
+    )
+    return order, starts, active, n_experts
 
 
 def _product(

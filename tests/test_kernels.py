@@ -464,6 +464,30 @@ def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_state
     assert torch.equal(final[0], got_states[0, 1])  # row 0 stopped after its 2 valid tokens
 
 
+@pytest.mark.parametrize("kernel", [gated_delta, ref.gated_delta], ids=["triton", "reference"])
+def test_a_verify_that_does_not_keep_its_final_state_leaves_the_slots_alone(kernel) -> None:
+    """A per_token verify (`keep_final` False): the same outputs and checkpoints, bit for
+    bit, and the slots' states as they were (the commit writes them from the checkpoints);
+    with it, the rows' slots hold the final state and the other slots are untouched."""
+    batch, T, heads, dk, dv = 2, 5, 2, 16, 40
+    q, k, v, g, beta, state = delta_inputs(batch, T, heads, dk, dv)
+    slots = torch.tensor([3, 1], device=DEVICE)
+    runs = {}
+    for keep in (True, False):
+        slot_states = rand(4, heads, dk, dv, seed=9)
+        slot_states[slots] = state
+        checkpoints = torch.zeros(batch, 3, heads, dk, dv, device=DEVICE)
+        out, _ = kernel(q, k, v, g, beta, slot_states, None, checkpoints, slots, 2, keep_final=keep)
+        runs[keep] = out, checkpoints, slot_states
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+    untouched = rand(4, heads, dk, dv, seed=9)
+    untouched[slots] = state
+    assert torch.equal(runs[False][2], untouched)
+    _, final = kernel(q, k, v, g, beta, state, None, torch.zeros_like(runs[True][1]), every=2)
+    assert torch.equal(runs[True][2][slots], final)
+    assert torch.equal(runs[True][2][[0, 2]], untouched[[0, 2]])
+
+
 @pytest.mark.parametrize("every", [2, 3, 8])
 def test_checkpoints_every_few_tokens_and_a_resume_from_them_reach_every_state_bit_for_bit(
     every: int,

@@ -47,7 +47,7 @@ class DeltaTiles(NamedTuple):
 DELTA_TILES = DeltaTiles(32, 2, True)
 
 
-@triton.jit(do_not_specialize=["T", "T_rows", "store_states", "every", "kept"])
+@triton.jit(do_not_specialize=["T", "T_rows", "store_states", "store_final", "every", "kept"])
 def _gated_delta_kernel(
     q_ptr,
     k_ptr,
@@ -67,6 +67,7 @@ def _gated_delta_kernel(
     T_rows,
     H,
     store_states,
+    store_final,  # 0: the final state is not written (a per_token verify's commit writes it)
     every,
     kept,  # all contiguous: q, k [batch, T_rows, H, DK]; v, out [batch, T, H, DV];
     # g, beta [batch, T_rows, H]; state, final [batch, H, DK, DV] (or, with slots, state is
@@ -142,7 +143,8 @@ def _gated_delta_kernel(
                 tl.store(states_ptr + at + tile, S, mask=tile_ok)
         if PREFETCH:
             tok, q, k, v, g, beta = nxt, q_next, k_next, v_next, g_next, beta_next
-    tl.store(final_ptr + head_state + tile, S, mask=tile_ok)
+    if store_final != 0:
+        tl.store(final_ptr + head_state + tile, S, mask=tile_ok)
 
 
 def gated_delta(
@@ -156,11 +158,14 @@ def gated_delta(
     states_out: torch.Tensor | None = None,  # [batch, ceil(T / every), v_heads, k_dim, v_dim]
     slots: torch.Tensor | None = None,  # [batch]: `state` is every slot's, updated in place
     every: int = 1,
+    keep_final: bool = True,  # with slots, False leaves `state` as it was (a per_token verify)
     tiles: DeltaTiles | None = None,  # the engine's DELTA_TILES unless given (sweeps, tests)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as kernels.reference.gated_delta: (outputs [batch, T, v_heads, v_dim],
     final state, or None with `slots`). With `slots` the rows' states are read and written
-    in the slot tensor itself: no gather, no scatter after."""
+    in the slot tensor itself: no gather, no scatter after. A `per_token` verify does not
+    write them (`keep_final` False): its commit writes every row's state from the checkpoints,
+    so the write would be a row's whole state in float32 a layer, for nothing."""
     batch, T, H, DK = q.shape
     DV = v.shape[-1]
     if state.dtype != torch.float32:
@@ -175,6 +180,8 @@ def gated_delta(
         valid_len = torch.full((batch,), T, dtype=torch.int64, device=q.device)
     if every < 1:
         raise ValueError(f"gated_delta: every must be >= 1, got {every}")
+    if not keep_final and slots is None:
+        raise ValueError("gated_delta: keep_final False leaves a slot state alone; give slots")
     kept = -(-T // every)  # states kept: after tokens 0, every, 2 * every, ...
     if states_out is not None:
         if not states_out.is_contiguous():
@@ -202,6 +209,7 @@ def gated_delta(
         every,
         kept,
         tiles,
+        keep_final,
     )
     return result
 
@@ -248,7 +256,8 @@ def delta_input_buffers(
 
 
 def _launch(
-    inputs, state, valid_len, out, final, states_out, slots, first, init, T, T_rows, every, kept, tiles=None
+    inputs, state, valid_len, out, final, states_out, slots, first, init, T, T_rows, every, kept, tiles=None,
+    keep_final=True,
 ) -> None:
     q, k, v, g, beta = inputs
     batch, _, H, DK = q.shape
@@ -275,6 +284,7 @@ def _launch(
         T_rows,
         H,
         int(states_out is not None),
+        int(keep_final),
         every,
         kept,
         HAS_SLOTS=slots is not None,

@@ -265,6 +265,7 @@ def gated_delta(
     states_out: torch.Tensor | None = None,  # [batch, ceil(T / every), v_heads, k_dim, v_dim]
     slots: torch.Tensor | None = None,  # [batch]: `state` holds every slot's, updated in place
     every: int = 1,
+    keep_final: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule as the engine runs it off the Triton path (the CPU and float64
     models): a decode step (T = 1) takes one step of the recurrence, a verify block or a
@@ -272,12 +273,14 @@ def gated_delta(
     `gated_delta_recurrent`'s, except outputs at padded tokens (t >= valid_len), which
     nothing reads, and `slots`: with it, `state` is every slot's state [slots, v_heads,
     k_dim, v_dim], row i starts from state[slots[i]] and its final state is written back
-    there; the second result is then None."""
+    there (unless `keep_final` is False: a `per_token` verify, whose commit writes each row's
+    state from the checkpoints, leaves `state` as it was); the second result is then None."""
     if slots is not None:
         out, final = gated_delta(
             q, k, v, g, beta, state.index_select(0, slots), valid_len, states_out, every=every
         )
-        state.index_copy_(0, slots, final)
+        if keep_final:
+            state.index_copy_(0, slots, final)
         return out, None
     if q.shape[1] == 1:
         return gated_delta_recurrent(q, k, v, g, beta, state, valid_len, states_out, every)

@@ -74,9 +74,20 @@ class GatedDeltaNet(nn.Module):
         if ctx.chunked:
             out, final = gated_delta_chunked(q, k, v, g, beta, recurrent.index_select(0, ctx.slots))
             recurrent.index_copy_(0, ctx.slots, final)
-        else:  # the rows' states read and written in place
+        else:  # the rows' states read and written in place; a per_token verify's commit
+            # writes them from the checkpoints, so the verify leaves them alone
             out, _ = ops.gated_delta(
-                q, k, v, g, beta, recurrent, ctx.valid_len, states_out, slots=ctx.slots, every=state.every
+                q,
+                k,
+                v,
+                g,
+                beta,
+                recurrent,
+                ctx.valid_len,
+                states_out,
+                slots=ctx.slots,
+                every=state.every,
+                keep_final=not per_token,
             )
 
         z = z.reshape(batch, T, self.num_v_heads, self.v_dim)

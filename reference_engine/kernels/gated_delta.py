@@ -256,7 +256,20 @@ def delta_input_buffers(
 
 
 def _launch(
-    inputs, state, valid_len, out, final, states_out, slots, first, init, T, T_rows, every, kept, tiles=None,
+    inputs,
+    state,
+    valid_len,
+    out,
+    final,
+    states_out,
+    slots,
+    first,
+    init,
+    T,
+    T_rows,
+    every,
+    kept,
+    tiles=None,
     keep_final=True,
 ) -> None:
     q, k, v, g, beta = inputs

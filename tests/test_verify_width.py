@@ -14,12 +14,14 @@ from reference_engine.errors import ConfigError
 from reference_engine.runtime.engine_config import EngineConfig
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.runtime.verify_width import (
+    PROBE_SHARE,
     REQUEST_WEIGHT,
     StepCosts,
     VerifyWidth,
     choose_width,
     conditional_rates,
     engine_rates,
+    every_width,
     prefix_rates,
     width_candidates,
 )
@@ -47,6 +49,24 @@ def test_candidates_are_a_plain_step_blocks_of_powers_of_two_and_the_full_block(
         width_candidates(16, "wide")
     with pytest.raises(ConfigError, match="verify_width must be one of auto, fixed"):
         EngineConfig(verify_width="wide")
+
+
+def test_with_graphs_every_width_is_a_candidate_and_one_short_of_a_block_can_win() -> None:
+    """With CUDA graphs (`every_width`) the candidates are 1 .. B-1, and a verify whose cost
+    grows with every token (a mixture of experts) takes the width its acceptance reaches:
+    rows that always accept 5 or 6 proposals commit as much at W = 6 as at W = 7, for less."""
+    every = tuple(range(1, 16))
+    assert width_candidates(16, "auto", plain_step=False, every_width=True) == every
+    assert width_candidates(16, "auto", every_width=True) == (0, *every)
+    assert width_candidates(16, "fixed", every_width=True) == (15,)
+    assert VerifyWidth("auto", 16, plain_step=False, every_width=True).candidates == every
+    # only captured graphs time every width, and past 16 rows their logits cost too much memory
+    assert every_width(True, 1) and every_width(True, 16)
+    assert not every_width(True, 17) and not every_width(False, 1)
+    table = costs({w: 5.0 + 0.4 * w for w in every})
+    step = [[1.0] * 5 + [0.5] + [0.0] * 9] * 2  # position 6 half the time, never position 7
+    assert choose_width(step, [15, 15], table, every) == 6
+    assert choose_width(step, [15, 15], table, width_candidates(16, "auto", plain_step=False)) == 7
 
 
 def test_flat_costs_verify_the_full_block() -> None:
@@ -293,3 +313,47 @@ def test_choose_width_is_the_formula_of_its_docstring():
         assert width == by_formula(rates, limits, table, WIDTHS)
         chosen.add(width)
     assert chosen == set(WIDTHS)  # every candidate came up
+
+
+def _run_steps(chooser, rows, steps, accepts, limit=15):
+    """Choose `steps` widths for `rows` rows, recording what each row accepts: `accepts(step,
+    row)` draft tokens are right, of which the step verifies its width's worth."""
+    counters, totals, widths = [SpecCounters() for _ in range(rows)], SpecCounters(), []
+    for step in range(steps):
+        width = chooser.choose([limit] * rows, counters, totals)
+        widths.append(width)
+        for row, c in enumerate(counters):
+            accepted = min(width, accepts(step, row))
+            for counts in (c, totals):
+                counts.record(width, accepted, accepted + 1)
+    return widths
+
+
+def test_a_position_its_first_blocks_rejected_is_probed_again_and_wins_its_width() -> None:
+    """Every width costs a little more than the one below it. The rows' first block accepts 5
+    draft tokens, every later block 5 or 6 (position 6 half the time, worth its cost): the
+    first estimates put position 6 low, and steps at W = 5 never verify it. A wider probe
+    now and then measures it, and the steps go to W = 6."""
+    table = costs({w: 8.0 + 0.3 * w for w in range(1, 16)})
+    chooser = VerifyWidth("auto", 16, table, plain_step=False, every_width=True)
+    widths = _run_steps(chooser, 16, 60, lambda step, row: 5 + (step > 0 and (step + row) % 2))
+    assert widths[0] == 15 and widths[1] == 5  # the full block, then position 6 looked poor
+    assert 6 in widths[1:12]  # a probe within a few steps
+    assert 5 not in widths[-20:] and widths[-20:].count(6) >= 15, widths  # 7 now and then: a probe
+
+
+def test_wider_probes_take_a_bounded_share_of_a_narrow_run() -> None:
+    """Rows that never accept a sixth token: the steps stay at W = 5 but for probes, which
+    are expected to cost at most about PROBE_SHARE of the run's time; rows that cannot
+    commit past W get no probe."""
+    table = costs({w: 8.0 + 0.3 * w for w in range(1, 16)})
+    chooser = VerifyWidth("auto", 16, table, plain_step=False, every_width=True)
+    widths = _run_steps(chooser, 16, 400, lambda step, row: 5)
+    run = widths[1:]
+    assert run.count(5) > 0.75 * len(run)
+    probed = [w for w in run if w != 5]
+    assert probed  # the estimates of the positions past 5 are refreshed now and then
+    extra = sum(table.of(16, w) - table.of(16, 5) for w in probed)
+    assert extra <= 2 * PROBE_SHARE * sum(table.of(16, w) for w in run)
+    chooser = VerifyWidth("auto", 16, table, plain_step=False, every_width=True)
+    assert set(_run_steps(chooser, 16, 60, lambda step, row: 5, limit=5)) == {5}

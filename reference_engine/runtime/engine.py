@@ -57,7 +57,7 @@ from .state import TargetState, checkpoint_every
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
 from .transfer import to_device
-from .verify_width import StepCosts, VerifyWidth, width_candidates
+from .verify_width import StepCosts, VerifyWidth, every_width, width_candidates
 
 __all__ = ["Engine", "EngineConfig", "EngineFullError", "StepOutput"]
 
@@ -129,8 +129,13 @@ class Engine:
         # a plain step (verify width 0) runs on the CPU only: on CUDA neither its captured
         # graphs nor its eager forwards (a verify of one token) have run on a device yet
         plain_step = self.device.type == "cpu"
+        # with CUDA graphs every width is captured and timed by replay, up to EVERY_WIDTH_ROWS
+        # rows (graph memory); eager engines time whole steps, so they keep a small set
+        every = every_width(use_graphs, config.max_num_seqs)
         widths = (
-            width_candidates(self.block_size, config.verify_width, plain_step) if draft is not None else ()
+            width_candidates(self.block_size, config.verify_width, plain_step, every)
+            if draft is not None
+            else ()
         )
         self.runner = ModelRunner(
             target,
@@ -176,7 +181,9 @@ class Engine:
                 shared = [step_costs]
                 torch.distributed.broadcast_object_list(shared, src=0)
                 step_costs = shared[0]
-            self.verify_width = VerifyWidth(config.verify_width, self.block_size, step_costs, plain_step)
+            self.verify_width = VerifyWidth(
+                config.verify_width, self.block_size, step_costs, plain_step, every
+            )
         self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
         if self.memory is not None:
             graphs = torch.cuda.memory_allocated(self.device) - before - self.memory.state

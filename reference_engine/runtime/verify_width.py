@@ -10,9 +10,15 @@ arithmetic once the batch is wide (64 x 16 rows on the 8B shape), where its comm
 grow slower than its cost.
 
 Policy `fixed` verifies every proposal (W = B-1). Policy `auto` picks, per step, the W of
-the candidates (0, 1, 3, 7, ... and B-1: a plain step, then blocks of 2, 4, 8, ... and B
-tokens, a small set that CUDA graphs are captured for) that maximises expected committed
-tokens per second:
+the candidates that maximises expected committed tokens per second. With CUDA graphs the
+candidates are every W from 1 to B-1 for an engine of at most EVERY_WIDTH_ROWS rows: each
+is captured and its step replayed and timed at start-up, and a verify's cost grows with
+every token it checks where the verify is bound by what its tokens read (a mixture of
+experts reads each token's experts: on Qwen3.5-35B-A3B a verify of one row costs about
+0.4 ms more per token) or by arithmetic (a wide batch), so a W one short of the next power
+of two is worth having. Past EVERY_WIDTH_ROWS rows, and without graphs (where the costs
+come from timing eager steps, slow on a CPU), the set is small: 0, 1, 3, 7, ... and B-1 (a
+plain step, then blocks of 2, 4, 8, ... and B tokens). The choice:
 
     sum over rows i of E_i(min(W, n_i)) / seconds(rows, W),   E_i(w) = 1 + sum_{k<=w} r_i[k]
 
@@ -38,7 +44,10 @@ the verify is bound by arithmetic, or a CPU). It costs a little more than a plai
 (the verify keeps the features, and the step's host work is a speculative step's;
 docs/engine.md, "Verify width"). A plain step verifies nothing, so it moves no
 acceptance count; a run of them is broken by a drafted step now and then, which measures
-acceptance again (VerifyWidth).
+acceptance again (VerifyWidth). A step at W verifies no position past W either, so a run of
+steps narrower than the rows could use is broken by a wider probe now and then, on the same
+budget: a position whose first blocks rejected it is measured again, and wins its width if
+it pays (VerifyWidth._past_narrow).
 
 `seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA
 graphs at start-up, graphs.py; verify + commit for W = 0) for the smallest measured row count
@@ -69,6 +78,10 @@ ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engin
 PROBE_AFTER = 4  # the fewest plain steps in a row before a speculative step measures acceptance again
 PROBE_SHARE = 0.02  # of the plain run's time, what a probe's expected loss may take
 PROBE_LIMIT = 256  # the longest run of plain steps between two such probes
+# the most rows (max_num_seqs) for which CUDA graphs are captured at every width: each verify
+# graph keeps its logits, so every width costs about 4.5x the graph memory of 1, 3, 7, 15
+# (Qwen3-8B at 64 rows: 6.25 GiB against 1.95 GiB), for no gain measured past 16 rows
+EVERY_WIDTH_ROWS = 16
 
 
 TIMING_STRIDE = 2_654_435_761  # a prime (Knuth's multiplicative hash): consecutive ids land far apart
@@ -83,16 +96,27 @@ def timing_ids(rows: int, width: int, vocab: int, device: torch.device | str = "
     return ((index * TIMING_STRIDE + 1) % vocab).view(rows, width)
 
 
-def width_candidates(block_size: int, policy: str, plain_step: bool = True) -> tuple[int, ...]:
+def every_width(cuda_graphs: bool, max_rows: int) -> bool:
+    """Whether an engine of `max_rows` rows captures (and may choose) every verify width:
+    with CUDA graphs, up to EVERY_WIDTH_ROWS rows."""
+    return cuda_graphs and max_rows <= EVERY_WIDTH_ROWS
+
+
+def width_candidates(
+    block_size: int, policy: str, plain_step: bool = True, every_width: bool = False
+) -> tuple[int, ...]:
     """The verify widths (draft tokens) a policy may choose: B-1 alone for `fixed`; for `auto`
-    0 (a plain step, with `plain_step`), 1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ...
-    tokens) and B-1."""
+    0 (a plain step, with `plain_step`), then 1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ...
+    tokens) and B-1, or with `every_width` every width 1 .. B-1."""
     if policy not in VERIFY_WIDTHS:
         raise ConfigError(f"verify width must be one of {', '.join(VERIFY_WIDTHS)}, got {policy!r}")
     full = block_size - 1
     if policy == "fixed" or full <= 0:
         return (full,)
-    out, block = [0] if plain_step else [], 2
+    out = [0] if plain_step else []
+    if every_width:
+        return (*out, *range(1, full + 1))
+    block = 2
     while block - 1 < full:
         out.append(block - 1)
         block *= 2
@@ -219,10 +243,15 @@ class VerifyWidth:
     no entry for W = 0 (made for an engine without plain steps) never takes one."""
 
     def __init__(
-        self, policy: str, block_size: int, costs: StepCosts | None = None, plain_step: bool = True
+        self,
+        policy: str,
+        block_size: int,
+        costs: StepCosts | None = None,
+        plain_step: bool = True,
+        every_width: bool = False,
     ) -> None:
         self.policy, self.block_size = policy, block_size
-        self.candidates = width_candidates(block_size, policy, plain_step)
+        self.candidates = width_candidates(block_size, policy, plain_step, every_width)
         self.costs = costs or StepCosts.flat(self.candidates)
         if self.candidates[0] == 0 and all(w != 0 for _, w in self.costs.seconds):
             self.candidates = self.candidates[1:]
@@ -232,8 +261,9 @@ class VerifyWidth:
             raise ConfigError(f"the step costs have no entry for verify width(s) {missing}")
 
     def reset(self) -> None:
-        """Forget the run of plain steps (a fresh engine's state)."""
+        """Forget the runs of plain and of narrow steps (a fresh engine's state)."""
         self.plain_run, self.plain_seconds = 0, 0.0
+        self.narrow_run, self.narrow_seconds = 0, 0.0
         self.memo: tuple | None = None  # (key, counters, expected tokens) of the last choice
 
     def expected(
@@ -267,7 +297,7 @@ class VerifyWidth:
         width = best_width(tokens, rows, self.costs)
         if width > 0:
             self.plain_run, self.plain_seconds = 0, 0.0
-            return width
+            return self._past_narrow(width, tokens, limits)
         drafted = {w: t for w, t in tokens.items() if w > 0}
         probe = best_width(drafted, rows, self.costs)
         if self.plain_run >= PROBE_AFTER and (
@@ -279,3 +309,26 @@ class VerifyWidth:
         self.plain_run += 1
         self.plain_seconds += self.costs.of(rows, 0)
         return 0
+
+    def _past_narrow(self, width: int, tokens: dict[int, float], limits: Sequence[int]) -> int:
+        """`width`, or now and then a wider probe: a step at `width` verifies no position past
+        it, so those positions' estimates never move by themselves, and one that started low
+        (the first blocks rejected it) would keep every later step at `width` for good. A
+        run of steps narrower than the rows could use is broken by a step at the best wider
+        width the rows can use, once the run has cost 1 / PROBE_SHARE times what that step is
+        expected to lose against the run's rate of tokens per second (`probe_loss`'s
+        arithmetic with `width` in place of a plain step), and after at least PROBE_AFTER
+        steps."""
+        rows = len(limits)
+        wider = {w: t for w, t in tokens.items() if width < w <= max(limits)}
+        if not wider:
+            self.narrow_run, self.narrow_seconds = 0, 0.0
+            return width
+        probe = best_width(wider, rows, self.costs)
+        loss = self.costs.of(rows, probe) - tokens[probe] * self.costs.of(rows, width) / tokens[width]
+        if self.narrow_run >= PROBE_AFTER and PROBE_SHARE * self.narrow_seconds >= loss:
+            self.narrow_run, self.narrow_seconds = 0, 0.0
+            return probe
+        self.narrow_run += 1
+        self.narrow_seconds += self.costs.of(rows, width)
+        return width

@@ -31,7 +31,7 @@ was verified), each the request's own count shrunk toward the engine's rate over
 requests, and the engine's toward its rate at j-1 (starting from 1: an engine with no history
 verifies the full block, and a position no step has verified yet borrows the rate of the one
 before it). Ties go to the wider W. The choice is a function of the counts, the costs and
-the run of plain steps before it (VerifyWidth), so deterministic: the same requests with the
+the runs of plain and of narrow steps before it (VerifyWidth), so deterministic: the same requests with the
 same history choose the same widths (`Engine.reset_stats` starts the run afresh too).
 
 W = 0 (on the CPU; on CUDA its graphs are not captured yet, and the widths start at 1) is a
@@ -240,7 +240,8 @@ class VerifyWidth:
     is probed often (it loses little, and its acceptance may tip it), one far behind rarely
     (at 16 rows on a 2-core CPU a drafted step costs 3-6 plain steps and commits 2-3 tokens
     a row). A step that drafts on its own merit starts the run afresh. A cost table with
-    no entry for W = 0 (made for an engine without plain steps) never takes one."""
+    no entry for W = 0 (made for an engine without plain steps) never takes one. Steps narrower
+    than the rows could use have probes of their own, on the same budget (`_past_narrow`)."""
 
     def __init__(
         self,

@@ -345,6 +345,39 @@ def test_proposals_are_the_logits_and_argmax_of_block_slots_1_to_b_minus_1(
     assert not torch.equal(tokens, draft.logits(hidden[:, :-1], target.lm_head_weight).argmax(-1))
 
 
+@pytest.mark.parametrize("draft_arch", ["dflash", "dflash2"])
+def test_the_proposals_of_the_first_w_slots_are_the_whole_blocks_first_w(
+    tiny_pair: TinyPair, draft_arch: str
+) -> None:
+    """A verify of W proposals runs the draft's head over slots 1..W alone (`width`): each
+    slot's logits read its own hidden state, and DFlash2's walk goes from the anchor one slot
+    at a time, so the first W slots' logits, tokens (and candidates and edges) are the whole
+    block's first W. A width outside 1..B-1 is refused."""
+    target_dir, draft_dir = tiny_pair("qwen3", draft_arch=draft_arch)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 8, target.config.hidden_size, dtype=torch.float64, generator=generator)
+    anchors = torch.tensor([1, 2, 3])
+    full = draft.proposals(hidden, target.lm_head_weight, anchors=anchors)
+    assert full[1].shape == (3, 7)
+    for width in (1, 3, 6, 7):
+        narrow = draft.proposals(hidden, target.lm_head_weight, anchors=anchors, width=width)
+        assert len(narrow) == len(full)
+        assert narrow[1].shape == (3, width) and torch.equal(narrow[1], full[1][:, :width])
+        for got, want in zip(narrow[:1] + narrow[2:], full[:1] + full[2:]):  # logits (and DFlash2's)
+            assert got.shape[1] == width
+            torch.testing.assert_close(got, want[:, :width], rtol=1e-12, atol=1e-12)
+    held = []
+    draft.proposals(
+        hidden, target.lm_head_weight, anchors=anchors, width=2, hold=lambda x: held.append(x) or x
+    )
+    assert held[0].shape == (3, 3, target.config.vocab_size)  # the anchor's position and slots 1..2
+    for width in (0, 8):
+        with pytest.raises(ValueError, match=f"draft width {width} outside 1..7 for a block of 8"):
+            draft.proposals(hidden, target.lm_head_weight, anchors=anchors, width=width)
+
+
 def test_a_tiny_llama_pairs_draft_carries_its_targets_rope_scaling(tiny_pair: TinyPair) -> None:
     target_dir, draft_dir = tiny_pair("llama")
     target = load_target(target_dir, dtype=torch.float64)

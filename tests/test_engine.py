@@ -1042,3 +1042,84 @@ def test_a_draft_queued_behind_a_replayed_commit_proposes_what_a_fresh_draft_wou
     )
     faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
     assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()]
+
+
+def _heads_again_on_the_cpu(engine: Engine, fault: Callable | None = None) -> None:
+    """`ModelRunner.repropose` as a captured draft's head replay does it, on the CPU: the
+    head over the hidden states the last draft forward left (its first `rows` rows);
+    `fault` may change those hidden states first."""
+    from reference_engine.runtime.forwards import Proposals
+
+    runner, kept = engine.runner, {}
+
+    def propose(block, positions, slots, valid, kv_len, phase=None, width=None):
+        embeds = runner.target.embed(block) * runner.draft.config.input_embedding_scale
+        hidden = runner.draft(
+            embeds, positions, slots, runner.draft_state, kv_len, valid_len=valid, ops=runner.ops
+        )
+        kept.update(hidden=hidden, anchors=block[:, 0])
+        head = runner.target.lm_head_weight
+        return Proposals(*runner.draft.proposals(hidden, head, runner.ops, block[:, 0], width=width))
+
+    def repropose(rows, width):
+        hidden = kept["hidden"][:rows] if fault is None else fault(kept["hidden"][:rows])
+        head = runner.target.lm_head_weight
+        return Proposals(
+            *runner.draft.proposals(hidden, head, runner.ops, kept["anchors"][:rows], width=width)
+        )
+
+    runner.propose, runner.repropose = propose, repropose
+
+
+@pytest.mark.parametrize("pair", ["qwen3", "qwen3_5"])
+def test_a_queued_draft_taken_by_a_wider_step_runs_its_head_again_and_proposes_what_a_fresh_draft_would(
+    target: CausalLM, draft: DFlashDraft, hybrid: tuple[CausalLM, DFlashDraft], pair: str, monkeypatch
+) -> None:
+    """A draft queued ahead runs its head for the queuing step's width (the proposals of a
+    verify of W are those of draft slots 1..W); a next step that verifies more runs the head
+    again over the same layers' output (a captured head's replay), one that verifies fewer
+    takes a prefix. With widths that change every step, outputs and every drafted block equal
+    an engine's that drafts afresh at each step's own width; a head run again over another
+    row's hidden states proposes other blocks."""
+    from reference_engine.runtime.verify_width import VerifyWidth
+
+    pair_models = (target, draft) if pair == "qwen3" else hybrid
+    arrivals = {0: ["a", "b"], 3: ["c"], 9: ["d"]}
+    cycle = (3, 7, 1, 5, 7, 2, 2, 6)
+    chosen = []
+
+    def choose(self, limits, counters, totals):
+        chosen.append(cycle[len(chosen) % len(cycle)])
+        return chosen[-1]
+
+    monkeypatch.setattr(VerifyWidth, "choose", choose)
+    made = []
+    original = Engine.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _as_if_captured(self)
+        fault = made.pop() if made else None
+        if fault != "eager":  # eager: nothing kept to run a head again, so it drafts afresh
+            _heads_again_on_the_cpu(self, fault=fault)
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    fresh, _ = _drafts_and_outputs(*pair_models, ahead=False, arrivals=arrivals)
+    chosen.clear()
+    queued, engine = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert queued == fresh
+    step = engine.speculative_step
+    assert step.ahead_widened >= 3 and step.ahead_used > step.ahead_widened  # wider, and prefixes
+    assert engine.stats()["draft_ahead"]["widened"] == step.ahead_widened
+    assert any(0 < len(d) < BLOCK_SIZE - 1 for _, drafted in fresh.values() for d in drafted)
+
+    chosen.clear()
+    made.append("eager")
+    afresh, engine = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert afresh == fresh and engine.speculative_step.ahead_widened == 0
+
+    chosen.clear()
+    made.append(lambda hidden: hidden.roll(1, dims=0))  # the head again over the next row's states
+    faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()]
+    assert [o for o, _ in faulty.values()] == [o for o, _ in fresh.values()]  # lossless all the same

@@ -66,12 +66,21 @@ def test_every_captured_body_runs_eagerly(
     assert len(widths) > 1 and set(graphs.verify_graphs) == {(b, w) for b in graphs.buckets for w in widths}
     for (rows, _), g in graphs.decode_graphs.items():
         assert g.outputs.logits.shape == (rows, vocab)
+    hidden = target.config.hidden_size
     for (rows, block), g in graphs.draft_graphs.items():
-        # DFlash: logits and tokens; DFlash2 adds the candidates and the edges
-        assert (g.outputs.candidates is None) == (draft_arch == "dflash")
-        assert g.outputs.tokens.shape == (rows, block - 1)
+        assert g.outputs.hidden.shape == (rows, block, hidden)  # the layers; heads by width
+        full = graphs.draft_head_graphs[rows, block - 1].outputs
+        for width in (w for w in graphs.verify_widths if w > 0):
+            head = graphs.draft_head_graphs[rows, width].outputs
+            # DFlash: logits and tokens; DFlash2 adds the candidates and the edges
+            assert (head.candidates is None) == (draft_arch == "dflash")
+            assert head.tokens.shape == (rows, width) and head.logits.shape == (rows, width, vocab)
+            assert head.logits.untyped_storage().data_ptr() == full.logits.untyped_storage().data_ptr()
     for (rows, width), g in graphs.verify_graphs.items():
         assert g.outputs.logits.shape == (rows, width, vocab)
+        # every width of a bucket writes the bucket's one logits buffer (SharedLogits)
+        shared = graphs.verify_logits.buffers[rows].untyped_storage().data_ptr()
+        assert g.outputs.logits.untyped_storage().data_ptr() == shared
     for (rows, _), g in graphs.prefill_graphs.items():
         assert g.outputs.logits.shape == (rows, vocab)
     assert set(graphs.commit_graphs) == set(graphs.verify_graphs)  # the speculative commit

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from reference_engine.runtime.forwards import Logits, StepInputs, Verified
-from reference_engine.runtime.graphs import EngineGraphs, _Graph, buckets_up_to, prefill_shapes, token_buckets
+from reference_engine.runtime.graphs import (
+    EngineGraphs,
+    SharedLogits,
+    _Graph,
+    buckets_up_to,
+    prefill_shapes,
+    token_buckets,
+)
 
 PAD = 9
 
@@ -81,6 +88,25 @@ def test_each_captured_verify_width_replays_its_own_graph_and_commit() -> None:
     assert out.tokens.tolist() == [102, 111] and g.verified == (4, 2)
     assert g.commit(torch.tensor([1, 2]))
     assert (short.replays, wide.replays) == (1, 0)
+
+
+def test_the_verify_widths_of_a_bucket_share_one_logits_buffer() -> None:
+    """Each width's logits are a copy in the first rows x (W + 1) rows of the bucket's buffer:
+    the values come through, a narrower width's view aliases the wider's, and buckets and
+    blocks wider than the buffer are told apart."""
+    shared = SharedLogits(capacity=4)
+    wide = torch.randn(2, 4, 5)
+    held = shared.hold(wide)
+    assert torch.equal(held, wide) and held.data_ptr() != wide.data_ptr()
+    narrow = torch.randn(2, 2, 5)
+    held_narrow = shared.hold(narrow)
+    assert torch.equal(held_narrow, narrow) and held_narrow.data_ptr() == held.data_ptr()
+    assert torch.equal(held.reshape(8, 5)[:4], narrow.reshape(4, 5))  # the wide view sees it
+    other = shared.hold(torch.randn(1, 3, 5))  # another bucket: a buffer of its own
+    assert other.data_ptr() != held.data_ptr() and set(shared.buffers) == {1, 2}
+    assert shared.buffers[2].shape == (8, 5)
+    with pytest.raises(ValueError, match="a block of 5 tokens in logits buffers of 4"):
+        shared.hold(torch.randn(2, 5, 5))
 
 
 def test_shapes_without_a_graph_run_eagerly() -> None:

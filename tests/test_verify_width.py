@@ -22,9 +22,9 @@ from reference_engine.runtime.verify_width import (
     choose_width,
     conditional_rates,
     engine_rates,
-    every_width,
     prefix_rates,
     width_candidates,
+    width_spacing,
 )
 
 WIDTHS = (0, 1, 3, 7, 15)
@@ -53,21 +53,45 @@ def test_candidates_are_a_plain_step_blocks_of_powers_of_two_and_the_full_block(
 
 
 def test_with_graphs_every_width_is_a_candidate_and_one_short_of_a_block_can_win() -> None:
-    """With CUDA graphs (`every_width`) the candidates are 1 .. B-1, and a verify whose cost
-    grows with every token (a mixture of experts) takes the width its acceptance reaches:
-    rows that always accept 5 or 6 proposals commit as much at W = 6 as at W = 7, for less."""
+    """With CUDA graphs up to 16 rows (spacing `every`) the candidates are 1 .. B-1, and a
+    verify whose cost grows with every token (a mixture of experts) takes the width its
+    acceptance reaches: rows that always accept 5 or 6 proposals commit as much at W = 6 as
+    at W = 7, for less."""
     every = tuple(range(1, 16))
-    assert width_candidates(16, "auto", plain_step=False, every_width=True) == every
-    assert width_candidates(16, "auto", every_width=True) == (0, *every)
-    assert width_candidates(16, "fixed", every_width=True) == (15,)
-    assert VerifyWidth("auto", 16, plain_step=False, every_width=True).candidates == every
-    # only captured graphs time every width, and past 16 rows their logits cost too much memory
-    assert every_width(True, 1) and every_width(True, 16)
-    assert not every_width(True, 17) and not every_width(False, 1)
+    assert width_candidates(16, "auto", plain_step=False, spacing="every") == every
+    assert width_candidates(16, "auto", spacing="every") == (0, *every)
+    assert width_candidates(16, "fixed", spacing="every") == (15,)
+    assert VerifyWidth("auto", 16, plain_step=False, spacing="every").candidates == every
+    # only captured graphs time every width; past 16 rows they are spaced by halves
+    assert width_spacing(True, 1) == width_spacing(True, 16) == "every"
+    assert width_spacing(True, 17) == width_spacing(True, 64) == "halves"
+    assert width_spacing(False, 1) == width_spacing(False, 64) == "doublings"
+    with pytest.raises(ConfigError, match="width spacing must be one of every, halves, doublings"):
+        width_candidates(16, "auto", spacing="dense")
     table = costs({w: 5.0 + 0.4 * w for w in every})
     step = [[1.0] * 5 + [0.5] + [0.0] * 9] * 2  # position 6 half the time, never position 7
     assert choose_width(step, [15, 15], table, every) == 6
     assert choose_width(step, [15, 15], table, width_candidates(16, "auto", plain_step=False)) == 7
+
+
+def test_past_sixteen_rows_the_blocks_are_spaced_by_halves_and_a_six_token_block_can_win() -> None:
+    """Past 16 rows the graphs cover blocks of 2, 3, 4, 6, 8, 12, 16 tokens: no two choices
+    are more than 1.5x apart in verify rows. On an arithmetic-bound verify (cost linear in
+    the rows it verifies) rows that accept 5 proposals every step commit 6 tokens a block of
+    6 as of 8, for less; with blocks of 2, 4, 8 and 16 alone the step pays for 8."""
+    halves = (1, 2, 3, 5, 7, 11, 15)
+    assert width_candidates(16, "auto", plain_step=False, spacing="halves") == halves
+    assert width_candidates(16, "auto", spacing="halves") == (0, *halves)
+    assert width_candidates(8, "auto", plain_step=False, spacing="halves") == (1, 2, 3, 5, 7)
+    assert width_candidates(10, "auto", plain_step=False, spacing="halves") == (1, 2, 3, 5, 7, 9)
+    assert width_candidates(4, "auto", plain_step=False, spacing="halves") == (1, 2, 3)
+    assert width_candidates(2, "auto", plain_step=False, spacing="halves") == (1,)
+    assert width_candidates(16, "fixed", spacing="halves") == (15,)
+    assert VerifyWidth("auto", 16, plain_step=False, spacing="halves").candidates == halves
+    table = costs({w: 6.0 + (w + 1) for w in halves}, rows=(64,))  # a draft, then a row a token
+    five = [[1.0] * 5 + [0.0] * 10] * 64
+    assert choose_width(five, [15] * 64, table, halves) == 5
+    assert choose_width(five, [15] * 64, table, (1, 3, 7, 15)) == 7
 
 
 def test_flat_costs_verify_the_full_block() -> None:
@@ -222,9 +246,10 @@ def test_timing_ids_are_fixed_in_range_and_all_different_within_a_block(vocab: i
 class _Timed:
     """A captured graph stand-in: its replay records the token ids its buffers hold."""
 
-    def __init__(self, rows: int, width: int, seen: list) -> None:
-        self.inputs = SimpleNamespace(ids=torch.zeros(rows, width, dtype=torch.int64))
-        self.graph = SimpleNamespace(replay=lambda: seen.append((width, self.inputs.ids.clone())))
+    def __init__(self, rows: int, width: int, seen: list, inputs=None, name: str | None = None) -> None:
+        self.inputs = inputs or SimpleNamespace(ids=torch.zeros(rows, width, dtype=torch.int64))
+        name = name or str(width)
+        self.graph = SimpleNamespace(replay=lambda: seen.append((width, self.inputs.ids.clone(), name)))
 
 
 class _Event:
@@ -256,13 +281,17 @@ def test_graph_step_costs_are_timed_on_spread_token_ids_and_the_buffers_put_back
     graphs.target = SimpleNamespace(config=SimpleNamespace(vocab_size=1000))
     graphs.device = torch.device("cpu")
     graphs.block_size = 4
-    graphs.draft_graphs = {(2, 4): _Timed(2, 4, seen)}
+    body = _Timed(2, 4, seen)
+    graphs.draft_graphs = {(2, 4): body}
+    # each verify width's draft head reads the body's buffers (and its hidden states)
+    graphs.draft_head_graphs = {(2, w): _Timed(2, 4, seen, body.inputs, f"head {w}") for w in (1, 3)}
     graphs.verify_graphs = {(2, w): _Timed(2, w, seen) for w in (1, 2, 4)}
     graphs.commit_graphs = {}
     costs = graphs.step_seconds(repeats=1)
     assert set(costs) == {(2, 0), (2, 1), (2, 3)}
-    assert seen and all(torch.equal(ids, timing_ids(2, w, 1000)) for w, ids in seen)
-    assert {w for w, _ in seen} == {1, 2, 4}  # the draft (width 4) replayed with the verifies
+    assert seen and all(torch.equal(ids, timing_ids(2, w, 1000)) for w, ids, _ in seen)
+    # the draft (width 4) and the head of each verify's width replayed with the verifies
+    assert {name for _, _, name in seen} == {"1", "2", "4", "head 1", "head 3"}
     for g in (*graphs.verify_graphs.values(), *graphs.draft_graphs.values()):
         assert not g.inputs.ids.any()
 
@@ -336,7 +365,7 @@ def test_a_position_its_first_blocks_rejected_is_probed_again_and_wins_its_width
     first estimates put position 6 low, and steps at W = 5 never verify it. A wider probe
     now and then measures it, and the steps go to W = 6."""
     table = costs({w: 8.0 + 0.3 * w for w in range(1, 16)})
-    chooser = VerifyWidth("auto", 16, table, plain_step=False, every_width=True)
+    chooser = VerifyWidth("auto", 16, table, plain_step=False, spacing="every")
     widths = _run_steps(chooser, 16, 60, lambda step, row: 5 + (step > 0 and (step + row) % 2))
     assert widths[0] == 15 and widths[1] == 5  # the full block, then position 6 looked poor
     assert 6 in widths[1:12]  # a probe within a few steps
@@ -348,7 +377,7 @@ def test_wider_probes_take_a_bounded_share_of_a_narrow_run() -> None:
     are expected to cost at most about PROBE_SHARE of the run's time; rows that cannot
     commit past W get no probe."""
     table = costs({w: 8.0 + 0.3 * w for w in range(1, 16)})
-    chooser = VerifyWidth("auto", 16, table, plain_step=False, every_width=True)
+    chooser = VerifyWidth("auto", 16, table, plain_step=False, spacing="every")
     widths = _run_steps(chooser, 16, 400, lambda step, row: 5)
     run = widths[1:]
     probed = [w for w in run if w != 5]
@@ -356,5 +385,5 @@ def test_wider_probes_take_a_bounded_share_of_a_narrow_run() -> None:
     assert len(probed) <= len(run) // (PROBE_AFTER + 1) + 1  # never before PROBE_AFTER steps at 5
     extra = sum(table.of(16, w) - table.of(16, 5) for w in probed)
     assert extra <= PROBE_SHARE * sum(table.of(16, w) for w in run)
-    chooser = VerifyWidth("auto", 16, table, plain_step=False, every_width=True)
+    chooser = VerifyWidth("auto", 16, table, plain_step=False, spacing="every")
     assert set(_run_steps(chooser, 16, 60, lambda step, row: 5, limit=5)) == {5}

@@ -415,6 +415,7 @@ def run_once(
         # DFlash with graphs: drafts queued behind a commit that the next step took, or not
         "draft_ahead_queued": stats["draft_ahead"]["queued"] if draft else None,
         "draft_ahead_used": stats["draft_ahead"]["used"] if draft else None,
+        "draft_ahead_widened": stats["draft_ahead"]["widened"] if draft else None,
         "output_tokens": total,
         "wall_s": wall,
     }

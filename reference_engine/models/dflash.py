@@ -123,16 +123,41 @@ class DFlashDraft(nn.Module):
         ops: Kernels = TORCH,
         anchors: torch.Tensor | None = None,
         phase: Phase = untimed,
+        width: int | None = None,
+        hold: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """The proposals' logits [batch, B-1, vocab] and greedy tokens [batch, B-1] from the
-        block's hidden states [batch, B, hidden] (each slot's own argmax: the `anchors`
-        [batch] and the `phase` timing the selector matter to DFlash2 only). Both are taken
-        over every block position, the anchor's included, and sliced: the product then reads
-        B contiguous rows per request, where the proposals' rows alone would need a copy and,
-        in the fast numerics, lead cuBLAS to a kernel eleven times slower (Qwen3-8B's LM head on the
-        H200: 4.8 ms for 240 rows against 0.42 ms for 256)."""
-        logits = self.logits(hidden, lm_head_weight, ops)
+        """The proposals' logits [batch, W, vocab] and greedy tokens [batch, W] from the
+        block's hidden states [batch, B, hidden], for the draft slots 1..W (`width`; every
+        slot, W = B-1, when None): a slot's logits read its own hidden state alone, so those
+        of the first W slots do not depend on the slots after them (the block attention
+        before them is already in the hidden states), and a verify that checks W proposals
+        needs no other. Each slot's own argmax (the `anchors` [batch] and the `phase` timing
+        the selector matter to DFlash2 only). `hold` puts the logits where the caller keeps
+        them (a CUDA graph's shared buffer, graphs.SharedLogits). Both are taken over the
+        anchor's position too, and sliced: the product then reads W + 1 contiguous rows per
+        request, where the proposals' rows alone would need a copy and, in the fast numerics,
+        lead cuBLAS to a kernel eleven times slower (Qwen3-8B's LM head on the H200: 4.8 ms
+        for 240 rows against 0.42 ms for 256)."""
+        logits = self.slot_logits(hidden, lm_head_weight, ops, width, hold)
         return logits[:, 1:], ops.greedy(logits)[:, 1:]
+
+    def slot_logits(
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        ops: Kernels,
+        width: int | None,
+        hold: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Logits [batch, W + 1, vocab] of the anchor's position and draft slots 1..W (every
+        position when `width` is None), through `hold` when given."""
+        if width is not None:
+            if not 0 < width < hidden.shape[1]:
+                blocks = hidden.shape[1]
+                raise ValueError(f"draft width {width} outside 1..{blocks - 1} for a block of {blocks}")
+            hidden = hidden[:, : width + 1]
+        logits = self.logits(hidden, lm_head_weight, ops)
+        return logits if hold is None else hold(logits)
 
     def logits(
         self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, ops: Kernels = TORCH

@@ -27,6 +27,8 @@ a batched matmul whose reduction order a library may choose by shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -234,18 +236,25 @@ class DFlash2Draft(DFlashDraft):
         ops: Kernels = TORCH,
         anchors: torch.Tensor | None = None,
         phase: Phase = untimed,
+        width: int | None = None,
+        hold: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """DFlash's per-slot logits [batch, N, vocab] (the selector's unary scores), the
-        selector's greedy path [batch, N], and what a sampled walk needs: the candidates
-        [batch, N, K] and the edges [batch, N, K, K] (runtime/walk.py). The `selector` phase
-        is what the selector adds to DFlash's logits: the top-K, the edges, the greedy walk."""
+        """DFlash's per-slot logits [batch, W, vocab] (the selector's unary scores), the
+        selector's greedy path [batch, W], and what a sampled walk needs: the candidates
+        [batch, W, K] and the edges [batch, W, K, K] (runtime/walk.py), for the draft slots
+        1..W (`width`, every slot when None; `hold` as DFlash's). The walk goes from the
+        anchor one slot at a time, each slot's edges reading its own hidden state and the
+        slot before it, so the first W slots' path does not depend on the slots after them.
+        The `selector` phase is what the selector adds to DFlash's logits: the top-K, the
+        edges, the greedy walk."""
         if anchors is None:
             raise ValueError(
                 "a DFlash2 draft's proposals need the block's anchors (the selector starts from them)"
             )
-        logits = self.logits(hidden, lm_head_weight, ops)[:, 1:]
+        logits = self.slot_logits(hidden, lm_head_weight, ops, width, hold)[:, 1:]
         with phase("selector"):
             candidates, unary = top_candidates(logits, self.config.selector_top_k)
-            edges = self.candidate_selector.edges(hidden[:, 1:], candidates, unary, anchors, ops)
+            slots = hidden[:, 1 : logits.shape[1] + 1]
+            edges = self.candidate_selector.edges(slots, candidates, unary, anchors, ops)
             tokens = walk_greedy(edges, candidates)
         return logits, tokens, candidates, edges

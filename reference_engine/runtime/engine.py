@@ -57,7 +57,7 @@ from .state import TargetState, checkpoint_every
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
 from .transfer import to_device
-from .verify_width import StepCosts, VerifyWidth, every_width, width_candidates
+from .verify_width import StepCosts, VerifyWidth, width_candidates, width_spacing
 
 __all__ = ["Engine", "EngineConfig", "EngineFullError", "StepOutput"]
 
@@ -129,11 +129,12 @@ class Engine:
         # a plain step (verify width 0) runs on the CPU only: on CUDA neither its captured
         # graphs nor its eager forwards (a verify of one token) have run on a device yet
         plain_step = self.device.type == "cpu"
-        # with CUDA graphs every width is captured and timed by replay, up to EVERY_WIDTH_ROWS
-        # rows (graph memory); eager engines time whole steps, so they keep a small set
-        every = every_width(use_graphs, config.max_num_seqs)
+        # with CUDA graphs the widths are captured and timed by replay: every width up to
+        # EVERY_WIDTH_ROWS rows, spaced by halves past them; eager engines time whole steps, so
+        # they keep a small set
+        spacing = width_spacing(use_graphs, config.max_num_seqs)
         widths = (
-            width_candidates(self.block_size, config.verify_width, plain_step, every)
+            width_candidates(self.block_size, config.verify_width, plain_step, spacing)
             if draft is not None
             else ()
         )
@@ -182,7 +183,7 @@ class Engine:
                 torch.distributed.broadcast_object_list(shared, src=0)
                 step_costs = shared[0]
             self.verify_width = VerifyWidth(
-                config.verify_width, self.block_size, step_costs, plain_step, every
+                config.verify_width, self.block_size, step_costs, plain_step, spacing
             )
         self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
         if self.memory is not None:
@@ -408,6 +409,7 @@ class Engine:
         if self.speculative_step is not None:
             self.speculative_step.ahead = None
             self.speculative_step.ahead_queued = self.speculative_step.ahead_used = 0
+            self.speculative_step.ahead_widened = 0
         self.timer.reset()
 
     def stats(self) -> dict:
@@ -421,11 +423,13 @@ class Engine:
             # speculative steps by the draft tokens each row verified (at most: fewer near max_tokens)
             "verify_widths": dict(sorted(self.verify_widths.items())),
             "fallbacks": dict(self.scheduler.fallbacks),
-            # drafts queued behind a step's commit (speculative_step.DraftAhead), and those the
-            # next step took (the others it drafted afresh: its rows had changed)
+            # drafts queued behind a step's commit (speculative_step.DraftAhead), those the
+            # next step took (the others it drafted afresh: its rows had changed), and of
+            # those the ones whose head it ran again for a wider verify
             "draft_ahead": {
                 "queued": step.ahead_queued if (step := self.speculative_step) is not None else 0,
                 "used": step.ahead_used if step is not None else 0,
+                "widened": step.ahead_widened if step is not None else 0,
             },
             "phases": self.timer.as_dict(),
         }

@@ -56,11 +56,19 @@ class Logits(_Rows):
 
 
 @dataclass
+class DraftHidden(_Rows):
+    """The draft's forward over the blocks before its LM head (a captured draft's body, whose
+    head runs at the verify width: graphs.py)."""
+
+    hidden: torch.Tensor  # [b, B, hidden] final-normed
+
+
+@dataclass
 class Proposals(_Rows):
     """The draft's forward over the blocks."""
 
-    logits: torch.Tensor  # [b, N, vocab] for the N draft slots
-    tokens: torch.Tensor  # [b, N] greedy proposals
+    logits: torch.Tensor  # [b, W, vocab] for draft slots 1..W (W = N unless the step verifies fewer)
+    tokens: torch.Tensor  # [b, W] greedy proposals
     # DFlash2: the selector's candidates [b, N, K] and edges [b, N, K, K], for a sampled walk
     candidates: torch.Tensor | None = None
     edges: torch.Tensor | None = None

@@ -45,7 +45,7 @@ import torch
 from ..kernels import Kernels
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft, DraftState
-from .forwards import Logits, Proposals, StepInputs, Verified
+from .forwards import DraftHidden, Logits, Proposals, StepInputs, Verified
 from .state import TargetState
 from .transfer import to_pinned
 from .verify_width import timing_ids
@@ -115,6 +115,33 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+class SharedLogits:
+    """Logits buffers shared by the graphs of one bucket whose replays never overlap in use
+    (the verify widths: a step replays one and reads its logits before the next verify): a
+    flat [rows x capacity, vocab] buffer per bucket, of which a block of W + 1 tokens takes
+    the first rows x (W + 1) rows. A graph copies its logits in (one pass over them, about
+    0.05 ms at 64 x 6 rows of a 152K vocabulary), and its own logits are then a temporary
+    that the capture frees, for the next graph of the pool to reuse. The buffer is made at
+    the first (widest) graph's warm-up run, outside any capture."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity  # block tokens of the widest graph
+        self.buffers: dict[int, torch.Tensor] = {}  # rows -> [rows x capacity, vocab]
+
+    def hold(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [rows, T, vocab] copied into the bucket's buffer; returns the copy's view."""
+        rows, tokens, vocab = logits.shape
+        if tokens > self.capacity:
+            raise ValueError(f"a block of {tokens} tokens in logits buffers of {self.capacity}")
+        buffer = self.buffers.get(rows)
+        if buffer is None or buffer.shape[1] != vocab or buffer.dtype != logits.dtype:
+            buffer = torch.empty((rows * self.capacity, vocab), dtype=logits.dtype, device=logits.device)
+            self.buffers[rows] = buffer
+        view = buffer[: rows * tokens].view(rows, tokens, vocab)
+        view.copy_(logits)
+        return view
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -152,12 +179,23 @@ class EngineGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         # each by (bucket, block tokens): decode 1, draft B, verify and commit W + 1
         self.decode_graphs: dict[tuple[int, int], _Graph] = {}
-        self.draft_graphs: dict[tuple[int, int], _Graph] = {}
+        self.draft_graphs: dict[tuple[int, int], _Graph] = {}  # the draft's layers over the block
+        # the draft's LM head (and a DFlash2 selector) over the hidden states the bucket's
+        # draft graph left, by (bucket, W): the proposals of draft slots 1..W, each verify
+        # width's own (a verify of W proposals needs no other)
+        self.draft_head_graphs: dict[tuple[int, int], _Graph] = {}
+        self.drafted: int | None = None  # the bucket of the last draft replayed (None: eager)
         self.verify_graphs: dict[tuple[int, int], _Graph] = {}
         # the commit of a speculative step: it reads the verify graph's static inputs and
         # outputs, so it replays only after the verify of the same key replayed
         self.commit_graphs: dict[tuple[int, int], _Graph] = {}
         self.prefill_graphs: dict[tuple[int, int], _Graph] = {}  # by (rows, tokens)
+        # one logits buffer per bucket that every verify width's graph writes (the first
+        # rows x (W + 1) rows of it, SharedLogits): a step replays one verify, so the widths
+        # need not each keep their own [rows, W + 1, vocab] (Qwen3-8B at 64 rows: 0.3 GiB for
+        # a block of 16 alone)
+        self.verify_logits = SharedLogits(max(self.verify_widths) + 1)
+        self.draft_logits = SharedLogits(block_size)  # the draft heads' likewise
         self.verified: tuple[int, int] | None = None  # the key of this step's replayed verify
 
     # ------------------------------------------------------------------ capture
@@ -171,7 +209,12 @@ class EngineGraphs:
         for b in sorted(self.buckets, reverse=True):
             self.decode_graphs[b, 1] = self._capture(b, 1, self._decode_body)
             if self.draft is not None:
-                self.draft_graphs[b, self.block_size] = self._capture(b, self.block_size, self._draft_body)
+                body = self._capture(b, self.block_size, self._draft_body)
+                self.draft_graphs[b, self.block_size] = body
+                for w in sorted((w for w in self.verify_widths if w > 0), reverse=True):
+                    self.draft_head_graphs[b, w] = self._capture(
+                        b, self.block_size, self._draft_head_body(body.outputs.hidden, w), inputs=body.inputs
+                    )
                 for w in sorted(self.verify_widths, reverse=True):
                     self.verify_graphs[b, w + 1] = self._capture(b, w + 1, self._verify_body)
         if progress:
@@ -280,13 +323,25 @@ class EngineGraphs:
         logits = out.logits[:, -1]
         return Logits(logits, self.ops.greedy(logits))
 
-    def _draft_body(self, x: StepInputs) -> Proposals:
+    def _draft_body(self, x: StepInputs) -> DraftHidden:
         dcfg = self.draft.config
         embeds = self.target.embed(x.ids) * dcfg.input_embedding_scale
-        hidden = self.draft(
-            embeds, x.positions, x.slots, self.draft_state, 1, valid_len=x.valid, ops=self.ops
+        return DraftHidden(
+            self.draft(embeds, x.positions, x.slots, self.draft_state, 1, valid_len=x.valid, ops=self.ops)
         )
-        return Proposals(*self.draft.proposals(hidden, self.target.lm_head_weight, self.ops, x.ids[:, 0]))
+
+    def _draft_head_body(self, hidden: torch.Tensor, width: int) -> Callable[[StepInputs], Proposals]:
+        """The head of draft slots 1..`width` over `hidden` [rows, B, hidden] (a draft graph's
+        static output), its logits in the bucket's shared buffer."""
+
+        def body(x: StepInputs) -> Proposals:
+            head = self.target.lm_head_weight
+            hold = self.draft_logits.hold
+            return Proposals(
+                *self.draft.proposals(hidden, head, self.ops, x.ids[:, 0], width=width, hold=hold)
+            )
+
+        return body
 
     def _verify_body(self, x: StepInputs) -> Verified:
         out = self.target(
@@ -300,7 +355,7 @@ class EngineGraphs:
             record=self.record,
             ops=self.ops,
         )
-        return Verified(out.logits, out.features, self.ops.greedy(out.logits))
+        return Verified(self.verify_logits.hold(out.logits), out.features, self.ops.greedy(out.logits))
 
     def step_seconds(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Device seconds of a speculative step's replayed draft, verify and commit, by (bucket,
@@ -313,7 +368,11 @@ class EngineGraphs:
         out = {}
         vocab = self.target.config.vocab_size
         for (b, width), verify in sorted(self.verify_graphs.items()):
-            fed = [self.draft_graphs[b, self.block_size]] if width > 1 else []
+            fed = (
+                [self.draft_graphs[b, self.block_size], self.draft_head_graphs[b, width - 1]]
+                if width > 1
+                else []
+            )
             fed.append(verify)
             for g in fed:
                 g.inputs.ids.copy_(timing_ids(*g.inputs.ids.shape, vocab, self.device))
@@ -407,10 +466,29 @@ class EngineGraphs:
         [b] (views of static buffers), or None when no graph fits."""
         return self._replay(self.decode_graphs, ids, positions, slots, None)
 
-    def propose(self, ids, positions, slots, valid) -> Proposals | None:
-        """The draft forward over full blocks [b, B]: draft logits [b, B-1, vocab] and greedy
-        proposals [b, B-1], or None."""
-        return self._replay(self.draft_graphs, ids, positions, slots, valid)
+    def propose(self, ids, positions, slots, valid, width: int) -> Proposals | None:
+        """The draft forward over full blocks [b, B] and its head for draft slots 1..`width`
+        (a captured verify width): draft logits [b, width, vocab] and greedy proposals
+        [b, width], or None (nothing replayed)."""
+        hidden = self._replay(self.draft_graphs, ids, positions, slots, valid)
+        self.drafted = None if hidden is None else self._bucket(ids.shape[0])
+        if hidden is None:
+            return None
+        out = self.draft_head(ids.shape[0], width)
+        if out is None:  # no head graph of this width: the head eagerly, on the layers' output
+            head = self.target.lm_head_weight
+            out = Proposals(*self.draft.proposals(hidden.hidden, head, self.ops, ids[:, 0], width=width))
+        return out
+
+    def draft_head(self, rows: int, width: int) -> Proposals | None:
+        """The head of draft slots 1..`width` over what the last replayed draft left (its
+        first `rows` rows), or None when the last draft ran eagerly or `width` was not
+        captured."""
+        g = self.draft_head_graphs.get((self.drafted, width)) if self.drafted is not None else None
+        if g is None:
+            return None
+        g.graph.replay()
+        return g.outputs.head(rows)
 
     def verify(self, ids, positions, slots, valid) -> Verified | None:
         """The verify forward over blocks [b, W + 1] of a captured verify width: logits

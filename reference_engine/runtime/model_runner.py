@@ -151,20 +151,34 @@ class ModelRunner:
         valid: torch.Tensor,
         kv_len: int,
         phase: Phase = untimed,
+        width: int | None = None,
     ) -> Proposals:
         """The draft's forward over every row's block [b, N + 1] (anchor and mask tokens):
-        its logits and greedy proposals for the N draft slots. `phase` times a DFlash2
-        draft's convolution and selector in an eager forward; a replayed one is one graph,
-        whose parts the host cannot time."""
-        replayed = self.graphs.propose(block, positions, slots, valid) if self.graphs is not None else None
+        its logits and greedy proposals for draft slots 1..`width` (all N when None; the
+        slots after them change none of theirs, DFlashDraft.proposals). `phase` times a
+        DFlash2 draft's convolution and selector in an eager forward; a replayed one is one
+        graph, whose parts the host cannot time."""
+        N = block.shape[1] - 1
+        width = N if width is None else width
+        replayed = (
+            self.graphs.propose(block, positions, slots, valid, width) if self.graphs is not None else None
+        )
         if replayed is not None:
             return replayed
+        if self.graphs is not None:
+            self.graphs.drafted = None  # the draft graphs' buffers do not hold this block
         embeds = self.target.embed(block) * self.draft.config.input_embedding_scale
         hidden = self.draft(
             embeds, positions, slots, self.draft_state, kv_len, valid_len=valid, ops=self.ops, phase=phase
         )
         head = self.target.lm_head_weight
-        return Proposals(*self.draft.proposals(hidden, head, self.ops, block[:, 0], phase=phase))
+        return Proposals(*self.draft.proposals(hidden, head, self.ops, block[:, 0], phase=phase, width=width))
+
+    def repropose(self, rows: int, width: int) -> Proposals | None:
+        """The proposals of draft slots 1..`width` of the blocks the last draft forward ran
+        (its first `rows` rows), from the hidden states it left in its graph, or None when it
+        ran eagerly (nothing kept)."""
+        return self.graphs.draft_head(rows, width) if self.graphs is not None else None
 
     def verify(
         self,

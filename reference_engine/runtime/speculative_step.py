@@ -67,6 +67,9 @@ class Rows:
     remaining_t: torch.Tensor  # [b] tokens each row may still produce, on the device
     positions: torch.Tensor  # [b, N + 1] anchor and draft slots, N = max(n)
     kv_len: int  # attention rows a forward of this step may read
+    # the draft slots whose proposals the step takes (the verify's width when it checks fewer
+    # than N: the slots after them change none of theirs); None: all N
+    draft_width: int | None = None
 
 
 @dataclass
@@ -83,6 +86,7 @@ class DraftAhead:
     seqs: list[Sequence]
     block: torch.Tensor  # [b, N + 1] the bonus tokens, then mask tokens
     drafted: Proposals  # views of the draft graph's outputs, valid until its next replay
+    width: int  # the draft slots its head ran for (the queuing step's; a wider step runs it again)
     starts: list[int] | None = None  # each row's next anchor position (set once read)
     n: list[int] | None = None  # each row's next draft tokens
 
@@ -162,6 +166,7 @@ class SpeculativeStep:
         self.ahead: DraftAhead | None = None
         self.ahead_queued = self.ahead_used = 0  # drafts queued ahead, and those a step took
         self.ahead_narrowed = 0  # of those, taken for some of their rows (others had ended)
+        self.ahead_widened = 0  # of those, taken by a step wider than their head (run again)
         self.deferred: dict[int, DeferredContext] = {}  # id(seq) -> its plain steps' context
 
     def __call__(
@@ -173,7 +178,7 @@ class SpeculativeStep:
         be queued now (DraftAhead)."""
         if width == 0 and all(s.params.greedy for s in seqs):
             return self.plain_step(seqs)
-        rows = self.rows(seqs)
+        rows = self.rows(seqs, width)
         if width == 0:  # a plain step (verify_width.py): the anchor alone, no draft forward
             self.ahead = None  # a draft queued for it goes unused
             rows = self.verified_rows(rows, 0)
@@ -181,7 +186,7 @@ class SpeculativeStep:
         else:
             with self.timer.phase("draft"):
                 block, proposals, draft_probs = self.propose(rows)
-        if width is not None and width < proposals.shape[1]:
+        if width is not None and width < rows.positions.shape[1] - 1:
             rows = self.verified_rows(rows, width)
             W = rows.positions.shape[1] - 1
             block, proposals = block[:, : W + 1].contiguous(), proposals[:, :W]
@@ -353,7 +358,9 @@ class SpeculativeStep:
             self.draft.append_context(features, positions, slots, self.draft_state, self.ops)
 
     # ------------------------------------------------------------------ layout
-    def rows(self, seqs: list[Sequence]) -> Rows:
+    def rows(self, seqs: list[Sequence], width: int | None = None) -> Rows:
+        """The step's rows, their blocks of N + 1 positions, and the draft slots whose
+        proposals a verify of `width` takes (Rows.draft_width)."""
         n = [min(self.block_size - 1, s.remaining) for s in seqs]
         N = self.block_size - 1 if self.pad_blocks else max(n)
         starts = self.anchor_positions(seqs)
@@ -364,8 +371,10 @@ class SpeculativeStep:
         packed = to_device(starts + slot_ids + n + anchors + remaining, self.device)
         starts_t, slots_t, n_t, anchors_t, remaining_t = packed.split(len(seqs))
         positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
+        kv_len = max(starts) + N + 1
+        draft_width = None if width is None or width >= N else width
         return Rows(
-            seqs, slot_ids, slots_t, starts, n, n_t, anchors_t, remaining_t, positions, max(starts) + N + 1
+            seqs, slot_ids, slots_t, starts, n, n_t, anchors_t, remaining_t, positions, kv_len, draft_width
         )
 
     def verified_rows(self, rows: Rows, width: int) -> Rows:
@@ -385,6 +394,7 @@ class SpeculativeStep:
             rows.remaining_t,
             rows.positions[:, : W + 1],
             max(rows.starts) + W + 1,
+            rows.draft_width,
         )
 
     def anchor_positions(self, seqs: list[Sequence]) -> list[int]:
@@ -409,12 +419,14 @@ class SpeculativeStep:
         kv_len: int,  # what an eager forward reads (a replayed one ignores it)
     ) -> None:
         """Queue the next step's draft (DraftAhead): each row's bonus as its anchor, at its
-        start + processed."""
+        start + processed, its head at this step's draft width (the next step's most likely
+        one)."""
         self.flush_context(rows.seqs, only=True)
         block = self.block_of(bonus, N)
         positions = (rows.positions[:, 0] + processed)[:, None] + torch.arange(N + 1, device=self.device)
-        drafted = self.runner.propose(block, positions, rows.slots, n + 1, kv_len)
-        self.ahead = DraftAhead(list(rows.seqs), block, drafted)
+        width = N if rows.draft_width is None else min(rows.draft_width, N)
+        drafted = self.runner.propose(block, positions, rows.slots, n + 1, kv_len, width=width)
+        self.ahead = DraftAhead(list(rows.seqs), block, drafted, width)
         self.ahead_queued += 1
 
     def launch_ahead_replayed(self, rows: Rows, bonus: torch.Tensor, processed: torch.Tensor) -> None:
@@ -444,14 +456,22 @@ class SpeculativeStep:
 
     def propose(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
         """One draft forward over every row's block (or the one queued for these rows by the
-        step before, DraftAhead). Returns (block [b, N + 1]: anchor and proposals, proposals
-        [b, N], draft distributions per row (sampled rows only)). A DFlash2 draft's greedy
-        proposals are its selector's path; its sampled rows draw along the path (walk.py)."""
+        step before, DraftAhead), its head for draft slots 1..W (W = Rows.draft_width, N when
+        None). Returns (block [b, W + 1]: anchor and proposals, proposals [b, W], draft
+        distributions per row (sampled rows only)). A DFlash2 draft's greedy proposals are
+        its selector's path; its sampled rows draw along the path (walk.py)."""
         N = rows.positions.shape[1] - 1
+        W = N if rows.draft_width is None else min(rows.draft_width, N)
         ahead, self.ahead = self.ahead, None
         taken = ahead.rows_for(rows) if ahead is not None else None
+        drafted = None
         if taken is not None:
-            block, drafted = ahead.block, ahead.drafted
+            drafted = ahead.drafted
+            if ahead.width < W:  # queued for a narrower step: its head again, over its layers
+                drafted = self.runner.repropose(len(ahead.seqs), W)
+                self.ahead_widened += drafted is not None
+        if drafted is not None:
+            block = ahead.block
             if taken != list(range(len(ahead.seqs))):  # rows ended: their blocks are left out
                 at = to_device(taken, self.device)
                 block, drafted = block.index_select(0, at), drafted.rows(at)
@@ -462,16 +482,16 @@ class SpeculativeStep:
             block = self.block_of(rows.anchors, N)
             with self.timer.parts() as part:  # a DFlash2 draft's convolution and selector, when eager
                 drafted = self.runner.propose(
-                    block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, part
+                    block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, part, width=W
                 )
-        draft_logits = drafted.logits  # [b, N, vocab], until the next replay
-        proposals = drafted.tokens.clone()  # [b, N]
+        draft_logits = drafted.logits[:, :W]  # [b, W, vocab], until the next replay
+        proposals = drafted.tokens[:, :W].clone()  # [b, W] (a queued draft's head may be wider)
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
         guesses = {}  # tests and benchmarks: the oracle's scheduled proposals, row -> ids
         for i, seq in enumerate(rows.seqs):
-            n_i = rows.n[i]
+            n_i = min(rows.n[i], W)
             if seq.oracle is not None:
-                guesses[i] = seq.oracle.propose(seq.spec.steps, len(seq.output_ids), n_i)
+                guesses[i] = seq.oracle.propose(seq.spec.steps, len(seq.output_ids), rows.n[i])[:W]
             elif not seq.params.greedy and drafted.edges is not None:  # DFlash2: along the walk
                 p = seq.params
                 proposals[i, :n_i], draft_probs[i] = sample_walk(
@@ -488,13 +508,13 @@ class SpeculativeStep:
                 draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)
                 proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
         if guesses:  # one host-to-device copy for every oracle row (-1: keep the draft's)
-            width = proposals.shape[1]
-            guessed = to_device([g + [-1] * (width - len(g)) for g in guesses.values()], self.device)
+            guessed = to_device([g + [-1] * (W - len(g)) for g in guesses.values()], self.device)
             at = to_device(list(guesses), self.device)
             proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
         proposals.clamp_(0, self.target.config.vocab_size - 1)
+        block = block[:, : W + 1]
         block[:, 1:] = proposals
         return block, proposals, draft_probs
 

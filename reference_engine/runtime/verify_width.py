@@ -1,8 +1,10 @@
 """The verify width: how many of its draft tokens each request's block verifies in a step.
 
-The draft always proposes the full block (B-1 tokens: its block attention is bidirectional,
-so a narrower block would change the proposals, and the acceptance measured on them); the
-verify runs the anchor and the first W proposals of every row. Verifying fewer never changes
+The draft's layers always run the full block (B-1 mask tokens: its block attention is
+bidirectional, so a narrower block would change the proposals, and the acceptance measured on
+them); its LM head runs for draft slots 1..W alone (a slot's logits read its own hidden
+state), and the verify runs the anchor and those W proposals of every row. Verifying fewer
+never changes
 output: a step commits the longest accepted prefix of what it verified plus the target's own
 token after it, so a narrower verify commits fewer tokens per step, each the token plain
 greedy decode gives. What it changes is cost: a verify of rows x (W + 1) tokens is bound by
@@ -16,9 +18,14 @@ is captured and its step replayed and timed at start-up, and a verify's cost gro
 every token it checks where the verify is bound by what its tokens read (a mixture of
 experts reads each token's experts: on Qwen3.5-35B-A3B a verify of one row costs about
 0.4 ms more per token) or by arithmetic (a wide batch), so a W one short of the next power
-of two is worth having. Past EVERY_WIDTH_ROWS rows, and without graphs (where the costs
-come from timing eager steps, slow on a CPU), the set is small: 0, 1, 3, 7, ... and B-1 (a
-plain step, then blocks of 2, 4, 8, ... and B tokens). The choice:
+of two is worth having. Past EVERY_WIDTH_ROWS rows the graphs cover blocks of 2, 3, 4, 6,
+8, 12, 16, ... tokens and B (`width_spacing` "halves": each block at most 1.5x the one
+before: the Qwen3-8B shape at 64 rows took 19.9 ms a step for blocks of 6 tokens against
+23.1 for blocks of 8, which commit the same where 5 or 6 proposals are accepted). Without
+graphs (the costs then come from timing eager steps at start-up, slow on a CPU) the set is
+smaller: 0, 1, 3, 7, ... and B-1 (a plain step, then blocks of 2, 4, 8, ... and B tokens).
+The choice:
+The choice:
 
     sum over rows i of E_i(min(W, n_i)) / seconds(rows, W),   E_i(w) = 1 + sum_{k<=w} r_i[k]
 
@@ -78,10 +85,11 @@ ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engin
 PROBE_AFTER = 4  # the fewest plain steps in a row before a speculative step measures acceptance again
 PROBE_SHARE = 0.02  # of the plain run's time, what a probe's expected loss may take
 PROBE_LIMIT = 256  # the longest run of plain steps between two such probes
-# the most rows (max_num_seqs) for which CUDA graphs are captured at every width: each verify
-# graph keeps its logits, so every width costs about 4.5x the graph memory of 1, 3, 7, 15
-# (Qwen3-8B at 64 rows: 6.25 GiB against 1.95 GiB), for no gain measured past 16 rows
+# the most rows (max_num_seqs) for which CUDA graphs are captured at every width: past it a
+# bucket's 15 verify graphs (and their commits) cost start-up time for little (Qwen3-8B at 64
+# rows captured in 16.5 s against 7.3 s for 1, 3, 7, 15), so the widths are spaced by halves
 EVERY_WIDTH_ROWS = 16
+SPACINGS = ("every", "halves", "doublings")
 
 
 TIMING_STRIDE = 2_654_435_761  # a prime (Knuth's multiplicative hash): consecutive ids land far apart
@@ -96,29 +104,37 @@ def timing_ids(rows: int, width: int, vocab: int, device: torch.device | str = "
     return ((index * TIMING_STRIDE + 1) % vocab).view(rows, width)
 
 
-def every_width(cuda_graphs: bool, max_rows: int) -> bool:
-    """Whether an engine of `max_rows` rows captures (and may choose) every verify width:
-    with CUDA graphs, up to EVERY_WIDTH_ROWS rows."""
-    return cuda_graphs and max_rows <= EVERY_WIDTH_ROWS
+def width_spacing(cuda_graphs: bool, max_rows: int) -> str:
+    """How densely an engine of `max_rows` rows spaces its candidate widths: with CUDA graphs
+    every width up to EVERY_WIDTH_ROWS rows, blocks spaced by halves past them; without
+    graphs (eager steps timed at start-up) blocks spaced by doublings."""
+    if not cuda_graphs:
+        return "doublings"
+    return "every" if max_rows <= EVERY_WIDTH_ROWS else "halves"
 
 
 def width_candidates(
-    block_size: int, policy: str, plain_step: bool = True, every_width: bool = False
+    block_size: int, policy: str, plain_step: bool = True, spacing: str = "doublings"
 ) -> tuple[int, ...]:
     """The verify widths (draft tokens) a policy may choose: B-1 alone for `fixed`; for `auto`
-    0 (a plain step, with `plain_step`), then 1, 3, 7, ... below B-1 (blocks of 2, 4, 8, ...
-    tokens) and B-1, or with `every_width` every width 1 .. B-1."""
+    0 (a plain step, with `plain_step`), then the widths of the blocks below B and B-1:
+    blocks of 2, 4, 8, ... tokens (`doublings`), of 2, 3, 4, 6, 8, 12, ... (`halves`: powers
+    of two and 1.5 times them), or every width 1 .. B-1 (`every`)."""
     if policy not in VERIFY_WIDTHS:
         raise ConfigError(f"verify width must be one of {', '.join(VERIFY_WIDTHS)}, got {policy!r}")
+    if spacing not in SPACINGS:
+        raise ConfigError(f"width spacing must be one of {', '.join(SPACINGS)}, got {spacing!r}")
     full = block_size - 1
     if policy == "fixed" or full <= 0:
         return (full,)
     out = [0] if plain_step else []
-    if every_width:
+    if spacing == "every":
         return (*out, *range(1, full + 1))
     block = 2
     while block - 1 < full:
         out.append(block - 1)
+        if spacing == "halves" and block + block // 2 - 1 < full:
+            out.append(block + block // 2 - 1)
         block *= 2
     return (*out, full)
 
@@ -249,10 +265,10 @@ class VerifyWidth:
         block_size: int,
         costs: StepCosts | None = None,
         plain_step: bool = True,
-        every_width: bool = False,
+        spacing: str = "doublings",
     ) -> None:
         self.policy, self.block_size = policy, block_size
-        self.candidates = width_candidates(block_size, policy, plain_step, every_width)
+        self.candidates = width_candidates(block_size, policy, plain_step, spacing)
         self.costs = costs or StepCosts.flat(self.candidates)
         if self.candidates[0] == 0 and all(w != 0 for _, w in self.costs.seconds):
             self.candidates = self.candidates[1:]

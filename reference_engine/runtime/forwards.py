@@ -69,7 +69,7 @@ class Proposals(_Rows):
 
     logits: torch.Tensor  # [b, W, vocab] for draft slots 1..W (W = N unless the step verifies fewer)
     tokens: torch.Tensor  # [b, W] greedy proposals
-    # DFlash2: the selector's candidates [b, N, K] and edges [b, N, K, K], for a sampled walk
+    # DFlash2: the selector's candidates [b, W, K] and edges [b, W, K, K], for a sampled walk
     candidates: torch.Tensor | None = None
     edges: torch.Tensor | None = None
 

@@ -4,10 +4,9 @@ The draft's layers always run the full block (B-1 mask tokens: its block attenti
 bidirectional, so a narrower block would change the proposals, and the acceptance measured on
 them); its LM head runs for draft slots 1..W alone (a slot's logits read its own hidden
 state), and the verify runs the anchor and those W proposals of every row. Verifying fewer
-never changes
-output: a step commits the longest accepted prefix of what it verified plus the target's own
-token after it, so a narrower verify commits fewer tokens per step, each the token plain
-greedy decode gives. What it changes is cost: a verify of rows x (W + 1) tokens is bound by
+never changes output: a step commits the longest accepted prefix of what it verified plus
+the target's own token after it, so a narrower verify commits fewer tokens per step, each
+the token plain greedy decode gives. What it changes is cost: a verify of rows x (W + 1) tokens is bound by
 arithmetic once the batch is wide (64 x 16 rows on the 8B shape), where its committed tokens
 grow slower than its cost.
 
@@ -24,7 +23,6 @@ before: the Qwen3-8B shape at 64 rows took 19.9 ms a step for blocks of 6 tokens
 23.1 for blocks of 8, which commit the same where 5 or 6 proposals are accepted). Without
 graphs (the costs then come from timing eager steps at start-up, slow on a CPU) the set is
 smaller: 0, 1, 3, 7, ... and B-1 (a plain step, then blocks of 2, 4, 8, ... and B tokens).
-The choice:
 The choice:
 
     sum over rows i of E_i(min(W, n_i)) / seconds(rows, W),   E_i(w) = 1 + sum_{k<=w} r_i[k]

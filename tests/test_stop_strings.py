@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from reference_engine.serving.stop_strings import StopStringText, held_back
+from reference_engine.serving.stop_strings import REPLACEMENT, IncrementalText, StopStringText, held_back
 
 # a toy vocabulary: token id -> text (several characters per token, as BPE tokens)
 VOCAB = {0: "Hel", 1: "lo", 2: " wo", 3: "rld", 4: "!", 5: " E", 6: "ND", 7: "\n"}
@@ -97,3 +97,134 @@ def test_held_back_is_the_longest_suffix_that_begins_a_stop() -> None:
     assert held_back("abcab", ("xyz",)) == 0
     assert held_back("abc", ("abc",)) == 0  # a whole match is not a tail to hold
     assert held_back("xa", ("ab", "xab")) == 2
+
+
+# ---------------------------------------------------------------- incremental detokenisation
+# Real tokenizers: the demo checkpoint's byte-level BPE, a SentencePiece-style one (Metaspace:
+# a word's leading space is a token's "▁", dropped at the start of a text), and a WordPiece
+# one, whose decoder joins "##" pieces and cleans spaces around punctuation (it rewrites
+# text across token boundaries).
+
+
+def _metaspace_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "</s>"], show_progress=False)
+    text = "Hello world, héllo wörld! ünïcödé 数字 and more words here."
+    tok.train_from_iterator([text] * 4, trainer=trainer)
+    tok.add_tokens(bytes_)  # byte-fallback pieces: plain tokens, which decode keeps
+    return tok
+
+
+def _wordpiece_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer()
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=200, special_tokens=["[UNK]", "[SEP]"], show_progress=False
+    )
+    tok.train_from_iterator(["Hello, world! Don't stop: it's 3.5 tokens a step."] * 4, trainer=trainer)
+    return tok
+
+
+def _tokenizers():
+    from reference_engine.demo import DEMO_TARGET
+    from reference_engine.tokenizer import load_tokenizer
+
+    return {
+        "byte-level (demo)": load_tokenizer(DEMO_TARGET),
+        "metaspace": _metaspace_tokenizer(),
+        "wordpiece": _wordpiece_tokenizer(),
+    }
+
+
+@pytest.fixture(scope="module")
+def real_tokenizers():
+    return _tokenizers()
+
+
+SPECIALS = {"<|endoftext|>", "<|im_end|>", "</s>", "[SEP]"}
+
+
+def _streamed(decode, ids: list[int], sizes: list[int]) -> list[str]:
+    stream = StopStringText(decode)
+    pieces, at = [], 0
+    for size in itertools.cycle(sizes):
+        at += size
+        pieces.append(stream.push(ids[at - size : at], final=at >= len(ids))[0])
+        if at >= len(ids):
+            return pieces
+
+
+@pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
+def test_incremental_text_is_the_whole_decode_at_every_token(real_tokenizers, name) -> None:
+    """After every token, the incremental text is the decode of the whole output so far, on
+    random ids (byte tokens that split characters, special tokens) as long as that decode
+    only grows (a byte-fallback decoder turns a group of bytes into replacement characters
+    once a later byte makes it invalid, rewriting text already streamed, whoever streams it)."""
+    import random
+
+    tok = real_tokenizers[name]
+    rng = random.Random(3)
+    specials = [i for t, i in tok.get_vocab().items() if t in SPECIALS | {"<unk>", "[UNK]"}]
+    checked = 0
+    for _ in range(150):
+        # a third of them special tokens, which decode skips: runs of them before a word
+        ids = [
+            rng.choice(specials) if rng.random() < 0.35 else rng.randrange(tok.get_vocab_size())
+            for _ in range(rng.randrange(1, 60))
+        ]
+        text = IncrementalText(tok.decode)
+        before = ""
+        for n, token in enumerate(ids, 1):
+            text.push(token)
+            whole = tok.decode(ids[:n])
+            if not whole.startswith(before.rstrip(REPLACEMENT)):
+                break  # the whole decode rewrote its own text
+            assert text.text() == whole, (name, ids[:n])
+            before = whole
+            checked += 1
+    assert checked > 1000
+
+
+@pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
+def test_streamed_text_is_the_whole_decode_for_every_chunking(real_tokenizers, name, caplog) -> None:
+    tok = real_tokenizers[name]
+    ids = tok.encode("Hello wörld, ünïcödé 数字! Don't stop: it's 3.5 tokens.").ids * 3
+    ids[len(ids) // 2 : len(ids) // 2] = [tok.token_to_id(t) for t in tok.get_vocab() if t in SPECIALS][:2]
+    whole = tok.decode(ids)
+    streams = set()
+    with caplog.at_level("WARNING"):
+        for sizes in ([1], [2], [3], [7, 1], [len(ids)]):
+            pieces = _streamed(tok.decode, ids, sizes)
+            assert "".join(pieces) == whole, (name, sizes)
+            streams.add("".join(pieces))
+    assert not [r for r in caplog.records if "differed" in r.getMessage()]
+
+
+def test_incremental_text_decodes_a_window_not_the_whole_output(real_tokenizers) -> None:
+    """Linear cost: each token decodes a few ids, however long the output is (a server that
+    decodes the whole output at every step takes time growing with its square)."""
+    tok = real_tokenizers["byte-level (demo)"]
+    decoded = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 40).ids
+    stream = StopStringText(counting)
+    for i, token in enumerate(ids):
+        stream.push([token], final=i == len(ids) - 1)
+    per_token = (sum(decoded) - len(ids)) / len(ids)  # less the one whole decode at the end
+    assert per_token <= 4 * (IncrementalText.CONTEXT + 2), per_token
+    assert "".join(tok.decode(ids)) == stream.incremental.text()

@@ -212,6 +212,27 @@ def test_reset_zeroes_the_hybrid_state_and_forgets_the_save(hybrid: CausalLM) ->
     assert state.lengths[1] == len(PROMPT)
 
 
+def test_reset_slots_zeroes_those_slots_alone(hybrid: CausalLM) -> None:
+    """The admitted requests' slots at once (one fill a state tensor): each is zeroed and its
+    save forgotten, and a slot not named keeps its state."""
+    state = new_state(hybrid, MAX_LEN, num_slots=4)
+    for slot in range(4):
+        prefill(hybrid, state, slot, PROMPT)
+    state.save_rows([0, 1, 2, 3])
+    state.reset_slots([3, 0, 2])
+    for slot in (0, 2, 3):
+        assert state.lengths[slot] == 0 and state.saved_lengths[slot] is None
+    assert state.lengths[1] == len(PROMPT) and state.saved_lengths[1] == len(PROMPT)
+    for layer in hybrid.config.linear_layers:
+        for slot in (0, 2, 3):
+            assert not state.conv[layer][slot].any() and not state.recurrent[layer][slot].any()
+        assert state.conv[layer][1].any() and state.recurrent[layer][1].any()
+    state.reset_slots([])  # a step that admits nobody
+    assert state.lengths[1] == len(PROMPT)
+    with pytest.raises(RequestError):
+        state.reset_slots([1, 4])
+
+
 def test_state_allocates_kv_for_attention_layers_and_recurrent_state_for_linear_layers(
     hybrid: CausalLM,
 ) -> None:

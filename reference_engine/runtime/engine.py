@@ -323,8 +323,9 @@ class Engine:
     def _step(self) -> list[StepOutput]:
         outputs = StepOutputs(self.target.config.vocab_size)
         with self.timer.phase("schedule"):
-            for seq in self.scheduler.admit():
-                self.state.reset(seq.slot)
+            admitted = self.scheduler.admit()
+            self.state.reset_slots([seq.slot for seq in admitted])
+            for seq in admitted:
                 if seq.cell is not None:
                     self.state.place(seq.slot, seq.cell)
         with self.timer.phase("prefill"):

@@ -231,12 +231,25 @@ class TargetState:
 
     def reset(self, slot: int) -> None:
         """Forget everything held for `slot` (a new request starts from zero state)."""
-        self._check_slot(slot)
-        for tensor in (*self.conv, *self.recurrent):
-            if tensor is not None:
-                tensor[slot].zero_()
-        self.lengths[slot] = 0
-        self.saved_lengths[slot] = None
+        self.reset_slots([slot])
+
+    def reset_slots(self, slots: list[int]) -> None:
+        """`reset` for several slots at once (the requests a step admits): one fill per state
+        tensor, whatever their count. A fill per slot and tensor took about a tenth of a
+        busy DFlash server's engine thread at c16 on the demo pair, on the H200."""
+        for slot in slots:
+            self._check_slot(slot)
+        states = [t for t in (*self.conv, *self.recurrent) if t is not None]
+        if len(slots) == 1:
+            for tensor in states:
+                tensor[slots[0]].zero_()
+        elif slots and states:
+            rows = to_device(slots, self.device)
+            for tensor in states:
+                tensor.index_fill_(0, rows, 0)
+        for slot in slots:
+            self.lengths[slot] = 0
+            self.saved_lengths[slot] = None
 
     def save(self, slot: int) -> None:
         """Copy the slot's Gated DeltaNet state aside, tagged with the current length."""

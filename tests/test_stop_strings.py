@@ -228,3 +228,23 @@ def test_incremental_text_decodes_a_window_not_the_whole_output(real_tokenizers)
     per_token = (sum(decoded) - len(ids)) / len(ids)  # less the one whole decode at the end
     assert per_token <= 4 * (IncrementalText.CONTEXT + 2), per_token
     assert "".join(tok.decode(ids)) == stream.incremental.text()
+
+
+def test_invalid_bytes_do_not_hold_the_window_open(real_tokenizers) -> None:
+    """An output of bytes that never complete a character (a model emitting garbage) decodes
+    to replacement characters: they settle once no later byte can complete them, so the cost
+    stays linear and the text is still the whole decode."""
+    tok = real_tokenizers["byte-level (demo)"]
+    invalid = tok.token_to_id("ÿ")  # the byte 0xFF, never part of UTF-8
+    decoded = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    ids = [invalid] * 300 + tok.encode(" and then text").ids
+    text = IncrementalText(counting)
+    for token in ids:
+        text.push(token)
+    assert text.text() == tok.decode(ids)
+    assert sum(decoded) / len(ids) <= 60  # ids decoded a token; 150 when the bytes wait for good

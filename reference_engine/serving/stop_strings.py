@@ -58,6 +58,7 @@ class IncrementalText:
     strip one the whole output keeps."""
 
     CONTEXT = 4  # settled tokens a window starts before the first unsettled one
+    PENDING_LIMIT = 8  # tokens an incomplete character may hold unsettled
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
@@ -80,7 +81,9 @@ class IncrementalText:
             self._settle(self.decode(self.ids))
             return
         added = now[len(before) :]
-        if added.endswith(REPLACEMENT):  # an incomplete character: wait for its next bytes
+        # an incomplete character: wait for its next bytes (a character spans at most 4 bytes,
+        # so at most 4 tokens: past PENDING_LIMIT the replacement characters are for good)
+        if added.endswith(REPLACEMENT) and len(self.ids) - self.read < self.PENDING_LIMIT:
             self.pending = added
             return
         self._settle(self.settled + added)

@@ -240,10 +240,7 @@ class TargetState:
         for slot in slots:
             self._check_slot(slot)
         states = [t for t in (*self.conv, *self.recurrent) if t is not None]
-        if len(slots) == 1:
-            for tensor in states:
-                tensor[slots[0]].zero_()
-        elif slots and states:
+        if slots and states:
             rows = to_device(slots, self.device)
             for tensor in states:
                 tensor.index_fill_(0, rows, 0)

@@ -30,6 +30,9 @@ BENCH_THREADS ?= $(if $(filter cpu,$(BENCH_DEVICE)),1,)
 # side B's verify-width costs: on the CPU timed from whole eager steps at start-up (plain
 # steps among the choices, docs/engine.md "Verify width"); CUDA graphs time their own
 BENCH_STEP_COSTS ?= $(if $(filter cpu,$(BENCH_DEVICE)),--measure-step-costs,)
+# where each server's engine steps (--engine-loop): empty is the server's auto (a process of its
+# own on a GPU, a thread on the CPU); process or thread to choose
+BENCH_ENGINE_LOOP ?=
 
 # make profile: where each step's time goes, plain vs DFlash, under Nsight Systems
 # (scripts/profile.sh); NSYS=none uses the built-in phase timer instead. PROFILE_ARGS is the
@@ -78,7 +81,8 @@ tiny:
 # Qwen3.5 hybrid target and its DFlash draft) on its held-out prompts, whatever device is
 # present: real acceptance. BENCH_ACCEPTANCE=X forces X with the oracle proposer instead.
 BENCH_SERVE = $(PYTHON) -m reference_engine.serve --model $(DEMO)/target --commit-strategy per_token \
-	--device $(BENCH_DEVICE) --max-num-seqs 16 $(if $(BENCH_THREADS),--threads $(BENCH_THREADS))
+	--device $(BENCH_DEVICE) --max-num-seqs 16 $(if $(BENCH_THREADS),--threads $(BENCH_THREADS)) \
+	$(if $(BENCH_ENGINE_LOOP),--engine-loop $(BENCH_ENGINE_LOOP))
 # BENCH_DRAFT: side B's draft, `dflash` (the shipped DFlash draft), `dflash2` (the shipped
 # DFlash2 draft: docs/demo-pair.md, "A DFlash2 demo draft") or a draft folder for the demo
 # target.

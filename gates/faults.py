@@ -32,7 +32,25 @@ from reference_engine.runtime.scheduler import Scheduler
 from reference_engine.runtime.sequence import Phase
 from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
+from reference_engine.serving.async_engine import AsyncEngine
+from reference_engine.serving.engine_process import ProcessEngine
 from reference_engine.serving.metrics import RequestMetrics, ServerMetrics
+
+
+# ------------------------------------------------------------------ the engine beside the server
+def _totals_a_turn_late(correct):
+    def receive(self, events, totals):
+        late, self._late_totals = getattr(self, "_late_totals", None), totals
+        return correct(self, events, late if totals is not None else None)
+
+    return receive
+
+
+def _dead_engine_leaves_streams(correct):
+    def fail_everything(self, reason):
+        return None
+
+    return fail_everything
 
 
 # ------------------------------------------------------------------ DFlash2 drafts
@@ -465,6 +483,19 @@ FAULTS: dict[str, Fault] = {
     ),
     "positions_off_by_one": Fault(
         "metrics: per-position acceptance labelled from 0", "on_step", _positions_off_by_one, ServerMetrics
+    ),
+    "totals_a_turn_late": Fault(
+        "metrics: each turn's engine totals applied with the next turn's outputs (a client has "
+        "its tokens before the counters have their step)",
+        "receive",
+        _totals_a_turn_late,
+        AsyncEngine,
+    ),
+    "dead_engine_leaves_streams": Fault(
+        "server: an engine process that dies leaves the requests in flight waiting",
+        "fail_everything",
+        _dead_engine_leaves_streams,
+        ProcessEngine,
     ),
     "generation_tokens_per_delivery": Fault(
         "metrics: one generation token counted per delivery, however many a step carried",

@@ -2,6 +2,10 @@
 that the gate fails on a broken engine. Testing only.
 
     python -m gates.faulty_serve FAULT [serve options...]
+
+With its engine in a process of its own (`--engine-loop process`), the engine process imports
+this module as its main one, under the name `__mp_main__`, with the server's arguments: it
+plants the same fault there, for the rest of its life.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import sys
 from reference_engine.serving.server import main
 
 from .faults import FAULTS, planted
+
+if __name__ == "__mp_main__" and len(sys.argv) > 1 and sys.argv[1] in FAULTS:
+    planted(sys.argv[1]).__enter__()  # the engine process: the fault stays for its life
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in FAULTS:

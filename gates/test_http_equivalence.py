@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harness.answer import ERRORS, error_class
@@ -202,6 +203,37 @@ def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_
     assert summary["verdict"] == "fail" and summary["mismatches"] > 0
     first = next(d for r in results for d in r.divergences)
     assert first.baseline_token != first.candidate_token and first.margin is not None
+
+
+@pytest.mark.parametrize("fault", [None, "skip_state_rollback"])
+def test_our_dflash_server_with_its_engine_in_a_process_is_exact_and_a_fault_planted_there_fails(
+    baseline_server, tiny_dirs, fault: str | None
+) -> None:
+    """The engine in a process of its own (`--engine-loop process`): the same tokens over the
+    pipe; the planted fault reaches that process (gates/faulty_serve.py) and fails the gate."""
+    candidate = ServerProcess(
+        *([fault] if fault else []),
+        "--model",
+        str(tiny_dirs[0]),
+        "--dflash-draft-model-path",
+        str(tiny_dirs[1]),
+        "--dtype",
+        "float64",
+        "--engine-loop",
+        "process",
+        module="gates.faulty_serve" if fault else "reference_engine.serve",
+    )
+    try:
+        assert httpx.get(candidate.url + "/info").json()["engine_loop"] == "process"
+        results, summary = run_compare(
+            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy("strict")
+        )
+    finally:
+        candidate.stop()
+    if fault is None:
+        assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
+    else:
+        assert summary["verdict"] == "fail" and summary["mismatches"] > 0, summary
 
 
 def test_our_dflash_server_is_exact_at_each_concurrency_and_context_of_the_gate_set(

@@ -93,6 +93,7 @@ def test_the_kv_cache_usage_is_the_share_of_cells_held_and_is_exported(tiny_chec
     from reference_engine.checkpoint import load_target
     from reference_engine.runtime.engine import Engine, EngineConfig
     from reference_engine.runtime.request import SamplingParams
+    from reference_engine.serving.async_engine import EngineTotals
     from reference_engine.serving.metrics import ServerMetrics
 
     target = load_target(tiny_checkpoint("qwen3"), dtype=torch.float32)
@@ -103,7 +104,7 @@ def test_the_kv_cache_usage_is_the_share_of_cells_held_and_is_exported(tiny_chec
         engine.add_request("a", [3] * 10, SamplingParams(max_tokens=20, ignore_eos=True))  # 4 cells
         engine.step()
     assert pooled.kv_cache_usage() == 4 / 8 and slots.kv_cache_usage() == 1 / 4
-    page, _ = ServerMetrics().render(pooled)
+    page, _ = ServerMetrics().render(EngineTotals.of(pooled))
     assert b"dflash:kv_cache_usage_perc 0.5" in page
 
 

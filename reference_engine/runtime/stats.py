@@ -159,8 +159,10 @@ class PhaseTimer:
         self.device_s.clear()
         self.calls.clear()
 
-    def as_dict(self) -> dict:
-        self.flush(wait=True)
+    def as_dict(self, wait: bool = True) -> dict:
+        """The totals so far; without `wait`, device times of phases still running are left
+        for a later call (what a reader does after every step: no wait for the device)."""
+        self.flush(wait=wait)
         out = {f"host_s_{k}": v for k, v in sorted(self.host_s.items())}
         out.update({f"device_s_{k}": v for k, v in sorted(self.device_s.items())})
         return out

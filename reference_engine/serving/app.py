@@ -55,17 +55,18 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/info", dependencies=scope_all)
     async def info():
         """What a benchmark records about this server (harness meta.json, the report's run table)."""
-        engine = server.engine
+        engine = server.info
         return {
             "model": server.name,
             "torch": torch.__version__,
-            "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": engine.device,
+            "dtype": engine.dtype,
             "numerics": engine.numerics,
-            "mode": "dflash" if engine.draft is not None else "plain",
-            "block_size": engine.block_size or None,
-            "max_num_seqs": engine.config.max_num_seqs,
-            "threads": torch.get_num_threads(),
+            "mode": "dflash" if engine.speculative else "plain",
+            "block_size": engine.block_size,
+            "max_num_seqs": engine.max_num_seqs,
+            "threads": engine.threads,
+            "engine_loop": server.loop_mode,
             "default_temperature": DEFAULT_TEMPERATURE,
         }
 
@@ -80,7 +81,7 @@ def create_app(server: Server) -> FastAPI:
     async def metrics(request: Request):
         # OpenMetrics for a scraper that asks for it (Prometheus sends it first in Accept)
         openmetrics = "application/openmetrics-text" in request.headers.get("accept", "")
-        page, content_type = server.metrics.render(server.engine, openmetrics)
+        page, content_type = server.metrics.render(server.lifecycle.totals(), openmetrics)
         return Response(page, media_type=content_type)
 
     @app.post("/v1/completions", dependencies=generating)

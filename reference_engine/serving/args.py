@@ -44,6 +44,7 @@ class ServeArgs:
     max_connections: int = 512
     metrics_names: tuple[str, ...] = ("dflash",)
     tensor_parallel_size: int = 1
+    engine_loop: str = "auto"
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> ServeArgs:
@@ -103,6 +104,14 @@ class ServeArgs:
             "verify_width",
             "measure_step_costs",
             "tensor_parallel_size",
+        )
+        p.add_argument(
+            "--engine-loop",
+            choices=("auto", "process", "thread"),
+            default="auto",
+            help="where the engine steps: a process of its own beside the HTTP server, which "
+            "then never waits for the engine's interpreter lock, or a thread of the server's "
+            "process; auto (default): process on a GPU at one rank, thread otherwise",
         )
         p.add_argument(
             "--max-body-mb",

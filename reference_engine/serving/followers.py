@@ -92,7 +92,7 @@ class LeadingEngine:
         self.sent_s = time.monotonic()
 
 
-def follow(engine: Engine, make_oracle: MakeOracle) -> None:
+def follow(engine: Engine, make_oracle: MakeOracle | None) -> None:
     """A follower's loop: rank 0's calls, then its step, until the stop marker."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when to stop, after its drain
@@ -103,7 +103,8 @@ def follow(engine: Engine, make_oracle: MakeOracle) -> None:
         for call in calls:
             if call[0] == "add":
                 _, request_id, prompt_ids, params, seed = call
-                _add(engine, request_id, prompt_ids, params, seed, make_oracle(params))
+                oracle = make_oracle(params) if make_oracle is not None else None
+                _add(engine, request_id, prompt_ids, params, seed, oracle)
             elif call[1] in engine.scheduler.known:  # else it finished here already
                 engine.abort(call[1])
         if kind == "stop":

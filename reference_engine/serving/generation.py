@@ -1,4 +1,4 @@
-"""One request as its client sees it: submitted to the engine thread, then read as one
+"""One request as its client sees it: submitted to the engine loop, then read as one
 stream of events (`Generation.events`) from which both replies are made (replies.py), so a
 streamed and a non-streamed reply to the same request cannot disagree.
 
@@ -73,7 +73,7 @@ class Generation:
         counted: RequestMetrics,
     ) -> None:
         self.server, self.request_id, self.parsed = server, request_id, parsed
-        self.queue = queue  # from the engine thread: StepOutputs, then one Finished
+        self.queue = queue  # from the engine loop: StepOutputs, then one Finished
         self.counted = counted
         self.text = StopStringText(server.detokenize, parsed.stop)
 

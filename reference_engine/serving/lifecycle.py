@@ -8,7 +8,7 @@ connections.py).
   as soon as nothing is in flight. No stream is cut mid-frame: uvicorn's own cancellation is
   only a backstop after the grace period. A second signal skips what is left of the grace.
 
-`Lifecycle` is the one home of that policy's state: the engine thread (started and stopped
+`Lifecycle` is the one home of that policy's state: the engine loop (started and stopped
 with the app), whether the server is draining, what /health reports, and what the deadline
 does; `GracefulServer` only decides when.
 """
@@ -22,7 +22,7 @@ from types import FrameType
 
 import uvicorn
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineTotals
 from .protocol import ProtocolError
 
 BACKSTOP_S = 5.0  # after the grace period, how long the error events get to be written
@@ -67,14 +67,14 @@ class GracefulServer(uvicorn.Server):
 
 
 class Lifecycle:
-    """The server's life: the engine thread runs while the app does (`lifespan`); from the
+    """The server's life: the engine loop runs while the app does (`lifespan`); from the
     first signal it is draining (`admit` refuses new requests with 503, /health says so); at
     the end of the grace period the requests left end with ShuttingDown (`deadline`)."""
 
     def __init__(self, start_runner: Callable[[], AsyncEngine], grace_s: float) -> None:
         self.start_runner = start_runner
         self.grace_s = grace_s
-        self.runner: AsyncEngine | None = None  # the engine's own thread, from the app's startup
+        self.runner: AsyncEngine | None = None  # the engine's loop, from the app's startup
         self.draining = False
 
     @asynccontextmanager
@@ -110,4 +110,8 @@ class Lifecycle:
             )
 
     def idle(self) -> bool:
-        return self.runner is None or not self.runner.streams
+        return self.runner is None or not self.runner.busy()
+
+    def totals(self) -> EngineTotals:
+        """The engine's latest totals (what /metrics shows of its gauges)."""
+        return EngineTotals() if self.runner is None else self.runner.totals

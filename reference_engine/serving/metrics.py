@@ -28,15 +28,18 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
 - `dflash:phase_seconds_total{phase}`: engine time per phase (CUDA-event time on a GPU).
 
 Two sources. What the engine did (the spec counters, fallbacks, phase times, gauges) advances
-on the engine thread after each step by exactly the engine's own statistics (`on_step`),
-before the step's tokens reach any client. What each client got (the request, token and
-latency metrics) is counted by the handler that answers the request (`RequestMetrics`): only
-it knows how the request ended, since it cuts stop strings and sees a client go away.
+by exactly the engine's own statistics after each step (`on_step`, with the totals the engine
+loop delivers with the step's outputs, async_engine.py), before the step's tokens reach any
+client; device times of a step's phases come a turn later, when their events are done. What
+each client got (the request, token and latency metrics) is counted by the handler that
+answers the request (`RequestMetrics`): only it knows how the request ended, since it cuts
+stop strings and sees a client go away.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -48,7 +51,9 @@ from prometheus_client import (
 )
 from prometheus_client.openmetrics import exposition as openmetrics_text
 
-from ..runtime.engine import Engine
+if TYPE_CHECKING:
+    from .async_engine import EngineTotals
+
 
 PREFIX = "dflash"
 # prefix -> the number its per-position label gives the first draft token
@@ -157,42 +162,43 @@ class ServerMetrics:
                 each.inc(delta)
         self._seen[key] = value
 
-    def on_step(self, engine: Engine) -> None:
-        """Called on the engine thread after each step, before its outputs are handed on."""
-        if engine.stats_epoch != self._epoch:  # Engine.reset_stats: every total restarted from zero
+    def on_step(self, totals: EngineTotals) -> None:
+        """Called on the event loop with each turn's engine totals, before its outputs are
+        handed on."""
+        if totals.stats_epoch != self._epoch:  # Engine.reset_stats: every total restarted from zero
             self._seen.clear()
-            self._epoch = engine.stats_epoch
-        spec = engine.spec_totals
+            self._epoch = totals.stats_epoch
+        spec = totals.spec_totals
         names = self.acceptance
         self._advance("drafts", [c.drafts for c in names], spec.steps)
         self._advance("draft_tokens", [c.draft_tokens for c in names], spec.proposed)
         self._advance("accepted", [c.accepted for c in names], spec.accepted)
         for pos, count in spec.accepted_per_position.items():
             self._advance(f"pos{pos}", [c.at(pos) for c in names], count)
-        for width, count in engine.verify_widths.items():
+        for width, count in totals.verify_widths.items():
             self._advance(f"width:{width}", self.verify_width.labels(width=str(width)), count)
-        for reason, count in engine.scheduler.fallbacks.items():
+        for reason, count in totals.fallbacks.items():
             self._advance(f"fallback:{reason}", self.fallbacks.labels(reason=reason), count)
-        kind = "device_s_" if engine.device.type == "cuda" else "host_s_"
-        for name, seconds in engine.timer.as_dict().items():
+        kind = "device_s_" if totals.device_type == "cuda" else "host_s_"
+        for name, seconds in totals.phases.items():
             if name.startswith(kind):
                 phase = name[len(kind) :]
                 self._advance(name, self.phase_seconds.labels(phase=phase), seconds)
-        self.running.set(len(engine.scheduler.active))
-        self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_cache_usage.set(engine.kv_cache_usage())
+        self._gauges(totals)
+
+    def _gauges(self, totals: EngineTotals) -> None:
+        self.running.set(totals.running)
+        self.waiting.set(totals.waiting)
+        self.kv_cache_usage.set(totals.kv_cache_usage)
 
     def request(self, prompt_tokens: int, arrival_s: float) -> RequestMetrics:
         """The metrics of one request that arrived at `arrival_s` (time.monotonic())."""
         return RequestMetrics(self, prompt_tokens, arrival_s)
 
-    def render(self, engine: Engine, openmetrics: bool = False) -> tuple[bytes, str]:
+    def render(self, totals: EngineTotals, openmetrics: bool = False) -> tuple[bytes, str]:
         """The page and its content type: Prometheus text 0.0.4, or OpenMetrics 1.0.0 for a
-        scraper that asks for it."""
-        # gauges are read at scrape time too: an idle engine takes no step to refresh them
-        self.running.set(len(engine.scheduler.active))
-        self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_cache_usage.set(engine.kv_cache_usage())
+        scraper that asks for it. `totals`: the engine's latest (its gauges are shown)."""
+        self._gauges(totals)
         if openmetrics:
             return openmetrics_text.generate_latest(self.registry), openmetrics_text.CONTENT_TYPE_LATEST
         return generate_latest(self.registry), PROMETHEUS_TEXT

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if not leads():  # a rank above 0 under tensor parallelism: rank 0 serves
         follow(server.engine, server.make_oracle)
         return 0
-    mode = f"DFlash block {server.engine.block_size}" if server.engine.draft else "plain"
+    mode = f"DFlash block {server.info.block_size}" if server.info.speculative else "plain"
+    mode += ", engine in a process of its own" if server.loop_mode == "process" else ", engine on a thread"
     if server.oracle_acceptance is not None:
         mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
     print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)

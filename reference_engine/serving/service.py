@@ -8,22 +8,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from ..checkpoint import load_draft, load_target
-from ..engine_args import resolve_device, resolve_dtype
-from ..errors import ReferenceEngineError
-from ..kernels import default_numerics
-from ..runtime.engine import Engine, EngineConfig
-from ..runtime.oracle import OracleProposer
-from ..runtime.tensor_parallel import (
-    init_tensor_parallel,
-    rank_device,
-    share_with_draft,
-)
+from ..runtime.engine import Engine
+from ..runtime.tensor_parallel import TensorParallel
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, MakeOracle, ThreadEngine
 from .chat_template import compile_chat_template, render_chat_template
+from .engine_build import EngineInfo, build_engine, engine_loop_mode, oracle_maker
+from .engine_process import EngineProcess, ProcessEngine
 from .followers import LeadingEngine
 from .lifecycle import Lifecycle
 from .limits import BodyLimits, MiB, decode_json
@@ -37,43 +28,23 @@ log = logging.getLogger(__name__)
 
 
 class Server:
-    """Model, tokenizer, engine and metrics behind the HTTP routes (app.py); the engine
-    thread, draining and shutdown are its `lifecycle` (lifecycle.py)."""
+    """Tokenizer, engine and metrics behind the HTTP routes (app.py); the engine loop,
+    draining and shutdown are its `lifecycle` (lifecycle.py). The engine runs on a thread of
+    this process (`engine`) or in a process of its own (`spawned`)."""
 
     def __init__(self, args: ServeArgs) -> None:
-        device = resolve_device(args.device)
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        dtype = resolve_dtype(args.dtype, args.model, device)
-        numerics = args.numerics or default_numerics(device, dtype)
-        # above one rank, rank 0 serves and the others follow its engine (followers.py)
-        self.tp = init_tensor_parallel(args.tensor_parallel_size, device, numerics, "serve")
-        device = rank_device(device, self.tp)
-        target = load_target(args.model, dtype=dtype, device=device, tensor_parallel=self.tp)
-        draft = None
-        if args.draft:
-            draft = load_draft(args.draft, target)
-            if self.tp is not None:
-                share_with_draft(draft, self.tp)
-        elif args.block_size is not None:
-            raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
-        config = EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            commit_strategy=args.commit_strategy,
-            max_waiting=args.max_waiting,
-            numerics=args.numerics,
-            enforce_eager=args.enforce_eager,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            verify_width=args.verify_width,
-            measure_step_costs=args.measure_step_costs,
-            prefill_chunk=args.prefill_chunk,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_tokens=args.kv_cache_tokens,
-            kv_cell_tokens=args.kv_cell_tokens,
-        )
-        self.engine = Engine(target, draft, config)  # validates the pair and the options
+        self.loop_mode = engine_loop_mode(args)
+        self.engine: Engine | None = None
+        self.spawned: EngineProcess | None = None
+        self.tp: TensorParallel | None = None
+        self.make_oracle: MakeOracle | None = None
+        if self.loop_mode == "thread":
+            self.engine, self.tp = build_engine(args)
+            self.make_oracle = oracle_maker(args.oracle_acceptance, self.engine)
+            self.info = EngineInfo.of(self.engine)
+        else:
+            self.spawned = EngineProcess(args)
+            self.info = self.spawned.info
         self.tokenizer = load_tokenizer(args.model)
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
         self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
@@ -86,27 +57,12 @@ class Server:
         self._request_numbers = itertools.count(1)  # the last part of each request id
         self._told_default_temperature = False
         self.oracle_acceptance = args.oracle_acceptance
-        if self.oracle_acceptance is not None:
-            if draft is None:
-                raise ReferenceEngineError("--oracle-acceptance needs --dflash-draft-model-path")
-            OracleProposer.for_mean_acceptance(
-                [], self.oracle_acceptance, self.engine.block_size, target.config.vocab_size
-            )
-
-    def make_oracle(self, params) -> OracleProposer | None:
-        if self.oracle_acceptance is None or not params.greedy:
-            return None
-        return OracleProposer.for_mean_acceptance(
-            [],
-            self.oracle_acceptance,
-            self.engine.block_size,
-            self.engine.target.config.vocab_size,
-            forced=True,
-        )
 
     def _start_runner(self) -> AsyncEngine:
+        if self.spawned is not None:
+            return ProcessEngine(self.spawned, self.metrics.on_step)
         engine = self.engine if self.tp is None else LeadingEngine(self.engine)
-        return AsyncEngine(engine, self.metrics.on_step, self.make_oracle)
+        return ThreadEngine(engine, self.metrics.on_step, self.make_oracle)
 
     def new_request_id(self, chat: bool) -> str:
         return f"{new_id(chat)}-{next(self._request_numbers)}"
@@ -130,16 +86,16 @@ class Server:
             self.tokenize,
             chat,
             self.apply_chat_template,
-            self.engine.target.config.vocab_size,
+            self.info.vocab_size,
         )
 
     def tokenize(self, text: str) -> list[int]:
         # no token is longer than the vocabulary's longest, so a text too long for the
         # context is refused without tokenising it
         fewest = len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
-        if fewest >= self.engine.context_len:
+        if fewest >= self.info.context_len:
             raise ProtocolError(
-                f"the prompt has at least {fewest} tokens but the context holds {self.engine.context_len}",
+                f"the prompt has at least {fewest} tokens but the context holds {self.info.context_len}",
                 "prompt",
             )
         return self.tokenizer.encode_batch([text])[0].ids  # releases the GIL, unlike encode

@@ -267,8 +267,8 @@ class _PositionsFromZero:
 
 
 def _positions_off_by_one(correct):
-    def on_step(self, engine):
-        return correct(self, _PositionsFromZero(engine))
+    def on_step(self, totals):
+        return correct(self, _PositionsFromZero(totals))
 
     return on_step
 

@@ -17,7 +17,10 @@ from reference_engine.serving.server import main
 from .faults import FAULTS, planted
 
 if __name__ == "__mp_main__" and len(sys.argv) > 1 and sys.argv[1] in FAULTS:
-    planted(sys.argv[1]).__enter__()  # the engine process: the fault stays for its life
+    # the engine process: the fault stays for its life (held here: a block collected early
+    # would take the fault back out)
+    _for_life = planted(sys.argv[1])
+    _for_life.__enter__()
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in FAULTS:

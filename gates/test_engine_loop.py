@@ -45,7 +45,8 @@ def pair_dirs(tiny_pair):
 def serve_args(pair_dirs, *more: str) -> ServeArgs:
     target, draft = pair_dirs
     return ServeArgs.parse(
-        ["--model", str(target), "--dflash-draft-model-path", str(draft), "--dtype", "float64", *more]
+        ["--model", str(target), "--dflash-draft-model-path", str(draft), "--dtype", "float64"]
+        + ["--device", "cpu", *more]
     )
 
 

@@ -39,6 +39,7 @@ stop strings and sees a client go away.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -153,14 +154,15 @@ class ServerMetrics:
         self._seen: dict[str, float] = {}  # last engine totals: counters advance by differences
         self._epoch = 0  # the engine's resets seen (Engine.stats_epoch)
 
-    def _advance(self, key: str, counter: Counter | list[Counter], value: float) -> None:
-        """Advance `counter` (or each of a list: one count under several names) to the engine
-        total `value`."""
-        delta = value - self._seen.get(key, 0)  # since the last step seen, or the last reset
-        if delta > 0:
-            for each in counter if isinstance(counter, list) else [counter]:
-                each.inc(delta)
+    def _advance(self, key: str, counters: Callable[[], list[Counter]], value: float) -> None:
+        """Advance each of `counters()` (one count under several names) to the engine total
+        `value`; the counters are looked up only when the total moved (a labelled child's
+        lookup costs more than the comparison, and most totals stand still in a turn)."""
+        delta = value - self._seen.get(key, 0)  # since the last turn seen, or the last reset
         self._seen[key] = value
+        if delta > 0:
+            for counter in counters():
+                counter.inc(delta)
 
     def on_step(self, totals: EngineTotals) -> None:
         """Called on the event loop with each turn's engine totals, before its outputs are
@@ -170,20 +172,20 @@ class ServerMetrics:
             self._epoch = totals.stats_epoch
         spec = totals.spec_totals
         names = self.acceptance
-        self._advance("drafts", [c.drafts for c in names], spec.steps)
-        self._advance("draft_tokens", [c.draft_tokens for c in names], spec.proposed)
-        self._advance("accepted", [c.accepted for c in names], spec.accepted)
+        self._advance("drafts", lambda: [c.drafts for c in names], spec.steps)
+        self._advance("draft_tokens", lambda: [c.draft_tokens for c in names], spec.proposed)
+        self._advance("accepted", lambda: [c.accepted for c in names], spec.accepted)
         for pos, count in spec.accepted_per_position.items():
-            self._advance(f"pos{pos}", [c.at(pos) for c in names], count)
+            self._advance(f"pos{pos}", lambda pos=pos: [c.at(pos) for c in names], count)
         for width, count in totals.verify_widths.items():
-            self._advance(f"width:{width}", self.verify_width.labels(width=str(width)), count)
+            self._advance(f"width:{width}", lambda w=width: [self.verify_width.labels(width=str(w))], count)
         for reason, count in totals.fallbacks.items():
-            self._advance(f"fallback:{reason}", self.fallbacks.labels(reason=reason), count)
+            self._advance(f"fallback:{reason}", lambda r=reason: [self.fallbacks.labels(reason=r)], count)
         kind = "device_s_" if totals.device_type == "cuda" else "host_s_"
         for name, seconds in totals.phases.items():
             if name.startswith(kind):
                 phase = name[len(kind) :]
-                self._advance(name, self.phase_seconds.labels(phase=phase), seconds)
+                self._advance(name, lambda p=phase: [self.phase_seconds.labels(phase=p)], seconds)
         self._gauges(totals)
 
     def _gauges(self, totals: EngineTotals) -> None:

@@ -1,6 +1,7 @@
 """The server's lifecycle and access (serving/lifecycle.py, server.py): SIGTERM lets requests
 in flight finish within the grace period and ends the rest with an error event and [DONE],
-never mid-frame; --api-key-scope all protects every endpoint but /health; a connection that
+never mid-frame, with the engine on a thread or in a process of its own (which ends with the
+server); --api-key-scope all protects every endpoint but /health; a connection that
 trickles its headers is closed."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,10 +36,37 @@ def read_stream(url: str, body: dict, into: list, started: threading.Event) -> N
                 started.set()
 
 
-def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(model_dir) -> None:
+def children(pid: int) -> list[int]:
+    """The processes `pid` started that are still running (Linux)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("loop", ["thread", "process"])
+def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(model_dir, loop: str) -> None:
     server = ServerProcess(
-        "--model", str(model_dir), "--max-model-len", "4096", "--max-num-seqs", "1", "--shutdown-grace", "1.5"
+        "--model",
+        str(model_dir),
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "1",
+        "--shutdown-grace",
+        "1.5",
+        "--engine-loop",
+        loop,
     )
+    engines = children(server.proc.pid)  # the engine's process, and multiprocessing's tracker
+    assert (len(engines) > 0) == (loop == "process"), engines
     long, queued = [], []
     started = threading.Event()
     threads = [threading.Thread(target=read_stream, args=(server.url, LONG, long, started))]
@@ -66,10 +95,13 @@ def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(mo
         error = json.loads(events[-2])["error"]
         assert error["type"] == "service_unavailable" and "--shutdown-grace 1.5" in error["message"]
     assert len(long) > 3  # tokens streamed before the deadline
+    time.sleep(1.0)
+    assert not [pid for pid in engines if running(pid)]  # nothing outlives the server
 
 
-def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_dir) -> None:
-    server = ServerProcess("--model", str(model_dir), "--shutdown-grace", "20")
+@pytest.mark.parametrize("loop", ["thread", "process"])
+def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_dir, loop: str) -> None:
+    server = ServerProcess("--model", str(model_dir), "--shutdown-grace", "20", "--engine-loop", loop)
     body = {"prompt": [5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     events: list = []
     started = threading.Event()

@@ -203,7 +203,8 @@ def machine_load() -> dict:
 
 
 def server_info(url: str) -> dict:
-    """torch version, device and dtype of a server that says (ours: GET /info); {} otherwise."""
+    """torch version, device, dtype and where the engine steps, of a server that says (ours:
+    GET /info); {} otherwise."""
     try:
         response = httpx.get(url.rstrip("/") + "/info", timeout=5)
         info = response.json() if response.status_code == 200 else None
@@ -211,7 +212,8 @@ def server_info(url: str) -> dict:
         return {}
     if not isinstance(info, dict):
         return {}
-    return {k: info[k] for k in ("torch", "device", "dtype", "threads", "mode", "block_size") if k in info}
+    keys = ("torch", "device", "dtype", "threads", "mode", "block_size", "engine_loop")
+    return {k: info[k] for k in keys if k in info}
 
 
 def write_meta(out: Path, meta: dict) -> None:

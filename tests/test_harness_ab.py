@@ -59,7 +59,10 @@ def test_all_result_files_are_written(ab_run) -> None:
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert len(rows) == 2 * 2 * 2  # labels x concurrencies x repeats
     assert all(int(r["completed"]) == 6 and int(r["failed"]) == 0 for r in rows)
-    assert json.loads((out / "meta.json").read_text())["notes"] == "test run"
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["notes"] == "test run"
+    # what each server said of itself (GET /info): on the CPU the engine steps on a thread
+    assert {side["engine_loop"] for side in meta["servers"].values()} == {"thread"}
     ratios = list(csv.DictReader((out / "ab.csv").open()))
     assert {r["metric"] for r in ratios} >= {"output_tokens_per_s", "ttft_ms_median"}
     assert "label | concurrency" in stdout

@@ -1,13 +1,16 @@
-"""Summarise py-spy raw output (--subprocesses --threads --idle): per process and thread, the
-samples, the idle share, and the top functions by self and by inclusive samples."""
-import collections, sys
+"""Summarise py-spy raw output (--subprocesses --threads --idle): per process and thread, its
+samples and the top functions by self and by inclusive samples."""
+
+import collections
+import sys
 
 for path in sys.argv[1:]:
     print("=" * 30, path)
     try:
         lines = open(path).read().splitlines()
     except OSError as exc:
-        print(exc); continue
+        print(exc)
+        continue
     groups = collections.defaultdict(list)
     for line in lines:
         stack, _, count = line.rpartition(" ")
@@ -30,7 +33,7 @@ for path in sys.argv[1:]:
         print(f"\n-- {key[0]} | {key[1]}: {total} samples")
         print("  self:")
         for f, c in selfc.most_common(14):
-            print(f"   {c:6d} {100*c/total:5.1f}% {f}")
+            print(f"   {c:6d} {100 * c / total:5.1f}% {f}")
         print("  inclusive:")
         for f, c in incl.most_common(22):
-            print(f"   {c:6d} {100*c/total:5.1f}% {f}")
+            print(f"   {c:6d} {100 * c / total:5.1f}% {f}")

@@ -208,3 +208,25 @@ def test_the_step_result_reaches_the_host_without_waiting_for_work_queued_after_
     assert pending.tolist() == [0, 2, 4, 6, 8, 10]
     assert not torch.cuda.current_stream().query(), "tolist waited for the work queued after the copy"
     torch.cuda.synchronize()
+
+
+def test_the_phase_timer_times_each_phase_on_the_device_and_reuses_its_events() -> None:
+    """runtime/stats.PhaseTimer: a phase's device time is its own (a phase that queues ~1 ms
+    of work against one that queues none), and events read by `flush` are recorded again,
+    so a long run creates a few events, not four a step."""
+    from reference_engine.runtime.stats import PhaseTimer
+
+    timer = PhaseTimer(torch.device("cuda"))
+    steps = 200
+    for _ in range(steps):
+        with timer.phase("busy"):
+            torch.cuda._sleep(1_000_000)  # about half a millisecond or more of device time
+        with timer.phase("idle"):
+            pass
+        timer.flush()  # what each engine step does: no wait
+        torch.cuda.synchronize()  # and the step's result read back, as a step ends
+    timer.flush(wait=True)
+    assert timer.calls == {"busy": steps, "idle": steps}
+    assert timer.device_s["busy"] > 20 * timer.device_s["idle"] >= 0
+    assert timer.device_s["busy"] > steps * 1e-4
+    assert not timer._pending and len(timer._free) <= 16  # not 4 a step: each recorded many times

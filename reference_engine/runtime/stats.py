@@ -101,26 +101,20 @@ class PhaseTimer:
         self.device_s: Counter = Counter()
         self.calls: Counter = Counter()
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._free: list[torch.cuda.Event] = []  # events whose times were read, for reuse
 
-    @contextmanager
-    def phase(self, name: str, count: bool = True):
+    def phase(self, name: str, count: bool = True) -> _Phase:
         """Time the block as phase `name`; `count`: whether it counts as one more call (a
-        part of a phase that runs in pieces does not, see `parts`)."""
-        start_event = end_event = None
-        if self.cuda:
-            start_event = torch.cuda.Event(enable_timing=True)
-            end_event = torch.cuda.Event(enable_timing=True)
-            start_event.record(torch.cuda.current_stream(self.device_index))
-        t0 = time.perf_counter()
-        try:
-            with self.ranges.range(name):
-                yield
-        finally:
-            self.host_s[name] += time.perf_counter() - t0
-            self.calls[name] += count
-            if self.cuda:
-                end_event.record(torch.cuda.current_stream(self.device_index))
-                self._pending.append((name, start_event, end_event))
+        part of a phase that runs in pieces does not, see `parts`). A plain object rather
+        than a generator's context manager, and its CUDA events reused once read: a step
+        enters up to eight phases, and each one's cost is host time the step waits for."""
+        return _Phase(self, name, count)
+
+    def _recorded(self) -> torch.cuda.Event:
+        """An event recorded now on the current stream."""
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device_index))
+        return event
 
     @contextmanager
     def parts(self) -> Iterator[Phase]:
@@ -148,6 +142,7 @@ class PhaseTimer:
                 break
             end.synchronize()
             self.device_s[name] += start.elapsed_time(end) / 1000.0
+            self._free += (start, end)
             done += 1
         del self._pending[:done]
 
@@ -166,3 +161,29 @@ class PhaseTimer:
         out = {f"host_s_{k}": v for k, v in sorted(self.host_s.items())}
         out.update({f"device_s_{k}": v for k, v in sorted(self.device_s.items())})
         return out
+
+
+class _Phase:
+    """One phase of a PhaseTimer, entered once (`PhaseTimer.phase`)."""
+
+    __slots__ = ("timer", "name", "count", "start", "t0", "range")
+
+    def __init__(self, timer: PhaseTimer, name: str, count: bool) -> None:
+        self.timer, self.name, self.count = timer, name, count
+
+    def __enter__(self) -> None:
+        timer = self.timer
+        self.start = timer._recorded() if timer.cuda else None
+        self.range = timer.ranges.range(self.name)
+        self.range.__enter__()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        timer, name = self.timer, self.name
+        try:
+            self.range.__exit__(*exc)
+        finally:
+            timer.host_s[name] += time.perf_counter() - self.t0
+            timer.calls[name] += self.count
+            if timer.cuda:
+                timer._pending.append((name, self.start, timer._recorded()))

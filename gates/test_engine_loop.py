@@ -68,24 +68,25 @@ async def ended(stream: asyncio.Queue, timeout: float = 30.0) -> Finished:
 
 def aborted_mid_stream(mode: str, pair_dirs) -> tuple[list[StepOutput], list[int], Finished, EngineTotals]:
     """A request read for three outputs, then aborted: its outputs, the speculative steps the
-    metrics had been given when each output after the first turn was put on the request's
-    queue (the loop may run turns ahead of the reader, so they are taken as they are put), its
-    end, and the engine's last totals."""
+    metrics had been given once each of its outputs was delivered (taken as each turn is
+    received: the loop may run turns ahead of the reader), its end, and the engine's last
+    totals."""
     seen: list[int] = []
     counted: list[int] = []
 
     async def run():
         runner = runner_for(mode, pair_dirs, lambda totals: seen.append(totals.spec_totals.steps))
+        receive = runner.receive
+
+        def counting(events, totals) -> None:
+            receive(events, totals)
+            for event in events:
+                if event[0] == "out" and event[1].request_id == "a":
+                    counted.append(seen[-1] if seen else -1)
+
+        runner.receive = counting
         try:
             stream = await runner.submit("a", [5, 6, 7], LONG)
-            put = stream.put_nowait
-
-            def counting(item) -> None:
-                if isinstance(item, StepOutput):
-                    counted.append(seen[-1] if seen else -1)
-                put(item)
-
-            stream.put_nowait = counting
             outputs = [await stream.get() for _ in range(3)]  # the first token, then two steps
             runner.abort("a")  # what the server does when a stop string ends the output
             return outputs, await ended(stream), runner.totals
@@ -97,10 +98,10 @@ def aborted_mid_stream(mode: str, pair_dirs) -> tuple[list[StepOutput], list[int
 
 
 def counted_before_their_tokens(counted: list[int], finished: Finished) -> bool:
-    """Each output put after the wrap came with its step already in the metrics: the last
-    len(counted) of the request's steps, in order."""
+    """Each output came with its step already in the metrics: output i (the prompt's token,
+    then one a speculative step) found at least i steps counted, the last all of them."""
     steps = finished.sequence.spec.steps
-    return len(counted) >= 1 and counted == list(range(steps - len(counted) + 1, steps + 1))
+    return len(counted) == steps + 1 and all(c >= i for i, c in enumerate(counted)) and counted[-1] == steps
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

@@ -159,58 +159,11 @@ def baseline_server(tiny_dirs):
     server.stop()
 
 
-@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
-def test_our_dflash_server_matches_our_plain_server_exactly(
-    baseline_server, tiny_dirs, strategy: str
-) -> None:
-    candidate = ServerProcess(
-        "--model",
-        str(tiny_dirs[0]),
-        "--dflash-draft-model-path",
-        str(tiny_dirs[1]),
-        "--dtype",
-        "float64",
-        "--commit-strategy",
-        strategy,
-    )
-    try:
-        results, summary = run_compare(
-            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy("strict")
-        )
-    finally:
-        candidate.stop()
-    assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
-    assert summary["compared"] == "ids" and summary["compared_ids"] == summary["prompts"]
-
-
-def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(baseline_server, tiny_dirs) -> None:
-    candidate = ServerProcess(
-        "skip_state_rollback",
-        "--model",
-        str(tiny_dirs[0]),
-        "--dflash-draft-model-path",
-        str(tiny_dirs[1]),
-        "--dtype",
-        "float64",
-        module="gates.faulty_serve",
-    )
-    try:
-        results, summary = run_compare(
-            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy()
-        )
-    finally:
-        candidate.stop()
-    assert summary["verdict"] == "fail" and summary["mismatches"] > 0
-    first = next(d for r in results for d in r.divergences)
-    assert first.baseline_token != first.candidate_token and first.margin is not None
-
-
-@pytest.mark.parametrize("fault", [None, "skip_state_rollback"])
-def test_our_dflash_server_with_its_engine_in_a_process_is_exact_and_a_fault_planted_there_fails(
-    baseline_server, tiny_dirs, fault: str | None
-) -> None:
-    """The engine in a process of its own (`--engine-loop process`): the same tokens over the
-    pipe; the planted fault reaches that process (gates/faulty_serve.py) and fails the gate."""
+def compared_with_our_dflash_server(
+    baseline_server, tiny_dirs, policy: ComparePolicy, *options: str, fault: str | None = None
+):
+    """`harness compare` of the plain baseline against our DFlash server started with
+    `options` (and `fault` planted, gates/faulty_serve.py): (results, summary)."""
     candidate = ServerProcess(
         *([fault] if fault else []),
         "--model",
@@ -219,21 +172,51 @@ def test_our_dflash_server_with_its_engine_in_a_process_is_exact_and_a_fault_pla
         str(tiny_dirs[1]),
         "--dtype",
         "float64",
-        "--engine-loop",
-        "process",
+        *options,
         module="gates.faulty_serve" if fault else "reference_engine.serve",
     )
     try:
-        assert httpx.get(candidate.url + "/info").json()["engine_loop"] == "process"
-        results, summary = run_compare(
-            Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), ComparePolicy("strict")
-        )
+        loop = options[options.index("--engine-loop") + 1] if "--engine-loop" in options else "thread"
+        assert httpx.get(candidate.url + "/info").json()["engine_loop"] == loop
+        return run_compare(Endpoint(baseline_server.url), Endpoint(candidate.url), prompts_for_us(), policy)
     finally:
         candidate.stop()
-    if fault is None:
-        assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
-    else:
-        assert summary["verdict"] == "fail" and summary["mismatches"] > 0, summary
+
+
+@pytest.mark.parametrize(
+    "strategy, loop",
+    [("replay", "thread"), ("per_token", "thread"), ("recompute", "thread"), ("per_token", "process")],
+)
+def test_our_dflash_server_matches_our_plain_server_exactly(
+    baseline_server, tiny_dirs, strategy: str, loop: str
+) -> None:
+    """Every commit strategy, and the engine in a process of its own (`--engine-loop
+    process`: the same tokens over the pipe)."""
+    _, summary = compared_with_our_dflash_server(
+        baseline_server,
+        tiny_dirs,
+        ComparePolicy("strict"),
+        "--commit-strategy",
+        strategy,
+        "--engine-loop",
+        loop,
+    )
+    assert summary["verdict"] == "pass" and summary["exact"] == summary["prompts"], summary
+    assert summary["compared"] == "ids" and summary["compared_ids"] == summary["prompts"]
+
+
+@pytest.mark.parametrize("loop", ["thread", "process"])
+def test_a_planted_fault_fails_the_gate_and_names_the_first_divergence(
+    baseline_server, tiny_dirs, loop: str
+) -> None:
+    """In a process of its own the engine has the fault too (gates/faulty_serve.py plants it
+    there; a fault left in the HTTP process alone passed this gate)."""
+    results, summary = compared_with_our_dflash_server(
+        baseline_server, tiny_dirs, ComparePolicy(), "--engine-loop", loop, fault="skip_state_rollback"
+    )
+    assert summary["verdict"] == "fail" and summary["mismatches"] > 0, summary
+    first = next(d for r in results for d in r.divergences)
+    assert first.baseline_token != first.candidate_token and first.margin is not None
 
 
 def test_our_dflash_server_is_exact_at_each_concurrency_and_context_of_the_gate_set(

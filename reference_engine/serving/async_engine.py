@@ -253,8 +253,6 @@ class AsyncEngine:
     """The asyncio side of an EngineLoop wherever it runs (a subclass says where: `_send`
     posts a command, `alive` says whether the loop runs)."""
 
-    mode = ""  # "thread" or "process" (/info)
-
     def __init__(self, on_step: Callable[[EngineTotals], None] | None = None) -> None:
         self.on_step = on_step  # called on the event loop with each turn's totals (metrics)
         self.streams: dict[str, asyncio.Queue] = {}
@@ -333,8 +331,6 @@ class AsyncEngine:
 
 class ThreadEngine(AsyncEngine):
     """The EngineLoop on a thread of this process (tensor parallelism's rank 0, the CPU)."""
-
-    mode = "thread"
 
     def __init__(
         self,

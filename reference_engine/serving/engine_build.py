@@ -74,9 +74,10 @@ def engine_loop_mode(args: ServeArgs) -> str:
     return "process"
 
 
-def build_engine(args: ServeArgs) -> tuple[Engine, TensorParallel | None]:
-    """The engine `args` ask for, with its tensor-parallel group (None at one rank); raises
-    ReferenceEngineError for options that cannot be served."""
+def build_engine(args: ServeArgs) -> tuple[Engine, TensorParallel | None, MakeOracle | None]:
+    """The engine `args` ask for, with its tensor-parallel group (None at one rank) and its
+    benchmarks' forced acceptance (`oracle_maker`); raises ReferenceEngineError for options
+    that cannot be served."""
     device = resolve_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -112,8 +113,7 @@ def build_engine(args: ServeArgs) -> tuple[Engine, TensorParallel | None]:
         kv_cell_tokens=args.kv_cell_tokens,
     )
     engine = Engine(target, draft, config)  # validates the pair and the options
-    oracle_maker(args.oracle_acceptance, engine)  # validates the forced acceptance
-    return engine, tp
+    return engine, tp, oracle_maker(args.oracle_acceptance, engine)
 
 
 def oracle_maker(acceptance: float | None, engine: Engine) -> MakeOracle | None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ReferenceEngineError
 from .async_engine import AsyncEngine, EngineLoop, EngineTotals, Event
-from .engine_build import EngineInfo, build_engine, oracle_maker
+from .engine_build import EngineInfo, build_engine
 
 if TYPE_CHECKING:
     from .args import ServeArgs
@@ -76,8 +76,6 @@ class EngineProcess:
 class ProcessEngine(AsyncEngine):
     """The asyncio side of the engine process; made on the running event loop (the app's
     startup)."""
-
-    mode = "process"
 
     def __init__(self, spawned: EngineProcess, on_step: Callable[[EngineTotals], None] | None = None) -> None:
         super().__init__(on_step)
@@ -147,7 +145,7 @@ def run_engine_process(args: ServeArgs, conn: Connection) -> None:
         stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        engine, _ = build_engine(args)
+        engine, _, make_oracle = build_engine(args)
     except ReferenceEngineError as exc:
         conn.send(("failed", str(exc)))
         return
@@ -160,7 +158,7 @@ def run_engine_process(args: ServeArgs, conn: Connection) -> None:
         except OSError:  # the server is gone
             engine_loop.put(("stop",))
 
-    engine_loop = EngineLoop(engine, deliver, oracle_maker(args.oracle_acceptance, engine))
+    engine_loop = EngineLoop(engine, deliver, make_oracle)
 
     def read() -> None:
         while True:

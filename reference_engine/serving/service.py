@@ -13,7 +13,7 @@ from ..runtime.tensor_parallel import TensorParallel
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
 from .async_engine import AsyncEngine, MakeOracle, ThreadEngine
 from .chat_template import compile_chat_template, render_chat_template
-from .engine_build import EngineInfo, build_engine, engine_loop_mode, oracle_maker
+from .engine_build import EngineInfo, build_engine, engine_loop_mode
 from .engine_process import EngineProcess, ProcessEngine
 from .followers import LeadingEngine
 from .lifecycle import Lifecycle
@@ -39,8 +39,7 @@ class Server:
         self.tp: TensorParallel | None = None
         self.make_oracle: MakeOracle | None = None
         if self.loop_mode == "thread":
-            self.engine, self.tp = build_engine(args)
-            self.make_oracle = oracle_maker(args.oracle_acceptance, self.engine)
+            self.engine, self.tp, self.make_oracle = build_engine(args)
             self.info = EngineInfo.of(self.engine)
         else:
             self.spawned = EngineProcess(args)

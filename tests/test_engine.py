@@ -11,6 +11,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
+from reference_engine.runtime.forwards import StepInputs
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Phase, Sequence
@@ -984,10 +986,12 @@ def test_a_draft_queued_ahead_proposes_what_a_fresh_draft_would(
 
 
 def _as_if_captured(engine: Engine) -> None:
-    """Run the speculative step as with CUDA graphs, on the CPU: full padded blocks, and a
-    "replayed" commit that runs the captured commit's body eagerly right after accept (it
-    writes the draft context of every verified position), so that the step queues the next
-    draft from the device's results before the host reads them, as on a GPU."""
+    """Run the speculative step as with CUDA graphs, on the CPU: full padded blocks, a
+    "replayed" accept that runs the captured accept's body eagerly (the step's table, and
+    `processed` written into the commit's input), and a "replayed" commit that runs the
+    captured commit's body eagerly right after it (it writes the draft context of every
+    verified position), so that the step queues the next draft from the device's results
+    before the host reads them, as on a GPU."""
     step = engine.speculative_step
     step.pad_blocks = True
     verify = step.verify
@@ -997,16 +1001,28 @@ def _as_if_captured(engine: Engine) -> None:
         step._verified = (rows, block, out)
         return out
 
-    def commit_replayed(processed):
+    def accept(count):
+        rows, block, out = step._verified
+        if block.shape[1] == 1:  # a plain step accepts eagerly
+            return None
+        processed = torch.zeros(count, dtype=torch.int64)
+        x = StepInputs(block, rows.positions, rows.slots, rows.n_t + 1, processed=processed)
+        tokens = out.tokens if out.tokens is not None else step.ops.greedy(out.logits)
+        step._processed = processed
+        return step.accept_body(x, replace(out, tokens=tokens))
+
+    def commit_replayed(processed, written=False):
         rows, block, out = step._verified
         if block.shape[1] == 1:  # a plain step commits eagerly
             return False
+        if written:  # what the captured accept left in the commit's input
+            processed = step._processed
         step.commit_state(rows.slot_ids, rows, block, processed)
         features = step.context_features(out.features, block.shape[1], rows.n_t)
         step.draft.append_context(features, rows.positions, rows.slots, step.draft_state, step.ops)
         return True
 
-    step.verify, step.commit_replayed = stash, commit_replayed
+    step.verify, step.commit_replayed, step.runner.accept = stash, commit_replayed, accept
 
 
 @pytest.mark.parametrize("pair", ["qwen3", "qwen3_5"])
@@ -1042,6 +1058,40 @@ def test_a_draft_queued_behind_a_replayed_commit_proposes_what_a_fresh_draft_wou
     )
     faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
     assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()]
+
+
+@pytest.mark.parametrize("pair", ["qwen3", "qwen3_5"])
+def test_the_captured_accept_commits_what_the_eager_accept_commits(
+    target: CausalLM, draft: DFlashDraft, hybrid: tuple[CausalLM, DFlashDraft], pair: str, monkeypatch
+) -> None:
+    """SpeculativeStep.accept_body, the captured accept, run eagerly on the CPU in the GPU's
+    step (`_as_if_captured`): every step's table and the `processed` it writes for the commit
+    give the outputs and drafted blocks of the eager accept, with rows joining and ending;
+    a replaced accept method (a planted fault) is never bypassed by it."""
+    from gates.faults import planted
+
+    pair_models = (target, draft) if pair == "qwen3" else hybrid
+    arrivals = {0: ["a", "b"], 3: ["c"], 9: ["d"]}
+    tables = []
+    original = Engine.__init__
+
+    def init(self, *args, eager_accept=False, **kwargs):
+        original(self, *args, **kwargs)
+        _as_if_captured(self)
+        accept = self.runner.accept
+        self.runner.accept = lambda count: None if eager_accept else tables.append(count) or accept(count)
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    captured, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert len(tables) > 10  # the captured accept ran for most steps
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: init(self, *a, eager_accept=True, **k))
+    eager, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert captured == eager
+    tables.clear()
+    monkeypatch.setattr(Engine, "__init__", init)
+    with planted("wrong_bonus_position"):
+        faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert tables == [] and [o for o, _ in faulty.values()] != [o for o, _ in eager.values()]
 
 
 def _heads_again_on_the_cpu(engine: Engine, fault: Callable | None = None) -> None:

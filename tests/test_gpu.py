@@ -16,6 +16,7 @@ from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.verify_width import StepCosts
 
 pytestmark = pytest.mark.gpu
 
@@ -230,3 +231,59 @@ def test_the_phase_timer_times_each_phase_on_the_device_and_reuses_its_events() 
     assert timer.device_s["busy"] > 20 * timer.device_s["idle"] >= 0
     assert timer.device_s["busy"] > steps * 1e-4
     assert not timer._pending and len(timer._free) <= 16  # not 4 a step: each recorded many times
+
+
+def spec_run(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict:
+    """Each request's output and its speculative steps (proposed, accepted, drafted)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return {rid: (engine.get(rid).output_ids, engine.get(rid).steps) for rid in prompts}
+
+
+def test_the_captured_accept_decides_as_the_eager_accept(tiny_pair, monkeypatch) -> None:
+    """runtime/speculative_step.accept_replayed: the greedy accept replayed from its graph
+    (the step's table and the commit's `processed` in one replay) commits what the eager
+    accept commits, step by step, at every verify width the engine chooses; it is taken on
+    graphs; and a replaced accept method (a planted fault) turns it off, so the gates see
+    the replaced method run."""
+    from gates.faults import planted
+    from reference_engine.runtime.model_runner import ModelRunner
+    from reference_engine.runtime.speculative_step import SpeculativeStep
+
+    target, draft = capture_pair(tiny_pair)
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for i in range(6)}
+    config = EngineConfig(max_num_seqs=4, max_model_len=160, block_size=8)
+    # one cost table for every engine (measured ones differ run to run, and so would the
+    # widths chosen), dearer with width, so that narrow widths are chosen too
+    widths = Engine(target, draft, config).verify_width.costs.seconds
+    costs = StepCosts({(r, w): 1.0 + 0.3 * w for r, w in widths}, measured=True)
+    tables = []
+    accept = ModelRunner.accept
+
+    def counted(self, rows):
+        table = accept(self, rows)
+        tables.append(table is not None)
+        return table
+
+    monkeypatch.setattr(ModelRunner, "accept", counted)
+    engine = Engine(target, draft, config, step_costs=costs)
+    replayed = spec_run(engine, prompts, 48)
+    assert tables and all(tables), "the captured accept never replayed"
+    assert len([w for w in engine.verify_widths if w > 0]) > 1, engine.verify_widths  # several widths
+    with monkeypatch.context() as m:
+        m.setattr(SpeculativeStep, "accept_replayed", lambda self, rows: None)
+        eager = spec_run(Engine(target, draft, config, step_costs=costs), prompts, 48)
+    assert replayed == eager
+    plain = {
+        rid: generate_plain(target, p, SamplingParams(max_tokens=48, ignore_eos=True)).output_ids
+        for rid, p in prompts.items()
+    }
+    assert {rid: out for rid, (out, _) in replayed.items()} == plain
+    tables.clear()
+    with planted("never_accept_full_block"):
+        spec_run(Engine(target, draft, config, step_costs=costs), prompts, 48)
+    assert tables == [], "a replaced accept method still ran the captured accept"

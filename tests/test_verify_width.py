@@ -286,7 +286,7 @@ def test_graph_step_costs_are_timed_on_spread_token_ids_and_the_buffers_put_back
     # each verify width's draft head reads the body's buffers (and its hidden states)
     graphs.draft_head_graphs = {(2, w): _Timed(2, 4, seen, body.inputs, f"head {w}") for w in (1, 3)}
     graphs.verify_graphs = {(2, w): _Timed(2, w, seen) for w in (1, 2, 4)}
-    graphs.commit_graphs = {}
+    graphs.commit_graphs = graphs.accept_graphs = {}
     costs = graphs.step_seconds(repeats=1)
     assert set(costs) == {(2, 0), (2, 1), (2, 3)}
     assert seen and all(torch.equal(ids, timing_ids(2, w, 1000)) for w, ids, _ in seen)

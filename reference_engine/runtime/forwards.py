@@ -8,6 +8,7 @@ replays again, which is after the step has used them.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import cache
 
 import torch
 
@@ -17,14 +18,12 @@ from ..models import ForwardOutput
 class _Rows:
     def _each(self, pick):
         """The same output with `pick` applied to each of its tensors (along their rows)."""
-        return replace(
-            self,
-            **{
-                f.name: pick(getattr(self, f.name))
-                for f in fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            },
-        )
+        picked = {}
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                picked[name] = pick(value)
+        return replace(self, **picked)
 
     def rows(self, at: torch.Tensor):
         """The same output for the rows `at` [k] (indices), copied out of the buffers."""
@@ -33,6 +32,13 @@ class _Rows:
     def head(self, rows: int):
         """The same output for the first `rows` rows (a bucket's padding rows dropped)."""
         return self._each(lambda t: t[:rows])
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, looked up once (`fields` builds them anew at every call,
+    and a step slices a few outputs)."""
+    return tuple(f.name for f in fields(cls))
 
 
 @dataclass

@@ -146,7 +146,8 @@ class SharedLogits:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: StepInputs  # static input buffers
-    outputs: Logits | Proposals | Verified | None  # static output buffers (None: the commit)
+    # static output buffers (None: the commit; the accept's table a tensor)
+    outputs: Logits | Proposals | Verified | torch.Tensor | None
 
 
 class EngineGraphs:
@@ -189,6 +190,10 @@ class EngineGraphs:
         # the commit of a speculative step: it reads the verify graph's static inputs and
         # outputs, so it replays only after the verify of the same key replayed
         self.commit_graphs: dict[tuple[int, int], _Graph] = {}
+        # the accept of a speculative step (greedy rows): it reads the verify graph's static
+        # inputs and outputs and writes the commit graph's `processed`, so it replays between
+        # the two (SpeculativeStep.accept_replayed)
+        self.accept_graphs: dict[tuple[int, int], _Graph] = {}
         self.prefill_graphs: dict[tuple[int, int], _Graph] = {}  # by (rows, tokens)
         # one logits buffer per bucket that every verify width's graph writes (the first
         # rows x (W + 1) rows of it, SharedLogits): a step replays one verify, so the widths
@@ -228,10 +233,15 @@ class EngineGraphs:
                 flush=True,
             )
 
-    def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
+    def capture_commit(
+        self,
+        body: Callable[[StepInputs, Verified], None],
+        accept: Callable[[StepInputs, Verified], torch.Tensor] | None = None,
+    ) -> None:
         """Capture `body` per bucket, after the verify graphs: it gets the verify graph's
         static inputs, with its own `processed` [rows] (block tokens each row keeps), and
-        outputs."""
+        outputs. `accept`, when given, is captured beside it on the same inputs: it returns
+        the step's table (what the host reads) and writes `processed` itself."""
         start = time.perf_counter()
         for (b, width), verify in sorted(self.verify_graphs.items(), reverse=True):
             processed = torch.ones((b,), dtype=torch.int64, device=self.device)
@@ -242,6 +252,17 @@ class EngineGraphs:
                 verify.inputs.valid,
                 processed=processed,
             )
+            if accept is not None:
+                # the table in a buffer of its own, outside the graphs' pool: a buffer the
+                # capture allocated could be memory an earlier capture's graph (the commit,
+                # which replays after it) uses for its temporaries
+                table = torch.zeros((b, 2 + width), dtype=torch.int64, device=self.device)
+                self.accept_graphs[b, width] = self._capture(
+                    b,
+                    width,
+                    lambda x, out=verify.outputs, into=table: into.copy_(accept(x, out)),
+                    inputs=inputs,
+                )
             self.commit_graphs[b, width] = self._capture(
                 b, width, lambda x, out=verify.outputs: body(x, out), inputs=inputs
             )
@@ -376,7 +397,8 @@ class EngineGraphs:
             fed.append(verify)
             for g in fed:
                 g.inputs.ids.copy_(timing_ids(*g.inputs.ids.shape, vocab, self.device))
-            graphs = fed + ([self.commit_graphs[b, width]] if (b, width) in self.commit_graphs else [])
+            after = (self.accept_graphs, self.commit_graphs)
+            graphs = fed + [kind[b, width] for kind in after if (b, width) in kind]
             times = []
             for r in range(repeats + 1):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -497,16 +519,29 @@ class EngineGraphs:
         self.verified = None if out is None else (self._bucket(ids.shape[0]), ids.shape[1])
         return out
 
-    def commit(self, processed: torch.Tensor, replay: bool = True) -> bool:
+    def accept(self, rows: int) -> torch.Tensor | None:
+        """Replay the captured accept of this step's verify: the step's table [rows, 3 + W]
+        (a view of a static buffer, valid until the next replay of the same key), its
+        `processed` written into the commit's input; None when the verify ran eagerly or no
+        accept was captured (the caller accepts eagerly)."""
+        g = self.accept_graphs.get(self.verified) if self.verified is not None else None
+        if g is None:
+            return None
+        g.graph.replay()
+        return g.outputs[:rows]
+
+    def commit(self, processed: torch.Tensor | None, replay: bool = True) -> bool:
         """Replay the commit of this step's verify (its bucket, rows and outputs), with
-        `processed` [b]; False when the verify ran eagerly, no commit was captured, or the
-        caller commits eagerly (`replay` False). Either way the step's verify is used up."""
+        `processed` [b] (None: the captured accept wrote it); False when the verify ran
+        eagerly, no commit was captured, or the caller commits eagerly (`replay` False).
+        Either way the step's verify is used up."""
         key, self.verified = self.verified, None
         if not replay or key is None or key not in self.commit_graphs:
             return False
         g = self.commit_graphs[key]
-        rows = processed.shape[0]
-        g.inputs.processed[:rows].copy_(processed)
-        g.inputs.processed[rows:].fill_(1)  # padding rows keep their anchor, on the spare slot
+        if processed is not None:
+            rows = processed.shape[0]
+            g.inputs.processed[:rows].copy_(processed)
+            g.inputs.processed[rows:].fill_(1)  # padding rows keep their anchor, on the spare slot
         g.graph.replay()
         return True

@@ -215,13 +215,24 @@ class ModelRunner:
             return self.graphs.step_seconds()
         return None
 
-    def capture_commit(self, body: Callable[[StepInputs, Verified], None]) -> None:
-        """Capture the commit `body` per batch bucket, reading the verify graphs' buffers."""
+    def capture_commit(
+        self,
+        body: Callable[[StepInputs, Verified], None],
+        accept: Callable[[StepInputs, Verified], torch.Tensor] | None = None,
+    ) -> None:
+        """Capture the commit `body` (and the greedy `accept` that feeds it) per batch bucket,
+        reading the verify graphs' buffers."""
         if self.graphs is not None:
-            self.graphs.capture_commit(body)
+            self.graphs.capture_commit(body, accept)
 
-    def commit(self, processed: torch.Tensor, replay: bool) -> bool:
+    def accept(self, rows: int) -> torch.Tensor | None:
+        """Replay the captured accept of this step's verify: the step's table [rows, 3 + W];
+        None when the verify ran eagerly or none was captured (the caller accepts eagerly)."""
+        return self.graphs.accept(rows) if self.graphs is not None else None
+
+    def commit(self, processed: torch.Tensor | None, replay: bool) -> bool:
         """Replay the captured commit of this step's verify with `processed` [b] (block tokens
-        each row keeps); False when the verify ran eagerly or `replay` is False, and the caller
-        commits eagerly. Either way the step's verify is used up."""
+        each row keeps; None: the captured accept wrote them); False when the verify ran
+        eagerly or `replay` is False, and the caller commits eagerly. Either way the step's
+        verify is used up."""
         return self.graphs is not None and self.graphs.commit(processed, replay=replay)

@@ -195,14 +195,20 @@ class SpeculativeStep:
         with self.timer.phase("verify"):
             out = self.verify(rows, block, record=not plain)
         with self.timer.phase("accept"):
-            accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits, out.tokens)
-            processed = self.processed(rows, accepted)
+            table = None if plain else self.accept_replayed(rows)
+            written = table is not None  # the captured accept wrote `processed` for the commit
+            if written:
+                bonus, processed = table[:, 1], table[:, 2]
+            else:
+                accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits, out.tokens)
+                processed = self.processed(rows, accepted)
+                table = step_table(accepted, bonus, processed, proposals)
             # the one host transfer of the step, read once the captured commit is queued
             b = len(seqs)
-            pending = HostCopy(torch.cat([accepted, bonus, processed, proposals.flatten()]))
+            pending = HostCopy(table)
         ahead = self.draft_ahead and same_rows_next and not plain
         with self.timer.phase("commit"):
-            replayed = self.commit_replayed(processed)
+            replayed = self.commit_replayed(processed, written)
             if not (ahead and replayed):
                 read = self.read_step(rows, block, out, processed, pending, replayed, plain)
         if ahead and replayed:  # queued behind the commit, it runs while the host reads the step
@@ -303,13 +309,12 @@ class SpeculativeStep:
         """The commit's host side: read the step's results (the one transfer), commit eagerly
         when no captured commit ran, and move the rows' lengths. Returns each row's accepted
         count, bonus, processed tokens and drafted tokens."""
-        b, N = len(rows.seqs), block.shape[1] - 1
-        flat = pending.tolist()
-        acc_list, bonus_list, kept = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b]
-        drafted = [flat[3 * b + i * N : 3 * b + i * N + rows.n[i]] for i in range(b)]
+        table = pending.tolist()  # a row each (step_table)
+        acc_list, bonus_list, kept = [r[0] for r in table], [r[1] for r in table], [r[2] for r in table]
+        drafted = [r[3 : 3 + n] for r, n in zip(table, rows.n)]
         if not replayed:
             if not plain:  # a plain step keeps its whole block: the state is there already
-                self.commit_state(rows.slot_ids, rows, block, processed)
+                self.commit_state(rows.slot_ids, rows, block, processed.contiguous())
             width = max(kept)
             features = self.context_features(out.features, width, rows.n_t)
             if plain:  # nothing reads the draft's context before the next draft (DeferredContext)
@@ -543,6 +548,18 @@ class SpeculativeStep:
         return self.runner.verify(block, rows.positions, rows.slots, valid, rows.kv_len, record)
 
     # ------------------------------------------------------------------ accept
+    def accept_replayed(self, rows: Rows) -> torch.Tensor | None:
+        """The step's table from the captured accept (`capture_commit`), when this step's
+        verify replayed its graph, every row is greedy with no forced acceptance, and the
+        accept's phase methods are still the reference ones (a replaced one, e.g. a planted
+        fault, runs eagerly); None otherwise."""
+        for seq in rows.seqs:
+            if not seq.params.greedy or (seq.oracle is not None and seq.oracle.forced):
+                return None
+        if not all(getattr(type(self), name) is method for name, method in REFERENCE_ACCEPT.items()):
+            return None
+        return self.runner.accept(len(rows.seqs))
+
     def accept(
         self,
         rows: Rows,
@@ -627,25 +644,58 @@ class SpeculativeStep:
         batch bucket and verify width, from the reference phase methods. It writes the draft
         context of every position of the verified block: the rows past what a row kept are
         the next block's positions, which that block overwrites before anything reads them
-        (as rows that keep fewer than the longest do in the eager commit)."""
+        (as rows that keep fewer than the longest do in the eager commit). Beside it, the
+        greedy accept (`accept_replayed`), also from the reference phase methods: the step's
+        table for the host, and each row's `processed` for the commit, in one replay instead
+        of a dozen small operations a step."""
 
         def body(x: StepInputs, verified: Verified) -> None:
             width = x.ids.shape[1]  # the verify's block: anchor and the draft tokens it checks
-            # only the device fields the commit reads are real (remaining_t is a stand-in)
-            rows = Rows([], [], x.slots, [], [], x.valid - 1, x.ids[:, 0], x.valid - 1, x.positions, 1)
+            rows = captured_rows(x)
             REFERENCE_PHASES["commit_state"](self, x.slots, rows, x.ids, x.processed)
             features = REFERENCE_PHASES["context_features"](self, verified.features, width, rows.n_t)
             self.draft.append_context(features, x.positions[:, :width], x.slots, self.draft_state, self.ops)
 
-        self.runner.capture_commit(body)
+        self.runner.capture_commit(body, self.accept_body)
 
-    def commit_replayed(self, processed: torch.Tensor) -> bool:
+    def accept_body(self, x: StepInputs, verified: Verified) -> torch.Tensor:
+        """The captured accept (`capture_commit`) over a verify's inputs and outputs: the greedy
+        rows of `accept`, then `processed`, as an eager step runs them, from the reference
+        phase methods; writes `processed` into the commit's input and returns the step's
+        table (step_table)."""
+        rows, proposals, tokens = captured_rows(x), x.ids[:, 1:], verified.tokens
+        accepted = REFERENCE_ACCEPT["accept_greedy"](self, proposals, tokens, rows.n_t)
+        at = REFERENCE_ACCEPT["bonus_index"](self, accepted, rows.n_t)
+        bonus = tokens.gather(1, at[:, None])[:, 0]
+        processed = REFERENCE_ACCEPT["processed"](self, rows, accepted)
+        x.processed.copy_(processed)
+        return step_table(accepted, bonus, processed, proposals)
+
+    def commit_replayed(self, processed: torch.Tensor, written: bool = False) -> bool:
         """The captured commit, when this step's verify replayed its graph and the commit's
         phase methods are still the reference ones (a replaced one, e.g. a planted fault,
-        runs eagerly)."""
+        runs eagerly). `written`: the captured accept put `processed` in the commit's input."""
         reference = all(getattr(type(self), name) is method for name, method in REFERENCE_PHASES.items())
-        return self.runner.commit(processed, replay=reference)
+        return self.runner.commit(None if written else processed, replay=reference)
+
+
+def captured_rows(x: StepInputs) -> Rows:
+    """The rows a captured phase sees, from a graph's static inputs: only the device fields
+    the phases read are real (remaining_t is a stand-in)."""
+    return Rows([], [], x.slots, [], [], x.valid - 1, x.ids[:, 0], x.valid - 1, x.positions, 1)
+
+
+def step_table(
+    accepted: torch.Tensor, bonus: torch.Tensor, processed: torch.Tensor, proposals: torch.Tensor
+) -> torch.Tensor:
+    """What the host reads of a step, one row per request: accepted, bonus, processed, then
+    the W proposals ([b, 3 + W])."""
+    return torch.cat([accepted[:, None], bonus[:, None], processed[:, None], proposals], dim=1)
 
 
 # the phase methods the captured commit runs, as defined above
 REFERENCE_PHASES = {name: getattr(SpeculativeStep, name) for name in ("commit_state", "context_features")}
+# and those the captured accept runs (`accept` itself: a replaced one decides differently)
+REFERENCE_ACCEPT = {
+    name: getattr(SpeculativeStep, name) for name in ("accept", "accept_greedy", "bonus_index", "processed")
+}

@@ -53,11 +53,18 @@ class SpecCounters:
         self.steps += 1
         self.proposed += proposed
         self.accepted += accepted
-        self.acceptance_lengths[acceptance_length] += 1
+        # dict.get rather than Counter's += : a key not counted yet would go through
+        # Counter.__missing__ (Python code), and a request's own counters start empty
+        lengths, accepted_at, verified_at = (
+            self.acceptance_lengths,
+            self.accepted_per_position,
+            self.verified_per_position,
+        )
+        lengths[acceptance_length] = lengths.get(acceptance_length, 0) + 1
         for k in range(1, accepted + 1):
-            self.accepted_per_position[k] += 1
+            accepted_at[k] = accepted_at.get(k, 0) + 1
         for k in range(1, min(proposed, accepted + 1) + 1):
-            self.verified_per_position[k] += 1
+            verified_at[k] = verified_at.get(k, 0) + 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -102,6 +109,9 @@ class PhaseTimer:
         self.calls: Counter = Counter()
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._free: list[torch.cuda.Event] = []  # events whose times were read, for reuse
+        # the stream events record on, looked up at a step's first phase and kept until the
+        # step's flush: each lookup makes a new Stream object (a few us, twice a phase)
+        self._stream: torch.cuda.Stream | None = None
 
     def phase(self, name: str, count: bool = True) -> _Phase:
         """Time the block as phase `name`; `count`: whether it counts as one more call (a
@@ -113,7 +123,9 @@ class PhaseTimer:
     def _recorded(self) -> torch.cuda.Event:
         """An event recorded now on the current stream."""
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device_index))
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(self.device_index)
+        event.record(self._stream)
         return event
 
     @contextmanager
@@ -136,6 +148,7 @@ class PhaseTimer:
     def flush(self, wait: bool = False) -> None:
         """Collect the times of pending phases whose events have completed, in order (all of
         them, waiting, with `wait`). Called once per step; the step does not wait for it."""
+        self._stream = None  # the next step looks its stream up again
         done = 0
         for name, start, end in self._pending:
             if not wait and not end.query():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from .checkpoint import DTYPES, parse_dtype, read_config
 from .errors import ConfigError, RequestError
 from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
+from .runtime.engine_config import EngineConfig
 from .runtime.verify_width import VERIFY_WIDTHS
 
 NUMERICS_HELP = (
@@ -155,6 +156,15 @@ def add_engine_options(
         elif name in overrides:
             kwargs["default"] = override
         parser.add_argument(*option.flags, **kwargs)
+
+
+def engine_config(args: Any, **settings: Any) -> EngineConfig:
+    """The EngineConfig of the engine options `args` carries (a command's parsed arguments):
+    each option it has that names an EngineConfig field, as given; `settings` set the others
+    a command decides itself, or replace a given one."""
+    names = {f.name for f in fields(EngineConfig)}
+    given = {name: getattr(args, name) for name in ENGINE_OPTIONS if name in names and hasattr(args, name)}
+    return EngineConfig(**{**given, **settings})
 
 
 HALF_PRECISION = ("bfloat16", "float16")

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from reference_engine.bench import BenchArgs
-from reference_engine.engine_args import ENGINE_OPTIONS, add_engine_options, resolve_device, resolve_dtype
+from reference_engine.engine_args import (
+    ENGINE_OPTIONS,
+    add_engine_options,
+    engine_config,
+    resolve_device,
+    resolve_dtype,
+)
 from reference_engine.errors import RequestError
 from reference_engine.generate import GenerateArgs
 from reference_engine.serving.args import ServeArgs
@@ -72,6 +78,32 @@ def test_every_command_takes_the_engine_options_under_their_one_definition(comma
         assert name in found, f"{command} lacks --{name.replace('_', '-')}"
         assert tuple(found[name].option_strings) == option.flags, (command, name)
         assert option.help in found[name].help, (command, name)
+
+
+def test_the_engine_config_carries_every_engine_option_a_command_was_given() -> None:
+    """engine_config: `serve` and the engine benchmark build their EngineConfig from their
+    parsed options, each option that names a field as given, the command's own settings on
+    top; a field no option names keeps its default."""
+    given = ["--commit-strategy", "per_token", "--verify-width", "fixed"]
+    given += ["--kv-cache-tokens", "4096", "--kv-cell-tokens", "128", "--prefill-chunk", "64"]
+    given += ["--max-num-batched-tokens", "96", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+    serve = ServeArgs.parse(
+        ["--model", "m", *given, "--max-num-seqs", "3", "--numerics", "exact", "--max-waiting", "7"]
+    )
+    config = engine_config(serve, max_waiting=serve.max_waiting)
+    bench = BenchArgs.parse([*given, "--checkpoint-every", "2"])
+    benched = engine_config(bench, max_num_seqs=16, max_model_len=300, numerics="exact")
+    for built in (config, benched):
+        assert (built.commit_strategy, built.verify_width, built.enforce_eager) == (
+            "per_token",
+            "fixed",
+            True,
+        )
+        assert (built.kv_cache_tokens, built.kv_cell_tokens, built.prefill_chunk) == (4096, 128, 64)
+        assert (built.max_num_batched_tokens, built.gpu_memory_utilization) == (96, 0.5)
+    assert (config.max_num_seqs, config.max_waiting, config.numerics) == (3, 7, "exact")
+    assert (benched.max_num_seqs, benched.max_model_len, benched.checkpoint_every) == (16, 300, 2)
+    assert config.checkpoint_every is None and config.admission == "wait"  # serve has no option for them
 
 
 def test_the_draft_answers_to_both_of_its_names_everywhere() -> None:

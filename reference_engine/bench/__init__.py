@@ -73,11 +73,11 @@ import torch
 
 from ..checkpoint import load_draft, load_target, parse_dtype
 from ..demo import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
-from ..engine_args import NUMERICS_HELP, add_engine_options, resolve_device, resolve_dtype
+from ..engine_args import NUMERICS_HELP, add_engine_options, engine_config, resolve_device, resolve_dtype
 from ..errors import ReferenceEngineError, RequestError, exit_with
 from ..kernels import NUMERICS, default_numerics
 from ..models.moe import ExpertCensus, census_of, count_experts
-from ..runtime.engine import Engine, EngineConfig
+from ..runtime.engine import Engine
 from ..runtime.oracle import OracleProposer
 from ..runtime.request import SamplingParams
 from ..runtime.stats import PHASES
@@ -314,22 +314,8 @@ def read_prompts(path: str, model_dir: str | None, count: int) -> list[list[int]
 def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numerics: str | None) -> Engine:
     """One engine (and its CUDA graphs) for every run of a mode and numerics at one
     concurrency, as a server keeps one: the graphs are captured here, outside the runs."""
-    config = EngineConfig(
-        max_num_seqs=concurrency,
-        block_size=args.block_size,
-        commit_strategy=args.commit_strategy,
-        checkpoint_every=args.checkpoint_every,
-        max_model_len=max(map(len, prompts)) + args.output_len,
-        numerics=numerics,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        verify_width=args.verify_width,
-        measure_step_costs=args.measure_step_costs,
-        prefill_chunk=args.prefill_chunk,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_cell_tokens=args.kv_cell_tokens,
-    )
+    context = max(map(len, prompts)) + args.output_len
+    config = engine_config(args, max_num_seqs=concurrency, max_model_len=context, numerics=numerics)
     engine = Engine(target, draft, config)
     costs = engine.verify_width.costs if engine.verify_width is not None else None
     if costs is not None and costs.measured and leads():

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..checkpoint import load_draft, load_target
-from ..engine_args import resolve_device, resolve_dtype
+from ..engine_args import engine_config, resolve_device, resolve_dtype
 from ..errors import ReferenceEngineError
 from ..kernels import default_numerics
-from ..runtime.engine import Engine, EngineConfig
+from ..runtime.engine import Engine
 from ..runtime.oracle import OracleProposer
 from ..runtime.request import SamplingParams
 from ..runtime.tensor_parallel import (
@@ -96,22 +96,7 @@ def build_engine(args: ServeArgs) -> tuple[Engine, TensorParallel | None, MakeOr
         raise ReferenceEngineError("--block-size needs --dflash-draft-model-path")
     if args.oracle_acceptance is not None and draft is None:
         raise ReferenceEngineError("--oracle-acceptance needs --dflash-draft-model-path")
-    config = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        commit_strategy=args.commit_strategy,
-        max_waiting=args.max_waiting,
-        numerics=args.numerics,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        verify_width=args.verify_width,
-        measure_step_costs=args.measure_step_costs,
-        prefill_chunk=args.prefill_chunk,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_cell_tokens=args.kv_cell_tokens,
-    )
+    config = engine_config(args, max_waiting=args.max_waiting)
     engine = Engine(target, draft, config)  # validates the pair and the options
     return engine, tp, oracle_maker(args.oracle_acceptance, engine)
 

@@ -2,7 +2,7 @@
 (/v1/completions or /v1/chat/completions) is answered by `answer(path, body)`, a whole
 completion, sent whole or as a stream as the request asks; a reply of another kind (bytes,
 an HTTP status) goes out as it is. It keeps every request body and the most requests it
-held at once."""
+held at once (a request is held from its arrival until its answer starts)."""
 
 from __future__ import annotations
 
@@ -63,13 +63,15 @@ class Stub:
                 try:
                     time.sleep(delay)
                     data = answer(self.path, body)
-                    if isinstance(data, Reply):
-                        send_reply(self, data)
-                    else:
-                        send_answer(self, body, data)
                 finally:
+                    # held until its answer starts: a closed-loop client sends its next
+                    # request only after reading this one's, so it never sees both counted
                     with lock:
                         stub.in_flight -= 1
+                if isinstance(data, Reply):
+                    send_reply(self, data)
+                else:
+                    send_answer(self, body, data)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

@@ -353,9 +353,8 @@ class Engine:
                 self.verify_widths[width] += 1  # a step that ran (one that raised is not counted)
             for seq, commit in zip(spec, commits):
                 self._record_speculative(seq, commit, outputs, drafted=width > 0)
-            if self.speculative_step.deferred:  # the context a request's plain steps deferred
-                ended = [s for s in spec if s.finish_reason is not None and s.error is None]
-                self.speculative_step.flush_context(ended)
+            if self.speculative_step.deferred:  # a request that ended never drafts again
+                self.speculative_step.drop_context([s for s in spec if s.finish_reason is not None])
         self.scheduler.finish_done()
         self.timer.flush()
         return outputs.items

@@ -112,8 +112,9 @@ class DeferredContext:
     anchor they committed, at consecutive positions from `first`. A plain step (verify width
     0, the CPU only) drafts nothing, so nothing reads the draft's context until the request
     drafts again; the features wait here and are appended in one batch before its next draft
-    forward, or when it ends (`SpeculativeStep.flush_context`), instead of one small append a
-    step (about 1 ms of host work a step at 16 rows on the demo pair)."""
+    forward (`SpeculativeStep.flush_context`), instead of one small append a step (about 1 ms
+    of host work a step at 16 rows on the demo pair). A request that ends before it drafts
+    again never needs them, and they are dropped (`SpeculativeStep.drop_context`)."""
 
     seq: Sequence
     slot: int
@@ -339,6 +340,12 @@ class SpeculativeStep:
             if entry is None:
                 entry = self.deferred[id(seq)] = DeferredContext(seq, slot, rows.starts[i], [])
             entry.features.append(features[i, 0])
+
+    def drop_context(self, seqs: list[Sequence]) -> None:
+        """Forget what the plain steps of `seqs` deferred: they ended, and nothing reads a
+        request's draft context after its last step (its slot's next request writes its own)."""
+        for seq in seqs:
+            self.deferred.pop(id(seq), None)
 
     def flush_context(self, seqs: list[Sequence], only: bool = False) -> None:
         """Append the context the plain steps of `seqs` deferred, before anything reads it:

@@ -42,8 +42,8 @@ same history choose the same widths (`Engine.reset_stats` starts the run afresh 
 W = 0 (on the CPU; on CUDA its graphs are not captured yet, and the widths start at 1) is a
 plain step for the speculative rows: no draft forward, the verify of the anchor
 alone, whose token is the one plain decode gives; it keeps the anchor's context features
-for the draft, appended in one batch before the request's next draft forward or when it ends
-(speculative_step.DeferredContext), so a later step can draft again. It is chosen where a
+for the draft, appended in one batch before the request's next draft forward (dropped if it
+ends first; speculative_step.DeferredContext), so a later step can draft again. It is chosen where a
 speculative step costs more than the tokens it is expected to commit (a batch so wide that
 the verify is bound by arithmetic, or a CPU). It costs a little more than a plain decode step
 (the verify keeps the features, and the step's host work is a speculative step's;

@@ -932,9 +932,13 @@ def test_a_dropped_engine_frees_its_state_without_the_garbage_collector(
             gc.enable()
 
 
-def _drafts_and_outputs(target, draft, ahead: bool, arrivals: dict[int, list[str]], fault=None):
+def _drafts_and_outputs(
+    target, draft, ahead: bool, arrivals: dict[int, list[str]], fault=None, schedule: list[int] | None = None
+):
     """Run requests through an eager engine (drafting ahead or not), joining at the steps of
-    `arrivals`; returns each request's output and drafted blocks, and the engine."""
+    `arrivals`; returns each request's output and drafted blocks, and the engine. With
+    `schedule`, each request's proposals come from an oracle that follows its plain greedy
+    output and accepts the scheduled counts (a random tiny draft accepts next to nothing)."""
     engine = make_engine(target, draft, max_num_seqs=4)
     engine.speculative_step.draft_ahead = ahead
     if fault is not None:
@@ -942,9 +946,13 @@ def _drafts_and_outputs(target, draft, ahead: bool, arrivals: dict[int, list[str
     prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": LONG_PROMPT, "d": PROMPTS[2]}
     budgets = {"a": 12, "b": 30, "c": 25, "d": 9}  # a, admitted first, ends first
     step = 0
-    while step == 0 or engine.has_unfinished() or any(s > step for s in arrivals):
+    while step == 0 or engine.has_unfinished() or any(s >= step for s in arrivals):
         for rid in arrivals.get(step, []):
-            engine.add_request(rid, prompts[rid], greedy(budgets[rid]))
+            oracle = None
+            if schedule is not None:
+                truth = reference(target, prompts[rid], greedy(budgets[rid]))
+                oracle = OracleProposer(truth, schedule, target.config.vocab_size)
+            engine.add_request(rid, prompts[rid], greedy(budgets[rid]), oracle=oracle)
         engine.step()
         step += 1
     done = {rid: engine.collect(rid) for rid in prompts}
@@ -1079,18 +1087,30 @@ def test_the_captured_accept_commits_what_the_eager_accept_commits(
         original(self, *args, **kwargs)
         _as_if_captured(self)
         accept = self.runner.accept
-        self.runner.accept = lambda count: None if eager_accept else tables.append(count) or accept(count)
 
+        def counted(count):
+            if eager_accept:
+                return None
+            table = accept(count)
+            tables.append(None if table is None else table[:, 0].tolist())  # accepted, a row each
+            return table
+
+        self.runner.accept = counted
+
+    schedule = [7, 0, 3, 7, 2, 5]  # every step a different count, the full block among them
     monkeypatch.setattr(Engine, "__init__", init)
-    captured, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
-    assert len(tables) > 10  # the captured accept ran for most steps
+    captured, engine = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals, schedule=schedule)
+    drafted = sum(n for width, n in engine.verify_widths.items() if width > 0)
+    assert len(tables) == drafted > 5 and None not in tables  # it ran for every drafted step
+    accepted = {a for table in tables for a in table}
+    assert {0, 2, 3, 7} <= accepted, accepted  # not vacuous: the tables held accepted tokens
     monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: init(self, *a, eager_accept=True, **k))
-    eager, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    eager, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals, schedule=schedule)
     assert captured == eager
     tables.clear()
     monkeypatch.setattr(Engine, "__init__", init)
     with planted("wrong_bonus_position"):
-        faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+        faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals, schedule=schedule)
     assert tables == [] and [o for o, _ in faulty.values()] != [o for o, _ in eager.values()]
 
 

@@ -4,6 +4,7 @@ that builds an engine offers them under the same flags, help and choices."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from reference_engine.engine_args import (
 )
 from reference_engine.errors import RequestError
 from reference_engine.generate import GenerateArgs
+from reference_engine.runtime.engine_config import EngineConfig
 from reference_engine.serving.args import ServeArgs
 
 
@@ -78,6 +80,45 @@ def test_every_command_takes_the_engine_options_under_their_one_definition(comma
         assert name in found, f"{command} lacks --{name.replace('_', '-')}"
         assert tuple(found[name].option_strings) == option.flags, (command, name)
         assert option.help in found[name].help, (command, name)
+
+
+# a value other than the default for every engine option that names an EngineConfig field
+GIVEN = {
+    "block_size": 4,
+    "commit_strategy": "per_token",
+    "gpu_memory_utilization": 0.5,
+    "max_num_seqs": 3,
+    "max_model_len": 300,
+    "prefill_chunk": 64,
+    "max_num_batched_tokens": 96,
+    "verify_width": "fixed",
+    "measure_step_costs": True,
+    "kv_cache_tokens": 4096,
+    "kv_cell_tokens": 128,
+    "checkpoint_every": 2,
+    "numerics": "exact",
+    "enforce_eager": True,
+}
+
+
+@pytest.mark.parametrize("command", ["serve", "bench"])
+def test_every_engine_option_a_command_offers_reaches_its_engine_config(command: str) -> None:
+    """Each engine option that names an EngineConfig field, given to a command that builds
+    an engine from its options, reaches the config as given (the engine benchmark sets its
+    numerics, one of a list, itself)."""
+    fields_named = {f.name for f in dataclasses.fields(EngineConfig)} & set(ENGINE_OPTIONS)
+    assert fields_named == set(GIVEN)  # an option added later needs a value here
+    found = actions(parsers()[command])
+    own = {"bench": {"numerics"}}.get(command, set())
+    offered = {name: value for name, value in GIVEN.items() if name in found and name not in own}
+    assert len(offered) >= 10, sorted(offered)
+    argv = ["--model", "m", "--draft", "d"]
+    for name, value in offered.items():
+        flag = ENGINE_OPTIONS[name].flags[0]
+        argv += [flag] if value is True else [flag, str(value)]
+    args = (ServeArgs if command == "serve" else BenchArgs).parse(argv)
+    config = engine_config(args, **{name: None for name in own})  # what the command sets itself
+    assert {name: getattr(config, name) for name in offered} == offered
 
 
 def test_the_engine_config_carries_every_engine_option_a_command_was_given() -> None:

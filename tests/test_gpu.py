@@ -233,11 +233,21 @@ def test_the_phase_timer_times_each_phase_on_the_device_and_reuses_its_events() 
     assert not timer._pending and len(timer._free) <= 16  # not 4 a step: each recorded many times
 
 
-def spec_run(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict:
-    """Each request's output and its speculative steps (proposed, accepted, drafted)."""
+def spec_run(
+    engine: Engine,
+    prompts: dict[str, list[int]],
+    max_tokens: int,
+    truths: dict[str, list[int]] | None = None,
+    schedule: tuple[int, ...] = (7, 0, 3, 7, 2, 5),
+) -> dict:
+    """Each request's output and its speculative steps (proposed, accepted, drafted). With
+    `truths` (each request's plain greedy output), its proposals come from an oracle that
+    follows it and accepts `schedule`'s counts (a random tiny draft accepts next to nothing)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    vocab = engine.target.config.vocab_size
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params)
+        oracle = None if truths is None else OracleProposer(truths[rid], schedule, vocab)
+        engine.add_request(rid, prompt, params, oracle=oracle)
     while engine.has_unfinished():
         engine.step()
     return {rid: (engine.get(rid).output_ids, engine.get(rid).steps) for rid in prompts}
@@ -266,24 +276,26 @@ def test_the_captured_accept_decides_as_the_eager_accept(tiny_pair, monkeypatch)
 
     def counted(self, rows):
         table = accept(self, rows)
-        tables.append(table is not None)
+        tables.append(None if table is None else table[:, 0].tolist())  # accepted, a row each
         return table
 
-    monkeypatch.setattr(ModelRunner, "accept", counted)
-    engine = Engine(target, draft, config, step_costs=costs)
-    replayed = spec_run(engine, prompts, 48)
-    assert tables and all(tables), "the captured accept never replayed"
-    assert len([w for w in engine.verify_widths if w > 0]) > 1, engine.verify_widths  # several widths
-    with monkeypatch.context() as m:
-        m.setattr(SpeculativeStep, "accept_replayed", lambda self, rows: None)
-        eager = spec_run(Engine(target, draft, config, step_costs=costs), prompts, 48)
-    assert replayed == eager
     plain = {
         rid: generate_plain(target, p, SamplingParams(max_tokens=48, ignore_eos=True)).output_ids
         for rid, p in prompts.items()
     }
+    monkeypatch.setattr(ModelRunner, "accept", counted)
+    engine = Engine(target, draft, config, step_costs=costs)
+    replayed = spec_run(engine, prompts, 48, plain)
+    assert tables and None not in tables, "the captured accept did not replay every step"
+    assert len([w for w in engine.verify_widths if w > 0]) > 1, engine.verify_widths  # several widths
+    accepted = {a for table in tables for a in table}
+    assert 0 in accepted and len(accepted - {0}) >= 2, accepted  # not vacuous: tokens accepted
+    with monkeypatch.context() as m:
+        m.setattr(SpeculativeStep, "accept_replayed", lambda self, rows: None)
+        eager = spec_run(Engine(target, draft, config, step_costs=costs), prompts, 48, plain)
+    assert replayed == eager
     assert {rid: out for rid, (out, _) in replayed.items()} == plain
     tables.clear()
     with planted("never_accept_full_block"):
-        spec_run(Engine(target, draft, config, step_costs=costs), prompts, 48)
+        spec_run(Engine(target, draft, config, step_costs=costs), prompts, 48, plain)
     assert tables == [], "a replaced accept method still ran the captured accept"

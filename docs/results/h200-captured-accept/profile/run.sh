@@ -2,6 +2,8 @@
 # Line-level py-spy: the engine alone (plain and DFlash, c16) and the process-mode server under
 # c16 load (both processes), demo pair on the H200.
 set -u
+: "${OUT:?set OUT to the folder the results go to}"
+# the server's and the profiler's wheels (.whl), installed beside the tree: the machine has no network
 export PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
 R=$OUT/r; mkdir -p $R

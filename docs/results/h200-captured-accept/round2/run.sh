@@ -2,6 +2,8 @@
 # The GPU tests and the demo pair's exact gates on this tree, then a second round of the
 # engine alone, the tree before (2eed7ac) against this one.
 set -u
+: "${OUT:?set OUT to the folder the results go to}"
+# the server's and the profiler's wheels (.whl), installed beside the tree: the machine has no network
 export PYTHONPATH=$PWD
 R=$OUT/r; mkdir -p $R
 mkdir -p /tmp/before && git archive 2eed7ac | tar -x -C /tmp/before

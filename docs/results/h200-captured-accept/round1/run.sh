@@ -1,10 +1,11 @@
 #!/bin/bash
 set -u
+: "${OUT:?set OUT to the folder the results go to}"
+# the server's and the profiler's wheels (.whl), installed beside the tree: the machine has no network
 export PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
 R=$OUT/r; mkdir -p $R
 mkdir -p /tmp/before && git archive 2eed7ac | tar -x -C /tmp/before
-for v in as_is eager_accept; do timeout 60 python3 .prof/debug_assert.py $v 2>&1 | grep -v "Assertion\|^captured\|^memory" | tail -5; done
 timeout 150 python3 -m pytest -q -x tests/test_gpu.py > $R/gpu-tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $R/gpu-tests.log
 timeout 150 python3 -m pytest -q -x gates/test_exact_gpu.py -k "cuda_graphs_change_no_bit or (demo_pair and 8-per_token)" > $R/gpu-gates.log 2>&1; echo "gpu gates rc=$?"; tail -3 $R/gpu-gates.log
 A="--model reference_engine/assets/demo/target --draft reference_engine/assets/demo/draft --concurrency 1,16 --num-prompts 32 --commit-strategy per_token --block-size 8 --output-len 128 --repeats 3"

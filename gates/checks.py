@@ -107,10 +107,15 @@ def assert_lossless(
             f"output != plain greedy: the speculative run failed ({type(exc).__name__}: {exc})"
         ) from exc
     if got.output_ids != ref.output_ids or got.finish_reason != ref.finish_reason:
+        where = (
+            divergence(target, prompt, ref.output_ids, got.output_ids, pair.numerics)
+            if got.output_ids != ref.output_ids
+            else f"the same tokens, finish reason plain {ref.finish_reason!r}, "
+            f"speculative {got.finish_reason!r}"
+        )
         raise AssertionError(
             f"{pair.name}, B={options.block_size}, {options.commit_strategy}, prompt of "
-            f"{len(prompt)} tokens: speculative output != plain greedy; "
-            + divergence(target, prompt, ref.output_ids, got.output_ids, pair.numerics)
+            f"{len(prompt)} tokens: speculative output != plain greedy; {where}"
         )
     return got
 

@@ -29,7 +29,7 @@ from reference_engine.runtime.kv_pool import CellAllocator
 from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.sampling import sample
 from reference_engine.runtime.scheduler import Scheduler
-from reference_engine.runtime.sequence import Phase
+from reference_engine.runtime.sequence import Phase, Sequence
 from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.serving.async_engine import AsyncEngine
@@ -389,6 +389,16 @@ def _overlapping_runs(correct):
     return allocate
 
 
+def _stop_on_the_last_token_is_length(correct):
+    def append(self, tokens):
+        kept = correct(self, tokens)
+        if self.finish_reason == "stop" and self.remaining == 0:
+            self.finish_reason = "length"  # the budget checked before the stop
+        return kept
+
+    return append
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault(
         "hybrid: keep the Gated DeltaNet state of the whole verified block",
@@ -465,6 +475,12 @@ FAULTS: dict[str, Fault] = {
     ),
     "verify_highest_on_tie": Fault(
         "the verify breaks exact ties toward the higher id", "accept", _verify_highest_on_tie
+    ),
+    "stop_on_the_last_token_is_length": Fault(
+        'requests: a stop token that is also the max_tokens-th token ends the request as "length"',
+        "append",
+        _stop_on_the_last_token_is_length,
+        Sequence,
     ),
     "stop_counted_twice": Fault(
         "metrics: a request that ends on a stop is counted twice",

@@ -389,6 +389,22 @@ def _overlapping_runs(correct):
     return allocate
 
 
+def _plain_step_for_any_greedy_row(correct):
+    def call(self, seqs, width=None, same_rows_next=False):
+        if width == 0 and any(s.params.greedy for s in seqs):  # all(): sampled rows draw
+            return self.plain_step(seqs)
+        return correct(self, seqs, width, same_rows_next)
+
+    return call
+
+
+def _plain_steps_counted_as_speculative(correct):
+    def record(self, seq, commit, outputs, drafted=True):
+        return correct(self, seq, commit, outputs, True)  # a plain step counted as drafted
+
+    return record
+
+
 def _stop_on_the_last_token_is_length(correct):
     def append(self, tokens):
         kept = correct(self, tokens)
@@ -475,6 +491,18 @@ FAULTS: dict[str, Fault] = {
     ),
     "verify_highest_on_tie": Fault(
         "the verify breaks exact ties toward the higher id", "accept", _verify_highest_on_tie
+    ),
+    "plain_step_for_any_greedy_row": Fault(
+        "verify width: a plain step (width 0) takes the greedy path when any row is greedy, "
+        "its sampled rows given the argmax",
+        "__call__",
+        _plain_step_for_any_greedy_row,
+    ),
+    "plain_steps_counted_as_speculative": Fault(
+        "verify width: a plain step (width 0) is recorded as a speculative step that drafted nothing",
+        "_record_speculative",
+        _plain_steps_counted_as_speculative,
+        engine_module.Engine,
     ),
     "stop_on_the_last_token_is_length": Fault(
         'requests: a stop token that is also the max_tokens-th token ends the request as "length"',

@@ -26,6 +26,7 @@ from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import StepRecord
 from reference_engine.runtime.speculative_step import SpeculativeStep
+from reference_engine.runtime.verify_width import StepCosts
 
 from .faults import planted
 from .hooks import hooked
@@ -98,6 +99,7 @@ class CellRun:
     draft_q: Draws = field(default_factory=Draws)  # real-draft proposals, reference q each
     q_error: float = 0.0  # largest |engine q - reference q| over the real draft's slots
     q_error_at: str = "nowhere"
+    verify_widths: dict[int, int] = field(default_factory=dict)  # steps per verify width
 
 
 def selector_walk_logits(
@@ -128,12 +130,17 @@ def run_cell(
     block_size: int,
     seed: int,
     fault: str | None = None,
+    step_costs: StepCosts | None = None,
+    greedy_rows: int = 0,
 ) -> CellRun:
     """`rows` sampled requests in one batch, the prompts in turn; even rows keep the real
-    draft's proposals, odd rows take the close proposer's. Seeds are fixed."""
+    draft's proposals, odd rows take the close proposer's. Seeds are fixed. `step_costs`
+    time the engine's verify widths (plain steps among them); `greedy_rows` greedy requests
+    (ids g0, g1, ...) run beside the sampled ones, which alone are judged."""
     reference = TargetReference(target, cell)
     close = CloseProposer(reference, seed)
     closed = {str(i) for i in range(1, rows, 2)}
+    greedy = {f"g{i}" for i in range(greedy_rows)}
     run = CellRun(cell, block_size, max_tokens, reference)
     captured: dict[str, torch.Tensor] = {}
 
@@ -151,7 +158,7 @@ def run_cell(
         logits = captured.pop("logits", None)  # [b, N, vocab]
         candidates, edges = captured.pop("candidates", None), captured.pop("edges", None)
         for i, seq in enumerate(rows_.seqs):
-            if seq.request_id in closed:
+            if seq.request_id in closed or seq.request_id in greedy:
                 continue
             n_i, where = rows_.n[i], f"request {seq.request_id} at output {len(seq.output_ids)}"
             if logits is None or draft_probs[i] is None:
@@ -176,7 +183,7 @@ def run_cell(
             if mine:
                 drafted, qs = close.propose(
                     [rows_.seqs[i].prompt_ids + rows_.seqs[i].output_ids for i in mine],
-                    [rows_.n[i] for i in mine],
+                    [min(rows_.n[i], proposals.shape[1]) for i in mine],  # a narrow step's head
                 )
                 for i, tokens, q in zip(mine, drafted, qs):
                     proposals[i, : len(tokens)] = torch.tensor(tokens, device=proposals.device)
@@ -198,12 +205,13 @@ def run_cell(
         target,
         draft,
         EngineConfig(
-            max_num_seqs=rows,
+            max_num_seqs=rows + greedy_rows,
             block_size=block_size,
             prefill_chunk=longest,
-            max_model_len=longest + max_tokens,
+            max_model_len=longest + (2 if greedy else 1) * max_tokens,
             enforce_eager=True,
         ),
+        step_costs=step_costs,
     )
     with (
         planted(fault),
@@ -222,8 +230,13 @@ def run_cell(
                     seed=seed * 1_000_003 + i,
                 ),
             )
+        for name in sorted(greedy):
+            prompt = list(prompts[int(name[1:]) % len(prompts)])
+            # they outlast the sampled rows, so every step of those has greedy neighbours
+            engine.add_request(name, prompt, SamplingParams(max_tokens=2 * max_tokens, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
+    run.verify_widths = dict(engine.verify_widths)
     for i in range(rows):
         seq = engine.collect(str(i))
         run.requests.append(
@@ -252,13 +265,24 @@ def cell_draws(run: CellRun) -> CellDraws:
     draws = CellDraws()
     for r, probs in zip(run.requests, every):  # probs: [len(output), vocab]
         draws.outputs.add(probs, r.output, f"request {r.request_id} (draw = output position)")
+        # the output positions the request drafted from, in order: a drafted step each (plain
+        # steps, verify width 0, draft nothing and record no step: their tokens are the
+        # target's own draws, judged with every output token)
+        drafted_at = sorted(at for rid, at in run.proposed if rid == r.request_id)
+        if len(drafted_at) != len(r.steps):
+            raise AssertionError(
+                f"{run.cell}: request {r.request_id} recorded {len(r.steps)} speculative steps "
+                f"but drafted {len(drafted_at)} times"
+            )
+        plain_steps = run.verify_widths.get(0, 0) > 0
         at = 1  # the first output token came from prefill
-        for step in r.steps:
-            if (r.request_id, at) not in run.proposed:
+        for step, start in zip(r.steps, drafted_at):
+            if start != at and not (plain_steps and start > at):
                 raise AssertionError(
                     f"{run.cell}: request {r.request_id} committed a step at "
                     f"output {at} whose proposals were never recorded"
                 )
+            at = start
             drafted, q = run.proposed[(r.request_id, at)]  # q: [n, vocab]
             a, n, kept = step.accepted, step.proposed, step.acceptance_length
             if r.output[at : at + min(a, kept)] != drafted[: min(a, kept)]:

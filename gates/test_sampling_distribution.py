@@ -28,6 +28,7 @@ import torch
 
 from reference_engine.checkpoint import load_draft, load_target
 from reference_engine.runtime.sampling import accept_sampled
+from reference_engine.runtime.verify_width import StepCosts
 
 from .conftest import SMALL_VOCAB as VOCAB
 from .sampling_checks import TESTS_PER_CELL, assert_sampling_lossless, run_cell
@@ -163,7 +164,58 @@ def test_engine_speculative_sampling_matches_plain_sampling(small_vocab_pair) ->
     assert_engine_sampling_lossless(target, draft)
 
 
+# verify widths where a plain step (width 0) mostly wins and a narrow block beats the full one
+PLAIN_MOSTLY = StepCosts({(1, 0): 1.0, (1, 1): 1.9, (1, 3): 3.6}, measured=True)
+GREEDY_NEIGHBOURS = 40
+
+
+def assert_sampled_rows_lossless_beside_greedy_rows(target, draft, fault: str | None = None) -> None:
+    """One cell (T = 1, top-k 6) with greedy requests in the batch and step costs under which
+    the engine takes plain steps (width 0) and drafts now and then: the sampled rows' tokens
+    of plain steps, of narrowed verifies and of full ones follow the target's distribution."""
+    run = run_cell(
+        target,
+        draft,
+        Cell(1.0, 6, 1.0),
+        PROMPTS,
+        ROWS,
+        MAX_TOKENS,
+        BLOCK_SIZE,
+        seed=len(GRID) + 2,
+        fault=fault,
+        step_costs=PLAIN_MOSTLY,
+        greedy_rows=GREEDY_NEIGHBOURS,
+    )
+    widths = run.verify_widths
+    # not vacuous: mostly plain steps, a narrowed verify and a full one ({0: 31, 1: 1, 3: 1} here)
+    assert {0, 1, 3} <= set(widths) and widths[0] >= 20, widths
+    assert_sampling_lossless(run, ALPHA, min_full_blocks=0)
+
+
+def test_sampled_rows_are_lossless_through_plain_steps_beside_greedy_rows(small_vocab_pair) -> None:
+    target, draft = small_vocab_pair
+    assert_sampled_rows_lossless_beside_greedy_rows(target, draft)
+
+
+@pytest.mark.parametrize(
+    ("fault", "check"),
+    [
+        ("plain_step_for_any_greedy_row", "output tokens"),
+        # lossless: the steps' records (acceptance statistics) are what it breaks
+        ("plain_steps_counted_as_speculative", "speculative steps but drafted"),
+    ],
+)
+def test_sampling_gate_catches_faults_of_plain_steps_beside_greedy_rows(
+    small_vocab_pair, fault: str, check: str
+) -> None:
+    target, draft = small_vocab_pair
+    with pytest.raises(AssertionError, match=check):
+        assert_sampled_rows_lossless_beside_greedy_rows(target, draft, fault)
+
+
 CATCHES = (
+    "plain_step_for_any_greedy_row",
+    "plain_steps_counted_as_speculative",
     "full_block_bonus_from_last_draft_slot",
     "draft_q_at_temperature_one",
     "bonus_ignores_residual",

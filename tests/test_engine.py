@@ -822,8 +822,11 @@ def test_the_context_a_plain_step_defers_reaches_its_own_request_alone(
     for _ in range(8):
         engine.step()
     assert engine.stats()["verify_widths"].get(0, 0) >= 4
-    slot = engine.get("a").slot
+    a = engine.get("a")
+    slot = a.slot
+    assert id(a) in engine.speculative_step.deferred  # a owes its draft context
     engine.abort("a")
+    assert id(a) not in engine.speculative_step.deferred  # dropped with it, not kept until a draft
     engine.add_request("c", LONG_PROMPT, greedy(24))
     engine.step()
     assert engine.get("c").slot == slot

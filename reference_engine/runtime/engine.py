@@ -300,8 +300,11 @@ class Engine:
         self.scheduler.queue(seq)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is; its slot is free for the next step."""
-        self.scheduler.abort(request_id)
+        """Drop a request wherever it is; its slot is free for the next step, and what its
+        plain steps deferred for the draft is dropped with it."""
+        seq = self.scheduler.abort(request_id)
+        if self.speculative_step is not None:
+            self.speculative_step.drop_context([seq])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -333,6 +333,22 @@ def _deferred_context_one_position_late(correct):
     return flush_context
 
 
+def _deferred_group_from_first_start(correct):
+    def flush_context(self, seqs, only=False):
+        # rows owing as many positions are appended together, all from the first one's start
+        groups: dict[int, list] = {}
+        for seq in seqs:
+            entry = self.deferred.get(id(seq))
+            if entry is not None:
+                groups.setdefault(len(entry.features), []).append(entry)
+        for group in groups.values():
+            for entry in group[1:]:
+                entry.first = group[0].first
+        return correct(self, seqs, only)
+
+    return flush_context
+
+
 def _plain_step_keeps_state_before_anchor(correct):
     def verify(self, rows, block, record=True):
         # a plain step (no record: its block is kept whole) puts the Gated DeltaNet state back
@@ -454,6 +470,12 @@ FAULTS: dict[str, Fault] = {
         "verify width: the context plain steps deferred reaches the draft one position late",
         "flush_context",
         _deferred_context_one_position_late,
+    ),
+    "deferred_group_from_first_start": Fault(
+        "verify width: rows whose plain steps deferred as many positions get their context "
+        "written from the first such row's start",
+        "flush_context",
+        _deferred_group_from_first_start,
     ),
     "plain_step_keeps_state_before_anchor": Fault(
         "verify width: a plain step (width 0) leaves the Gated DeltaNet state where it was before the anchor",

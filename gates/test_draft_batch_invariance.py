@@ -34,7 +34,7 @@ from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.speculative_step import SpeculativeStep
-from reference_engine.runtime.verify_width import StepCosts
+from reference_engine.runtime.verify_width import StepCosts, VerifyWidth
 
 from .checks import EngineRequest, Pair, assert_batch_equivalent, run_engine
 from .conftest import TINY_PAIRS
@@ -253,7 +253,12 @@ def test_draft_proposals_and_context_are_the_same_alone_and_in_a_batch(
 
 
 ACCEPTANCE_FAULTS = ("draft_context_from_next_row", "draft_block_sees_padding", "dflash2_conv_across_rows")
-CATCHES = (*ACCEPTANCE_FAULTS, "plain_step_without_draft_context", "deferred_context_one_position_late")
+CATCHES = (
+    *ACCEPTANCE_FAULTS,
+    "plain_step_without_draft_context",
+    "deferred_context_one_position_late",
+    "deferred_group_from_first_start",
+)
 
 
 @pytest.mark.parametrize("fault", ACCEPTANCE_FAULTS)
@@ -299,6 +304,61 @@ def test_plain_steps_hand_the_draft_the_context_a_speculative_step_would(pair: P
     assert len(shared) > 5  # not vacuous: steps drafted after plain ones compared (11 here)
     compared = assert_draft_batch_invariant(alone, batched, committed, "after plain steps", every_step=False)
     assert compared > 100, compared  # not vacuous: the context positions the batch's drafts read
+
+
+def plain_runs_then_a_draft(pair: Pair, alone_runs, fault: str | None = None) -> tuple[int, list]:
+    """The draft workload with every fifth step drafted (width 3) and the others plain, so
+    that each drafted step appends the context that rows admitted together (prompts of
+    different lengths) deferred over the same steps, as one group per count: returns what
+    the invariance check compared and the starts of every group of that append."""
+    requests, references, alone, committed = alone_runs["draft"]
+    steps = iter(range(10**6))
+    groups: list[list[int]] = []
+
+    def choose(self, limits, counters, totals):
+        return 3 if next(steps) % 5 == 4 else 0
+
+    def recorded(flush):
+        def flush_context(self, seqs, only=False):
+            counts: dict[int, list[int]] = {}
+            for seq in seqs:
+                entry = self.deferred.get(id(seq))
+                if entry is not None:
+                    counts.setdefault(len(entry.features), []).append(entry.first)
+            groups.extend(counts.values())
+            return flush(self, seqs, only)
+
+        return flush_context
+
+    with (
+        planted(fault),
+        hooked(
+            (VerifyWidth, "choose", lambda correct: choose),
+            (SpeculativeStep, "flush_context", recorded),
+        ),
+    ):
+        batched, streamed = record_run(pair, requests, references, BATCH)
+    assert_batch_equivalent(streamed, references, "plain runs then a draft")
+    compared = assert_draft_batch_invariant(
+        alone, batched, committed, "plain runs then a draft", every_step=False
+    )
+    return compared, groups
+
+
+def test_rows_that_deferred_together_get_their_own_context(pair: Pair, alone_runs) -> None:
+    """Rows whose plain steps deferred as many positions (admitted together, prompts of
+    different lengths) have their context appended in one batch: each at its own positions."""
+    compared, groups = plain_runs_then_a_draft(pair, alone_runs)
+    assert compared > 100, compared
+    # not vacuous: appends of several rows with as many positions from different starts
+    assert any(len(set(starts)) > 1 for starts in groups), groups
+
+
+def test_draft_invariance_gate_catches_a_deferred_group_written_from_one_start(
+    pair: Pair, alone_runs
+) -> None:
+    with pytest.raises(AssertionError, match="differs in the batch"):
+        plain_runs_then_a_draft(pair, alone_runs, "deferred_group_from_first_start")
 
 
 @pytest.mark.parametrize("fault", ["plain_step_without_draft_context", "deferred_context_one_position_late"])

@@ -421,6 +421,17 @@ def _plain_steps_counted_as_speculative(correct):
     return record
 
 
+def _proposed_counts_the_drafted_block(correct):
+    def call(self, seqs, width=None, same_rows_next=False):
+        drafted = [min(self.block_size - 1, s.remaining) for s in seqs]  # before the width cut
+        commits = correct(self, seqs, width, same_rows_next)
+        if not width:
+            return commits
+        return [replace(c, proposed=n) for c, n in zip(commits, drafted)]
+
+    return call
+
+
 def _stop_on_the_last_token_is_length(correct):
     def append(self, tokens):
         kept = correct(self, tokens)
@@ -525,6 +536,12 @@ FAULTS: dict[str, Fault] = {
         "_record_speculative",
         _plain_steps_counted_as_speculative,
         engine_module.Engine,
+    ),
+    "proposed_counts_the_drafted_block": Fault(
+        "verify width: a narrowed step records the draft tokens of the whole block as verified, "
+        "not those it verified (acceptance statistics)",
+        "__call__",
+        _proposed_counts_the_drafted_block,
     ),
     "stop_on_the_last_token_is_length": Fault(
         'requests: a stop token that is also the max_tokens-th token ends the request as "length"',

@@ -14,6 +14,7 @@ from reference_engine.runtime.commit import COMMIT_STRATEGIES
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError
 from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.verify_width import StepCosts
 
 from .checks import EngineRequest, Pair, assert_batch_equivalent, run_engine
 from .faults import planted
@@ -123,12 +124,32 @@ def test_admission_waits_or_refuses_per_policy(pair: Pair, workload) -> None:
     assert_batch_equivalent(streamed, {k: references[k] for k in streamed}, "queued admission")
 
 
-def test_statistics_are_exact_under_the_oracle(pair: Pair, workload) -> None:
+# verify-width costs under which plain steps (width 0), narrow and full blocks all win at
+# times (a wide verify costs up to 3.5 plain steps)
+WIDTHS_PAY = StepCosts(
+    {(rows, w): s for rows in (1, 2, 4, 8) for w, s in ((0, 1.0), (1, 1.3), (3, 1.9), (7, 3.5))},
+    measured=True,
+)
+
+
+@pytest.mark.parametrize("costs", ["full_blocks", "widths"])
+def test_statistics_are_exact_under_the_oracle(pair: Pair, workload, costs: str) -> None:
+    """Each request's recorded steps accept the oracle's scheduled counts of what they
+    verified, record the draft tokens they verified (`proposed`, those tokens in `drafted`),
+    add up to its output, and the engine's totals add up over requests; with verify-width
+    costs (plain steps recorded as none, narrow blocks counted as verified) too."""
+    check_statistics(pair, workload, WIDTHS_PAY if costs == "widths" else None)
+
+
+def check_statistics(pair: Pair, workload, step_costs: StepCosts | None) -> None:
     requests, references = workload
     engine = engine_for(pair, 8)
+    if step_costs is not None:
+        engine = Engine(pair.target, pair.draft, engine.config, step_costs=step_costs)
     run_engine(engine, requests["oracle"], references)
-    totals = {"steps": 0, "accepted": 0}
+    totals = {"steps": 0, "accepted": 0, "proposed": 0}
     histogram: dict[int, int] = {}
+    plain_tokens = 0
     for r in requests["oracle"]:
         seq = engine.collect(r.request_id)
         lengths = [s.acceptance_length for s in seq.steps]
@@ -136,21 +157,34 @@ def test_statistics_are_exact_under_the_oracle(pair: Pair, workload) -> None:
         for i, step in enumerate(seq.steps):
             scheduled = min(r.schedule[i % len(r.schedule)], step.proposed)
             assert step.accepted == scheduled, (r.request_id, i, step)
-        assert sum(lengths) + 1 == len(seq.output_ids)
+            assert step.proposed == len(step.drafted) <= BLOCK_SIZE - 1, (r.request_id, i, step)
+        plain_tokens += len(seq.output_ids) - 1 - sum(lengths)  # plain steps' tokens
+        assert sum(lengths) + 1 <= len(seq.output_ids)
         totals["steps"] += len(seq.steps)
         totals["accepted"] += sum(s.accepted for s in seq.steps)
+        totals["proposed"] += sum(s.proposed for s in seq.steps)
         for n in lengths:
             histogram[n] = histogram.get(n, 0) + 1
-    spec = engine.stats()["spec"]
-    assert spec["steps"] == totals["steps"]
-    assert spec["accepted"] == totals["accepted"]
+    stats = engine.stats()
+    spec, widths = stats["spec"], stats["verify_widths"]
+    assert {k: spec[k] for k in totals} == totals
     assert spec["acceptance_length_histogram"] == dict(sorted(histogram.items()))
+    if step_costs is None:
+        assert plain_tokens == 0 and set(widths) == {BLOCK_SIZE - 1}, (plain_tokens, widths)
+    else:  # not vacuous: plain steps, narrow and full blocks ran
+        assert plain_tokens > 0 and {0, 1, 3, 7} <= set(widths), (plain_tokens, widths)
 
 
-CATCHES = ("commit_wrong_slot", "shared_positions")
+CATCHES = ("commit_wrong_slot", "shared_positions", "proposed_counts_the_drafted_block")
 
 
-@pytest.mark.parametrize("fault", CATCHES)
+def test_statistics_gate_catches_narrow_steps_counted_as_whole_blocks(pair: Pair, workload) -> None:
+    with planted("proposed_counts_the_drafted_block"), pytest.raises(AssertionError) as caught:
+        check_statistics(pair, workload, WIDTHS_PAY)
+    assert "StepRecord" in str(caught.value)  # a step's record, not another check, failed
+
+
+@pytest.mark.parametrize("fault", ["commit_wrong_slot", "shared_positions"])
 def test_batch_gate_catches_planted_faults(pair: Pair, workload, fault: str) -> None:
     if fault == "commit_wrong_slot" and not pair.target.config.is_hybrid:
         pytest.skip("a misplaced commit corrupts Gated DeltaNet state, which dense targets lack")

@@ -26,6 +26,7 @@ from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime import speculative_step as speculative_step_module
 from reference_engine.runtime.kv_pool import CellAllocator
+from reference_engine.runtime.model_runner import ModelRunner
 from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.sampling import sample
 from reference_engine.runtime.scheduler import Scheduler
@@ -432,6 +433,25 @@ def _proposed_counts_the_drafted_block(correct):
     return call
 
 
+def _draft_context_at_chunk_positions(correct):
+    def prefill(self, ids, start, slot, speculative):
+        if not speculative or start == 0:
+            return correct(self, ids, start, slot, speculative)
+        append = type(self.draft).append_context
+
+        def shifted(features, positions, *args, **kwargs):
+            # a later prompt chunk's draft context written at the chunk's own positions
+            return append(self.draft, features, positions - start, *args, **kwargs)
+
+        self.draft.append_context = shifted
+        try:
+            return correct(self, ids, start, slot, speculative)
+        finally:
+            del self.draft.append_context
+
+    return prefill
+
+
 def _stop_on_the_last_token_is_length(correct):
     def append(self, tokens):
         kept = correct(self, tokens)
@@ -542,6 +562,13 @@ FAULTS: dict[str, Fault] = {
         "not those it verified (acceptance statistics)",
         "__call__",
         _proposed_counts_the_drafted_block,
+    ),
+    "draft_context_at_chunk_positions": Fault(
+        "chunked prefill: a later prompt chunk's draft context is written at positions counted "
+        "from the chunk's start",
+        "prefill",
+        _draft_context_at_chunk_positions,
+        ModelRunner,
     ),
     "stop_on_the_last_token_is_length": Fault(
         'requests: a stop token that is also the max_tokens-th token ends the request as "length"',

@@ -144,3 +144,27 @@ def test_resume_refuses_a_folder_measured_with_other_servers_and_leaves_it_as_it
     assert "Traceback" not in done.stderr
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"}
     assert after == before
+
+
+def test_the_ratio_is_b_over_a_with_an_interval_around_it_and_noise_read_from_it(tmp_path) -> None:
+    """bootstrap_ratio: B's median over A's, and a 95% interval of resampled repeats that
+    holds it; ratios(): `within_noise` when that interval holds 1, so a clear 2x gap is not
+    noise and equal sides are."""
+    from harness.ab import RATIO_METRICS, bootstrap_ratio, ratios
+
+    point, low, high = bootstrap_ratio([100.0, 101.0, 99.0], [200.0, 202.0, 198.0])
+    assert point == pytest.approx(2.0) and low <= point <= high and 1.9 < low and high < 2.1
+    summaries = [
+        {"label": label, "concurrency": c, **dict.fromkeys(RATIO_METRICS, value)}
+        for c, (a, b) in {1: ((100, 101, 99), (200, 202, 198)), 4: ((100, 120, 80), (110, 90, 100))}.items()
+        for label, values in (("A", a), ("B", b))
+        for value in values
+    ]
+    rows = {
+        r["concurrency"]: r
+        for r in ratios(summaries, tmp_path / "ab.csv")
+        if r["metric"] == "output_tokens_per_s"
+    }
+    assert rows[1]["ratio"] == pytest.approx(2.0) and rows[1]["within_noise"] is False
+    assert rows[4]["ratio"] == pytest.approx(1.0) and rows[4]["within_noise"] is True
+    assert (tmp_path / "ab.csv").is_file()

@@ -167,3 +167,39 @@ def test_arrivals_come_when_due_and_a_late_one_does_not_delay_the_rest() -> None
     # after the hold-up the schedule catches up: the last arrival is late by scheduling noise
     # only, not by the 0.3 s hold-up on top of it
     assert t[-1] - due[-1] < 0.25, (t[-1], due[-1])
+
+
+def read_events(endpoint: Endpoint, timed: list[tuple[float, dict]]) -> RequestRecord:
+    """The reader fed these events (data objects) at these times, then [DONE]."""
+    reader = StreamReader(endpoint, RequestRecord(index=0, send_s=0.0))
+    for now, event in timed:
+        assert not reader.event(json.dumps(event), now)
+    reader.event("[DONE]", timed[-1][0])
+    return reader.finish()
+
+
+def test_ttft_is_the_first_chunk_that_carries_a_token_not_the_first_event() -> None:
+    """A chat stream opens with a role-only delta (no token); TTFT is the first token's time."""
+    record = read_events(
+        Endpoint("http://unused", kind="chat"),
+        [
+            (0.01, {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+            (0.05, {"choices": [{"index": 0, "delta": {"content": "<1>"}, "token_ids": [1]}]}),
+            (0.07, {"choices": [{"index": 0, "delta": {"content": "<2>"}, "token_ids": [2]}]}),
+            (0.08, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}),
+        ],
+    )
+    assert record.success and record.ttft_s == pytest.approx(0.05) and record.chunk_times_s == [0.05, 0.07]
+
+
+def test_tokens_are_counted_from_the_ids_a_server_sends_not_from_its_text() -> None:
+    """Three characters a token in the text, one id a token: the ids are the count."""
+    record = read_events(
+        Endpoint("http://unused"),
+        [
+            (0.02, {"choices": [{"index": 0, "text": "abcdefghi", "token_ids": [5, 6, 7]}]}),
+            (0.03, {"choices": [{"index": 0, "text": "xyz", "token_ids": [8], "finish_reason": "length"}]}),
+        ],
+    )
+    assert record.success and record.output_tokens == 4 and record.chunk_tokens == [3, 1]
+    assert record.token_ids == [5, 6, 7, 8] and record.count_source == "server_ids"

@@ -50,3 +50,17 @@ def test_a_group_whose_requests_all_failed_reports_nan_and_untagged_runs_report_
     assert math.isnan(row["ttft_ms_long_median"])
     untagged = calculate_metrics([record(0, None, 0.01, [0.004], [1])], duration_s=1.0)
     assert not any("_short_" in k or "_long_" in k for k in untagged)
+
+
+def test_a_failed_request_adds_nothing_to_throughput_or_latency() -> None:
+    """A request that failed (a stream cut off after some tokens keeps its count) is counted
+    as failed, and adds no request, token or latency to the rates."""
+    ok = record(0, None, 0.01, [0.004, 0.004], [2, 2])  # 5 tokens
+    cut = RequestRecord(1, 0.0, success=False, error="stream cut", ttft_s=0.002, e2e_s=0.5)
+    cut.output_tokens, cut.chunk_times_s, cut.chunk_tokens = 3, [0.002, 0.003], [1, 2]
+    row = calculate_metrics([ok, cut], duration_s=1.0)
+    assert (row["completed"], row["failed"]) == (1, 1)
+    assert row["request_throughput"] == pytest.approx(1.0)
+    assert row["output_tokens_per_s"] == pytest.approx(5.0)
+    assert row["ttft_ms_mean"] == pytest.approx(10.0)
+    assert row["achieved_concurrency"] == pytest.approx(ok.e2e_s)

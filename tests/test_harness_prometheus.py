@@ -98,3 +98,24 @@ def test_a_page_with_the_same_counts_under_two_names_is_read_once() -> None:
 def test_vllm_positions_are_read_as_the_first_draft_token() -> None:
     snap = parse(counters("vllm:", 10, 70, 30, [8, 6], 'engine="0"'))
     assert (snap["pos:1"], snap["pos:2"]) == (8, 6) and "pos:0" not in snap
+
+
+def test_a_position_that_accepted_nothing_in_the_run_keeps_its_place() -> None:
+    """Per-position acceptance is indexed by position: one whose counter did not move during
+    the run reads 0 there, and the positions after it stay where they are."""
+    before = parse(counters("vllm:", 100, 300, 50, [50, 20, 5], 'engine="0"'))
+    after = parse(counters("vllm:", 110, 330, 64, [59, 20, 10], 'engine="0"'))
+    got = acceptance_from_counters(before, after)
+    assert got["acceptance_per_position"] == pytest.approx([0.9, 0.0, 0.5])
+
+
+def test_per_request_acceptance_counts_completed_requests_only() -> None:
+    done = {"steps": 2, "proposed": 14, "accepted": 6, "acceptance_lengths": [4, 4]}
+    cut = {"steps": 5, "proposed": 35, "accepted": 0, "acceptance_lengths": [1, 1, 1, 1, 1]}
+    got = acceptance_from_requests(
+        [
+            RequestRecord(0, 0.0, success=True, spec_decode=done),
+            RequestRecord(1, 0.0, success=False, error="cut", spec_decode=cut),
+        ]
+    )
+    assert got["acceptance_length"] == pytest.approx(4.0) and got["acceptance_histogram"] == {4: 2}

@@ -153,3 +153,39 @@ def test_a_machine_busy_with_other_work_is_warned_about(tmp_path) -> None:
     part = verdict(build_report(directory).read_text())
     assert "**Warning: the machine was busy.** Before 2 of 4 runs" in part
     assert "above the 2 CPUs (highest 5.5, before B c=1 repeat 0)" in part
+
+
+def test_an_output_cut_short_on_one_side_is_a_mismatch(tmp_path) -> None:
+    """A side whose output is a prefix of the other's (a truncated stream, a stop too early)
+    did not produce the same tokens: the comparison covers the whole of both."""
+    directory = write_results(tmp_path / "run")
+    set_token_ids(
+        directory,
+        lambda r: [1, 2] if (r["label"], r["concurrency"], r["index"]) == ("B", 1, 2) else [1, 2, 3],
+    )
+    part = verdict(build_report(directory).read_text())
+    assert "**Outputs differ**: 2 of 11 requests" in part
+    assert "c=1 repeat 0 request 2 (first difference at output token 2)" in part
+
+
+def test_a_ratio_whose_interval_holds_one_is_no_clear_difference(tmp_path) -> None:
+    """The verdict reads `ab.csv`'s interval: a ratio above 1 whose 95% interval holds 1 is
+    within noise, not "faster"."""
+    directory = write_results(tmp_path / "run")
+    name_sides(directory)
+    path = directory / "ab.csv"
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        if row["metric"] == "output_tokens_per_s":
+            row.update(ratio="1.03", ci_low="0.97", ci_high="1.09", within_noise="True")
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    part = verdict(build_report(directory).read_text())
+    assert (
+        "Concurrency 1: dflash delivers 1.03x the output throughput of plain "
+        "(95% interval 0.97–1.09): no clear difference, within run-to-run noise."
+    ) in part
+    assert "dflash is faster" not in part

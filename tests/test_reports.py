@@ -292,3 +292,52 @@ def test_reports_imports_no_torch_engine_or_harness() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_repeats_are_aggregated_by_their_median_with_the_spread_beside_it() -> None:
+    """Three repeats of which one is an outlier: the median (not the mean) of every number,
+    min and max beside the spread columns, counts summed."""
+    import pandas as pd
+
+    from reports.results import aggregate_repeats
+
+    summary = pd.DataFrame(
+        [
+            {
+                "label": "A",
+                "concurrency": 1,
+                "repeat": r,
+                "output_tokens_per_s": v,
+                "completed": 8,
+                "failed": f,
+            }
+            for r, (v, f) in enumerate(((100.0, 0), (400.0, 1), (110.0, 0)))
+        ]
+    )
+    row = aggregate_repeats(summary).loc[("A", 1)]
+    assert row["output_tokens_per_s"] == 110.0 and row["n"] == 3
+    assert (row["output_tokens_per_s_min"], row["output_tokens_per_s_max"]) == (100.0, 400.0)
+    assert (row["completed"], row["failed"]) == (24, 1)
+
+
+def test_the_reports_itl_samples_are_the_harness_definitions() -> None:
+    """The report's ITL samples from requests.jsonl follow harness/metrics.py: a gap between
+    token-bearing chunks, split evenly among the later chunk's tokens (per token), and whole
+    (per chunk)."""
+    import tempfile
+
+    from harness.client import RequestRecord
+    from harness.metrics import chunk_itl, per_token_itl
+    from reports.results import _read_requests
+
+    times, tokens = [0.0, 0.01, 0.03, 0.034], [1, 1, 4, 2]
+    record = RequestRecord(0, 0.0, success=True, chunk_times_s=times, chunk_tokens=tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "requests.jsonl"
+        row = {"label": "B", "concurrency": 1, "repeat": 0, "index": 0, "success": True}
+        path.write_text(json.dumps({**row, "chunk_times_s": times, "chunk_tokens": tokens}) + "\n")
+        _, itl, _ = _read_requests(path, [])
+    samples = itl[("B", 1)]
+    assert list(samples.token_ms) == pytest.approx([1000 * v for v in per_token_itl(record)])
+    assert list(samples.token_ms) == pytest.approx([10, 5, 5, 5, 5, 2, 2])
+    assert list(samples.chunk_ms) == pytest.approx([1000 * v for v in chunk_itl(record)])

@@ -31,7 +31,7 @@ from reference_engine.runtime.sampling import accept_sampled
 from reference_engine.runtime.verify_width import StepCosts
 
 from .conftest import SMALL_VOCAB as VOCAB
-from .sampling_checks import TESTS_PER_CELL, assert_sampling_lossless, run_cell
+from .sampling_checks import TESTS_PER_CELL, CellRun, assert_sampling_lossless, run_cell
 from .sampling_reference import Cell
 
 TEMPERATURES = (0.25, 0.7, 1.0, 1.5)
@@ -142,21 +142,20 @@ def test_sampling_gate_catches_a_dflash2_walk_that_draws_from_the_wrong_row(grid
         assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
 
 
-def assert_engine_sampling_lossless(target, draft, fault: str | None = None) -> None:
-    """One cell (T = 1, top-k 6) of the grid's checks on another pair (the small-vocabulary
-    pair of gates/conftest.py, block size 4)."""
-    run = run_cell(
-        target,
-        draft,
-        Cell(1.0, 6, 1.0),
-        PROMPTS,
-        ROWS,
-        MAX_TOKENS,
-        BLOCK_SIZE,
-        seed=len(GRID) + 1,
-        fault=fault,
+ENGINE_CELL = Cell(1.0, 6, 1.0)  # the cell run on other pairs and engine settings
+
+
+def engine_cell(target, draft, seed: int, fault: str | None = None, **engine) -> CellRun:
+    """ENGINE_CELL's run on another pair (the small-vocabulary pair of gates/conftest.py,
+    block size 4), with `engine`'s settings for run_cell (step costs, greedy neighbours)."""
+    return run_cell(
+        target, draft, ENGINE_CELL, PROMPTS, ROWS, MAX_TOKENS, BLOCK_SIZE, seed=seed, fault=fault, **engine
     )
-    assert_sampling_lossless(run, ALPHA, MIN_FULL_BLOCKS)
+
+
+def assert_engine_sampling_lossless(target, draft, fault: str | None = None) -> None:
+    """ENGINE_CELL (T = 1, top-k 6) with the grid's checks on another pair."""
+    assert_sampling_lossless(engine_cell(target, draft, len(GRID) + 1, fault), ALPHA, MIN_FULL_BLOCKS)
 
 
 def test_engine_speculative_sampling_matches_plain_sampling(small_vocab_pair) -> None:
@@ -164,27 +163,17 @@ def test_engine_speculative_sampling_matches_plain_sampling(small_vocab_pair) ->
     assert_engine_sampling_lossless(target, draft)
 
 
-# verify widths where a plain step (width 0) mostly wins and a narrow block beats the full one
+# verify widths where a plain step (width 0) mostly wins
 PLAIN_MOSTLY = StepCosts({(1, 0): 1.0, (1, 1): 1.9, (1, 3): 3.6}, measured=True)
 GREEDY_NEIGHBOURS = 40
 
 
 def assert_sampled_rows_lossless_beside_greedy_rows(target, draft, fault: str | None = None) -> None:
-    """One cell (T = 1, top-k 6) with greedy requests in the batch and step costs under which
+    """ENGINE_CELL (T = 1, top-k 6) with greedy requests in the batch and step costs under which
     the engine takes plain steps (width 0) and drafts now and then: the sampled rows' tokens
     of plain steps, of narrowed verifies and of full ones follow the target's distribution."""
-    run = run_cell(
-        target,
-        draft,
-        Cell(1.0, 6, 1.0),
-        PROMPTS,
-        ROWS,
-        MAX_TOKENS,
-        BLOCK_SIZE,
-        seed=len(GRID) + 2,
-        fault=fault,
-        step_costs=PLAIN_MOSTLY,
-        greedy_rows=GREEDY_NEIGHBOURS,
+    run = engine_cell(
+        target, draft, len(GRID) + 2, fault, step_costs=PLAIN_MOSTLY, greedy_rows=GREEDY_NEIGHBOURS
     )
     widths = run.verify_widths
     # not vacuous: mostly plain steps, a narrowed verify and a full one ({0: 31, 1: 1, 3: 1} here)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -563,7 +564,7 @@ class SpeculativeStep:
         for seq in rows.seqs:
             if not seq.params.greedy or (seq.oracle is not None and seq.oracle.forced):
                 return None
-        if not all(getattr(type(self), name) is method for name, method in REFERENCE_ACCEPT.items()):
+        if not self.runs_reference(REFERENCE_ACCEPT):
             return None
         return self.runner.accept(len(rows.seqs))
 
@@ -682,8 +683,14 @@ class SpeculativeStep:
         """The captured commit, when this step's verify replayed its graph and the commit's
         phase methods are still the reference ones (a replaced one, e.g. a planted fault,
         runs eagerly). `written`: the captured accept put `processed` in the commit's input."""
-        reference = all(getattr(type(self), name) is method for name, method in REFERENCE_PHASES.items())
-        return self.runner.commit(None if written else processed, replay=reference)
+        return self.runner.commit(
+            None if written else processed, replay=self.runs_reference(REFERENCE_PHASES)
+        )
+
+    def runs_reference(self, phases: dict[str, Callable]) -> bool:
+        """Whether the step's phase methods named in `phases` are still the ones given there
+        (a captured graph runs those; a replaced one, e.g. a planted fault, runs eagerly)."""
+        return all(getattr(type(self), name) is method for name, method in phases.items())
 
 
 def captured_rows(x: StepInputs) -> Rows:

@@ -5,14 +5,16 @@ request carry the same tokens, text, finish_reason and usage (replies.py, genera
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
-from reference_engine.serving.app import create_app
+from reference_engine.serving.app import INLINE_PARSE_BYTES, create_app
 from reference_engine.serving.args import ServeArgs
+from reference_engine.serving.protocol import ProtocolError
 from reference_engine.serving.service import Server
 
 KEY = "sekret"
@@ -149,3 +151,27 @@ def test_streamed_and_whole_replies_to_a_greedy_request_are_the_same(client) -> 
         assert whole["usage"]["completion_tokens"] == len(whole["ids"])
     if stop is not None:
         assert whole["finish_reason"] == "stop" and stop not in whole["text"]
+
+
+# ------------------------------------------------------------------ where a body is parsed
+def test_a_small_body_is_parsed_on_the_event_loop_and_a_large_one_on_a_worker_thread(
+    pair_dirs, monkeypatch
+) -> None:
+    """A worker thread waits for the interpreter lock under load (milliseconds of time to
+    first token); a large body's tokenising would stall every stream on the loop."""
+    on_loop = []
+
+    def parse(self, raw: bytes, chat: bool):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        raise ProtocolError("parsed", None)
+
+    monkeypatch.setattr(Server, "parse", parse)
+    client = TestClient(app_for("--model", str(pair_dirs[0])))  # no lifespan: no engine needed
+    for prompt in ("hi", "x" * INLINE_PARSE_BYTES):
+        reply = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+        assert reply.status_code == 400 and "parsed" in reply.text
+    assert on_loop == [True, False]

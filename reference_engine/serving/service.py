@@ -68,7 +68,7 @@ class Server:
 
     def parse(self, raw: bytes, chat: bool) -> ParsedRequest:
         """A request body as the engine takes it (ProtocolError: 400, 404). Slow for a large
-        body: the routes call it off the event loop."""
+        body: the routes call it off the event loop (past app.INLINE_PARSE_BYTES)."""
         body = decode_json(raw, self.limits)
         if isinstance(body, dict) and body.get("temperature") is None and not self._told_default_temperature:
             # said once: a benchmark client that leaves temperature out (vLLM's bench serve

@@ -16,6 +16,7 @@ from reference_engine.runtime.graphs import (
     SharedLogits,
     _Graph,
     buckets_up_to,
+    packed_inputs,
     prefill_shapes,
     token_buckets,
 )
@@ -39,12 +40,9 @@ class Recomputing:
 def graphs_with(bucket: int, width: int) -> EngineGraphs:
     g = EngineGraphs.__new__(EngineGraphs)
     g.pad_slot, g.device, g.buckets = PAD, torch.device("cpu"), (bucket,)
-    inputs = StepInputs(
-        ids=torch.zeros(bucket, width, dtype=torch.int64),
-        positions=torch.zeros(bucket, width, dtype=torch.int64),
-        slots=torch.zeros(bucket, dtype=torch.int64),
-        valid=torch.zeros(bucket, dtype=torch.int64),
-    )
+    g._paddings = {}
+    packed = torch.full((2 * bucket * width + 2 * bucket,), -1, dtype=torch.int64)
+    inputs = packed_inputs(packed, bucket, width)
     outputs = Verified(
         logits=torch.zeros(bucket, width, dtype=torch.int64),
         features=None,
@@ -69,12 +67,31 @@ def test_a_batch_replays_in_its_bucket_with_padding_rows_on_the_spare_slot() -> 
     assert out.tokens.tolist() == [303, 622, 951]  # only the batch's rows come back
     assert out.logits.tolist() == positions.tolist()
     inputs = g.verify_graphs[4, 3].inputs
-    assert inputs.slots.tolist() == [0, 2, 5, PAD]
-    assert inputs.positions[3].tolist() == [0, 1, 2] and inputs.valid[3] == 1
-    # a smaller batch next: the rows it leaves become padding again
-    out = g.verify(ids[:1], positions[:1], torch.tensor([4]), torch.tensor([3]))
-    assert out.tokens.tolist() == [343]
-    assert inputs.slots.tolist() == [4, PAD, PAD, PAD]
+    assert inputs.ids.tolist() == [*ids.tolist(), [0, 0, 0]]
+    assert inputs.positions.tolist() == [*positions.tolist(), [0, 1, 2]]
+    assert inputs.slots.tolist() == [0, 2, 5, PAD] and inputs.valid.tolist() == [3, 2, 1, 1]
+    # a smaller batch next, its positions a slice of wider blocks (not contiguous): the rows
+    # it leaves become padding again
+    wider = torch.tensor([[40, 41, 42, 43, 44]])
+    out = g.verify(ids[:1], wider[:, :3], torch.tensor([4]), torch.tensor([3]))
+    assert out.tokens.tolist() == [343] and out.logits.tolist() == [[40, 41, 42]]
+    assert inputs.slots.tolist() == [4, PAD, PAD, PAD] and inputs.valid.tolist() == [3, 1, 1, 1]
+    assert inputs.ids[1:].eq(0).all() and inputs.positions[1:].tolist() == [[0, 1, 2]] * 3
+    # a full bucket: no padding
+    four = torch.arange(12).view(4, 3)
+    g.verify(four, four + 100, torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 3, 3]))
+    assert inputs.ids.tolist() == four.tolist() and inputs.positions.tolist() == (four + 100).tolist()
+    assert inputs.slots.tolist() == [1, 2, 3, 4] and inputs.valid.tolist() == [1, 2, 3, 3]
+
+
+def test_a_decode_replay_writes_ids_positions_and_slots_and_leaves_valid_as_captured() -> None:
+    g = graphs_with(bucket=4, width=1)
+    g.decode_graphs, g.verify_graphs = g.verify_graphs, {}
+    inputs = g.decode_graphs[4, 1].inputs
+    out = g.decode(torch.tensor([[7], [8]]), torch.tensor([[30], [31]]), torch.tensor([2, 3]))
+    assert out.tokens.tolist() == [700 + 20 - 1, 800 + 30 - 1]  # valid: as the buffer held it
+    assert inputs.ids.tolist() == [[7], [8], [0], [0]] and inputs.positions.tolist() == [[30], [31], [0], [0]]
+    assert inputs.slots.tolist() == [2, 3, PAD, PAD] and inputs.valid.tolist() == [-1] * 4
 
 
 def test_each_captured_verify_width_replays_its_own_graph_and_commit() -> None:

@@ -49,7 +49,7 @@ class StepInputs:
     positions: torch.Tensor  # [rows, width]
     slots: torch.Tensor  # [rows]
     valid: torch.Tensor  # [rows] tokens of each row that count (the rest is padding)
-    packed: torch.Tensor | None = None  # prefill: one buffer behind the four (one copy a replay)
+    packed: torch.Tensor | None = None  # a graph's: one buffer behind the four (graphs.packed_inputs)
     processed: torch.Tensor | None = None  # commit: block tokens each row keeps [rows]
 
 

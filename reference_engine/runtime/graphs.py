@@ -55,6 +55,19 @@ SMALLEST_PREFILL = 16  # tokens; prefill buckets double from here up to the pref
 PREFILL_BATCH_TOKENS = 2048  # rows x tokens of a batched prefill bucket, at most
 
 
+def packed_inputs(packed: torch.Tensor, rows: int, width: int) -> StepInputs:
+    """A graph's static inputs as views of one buffer `packed` [2 x rows x width + 2 x rows]:
+    ids [rows, width], positions [rows, width], slots [rows], valid [rows], in that order."""
+    n = rows * width
+    return StepInputs(
+        ids=packed[:n].view(rows, width),
+        positions=packed[n : 2 * n].view(rows, width),
+        slots=packed[2 * n : 2 * n + rows],
+        valid=packed[2 * n + rows :],
+        packed=packed,
+    )
+
+
 def buckets_up_to(max_rows: int) -> tuple[int, ...]:
     """The buckets a batch of at most `max_rows` rows needs (the largest covers max_rows)."""
     out = [b for b in BUCKETS if b < max_rows]
@@ -202,6 +215,7 @@ class EngineGraphs:
         self.verify_logits = SharedLogits(max(self.verify_widths) + 1)
         self.draft_logits = SharedLogits(block_size)  # the draft heads' likewise
         self.verified: tuple[int, int] | None = None  # the key of this step's replayed verify
+        self._paddings: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # by (rows, width)
 
     # ------------------------------------------------------------------ capture
     def capture(self, progress: bool = True) -> None:
@@ -273,13 +287,15 @@ class EngineGraphs:
         )
 
     def static_inputs(self, rows: int, width: int) -> StepInputs:
-        """The input buffers of a decode, draft or verify graph of `rows` x `width` tokens."""
-        return StepInputs(
-            ids=torch.zeros((rows, width), dtype=torch.int64, device=self.device),
-            positions=torch.arange(width, device=self.device)[None].repeat(rows, 1),
-            slots=torch.full((rows,), self.pad_slot, dtype=torch.int64, device=self.device),
-            valid=torch.full((rows,), width, dtype=torch.int64, device=self.device),
-        )
+        """The input buffers of a decode, draft or verify graph of `rows` x `width` tokens:
+        views of one buffer (`packed_inputs`), which a replay writes in one operation."""
+        packed = torch.empty(2 * rows * width + 2 * rows, dtype=torch.int64, device=self.device)
+        x = packed_inputs(packed, rows, width)
+        x.ids.zero_()
+        x.positions.copy_(torch.arange(width, device=self.device)[None].repeat(rows, 1))
+        x.slots.fill_(self.pad_slot)
+        x.valid.fill_(width)
+        return x
 
     def _capture(self, rows: int, width: int, body, inputs: StepInputs | None = None) -> _Graph:
         """`body` run twice outside the capture (compilation, autotuning), then captured."""
@@ -306,20 +322,8 @@ class EngineGraphs:
         return self._capture(rows, tokens, self._prefill_body, inputs=self._prefill_inputs(rows, tokens))
 
     def _prefill_inputs(self, rows: int, tokens: int) -> StepInputs:
-        """One buffer holds every input (a replay's inputs are one host-to-device copy):
-        ids [rows, tokens], positions [rows, tokens], slots [rows], valid [rows]."""
-        n = rows * tokens
-        packed = torch.zeros(2 * n + 2 * rows, dtype=torch.int64, device=self.device)
-        packed[n : 2 * n] = torch.arange(tokens, device=self.device).repeat(rows)
-        packed[2 * n : 2 * n + rows] = self.pad_slot
-        packed[2 * n + rows :] = tokens
-        return StepInputs(
-            ids=packed[:n].view(rows, tokens),
-            positions=packed[n : 2 * n].view(rows, tokens),
-            slots=packed[2 * n : 2 * n + rows],
-            valid=packed[2 * n + rows :],
-            packed=packed,
-        )
+        """One buffer holds every input (a replay's inputs are one host-to-device copy)."""
+        return self.static_inputs(rows, tokens)
 
     def _prefill_body(self, x: StepInputs) -> Logits:
         # kv_len: the capturable kernels bound each query by its position and ignore it; the
@@ -431,19 +435,34 @@ class EngineGraphs:
         g = graphs.get((bucket, width))
         if g is None:
             return None
-        x = g.inputs
-        x.ids[:rows].copy_(ids)
-        x.positions[:rows].copy_(positions)
-        x.slots[:rows].copy_(slots)
-        if valid is not None:
-            x.valid[:rows].copy_(valid)
-        if rows < bucket:  # padding rows: the spare slot, from position 0
-            x.ids[rows:].zero_()
-            x.positions[rows:].copy_(torch.arange(width, device=self.device))
-            x.slots[rows:].fill_(self.pad_slot)
-            x.valid[rows:].fill_(1)
+        # one operation writes the inputs into the graph's packed buffer, with the padding
+        # rows (the spare slot, from position 0) after each input's rows; a decode's valid
+        # (the buffer's end) is left as captured
+        pieces = [ids, positions, slots] + ([] if valid is None else [valid])
+        padding = self._padding(bucket - rows, width) if rows < bucket else None
+        flat = []
+        for k, piece in enumerate(pieces):
+            flat.append(piece.reshape(-1))
+            if padding is not None:
+                flat.append(padding[k])
+        packed = g.inputs.packed
+        torch.cat(flat, out=packed[: packed.shape[0] - (bucket if valid is None else 0)])
         g.graph.replay()
         return g.outputs.head(rows)
+
+    def _padding(self, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """What `rows` padding rows of `width` tokens hold, flat: ids 0, positions from 0, the
+        spare slot, valid 1 (made once per shape)."""
+        key = (rows, width)
+        padding = self._paddings.get(key)
+        if padding is None:
+            padding = self._paddings[key] = (
+                torch.zeros(rows * width, dtype=torch.int64, device=self.device),
+                torch.arange(width, device=self.device).repeat(rows),
+                torch.full((rows,), self.pad_slot, dtype=torch.int64, device=self.device),
+                torch.ones(rows, dtype=torch.int64, device=self.device),
+            )
+        return padding
 
     def token_bucket(self, tokens: int) -> int | None:
         """The token bucket a chunk of `tokens` is padded to (None: longer than every bucket)."""

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .ab import ManagedServer, machine_load, metadata, ratios, write_meta
 from .arguments import (
+    auto_or_positive_int,
     base_url,
     concurrency_list,
     non_negative_int,
@@ -34,7 +35,7 @@ from .arguments import (
     rate,
 )
 from .client import ENDPOINT_KINDS, Endpoint
-from .load import LoadSpec, measure
+from .load import CLIENT_CORE_SHARE, STREAMS_PER_CLIENT, LoadSpec, client_processes_for, measure
 from .outcome import verdict_line
 from .output import OutputError, claim
 from .resume import (
@@ -111,6 +112,15 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         help="arrivals per second (default: all at once)",
     )
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument(
+        "--client-processes",
+        type=auto_or_positive_int,
+        default=None,
+        help="processes the client spreads a closed loop's streams over (default auto: one per "
+        f"{STREAMS_PER_CLIENT} streams, at most a {CLIENT_CORE_SHARE}th of the cores; one with "
+        "--request-rate): one process reading tens of thousands of chunks a second times its "
+        "own queue",
+    )
     p.add_argument("--timeout", type=positive_float, default=300.0, help="per request, seconds")
     p.add_argument(
         "--max-failure-rate",
@@ -364,6 +374,15 @@ def measured_count(args) -> int:
     return len(pool) * -(-top // len(pool))
 
 
+def client_processes(args, concurrency: int) -> int:
+    """The client processes of a run at `concurrency` (--client-processes; a rate: one)."""
+    if not math.isinf(args.request_rate):
+        return 1
+    if args.client_processes is not None:
+        return args.client_processes
+    return client_processes_for(concurrency)
+
+
 def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of, loads: list[dict]) -> list[dict]:
     """Measure every planned run not already done; `loads` gets each run's machine load
     before and after it (meta.json's `machine_load`)."""
@@ -402,6 +421,7 @@ def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of, loads: 
             timeout_s=args.timeout,
             seed=args.seed,
             slo_ms=slo,
+            client_processes=client_processes(args, c),
         )
         for repeat in range(args.repeats):
             for label, server in servers.items():  # interleaved A, B, A, B
@@ -445,6 +465,12 @@ def print_table(summaries: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if getattr(args, "client_processes", None) not in (None, 1) and not math.isinf(args.request_rate):
+        print(
+            "error: --client-processes spreads a closed loop; with --request-rate the client is one process",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "compare":
         try:
             return run_compare(args)

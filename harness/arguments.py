@@ -27,6 +27,12 @@ positive_int = _checked(int, lambda v: v >= 1, "a whole number >= 1")
 non_negative_int = _checked(int, lambda v: v >= 0, "a whole number >= 0")
 positive_float = _checked(float, lambda v: v > 0, "a number > 0")
 rate = _checked(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")  # a failure-rate threshold
+# "auto" (kept as None) or a whole number >= 1
+auto_or_positive_int = _checked(
+    lambda text: None if text == "auto" else int(text),
+    lambda v: v is None or v >= 1,
+    "auto or a whole number >= 1",
+)
 
 
 def concurrency_list(text: str) -> list[int]:

@@ -1,6 +1,13 @@
 """Measure one server: warm-up, then the measured requests at a fixed concurrency (and an
 optional arrival rate), per concurrency of a sweep; per-request rows appended to
-`requests.jsonl` as they complete, one summary row per (label, concurrency, repeat)."""
+`requests.jsonl` as they complete, one summary row per (label, concurrency, repeat).
+
+A closed-loop run can spread its streams over several client processes
+(`LoadSpec.client_processes`): one asyncio process reads a few tens of thousands of SSE chunks
+a second at most, and a client near that limit measures itself (its event loop's queue adds to
+every TTFT and gap it times). Each process takes every P-th prompt and its share of the
+concurrency, all start on one signal, and their records come back to this process as they
+complete."""
 
 from __future__ import annotations
 
@@ -8,8 +15,12 @@ import asyncio
 import csv
 import json
 import math
+import multiprocessing
+import os
+import queue
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +43,21 @@ class LoadSpec:
     timeout_s: float = 300.0
     seed: int = 0
     slo_ms: dict = field(default_factory=dict)
+    client_processes: int = 1  # closed loop only: processes the streams are spread over
+
+
+# streams one client process takes in the automatic choice, and the share of the machine's
+# cores the client may use (the servers under test usually run on the same machine)
+STREAMS_PER_CLIENT = 8
+CLIENT_CORE_SHARE = 4
+
+
+def client_processes_for(concurrency: int, cpus: int | None = None) -> int:
+    """The automatic number of client processes: one per STREAMS_PER_CLIENT streams, at most
+    a CLIENT_CORE_SHARE-th of the cores this process may run on (one on a small machine)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(-(-concurrency // STREAMS_PER_CLIENT), cpus // CLIENT_CORE_SHARE))
 
 
 class Progress:
@@ -59,33 +85,139 @@ class Progress:
 async def run_requests(
     endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, on_record=None, label: str = ""
 ) -> tuple[list[RequestRecord], float]:
-    """Send the prompts with at most `concurrency` in flight; returns records (in prompt
-    order) and the wall time from the first send to the last completion."""
-    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
-    semaphore = asyncio.Semaphore(spec.concurrency)
+    """Send the prompts with at most `concurrency` in flight, from this process; returns
+    records (in prompt order) and the wall time from the first send to the last completion."""
     progress = Progress(len(prompts), label) if label else None
     records: list[RequestRecord | None] = [None] * len(prompts)
-    async with httpx.AsyncClient(limits=limits, timeout=spec.timeout_s) as client:
-        start = time.perf_counter()
 
-        async def one(i: int) -> None:
+    def done(record: RequestRecord) -> None:
+        records[record.index] = record
+        if on_record is not None:
+            on_record(record)
+        if progress is not None:
+            progress.update(record)
+
+    start = time.perf_counter()
+    end = await _send_all(endpoint, list(enumerate(prompts)), spec.concurrency, spec, start, done)
+    return records, end - start
+
+
+async def _send_all(
+    endpoint: Endpoint,
+    items: list[tuple[int, Prompt]],
+    concurrency: int,
+    spec: LoadSpec,
+    start: float,
+    done,
+) -> float:
+    """Send `items` (index, prompt) with at most `concurrency` in flight, arriving at
+    `spec`'s rate, timed from `start` (time.perf_counter()); `done(record)` as each ends.
+    Returns the time of the last completion."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=spec.timeout_s) as client:
+
+        async def one(k: int) -> None:
+            i, prompt = items[k]
             async with semaphore:
-                prompt = prompts[i]
                 body = payload(endpoint, prompt, prompt.max_tokens or spec.output_len)
                 record = await send(client, endpoint, body, i, start, spec.timeout_s)
             record.group = prompt.group
-            records[i] = record
-            if on_record is not None:
-                on_record(record)
-            if progress is not None:
-                progress.update(record)
+            done(record)
 
         tasks = []
-        async for i in arrivals(len(prompts), spec.request_rate, spec.burstiness, spec.seed):
-            tasks.append(asyncio.create_task(one(i)))
+        async for k in arrivals(len(items), spec.request_rate, spec.burstiness, spec.seed):
+            tasks.append(asyncio.create_task(one(k)))
         await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return records, duration
+        return time.perf_counter()
+
+
+def run_in_processes(
+    endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, on_record=None, label: str = ""
+) -> tuple[list[RequestRecord], float]:
+    """`run_requests` over `spec.client_processes` processes (a closed loop): process k sends
+    prompts k, k + P, ... with its share of the concurrency. Each starts its client, says it is
+    ready, and waits; all then start on one signal and are timed from one start (the system's
+    monotonic clock, which every process reads alike). A process that fails or dies ends its
+    part: its requests not done are failed records, and the others run on."""
+    if not math.isinf(spec.request_rate):
+        raise ValueError("client processes split a closed loop only (no --request-rate)")
+    count = min(spec.client_processes, spec.concurrency, len(prompts))
+    shares = [spec.concurrency // count + (k < spec.concurrency % count) for k in range(count)]
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
+    results = context.Queue()
+    go = context.Event()
+    start_at = context.Value("d", 0.0)
+    workers = [
+        context.Process(
+            target=_client_process,
+            args=(k, endpoint, list(enumerate(prompts))[k::count], shares[k], spec, go, start_at, results),
+            daemon=True,
+        )
+        for k in range(count)
+    ]
+    for worker in workers:
+        worker.start()
+    progress = Progress(len(prompts), label) if label else None
+    records: list[RequestRecord | None] = [None] * len(prompts)
+    ready: set[int] = set()
+    ended: set[int] = set()
+    end = start = time.perf_counter()
+
+    def take(record: RequestRecord) -> None:
+        records[record.index] = record
+        if on_record is not None:
+            on_record(record)
+        if progress is not None:
+            progress.update(record)
+
+    try:
+        while len(ended) < count:
+            if len(ready | ended) == count and not go.is_set():  # every client built: start
+                start = start_at.value = time.perf_counter()
+                go.set()
+            try:
+                kind, k, value = results.get(timeout=0.5)
+            except queue.Empty:
+                for k, worker in enumerate(workers):  # gone without a word (killed, or unpicklable)
+                    if k not in ended and not worker.is_alive():
+                        ended.add(k)
+                continue
+            if kind == "ready":
+                ready.add(k)
+            elif kind == "record":
+                take(value)
+            elif kind == "end":
+                ended.add(k)
+                end = max(end, value)
+            else:  # "failed", with its traceback
+                ended.add(k)
+                print(f"\na client process failed:\n{value}", file=sys.stderr)
+    finally:
+        go.set()
+        for worker in workers:
+            worker.join(5.0)
+            if worker.is_alive():
+                worker.kill()
+    for i, record in enumerate(records):
+        if record is None:  # its process ended first
+            take(RequestRecord(index=i, send_s=0.0, error="the client process sending it ended"))
+    return records, max(end - start, 0.0)
+
+
+def _client_process(k: int, endpoint, items, concurrency, spec, go, start_at, results) -> None:
+    """Client process `k` of `run_in_processes`."""
+    try:
+        results.put(("ready", k, None))
+        go.wait()
+        end = asyncio.run(
+            _send_all(
+                endpoint, items, concurrency, spec, start_at.value, lambda r: results.put(("record", k, r))
+            )
+        )
+        results.put(("end", k, end))
+    except BaseException:  # noqa: BLE001 - said to the parent, which fails what is left
+        results.put(("failed", k, traceback.format_exc()))
 
 
 def measure(
@@ -111,7 +243,16 @@ def measure(
             sink.flush()
 
         name = f"{labels.get('label', '')} c={spec.concurrency}".strip()
-        records, duration = asyncio.run(run_requests(endpoint, prompts[spec.warmup :], spec, keep, name))
+        measured = prompts[spec.warmup :]
+        processes = (
+            min(spec.client_processes, spec.concurrency, len(measured))
+            if math.isinf(spec.request_rate)
+            else 1
+        )
+        if processes > 1:
+            records, duration = run_in_processes(endpoint, measured, spec, keep, name)
+        else:
+            records, duration = asyncio.run(run_requests(endpoint, measured, spec, keep, name))
     after = scrape(metrics_url) if metrics_url else None
     summary = {**labels, **calculate_metrics(records, duration, spec.slo_ms)}
     acceptance = acceptance_from_requests(records)
@@ -122,6 +263,7 @@ def measure(
     summary["count_source"] = count_sources(records)
     summary["streams_without_done"] = sum(1 for r in records if r.success and not r.done_marker)
     summary["server_kind"] = endpoint.accepts.name if endpoint.server else "ours (not probed)"
+    summary["client_processes"] = processes
     errors = [r.error for r in records if not r.success]
     summary["errors"] = "; ".join(sorted(set(errors)))[:500]
     append_summary(out_dir / "summary.csv", summary)
@@ -153,6 +295,7 @@ SUMMARY_COLUMNS = [
     "count_source",
     "server_kind",
     "streams_without_done",
+    "client_processes",
     *[
         f"{m}_{group}_{s}"
         for group in GROUPS

@@ -228,8 +228,9 @@ def _saturation(results: ResultSet) -> str | None:
         f"**Warning: the client may have been saturated.** {share:.0%} of the gaps between "
         f"token-bearing chunks of {results.display(label)} at concurrency {c} were under "
         f"{SATURATED_GAP_MS} ms: chunks queued up on the client and were read in bursts, "
-        "so ITL, TTFT and E2E there measure the client as much as the server. Run the "
-        "client on another machine or with fewer concurrent streams."
+        "so ITL, TTFT and E2E there measure the client as much as the server. Spread the "
+        "client over more processes (--client-processes), run it on another machine, or "
+        "use fewer concurrent streams."
     )
 
 

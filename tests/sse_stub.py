@@ -28,6 +28,7 @@ class Script:
         self.metrics_text = metrics_text
         self.fail_every = fail_every
         self.posts = 0
+        self.open = self.most_open = 0  # streams being answered now, and at most at once
         self.lock = threading.Lock()
 
 
@@ -63,10 +64,16 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
             self.wfile.write(data)
 
         def do_POST(self) -> None:
+            with script.lock:
+                script.open += 1
+                script.most_open = max(script.most_open, script.open)
             try:
                 self.answer()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client hung up first (a fault test)
+            finally:
+                with script.lock:
+                    script.open -= 1
 
         def answer(self) -> None:
             length = int(self.headers.get("Content-Length", 0))

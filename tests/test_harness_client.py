@@ -9,9 +9,9 @@ import time
 import pytest
 
 from harness.client import Endpoint, RequestRecord, StreamReader
-from harness.load import LoadSpec, measure, run_requests
+from harness.load import LoadSpec, client_processes_for, measure, run_requests
 from harness.metrics import calculate_metrics, chunk_itl, per_token_itl, tpot
-from harness.workloads import synthetic
+from harness.workloads import Prompt, synthetic
 
 from .sse_stub import Script, events, serve
 
@@ -122,6 +122,78 @@ def test_one_client_process_sustains_hundreds_of_requests_per_second() -> None:
     rate = len(records) / cpu
     print(f"\nclient ceiling: {rate:.0f} requests per CPU second ({len(records) / wall:.0f} per wall second)")
     assert rate > 150
+
+
+def spread_run(tmp_path, prompts: list, concurrency: int, processes: int) -> tuple[dict, list[dict], Script]:
+    script = Script([(0.01, [1]), (0.01, [2, 3])])
+    server, url = serve(script)
+    try:
+        spec = LoadSpec(
+            concurrency=concurrency,
+            num_prompts=len(prompts),
+            output_len=3,
+            warmup=0,
+            timeout_s=10.0,
+            client_processes=processes,
+        )
+        labels = {"label": "A", "concurrency": concurrency, "repeat": 0}
+        summary = measure(Endpoint(url), prompts, spec, tmp_path, labels, None)
+    finally:
+        server.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    return summary, rows, script
+
+
+def test_a_closed_loop_spread_over_client_processes_sends_each_prompt_once_within_its_concurrency(
+    tmp_path,
+) -> None:
+    """Three processes share five streams (2, 2, 1): every prompt is sent once, by its index,
+    timed from one start, and no more than five streams are ever open at the server."""
+    summary, rows, script = spread_run(tmp_path, synthetic(30, 4, 0), concurrency=5, processes=3)
+    assert summary["completed"] == 30 and summary["failed"] == 0 and summary["client_processes"] == 3
+    assert sorted(r["index"] for r in rows) == list(range(30)) and script.posts == 30
+    assert all(r["success"] and r["output_tokens"] == 3 for r in rows)
+    assert 1 < script.most_open <= 5
+    sends = sorted(r["send_s"] for r in rows)
+    assert 0 <= sends[0] < 1.0 and sends[-1] < summary["duration_s"] < 30
+
+
+class Unpicklable:
+    """A prompt text that cannot be read back in a spawned process: the process that gets it
+    dies before it starts."""
+
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def _refuse():
+    raise RuntimeError("planted: this prompt cannot cross to a client process")
+
+
+def test_a_client_process_that_dies_fails_its_own_requests_and_the_others_run(tmp_path) -> None:
+    prompts = synthetic(8, 4, 0)
+    prompts[1] = Prompt(text=Unpicklable())  # process 1 of 2 takes prompts 1, 3, 5, 7
+    summary, rows, script = spread_run(tmp_path, prompts, concurrency=2, processes=2)
+    failed = sorted(r["index"] for r in rows if not r["success"])
+    assert failed == [1, 3, 5, 7] and summary["completed"] == 4 and script.posts == 4
+    assert all("client process" in r["error"] for r in rows if not r["success"])
+    assert sorted(r["index"] for r in rows) == list(range(8))
+
+
+def test_the_automatic_client_processes_take_eight_streams_each_within_a_quarter_of_the_cores() -> None:
+    assert client_processes_for(16, cpus=16) == 2
+    assert client_processes_for(64, cpus=16) == 4  # a quarter of the cores
+    assert client_processes_for(4, cpus=16) == 1
+    assert client_processes_for(64, cpus=2) == 1  # a small machine: one, as before
+    assert client_processes_for(17, cpus=64) == 3
+
+
+def test_client_processes_with_an_arrival_rate_are_refused(tmp_path, capsys) -> None:
+    from harness.__main__ import main
+
+    argv = ["bench", "--base-url", "http://127.0.0.1:9", "--request-rate", "5", "--client-processes", "2"]
+    assert main([*argv, "--out", str(tmp_path / "x")]) == 2
+    assert "--client-processes spreads a closed loop" in capsys.readouterr().err
 
 
 def test_the_same_seed_sends_the_same_prompts_in_the_same_order() -> None:

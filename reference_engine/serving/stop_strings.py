@@ -55,9 +55,11 @@ class IncrementalText:
     A window whose settled ids decode to nothing (special tokens, which decode skips) or to
     text that is not the settled text's end (byte tokens cut from the bytes before them)
     reaches further back: a decoder that strips the space a text starts with would otherwise
-    strip one the whole output keeps."""
+    strip one the whole output keeps. The window moves forward in steps of CONTEXT tokens (it
+    starts 4 to 8 settled tokens back), so that a token's push reuses the text the push
+    before it decoded: one decode a token."""
 
-    CONTEXT = 4  # settled tokens a window starts before the first unsettled one
+    CONTEXT = 4  # settled tokens a window starts at least before the first unsettled one
     PENDING_LIMIT = 8  # tokens an incomplete character may hold unsettled
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
@@ -67,15 +69,19 @@ class IncrementalText:
         self.window = 0  # first id of the window
         self.read = 0  # first id not settled
         self.pending = ""  # the unsettled ids' text (an incomplete character)
+        self.window_text: str | None = None  # decode(ids[window:read]), when known
 
     def push(self, token: int) -> None:
         self.ids.append(token)
-        before = self.decode(self.ids[self.window : self.read]) if self.read > self.window else ""
+        before = self.window_text
+        if before is None:
+            before = self.decode(self.ids[self.window : self.read]) if self.read > self.window else ""
         # reach back while the window's settled ids decode to nothing (special tokens, which
         # decode skips) or to other than the settled text's end (bytes it cut from their group)
         while self.window > 0 and not (before and self.settled.endswith(before)):
             self.window = max(0, self.window - self.CONTEXT)
             before = self.decode(self.ids[self.window : self.read])
+        self.window_text = before
         now = self.decode(self.ids[self.window :])
         if not now.startswith(before):  # the decoder rewrote earlier text: settle it all at once
             self._settle(self.decode(self.ids))
@@ -86,12 +92,19 @@ class IncrementalText:
         if added.endswith(REPLACEMENT) and len(self.ids) - self.read < self.PENDING_LIMIT:
             self.pending = added
             return
-        self._settle(self.settled + added)
+        self._settle(self.settled + added, now)
 
-    def _settle(self, text: str) -> None:
+    def _settle(self, text: str, window_text: str | None = None) -> None:
+        """`window_text`: the decode of the window through the last id (what the push just
+        decoded). The window then stays where it is, and that text is the next push's
+        settled part, until it holds 2 x CONTEXT settled ids: one decode a token, not two."""
         self.settled, self.pending = text, ""
         self.read = len(self.ids)
-        self.window = max(0, self.read - self.CONTEXT)
+        if window_text is not None and self.read - self.window <= 2 * self.CONTEXT:
+            self.window_text = window_text
+        else:
+            self.window = max(0, self.read - self.CONTEXT)
+            self.window_text = None
 
     def text(self) -> str:
         """The text of every id pushed so far."""

@@ -6,8 +6,8 @@ A closed-loop run can spread its streams over several client processes
 (`LoadSpec.client_processes`): one asyncio process reads a few tens of thousands of SSE chunks
 a second at most, and a client near that limit measures itself (its event loop's queue adds to
 every TTFT and gap it times). Each process takes every P-th prompt and its share of the
-concurrency, all start on one signal, and their records come back to this process as they
-complete."""
+concurrency (the most processes, up to the number asked for, that share it evenly), all
+start on one signal, and their records come back to this process as they complete."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import csv
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
 import sys
 import time
 import traceback
@@ -97,12 +97,20 @@ async def run_requests(
         if progress is not None:
             progress.update(record)
 
-    start = time.perf_counter()
-    end = await _send_all(endpoint, list(enumerate(prompts)), spec.concurrency, spec, start, done)
+    items = list(enumerate(prompts))
+    async with _client(spec.concurrency, spec) as client:
+        start = time.perf_counter()  # the client is built: the run starts
+        end = await _send_all(client, endpoint, items, spec.concurrency, spec, start, done)
     return records, end - start
 
 
+def _client(concurrency: int, spec: LoadSpec) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(limits=limits, timeout=spec.timeout_s)
+
+
 async def _send_all(
+    client: httpx.AsyncClient,
     endpoint: Endpoint,
     items: list[tuple[int, Prompt]],
     concurrency: int,
@@ -113,55 +121,51 @@ async def _send_all(
     """Send `items` (index, prompt) with at most `concurrency` in flight, arriving at
     `spec`'s rate, timed from `start` (time.perf_counter()); `done(record)` as each ends.
     Returns the time of the last completion."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=spec.timeout_s) as client:
 
-        async def one(k: int) -> None:
-            i, prompt = items[k]
-            async with semaphore:
-                body = payload(endpoint, prompt, prompt.max_tokens or spec.output_len)
-                record = await send(client, endpoint, body, i, start, spec.timeout_s)
-            record.group = prompt.group
-            done(record)
+    async def one(k: int) -> None:
+        i, prompt = items[k]
+        async with semaphore:
+            body = payload(endpoint, prompt, prompt.max_tokens or spec.output_len)
+            record = await send(client, endpoint, body, i, start, spec.timeout_s)
+        record.group = prompt.group
+        done(record)
 
-        tasks = []
-        async for k in arrivals(len(items), spec.request_rate, spec.burstiness, spec.seed):
-            tasks.append(asyncio.create_task(one(k)))
-        await asyncio.gather(*tasks)
-        return time.perf_counter()
+    tasks = []
+    async for k in arrivals(len(items), spec.request_rate, spec.burstiness, spec.seed):
+        tasks.append(asyncio.create_task(one(k)))
+    await asyncio.gather(*tasks)
+    return time.perf_counter()
+
+
+def client_split(concurrency: int, processes: int, prompts: int) -> int:
+    """The processes a closed loop of `concurrency` streams and `prompts` requests runs in:
+    the most, up to `processes`, that share the streams evenly (each its own closed loop of
+    concurrency / P streams and every P-th prompt; an uneven split would leave the process
+    with fewer streams finishing last, the run's end at lower concurrency)."""
+    top = max(1, min(processes, concurrency, prompts))
+    return max(d for d in range(1, top + 1) if concurrency % d == 0)
 
 
 def run_in_processes(
     endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, on_record=None, label: str = ""
 ) -> tuple[list[RequestRecord], float]:
-    """`run_requests` over `spec.client_processes` processes (a closed loop): process k sends
-    prompts k, k + P, ... with its share of the concurrency. Each starts its client, says it is
+    """`run_requests` over `client_split(...)` processes (a closed loop): process k sends
+    prompts k, k + P, ... with concurrency / P streams. Each builds its client, says it is
     ready, and waits; all then start on one signal and are timed from one start (the system's
-    monotonic clock, which every process reads alike). A process that fails or dies ends its
-    part: its requests not done are failed records, and the others run on."""
+    monotonic clock, which every process reads alike). Each sends its records on a pipe of
+    its own as they complete; a process that fails or dies ends its part (its requests not
+    done are failed records) and the others run on."""
     if not math.isinf(spec.request_rate):
         raise ValueError("client processes split a closed loop only (no --request-rate)")
-    count = min(spec.client_processes, spec.concurrency, len(prompts))
-    shares = [spec.concurrency // count + (k < spec.concurrency % count) for k in range(count)]
+    count = client_split(spec.concurrency, spec.client_processes, len(prompts))
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
-    results = context.Queue()
     go = context.Event()
-    start_at = context.Value("d", 0.0)
-    workers = [
-        context.Process(
-            target=_client_process,
-            args=(k, endpoint, list(enumerate(prompts))[k::count], shares[k], spec, go, start_at, results),
-            daemon=True,
-        )
-        for k in range(count)
-    ]
-    for worker in workers:
-        worker.start()
+    start_at = context.RawValue("d", 0.0)
     progress = Progress(len(prompts), label) if label else None
     records: list[RequestRecord | None] = [None] * len(prompts)
+    workers, pipes = [], {}
     ready: set[int] = set()
-    ended: set[int] = set()
     end = start = time.perf_counter()
 
     def take(record: RequestRecord) -> None:
@@ -172,52 +176,77 @@ def run_in_processes(
             progress.update(record)
 
     try:
-        while len(ended) < count:
-            if len(ready | ended) == count and not go.is_set():  # every client built: start
+        for k in range(count):
+            reader, writer = context.Pipe(duplex=False)
+            items = list(enumerate(prompts))[k::count]
+            worker = context.Process(
+                target=_client_process,
+                args=(k, endpoint, items, spec.concurrency // count, spec, go, start_at, writer),
+                daemon=True,
+            )
+            workers.append(worker)
+            pipes[reader] = k
+            worker.start()
+            writer.close()  # the child's end: the parent reads EOF once the child is gone
+        while pipes:
+            if len(ready) == count and not go.is_set():  # every client built: the run starts
                 start = start_at.value = time.perf_counter()
                 go.set()
-            try:
-                kind, k, value = results.get(timeout=0.5)
-            except queue.Empty:
-                for k, worker in enumerate(workers):  # gone without a word (killed, or unpicklable)
-                    if k not in ended and not worker.is_alive():
-                        ended.add(k)
-                continue
-            if kind == "ready":
-                ready.add(k)
-            elif kind == "record":
-                take(value)
-            elif kind == "end":
-                ended.add(k)
-                end = max(end, value)
-            else:  # "failed", with its traceback
-                ended.add(k)
-                print(f"\na client process failed:\n{value}", file=sys.stderr)
+            for reader in multiprocessing.connection.wait(list(pipes), timeout=1.0):
+                k = pipes[reader]
+                try:
+                    kind, value = reader.recv()
+                except (EOFError, OSError):  # gone: whatever it sent came before the EOF
+                    del pipes[reader]
+                    ready.add(k)  # the others must not wait for it
+                    continue
+                if kind == "ready":
+                    ready.add(k)
+                elif kind == "record":
+                    take(value)
+                elif kind == "end":
+                    end = max(end, value)
+                else:  # "failed", with its traceback
+                    print(f"\na client process failed:\n{value}", file=sys.stderr)
     finally:
         go.set()
         for worker in workers:
-            worker.join(5.0)
-            if worker.is_alive():
-                worker.kill()
+            if worker.pid is not None:
+                worker.join(5.0)
+                if worker.is_alive():
+                    worker.kill()
+        for reader in pipes:
+            reader.close()
     for i, record in enumerate(records):
         if record is None:  # its process ended first
-            take(RequestRecord(index=i, send_s=0.0, error="the client process sending it ended"))
+            failed = RequestRecord(index=i, send_s=0.0, error="the client process sending it ended")
+            failed.group = prompts[i].group
+            take(failed)
     return records, max(end - start, 0.0)
 
 
-def _client_process(k: int, endpoint, items, concurrency, spec, go, start_at, results) -> None:
-    """Client process `k` of `run_in_processes`."""
-    try:
-        results.put(("ready", k, None))
-        go.wait()
-        end = asyncio.run(
-            _send_all(
-                endpoint, items, concurrency, spec, start_at.value, lambda r: results.put(("record", k, r))
+def _client_process(k: int, endpoint, items, concurrency, spec, go, start_at, pipe) -> None:
+    """Client process `k` of `run_in_processes`: its records, its end and any failure go on
+    `pipe` as ("record", RequestRecord), ("end", time), ("failed", traceback)."""
+
+    async def run() -> float:
+        async with _client(concurrency, spec) as client:
+            pipe.send(("ready", None))
+            go.wait()  # nothing else runs on this loop yet
+            start = start_at.value
+            return await _send_all(
+                client, endpoint, items, concurrency, spec, start, lambda r: pipe.send(("record", r))
             )
-        )
-        results.put(("end", k, end))
+
+    try:
+        pipe.send(("end", asyncio.run(run())))
     except BaseException:  # noqa: BLE001 - said to the parent, which fails what is left
-        results.put(("failed", k, traceback.format_exc()))
+        try:
+            pipe.send(("failed", f"client process {k}: {traceback.format_exc()}"))
+        except OSError:
+            pass
+    finally:
+        pipe.close()
 
 
 def measure(
@@ -244,11 +273,9 @@ def measure(
 
         name = f"{labels.get('label', '')} c={spec.concurrency}".strip()
         measured = prompts[spec.warmup :]
-        processes = (
-            min(spec.client_processes, spec.concurrency, len(measured))
-            if math.isinf(spec.request_rate)
-            else 1
-        )
+        processes = client_split(spec.concurrency, spec.client_processes, len(measured))
+        if not math.isinf(spec.request_rate):
+            processes = 1
         if processes > 1:
             records, duration = run_in_processes(endpoint, measured, spec, keep, name)
         else:

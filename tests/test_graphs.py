@@ -337,3 +337,15 @@ def test_a_prefill_chunk_near_the_slots_end_runs_eagerly() -> None:
     assert g.prefill([(list(range(10)), 30, 0)]) is None  # 30 + 16 > 40
     assert g.prefill([(list(range(10)), 0, 0), (list(range(3)), 30, 1)]) is None
     assert not g.prefill_fits(3, 16) and not g.prefill_fits(2, 17) and g.prefill_fits(1, 17)
+
+
+def test_inputs_that_do_not_fill_the_graphs_buffer_are_refused() -> None:
+    """One concatenation writes the packed buffer, and it would resize its output rather than
+    refuse: a batch whose positions are not as wide as its ids is refused by name."""
+    g = graphs_with(bucket=4, width=3)
+    ids = torch.ones(2, 3, dtype=torch.int64)
+    with pytest.raises(
+        ValueError, match=r"inputs of \[\(2, 3\), \(2, 2\), \(2,\), \(2,\)\] for a graph of 4 x 3"
+    ):
+        g.verify(ids, ids[:, :2], torch.tensor([0, 1]), torch.tensor([3, 3]))
+    assert g.verify_graphs[4, 3].inputs.packed.shape == (2 * 4 * 3 + 2 * 4,)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from harness.client import Endpoint, RequestRecord, StreamReader
-from harness.load import LoadSpec, client_processes_for, measure, run_requests
+from harness.load import LoadSpec, client_processes_for, client_split, measure, run_requests
 from harness.metrics import calculate_metrics, chunk_itl, per_token_itl, tpot
 from harness.workloads import Prompt, synthetic
 
@@ -147,15 +147,28 @@ def spread_run(tmp_path, prompts: list, concurrency: int, processes: int) -> tup
 def test_a_closed_loop_spread_over_client_processes_sends_each_prompt_once_within_its_concurrency(
     tmp_path,
 ) -> None:
-    """Three processes share five streams (2, 2, 1): every prompt is sent once, by its index,
-    timed from one start, and no more than five streams are ever open at the server."""
-    summary, rows, script = spread_run(tmp_path, synthetic(30, 4, 0), concurrency=5, processes=3)
+    """Three processes share six streams, two each: every prompt is sent once, by its index,
+    timed from one start, and no more than six
+    streams are ever open at the server."""
+    summary, rows, script = spread_run(tmp_path, synthetic(30, 4, 0), concurrency=6, processes=3)
     assert summary["completed"] == 30 and summary["failed"] == 0 and summary["client_processes"] == 3
     assert sorted(r["index"] for r in rows) == list(range(30)) and script.posts == 30
     assert all(r["success"] and r["output_tokens"] == 3 for r in rows)
-    assert 1 < script.most_open <= 5
+    assert 2 < script.most_open <= 6
     sends = sorted(r["send_s"] for r in rows)
     assert 0 <= sends[0] < 1.0 and sends[-1] < summary["duration_s"] < 30
+
+
+def test_client_processes_share_the_streams_evenly_or_fewer_run() -> None:
+    assert client_split(16, 2, 256) == 2 and client_split(16, 3, 256) == 2
+    assert client_split(6, 4, 100) == 3 and client_split(5, 3, 100) == 1  # 5: one process
+    assert client_split(8, 4, 2) == 2  # no more processes than prompts
+    assert client_split(1, 8, 10) == 1
+
+
+def test_an_uneven_share_runs_in_fewer_processes(tmp_path) -> None:
+    summary, rows, _ = spread_run(tmp_path, synthetic(10, 4, 0), concurrency=5, processes=3)
+    assert summary["client_processes"] == 1 and summary["completed"] == 10
 
 
 class Unpicklable:

@@ -154,7 +154,7 @@ def test_streamed_and_whole_replies_to_a_greedy_request_are_the_same(client) -> 
 
 
 # ------------------------------------------------------------------ where a body is parsed
-def test_a_small_body_is_parsed_on_the_event_loop_and_a_large_one_on_a_worker_thread(
+def test_a_small_completions_body_is_parsed_on_the_event_loop_a_large_or_chat_one_on_a_worker_thread(
     pair_dirs, monkeypatch
 ) -> None:
     """A worker thread waits for the interpreter lock under load (milliseconds of time to
@@ -174,4 +174,9 @@ def test_a_small_body_is_parsed_on_the_event_loop_and_a_large_one_on_a_worker_th
     for prompt in ("hi", "x" * INLINE_PARSE_BYTES):
         reply = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
         assert reply.status_code == 400 and "parsed" in reply.text
-    assert on_loop == [True, False]
+    # a chat body renders the checkpoint's template: on a worker thread, however small
+    reply = client.post(
+        "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert reply.status_code == 400 and "parsed" in reply.text
+    assert on_loop == [True, False, False]

@@ -446,7 +446,12 @@ class EngineGraphs:
             if padding is not None:
                 flat.append(padding[k])
         packed = g.inputs.packed
-        torch.cat(flat, out=packed[: packed.shape[0] - (bucket if valid is None else 0)])
+        out = packed[: packed.shape[0] - (bucket if valid is None else 0)]
+        if sum(t.numel() for t in flat) != out.numel():  # cat would resize its output, not refuse
+            raise ValueError(
+                f"inputs of {[tuple(t.shape) for t in pieces]} for a graph of {bucket} x {width}"
+            )
+        torch.cat(flat, out=out)
         g.graph.replay()
         return g.outputs.head(rows)
 

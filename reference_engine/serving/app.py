@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from .service import Server
 
 TITLE = "DFlash reference server"
-# a body up to this size is decoded and tokenised on the event loop (well under a millisecond);
-# a larger one on a worker thread, which under load waits for the interpreter lock (5 ms at a
-# time) before it starts and again after tokenising: several milliseconds of each request's
-# time to first token
+# a completions body up to this size is decoded and tokenised on the event loop (well under a
+# millisecond); a larger one, and a chat body (its template is the checkpoint's code), on a
+# worker thread, which under load waits for the interpreter lock (5 ms at a time) before it
+# starts and again after tokenising: several milliseconds of the request's time to first token
 INLINE_PARSE_BYTES = 2048
 
 
@@ -120,9 +120,10 @@ def api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
 async def read_request(server: Server, request: Request, chat: bool) -> ParsedRequest:
     """The request's body, bounded (413), decoded and tokenised (400, 404)."""
     raw = await read_body(request, server.limits)
-    if len(raw) <= INLINE_PARSE_BYTES:
+    if not chat and len(raw) <= INLINE_PARSE_BYTES:
         return server.parse(raw, chat)
-    # decoding and tokenising a large body take a while: not on the event loop
+    # decoding and tokenising a large body take a while, and a chat template (the
+    # checkpoint's own code) may: not on the event loop
     return await asyncio.to_thread(server.parse, raw, chat)
 
 

@@ -27,14 +27,14 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
   buckets from 0.5 ms so millisecond-scale decode is resolved;
 - `dflash:phase_seconds_total{phase}`: engine time per phase (CUDA-event time on a GPU).
 
-Two sources. What the engine did (the spec counters, fallbacks, phase times, gauges) advances
-by exactly the engine's own statistics after each step (`on_step`, with the totals the engine
-loop delivers with the step's outputs, async_engine.py), before the step's tokens reach any
-client; device times of a step's phases come a turn later, when their events are done. The
-counters are brought to the latest totals when a page is rendered (and before a reset of the
-engine's statistics is taken in): nothing reads them between, and one pass a scrape costs
-less than a pass per step (at c16 on the demo pair, a pass a step was 15% of a DFlash
-server's event loop). What
+Two sources. What the engine did (the spec counters, fallbacks, phase times, gauges) is the
+engine's own statistics: the engine loop delivers its totals with each step's outputs
+(async_engine.py), `on_step` keeps them before the step's tokens reach any client, and a page
+rendered after that shows them exactly (device times of a step's phases come a turn later,
+when their events are done). The counters are brought to the latest totals when a page is
+rendered (and before a reset of the engine's statistics is taken in), not at every step:
+nothing reads them between, and one pass a scrape costs less than a pass a step (at c16 on the
+demo pair, a pass a step was 15% of a DFlash server's event loop). What
 each client got (the request, token and latency metrics) is counted by the handler that
 answers the request (`RequestMetrics`): only it knows how the request ended, since it cuts
 stop strings and sees a client go away.

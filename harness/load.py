@@ -87,6 +87,15 @@ async def run_requests(
 ) -> tuple[list[RequestRecord], float]:
     """Send the prompts with at most `concurrency` in flight, from this process; returns
     records (in prompt order) and the wall time from the first send to the last completion."""
+    records, duration, _ = await _run_here(endpoint, prompts, spec, on_record, label)
+    return records, duration
+
+
+async def _run_here(
+    endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, on_record=None, label: str = ""
+) -> tuple[list[RequestRecord], float, float]:
+    """`run_requests`, and the share of the run's wall time this process was busy on a core
+    (its CPU time over the run's duration: near 1, the client measured its own queue)."""
     progress = Progress(len(prompts), label) if label else None
     records: list[RequestRecord | None] = [None] * len(prompts)
 
@@ -99,9 +108,10 @@ async def run_requests(
 
     items = list(enumerate(prompts))
     async with _client(spec.concurrency, spec) as client:
-        start = time.perf_counter()  # the client is built: the run starts
+        start, cpu = time.perf_counter(), time.process_time()  # the client is built: the run starts
         end = await _send_all(client, endpoint, items, spec.concurrency, spec, start, done)
-    return records, end - start
+        busy = (time.process_time() - cpu) / max(end - start, 1e-9)
+    return records, end - start, busy
 
 
 def _client(concurrency: int, spec: LoadSpec) -> httpx.AsyncClient:
@@ -149,13 +159,14 @@ def client_split(concurrency: int, processes: int, prompts: int) -> int:
 
 def run_in_processes(
     endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, on_record=None, label: str = ""
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[RequestRecord], float, float]:
     """`run_requests` over `client_split(...)` processes (a closed loop): process k sends
     prompts k, k + P, ... with concurrency / P streams. Each builds its client, says it is
     ready, and waits; all then start on one signal and are timed from one start (the system's
     monotonic clock, which every process reads alike). Each sends its records on a pipe of
     its own as they complete; a process that fails or dies ends its part (its requests not
-    done are failed records) and the others run on."""
+    done are failed records) and the others run on. The last value: the busiest process's
+    share of the run spent on a core (`_run_here`)."""
     if not math.isinf(spec.request_rate):
         raise ValueError("client processes split a closed loop only (no --request-rate)")
     count = client_split(spec.concurrency, spec.client_processes, len(prompts))
@@ -167,6 +178,7 @@ def run_in_processes(
     workers, pipes = [], {}
     ready: set[int] = set()
     end = start = time.perf_counter()
+    busy = 0.0
 
     def take(record: RequestRecord) -> None:
         records[record.index] = record
@@ -205,7 +217,7 @@ def run_in_processes(
                 elif kind == "record":
                     take(value)
                 elif kind == "end":
-                    end = max(end, value)
+                    end, busy = max(end, value[0]), max(busy, value[1])
                 else:  # "failed", with its traceback
                     print(f"\na client process failed:\n{value}", file=sys.stderr)
     finally:
@@ -222,21 +234,22 @@ def run_in_processes(
             failed = RequestRecord(index=i, send_s=0.0, error="the client process sending it ended")
             failed.group = prompts[i].group
             take(failed)
-    return records, max(end - start, 0.0)
+    return records, max(end - start, 0.0), busy
 
 
 def _client_process(k: int, endpoint, items, concurrency, spec, go, start_at, pipe) -> None:
     """Client process `k` of `run_in_processes`: its records, its end and any failure go on
     `pipe` as ("record", RequestRecord), ("end", time), ("failed", traceback)."""
 
-    async def run() -> float:
+    async def run() -> tuple[float, float]:
         async with _client(concurrency, spec) as client:
             pipe.send(("ready", None))
             go.wait()  # nothing else runs on this loop yet
-            start = start_at.value
-            return await _send_all(
+            start, cpu = start_at.value, time.process_time()
+            end = await _send_all(
                 client, endpoint, items, concurrency, spec, start, lambda r: pipe.send(("record", r))
             )
+            return end, (time.process_time() - cpu) / max(end - start, 1e-9)
 
     try:
         pipe.send(("end", asyncio.run(run())))
@@ -277,9 +290,9 @@ def measure(
         if not math.isinf(spec.request_rate):
             processes = 1
         if processes > 1:
-            records, duration = run_in_processes(endpoint, measured, spec, keep, name)
+            records, duration, busy = run_in_processes(endpoint, measured, spec, keep, name)
         else:
-            records, duration = asyncio.run(run_requests(endpoint, measured, spec, keep, name))
+            records, duration, busy = asyncio.run(_run_here(endpoint, measured, spec, keep, name))
     after = scrape(metrics_url) if metrics_url else None
     summary = {**labels, **calculate_metrics(records, duration, spec.slo_ms)}
     acceptance = acceptance_from_requests(records)
@@ -291,6 +304,7 @@ def measure(
     summary["streams_without_done"] = sum(1 for r in records if r.success and not r.done_marker)
     summary["server_kind"] = endpoint.accepts.name if endpoint.server else "ours (not probed)"
     summary["client_processes"] = processes
+    summary["client_cpu"] = round(busy, 3)
     errors = [r.error for r in records if not r.success]
     summary["errors"] = "; ".join(sorted(set(errors)))[:500]
     append_summary(out_dir / "summary.csv", summary)
@@ -323,6 +337,7 @@ SUMMARY_COLUMNS = [
     "server_kind",
     "streams_without_done",
     "client_processes",
+    "client_cpu",
     *[
         f"{m}_{group}_{s}"
         for group in GROUPS

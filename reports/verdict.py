@@ -17,6 +17,7 @@ from .tables import fmt
 # a chunk gap under this is the client reading a backlog, not the server's pace: no engine
 # step is that short, so many such gaps mean the client machine was starved
 SATURATED_GAP_MS = 0.5
+CLIENT_BUSY = 0.85  # a client process's share of a run on a core, past which it is warned about
 SATURATED_SHARE = 0.10
 # repeats of one side and concurrency whose output throughput spreads wider than this share of
 # their median measured a machine whose speed changed (measured: 35% on a loaded 2-core
@@ -52,6 +53,7 @@ def verdict_section(results: ResultSet) -> str:
         _busy_machine(results),
         _repeat_spread(results, agg),
         _saturation(results),
+        _busy_client(results),
         _closed_loop_ttft(results, agg),
     )
     warnings = [w for w in checks if w]
@@ -231,6 +233,30 @@ def _saturation(results: ResultSet) -> str | None:
         "so ITL, TTFT and E2E there measure the client as much as the server. Spread the "
         "client over more processes (--client-processes), run it on another machine, or "
         "use fewer concurrent streams."
+    )
+
+
+def _busy_client(results: ResultSet) -> str | None:
+    """The busiest client process's share of a run spent on a core (summary's `client_cpu`,
+    measured by the harness since it records it), when it was near a full core."""
+    summary = results.summary
+    if "client_cpu" not in summary:
+        return None
+    busy = pd.to_numeric(summary["client_cpu"], errors="coerce")
+    if busy.isna().all() or busy.max() <= CLIENT_BUSY:
+        return None
+    row = summary.loc[busy.idxmax()]
+    processes = row.get("client_processes")
+    many = (
+        ""
+        if pd.isna(processes)
+        else f" ({int(processes)} client process{'es' if int(processes) > 1 else ''})"
+    )
+    return (
+        f"**Warning: the client was busy {busy.max():.0%} of a run** ({results.display(row['label'])} "
+        f"at concurrency {int(row['concurrency'])}{many}): a client process near a full core "
+        "adds its own queue to every TTFT and gap it times, and may set the throughput. Spread "
+        "it over more processes (--client-processes) or run it on another machine."
     )
 
 

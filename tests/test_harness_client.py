@@ -152,6 +152,7 @@ def test_a_closed_loop_spread_over_client_processes_sends_each_prompt_once_withi
     streams are ever open at the server."""
     summary, rows, script = spread_run(tmp_path, synthetic(30, 4, 0), concurrency=6, processes=3)
     assert summary["completed"] == 30 and summary["failed"] == 0 and summary["client_processes"] == 3
+    assert 0 < summary["client_cpu"] <= 1.5  # the busiest process's CPU time over the run
     assert sorted(r["index"] for r in rows) == list(range(30)) and script.posts == 30
     assert all(r["success"] and r["output_tokens"] == 3 for r in rows)
     assert 2 < script.most_open <= 6
@@ -169,6 +170,7 @@ def test_client_processes_share_the_streams_evenly_or_fewer_run() -> None:
 def test_an_uneven_share_runs_in_fewer_processes(tmp_path) -> None:
     summary, rows, _ = spread_run(tmp_path, synthetic(10, 4, 0), concurrency=5, processes=3)
     assert summary["client_processes"] == 1 and summary["completed"] == 10
+    assert 0 < summary["client_cpu"] <= 1.5
 
 
 class Unpicklable:

@@ -66,10 +66,11 @@ def edit_summary(directory: Path, change) -> None:
     path = directory / "summary.csv"
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
+    changed = [change(dict(r)) or r for r in rows]
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in changed for k in r)))
         writer.writeheader()
-        writer.writerows(change(dict(r)) or r for r in rows)
+        writer.writerows(changed)
 
 
 def sent(completed: int):
@@ -189,3 +190,19 @@ def test_a_ratio_whose_interval_holds_one_is_no_clear_difference(tmp_path) -> No
         "(95% interval 0.97–1.09): no clear difference, within run-to-run noise."
     ) in part
     assert "dflash is faster" not in part
+
+
+def test_a_client_busy_near_a_full_core_is_warned_about(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    calm = verdict(build_report(directory).read_text())
+    assert "client was busy" not in calm  # a summary without the column says nothing
+
+    def busy(row: dict) -> dict:
+        high = row["label"] == "B" and row["concurrency"] == "4"
+        return {**row, "client_cpu": "0.93" if high else "0.4", "client_processes": "2" if high else "1"}
+
+    edit_summary(directory, busy)
+    part = verdict(build_report(directory).read_text())
+    assert "**Warning: the client was busy 93% of a run** (B at concurrency 4 (2 client processes))" in part
+    edit_summary(directory, lambda row: {**row, "client_cpu": "0.8"})
+    assert "client was busy" not in verdict(build_report(directory).read_text())

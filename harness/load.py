@@ -28,7 +28,7 @@ import httpx
 
 from .client import Endpoint, RequestRecord, payload, send
 from .metrics import GROUP_LATENCIES, calculate_metrics, count_sources
-from .prometheus import acceptance_from_counters, acceptance_from_requests, scrape
+from .prometheus import acceptance_from_counters, acceptance_from_requests, scrape, server_cpu
 from .workloads import GROUPS, Prompt, arrivals
 
 
@@ -305,6 +305,7 @@ def measure(
     summary["server_kind"] = endpoint.accepts.name if endpoint.server else "ours (not probed)"
     summary["client_processes"] = processes
     summary["client_cpu"] = round(busy, 3)
+    summary |= server_cpu(before, after, duration)
     errors = [r.error for r in records if not r.success]
     summary["errors"] = "; ".join(sorted(set(errors)))[:500]
     append_summary(out_dir / "summary.csv", summary)
@@ -338,6 +339,8 @@ SUMMARY_COLUMNS = [
     "streams_without_done",
     "client_processes",
     "client_cpu",
+    "server_cpu",
+    "engine_cpu",
     *[
         f"{m}_{group}_{s}"
         for group in GROUPS

@@ -33,6 +33,12 @@ FAMILIES = {
     "accepted": "spec_decode_num_accepted_tokens",
     "per_pos": "spec_decode_num_accepted_tokens_per_pos",
 }
+# CPU time counters, where a server exports them: its own process's (prometheus_client's
+# process collector, which vLLM's and our server's pages carry) and our engine loop's thread
+CPU_COUNTERS = {
+    "cpu:server": "process_cpu_seconds_total",
+    "cpu:engine": "dflash:engine_cpu_seconds_total",
+}
 SGLANG_GAUGES = {
     "acceptance_length": "sglang:spec_accept_length",
     "acceptance_rate": "sglang:spec_accept_rate",
@@ -48,6 +54,9 @@ def parse(text: str) -> Snapshot:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
+            for key, counter in CPU_COUNTERS.items():
+                if name == counter:
+                    snap[key] = snap.get(key, 0.0) + sample.value
             if name in SGLANG_GAUGES.values():
                 snap[name] = snap.get(name, 0.0) + sample.value
                 continue
@@ -85,7 +94,7 @@ def acceptance_from_counters(before: Snapshot | None, after: Snapshot | None) ->
     """Acceptance metrics from counter differences (or SGLang gauges after the run)."""
     if before is None or after is None:
         return {}
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if not k.startswith("sglang")}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if not k.startswith(("sglang", "cpu:"))}
     drafts = d.get("drafts", 0.0)
     if drafts > 0:
         positions = sorted(int(k[4:]) for k in d if k.startswith("pos:"))
@@ -101,6 +110,20 @@ def acceptance_from_counters(before: Snapshot | None, after: Snapshot | None) ->
     if gauges:
         return {**gauges, "acceptance_source": "sglang gauges (not differenced)"}
     return {}
+
+
+def server_cpu(before: Snapshot | None, after: Snapshot | None, duration_s: float) -> dict:
+    """The share of a core that the server's process (`server_cpu`) and our engine loop's
+    thread (`engine_cpu`) were busy over a run, from their CPU counters' differences; only
+    those the server exports. Near 1: that Python thread, not the GPU, set the pace."""
+    if before is None or after is None or duration_s <= 0:
+        return {}
+    names = {"cpu:server": "server_cpu", "cpu:engine": "engine_cpu"}
+    return {
+        column: round((after[key] - before[key]) / duration_s, 3)
+        for key, column in names.items()
+        if key in before and key in after
+    }
 
 
 def acceptance_from_requests(records: Sequence[RequestRecord]) -> dict:

@@ -54,6 +54,7 @@ def verdict_section(results: ResultSet) -> str:
         _repeat_spread(results, agg),
         _saturation(results),
         _busy_client(results),
+        _busy_server(results),
         _closed_loop_ttft(results, agg),
     )
     warnings = [w for w in checks if w]
@@ -257,6 +258,34 @@ def _busy_client(results: ResultSet) -> str | None:
         f"at concurrency {int(row['concurrency'])}{many}): a client process near a full core "
         "adds its own queue to every TTFT and gap it times, and may set the throughput. Spread "
         "it over more processes (--client-processes) or run it on another machine."
+    )
+
+
+def _busy_server(results: ResultSet) -> str | None:
+    """The server threads whose CPU share of a run (summary's `server_cpu`, the server's
+    process, and `engine_cpu`, our engine loop's thread) passed CLIENT_BUSY: the busiest of
+    each side and kind."""
+    summary = results.summary
+    found = []
+    for column, what in (("server_cpu", "server process"), ("engine_cpu", "engine loop")):
+        if column not in summary:
+            continue
+        busy = pd.to_numeric(summary[column], errors="coerce")
+        for label in results.labels:
+            mine = busy[summary["label"] == label]
+            if mine.isna().all() or mine.max() <= CLIENT_BUSY:
+                continue
+            row = summary.loc[mine.idxmax()]
+            found.append(
+                f"{results.display(label)}'s {what} {mine.max():.0%} (concurrency {int(row['concurrency'])})"
+            )
+    if not found:
+        return None
+    return (
+        "**Note: the servers' host side was near a full core**: "
+        + "; ".join(found)
+        + ". A Python thread near a core sets the pace there, not the device: the ratio compares "
+        "the two servers' host work as much as their decoding."
     )
 
 

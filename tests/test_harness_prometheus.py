@@ -119,3 +119,23 @@ def test_per_request_acceptance_counts_completed_requests_only() -> None:
         ]
     )
     assert got["acceptance_length"] == pytest.approx(4.0) and got["acceptance_histogram"] == {4: 2}
+
+
+def test_the_servers_cpu_shares_come_from_its_cpu_counters_differences() -> None:
+    from harness.prometheus import server_cpu
+
+    page = """# TYPE process_cpu_seconds_total counter
+process_cpu_seconds_total {server}
+# TYPE dflash:engine_cpu_seconds_total counter
+dflash:engine_cpu_seconds_total {engine}
+"""
+    before = parse(page.format(server=10.0, engine=100.0))
+    after = parse(page.format(server=11.5, engine=103.8))
+    assert server_cpu(before, after, 2.0) == {"server_cpu": 0.75, "engine_cpu": 1.9}
+    # a server that exports only its process's counter (vLLM's page), or none
+    plain = parse("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3\n")
+    assert server_cpu(
+        plain, parse("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 4\n"), 4.0
+    ) == {"server_cpu": 0.25}
+    assert server_cpu(parse(""), parse(""), 1.0) == {} and server_cpu(None, after, 1.0) == {}
+    assert "acceptance_length" not in acceptance_from_counters(before, after)  # CPU is not acceptance

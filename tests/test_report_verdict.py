@@ -206,3 +206,19 @@ def test_a_client_busy_near_a_full_core_is_warned_about(tmp_path) -> None:
     assert "**Warning: the client was busy 93% of a run** (B at concurrency 4 (2 client processes))" in part
     edit_summary(directory, lambda row: {**row, "client_cpu": "0.8"})
     assert "client was busy" not in verdict(build_report(directory).read_text())
+
+
+def test_a_server_thread_near_a_full_core_is_noted(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    assert "host side" not in verdict(build_report(directory).read_text())
+
+    def busy(row: dict) -> dict:
+        high = row["concurrency"] == "4"
+        server = "0.93" if high and row["label"] == "A" else "0.5"
+        engine = "0.97" if high and row["label"] == "B" else "0.6"
+        return {**row, "server_cpu": server, "engine_cpu": engine}
+
+    edit_summary(directory, busy)
+    part = verdict(build_report(directory).read_text())
+    assert "**Note: the servers' host side was near a full core**" in part
+    assert "A's server process 93% (concurrency 4)" in part and "B's engine loop 97% (concurrency 4)" in part

@@ -219,3 +219,17 @@ def test_requests_ended_by_a_stop_string_or_a_disconnect_are_counted(server) -> 
     assert diff("dflash:generation_tokens_total") >= 2 * cut["usage"]["completion_tokens"] + 1
     # the per-request figures of a stop-string request cover every step the engine took
     assert cut["spec_decode"]["steps"] >= 1
+
+
+def test_the_engine_loops_cpu_time_is_counted_once_across_a_reset_and_the_process_is_exported() -> None:
+    """The engine loop's CPU time is its thread's, which an engine reset does not restart:
+    the counter follows it, not the reset's new epoch."""
+    metrics = ServerMetrics()
+    metrics.on_step(EngineTotals(0, engine_cpu_s=2.0))
+    metrics.on_step(EngineTotals(0, engine_cpu_s=3.5))
+    page = samples(metrics.render(idle_engine())[0])
+    assert value(page, "dflash:engine_cpu_seconds_total") == 3.5
+    metrics.on_step(EngineTotals(1, engine_cpu_s=4.0))  # Engine.reset_stats, then a step
+    page = samples(metrics.render(idle_engine(epoch=1))[0])
+    assert value(page, "dflash:engine_cpu_seconds_total") == 4.0
+    assert value(page, "process_cpu_seconds_total") > 0  # the server's own process (Linux)

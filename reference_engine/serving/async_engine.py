@@ -32,6 +32,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -80,6 +81,7 @@ class EngineTotals:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
+    engine_cpu_s: float = 0.0  # CPU seconds of the thread that runs the engine loop, so far
 
     @classmethod
     def of(cls, engine: Engine, settled: bool = True) -> EngineTotals:
@@ -101,6 +103,7 @@ class EngineTotals:
             len(engine.scheduler.active),
             len(engine.scheduler.waiting),
             engine.kv_cache_usage(),
+            time.thread_time(),  # called on the loop's thread (EngineLoop._flush)
         )
 
 

@@ -25,7 +25,12 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
   evenly among the tokens the later one carried), `dflash:e2e_request_latency_seconds`
   (every request, to its last token, or to its end when it got none) histograms, with
   buckets from 0.5 ms so millisecond-scale decode is resolved;
-- `dflash:phase_seconds_total{phase}`: engine time per phase (CUDA-event time on a GPU).
+- `dflash:phase_seconds_total{phase}`: engine time per phase (CUDA-event time on a GPU);
+- `dflash:engine_cpu_seconds_total`: CPU time of the thread that runs the engine loop, and
+  prometheus_client's `process_cpu_seconds_total` (with the other `process_*` series, on
+  Linux) of the server's own process: over a run, each divided by its duration is the share
+  of a core that the engine loop and the HTTP event loop were busy (near 1: that Python
+  thread, not the GPU, set the pace; the harness reports both).
 
 Two sources. What the engine did (the spec counters, fallbacks, phase times, gauges) is the
 engine's own statistics: the engine loop delivers its totals with each step's outputs
@@ -51,6 +56,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -155,6 +161,11 @@ class ServerMetrics:
             registry=r,
         )
         self.phase_seconds = Counter(f"{p}:phase_seconds", "Engine time per phase", ["phase"], registry=r)
+        self.engine_cpu = Counter(
+            f"{p}:engine_cpu_seconds", "CPU time of the thread that runs the engine loop", registry=r
+        )
+        self._engine_cpu_seen = 0.0  # a thread's CPU time: not restarted by the engine's resets
+        ProcessCollector(registry=r)  # process_cpu_seconds_total and the rest, of this process
         self._seen: dict[str, float] = {}  # last engine totals: counters advance by differences
         self._epoch = 0  # the engine's resets seen (Engine.stats_epoch)
         self._latest: EngineTotals | None = None  # the totals the counters are not yet at
@@ -183,6 +194,9 @@ class ServerMetrics:
         totals, self._latest = self._latest, None
         if totals is None:
             return
+        if totals.engine_cpu_s > self._engine_cpu_seen:
+            self.engine_cpu.inc(totals.engine_cpu_s - self._engine_cpu_seen)
+            self._engine_cpu_seen = totals.engine_cpu_s
         spec = totals.spec_totals
         names = self.acceptance
         self._advance("drafts", lambda: [c.drafts for c in names], spec.steps)

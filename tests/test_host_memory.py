@@ -4,7 +4,9 @@ runs in a process of its own, as malloc's settings are process-wide."""
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ from .server_process import REPO
 
 pytestmark = pytest.mark.skipif(glibc() is None, reason="malloc's thresholds are glibc's")
 
-# minor page faults a step, measured in a child over steps 4-11 of 16 requests at 16 rows
+# minor page faults of each of steps 4-11 of 16 requests at 16 rows, measured in a child
 STEP_FAULTS = """
 import json, resource, sys, torch
 from reference_engine.runtime import host_memory
@@ -35,16 +37,20 @@ for i, line in enumerate(open(DEMO_PROMPTS).readlines()[:16]):
     engine.add_request(str(i), json.loads(line)["prompt_ids"], SamplingParams(max_tokens=96, ignore_eos=True))
 for _ in range(3):
     engine.step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     engine.step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults))
 """
 
 # a 16-row step's Gated DeltaNet states alone are 1 MiB each, 256 pages: a step whose blocks
-# are mapped afresh faults many hundreds of times, one that reuses them a few dozen (34 a step
-# measured). glibc's own adjusting threshold, which the engine replaces, gave 133 to 1255 in
-# different processes: the bound sits below both.
+# are mapped afresh faults thousands of times (about 14000 measured), one that reuses them a
+# few (0-5), and glibc's own adjusting threshold, which the engine replaces, some hundreds
+# (medians of 600-1200 over a run's steps). The median step is compared: now and then one step
+# meets a shape or an allocation of its own and faults in the hundreds (90, 131, 370 in two
+# runs of the engine's settings), and on a loaded machine the mean of 8 steps passed 100 once.
 MOST_FAULTS = 100
 CONTROL_FAULTS = 300
 
@@ -64,14 +70,14 @@ def faults_per_step(switch: str) -> float:
         env=environment(),
     )
     assert done.returncode == 0, done.stderr
-    return float(done.stdout.strip().splitlines()[-1])
+    return statistics.median(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def test_a_cpu_engine_reuses_the_blocks_its_steps_free() -> None:
     kept = faults_per_step("engine")
     mapped = faults_per_step("mapped")
     assert mapped > CONTROL_FAULTS, f"the control faulted only {mapped} times a step: the measure misses"
-    assert kept <= MOST_FAULTS, f"{kept} page faults a step with the engine's malloc settings"
+    assert kept <= MOST_FAULTS, f"{kept} page faults the median step with the engine's malloc settings"
 
 
 def test_malloc_settings_in_the_environment_are_left_alone() -> None:

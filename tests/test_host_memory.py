@@ -48,7 +48,7 @@ print(json.dumps(faults))
 # a 16-row step's Gated DeltaNet states alone are 1 MiB each, 256 pages: a step whose blocks
 # are mapped afresh faults thousands of times (about 14000 measured), one that reuses them a
 # few (0-5), and glibc's own adjusting threshold, which the engine replaces, some hundreds
-# (medians of 600-1200 over a run's steps). The median step is compared: now and then one step
+# (medians of 280-1200 over a run's steps). The median step is compared: now and then one step
 # meets a shape or an allocation of its own and faults in the hundreds (90, 131, 370 in two
 # runs of the engine's settings), and on a loaded machine the mean of 8 steps passed 100 once.
 MOST_FAULTS = 100

@@ -375,12 +375,9 @@ def measured_count(args) -> int:
 
 
 def client_processes(args, concurrency: int) -> int:
-    """The client processes of a run at `concurrency` (--client-processes; a rate: one)."""
-    if not math.isinf(args.request_rate):
-        return 1
-    if args.client_processes is not None:
-        return args.client_processes
-    return client_processes_for(concurrency)
+    """The client processes asked for at `concurrency` (--client-processes, or the automatic
+    choice); a run with an arrival rate takes one whatever this says (load.measure)."""
+    return args.client_processes or client_processes_for(concurrency)
 
 
 def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of, loads: list[dict]) -> list[dict]:

@@ -96,22 +96,30 @@ async def _run_here(
 ) -> tuple[list[RequestRecord], float, float]:
     """`run_requests`, and the share of the run's wall time this process was busy on a core
     (its CPU time over the run's duration: near 1, the client measured its own queue)."""
-    progress = Progress(len(prompts), label) if label else None
-    records: list[RequestRecord | None] = [None] * len(prompts)
-
-    def done(record: RequestRecord) -> None:
-        records[record.index] = record
-        if on_record is not None:
-            on_record(record)
-        if progress is not None:
-            progress.update(record)
-
+    collected = Collected(len(prompts), on_record, label)
     items = list(enumerate(prompts))
     async with _client(spec.concurrency, spec) as client:
         start, cpu = time.perf_counter(), time.process_time()  # the client is built: the run starts
-        end = await _send_all(client, endpoint, items, spec.concurrency, spec, start, done)
+        end = await _send_all(client, endpoint, items, spec.concurrency, spec, start, collected.take)
         busy = (time.process_time() - cpu) / max(end - start, 1e-9)
-    return records, end - start, busy
+    return collected.records, end - start, busy
+
+
+class Collected:
+    """A run's records as they complete, in prompt order: each handed to `on_record` and
+    counted on the progress bar (shown when the run has a `label`)."""
+
+    def __init__(self, count: int, on_record=None, label: str = "") -> None:
+        self.records: list[RequestRecord | None] = [None] * count
+        self.on_record = on_record
+        self.progress = Progress(count, label) if label else None
+
+    def take(self, record: RequestRecord) -> None:
+        self.records[record.index] = record
+        if self.on_record is not None:
+            self.on_record(record)
+        if self.progress is not None:
+            self.progress.update(record)
 
 
 def _client(concurrency: int, spec: LoadSpec) -> httpx.AsyncClient:
@@ -173,19 +181,11 @@ def run_in_processes(
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
     go = context.Event()
     start_at = context.RawValue("d", 0.0)
-    progress = Progress(len(prompts), label) if label else None
-    records: list[RequestRecord | None] = [None] * len(prompts)
+    collected = Collected(len(prompts), on_record, label)
     workers, pipes = [], {}
     ready: set[int] = set()
     end = start = time.perf_counter()
     busy = 0.0
-
-    def take(record: RequestRecord) -> None:
-        records[record.index] = record
-        if on_record is not None:
-            on_record(record)
-        if progress is not None:
-            progress.update(record)
 
     try:
         for k in range(count):
@@ -215,7 +215,7 @@ def run_in_processes(
                 if kind == "ready":
                     ready.add(k)
                 elif kind == "record":
-                    take(value)
+                    collected.take(value)
                 elif kind == "end":
                     end, busy = max(end, value[0]), max(busy, value[1])
                 else:  # "failed", with its traceback
@@ -229,12 +229,12 @@ def run_in_processes(
                     worker.kill()
         for reader in pipes:
             reader.close()
-    for i, record in enumerate(records):
+    for i, record in enumerate(collected.records):
         if record is None:  # its process ended first
             failed = RequestRecord(index=i, send_s=0.0, error="the client process sending it ended")
             failed.group = prompts[i].group
-            take(failed)
-    return records, max(end - start, 0.0), busy
+            collected.take(failed)
+    return collected.records, max(end - start, 0.0), busy
 
 
 def _client_process(k: int, endpoint, items, concurrency, spec, go, start_at, pipe) -> None:

@@ -203,6 +203,17 @@ def test_the_automatic_client_processes_take_eight_streams_each_within_a_quarter
     assert client_processes_for(17, cpus=64) == 3
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "many", "1.5"])
+def test_a_client_process_count_that_is_not_auto_or_a_whole_number_is_refused(value, capsys) -> None:
+    from harness.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--base-url", "http://127.0.0.1:9", "--client-processes", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--client-processes: expected auto or a whole number >= 1, got" in err and value in err
+
+
 def test_client_processes_with_an_arrival_rate_are_refused(tmp_path, capsys) -> None:
     from harness.__main__ import main
 

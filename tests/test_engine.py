@@ -27,7 +27,7 @@ from reference_engine.runtime.forwards import StepInputs
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Phase, Sequence
-from reference_engine.runtime.speculative_step import DraftAhead
+from reference_engine.runtime.speculative_step import DraftAhead, SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.runtime.verify_width import StepCosts
 
@@ -1020,7 +1020,8 @@ def _as_if_captured(engine: Engine) -> None:
         x = StepInputs(block, rows.positions, rows.slots, rows.n_t + 1, processed=processed)
         tokens = out.tokens if out.tokens is not None else step.ops.greedy(out.logits)
         step._processed = processed
-        return step.accept_body(x, replace(out, tokens=tokens))
+        step._table = step.accept_body(x, replace(out, tokens=tokens))
+        return step._table
 
     def commit_replayed(processed, written=False):
         rows, block, out = step._verified
@@ -1033,7 +1034,18 @@ def _as_if_captured(engine: Engine) -> None:
         step.draft.append_context(features, rows.positions, rows.slots, step.draft_state, step.ops)
         return True
 
+    def propose_ahead(remaining, width):  # the captured inputs (ahead_body), then the draft
+        rows, block, out = step._verified
+        x = StepInputs(block, rows.positions, rows.slots, rows.n_t + 1, processed=step._processed)
+        nxt = step.ahead_body(x, step._table, remaining)
+        max_len = step.state.max_len
+        drafted = step.runner.propose(nxt.ids, nxt.positions, nxt.slots, nxt.valid, max_len, width=width)
+        step._ahead_inputs += 1
+        return nxt.ids, drafted
+
+    step._ahead_inputs = 0
     step.verify, step.commit_replayed, step.runner.accept = stash, commit_replayed, accept
+    step.runner.propose_ahead = propose_ahead
 
 
 @pytest.mark.parametrize("pair", ["qwen3", "qwen3_5"])
@@ -1059,6 +1071,20 @@ def test_a_draft_queued_behind_a_replayed_commit_proposes_what_a_fresh_draft_wou
     step = engine.speculative_step
     assert step.ahead_used > 5 and step.ahead_narrowed >= 1  # some taken after rows ended
     assert engine.stats()["draft_ahead"]["used"] == step.ahead_used
+    assert step._ahead_inputs == step.ahead_queued  # every one from the captured inputs
+
+    # captured inputs one position behind propose other blocks (outputs stay lossless)
+    ahead_body, next_blocks = SpeculativeStep.ahead_body, SpeculativeStep.next_blocks
+
+    def behind(self, x, table, remaining):
+        _, positions = next_blocks(self, table[:, 1], table[:, 2] - 1, x.positions[:, 0], self.block_size - 1)
+        return replace(ahead_body(self, x, table, remaining), positions=positions)
+
+    with monkeypatch.context() as m:
+        m.setattr(SpeculativeStep, "ahead_body", behind)
+        shifted, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+    assert [d for _, d in shifted.values()] != [d for _, d in fresh.values()]
+    assert [o for o, _ in shifted.values()] == [o for o, _ in fresh.values()]
 
     # a queued draft taken for the first rows, not for the rows that go on, proposes others
     rows_for = DraftAhead.rows_for

@@ -57,3 +57,69 @@ def test_a_dflash_draft_has_no_conv_or_selector_phase(tiny_pair) -> None:
     engine = run(tiny_pair, "dflash")
     assert engine.timer.calls["draft"] > 0
     assert engine.timer.calls["conv"] == engine.timer.calls["selector"] == 0
+
+
+class _FakeEvent:
+    """A CUDA event's part that PhaseTimer.flush uses: done or not, and elapsed times that
+    only a completed pair may give."""
+
+    def __init__(self, t: float, done: bool) -> None:
+        self.t, self.done, self.queries, self.waits = t, done, 0, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.done = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.done and end.done, "a time read from an event that has not completed"
+        return end.t - self.t
+
+
+def _pending_phases(timer: PhaseTimer, done: int, streams: set[int]) -> list[_FakeEvent]:
+    """Five phases a, b, c, d, e of 1, 2, 3, 4, 5 ms pending, the first `done` completed."""
+    events = []
+    for i, name in enumerate("abcde"):
+        start, end = _FakeEvent(0.0, i < done), _FakeEvent(float(i + 1), i < done)
+        timer._pending.append((name, start, end))
+        events.append(end)
+    timer._streams = set(streams)
+    return events
+
+
+def test_the_phase_timer_collects_the_completed_phases_of_one_stream_from_the_end() -> None:
+    """runtime/stats.PhaseTimer.flush: with every pending event on one stream, the completed
+    phases are a prefix, found by querying from the end; they are collected in order and the
+    rest stay pending, with no wait. Across streams each phase is queried in turn and the first
+    not completed stops it. With `wait`, each is waited for."""
+    timer = PhaseTimer(torch.device("cpu"))
+    ends = _pending_phases(timer, 3, {7})
+    timer.flush()
+    assert dict(timer.device_s) == {"a": 0.001, "b": 0.002, "c": 0.003}
+    assert [name for name, _, _ in timer._pending] == ["d", "e"]
+    assert sum(e.queries for e in ends) == 3 and not any(e.waits for e in ends)  # e, d, c
+    assert timer._streams == {7}  # still pending on it
+
+    ends[3].done = ends[4].done = True
+    for _, start, _ in timer._pending:
+        start.done = True
+    timer.flush()
+    assert timer.device_s["e"] == 0.005 and not timer._pending and not timer._streams
+
+    timer = PhaseTimer(torch.device("cpu"))
+    ends = _pending_phases(timer, 5, {7, 8})
+    ends[1].done = False  # on another stream, b has not completed though c has
+    for _, start, _ in timer._pending:
+        start.done = True
+    timer.flush()
+    assert dict(timer.device_s) == {"a": 0.001} and len(timer._pending) == 4
+
+    timer = PhaseTimer(torch.device("cpu"))
+    ends = _pending_phases(timer, 0, {7})
+    for _, start, _ in timer._pending:
+        start.done = True
+    timer.flush(wait=True)
+    assert len(timer.device_s) == 5 and all(e.waits == 1 for e in ends) and not timer._pending

@@ -207,6 +207,13 @@ class EngineGraphs:
         # inputs and outputs and writes the commit graph's `processed`, so it replays between
         # the two (SpeculativeStep.accept_replayed)
         self.accept_graphs: dict[tuple[int, int], _Graph] = {}
+        # the inputs of the next step's draft, queued ahead (SpeculativeStep.ahead_body), by the
+        # accept's key: they read the accept's table, the verify's static inputs and
+        # `remaining` (each row's tokens left before the step), and write the draft graph's
+        # static inputs, so they replay only right after that accept replayed
+        self.ahead_graphs: dict[tuple[int, int], _Graph] = {}
+        self.remaining: torch.Tensor | None = None  # [largest bucket]
+        self.accepted: tuple[int, int] | None = None  # the key of this step's replayed accept
         self.prefill_graphs: dict[tuple[int, int], _Graph] = {}  # by (rows, tokens)
         # one logits buffer per bucket that every verify width's graph writes (the first
         # rows x (W + 1) rows of it, SharedLogits): a step replays one verify, so the widths
@@ -285,6 +292,48 @@ class EngineGraphs:
             file=sys.stderr,
             flush=True,
         )
+
+    def capture_ahead(self, body: Callable[[StepInputs, torch.Tensor, torch.Tensor], StepInputs]) -> None:
+        """Capture `body` per accept graph: from the verify's static inputs, the accept's table
+        and `remaining`, the next draft's inputs, written into the bucket's draft graph's static
+        inputs, with the bucket's padding rows (those on the spare slot) put back to the
+        padding's inputs (`_padding`)."""
+        if self.draft is None or not self.accept_graphs:
+            return
+        # outside the graphs' pool, as the accept's table: the host writes it before a replay
+        self.remaining = torch.ones((max(self.buckets),), dtype=torch.int64, device=self.device)
+        B = self.block_size
+        for (b, width), accept in sorted(self.accept_graphs.items(), reverse=True):
+            draft = self.draft_graphs[b, B].inputs
+
+            def write(x, table=accept.outputs, remaining=self.remaining[:b], into=draft) -> None:
+                nxt = body(x, table, remaining)
+                pad = x.slots == self.pad_slot
+                into.ids.copy_(nxt.ids.masked_fill(pad[:, None], 0))
+                arange = torch.arange(B, device=self.device).expand(x.slots.shape[0], B)
+                into.positions.copy_(torch.where(pad[:, None], arange, nxt.positions))
+                into.slots.copy_(nxt.slots)
+                into.valid.copy_(nxt.valid.masked_fill(pad, 1))
+
+            self.ahead_graphs[b, width] = self._capture(b, width, write, inputs=accept.inputs)
+
+    def propose_ahead(self, remaining: torch.Tensor, width: int) -> tuple[torch.Tensor, Proposals] | None:
+        """Right after a replayed accept and its commit: replay the inputs of the next draft
+        (`capture_ahead`), the bucket's draft and its head for draft slots 1..`width`. Returns
+        (the blocks [rows, B], a view of the draft's static inputs, and the proposals), or None
+        when this step's accept did not replay."""
+        key = self.accepted
+        g = self.ahead_graphs.get(key) if key is not None else None
+        if g is None:
+            return None
+        rows = remaining.shape[0]
+        self.remaining[:rows].copy_(remaining)
+        g.graph.replay()
+        draft = self.draft_graphs[key[0], self.block_size]
+        draft.graph.replay()
+        self.drafted = key[0]
+        ids = draft.inputs.ids[:rows]
+        return ids, self._head(rows, width, draft.outputs.head(rows), ids[:, 0])
 
     def static_inputs(self, rows: int, width: int) -> StepInputs:
         """The input buffers of a decode, draft or verify graph of `rows` x `width` tokens:
@@ -520,10 +569,15 @@ class EngineGraphs:
         self.drafted = None if hidden is None else self._bucket(ids.shape[0])
         if hidden is None:
             return None
-        out = self.draft_head(ids.shape[0], width)
-        if out is None:  # no head graph of this width: the head eagerly, on the layers' output
+        return self._head(ids.shape[0], width, hidden, ids[:, 0])
+
+    def _head(self, rows: int, width: int, hidden: DraftHidden, anchors: torch.Tensor) -> Proposals:
+        """The head over the last replayed draft: its graph at `width`, or when none was
+        captured at that width, eagerly on the layers' output."""
+        out = self.draft_head(rows, width)
+        if out is None:
             head = self.target.lm_head_weight
-            out = Proposals(*self.draft.proposals(hidden.hidden, head, self.ops, ids[:, 0], width=width))
+            out = Proposals(*self.draft.proposals(hidden.hidden, head, self.ops, anchors, width=width))
         return out
 
     def draft_head(self, rows: int, width: int) -> Proposals | None:
@@ -541,6 +595,7 @@ class EngineGraphs:
         [b, W + 1, vocab], features, greedy target tokens [b, W + 1], or None."""
         out = self._replay(self.verify_graphs, ids, positions, slots, valid)
         self.verified = None if out is None else (self._bucket(ids.shape[0]), ids.shape[1])
+        self.accepted = None
         return out
 
     def accept(self, rows: int) -> torch.Tensor | None:
@@ -552,6 +607,7 @@ class EngineGraphs:
         if g is None:
             return None
         g.graph.replay()
+        self.accepted = self.verified
         return g.outputs[:rows]
 
     def commit(self, processed: torch.Tensor | None, replay: bool = True) -> bool:

@@ -225,6 +225,18 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_commit(body, accept)
 
+    def capture_ahead(self, body: Callable[[StepInputs, torch.Tensor, torch.Tensor], StepInputs]) -> None:
+        """Capture `body`, the inputs of a draft queued ahead, beside each captured accept
+        (EngineGraphs.capture_ahead)."""
+        if self.graphs is not None:
+            self.graphs.capture_ahead(body)
+
+    def propose_ahead(self, remaining: torch.Tensor, width: int) -> tuple[torch.Tensor, Proposals] | None:
+        """The next step's draft from this step's replayed accept, its inputs written by a
+        graph: (its blocks [b, B], its proposals for draft slots 1..`width`); None when this
+        step's accept did not replay (the caller queues it from eager operations)."""
+        return self.graphs.propose_ahead(remaining, width) if self.graphs is not None else None
+
     def accept(self, rows: int) -> torch.Tensor | None:
         """Replay the captured accept of this step's verify: the step's table [rows, 3 + W];
         None when the verify ran eagerly or none was captured (the caller accepts eagerly)."""

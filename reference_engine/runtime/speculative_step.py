@@ -39,7 +39,7 @@ from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
 from .state import TargetState
 from .stats import PhaseTimer
-from .transfer import HostCopy, to_device
+from .transfer import HostCopy, HostReader, to_device
 from .verify_width import timing_ids
 from .walk import sample_walk
 
@@ -170,6 +170,7 @@ class SpeculativeStep:
         self.ahead_narrowed = 0  # of those, taken for some of their rows (others had ended)
         self.ahead_widened = 0  # of those, taken by a step wider than their head (run again)
         self.deferred: dict[int, DeferredContext] = {}  # id(seq) -> its plain steps' context
+        self.reader = HostReader()  # the step's one transfer to the host
 
     def __call__(
         self, seqs: list[Sequence], width: int | None = None, same_rows_next: bool = False
@@ -207,7 +208,7 @@ class SpeculativeStep:
                 table = step_table(accepted, bonus, processed, proposals)
             # the one host transfer of the step, read once the captured commit is queued
             b = len(seqs)
-            pending = HostCopy(table)
+            pending = self.reader.copy(table)
         ahead = self.draft_ahead and same_rows_next and not plain
         with self.timer.phase("commit"):
             replayed = self.commit_replayed(processed, written)
@@ -215,7 +216,7 @@ class SpeculativeStep:
                 read = self.read_step(rows, block, out, processed, pending, replayed, plain)
         if ahead and replayed:  # queued behind the commit, it runs while the host reads the step
             with self.timer.phase("draft", count=False):
-                self.launch_ahead_replayed(rows, bonus, processed)
+                self.launch_ahead_replayed(rows, bonus, processed, written)
             with self.timer.phase("commit", count=False):
                 read = self.read_step(rows, block, out, processed, pending, replayed, plain)
         acc_list, bonus_list, kept, drafted = read
@@ -422,6 +423,24 @@ class SpeculativeStep:
         block[:, 0] = anchors
         return block
 
+    def next_blocks(
+        self, bonus: torch.Tensor, processed: torch.Tensor, anchors_at: torch.Tensor, N: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next step's draft blocks [b, N + 1] and their positions from this step's results:
+        each row's bonus as its anchor, at its anchor position `anchors_at` + processed."""
+        positions = (anchors_at + processed)[:, None] + torch.arange(N + 1, device=self.device)
+        return self.block_of(bonus, N), positions
+
+    def next_draft_tokens(self, remaining: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
+        """Each row's draft tokens next step, from the tokens it had left and kept: min(B - 1,
+        remaining - processed), 0 for a row that ends."""
+        return (remaining - processed).clamp(0, self.block_size - 1)
+
+    def ahead_width(self, rows: Rows, N: int) -> int:
+        """The head width of a draft queued ahead: this step's draft width (the next step's
+        most likely one)."""
+        return N if rows.draft_width is None else min(rows.draft_width, N)
+
     def launch_ahead(
         self,
         rows: Rows,
@@ -432,21 +451,46 @@ class SpeculativeStep:
         kv_len: int,  # what an eager forward reads (a replayed one ignores it)
     ) -> None:
         """Queue the next step's draft (DraftAhead): each row's bonus as its anchor, at its
-        start + processed, its head at this step's draft width (the next step's most likely
-        one)."""
+        start + processed, its head at this step's draft width."""
         self.flush_context(rows.seqs, only=True)
-        block = self.block_of(bonus, N)
-        positions = (rows.positions[:, 0] + processed)[:, None] + torch.arange(N + 1, device=self.device)
-        width = N if rows.draft_width is None else min(rows.draft_width, N)
+        block, positions = self.next_blocks(bonus, processed, rows.positions[:, 0], N)
+        width = self.ahead_width(rows, N)
         drafted = self.runner.propose(block, positions, rows.slots, n + 1, kv_len, width=width)
+        self.queued_ahead(rows, block, drafted, width)
+
+    def queued_ahead(self, rows: Rows, block: torch.Tensor, drafted: Proposals, width: int) -> None:
         self.ahead = DraftAhead(list(rows.seqs), block, drafted, width)
         self.ahead_queued += 1
 
-    def launch_ahead_replayed(self, rows: Rows, bonus: torch.Tensor, processed: torch.Tensor) -> None:
+    def launch_ahead_replayed(
+        self, rows: Rows, bonus: torch.Tensor, processed: torch.Tensor, written: bool = False
+    ) -> None:
         """Behind a captured commit, from the device's results alone: a full block of B - 1
-        slots (as every replayed draft), min(B - 1, remaining - processed) of them real."""
-        n = (rows.remaining_t - processed).clamp(0, self.block_size - 1)
-        self.launch_ahead(rows, bonus, processed, n, self.block_size - 1, self.state.max_len)
+        slots (as every replayed draft), min(B - 1, remaining - processed) of them real. With
+        `written` (the captured accept made the step's table) the inputs are written by a
+        graph of their own (`ahead_body`, captured beside the accept), so the host queues
+        three replays and no operation of its own."""
+        N = self.block_size - 1
+        if written:
+            self.flush_context(rows.seqs, only=True)
+            width = self.ahead_width(rows, N)
+            queued = self.runner.propose_ahead(rows.remaining_t, width)
+            if queued is not None:
+                self.queued_ahead(rows, *queued, width)
+                return
+        n = self.next_draft_tokens(rows.remaining_t, processed)
+        self.launch_ahead(rows, bonus, processed, n, N, self.state.max_len)
+
+    def ahead_body(self, x: StepInputs, table: torch.Tensor, remaining: torch.Tensor) -> StepInputs:
+        """The captured inputs of a draft queued ahead (`launch_ahead_replayed`), from a
+        verify's static inputs `x`, the captured accept's table (step_table) and each row's
+        tokens left before the step: the next blocks, their positions, the slots and the
+        valid tokens, as `launch_ahead` makes them (a bucket's padding rows are put back to
+        the padding's inputs by the graphs)."""
+        bonus, processed = table[:, 1], table[:, 2]
+        N = self.block_size - 1
+        block, positions = self.next_blocks(bonus, processed, x.positions[:, 0], N)
+        return StepInputs(block, positions, x.slots, self.next_draft_tokens(remaining, processed) + 1)
 
     def expect_ahead(self, rows: Rows, kept: list[int], bonus: list[int], replayed: bool) -> None:
         """Once the step's results are read: where the queued draft put each row, checked
@@ -527,8 +571,8 @@ class SpeculativeStep:
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
         proposals.clamp_(0, self.target.config.vocab_size - 1)
-        block = block[:, : W + 1]
-        block[:, 1:] = proposals
+        # a new tensor: a queued draft's block is a view of its graph's static inputs
+        block = torch.cat([block[:, :1], proposals], dim=1)
         return block, proposals, draft_probs
 
     def no_proposals(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
@@ -665,6 +709,8 @@ class SpeculativeStep:
             self.draft.append_context(features, x.positions[:, :width], x.slots, self.draft_state, self.ops)
 
         self.runner.capture_commit(body, self.accept_body)
+        if self.draft_ahead:
+            self.runner.capture_ahead(self.ahead_body)
 
     def accept_body(self, x: StepInputs, verified: Verified) -> torch.Tensor:
         """The captured accept (`capture_commit`) over a verify's inputs and outputs: the greedy

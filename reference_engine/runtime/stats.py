@@ -112,6 +112,7 @@ class PhaseTimer:
         # the stream events record on, looked up at a step's first phase and kept until the
         # step's flush: each lookup makes a new Stream object (a few us, twice a phase)
         self._stream: torch.cuda.Stream | None = None
+        self._streams: set[int] = set()  # the streams the pending events were recorded on
 
     def phase(self, name: str, count: bool = True) -> _Phase:
         """Time the block as phase `name`; `count`: whether it counts as one more call (a
@@ -125,6 +126,7 @@ class PhaseTimer:
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         if self._stream is None:
             self._stream = torch.cuda.current_stream(self.device_index)
+            self._streams.add(self._stream.cuda_stream)
         event.record(self._stream)
         return event
 
@@ -149,15 +151,27 @@ class PhaseTimer:
         """Collect the times of pending phases whose events have completed, in order (all of
         them, waiting, with `wait`). Called once per step; the step does not wait for it."""
         self._stream = None  # the next step looks its stream up again
-        done = 0
-        for name, start, end in self._pending:
-            if not wait and not end.query():
-                break
-            end.synchronize()
+        pending = self._pending
+        if wait or len(self._streams) != 1:
+            done = 0
+            for _, _, end in pending:
+                if not wait and not end.query():
+                    break
+                end.synchronize()
+                done += 1
+        else:
+            # every pending event on one stream (the usual case), where they complete in
+            # order: the completed ones are a prefix, found from the end in a query or two
+            # (the step's last phases still run) instead of one query and one wait each
+            done = len(pending)
+            while done and not pending[done - 1][2].query():
+                done -= 1
+        for name, start, end in pending[:done]:
             self.device_s[name] += start.elapsed_time(end) / 1000.0
             self._free += (start, end)
-            done += 1
-        del self._pending[:done]
+        del pending[:done]
+        if not pending:
+            self._streams.clear()
 
     def reset(self) -> None:
         """Forget every time and count so far (phases still pending are waited for first, so

@@ -1073,18 +1073,24 @@ def test_a_draft_queued_behind_a_replayed_commit_proposes_what_a_fresh_draft_wou
     assert engine.stats()["draft_ahead"]["used"] == step.ahead_used
     assert step._ahead_inputs == step.ahead_queued  # every one from the captured inputs
 
-    # captured inputs one position behind propose other blocks (outputs stay lossless)
+    # captured inputs one position behind, or with another row's anchors, propose other
+    # blocks; the verify takes its anchors from the host, so outputs stay lossless
     ahead_body, next_blocks = SpeculativeStep.ahead_body, SpeculativeStep.next_blocks
 
     def behind(self, x, table, remaining):
         _, positions = next_blocks(self, table[:, 1], table[:, 2] - 1, x.positions[:, 0], self.block_size - 1)
         return replace(ahead_body(self, x, table, remaining), positions=positions)
 
-    with monkeypatch.context() as m:
-        m.setattr(SpeculativeStep, "ahead_body", behind)
-        shifted, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
-    assert [d for _, d in shifted.values()] != [d for _, d in fresh.values()]
-    assert [o for o, _ in shifted.values()] == [o for o, _ in fresh.values()]
+    def swapped(self, x, table, remaining):  # each block with another row's anchor
+        nxt = ahead_body(self, x, table, remaining)
+        return replace(nxt, ids=nxt.ids.roll(1, dims=0))
+
+    for fault in (behind, swapped):
+        with monkeypatch.context() as m:
+            m.setattr(SpeculativeStep, "ahead_body", fault)
+            faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
+        assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()], fault.__name__
+        assert [o for o, _ in faulty.values()] == [o for o, _ in fresh.values()], fault.__name__
 
     # a queued draft taken for the first rows, not for the rows that go on, proposes others
     rows_for = DraftAhead.rows_for

@@ -299,3 +299,51 @@ def test_the_captured_accept_decides_as_the_eager_accept(tiny_pair, monkeypatch)
     with planted("never_accept_full_block"):
         spec_run(Engine(target, draft, config, step_costs=costs), prompts, 48, plain)
     assert tables == [], "a replaced accept method still ran the captured accept"
+
+
+def test_a_draft_queued_ahead_from_captured_inputs_proposes_what_a_fresh_draft_would(
+    tiny_pair, monkeypatch
+) -> None:
+    """graphs.capture_ahead: behind a replayed accept, the next draft's inputs come from a graph
+    of their own (SpeculativeStep.ahead_body, the bucket's padding rows put back to the
+    padding's): it is taken at every drafted step, and every output and drafted block equal an
+    engine's that drafts afresh at each step, with three rows in a bucket of four. Inputs whose
+    blocks hold another row's anchors propose other blocks (outputs stay lossless)."""
+    from dataclasses import replace
+
+    from reference_engine.runtime.graphs import EngineGraphs
+    from reference_engine.runtime.speculative_step import SpeculativeStep
+
+    target, draft = capture_pair(tiny_pair)
+    rng = random.Random(5)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for i in range(3)}
+    config = EngineConfig(max_num_seqs=4, max_model_len=160, block_size=8)
+    widths = Engine(target, draft, config).verify_width.costs.seconds
+    costs = StepCosts({(r, w): 1.0 + 0.3 * w for r, w in widths}, measured=True)
+    taken = []
+    propose_ahead = EngineGraphs.propose_ahead
+
+    def counted(self, remaining, width):
+        out = propose_ahead(self, remaining, width)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(EngineGraphs, "propose_ahead", counted)
+    queued = spec_run(Engine(target, draft, config, step_costs=costs), prompts, 40)
+    assert len(taken) > 5 and all(taken), taken
+    fresh_engine = Engine(target, draft, config, step_costs=costs)
+    fresh_engine.speculative_step.draft_ahead = False
+    fresh = spec_run(fresh_engine, prompts, 40)
+    assert queued == fresh
+
+    ahead_body = SpeculativeStep.ahead_body
+
+    def swapped(self, x, table, remaining):
+        nxt = ahead_body(self, x, table, remaining)
+        return replace(nxt, ids=nxt.ids.roll(1, dims=0))
+
+    monkeypatch.setattr(SpeculativeStep, "ahead_body", swapped)
+    faulty = spec_run(Engine(target, draft, config, step_costs=costs), prompts, 40)
+    drafted = {rid: [s.drafted for s in steps] for rid, (_, steps) in fresh.items()}
+    assert {rid: [s.drafted for s in steps] for rid, (_, steps) in faulty.items()} != drafted
+    assert {rid: out for rid, (out, _) in faulty.items()} == {rid: out for rid, (out, _) in fresh.items()}

@@ -528,10 +528,8 @@ class SpeculativeStep:
                 drafted = self.runner.repropose(len(ahead.seqs), W)
                 self.ahead_widened += drafted is not None
         if drafted is not None:
-            block = ahead.block
             if taken != list(range(len(ahead.seqs))):  # rows ended: their blocks are left out
-                at = to_device(taken, self.device)
-                block, drafted = block.index_select(0, at), drafted.rows(at)
+                drafted = drafted.rows(to_device(taken, self.device))
                 self.ahead_narrowed += 1
             self.ahead_used += 1
         else:
@@ -571,8 +569,10 @@ class SpeculativeStep:
         # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
         # valid id: the target verifies every proposal, so a bad draft costs acceptance only
         proposals.clamp_(0, self.target.config.vocab_size - 1)
-        # a new tensor: a queued draft's block is a view of its graph's static inputs
-        block = torch.cat([block[:, :1], proposals], dim=1)
+        # the anchors the host knows, not the draft's block (a queued draft's is a view of its
+        # graph's static inputs, written from the device's results): a draft's inputs, however
+        # wrong, then cost acceptance only
+        block = torch.cat([rows.anchors[:, None], proposals], dim=1)
         return block, proposals, draft_probs
 
     def no_proposals(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:

@@ -161,6 +161,7 @@ class Engine:
                 config.commit_strategy,
                 self.timer,
                 self.runner,
+                config.draft_block,
             )
             if draft is not None
             else None

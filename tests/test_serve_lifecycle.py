@@ -101,10 +101,11 @@ def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(mo
 
 @pytest.mark.parametrize("loop", ["thread", "process"])
 def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_dir, loop: str) -> None:
-    server = ServerProcess("--model", str(model_dir), "--shutdown-grace", "20", "--engine-loop", loop)
+    # a grace period a loaded machine cannot run past (the request then ends with an error)
+    server = ServerProcess("--model", str(model_dir), "--shutdown-grace", "90", "--engine-loop", loop)
     # long enough to be still in flight while the draining server is checked (200 tokens of the tiny
     # model could end within the checks, and the server then stops listening)
-    body = {"prompt": [5, 6], "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": [5, 6], "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
     events: list = []
     started = threading.Event()
     reader = threading.Thread(target=read_stream, args=(server.url, body, events, started))
@@ -117,12 +118,12 @@ def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "service_unavailable"
     assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-    reader.join(60)
-    assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    reader.join(120)
+    assert server.proc.wait(120) in (0, -signal.SIGTERM)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[1:-1]]
-    assert not any("error" in c for c in chunks)
-    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c.get("choices")) == 1500
+    assert not any("error" in c for c in chunks), [c for c in chunks if "error" in c]
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c.get("choices")) == 600
 
 
 def test_api_key_scope_all_protects_every_endpoint_but_health(model_dir) -> None:

@@ -92,7 +92,6 @@ GIVEN = {
     "prefill_chunk": 64,
     "max_num_batched_tokens": 96,
     "verify_width": "fixed",
-    "draft_block": "full",
     "measure_step_costs": True,
     "kv_cache_tokens": 4096,
     "kv_cell_tokens": 128,

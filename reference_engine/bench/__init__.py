@@ -110,7 +110,6 @@ class BenchArgs:
     device: str
     gpu_memory_utilization: float
     verify_width: str
-    draft_block: str
     measure_step_costs: bool
     prefill_chunk: int
     max_num_batched_tokens: int | None

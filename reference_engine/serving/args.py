@@ -30,7 +30,6 @@ class ServeArgs:
     enforce_eager: bool
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
-    draft_block: str = "auto"
     measure_step_costs: bool = False
     prefill_chunk: int = 2048
     max_num_batched_tokens: int | None = None

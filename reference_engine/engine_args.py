@@ -24,7 +24,7 @@ from .errors import ConfigError, RequestError
 from .kernels import NUMERICS
 from .runtime.commit import COMMIT_STRATEGIES
 from .runtime.engine_config import EngineConfig
-from .runtime.verify_width import DRAFT_BLOCKS, VERIFY_WIDTHS
+from .runtime.verify_width import VERIFY_WIDTHS
 
 NUMERICS_HELP = (
     "kernels: exact (batch- and verify-invariant: DFlash equals plain greedy bit "
@@ -96,13 +96,6 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "the requests' acceptance and the measured step costs) or fixed (all B-1); output is "
         "the same either way",
         {"default": "auto", "choices": VERIFY_WIDTHS},
-    ),
-    "draft_block": EngineOption(
-        ("--draft-block",),
-        "the draft's block at a step that verifies fewer than B-1 tokens: auto (only the "
-        "verified slots without CUDA graphs, so a narrow step drafts less; the full block with "
-        "them) or full (always B); output is the same either way",
-        {"default": "auto", "choices": DRAFT_BLOCKS},
     ),
     "measure_step_costs": EngineOption(
         ("--measure-step-costs",),

@@ -1005,7 +1005,6 @@ def _as_if_captured(engine: Engine) -> None:
     before the host reads them, as on a GPU."""
     step = engine.speculative_step
     step.pad_blocks = True
-    step.narrow_blocks = False  # a captured draft runs the full block
     verify = step.verify
 
     def stash(rows, block, record=True):
@@ -1229,70 +1228,3 @@ def test_a_queued_draft_taken_by_a_wider_step_runs_its_head_again_and_proposes_w
     faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
     assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()]
     assert [o for o, _ in faulty.values()] == [o for o, _ in fresh.values()]  # lossless all the same
-
-
-@pytest.mark.parametrize("pair", ["qwen3", "qwen3_5"])
-@pytest.mark.parametrize("draft_block", ["auto", "full"])
-def test_a_narrow_step_of_an_eager_engine_drafts_only_the_slots_it_verifies(
-    target: CausalLM,
-    draft: DFlashDraft,
-    hybrid: tuple[CausalLM, DFlashDraft],
-    pair: str,
-    draft_block: str,
-    monkeypatch,
-) -> None:
-    """SpeculativeStep.rows: under draft_block "auto" an eager engine's step that verifies
-    W < B-1 draft tokens drafts a block of W + 1 (the anchor and W mask tokens, fewer near
-    max_tokens), so the draft's cost falls with the width; under "full" every draft block is B
-    wide. Widths change every step; outputs equal plain greedy decode's either way (the draft's
-    block is bidirectional, so its proposals differ, and only acceptance with them)."""
-    from reference_engine.runtime.model_runner import ModelRunner
-    from reference_engine.runtime.verify_width import VerifyWidth
-
-    pair_models = (target, draft) if pair == "qwen3" else hybrid
-    cycle = (3, 7, 1, 5, 2, 6)
-    chosen, drafted = [], []
-
-    def choose(self, limits, counters, totals):
-        chosen.append(cycle[len(chosen) % len(cycle)])
-        return chosen[-1]
-
-    propose = ModelRunner.propose
-
-    def counted(self, block, *args, **kwargs):
-        drafted.append((chosen[-1], block.shape[1]))
-        return propose(self, block, *args, **kwargs)
-
-    monkeypatch.setattr(VerifyWidth, "choose", choose)
-    monkeypatch.setattr(ModelRunner, "propose", counted)
-    engine = make_engine(*pair_models, max_num_seqs=4, draft_block=draft_block)
-    assert engine.speculative_step.narrow_blocks == (draft_block == "auto")
-    prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": LONG_PROMPT}
-    budgets = {"a": 12, "b": 30, "c": 25}
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, greedy(budgets[rid]))
-    while engine.has_unfinished():
-        engine.step()
-    for rid, prompt in prompts.items():
-        assert engine.collect(rid).output_ids == reference(pair_models[0], prompt, greedy(budgets[rid]))
-    assert len(drafted) > 5
-    if draft_block == "auto":
-        assert all(width <= min(w, BLOCK_SIZE - 1) + 1 for w, width in drafted), drafted
-        assert {width for _, width in drafted} >= {2, 4, 6}  # narrow blocks of several widths
-    else:  # narrow steps draft B too (fewer only near max_tokens)
-        assert max(width for w, width in drafted if w < 3) == BLOCK_SIZE, drafted
-
-
-def test_draft_block_is_checked_and_reaches_the_engine_from_the_command_line() -> None:
-    import argparse
-
-    from reference_engine.engine_args import add_engine_options, engine_config
-
-    with pytest.raises(ConfigError, match="draft_block must be one of auto, full"):
-        EngineConfig(draft_block="half")
-    parser = argparse.ArgumentParser()
-    add_engine_options(parser, "draft_block")
-    assert engine_config(parser.parse_args([])).draft_block == "auto"
-    assert engine_config(parser.parse_args(["--draft-block", "full"])).draft_block == "full"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--draft-block", "half"])

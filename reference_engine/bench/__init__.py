@@ -160,8 +160,9 @@ class BenchArgs:
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy", "checkpoint_every")
-        add_engine_options(p, "dtype", "device", "gpu_memory_utilization", "verify_width", "draft_block")
-        add_engine_options(p, "measure_step_costs")
+        add_engine_options(
+            p, "dtype", "device", "gpu_memory_utilization", "verify_width", "measure_step_costs"
+        )
         add_engine_options(p, "prefill_chunk", "max_num_batched_tokens", "kv_cache_tokens", "kv_cell_tokens")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)

@@ -161,7 +161,6 @@ class Engine:
                 config.commit_strategy,
                 self.timer,
                 self.runner,
-                config.draft_block,
             )
             if draft is not None
             else None

@@ -9,7 +9,7 @@ from ..kernels import NUMERICS
 from ..models import CausalLM
 from ..models.dflash import DFlashDraft
 from .commit import check_strategy
-from .verify_width import DRAFT_BLOCKS, VERIFY_WIDTHS
+from .verify_width import VERIFY_WIDTHS
 
 ADMISSION_POLICIES = ("wait", "reject")
 
@@ -46,12 +46,6 @@ class EngineConfig:
     # most committed tokens per second from the requests' acceptance and the measured step
     # costs; "fixed" verifies all B-1. Output is the same either way.
     verify_width: str = "auto"
-    # the draft's block at a step that verifies fewer than B-1 tokens (verify_width.py): "auto"
-    # drafts only the verified slots on an eager engine (the draft's cost then falls with the
-    # width) and the full block with CUDA graphs (captured at B); "full" always B. The
-    # draft's block is bidirectional, so the proposals differ, and acceptance with them; output
-    # is the same either way.
-    draft_block: str = "auto"
     # without CUDA graphs (the CPU, enforce_eager), time whole speculative steps at start-up
     # so that verify_width "auto" weighs real costs (with graphs they are always
     # measured); off, every width costs the same there and "auto" verifies the full block
@@ -88,10 +82,6 @@ class EngineConfig:
         if self.verify_width not in VERIFY_WIDTHS:
             raise ConfigError(
                 f"verify_width must be one of {', '.join(VERIFY_WIDTHS)}, got {self.verify_width!r}"
-            )
-        if self.draft_block not in DRAFT_BLOCKS:
-            raise ConfigError(
-                f"draft_block must be one of {', '.join(DRAFT_BLOCKS)}, got {self.draft_block!r}"
             )
         if self.fallback_after_steps <= 0:
             raise ConfigError(f"fallback_after_steps must be positive, got {self.fallback_after_steps}")

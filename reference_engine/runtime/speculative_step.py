@@ -150,7 +150,6 @@ class SpeculativeStep:
         commit_strategy: str,
         timer: PhaseTimer,
         runner: ModelRunner,
-        draft_block: str = "auto",
     ) -> None:
         self.target, self.draft = target, draft
         self.state, self.draft_state = state, draft_state
@@ -162,9 +161,6 @@ class SpeculativeStep:
         # every block padded to B tokens (padding never counts, see the module docstring), so
         # that a last, shorter block still replays the captured full-block graphs
         self.pad_blocks = runner.captured
-        # a step that verifies W < B-1 drafts a block of W + 1 (`rows`): eager engines under
-        # "auto" (a captured draft runs the full block)
-        self.narrow_blocks = draft_block == "auto" and not runner.captured
         self.device = state.device
         # queue the next step's draft behind the captured commit (DraftAhead); on by default
         # with graphs, where it overlaps the host's work; eager, it would only run earlier
@@ -378,12 +374,8 @@ class SpeculativeStep:
     # ------------------------------------------------------------------ layout
     def rows(self, seqs: list[Sequence], width: int | None = None) -> Rows:
         """The step's rows, their blocks of N + 1 positions, and the draft slots whose
-        proposals a verify of `width` takes (Rows.draft_width). With narrow blocks a step of
-        width 0 < W < B-1 drafts W + 1 positions: N is then at most W."""
-        most = self.block_size - 1
-        if self.narrow_blocks and width is not None and 0 < width < most:
-            most = width
-        n = [min(most, s.remaining) for s in seqs]
+        proposals a verify of `width` takes (Rows.draft_width)."""
+        n = [min(self.block_size - 1, s.remaining) for s in seqs]
         N = self.block_size - 1 if self.pad_blocks else max(n)
         starts = self.anchor_positions(seqs)
         slot_ids = [s.slot for s in seqs]

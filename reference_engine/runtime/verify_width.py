@@ -78,10 +78,6 @@ from ..errors import ConfigError
 from .stats import SpecCounters
 
 VERIFY_WIDTHS = ("auto", "fixed")
-# the draft's block at a step that verifies W < B-1 draft tokens: "auto" is W + 1 tokens (the
-# anchor and W mask tokens) on an eager engine and the full B with CUDA graphs; "full" is
-# always B (SpeculativeStep.rows)
-DRAFT_BLOCKS = ("auto", "full")
 REQUEST_WEIGHT = 4.0  # pseudo-steps of the engine's rate in a request's estimate
 ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engine's
 PROBE_AFTER = 4  # the fewest plain steps in a row before a speculative step measures acceptance again

@@ -102,7 +102,6 @@ class ServeArgs:
             "enforce_eager",
             "gpu_memory_utilization",
             "verify_width",
-            "draft_block",
             "measure_step_costs",
             "tensor_parallel_size",
         )

@@ -253,6 +253,19 @@ def spec_run(
     return {rid: (engine.get(rid).output_ids, engine.get(rid).steps) for rid in prompts}
 
 
+def widths_setup(tiny_pair, seed: int, requests: int):
+    """The capture pair, `requests` random prompts, a 4-slot engine config of block 8, and one
+    cost table for every engine of a test (measured ones differ run to run, and so would the
+    widths chosen), dearer with width, so that narrow widths are chosen too."""
+    target, draft = capture_pair(tiny_pair)
+    rng = random.Random(seed)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for i in range(requests)}
+    config = EngineConfig(max_num_seqs=4, max_model_len=160, block_size=8)
+    widths = Engine(target, draft, config).verify_width.costs.seconds
+    costs = StepCosts({(r, w): 1.0 + 0.3 * w for r, w in widths}, measured=True)
+    return target, draft, prompts, config, costs
+
+
 def test_the_captured_accept_decides_as_the_eager_accept(tiny_pair, monkeypatch) -> None:
     """runtime/speculative_step.accept_replayed: the greedy accept replayed from its graph
     (the step's table and the commit's `processed` in one replay) commits what the eager
@@ -263,14 +276,7 @@ def test_the_captured_accept_decides_as_the_eager_accept(tiny_pair, monkeypatch)
     from reference_engine.runtime.model_runner import ModelRunner
     from reference_engine.runtime.speculative_step import SpeculativeStep
 
-    target, draft = capture_pair(tiny_pair)
-    rng = random.Random(3)
-    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for i in range(6)}
-    config = EngineConfig(max_num_seqs=4, max_model_len=160, block_size=8)
-    # one cost table for every engine (measured ones differ run to run, and so would the
-    # widths chosen), dearer with width, so that narrow widths are chosen too
-    widths = Engine(target, draft, config).verify_width.costs.seconds
-    costs = StepCosts({(r, w): 1.0 + 0.3 * w for r, w in widths}, measured=True)
+    target, draft, prompts, config, costs = widths_setup(tiny_pair, seed=3, requests=6)
     tables = []
     accept = ModelRunner.accept
 
@@ -314,12 +320,7 @@ def test_a_draft_queued_ahead_from_captured_inputs_proposes_what_a_fresh_draft_w
     from reference_engine.runtime.graphs import EngineGraphs
     from reference_engine.runtime.speculative_step import SpeculativeStep
 
-    target, draft = capture_pair(tiny_pair)
-    rng = random.Random(5)
-    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for i in range(3)}
-    config = EngineConfig(max_num_seqs=4, max_model_len=160, block_size=8)
-    widths = Engine(target, draft, config).verify_width.costs.seconds
-    costs = StepCosts({(r, w): 1.0 + 0.3 * w for r, w in widths}, measured=True)
+    target, draft, prompts, config, costs = widths_setup(tiny_pair, seed=5, requests=3)
     taken = []
     propose_ahead = EngineGraphs.propose_ahead
 

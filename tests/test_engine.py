@@ -28,6 +28,7 @@ from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Phase, Sequence
 from reference_engine.runtime.speculative_step import DraftAhead, SpeculativeStep
+from reference_engine.runtime.state import NO_CHECKPOINTS
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.runtime.verify_width import StepCosts
 
@@ -709,8 +710,8 @@ def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
     """The per_token commit resumes from the checkpoint at or before each row's boundary
     (EngineConfig.checkpoint_every, 8 on the GPU): with checkpoints every 2, 3 or 8 tokens of
     a block of 8, rows accepting different counts each step, the output is plain greedy's and
-    every slot's Gated DeltaNet state ends where an engine keeping every token's state leaves
-    it."""
+    every slot's Gated DeltaNet state ends where the references' default (no state kept, the
+    rows each token writes: NO_CHECKPOINTS) leaves it."""
     target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
     target = load_target(target_dir, dtype=torch.float64)
     draft = load_draft(draft_dir, target)
@@ -721,7 +722,8 @@ def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
     for kept_every in (None, every):
         config = EngineConfig(max_num_seqs=3, commit_strategy="per_token", checkpoint_every=kept_every)
         engine = Engine(target, draft, config)
-        assert engine.state.every == (kept_every or 1)  # the CPU's references keep every state
+        # the CPU's references keep no state by default, but the rows each token writes
+        assert engine.state.every == (kept_every or NO_CHECKPOINTS)
         for i, p in enumerate(prompts):
             accepts = [[7, 2, 5, 0, 3, 6, 1], [4, 6, 1, 3, 7, 0, 2], [1, 3, 7, 5, 2, 4, 0]][i]
             engine.add_request(

@@ -1,7 +1,9 @@
 """The PyTorch references' gated delta rule (reference_engine/kernels/reference.py): the
 chunked form the engine runs for verify blocks and prefill chunks equals the per-token
 recurrence (outputs of real tokens, final state, per-token states) with padded rows, more
-tokens than a chunk, in float64 and float32; a decode step is the recurrence itself."""
+tokens than a chunk, in float64 and float32; a decode step is the recurrence itself; a
+`per_token` verify that keeps the rows its tokens write instead of states (the references'
+NO_CHECKPOINTS) lets its commit make the state after any token, bit for bit a rerun's."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from reference_engine.kernels.reference import (
     gated_delta,
+    gated_delta_after,
     gated_delta_chunked,
     gated_delta_recurrent,
     l2_norm,
@@ -120,3 +123,70 @@ def test_a_wrong_write_is_seen() -> None:
     _, got = gated_delta_chunked(q, k, v_wrong, g, beta, state)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=ATOL[torch.float32])
     assert (got[1] - want[1]).abs().max() > 1e-3
+
+
+def written_verify(q, k, v, g, beta, state, valid_len):
+    """A `per_token` verify of every slot as the references run it (NO_CHECKPOINTS): its
+    outputs, and the rows its tokens wrote."""
+    batch, T, heads, _ = q.shape
+    written = torch.full((batch, heads, T, v.shape[-1]), float("nan"), dtype=q.dtype)
+    slots = torch.arange(batch)
+    out, _ = gated_delta(
+        q, k, v, g, beta, state, valid_len, slots=slots, keep_final=False, written_out=written
+    )
+    return out, written
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("T", "valid"), [(8, [8, 8, 5, 8]), (2, [2, 1, 2, 2]), (16, [16, 9, 16, 3])])
+def test_the_state_after_any_token_from_the_rows_written_is_a_reruns_bit_for_bit(
+    dtype: torch.dtype, T: int, valid: list[int]
+) -> None:
+    """The references' per_token commit (gated_delta_after) against the recompute commit's
+    rerun of the block over the processed tokens: the same bits, for every boundary a row can
+    keep (rows verified with fewer real tokens included), and the recurrence's state to
+    rounding. The verify's outputs are those of a verify that keeps nothing, and it leaves
+    the state alone."""
+    q, k, v, g, beta, start = delta_inputs(4, T, dtype, seed=5)
+    valid_len = torch.tensor(valid)
+    state = start.clone()
+    out, written = written_verify(q, k, v, g, beta, state, valid_len)
+    assert torch.equal(state, start)
+    plain_out, _ = gated_delta(q, k, v, g, beta, start, valid_len)
+    for row, n in enumerate(valid):
+        assert torch.equal(out[row, :n], plain_out[row, :n])
+    for shift in range(T):
+        processed = torch.tensor([max(1, n - shift) for n in valid])
+        got = start.clone()
+        gated_delta_after(q, k, v, g, beta, written, processed, got, torch.arange(4))
+        _, rerun = gated_delta(q, k, v, g, beta, start, processed)
+        assert torch.equal(got, rerun), f"processed {processed.tolist()}"
+        _, want = gated_delta_recurrent(q, k, v, g, beta, start, processed)
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL[dtype])
+
+
+def test_the_state_after_a_token_is_that_tokens_and_goes_where_its_slot_is() -> None:
+    """The comparison is sharp: one token more or less moves the state; and each row's state
+    lands in its own slot, the other slots untouched."""
+    q, k, v, g, beta, start = delta_inputs(3, 8, torch.float64, seed=6)
+    _, written = written_verify(q, k, v, g, beta, start, None)
+    processed = torch.tensor([3, 6, 1])
+    _, want = gated_delta(q, k, v, g, beta, start, processed)
+    for wrong in (processed + 1, processed.clamp(min=2) - 1):
+        got = start.clone()
+        gated_delta_after(q, k, v, g, beta, written, wrong, got, torch.arange(3))
+        assert all((got[i] - want[i]).abs().max() > 1e-3 for i in range(3) if wrong[i] != processed[i])
+    slots = torch.tensor([4, 0, 2])
+    held = torch.randn(5, *start.shape[1:], dtype=start.dtype)
+    held[slots] = start
+    before = held.clone()
+    gated_delta_after(q, k, v, g, beta, written, processed, held, slots)
+    assert torch.equal(held[slots], want)
+    assert torch.equal(held[[1, 3]], before[[1, 3]])
+
+
+def test_rows_written_are_kept_for_a_block_of_one_chunk() -> None:
+    q, k, v, g, beta, state = delta_inputs(2, 70, torch.float64)
+    written = torch.empty(2, 3, 70, 24, dtype=torch.float64)
+    with pytest.raises(ValueError, match="block of one chunk"):
+        gated_delta_chunked(q, k, v, g, beta, state, chunk=64, written_out=written)

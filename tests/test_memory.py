@@ -118,6 +118,7 @@ def test_the_qwen3_5_4b_shape_at_its_default_context_is_refused_on_one_h200() ->
     ("arch", "strategy", "every"),
     [
         ("qwen3", "replay", 1),
+        ("qwen3_5", "per_token", 0),  # the references' default: the rows written, no state
         ("qwen3_5", "per_token", 1),
         ("qwen3_5", "per_token", 3),
         ("qwen3_5", "recompute", 1),

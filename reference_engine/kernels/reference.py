@@ -266,6 +266,7 @@ def gated_delta(
     slots: torch.Tensor | None = None,  # [batch]: `state` holds every slot's, updated in place
     every: int = 1,
     keep_final: bool = True,
+    written_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule as the engine runs it off the Triton path (the CPU and float64
     models): a decode step (T = 1) takes one step of the recurrence, a verify block or a
@@ -274,11 +275,16 @@ def gated_delta(
     nothing reads, and `slots`: with it, `state` is every slot's state [slots, v_heads,
     k_dim, v_dim], row i starts from state[slots[i]] and its final state is written back
     there (unless `keep_final` is False: a `per_token` verify, whose commit writes each row's
-    state from the checkpoints, leaves `state` as it was); the second result is then None."""
+    state from what the verify kept, leaves `state` as it was); the second result is then
+    None. `written_out` ([batch, v_heads, T, v_dim]): a `per_token` verify that keeps no
+    state (state.NO_CHECKPOINTS) keeps the row each token writes instead, from which
+    `gated_delta_after` makes the state after any token of the block."""
     if slots is not None:
-        out, final = gated_delta(
-            q, k, v, g, beta, state.index_select(0, slots), valid_len, states_out, every=every
-        )
+        start = state.index_select(0, slots)
+        if written_out is not None:  # nothing carried: the commit makes the state it needs
+            out, _ = gated_delta_chunked(q, k, v, g, beta, start, valid_len, written_out=written_out)
+            return out, None
+        out, final = gated_delta(q, k, v, g, beta, start, valid_len, states_out, every=every)
         if keep_final:
             state.index_copy_(0, slots, final)
         return out, None
@@ -369,7 +375,8 @@ def gated_delta_chunked(
     valid_len: torch.Tensor | None = None,  # [batch]: rows stop updating after this many
     states_out: torch.Tensor | None = None,  # [batch, T, v_heads, k_dim, v_dim] or None
     chunk: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    written_out: torch.Tensor | None = None,  # [batch, v_heads, T, v_dim] the rows written
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule of `gated_delta_recurrent`, a chunk of tokens at a time, with
     matrix products in place of the loop over tokens: the engine's verify blocks and prefill
     chunks, and training (differentiable, fast on long rows).
@@ -386,33 +393,26 @@ def gated_delta_chunked(
     A padded token (t >= valid_len) gets beta = 0 and g = 0: it writes nothing (u = 0) and
     decays nothing, so every state from there on equals the row's last real one; its output
     is that state read by its query (the recurrence's differs: nothing reads either).
-    With `states_out` or `valid_len`, each chunk computes its per-token states, D (k (x) u)
-    + e^G S0 in one product, and carries on the one after each row's last real token: the
-    final state is states_out[valid_len - 1] bit for bit, and a rerun over fewer tokens of
-    the same block (the `recompute` commit) reaches the very bits that the `per_token`
-    commit picks from a verify's states. Without either (prefill, training), the cheaper
-    chunk-end update carries the state.
+    With `states_out`, each chunk computes its per-token states, D (k (x) u) + e^G S0 in
+    one product, and carries on the one after each row's last real token; with `valid_len`
+    alone, it computes that one state only (`_state_after`, the same arithmetic for one
+    token: the same bits). Either way the final state is states_out[valid_len - 1] bit for
+    bit, and a rerun over fewer tokens of the same block (the `recompute` commit) reaches
+    the very bits that the `per_token` commit picks from a verify's states. Without either
+    (prefill, training), the cheaper chunk-end update carries the state.
+
+    `written_out` (a block of one chunk): the row u_t each token writes is kept there and no
+    state is carried (the result's final state is None). The state after any token t is
+    then e^{G_t} S0 + sum_{s<=t} e^{G_t-G_s} k_s u_s^T: `gated_delta_after`, bit for bit
+    the state a rerun over tokens 0..t carries (the same operations on the same shapes).
     """
     batch, T, heads, _ = q.shape
-    if valid_len is not None:
-        real = (torch.arange(T, device=q.device) < valid_len[:, None])[..., None]  # [batch, T, 1]
-        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
     chunk = min(chunk, T)
-    pad = (-T) % chunk
-    if pad:  # padded tokens come last, and change nothing (beta = 0, g = 0)
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
-    n = q.shape[1] // chunk
-
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [batch, n*C, heads, ...] -> [batch, heads, n, C, ...]
-        x = x.reshape(batch, n, chunk, heads, *x.shape[3:])
-        return x.movedim(3, 1)
-
-    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    G = g.cumsum(-1)  # [batch, heads, n, C]
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # e^{G_t - G_s} for s <= t; the exponent is masked first (it is positive above)
-    gap = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    if written_out is not None and T > chunk:
+        raise ValueError(f"the rows written are kept for a block of one chunk ({chunk} tokens), not {T}")
+    q, k, v, g, beta = _chunked_inputs(q, k, v, g, beta, valid_len, chunk)
+    n = q.shape[2]
+    G, gap, causal = _decays(g)
     strict = gap.masked_fill(causal.diagonal().diag_embed(), 0.0)  # s < t only
     L = beta[..., None] * (k @ k.transpose(-1, -2)) * strict
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
@@ -425,20 +425,29 @@ def gated_delta_chunked(
         decay = G[:, :, c].exp()[..., None]  # [batch, heads, C, 1]
         rhs = beta[:, :, c, :, None] * (v[:, :, c] - decay * (k[:, :, c] @ state))
         u = torch.linalg.solve_triangular(eye + L[:, :, c], rhs, upper=False, unitriangular=True)
+        # one layout for every product that reads u (the solve's is column-major): a product's
+        # bits may depend on it, and the rows a verify keeps (`written_out`) are read back so
+        u = u.contiguous()
         outputs.append(decay * (q[:, :, c] @ state) + qk[:, :, c] @ u)
-        if per_token:
+        if written_out is not None:  # one chunk: nothing to carry
+            written_out.copy_(u)
+            state = None
+        elif per_token:
             begin = c * chunk
             end = min(begin + chunk, T)
-            into = None if states_out is None else states_out[:, begin:end]
-            if into is not None and (end - begin < chunk or not into.is_contiguous()):
-                into = None  # then computed aside and copied in
-            states = _states_in_chunk(state, k[:, :, c], u, gap[:, :, c], decay, into)
-            if states_out is not None and into is None:
-                states_out[:, begin:end] = states[:, : end - begin]
             # carried on: the state after each row's last real token in this chunk (the
             # chunk's first when the row ended before it: that state has not moved since)
-            at = rows * chunk + (ends - 1 - begin).clamp(0, chunk - 1)
-            state = states.flatten(0, 1).index_select(0, at)
+            last = (ends - 1 - begin).clamp(0, chunk - 1)
+            if states_out is None:
+                state = _state_after(state, k[:, :, c], u, gap[rows, :, c, last], decay[rows, :, last])
+                continue
+            into = states_out[:, begin:end]
+            if end - begin < chunk or not into.is_contiguous():
+                into = None  # then computed aside and copied in
+            states = _states_in_chunk(state, k[:, :, c], u, gap[:, :, c], decay, into)
+            if into is None:
+                states_out[:, begin:end] = states[:, : end - begin]
+            state = states.flatten(0, 1).index_select(0, rows * chunk + last)
         else:
             last = G[:, :, c, -1:]  # [batch, heads, 1]
             carried = k[:, :, c] * (last - G[:, :, c]).exp()[..., None]
@@ -446,6 +455,45 @@ def gated_delta_chunked(
     out = torch.stack(outputs, 2)  # [batch, heads, n, C, v_dim]
     out = out.movedim(1, 3).reshape(batch, n * chunk, heads, -1)
     return out[:, :T], state
+
+
+def _chunked_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    valid_len: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """The chunked form's inputs: padded tokens (t >= valid_len) given beta = 0 and g = 0,
+    the block padded to whole chunks, each input laid out [batch, heads, n, C, ...]."""
+    batch, T, heads, _ = q.shape
+    if valid_len is not None:
+        real = (torch.arange(T, device=q.device) < valid_len[:, None])[..., None]  # [batch, T, 1]
+        g, beta = torch.where(real, g, 0.0), torch.where(real, beta, 0.0)
+    pad = (-T) % chunk
+    if pad:  # padded tokens come last, and change nothing (beta = 0, g = 0)
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = q.shape[1] // chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [batch, n*C, heads, ...] -> [batch, heads, n, C, ...]
+        x = x.reshape(batch, n, chunk, heads, *x.shape[3:])
+        return x.movedim(3, 1)
+
+    return chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+
+
+def _decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the log decays [batch, heads, n, C]: G, their running sums in each chunk; gap,
+    e^{G_t - G_s} for s <= t and 0 above ([batch, heads, n, C, C]); the causal mask."""
+    G = g.cumsum(-1)
+    chunk = g.shape[-1]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
+    # the exponent is masked first (it is positive above the diagonal)
+    gap = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    return G, gap, causal
 
 
 def _states_in_chunk(
@@ -464,6 +512,50 @@ def _states_in_chunk(
     weighted = gap.transpose(1, 2).contiguous()[..., None, :] * k.transpose(-1, -2).contiguous()[:, None]
     states = torch.matmul(weighted, u[:, None], out=out)
     return states.addcmul_(decay.transpose(1, 2)[..., None], start[:, None])
+
+
+def _state_after(
+    start: torch.Tensor,  # [batch, heads, k_dim, v_dim] the state before the chunk
+    k: torch.Tensor,  # [batch, heads, C, k_dim]
+    u: torch.Tensor,  # [batch, heads, C, v_dim] the rows written
+    gap: torch.Tensor,  # [batch, heads, C] e^{G_t - G_s} of each row's token t, 0 past t
+    decay: torch.Tensor,  # [batch, heads, 1] e^{G_t}
+) -> torch.Tensor:
+    """The state after one token t of each row's chunk, [batch, heads, k_dim, v_dim]:
+    `_states_in_chunk`'s arithmetic for that token alone (its bits), an eighth of the
+    product and of the memory for a block of 8."""
+    weighted = gap[..., None, :] * k.transpose(-1, -2)  # e^{G_t-G_s} k_s: [batch, heads, k_dim, C]
+    return torch.matmul(weighted, u).addcmul_(decay[..., None], start)
+
+
+def gated_delta_after(
+    q: torch.Tensor,  # [batch, T, v_heads, k_dim]: a verify's recorded inputs
+    k: torch.Tensor,  # [batch, T, v_heads, k_dim]
+    v: torch.Tensor,  # [batch, T, v_heads, v_dim]
+    g: torch.Tensor,  # [batch, T, v_heads]
+    beta: torch.Tensor,  # [batch, T, v_heads]
+    written: torch.Tensor,  # [batch, v_heads, T, v_dim] the rows its tokens wrote (written_out)
+    processed: torch.Tensor,  # [batch] the block tokens each row keeps, at least 1
+    state: torch.Tensor,  # [slots, v_heads, k_dim, v_dim] each slot's state before the block
+    slots: torch.Tensor,  # [batch]
+) -> None:
+    """The `per_token` commit of a verify that kept no state (state.NO_CHECKPOINTS): each
+    slot's state after its first processed[i] block tokens, from the state before the block
+    (a `per_token` verify leaves it alone) and the rows the verify wrote
+    (`gated_delta_chunked`'s `written_out`), into state[slots] in place. The decays are
+    made as a rerun of the block over those tokens makes them (`_chunked_inputs`,
+    `_decays`) and the state by the rerun's carry (`_state_after`): the bits of the
+    `recompute` commit's state. A row's rows written up to its boundary are the rerun's
+    (a token's row reads only the tokens before it)."""
+    T = q.shape[1]
+    _, k, _, g, _ = _chunked_inputs(q, k, v, g, beta, processed, T)
+    G, gap, _ = _decays(g)
+    rows = torch.arange(q.shape[0], device=q.device)
+    last = processed - 1
+    decay = G[:, :, 0].exp()[..., None]  # [batch, heads, T, 1]
+    start = state.index_select(0, slots)
+    after = _state_after(start, k[:, :, 0], written, gap[rows, :, 0, last], decay[rows, :, last])
+    state.index_copy_(0, slots, after)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

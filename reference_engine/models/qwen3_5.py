@@ -65,15 +65,30 @@ class GatedDeltaNet(nn.Module):
             mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.k_dim, self.v_dim, out=kept
         )
 
-        states_out = None
+        states_out = written_out = None
         if ctx.record is not None:
             state.record_verify_inputs(layer, ctx.slots, q, k, v, g, beta)
-            if per_token:
+            if per_token and state.keeps_written_rows:  # the references: no state kept
+                written_out = state.verify_written_of(layer, batch, T)
+            elif per_token:
                 states_out = state.verify_states_of(layer, batch, T)
         recurrent = state.recurrent[layer]
         if ctx.chunked:
             out, final = gated_delta_chunked(q, k, v, g, beta, recurrent.index_select(0, ctx.slots))
             recurrent.index_copy_(0, ctx.slots, final)
+        elif written_out is not None:  # the references' per_token verify: the rows each token wrote
+            out, _ = ops.gated_delta(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                recurrent,
+                ctx.valid_len,
+                slots=ctx.slots,
+                keep_final=False,
+                written_out=written_out,
+            )
         else:  # the rows' states read and written in place; a per_token verify's commit
             # writes them from the checkpoints, so the verify leaves them alone
             out, _ = ops.gated_delta(

@@ -8,12 +8,15 @@ need nothing: the committed length moves back and the next writes overwrite the 
 - `replay`: restore the state saved before verify, then run the processed tokens through
   the target again (a second, shorter forward; its logits are discarded).
 - `per_token`: verify keeps the recurrent state after block tokens 0, E, 2E, ... (E =
-  `state.checkpoint_every`: PER_TOKEN_EVERY on the Triton path, 1, every position, on the
-  references) and the recurrence inputs; commit takes the
-  checkpoint at or before the last processed token and runs the recurrence on from it over
-  the fewer than E tokens up to it. It is the verify's own arithmetic from the verify's own
-  state, so the bits are those of the state after that token. Costs memory (B / E states per
-  layer and row) and that short recurrence, not the projections.
+  `state.checkpoint_every`: PER_TOKEN_EVERY on the Triton path) and the recurrence inputs;
+  commit takes the checkpoint at or before the last processed token and runs the
+  recurrence on from it over the fewer than E tokens up to it. It is the verify's own
+  arithmetic from the verify's own state, so the bits are those of the state after that
+  token. Costs memory (B / E states per layer and row) and that short recurrence, not the
+  projections. On the references (NO_CHECKPOINTS) the verify keeps no state but the row
+  each token writes (the chunked form's u_t), and the commit makes the state after the
+  boundary from the state before the block (which a `per_token` verify leaves alone) in one
+  product: reference.gated_delta_after, the bits of `recompute`'s rerun.
 - `recompute`: verify keeps each layer's recurrence inputs (q, k, v, g, beta after the
   conv); commit runs the recurrence again from the saved state over the processed tokens
   only. Costs the recurrence, not the projections.
@@ -29,6 +32,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import TORCH, Kernels
+from ..kernels.reference import gated_delta_after
 from ..models import CausalLM
 from .state import TargetState, kept_states
 
@@ -80,18 +84,25 @@ def commit_hybrid(
     # checkpoint j the state after block token j * every. A row keeping `processed` tokens
     # needs the state after token processed - 1: the checkpoint at or before it, then the
     # tokens after that checkpoint (fewer than `every`) run again from it.
-    every = state.every
-    kept = kept_states(T, every)
-    last = processed - 1
-    at = last // every
-    checkpoint_rows = torch.arange(rows, device=slots.device) * kept + at
-    after = at * every + 1  # the first token after the checkpoint
-    steps = min(every, T) - 1  # the most tokens any row runs again
+    checkpoints = strategy == "per_token" and not state.keeps_written_rows
+    if checkpoints:
+        every = state.every
+        kept = kept_states(T, every)
+        last = processed - 1
+        at = last // every
+        checkpoint_rows = torch.arange(rows, device=slots.device) * kept + at
+        after = at * every + 1  # the first token after the checkpoint
+        steps = min(every, T) - 1  # the most tokens any row runs again
     for layer in model.config.linear_layers:
         ops.conv_state_at(
             state.conv[layer], slots, state.verify_conv[layer][..., : kernel - 1 + T], processed
         )
-        if strategy == "per_token":
+        if strategy == "per_token" and not checkpoints:  # the references (NO_CHECKPOINTS)
+            inputs = state.verify_inputs_of(layer, rows, T)
+            written = state.verify_written_of(layer, rows, T)
+            gated_delta_after(*inputs, written, processed, state.recurrent[layer], slots)
+            continue
+        if checkpoints:
             states = state.verify_states_of(layer, rows, T).flatten(0, 1)
             if steps == 0:  # every state kept: the one after the boundary is copied
                 ops.copy_rows(state.recurrent[layer], slots, states, checkpoint_rows)

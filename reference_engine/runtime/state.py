@@ -28,21 +28,30 @@ from .transfer import to_device
 # state after every token. On the Qwen3.5-4B shape at 16 rows x 8 tokens, every state kept
 # is 2 MiB a row and layer written by the verify: 6 GiB a step at 1, 0.75 GiB at 8.
 PER_TOKEN_EVERY = 8
+# The references' default: a `per_token` verify keeps no state but the row each token writes
+# (u_t, a v_dim vector per head), and the commit makes the state after the boundary from the
+# state before the block in one product (reference.gated_delta_after): on the demo pair at 16
+# rows x 8 tokens that is an eighth of the memory the verify writes with a state kept after
+# every token, and about 2 ms less of each layer's verify on a CPU core.
+NO_CHECKPOINTS = 0
 
 
 def checkpoint_every(device: torch.device | str, dtype: torch.dtype) -> int:
     """How often a `per_token` verify keeps the state: PER_TOKEN_EVERY where the gated delta
     rule runs token by token (the Triton kernel, CUDA in bfloat16, float16 or float32), so a
-    run on from a checkpoint reaches the very bits of a run from the block's start; 1 on the
-    references, whose chunked form rounds by where a run starts (and whose models are small),
+    run on from a checkpoint reaches the very bits of a run from the block's start;
+    NO_CHECKPOINTS on the references, whose chunked form rounds by where a run starts, and
+    whose commit then makes the state with the arithmetic of a rerun from the block's start,
     so `per_token` equals `recompute` bit for bit on both paths."""
     triton = torch.device(device).type == "cuda" and dtype in EXACT_DTYPES
-    return PER_TOKEN_EVERY if triton else 1
+    return PER_TOKEN_EVERY if triton else NO_CHECKPOINTS
 
 
 def kept_states(T: int, every: int) -> int:
     """How many states a block of T tokens keeps, one after every `every`-th token from the
-    first: ceil(T / every)."""
+    first: ceil(T / every); none with NO_CHECKPOINTS."""
+    if every == NO_CHECKPOINTS:
+        return 0
     if every < 1:
         raise ValueError(f"per-token checkpoints: every must be >= 1, got {every}")
     return -(-T // every)
@@ -124,6 +133,7 @@ class TargetState:
         # What a verify pass keeps for the commit strategies; see commit.py.
         none = [None] * n
         self.verify_conv, self.verify_states, self.verify_inputs = none, none, none
+        self.verify_written = none
         self.verify_q, self.verify_k, self.verify_v = none, none, none
         self.verify_g, self.verify_beta = none, none
         self.every = checkpoint_every(device, dtype) if every is None else every
@@ -138,8 +148,11 @@ class TargetState:
                 # or region, which the verify writes in place (`verify_states_of`,
                 # `verify_inputs_of`); row i sits at the same place for any row count (a
                 # graph's verify of a padded bucket, an eager commit of its real rows)
-                kept = kept_states(T, self.every)
-                self.verify_states = alloc("linear", (num_slots * kept * hv * dk * dv,), state_dtype)
+                if self.every == NO_CHECKPOINTS:
+                    self.verify_written = alloc("linear", (num_slots * hv * T * dv,), state_dtype)
+                else:
+                    kept = kept_states(T, self.every)
+                    self.verify_states = alloc("linear", (num_slots * kept * hv * dk * dv,), state_dtype)
                 self.verify_inputs = alloc("linear", (num_slots * T * hv * (2 * dk + dv + 2),), state_dtype)
             else:
                 self.verify_q = alloc("linear", (num_slots, T, hv, dk), state_dtype)
@@ -185,6 +198,23 @@ class TargetState:
         self._check_fits(rows, T)
         shape = (rows, kept_states(T, self.every), *self.recurrent[layer].shape[1:])
         return buffer[: math.prod(shape)].view(shape)
+
+    @property
+    def keeps_written_rows(self) -> bool:
+        """Whether a `per_token` verify keeps the rows its tokens write instead of states
+        (NO_CHECKPOINTS, the references' default)."""
+        return any(buffer is not None for buffer in self.verify_written)
+
+    def verify_written_of(self, layer: int, rows: int, T: int) -> torch.Tensor:
+        """Where a verify of `rows` rows and T tokens keeps the row each token writes, for
+        the `per_token` commit without checkpoints (NO_CHECKPOINTS): [rows, v_heads, T,
+        v_dim], contiguous, row i of the batch at index i."""
+        buffer = self.verify_written[layer]
+        if buffer is None:
+            raise RuntimeError("the rows written need a per_token state without checkpoints (NO_CHECKPOINTS)")
+        self._check_fits(rows, T)
+        hv, _, dv = self.recurrent[layer].shape[1:]
+        return buffer[: rows * hv * T * dv].view(rows, hv, T, dv)
 
     def verify_inputs_of(self, layer: int, rows: int, T: int) -> tuple[torch.Tensor, ...]:
         """Where a verify of `rows` rows and T tokens keeps its recurrence inputs for the

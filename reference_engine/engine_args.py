@@ -121,8 +121,9 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         ("--checkpoint-every",),
         "per_token commit: a verify keeps the Gated DeltaNet state every N block tokens and the "
         "commit runs a row on from the last one over fewer than N tokens (memory and the verify's "
-        "writes against the commit's work; default 8 with the Triton kernels, 1 on the CPU's "
-        "references); output is the same either way",
+        "writes against the commit's work; default 8 with the Triton kernels; none on the CPU's "
+        "references, whose verify keeps the rows each token writes instead); output is the same "
+        "either way",
         {"type": int, "default": None},
     ),
     "numerics": EngineOption(("--numerics",), NUMERICS_HELP, {"choices": NUMERICS, "default": None}),

@@ -57,9 +57,9 @@ class EngineConfig:
     kv_cell_tokens: int = 256
     # the `per_token` commit's checkpoints (state.py): a verify keeps the Gated DeltaNet state
     # every this many block tokens and the commit runs a row on from one over fewer than that;
-    # None: state.checkpoint_every (8 on the Triton path, 1 on the references, where a larger
-    # one still gives plain greedy's output but per_token then no longer matches recompute's
-    # state bit for bit)
+    # None: state.checkpoint_every (8 on the Triton path; none on the references, whose verify
+    # keeps the rows each token writes and whose commit makes the state from them, recompute's
+    # bits; one given there still gives plain greedy's output but no longer recompute's bits)
     checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:

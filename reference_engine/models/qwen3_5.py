@@ -101,7 +101,8 @@ class GatedDeltaNet(nn.Module):
                 ctx.valid_len,
                 states_out,
                 slots=ctx.slots,
-                every=state.every,
+                # the checkpoints' spacing, read with states_out alone (NO_CHECKPOINTS is 0)
+                every=state.every if states_out is not None else 1,
                 keep_final=not per_token,
             )
 

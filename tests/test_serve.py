@@ -316,6 +316,35 @@ def test_startup_rejects_a_mismatched_pair(tiny_checkpoint, tiny_pair) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_a_server_that_measures_its_step_costs_prints_them_at_start(pair_dirs) -> None:
+    """`--measure-step-costs`: the table the verify width chooses from, on the start-up log,
+    one entry per measured (rows, width), in milliseconds (plain steps among the widths)."""
+    draft = ("--dflash-draft-model-path", str(pair_dirs[1]))
+    server = ServerProcess(
+        "--model", str(pair_dirs[0]), *draft, "--max-num-seqs", "2", "--measure-step-costs"
+    )
+    assert server.stop() in (0, -signal.SIGTERM)
+    lines = [line for line in server.proc.stdout.read().splitlines() if line.startswith("step ms by rows")]
+    assert len(lines) == 1, lines
+    pairs = [pair.split() for pair in lines[0].split(": ", 1)[1].split(", ")]
+    assert [key for key, _ in pairs] == ["1x0", "1x1", "1x3", "1x7", "2x0", "2x1", "2x3", "2x7"]
+    assert all(float(ms) > 0 for _, ms in pairs)
+
+
+def test_an_engine_whose_costs_were_not_measured_has_none_to_print(pair_dirs) -> None:
+    from reference_engine.checkpoint import load_draft
+    from reference_engine.runtime.engine import Engine, EngineConfig
+    from reference_engine.serving.engine_build import EngineInfo
+
+    target = load_target(pair_dirs[0], dtype=torch.float32)
+    draft = load_draft(pair_dirs[1], target)
+    for measured in (False, True):
+        engine = Engine(target, draft, EngineConfig(max_num_seqs=1, measure_step_costs=measured))
+        costs = EngineInfo.of(engine).step_costs
+        assert (costs is not None) == measured
+    assert EngineInfo.of(Engine(target, None, EngineConfig(max_num_seqs=1))).step_costs is None
+
+
 # ------------------------------------------------------------------ load
 def test_64_concurrent_streams_lose_and_duplicate_nothing(dflash_server, target) -> None:
     prompts = [[(i * 7 + j) % 400 + 1 for j in range(1 + i % 9)] for i in range(64)]

@@ -319,8 +319,7 @@ def make_engine(target, draft, prompts, args: BenchArgs, concurrency: int, numer
     engine = Engine(target, draft, config)
     costs = engine.verify_width.costs if engine.verify_width is not None else None
     if costs is not None and costs.measured and leads():
-        table = ", ".join(f"{key} {1000 * s:.2f}" for key, s in costs.as_dict().items())
-        print(f"# c={concurrency}: measured step ms by rows x verify width: {table}", flush=True)
+        print(f"# c={concurrency}: measured step ms by rows x verify width: {costs.text()}", flush=True)
     return engine
 
 

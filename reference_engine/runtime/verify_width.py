@@ -162,6 +162,10 @@ class StepCosts:
     def as_dict(self) -> dict[str, float]:
         return {f"{r}x{w}": s for (r, w), s in sorted(self.seconds.items())}
 
+    def text(self) -> str:
+        """The table in milliseconds, `rows`x`width` pairs: "1x0 8.01, 1x1 20.70, ..."."""
+        return ", ".join(f"{key} {1000 * s:.2f}" for key, s in self.as_dict().items())
+
 
 def conditional_rates(
     accepted: Sequence[int], verified: Sequence[int], prior: Sequence[float], weight: float

@@ -42,9 +42,12 @@ class EngineInfo:
     vocab_size: int
     context_len: int
     threads: int  # torch's CPU threads where the engine runs
+    # the verify width's step costs, when measured at start-up (StepCosts.text), else None
+    step_costs: str | None = None
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
+        costs = engine.verify_width.costs if engine.verify_width is not None else None
         return cls(
             str(engine.device),
             str(engine.dtype).removeprefix("torch."),
@@ -55,6 +58,7 @@ class EngineInfo:
             engine.target.config.vocab_size,
             engine.context_len,
             torch.get_num_threads(),
+            costs.text() if costs is not None and costs.measured else None,
         )
 
 

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if server.oracle_acceptance is not None:
         mode += f", acceptance forced to {server.oracle_acceptance} (benchmark only)"
     print(f"serving {server.name} on http://{args.host}:{args.port} ({mode})", flush=True)
+    if server.info.step_costs is not None:  # what the verify width chooses from (verify_width.py)
+        print(f"step ms by rows x verify width, measured at start-up: {server.info.step_costs}", flush=True)
     config = uvicorn.Config(
         create_app(server),
         host=args.host,

@@ -465,6 +465,19 @@ def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_state
 
 
 @pytest.mark.parametrize("kernel", [gated_delta, ref.gated_delta], ids=["triton", "reference"])
+def test_the_checkpoints_spacing_is_read_with_states_out_alone(kernel) -> None:
+    """A forward keeping no checkpoints ignores `every` (a state that keeps none has spacing
+    0, state.NO_CHECKPOINTS): the same bits as with every = 1; a forward keeping them refuses
+    a spacing below 1."""
+    q, k, v, g, beta, state = delta_inputs()
+    want = kernel(q, k, v, g, beta, state.clone(), None, None, every=1)
+    got = kernel(q, k, v, g, beta, state.clone(), None, None, every=0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        kernel(q, k, v, g, beta, state.clone(), None, torch.zeros(2, 4, 3, 16, 40, device=DEVICE), every=0)
+
+
+@pytest.mark.parametrize("kernel", [gated_delta, ref.gated_delta], ids=["triton", "reference"])
 def test_a_verify_that_does_not_keep_its_final_state_leaves_the_slots_alone(kernel) -> None:
     """A per_token verify (`keep_final` False): the same outputs and checkpoints, bit for
     bit, and the slots' states as they were (the commit writes them from the checkpoints);

@@ -178,8 +178,10 @@ def gated_delta(
     final = state if slots is not None else torch.empty_like(state)
     if valid_len is None:
         valid_len = torch.full((batch,), T, dtype=torch.int64, device=q.device)
-    if every < 1:
-        raise ValueError(f"gated_delta: every must be >= 1, got {every}")
+    if states_out is None:
+        every = 1  # the spacing of checkpoints, read with states_out alone (a caller keeping none may pass 0)
+    elif every < 1:
+        raise ValueError(f"gated_delta: every must be >= 1 with states_out, got {every}")
     if not keep_final and slots is None:
         raise ValueError("gated_delta: keep_final False leaves a slot state alone; give slots")
     kept = -(-T // every)  # states kept: after tokens 0, every, 2 * every, ...

@@ -279,6 +279,8 @@ def gated_delta(
     None. `written_out` ([batch, v_heads, T, v_dim]): a `per_token` verify that keeps no
     state (state.NO_CHECKPOINTS) keeps the row each token writes instead, from which
     `gated_delta_after` makes the state after any token of the block."""
+    if states_out is not None and every < 1:
+        raise ValueError(f"gated_delta: every must be >= 1 with states_out, got {every}")
     if slots is not None:
         start = state.index_select(0, slots)
         if written_out is not None:  # nothing carried: the commit makes the state it needs

@@ -101,8 +101,7 @@ class GatedDeltaNet(nn.Module):
                 ctx.valid_len,
                 states_out,
                 slots=ctx.slots,
-                # the checkpoints' spacing, read with states_out alone (NO_CHECKPOINTS is 0)
-                every=state.every if states_out is not None else 1,
+                every=state.every,  # read with states_out alone (NO_CHECKPOINTS is 0)
                 keep_final=not per_token,
             )
 

@@ -318,10 +318,12 @@ def test_startup_rejects_a_mismatched_pair(tiny_checkpoint, tiny_pair) -> None:
 
 def test_a_server_that_measures_its_step_costs_prints_them_at_start(pair_dirs) -> None:
     """`--measure-step-costs`: the table the verify width chooses from, on the start-up log,
-    one entry per measured (rows, width), in milliseconds (plain steps among the widths)."""
+    one entry per measured (rows, width), in milliseconds (plain steps among the widths). One
+    thread per operator: the start-up times 48 steps, and operators whose threads wait for a
+    core the other test processes hold ran them past the start-up deadline."""
     draft = ("--dflash-draft-model-path", str(pair_dirs[1]))
     server = ServerProcess(
-        "--model", str(pair_dirs[0]), *draft, "--max-num-seqs", "2", "--measure-step-costs"
+        "--model", str(pair_dirs[0]), *draft, "--max-num-seqs", "2", "--measure-step-costs", "--threads", "1"
     )
     assert server.stop() in (0, -signal.SIGTERM)
     lines = [line for line in server.proc.stdout.read().splitlines() if line.startswith("step ms by rows")]

@@ -135,6 +135,33 @@ def test_the_cost_is_read_at_the_smallest_measured_row_count_that_holds_the_batc
     assert table.of(100, 15) == 4.0  # past every measured count: the largest
 
 
+def test_unpadded_costs_are_interpolated_between_the_measured_row_counts() -> None:
+    """Eager steps run their own rows: a step of 12 rows costs between the 8- and 16-row
+    steps, linearly; graphs (padded) pay their bucket's cost. Below the smallest count and
+    past the largest, both read the nearest count."""
+    seconds = {(2, 0): 1.0, (2, 7): 3.0, (8, 0): 2.0, (8, 7): 6.0, (16, 0): 4.0, (16, 7): 14.0}
+    padded = StepCosts(seconds, measured=True)
+    eager = StepCosts(seconds, measured=True, unpadded=True)
+    assert padded.of(12, 7) == 14.0 and padded.of(12, 0) == 4.0
+    assert eager.of(12, 7) == pytest.approx(10.0) and eager.of(12, 0) == pytest.approx(3.0)
+    assert eager.of(5, 7) == pytest.approx(4.5) and eager.of(9, 0) == pytest.approx(2.25)
+    for table in (padded, eager):
+        assert table.of(8, 7) == 6.0 and table.of(16, 0) == 4.0  # a measured count: as measured
+        assert table.of(1, 7) == 3.0 and table.of(40, 7) == 14.0  # outside: the nearest count
+
+
+def test_rows_between_two_measured_counts_draft_where_their_interpolated_cost_pays() -> None:
+    """The CPU's demo-pair figures at 16 rows (69.5 ms at W = 7, 17.3 plain) and 8 (45.7,
+    13.3): 11 rows expecting 3.92 tokens a row at W = 7 lose to plain steps at the 16-row
+    cost (0.62 tokens a ms against 0.64) and win at the interpolated one (0.79 against 0.74,
+    54.6 and 14.8 ms)."""
+    seconds = {(8, 0): 13.3, (8, 7): 45.7, (16, 0): 17.3, (16, 7): 69.5}
+    rates = [geometric(0.78, 7)] * 11
+    assert 1 + sum(rates[0]) == pytest.approx(3.92, abs=0.01)
+    assert choose_width(rates, [7] * 11, StepCosts(seconds, measured=True), (0, 7)) == 0
+    assert choose_width(rates, [7] * 11, StepCosts(seconds, measured=True, unpadded=True), (0, 7)) == 7
+
+
 def test_an_engine_without_history_verifies_the_full_block() -> None:
     assert engine_rates(SpecCounters(), 15) == [1.0] * 15
     chooser = VerifyWidth("auto", 16, costs({0: 0.9, 1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0}))

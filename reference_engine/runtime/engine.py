@@ -169,13 +169,14 @@ class Engine:
         self.verify_widths: Counter = Counter()  # verify width -> speculative steps
         if self.speculative_step is not None:
             self.speculative_step.capture_commit()
-            measured = None
+            measured, unpadded = None, False
             if step_costs is None and len(widths) > 1:
                 measured = self.runner.step_seconds()
                 if measured is None and config.measure_step_costs and not use_graphs:
-                    measured = self.speculative_step.seconds(widths, config.max_num_seqs)
+                    # eager steps run their own rows: costs between the timed counts interpolate
+                    measured, unpadded = self.speculative_step.seconds(widths, config.max_num_seqs), True
             if measured:
-                step_costs = StepCosts(measured, measured=True)
+                step_costs = StepCosts(measured, measured=True, unpadded=unpadded)
             if getattr(target, "tensor_parallel", None) is not None:
                 # every rank chooses widths from rank 0's costs: widths chosen from each rank's
                 # own timings could differ, and the ranks' collectives would stop matching

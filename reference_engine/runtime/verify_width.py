@@ -55,15 +55,17 @@ budget: a position whose first blocks rejected it is measured again, and wins it
 it pays (VerifyWidth._past_narrow).
 
 `seconds(rows, W)` is a step's measured time (draft + verify + commit, replayed from the CUDA
-graphs at start-up, graphs.py; verify + commit for W = 0) for the smallest measured row count
->= rows. The timed forwards read `timing_ids`, a different token at every position: a mixture
-of experts routes each token to its own k experts, so a verify of rows x (W + 1) tokens of
-text reads many more experts than a decode step, and a block of one repeated token would be
-timed as if it read the k experts of one token (a 16-token verify of Qwen3.5-35B-A3B reads
-about 100 of its 256 experts a layer, a decode step 8). Without graphs (the CPU, an eager
-engine) the table is flat, every width costs the same and `auto` verifies the full block as
-`fixed` does, unless the engine is told to time whole eager steps at start-up, host work and
-commit included (`measure_step_costs`, SpeculativeStep.seconds).
+graphs at start-up, graphs.py; verify + commit for W = 0) for the smallest measured row count >=
+rows (a graph runs its bucket's rows); timed eager steps run their own rows, so their costs are
+interpolated between the measured counts (StepCosts.unpadded). The timed forwards read
+`timing_ids`, a different token at every position: a mixture of experts routes each token to its
+own k experts, so a verify of rows x (W + 1) tokens of text reads many more experts than a
+decode step, and a block of one repeated token would be timed as if it read the k experts of one
+token (a 16-token verify of Qwen3.5-35B-A3B reads about 100 of its 256 experts a layer, a decode
+step 8). Without graphs (the CPU, an eager engine) the table is flat, every width costs the same
+and `auto` verifies the full block as `fixed` does, unless the engine is told to time whole
+eager steps at start-up, host work and commit included (`measure_step_costs`,
+SpeculativeStep.seconds).
 """
 
 from __future__ import annotations
@@ -139,20 +141,36 @@ def width_candidates(
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of one speculative step by (rows, verify width)."""
+    """Seconds of one speculative step by (rows, verify width).
+
+    A CUDA graph's step runs its bucket's rows, padding included, so a step of `rows` costs
+    what the smallest measured row count >= rows cost. An eager step (`unpadded`: the CPU's
+    timed steps) runs its own rows alone, so between two measured counts its cost is
+    interpolated linearly: on the 2-core CPU, the demo pair at 11 rows took 57 ms a step at
+    W = 7 where the 16-row table said 69.5, and 16 ms at W = 0 against 17.3, so the bucket's
+    costs kept rows between two counts plain where drafting paid."""
 
     seconds: dict[tuple[int, int], float]
     measured: bool  # False: the flat default, every width the same
+    unpadded: bool = False  # True: steps run their own rows (eager), interpolated between counts
 
     @classmethod
     def flat(cls, widths: Sequence[int]) -> StepCosts:
         return cls({(1, w): 1.0 for w in widths}, measured=False)
 
     def of(self, rows: int, width: int) -> float:
-        """The cost at the smallest measured row count >= rows (the largest past them all)."""
+        """The cost at the smallest measured row count >= rows (the largest past them all);
+        `unpadded`, interpolated linearly from the largest measured count below rows."""
         counts = self.row_counts
-        bucket = next((r for r in counts if r >= rows), counts[-1])
-        return self.seconds[bucket, width]
+        upper = next((r for r in counts if r >= rows), None)
+        if upper is None:
+            return self.seconds[counts[-1], width]
+        cost = self.seconds[upper, width]
+        lower = max((r for r in counts if r < rows), default=None)
+        if not self.unpadded or lower is None:
+            return cost
+        below = self.seconds[lower, width]
+        return below + (cost - below) * (rows - lower) / (upper - lower)
 
     @cached_property
     def row_counts(self) -> list[int]:

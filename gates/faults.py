@@ -96,6 +96,27 @@ def _walk_last_on_tie(correct):
     return lowest_best
 
 
+def _abort_mid_prefill_keeps_slot(correct):
+    def abort(self, request_id):
+        seq = self.known.get(request_id)
+        if seq is None or seq.phase is not Phase.PREFILL:
+            return correct(self, request_id)
+        del self.known[request_id]  # released only from the waiting queue or a decoding row
+        seq.phase, seq.finish_reason = Phase.FINISHED, "abort"
+        return seq
+
+    return abort
+
+
+def _abort_keeps_cells(correct):
+    def release(self, seq):
+        if seq.finish_reason is None:  # an abort releases before it sets its reason
+            seq.cell = None  # the cells are forgotten, never freed
+        return correct(self, seq)
+
+    return release
+
+
 @dataclass(frozen=True)
 class Fault:
     description: str
@@ -575,6 +596,19 @@ FAULTS: dict[str, Fault] = {
         "append",
         _stop_on_the_last_token_is_length,
         Sequence,
+    ),
+    "abort_mid_prefill_keeps_slot": Fault(
+        "scheduler: a request aborted between two prompt chunks keeps its slot (it is finished "
+        "later, counted, and its id stays taken)",
+        "abort",
+        _abort_mid_prefill_keeps_slot,
+        Scheduler,
+    ),
+    "abort_keeps_cells": Fault(
+        "scheduler: an aborted request's pooled KV cells are never freed",
+        "_release",
+        _abort_keeps_cells,
+        Scheduler,
     ),
     "stop_counted_twice": Fault(
         "metrics: a request that ends on a stop is counted twice",

@@ -803,6 +803,12 @@ LIES: dict[str, _liar.Lie] = {
         ("inconsistent_answer",),
         answer=_liar.usage_one_more,
     ),
+    "usage_a_chunk_late": _liar.Lie(
+        "a stream whose running usage (continuous_usage_stats) counts each chunk's tokens one "
+        "chunk late (the final usage right)",
+        ("inconsistent_answer",),
+        events=_liar.usage_a_chunk_late,
+    ),
     "wrong_prompt_tokens": _liar.Lie(
         "the right answer, claiming one prompt token more", ("mismatch:prompt",), answer=_liar.prompt_one_more
     ),

@@ -454,6 +454,19 @@ def tokens_after_finish(events: list) -> list:
     return events[: content[-1] + 1] + [extra] + events[content[-1] + 1 :]
 
 
+def usage_a_chunk_late(events: list) -> list:
+    """Each token chunk's running usage (continuous_usage_stats) is the count before its own
+    tokens; the final usage chunk stays right."""
+    out, before = [], 0
+    for event in events:
+        running = event.get("usage") if isinstance(event, dict) and event.get("choices") else None
+        if running is not None and running.get("completion_tokens") is not None:
+            event = json.loads(json.dumps(event))
+            event["usage"]["completion_tokens"], before = before, running["completion_tokens"]
+        out.append(event)
+    return out
+
+
 def two_chunks_in_one_event(events: list) -> list:
     """The first two token chunks as two `data:` lines of one event: a client joins them into
     one data text, which is not JSON."""

@@ -391,6 +391,7 @@ CATCHES_LIES = (
     "wrong_reasoning",
     "added_tool_call",
     "usage_off_by_one",
+    "usage_a_chunk_late",
     "wrong_prompt_tokens",
     "answers_another_prompt",
     "stale_answer",

@@ -6,7 +6,9 @@ Stop strings are cut out of each prompt's own greedy continuation (the demo pair
 one token's text, two tokens, a span that crosses a DFlash chunk boundary, spans that end
 or start at a boundary, a span that starts inside a token, a long span over two boundaries,
 and a string that never occurs. The expected result is computed from the full continuation
-alone: the text before the first occurrence, the ids up to the token that completes it.
+alone: the text before the first occurrence, the ids up to the token that completes it. The
+usage counts what was sent: the final count and each chunk's running count
+(continuous_usage_stats) equal the ids the client got, the cut ones left out.
 """
 
 from __future__ import annotations
@@ -40,25 +42,44 @@ async def _request(
     if not stream:
         r = await client.post(url + "/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
+        data = r.json()
+        choice = data["choices"][0]
+        _assert_usage(data["usage"], len(prompt), len(choice["token_ids"]), "the body")
         return {
             "text": choice["text"],
             "ids": choice["token_ids"],
             "finish": choice["finish_reason"],
             "chunks": [len(choice["token_ids"])],
         }
-    text, ids, finish, chunks = "", [], None, []
+    # the usage a client is told, after each chunk (a running count) and at the end, must count
+    # the ids it was sent: a cut at a stop string sends fewer than the engine made
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    text, ids, finish, chunks, final = "", [], None, [], None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            event = json.loads(line[6:])
+            if not event["choices"]:
+                final = event["usage"]
+                continue
+            choice = event["choices"][0]
             text += choice["text"]
             ids += choice["token_ids"]
             chunks.append(len(choice["token_ids"]))
             finish = choice["finish_reason"] or finish
+            _assert_usage(event["usage"], len(prompt), len(ids), f"chunk {len(chunks)}'s running usage")
+    assert final is not None, "no usage chunk with include_usage"
+    _assert_usage(final, len(prompt), len(ids), "the final usage chunk")
     return {"text": text, "ids": ids, "finish": finish, "chunks": chunks}
+
+
+def _assert_usage(usage: dict, prompt_tokens: int, sent: int, where: str) -> None:
+    got = (usage["prompt_tokens"], usage["completion_tokens"])
+    assert got == (prompt_tokens, sent), (
+        f"{where}: usage (prompt, completion) {got}, the request sent {(prompt_tokens, sent)}"
+    )
 
 
 def _run_all(jobs: list[tuple]) -> list[dict]:

@@ -21,7 +21,8 @@ kind; each class has its own exit status (see `ERRORS`):
     error_object         HTTP 200 with an `error` object (in a stream: an error event)
     truncated_stream     a stream that ended before a finish_reason
     inconsistent_answer  the answer contradicts itself: usage.completion_tokens is not the
-                         number of token ids, usage.prompt_tokens is not the number of
+                         number of token ids (a stream's running count: the ids up to and
+                         including its chunk), usage.prompt_tokens is not the number of
                          echoed prompt ids, logprobs name other token ids than the answer
 """
 
@@ -137,8 +138,8 @@ def request_body(endpoint: Endpoint, ask: Ask, logprobs: bool, stream: bool) -> 
         body["model"] = endpoint.model
     if logprobs:
         body.update({"logprobs": True, "top_logprobs": 2} if ask.chat else {"logprobs": 2})
-    if stream:
-        body.update(stream=True, stream_options={"include_usage": True})
+    if stream:  # with a running count where the server keeps one (each chunk's is checked)
+        body.update(stream=True, stream_options=endpoint.accepts.stream_options())
     return body
 
 
@@ -270,6 +271,13 @@ def read_stream(body: bytes | str, chat: bool) -> Answer:
         if chunk_ids is not None:
             with_ids = True
             ids += chunk_ids
+            running = event.get("usage")
+            if running is not None and completion is not None and completion != len(ids):
+                raise AnswerError(
+                    "inconsistent_answer",
+                    f"event {n}: usage.completion_tokens is {completion} after {len(ids)} token ids "
+                    "(a running count includes its own chunk's tokens)",
+                )
         elif piece or thought or called:
             without_ids = True
         pieces.append(piece)

@@ -35,6 +35,7 @@ from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.serving.async_engine import AsyncEngine
 from reference_engine.serving.engine_process import ProcessEngine
+from reference_engine.serving.generation import Generation
 from reference_engine.serving.metrics import RequestMetrics, ServerMetrics
 
 
@@ -251,6 +252,14 @@ def _stop_counted_twice(correct):
             self.metrics.requests.labels(finish_reason="stop").inc()
 
     return finish
+
+
+def _hangup_not_aborted(correct):
+    def close(self):
+        if not self.counted.finished:
+            self.counted.finish("abort")  # counted as an abort, but the engine runs it to its end
+
+    return close
 
 
 def _abort_not_in_e2e(correct):
@@ -615,6 +624,13 @@ FAULTS: dict[str, Fault] = {
         "finish",
         _stop_counted_twice,
         RequestMetrics,
+    ),
+    "hangup_not_aborted": Fault(
+        "server: a client that hangs up mid-stream is counted as an abort, but its request is "
+        "left running in the engine to its last token",
+        "close",
+        _hangup_not_aborted,
+        Generation,
     ),
     "abort_not_in_e2e": Fault(
         "metrics: an aborted request is left out of the e2e latency histogram",

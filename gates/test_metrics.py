@@ -294,9 +294,11 @@ def engine_failures(url: str) -> None:
 
 
 def client_abort(url: str) -> None:
-    """A client that hangs up mid-stream: counted once, as abort, once it is noticed."""
+    """A client that hangs up mid-stream: counted once, as abort, once it is noticed, and its
+    request leaves the engine (the running gauge back to 0 long before the 3000 tokens it
+    asked for could be made)."""
     before = scrape(url)
-    body = {"prompt": prompts()[6], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompts()[6], "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
     events = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
         for line in r.iter_lines():
@@ -312,6 +314,13 @@ def client_abort(url: str) -> None:
         time.sleep(0.05)
     assert_counted(d, Counter({"abort": 1}), 0, 1, "a client gone mid-stream")
     assert d("dflash:generation_tokens_total") >= events
+    deadline = time.monotonic() + 10
+    while (running := samples(scrape(url)).get(("dflash:num_requests_running", ()))) != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the engine still runs the request of a client gone mid-stream ({running} running)"
+            )
+        time.sleep(0.05)
 
 
 PHASES: dict[str, Callable[[str], None]] = {
@@ -351,6 +360,7 @@ def test_a_client_that_hangs_up_mid_stream_is_counted_once_as_abort(metrics_serv
 CAUGHT_AS = {
     "stop_counted_twice": "[finish reasons and acceptance] phase 1: request_success_total",
     "abort_not_in_e2e": "[client abort] a client gone mid-stream: 1 requests, 0 e2e",
+    "hangup_not_aborted": "[client abort] the engine still runs the request of a client gone",
     "accepted_counts_bonus": "is the bonus counted as accepted?",
     "positions_off_by_one": "accepted_per_pos differences",
     "generation_tokens_per_delivery": "token counters moved",

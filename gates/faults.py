@@ -25,6 +25,7 @@ from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime import speculative_step as speculative_step_module
+from reference_engine.runtime import token_choice as token_choice_module
 from reference_engine.runtime.kv_pool import CellAllocator
 from reference_engine.runtime.model_runner import ModelRunner
 from reference_engine.runtime.prefill import Prefill
@@ -95,6 +96,27 @@ def _walk_last_on_tie(correct):
         return scores.shape[-1] - 1 - correct(scores.flip(-1))  # the last of equal scores
 
     return lowest_best
+
+
+def _repetition_penalty_ignores_prompt(correct):
+    def choose_tokens(logits, seqs):
+        prompts = [seq.prompt_ids for seq in seqs]
+        try:
+            for seq in seqs:
+                seq.prompt_ids = []  # the penalty sees the generated tokens alone
+            return correct(logits, seqs)
+        finally:
+            for seq, prompt in zip(seqs, prompts):
+                seq.prompt_ids = prompt
+
+    return choose_tokens
+
+
+def _frequency_counted_once(correct):
+    def apply_penalties(logits, output_ids, params):
+        return correct(logits, sorted(set(output_ids)), params)  # each generated token once
+
+    return apply_penalties
 
 
 def _abort_mid_prefill_keeps_slot(correct):
@@ -605,6 +627,18 @@ FAULTS: dict[str, Fault] = {
         "append",
         _stop_on_the_last_token_is_length,
         Sequence,
+    ),
+    "repetition_penalty_ignores_prompt": Fault(
+        "sampling: the repetition penalty of a decode step sees the generated tokens, not the prompt",
+        "choose_tokens",
+        _repetition_penalty_ignores_prompt,
+        engine_module,
+    ),
+    "frequency_counted_once": Fault(
+        "sampling: the frequency penalty counts each generated token once, however often it came",
+        "apply_penalties",
+        _frequency_counted_once,
+        token_choice_module,
     ),
     "abort_mid_prefill_keeps_slot": Fault(
         "scheduler: a request aborted between two prompt chunks keeps its slot (it is finished "

@@ -98,6 +98,15 @@ def _walk_last_on_tie(correct):
     return lowest_best
 
 
+def _narrow_verify_one_key_short(correct):
+    def verify(self, block, positions, slots, valid, kv_len, *args, **kwargs):
+        if block.shape[1] < self.block_size:  # a plain step or a narrowed block
+            kv_len -= 1  # the row that reaches furthest attends to one key fewer
+        return correct(self, block, positions, slots, valid, kv_len, *args, **kwargs)
+
+    return verify
+
+
 def _repetition_penalty_ignores_prompt(correct):
     def choose_tokens(logits, seqs):
         prompts = [seq.prompt_ids for seq in seqs]
@@ -627,6 +636,13 @@ FAULTS: dict[str, Fault] = {
         "append",
         _stop_on_the_last_token_is_length,
         Sequence,
+    ),
+    "narrow_verify_one_key_short": Fault(
+        "verify width: a verify narrower than the block (a plain step or a narrowed one) attends "
+        "to one key fewer than its furthest row holds",
+        "verify",
+        _narrow_verify_one_key_short,
+        ModelRunner,
     ),
     "repetition_penalty_ignores_prompt": Fault(
         "sampling: the repetition penalty of a decode step sees the generated tokens, not the prompt",

@@ -146,9 +146,8 @@ class StepCosts:
     A CUDA graph's step runs its bucket's rows, padding included, so a step of `rows` costs
     what the smallest measured row count >= rows cost. An eager step (`unpadded`: the CPU's
     timed steps) runs its own rows alone, so between two measured counts its cost is
-    interpolated linearly: on the 2-core CPU, the demo pair at 11 rows took 57 ms a step at
-    W = 7 where the 16-row table said 69.5, and 16 ms at W = 0 against 17.3, so the bucket's
-    costs kept rows between two counts plain where drafting paid."""
+    interpolated linearly: on the 2-core CPU, the demo pair's steps of 9 to 15 rows took a
+    median 57 ms at W = 7 where the 16-row table said 69.5 (docs/engine.md, "Verify width")."""
 
     seconds: dict[tuple[int, int], float]
     measured: bool  # False: the flat default, every width the same

@@ -1,0 +1,125 @@
+"""Gate: the verify scores every position it commits with plain decode's logits.
+
+Output equality sees a verify fault only where it flips an argmax; on small models many do
+not (one key short in a row's attention moves its logits, not always its choice). This gate
+compares what the verify computes: for every block slot whose tokens, anchor included, are the
+request's own tokens (the accepted prefix and the slot after it, whose logits choose the bonus
+or the correction), the verify's logits there equal plain decode's logits at that position, to
+1e-9 in float64, for every request of a batch with staggered arrivals, slot reuse and prompts
+of 1 to 300 tokens; each commit strategy, with every draft token verified and with the widths
+taken in turn (plain steps, narrow and full blocks). Planted fault: a verify narrower than the
+block that attends to one key fewer (`narrow_verify_one_key_short`)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from reference_engine.runtime.decode import decode_step, new_state, prefill
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.model_runner import ModelRunner
+from reference_engine.runtime.request import SamplingParams
+
+from .checks import Pair
+from .faults import planted
+
+CATCHES = ("narrow_verify_one_key_short",)
+BLOCK = 8
+MAX_TOKENS = 20
+TOLERANCE = 1e-9
+WIDTHS = (0, 1, 3, 7, 2, 7)  # taken in turn by the "turns" runs
+
+
+def plain_logits(pair: Pair, ids: list[int], prompt_len: int) -> dict[int, torch.Tensor]:
+    """Plain decode's logits after each position from the prompt's last on: position -> [vocab]."""
+    state = new_state(pair.target, len(ids) + 1)
+    logits, _ = prefill(pair.target, state, 0, ids[:prompt_len])
+    out = {prompt_len - 1: logits}
+    for position in range(prompt_len, len(ids) - 1):
+        out[position] = decode_step(pair.target, state, 0, ids[position])
+    return out
+
+
+def requests(pair: Pair) -> dict[str, list[int]]:
+    rng = random.Random(5)
+    vocab = pair.target.config.vocab_size - 16
+    prompts = [list(p) for p in pair.prompts] + [[rng.randrange(vocab) for _ in range(n)] for n in (9, 33, 4)]
+    return {f"r{i}": p for i, p in enumerate(prompts)}
+
+
+def assert_verify_logits_are_plain_decodes(pair: Pair, strategy: str, widths: str, monkeypatch) -> int:
+    """Runs the batch; returns how many verified positions were compared."""
+    config = EngineConfig(max_num_seqs=4, block_size=BLOCK, commit_strategy=strategy, numerics=pair.numerics)
+    engine = Engine(pair.target, pair.draft, config)
+    if widths == "turns":
+        turn = itertools.cycle(WIDTHS)
+        monkeypatch.setattr(engine.verify_width, "choose", lambda limits, *_: min(next(turn), max(limits)))
+    seen: list[tuple[list[str | None], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    verify = ModelRunner.verify
+
+    def recording(self, block, positions, slots, valid, kv_len, *args, **kwargs):
+        out = verify(self, block, positions, slots, valid, kv_len, *args, **kwargs)
+        owner = {seq.slot: rid for rid, seq in engine.scheduler.active.items()}
+        rows = [owner.get(s) for s in slots.tolist()]
+        seen.append((rows, block.clone(), positions.clone(), out.logits.detach().clone()))
+        return out
+
+    wanted = requests(pair)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    names = list(wanted)
+    # put back exactly what was there (a planted fault's verify, inside `planted`), not what a
+    # monkeypatch would put back at teardown, after the fault is gone
+    ModelRunner.verify = recording
+    try:
+        for name in names[:3]:
+            engine.add_request(name, wanted[name], params)
+        steps = 0
+        while engine.has_unfinished() or steps < 3:
+            if steps == 2:
+                for name in names[3:]:
+                    engine.add_request(name, wanted[name], params)
+            engine.step()
+            steps += 1
+    finally:
+        ModelRunner.verify = verify
+    sequences = {name: wanted[name] + engine.collect(name).output_ids for name in names}
+    reference = {name: plain_logits(pair, ids, len(wanted[name])) for name, ids in sequences.items()}
+    compared, worst = 0, []
+    for rows, block, positions, logits in seen:
+        for r, name in enumerate(rows):
+            if name is None:
+                continue  # a padding row
+            ids = sequences[name]
+            for j in range(block.shape[1]):
+                p = int(positions[r, j])
+                if p >= len(ids) - 1 or block[r, : j + 1].tolist() != ids[p - j : p + 1]:
+                    break  # past the request's own tokens: a rejected draft token or padding
+                gap = float((logits[r, j] - reference[name][p]).abs().max())
+                compared += 1
+                if gap > TOLERANCE:
+                    worst.append(f"{name} position {p} (block slot {j}): max |diff| {gap:.3g}")
+    assert compared > 0, "no verified position was compared"
+    assert not worst, f"verify logits != plain decode's at {len(worst)} positions: " + "; ".join(worst[:4])
+    return compared
+
+
+@pytest.mark.parametrize("widths", ["full", "turns"])
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_the_verify_scores_each_committed_position_as_plain_decode(
+    pair: Pair, strategy: str, widths: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if strategy != "replay" and not pair.target.config.is_hybrid:
+        pytest.skip("dense targets have one commit: the strategies are the hybrid state's")
+    compared = assert_verify_logits_are_plain_decodes(pair, strategy, widths, monkeypatch)
+    assert compared >= 6 * MAX_TOKENS // 2  # most committed tokens were chosen by a compared position
+
+
+def test_the_gate_catches_a_narrow_verify_one_key_short(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    with (
+        planted("narrow_verify_one_key_short"),
+        pytest.raises(AssertionError, match="verify logits != plain"),
+    ):
+        assert_verify_logits_are_plain_decodes(pair, "replay", "turns", monkeypatch)

@@ -146,7 +146,7 @@ class StepCosts:
     A CUDA graph's step runs its bucket's rows, padding included, so a step of `rows` costs
     what the smallest measured row count >= rows cost. An eager step (`unpadded`: the CPU's
     timed steps) runs its own rows alone, so between two measured counts its cost is
-    interpolated linearly: on the 2-core CPU, the demo pair's steps of 9 to 15 rows took a
+    interpolated linearly: on the 2-core CPU, the demo pair's steps of 8 to 15 rows took a
     median 57 ms at W = 7 where the 16-row table said 69.5 (docs/engine.md, "Verify width")."""
 
     seconds: dict[tuple[int, int], float]

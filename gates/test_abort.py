@@ -107,7 +107,7 @@ def assert_abort_leaves_nothing(pair: Pair, speculative: bool, pooled: bool) -> 
     assert left == fresh, f"an aborted request left something behind: {left} != fresh {fresh}"
     assert finished == 4, f"requests_finished {finished}: 4 requests finished, 3 were aborted"
     for name, ids in {"keep": prompts["keep"], **reused}.items():
-        want = generate_plain(pair.target, ids, PARAMS).output_ids
+        want = generate_plain(pair.target, ids, PARAMS, numerics=pair.numerics).output_ids
         assert outputs[name] == want, f"{name}: output != plain greedy after an abort beside it"
 
 

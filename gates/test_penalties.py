@@ -6,9 +6,10 @@ penalties (over the generated tokens only) and logit bias, each alone and togeth
 requests batched in a plain engine and in a DFlash engine (which runs them by plain decode).
 The expected output: one full forward per token, the repetition penalty, then the presence and
 frequency penalties and the bias applied to its logits, the argmax (the lowest id on a tie).
-Planted faults: a repetition penalty that sees the generated tokens alone
-(`repetition_penalty_ignores_prompt`) and a frequency penalty that counts each generated
-token once (`frequency_counted_once`)."""
+Checked in float64 (the built-in tiny pairs), where the reference's full forwards and the
+engine's decode steps agree far inside any logit gap. Planted faults: a repetition penalty
+that sees the generated tokens alone (`repetition_penalty_ignores_prompt`) and a frequency
+penalty that counts each generated token once (`frequency_counted_once`)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ def reference_output(pair: Pair, prompt: list[int], options: dict) -> list[int]:
 
 
 def assert_penalties_follow_the_reference(pair: Pair, speculative: bool) -> None:
+    if pair.target.model.embed_tokens.weight.dtype != torch.float64:
+        # full forwards round otherwise than decode steps: a near tie could go either way
+        pytest.skip("the reference's full forwards are compared with decode in float64 only")
     prompts = [list(p) for p in pair.prompts if len(p) > 1]
     engine = Engine(
         pair.target,

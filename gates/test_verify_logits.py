@@ -1,14 +1,15 @@
 """Gate: the verify scores every position it commits with plain decode's logits.
 
-Output equality sees a verify fault only where it flips an argmax; on small models many do
-not (one key short in a row's attention moves its logits, not always its choice). This gate
+Output equality sees a verify fault only where it flips an argmax; on small models many do not
+(one key short in a row's attention moves its logits, not always its choice). This gate
 compares what the verify computes: for every block slot whose tokens, anchor included, are the
 request's own tokens (the accepted prefix and the slot after it, whose logits choose the bonus
 or the correction), the verify's logits there equal plain decode's logits at that position, to
-1e-9 in float64, for every request of a batch with staggered arrivals, slot reuse and prompts
-of 1 to 300 tokens; each commit strategy, with every draft token verified and with the widths
-taken in turn (plain steps, narrow and full blocks). Planted fault: a verify narrower than the
-block that attends to one key fewer (`narrow_verify_one_key_short`)."""
+1e-9 in float64 (1e-3 in float32; bfloat16 is not compared), for every request of a batch with
+staggered arrivals, slot reuse and prompts of 1 to 300 tokens; each commit strategy, with
+every draft token verified and with the widths taken in turn (plain steps, narrow and full
+blocks). Planted fault: a verify narrower than the block that attends to one key fewer
+(`narrow_verify_one_key_short`)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.model_runner import ModelRunner
 from reference_engine.runtime.request import SamplingParams
 
-from .checks import Pair
+from .checks import Pair, state_tolerance
 from .faults import planted
 
 CATCHES = ("narrow_verify_one_key_short",)
 BLOCK = 8
 MAX_TOKENS = 20
-TOLERANCE = 1e-9
 WIDTHS = (0, 1, 3, 7, 2, 7)  # taken in turn by the "turns" runs
 
 
@@ -52,6 +52,7 @@ def requests(pair: Pair) -> dict[str, list[int]]:
 
 def assert_verify_logits_are_plain_decodes(pair: Pair, strategy: str, widths: str, monkeypatch) -> int:
     """Runs the batch; returns how many verified positions were compared."""
+    tolerance = state_tolerance(pair)  # 1e-9 in float64, 1e-3 in float32; bfloat16 is not compared
     config = EngineConfig(max_num_seqs=4, block_size=BLOCK, commit_strategy=strategy, numerics=pair.numerics)
     engine = Engine(pair.target, pair.draft, config)
     if widths == "turns":
@@ -99,7 +100,7 @@ def assert_verify_logits_are_plain_decodes(pair: Pair, strategy: str, widths: st
                     break  # past the request's own tokens: a rejected draft token or padding
                 gap = float((logits[r, j] - reference[name][p]).abs().max())
                 compared += 1
-                if gap > TOLERANCE:
+                if gap > tolerance:
                     worst.append(f"{name} position {p} (block slot {j}): max |diff| {gap:.3g}")
     assert compared > 0, "no verified position was compared"
     assert not worst, f"verify logits != plain decode's at {len(worst)} positions: " + "; ".join(worst[:4])

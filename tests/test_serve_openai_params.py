@@ -185,3 +185,74 @@ def test_every_dflash_response_carries_spec_decode_with_its_fallback_reason(serv
     assert chat["spec_decode"]["fallback_reason"] == "logprobs"
     short = complete(dflash.url, prompt=PROMPT, max_tokens=1).json()  # done in prefill
     assert short["spec_decode"]["steps"] == 0
+
+
+LOGPROB_CASES = {
+    "greedy": {},
+    "penalised": {"presence_penalty": 0.5, "frequency_penalty": 0.3, "logit_bias": {"5": 2.0, "9": -1.0}},
+    "sampled": {"temperature": 1.3, "seed": 7},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOGPROB_CASES))
+def test_completion_logprobs_are_the_log_softmax_of_the_scores_each_token_was_chosen_from(
+    servers, target, case: str
+) -> None:
+    """Each token's logprob and its top alternatives equal log_softmax of the scores it was
+    chosen from (the target's logits after the penalties and the bias, before the temperature),
+    computed here from full forwards: the chosen token's own value (not the best one's: sampled
+    tokens are often not the best), the top 3 by value in descending order, the chosen token
+    among them when it is not."""
+    options = LOGPROB_CASES[case]
+    bias = {int(t): b for t, b in options.get("logit_bias", {}).items()}
+    for server in servers:
+        choice = complete(server.url, prompt=PROMPT, logprobs=3, **options).json()["choices"][0]
+        ids, logprobs = choice["token_ids"], choice["logprobs"]
+        assert logprobs["token_ids"] == ids
+        not_best = 0
+        for i, token in enumerate(ids):
+            score = next_logits(target, PROMPT + ids[:i]).clone()
+            for t in set(ids[:i]):
+                score[t] -= options.get("presence_penalty", 0.0) + options.get(
+                    "frequency_penalty", 0.0
+                ) * ids[:i].count(t)
+            for t, b in bias.items():
+                score[t] += b
+            want = torch.log_softmax(score.double(), dim=-1)
+            assert logprobs["token_logprobs"][i] == pytest.approx(float(want[token]), abs=1e-9), (case, i)
+            listed = [(e["token_id"], e["logprob"]) for e in logprobs["top_token_logprobs"][i]]
+            top = want.topk(3).indices.tolist()
+            assert [t for t, _ in listed] == sorted(set(top) | {token}, key=lambda t: -float(want[t])), (
+                case,
+                i,
+            )
+            assert all(lp == pytest.approx(float(want[t]), abs=1e-9) for t, lp in listed), (case, i)
+            not_best += token != top[0]
+        if case == "sampled":
+            assert not_best > 0, (
+                "no sampled token was other than the best: the chosen-token check saw nothing"
+            )
+
+
+def test_chat_logprobs_give_the_chosen_tokens_own_value_and_rank_the_alternatives(servers) -> None:
+    """Sampled chat tokens: each `logprob` is the chosen token's own (equal to its entry among
+    the alternatives when listed there), and the alternatives come best first."""
+    for server in servers:
+        body = complete(
+            server.url,
+            "/v1/chat/completions",
+            logprobs=True,
+            top_logprobs=10,
+            temperature=0.5,
+            seed=11,
+            messages=[{"role": "user", "content": "hi"}],
+        ).json()
+        listed_not_first = 0
+        for entry in body["choices"][0]["logprobs"]["content"]:
+            values = [alt["logprob"] for alt in entry["top_logprobs"]]
+            assert values == sorted(values, reverse=True)
+            own = [alt["logprob"] for alt in entry["top_logprobs"] if alt["token_id"] == entry["token_id"]]
+            if own:
+                assert entry["logprob"] == own[0]
+                listed_not_first += entry["token_id"] != entry["top_logprobs"][0]["token_id"]
+        assert listed_not_first > 0, "no sampled token was listed below the best: the check saw nothing"

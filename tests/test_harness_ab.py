@@ -168,3 +168,16 @@ def test_the_ratio_is_b_over_a_with_an_interval_around_it_and_noise_read_from_it
     assert rows[1]["ratio"] == pytest.approx(2.0) and rows[1]["within_noise"] is False
     assert rows[4]["ratio"] == pytest.approx(1.0) and rows[4]["within_noise"] is True
     assert (tmp_path / "ab.csv").is_file()
+
+
+def test_the_ratio_interval_resamples_both_sides() -> None:
+    """Either side's spread widens the interval alike: A noisy and B steady gives the mirror of
+    B noisy and A steady, and neither is a point (an interval that resamples one side only
+    claims a precision the other side's repeats do not have)."""
+    from harness.ab import bootstrap_ratio
+
+    noisy, steady = [80.0, 100.0, 120.0, 90.0, 110.0], [100.0] * 5
+    _, low_a, high_a = bootstrap_ratio(noisy, steady, seed=3)
+    _, low_b, high_b = bootstrap_ratio(steady, noisy, seed=3)
+    assert low_a < 1.0 < high_a and low_b < 1.0 < high_b
+    assert low_a == pytest.approx(1 / high_b) and high_a == pytest.approx(1 / low_b)

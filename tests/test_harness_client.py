@@ -301,3 +301,18 @@ def test_tokens_are_counted_from_the_ids_a_server_sends_not_from_its_text() -> N
     )
     assert record.success and record.output_tokens == 4 and record.chunk_tokens == [3, 1]
     assert record.token_ids == [5, 6, 7, 8] and record.count_source == "server_ids"
+
+
+def test_without_token_ids_a_running_usage_gives_each_chunk_its_tokens() -> None:
+    """A server kind that sends no ids but keeps a running usage (`continuous_usage_stats`):
+    each chunk carries the growth of `usage.completion_tokens`, however many tokens that is."""
+    from harness.client import Endpoint, RequestRecord, _Counter
+    from harness.server_kind import ServerKind
+
+    endpoint = Endpoint("http://127.0.0.1:1", server=ServerKind("vllm", continuous_usage=True))
+    counter, record = _Counter(endpoint), RequestRecord(0, 0.0)
+    counts = []
+    for running, text in ((1, "a"), (4, "bcd"), (9, "efghi"), (10, "j")):
+        event = {"choices": [{"text": text, "finish_reason": None}], "usage": {"completion_tokens": running}}
+        counts.append(counter.tokens(event, "completions", record))
+    assert counts == [1, 3, 5, 1] and record.count_source == "usage"

@@ -151,10 +151,10 @@ def test_unpadded_costs_are_interpolated_between_the_measured_row_counts() -> No
 
 
 def test_rows_between_two_measured_counts_draft_where_their_interpolated_cost_pays() -> None:
-    """The CPU's demo-pair figures at 16 rows (69.5 ms at W = 7, 17.3 plain) and 8 (45.7,
-    13.3): 11 rows expecting 3.92 tokens a row at W = 7 lose to plain steps at the 16-row
-    cost (0.62 tokens a ms against 0.64) and win at the interpolated one (0.79 against 0.74,
-    54.6 and 14.8 ms)."""
+    """A start-up table of the size the CPU times for the demo pair, 16 rows (69.5 ms at W = 7,
+    17.3 plain) and 8 (45.7, 13.3): 11 rows expecting 3.92 tokens a row at W = 7 lose to
+    plain steps at the 16-row cost (0.62 tokens a ms against 0.64) and win at the
+    interpolated one (0.79 against 0.74, 54.6 and 14.8 ms)."""
     seconds = {(8, 0): 13.3, (8, 7): 45.7, (16, 0): 17.3, (16, 7): 69.5}
     rates = [geometric(0.78, 7)] * 11
     assert 1 + sum(rates[0]) == pytest.approx(3.92, abs=0.01)

@@ -147,7 +147,7 @@ class StepCosts:
     what the smallest measured row count >= rows cost. An eager step (`unpadded`: the CPU's
     timed steps) runs its own rows alone, so between two measured counts its cost is
     interpolated linearly: on the 2-core CPU, the demo pair's steps of 8 to 15 rows took a
-    median 57 ms at W = 7 where the 16-row table said 69.5 (docs/engine.md, "Verify width")."""
+    median 53-59 ms at W = 7 where the 16-row entry said 68.5 (docs/engine.md, "Verify width")."""
 
     seconds: dict[tuple[int, int], float]
     measured: bool  # False: the flat default, every width the same

@@ -464,8 +464,12 @@ def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM, draft: 
     for rid, (prompt, n) in budgets.items():
         truth = reference(target, prompt, greedy(n))
         engine.add_request(rid, prompt, greedy(n), oracle=OracleProposer(truth, [3], VOCAB))
-    drain(engine)
+    steps_run = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps_run += 1
     stats = engine.stats()
+    assert stats["steps"] == steps_run  # every step: the prefills' and the speculative ones
     assert set(stats) == {
         "requests_finished",
         "running",
@@ -473,6 +477,7 @@ def test_statistics_under_an_oracle_schedule_are_exact(target: CausalLM, draft: 
         "spec",
         "verify_widths",
         "fallbacks",
+        "steps",
         "draft_ahead",
         "phases",
     }
@@ -550,6 +555,7 @@ def test_reset_stats_starts_every_statistic_afresh_and_waits_for_an_idle_engine(
     engine.reset_stats()
     assert engine.stats()["requests_finished"] == 0
     assert engine.stats()["spec"]["steps"] == 0 and engine.stats()["phases"] == {}
+    assert engine.stats()["steps"] == 0
     assert workload(engine) == fresh
 
 

@@ -183,6 +183,11 @@ def test_prometheus_counters_move_by_exactly_the_engine_statistics(dflash_server
     assert diff('dflash:request_success_total{finish_reason="length"}') == len(PROMPTS)
     assert diff("dflash:generation_tokens_total") == 9 * len(PROMPTS)
     assert 'dflash:time_to_first_token_seconds_bucket{le="0.0005"}' in after
+    # one request at a time: each of its drafted steps is an engine step of its own (its
+    # prefill shares the first)
+    assert diff("dflash:engine_steps_total") >= sum(s["steps"] for s in specs) > 0
+    used = diff('dflash:spec_decode_draft_ahead_total{outcome="used"}')
+    assert used <= diff('dflash:spec_decode_draft_ahead_total{outcome="queued"}')
 
 
 # ------------------------------------------------------------------ robustness

@@ -87,6 +87,18 @@ def test_verify_widths_count_the_engines_steps_per_width() -> None:
     assert value(page, "dflash:spec_decode_verify_width_total", width="3") == 4
 
 
+def test_engine_steps_and_drafts_ahead_are_the_engines_totals() -> None:
+    metrics = ServerMetrics()
+    metrics.on_step(EngineTotals(0, steps=5, draft_ahead={"queued": 3, "used": 2, "widened": 0}))
+    metrics.on_step(EngineTotals(0, steps=9, draft_ahead={"queued": 6, "used": 4, "widened": 1}))
+    metrics.on_step(EngineTotals(1, steps=2, draft_ahead={"queued": 1, "used": 1, "widened": 0}))  # a reset
+    page = samples(metrics.render(idle_engine(epoch=1))[0])
+    assert value(page, "dflash:engine_steps_total") == 11
+    assert value(page, "dflash:spec_decode_draft_ahead_total", outcome="queued") == 7
+    assert value(page, "dflash:spec_decode_draft_ahead_total", outcome="used") == 5
+    assert value(page, "dflash:spec_decode_draft_ahead_total", outcome="widened") == 1
+
+
 def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset() -> None:
     metrics = ServerMetrics()
     spec = SpecCounters()

@@ -126,6 +126,7 @@ class Engine:
         self.timer = PhaseTimer(self.device, self.ranges)
         self.spec_totals = SpecCounters()
         self.stats_epoch = 0  # how many times reset_stats started the statistics afresh
+        self.steps = 0  # steps that ran (prefill, plain decode, speculative, or a mix)
         # a plain step (verify width 0) runs on the CPU only: on CUDA neither its captured
         # graphs nor its eager forwards (a verify of one token) have run on a device yet
         plain_step = self.device.type == "cpu"
@@ -322,7 +323,9 @@ class Engine:
         # no autograd bookkeeping in the forwards (a few us per op, on every op of the step);
         # what leaves the step is host values, never an inference tensor
         with self.ranges.range("step"), torch.inference_mode():
-            return self._step()
+            outputs = self._step()
+        self.steps += 1
+        return outputs
 
     def _step(self) -> list[StepOutput]:
         outputs = StepOutputs(self.target.config.vocab_size)
@@ -407,6 +410,7 @@ class Engine:
         self.scheduler.reset_stats()
         self.stats_epoch += 1  # readers of the totals (serving/metrics.py) start their differences afresh
         self.spec_totals = SpecCounters()
+        self.steps = 0
         self.verify_widths = Counter()
         if self.verify_width is not None:
             self.verify_width.reset()
@@ -427,13 +431,16 @@ class Engine:
             # speculative steps by the draft tokens each row verified (at most: fewer near max_tokens)
             "verify_widths": dict(sorted(self.verify_widths.items())),
             "fallbacks": dict(self.scheduler.fallbacks),
-            # drafts queued behind a step's commit (speculative_step.DraftAhead), those the
-            # next step took (the others it drafted afresh: its rows had changed), and of
-            # those the ones whose head it ran again for a wider verify
-            "draft_ahead": {
-                "queued": step.ahead_queued if (step := self.speculative_step) is not None else 0,
-                "used": step.ahead_used if step is not None else 0,
-                "widened": step.ahead_widened if step is not None else 0,
-            },
+            "steps": self.steps,
+            "draft_ahead": self.draft_ahead(),
             "phases": self.timer.as_dict(),
         }
+
+    def draft_ahead(self) -> dict[str, int]:
+        """Drafts queued behind a step's commit (speculative_step.DraftAhead), those the next
+        step took (the others it drafted afresh: its rows had changed), and of those the ones
+        whose head it ran again for a wider verify."""
+        step = self.speculative_step
+        if step is None:
+            return {"queued": 0, "used": 0, "widened": 0}
+        return {"queued": step.ahead_queued, "used": step.ahead_used, "widened": step.ahead_widened}

@@ -77,6 +77,8 @@ class EngineTotals:
     verify_widths: dict[int, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # the phase timer's totals
+    steps: int = 0  # engine steps that ran
+    draft_ahead: dict[str, int] = field(default_factory=dict)  # Engine.draft_ahead()
     device_type: str = "cpu"
     running: int = 0
     waiting: int = 0
@@ -99,6 +101,8 @@ class EngineTotals:
             dict(engine.verify_widths),
             dict(engine.scheduler.fallbacks),
             engine.timer.as_dict(wait=settled),
+            engine.steps,
+            engine.draft_ahead(),
             engine.device.type,
             len(engine.scheduler.active),
             len(engine.scheduler.waiting),

@@ -12,6 +12,10 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
 - `dflash:spec_decode_verify_width_total{width}`: speculative steps by the draft tokens each
   row verified (the verify width the step chose, runtime/verify_width.py);
 - `dflash:spec_decode_fallbacks_total{reason}`: requests moved to plain decode;
+- `dflash:spec_decode_draft_ahead_total{outcome}`: drafts queued behind a step's commit
+  (`queued`), those the next step took (`used`; the others it drafted afresh, its rows having
+  changed) and of those the ones whose head it ran again for a wider verify (`widened`);
+- `dflash:engine_steps_total`: engine steps (prefill, plain decode, speculative, or a mix);
 - `dflash:request_success_total{finish_reason}` (stop: an EOS or stop token, or a stop
   string; length; abort: the client went away or the server shut down) and
   `dflash:request_failure_total` (requests the engine failed: an exception or a non-finite
@@ -161,6 +165,14 @@ class ServerMetrics:
             registry=r,
         )
         self.phase_seconds = Counter(f"{p}:phase_seconds", "Engine time per phase", ["phase"], registry=r)
+        self.engine_steps = Counter(f"{p}:engine_steps", "Engine steps", registry=r)
+        self.draft_ahead = Counter(
+            f"{p}:spec_decode_draft_ahead",
+            "Drafts queued behind a step's commit (queued), taken by the next step (used), "
+            "and of those run again for a wider verify (widened)",
+            ["outcome"],
+            registry=r,
+        )
         self.engine_cpu = Counter(
             f"{p}:engine_cpu_seconds", "CPU time of the thread that runs the engine loop", registry=r
         )
@@ -208,6 +220,9 @@ class ServerMetrics:
             self._advance(f"width:{width}", lambda w=width: [self.verify_width.labels(width=str(w))], count)
         for reason, count in totals.fallbacks.items():
             self._advance(f"fallback:{reason}", lambda r=reason: [self.fallbacks.labels(reason=r)], count)
+        self._advance("steps", lambda: [self.engine_steps], totals.steps)
+        for outcome, count in totals.draft_ahead.items():
+            self._advance(f"ahead:{outcome}", lambda o=outcome: [self.draft_ahead.labels(outcome=o)], count)
         kind = "device_s_" if totals.device_type == "cuda" else "host_s_"
         for name, seconds in totals.phases.items():
             if name.startswith(kind):

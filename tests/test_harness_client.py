@@ -160,6 +160,46 @@ def test_a_closed_loop_spread_over_client_processes_sends_each_prompt_once_withi
     assert 0 <= sends[0] < 1.0 and sends[-1] < summary["duration_s"] < 30
 
 
+class WarmThenMeasured(Script):
+    """Counters that move by the requests posted: each of the first `warm` drafts 7 tokens
+    and accepts all, each later one accepts 1 of 7."""
+
+    def __init__(self, chunks, warm: int) -> None:
+        super().__init__(chunks)
+        self.warm = warm
+
+    @property
+    def metrics_text(self) -> str:
+        posts = self.posts
+        accepted = 7 * min(posts, self.warm) + max(posts - self.warm, 0)
+        return (
+            f"dflash:spec_decode_num_drafts_total {posts}\n"
+            f"dflash:spec_decode_num_draft_tokens_total {7 * posts}\n"
+            f"dflash:spec_decode_num_accepted_tokens_total {accepted}\n"
+        )
+
+    @metrics_text.setter
+    def metrics_text(self, value: str) -> None:
+        pass
+
+
+def test_the_servers_counters_exclude_the_warm_up_requests(tmp_path) -> None:
+    """The warm-up's acceptance (8) is not the measured requests' (2): the counters are read
+    after the warm-up, so the run reports 2, and the per-request counts agree."""
+    script = WarmThenMeasured([(0.0, [1]), (0.0, [2, 3])], warm=3)
+    server, url = serve(script)
+    try:
+        spec = LoadSpec(concurrency=2, num_prompts=6, output_len=3, warmup=3, timeout_s=10.0)
+        labels = {"label": "B", "concurrency": 2, "repeat": 0}
+        summary = measure(Endpoint(url), synthetic(9, 4, 0), spec, tmp_path, labels, url + "/metrics")
+    finally:
+        server.shutdown()
+    assert script.posts == 9 and summary["completed"] == 6
+    assert summary["acceptance_source"] == "prometheus"
+    assert summary["acceptance_length"] == pytest.approx(2.0)
+    assert summary["acceptance_rate"] == pytest.approx(1 / 7)
+
+
 def test_client_processes_share_the_streams_evenly_or_fewer_run() -> None:
     assert client_split(16, 2, 256) == 2 and client_split(16, 3, 256) == 2
     assert client_split(6, 4, 100) == 3 and client_split(5, 3, 100) == 1  # 5: one process

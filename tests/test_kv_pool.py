@@ -23,6 +23,38 @@ def test_runs_are_first_fit_consecutive_and_freed_whole() -> None:
         cells.free(1)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_the_lowest_free_run_that_fits_as_a_cell_map_finds_it(seed: int) -> None:
+    """Random allocations and frees against a map of every cell: each allocation starts at
+    the lowest cell from which `count` cells are free (a hole of exactly `count` included,
+    and the run that ends at the last cell), None only when there is none; the free count and
+    the largest free run are the map's."""
+    import random
+
+    rng = random.Random(seed)
+    total = 24
+    cells, used = CellAllocator(total), [False] * total
+    live: dict[int, int] = {}
+    for _ in range(300):
+        if live and rng.random() < 0.45:
+            first = rng.choice(sorted(live))
+            cells.free(first)
+            for c in range(first, first + live.pop(first)):
+                used[c] = False
+        else:
+            count = rng.randint(1, 8)
+            fits = [s for s in range(total - count + 1) if not any(used[s : s + count])]
+            got = cells.allocate(count)
+            assert got == (fits[0] if fits else None), (count, used)
+            if got is not None:
+                live[got] = count
+                for c in range(got, got + count):
+                    used[c] = True
+        assert cells.free_cells == used.count(False)
+        runs = "".join("." if not u else "x" for u in used).split("x")
+        assert cells.largest_free_run == max(len(r) for r in runs)
+
+
 def test_a_row_of_the_view_starts_at_its_cell_and_the_spare_row_after_every_cell() -> None:
     layout = PoolLayout(cells=4, cell_tokens=8, room=20)
     assert layout.rows == 4 * 8 + 20 and layout.spare_cell == 4

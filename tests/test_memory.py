@@ -156,6 +156,20 @@ def test_weights_shared_with_the_draft_are_counted_once(tiny_pair: TinyPair) -> 
     assert weight_bytes(target, target) == weight_bytes(target)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_fused_projections_count_their_stacked_storage_once(tiny_checkpoint, arch: str) -> None:
+    """Fusing makes each projection's weight a view of one stacked matrix: the bytes are the
+    unfused model's, not a whole stack per view."""
+    from reference_engine.models.layers import fuse_projections
+
+    unfused = load_target(tiny_checkpoint(arch), dtype=torch.float64)
+    fused = load_target(tiny_checkpoint(arch), dtype=torch.float64)
+    fuse_projections(fused)
+    views = [p for p in fused.parameters() if p.data_ptr() != p.untyped_storage().data_ptr()]
+    assert views, "nothing was fused: the test checks nothing"
+    assert weight_bytes(fused) == weight_bytes(unfused)
+
+
 @pytest.mark.parametrize(
     ("arch", "draft_arch"), [("qwen3", "dflash"), ("qwen3_5", "dflash2"), ("qwen3", "dflash2")]
 )

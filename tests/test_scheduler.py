@@ -62,3 +62,37 @@ def test_a_request_may_join_the_next_step_when_it_can_get_a_slot_or_ends_its_pre
     free = scheduler(None, {}, {"x": True})
     free.queue(Sequence("w", [1], SamplingParams(max_tokens=8), frozenset(), 0.0, True))
     assert free.may_join_next()  # a free slot for w
+
+
+def test_a_steps_tokens_stay_within_the_budget_counting_each_last_chunks_first_decode() -> None:
+    """Random mixes: the decodes' tokens (a verify block per speculative row, one per plain
+    row), every chosen chunk and, for a chunk that ends its prompt, the decode its first step
+    runs in the same step, stay within the budget, unless the oldest prompt's chunk alone
+    passes it; and a prompt left out would not have fit in what was left when its turn came."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        budget = rng.randint(CHUNK, 4 * CHUNK)
+        running = {f"x{i}": rng.random() < 0.5 for i in range(rng.randint(0, 5))}
+        prompts = {f"p{i}": rng.randint(1, 3 * CHUNK) for i in range(rng.randint(1, 5))}
+        s = scheduler(budget, prompts, running)
+        for seq in s.active.values():  # some prompts part-way through already
+            if seq.phase is Phase.PREFILL:
+                seq.prefilled = rng.randrange(0, len(seq.prompt_ids), CHUNK)
+
+        def cost(seq: Sequence) -> int:
+            tokens = min(CHUNK, len(seq.prompt_ids) - seq.prefilled)
+            last = seq.prefilled + tokens == len(seq.prompt_ids)
+            return tokens + (BLOCK if last else 0)  # every prompt here is speculative
+
+        chosen = s.prefilling()
+        left = budget - sum(BLOCK if speculative else 1 for speculative in running.values())
+        prefilling = [seq for seq in s.active.values() if seq.phase is Phase.PREFILL]
+        assert chosen and chosen[0] is prefilling[0]  # the oldest always runs
+        for seq in prefilling:
+            if seq in chosen:
+                left -= cost(seq)
+            else:
+                assert cost(seq) > left, (budget, running, prompts)
+        assert left >= 0 or len(chosen) == 1, (budget, running, prompts)

@@ -136,6 +136,23 @@ def test_the_greedy_walk_follows_the_best_edge_from_the_anchor_and_breaks_ties_t
     assert got[1, 0] == candidates[1, 0, 1]
 
 
+def test_the_greedy_walk_gives_a_candidate_at_every_slot_whatever_its_edges_hold() -> None:
+    """A draft whose scores are not finite (all NaN, all -inf, NaN beside numbers) still
+    proposes one of each slot's candidates: a proposal only ever costs acceptance."""
+    torch.manual_seed(4)
+    batch, N, K = 2, 4, 5
+    candidates = torch.randint(0, 50, (batch, N, K))
+    edges = torch.randn(batch, N, K, K, dtype=F64)
+    edges[0, 1] = float("nan")
+    edges[1, 2] = float("-inf")
+    edges[0, 3, :, 2] = float("nan")
+    got = walk_greedy(edges, candidates)
+    assert got.shape == (batch, N)
+    for b in range(batch):
+        for j in range(N):
+            assert got[b, j] in candidates[b, j].tolist(), (b, j)
+
+
 def test_top_candidates_keep_the_k_best_with_the_lowest_ids_among_ties() -> None:
     logits = torch.tensor([[0.5, 2.0, 1.0, 1.0, 3.0, 1.0, 1.0, -1.0]], dtype=F64)
     ids, values = top_candidates(logits, 4)
@@ -225,6 +242,17 @@ def test_a_bad_dflash2_field_is_refused_by_name(change: dict, message: str) -> N
     raw["dflash_config"] |= change
     with pytest.raises(ConfigError, match=message):
         DraftConfig.from_hf(raw)
+
+
+def test_dflash_config_fields_come_before_the_top_levels() -> None:
+    """A field given in both places is read from `dflash_config` (as the published
+    implementations read it); one given only at the top level is read there."""
+    raw = published_config()
+    raw["selector_top_k"] = 8  # dflash_config says 16
+    top_only = published_config()
+    top_only["selector_rank"] = top_only["dflash_config"].pop("selector_rank")
+    assert DraftConfig.from_hf(raw).selector_top_k == 16
+    assert DraftConfig.from_hf(top_only).selector_rank == 256
 
 
 def test_make_tiny_writes_the_published_layout_and_the_loader_reads_it_back(

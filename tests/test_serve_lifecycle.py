@@ -126,6 +126,29 @@ def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_
     assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c.get("choices")) == 600
 
 
+def test_a_second_signal_ends_the_streams_at_once_with_an_error_event_and_done(model_dir) -> None:
+    """The grace period is long; a second signal cuts it short: the request in flight ends
+    with the shutdown's error event and [DONE], every frame whole, and the server exits."""
+    server = ServerProcess("--model", str(model_dir), "--max-model-len", "4096", "--shutdown-grace", "120")
+    events: list = []
+    started = threading.Event()
+    reader = threading.Thread(target=read_stream, args=(server.url, LONG, events, started))
+    reader.start()
+    assert started.wait(30)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGINT)
+    reader.join(30)
+    assert server.proc.wait(30) in (0, -signal.SIGTERM, -signal.SIGINT)
+    assert time.monotonic() - start < 20  # not the 120 s of grace
+    assert events[0] == 200 and events[-1] == "[DONE]", events[-3:]
+    for data in events[1:-1]:
+        json.loads(data)  # every frame whole
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and "--shutdown-grace 120" in error["message"]
+
+
 def test_api_key_scope_all_protects_every_endpoint_but_health(model_dir) -> None:
     server = ServerProcess("--model", str(model_dir), "--api-key", "sekret", "--api-key-scope", "all")
     try:

@@ -414,3 +414,31 @@ def test_wider_probes_take_a_bounded_share_of_a_narrow_run() -> None:
     assert extra <= PROBE_SHARE * sum(table.of(16, w) for w in run)
     chooser = VerifyWidth("auto", 16, table, plain_step=False, spacing="every")
     assert set(_run_steps(chooser, 16, 60, lambda step, row: 5, limit=5)) == {5}
+
+
+def test_the_remembered_estimates_are_those_a_fresh_chooser_computes() -> None:
+    """The chooser keeps the last step's expected tokens while nothing they were computed from
+    moved (a run of plain steps): over random steps whose rows' limits, counts and rows change
+    (or not), every estimate it gives equals a fresh chooser's for the same rows."""
+    import random
+
+    rng = random.Random(1)
+    table = costs({w: 1.0 + w / 8 for w in WIDTHS})
+    chooser = VerifyWidth("auto", 16, table)
+    totals = SpecCounters()
+    counters = [SpecCounters() for _ in range(4)]
+    limits = [15] * 4
+    for _ in range(200):
+        move = rng.random()
+        if move < 0.3:  # a drafted step: counts move
+            for c in counters:
+                proposed = rng.choice([1, 3, 7, 15])
+                accepted = rng.randrange(0, proposed + 1)
+                for counts in (c, totals):
+                    counts.record(proposed, accepted, accepted + 1)
+        elif move < 0.6:  # rows nearer their ends: fewer draft tokens left
+            limits = [rng.choice([0, 1, 2, 5, 15]) for _ in counters]
+        elif move < 0.7:  # a row leaves, another joins
+            counters = [*counters[1:], SpecCounters()]
+        got = chooser.expected(limits, counters, totals)
+        assert got == VerifyWidth("auto", 16, table).expected(limits, counters, totals), limits

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -217,9 +218,10 @@ def test_chunked_prefill_gives_the_plain_decode_output(
     engine = make_engine(target, draft if speculative else None, max_num_seqs=2, prefill_chunk=chunk)
     engine.add_request("long", LONG_PROMPT, greedy(12))
     engine.add_request("short", PROMPTS[2], greedy(12))
-    first_step = {}
+    first_step, started = {}, {}
     step = 0
     while engine.has_unfinished():
+        started[step] = time.monotonic()
         for out in engine.step():
             first_step.setdefault(out.request_id, step)
         step += 1
@@ -228,8 +230,11 @@ def test_chunked_prefill_gives_the_plain_decode_output(
         "long": math.ceil(len(LONG_PROMPT) / chunk) - 1,
         "short": math.ceil(len(PROMPTS[2]) / chunk) - 1,
     }
-    assert engine.collect("long").output_ids == reference(target, LONG_PROMPT, greedy(12))
-    assert engine.collect("short").output_ids == reference(target, PROMPTS[2], greedy(12))
+    long, short = engine.collect("long"), engine.collect("short")
+    assert long.output_ids == reference(target, LONG_PROMPT, greedy(12))
+    assert short.output_ids == reference(target, PROMPTS[2], greedy(12))
+    # the time to first token ends in the step that gave the token, not at the first chunk
+    assert long.first_token_s >= started[first_step["long"]] > started[0]
 
 
 # ----------------------------------------------------------------------------- bad input

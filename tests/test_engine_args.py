@@ -174,7 +174,9 @@ def test_device_auto_is_the_gpu_when_there_is_one() -> None:
         ({"torch_dtype": "bfloat16"}, "cuda", torch.bfloat16),
         ({"dtype": "float32"}, "cuda", torch.float32),  # transformers 5's name
         ({"text_config": {"torch_dtype": "bfloat16"}}, "cuda", torch.bfloat16),  # a wrapper
+        ({"torch_dtype": "float16"}, "cuda", torch.float16),  # its own half, not bfloat16
         ({"torch_dtype": "bfloat16"}, "cpu", torch.float32),
+        ({"torch_dtype": "float16"}, "cpu", torch.float32),
         ({}, "cpu", torch.float32),
     ],
 )
@@ -183,6 +185,7 @@ def test_dtype_auto_is_the_checkpoints_own_and_float32_for_half_precision_on_the
 ) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert resolve_dtype("auto", str(tmp_path), torch.device(device)) == expected
-    noted = "runs the bfloat16 checkpoint in float32 on the CPU" in capsys.readouterr().err
-    assert noted == (device == "cpu" and config.get("torch_dtype") == "bfloat16")
+    half = config.get("torch_dtype")
+    noted = f"runs the {half} checkpoint in float32 on the CPU" in capsys.readouterr().err
+    assert noted == (device == "cpu" and half in ("bfloat16", "float16"))
     assert resolve_dtype("bfloat16", str(tmp_path), torch.device("cpu")) == torch.bfloat16

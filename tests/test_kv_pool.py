@@ -107,6 +107,31 @@ def test_the_engine_admits_by_cells_and_any_request_of_the_context_fits_the_pool
         Engine(target, None, EngineConfig(max_model_len=40, kv_cache_tokens=32, kv_cell_tokens=8))
 
 
+def test_a_request_waiting_for_cells_is_not_passed_by_a_later_smaller_one(tiny_checkpoint) -> None:
+    """Admission is first come, first served: a request whose run of cells is not free yet
+    holds the queue, so a stream of small requests cannot starve a large one."""
+    from reference_engine.checkpoint import load_target
+    from reference_engine.runtime.engine import Engine, EngineConfig
+    from reference_engine.runtime.request import SamplingParams
+
+    target = load_target(tiny_checkpoint("qwen3"), dtype=torch.float32)
+    config = EngineConfig(max_num_seqs=3, max_model_len=40, kv_cache_tokens=48, kv_cell_tokens=8)
+    engine = Engine(target, None, config)
+    engine.add_request("a", [3] * 10, SamplingParams(max_tokens=20, ignore_eos=True))  # 4 of 6 cells
+    engine.step()
+    engine.add_request("big", [3] * 30, SamplingParams(max_tokens=10, ignore_eos=True))  # 5 cells
+    engine.add_request("small", [3] * 4, SamplingParams(max_tokens=4, ignore_eos=True))  # 1 cell
+    order = []
+    while engine.has_unfinished():
+        engine.step()
+        for rid in ("big", "small"):
+            if rid not in order and engine.get(rid).slot is not None:
+                order.append(rid)
+        if "small" in order:
+            assert "big" in order, "small was admitted while big waited for its cells"
+    assert order == ["big", "small"]
+
+
 def test_the_memory_plan_counts_the_pool_not_slots_times_the_room() -> None:
     cost = StateCost(per_token=128 * 1024, per_slot=1000)
     args = dict(total=100 * GiB, utilization=0.9, weights=16 * GiB, activations=2 * GiB, cost=cost)

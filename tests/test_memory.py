@@ -95,6 +95,13 @@ def test_the_utilization_is_a_share_in_zero_to_one(utilization: float) -> None:
         EngineConfig(gpu_memory_utilization=utilization)
 
 
+def test_the_whole_card_and_a_sliver_of_it_are_shares_in_range() -> None:
+    """(0, 1] holds both ends' neighbours: all of the card, and a small share of it."""
+    for utilization in (1.0, 0.01):
+        assert EngineConfig(gpu_memory_utilization=utilization).gpu_memory_utilization == utilization
+    assert plan(utilization=1.0).budget > plan(utilization=0.9).budget
+
+
 def test_the_qwen3_5_4b_shape_at_its_default_context_is_refused_on_one_h200() -> None:
     """The issue's case: 16 slots of the Qwen3.5-4B shape at its 262144-token context (block
     16, per_token commit) ask for more than the card; the refusal says what would fit."""

@@ -166,6 +166,7 @@ HOSTILE = [
     ("nesting past the limit", b'{"prompt": "hi", "x": ' + b"[" * 40 + b"]" * 40 + b"}"),
     ("lone surrogate", b'{"prompt": "hi \\ud800 there"}'),
     ("lone surrogate in chat", b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+    ("lone surrogate in a key", b'{"prompt": "hi", "x": {"\\ud800": 1}}'),
     ("not UTF-8", b'{"prompt": "\xff\xfe"}'),
     ("NaN literal", b'{"prompt": "hi", "temperature": NaN}'),
     ("tiny repetition penalty", {"prompt": "hi", "repetition_penalty": 1e-300}),
@@ -228,6 +229,24 @@ def test_a_body_over_the_limit_gets_413_at_once_and_others_are_not_stalled(serve
     assert "at most 4194304" in response.json()["error"]["message"]
     assert time.monotonic() - start < 10
     assert worst_health < 1.0
+
+
+def test_a_chunked_body_without_a_length_is_held_to_the_limit_too(server) -> None:
+    """No Content-Length to refuse early: the body is counted as it arrives, and refused with
+    413 once past the limit, not read whole."""
+    sent = []
+
+    def parts():
+        yield b'{"prompt": "'
+        for _ in range(600):  # 600 x 16 KiB = 9.4 MiB, past the 4 MiB limit
+            sent.append(1)
+            yield b"w" * 16384
+        yield b'"}'
+
+    headers = {"content-type": "application/json"}
+    r = httpx.post(server.url + "/v1/completions", content=parts(), timeout=TIMEOUT, headers=headers)
+    assert r.status_code == 413, (r.status_code, r.text[:300])
+    assert "at most 4194304" in r.json()["error"]["message"]
 
 
 def test_a_large_prompt_under_the_limit_does_not_stall_the_event_loop(server) -> None:

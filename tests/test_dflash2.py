@@ -268,3 +268,26 @@ def test_make_tiny_writes_the_published_layout_and_the_loader_reads_it_back(
     draft = load_draft(out, target)
     assert isinstance(draft, DFlash2Draft) and draft.config.is_dflash2
     assert not draft.layers[0].self_attn.causal and draft.layers[0].self_attn.sliding_window == 64
+
+
+def test_is_causal_reaches_every_draft_layers_block_attention(tiny_pair, tmp_path) -> None:
+    """The same weights loaded with `is_causal` true and false: every layer's block attention
+    attends as the checkpoint says (a layer that ignores it attends both ways in both)."""
+    import json
+    import shutil
+
+    from reference_engine.checkpoint import load_draft, load_target
+
+    target_dir, draft_dir = tiny_pair("qwen3", block_size=8, draft_arch="dflash2")
+    target = load_target(target_dir, dtype=F64)
+    for causal in (True, False):
+        folder = tmp_path / f"causal-{causal}"
+        shutil.copytree(draft_dir, folder)
+        raw = json.loads((folder / "config.json").read_text())
+        raw["is_causal"] = causal
+        (folder / "config.json").write_text(json.dumps(raw))
+        draft = load_draft(folder, target)
+        layers = draft.config.num_hidden_layers
+        assert [draft.config.layer_causal(i) for i in range(layers)] == [causal] * layers
+        attention = [m for m in draft.modules() if hasattr(m, "causal")]
+        assert len(attention) == layers and all(m.causal is causal for m in attention), causal

@@ -121,6 +121,18 @@ def test_selector_edges_equal_the_naive_bigram_scores() -> None:
     torch.testing.assert_close(got, naive_edges(s, hidden, candidates, unary, anchors), rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_edges_are_scored_in_float32(dtype: torch.dtype) -> None:
+    """A half-precision selector scores its edges in float32 (its docstring's "float32 or
+    wider"), so near ties are not decided by bfloat16's 8 bits of mantissa."""
+    s = selector().to(dtype)
+    hidden = torch.randn(2, 3, 12).to(dtype)
+    candidates = sorted_candidates(2 * 3, 40, 5).view(2, 3, 5)
+    unary = torch.randn(2, 3, 5).to(dtype)
+    edges = s.edges(hidden, candidates, unary, torch.tensor([1, 2]))
+    assert edges.dtype == torch.float32
+
+
 def test_the_greedy_walk_follows_the_best_edge_from_the_anchor_and_breaks_ties_to_the_lowest_id() -> None:
     torch.manual_seed(3)
     batch, N, K = 3, 5, 4

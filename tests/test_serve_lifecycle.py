@@ -126,6 +126,16 @@ def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_
     assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c.get("choices")) == 600
 
 
+def test_an_idle_server_stops_at_once_whatever_its_grace_period(model_dir) -> None:
+    """The grace period is the most a drain waits: with nothing in flight the server exits
+    right after the signal."""
+    server = ServerProcess("--model", str(model_dir), "--shutdown-grace", "120")
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    assert time.monotonic() - start < 20  # not the 120 s of grace
+
+
 def test_a_second_signal_ends_the_streams_at_once_with_an_error_event_and_done(model_dir) -> None:
     """The grace period is long; a second signal cuts it short: the request in flight ends
     with the shutdown's error event and [DONE], every frame whole, and the server exits."""

@@ -194,3 +194,33 @@ def test_a_request_holds_the_cells_its_padded_prefill_writes_and_batches_keep_th
     assert ModelRunner.prefill_groups(runner, [5, 20, 30, 10, 12]) == [[0], [1, 2], [3, 4]]
     runner.state = SimpleNamespace(pool=None)  # without a pool one group pads them all
     assert ModelRunner.prefill_groups(runner, [5, 20, 30, 10, 12]) == [[0, 1, 2, 3, 4]]
+
+
+def test_batched_prefill_groups_first_chunks_by_their_own_lengths() -> None:
+    """A pooled cache holds a prompt's cells up to its own first chunk's bucket
+    (`Engine.cells_needed`), so the grouping that decides each row's padding must see each
+    first chunk's own length, not the chunk size: a short prompt grouped as a full chunk
+    would be padded past its cells into the next request's."""
+    from types import SimpleNamespace
+
+    from reference_engine.runtime.prefill import Prefill
+    from reference_engine.runtime.request import SamplingParams
+    from reference_engine.runtime.sequence import Sequence
+
+    seen: list[list[int]] = []
+
+    def groups(lengths: list[int]) -> list[list[int]]:
+        seen.append(list(lengths))
+        return [[i] for i in range(len(lengths))]
+
+    runner = SimpleNamespace(captured=True, prefill_groups=groups, prefill_batch=lambda chunks: None)
+    prefill = Prefill(runner, None, None, chunk=64)
+    seqs = []
+    for i, (n, done) in enumerate([(17, 0), (200, 0), (64, 0), (90, 64)]):
+        seq = Sequence(f"r{i}", [3] * n, SamplingParams(max_tokens=4), frozenset(), 0.0, False, slot=i)
+        seq.prefilled = done
+        seqs.append(seq)
+    rest = prefill.batched(seqs, outputs=None)
+    assert seen == [[17, 64, 64]]  # the first chunks only, each its own length
+    # the later chunk, then the first chunks no captured prefill took
+    assert [s.request_id for s in rest] == ["r3", "r0", "r1", "r2"]

@@ -36,6 +36,17 @@ def read_stream(url: str, body: dict, into: list, started: threading.Event) -> N
                 started.set()
 
 
+def streaming(url: str, body: dict) -> tuple[list, threading.Thread]:
+    """A streamed request read on a thread, once its first data line has arrived: its events
+    (the status, then each data line) and the thread."""
+    events: list = []
+    started = threading.Event()
+    reader = threading.Thread(target=read_stream, args=(url, body, events, started))
+    reader.start()
+    assert started.wait(30)
+    return events, reader
+
+
 def children(pid: int) -> list[int]:
     """The processes `pid` started that are still running (Linux)."""
     try:
@@ -106,11 +117,7 @@ def test_a_request_in_flight_at_sigterm_completes_within_the_grace_period(model_
     # long enough to be still in flight while the draining server is checked (200 tokens of the tiny
     # model could end within the checks, and the server then stops listening)
     body = {"prompt": [5, 6], "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
-    events: list = []
-    started = threading.Event()
-    reader = threading.Thread(target=read_stream, args=(server.url, body, events, started))
-    reader.start()
-    assert started.wait(30)
+    events, reader = streaming(server.url, body)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     # draining: the server still listens, and a new request is refused with 503
@@ -140,11 +147,7 @@ def test_a_second_signal_ends_the_streams_at_once_with_an_error_event_and_done(m
     """The grace period is long; a second signal cuts it short: the request in flight ends
     with the shutdown's error event and [DONE], every frame whole, and the server exits."""
     server = ServerProcess("--model", str(model_dir), "--max-model-len", "4096", "--shutdown-grace", "120")
-    events: list = []
-    started = threading.Event()
-    reader = threading.Thread(target=read_stream, args=(server.url, LONG, events, started))
-    reader.start()
-    assert started.wait(30)
+    events, reader = streaming(server.url, LONG)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     start = time.monotonic()

@@ -234,12 +234,10 @@ def test_a_body_over_the_limit_gets_413_at_once_and_others_are_not_stalled(serve
 def test_a_chunked_body_without_a_length_is_held_to_the_limit_too(server) -> None:
     """No Content-Length to refuse early: the body is counted as it arrives, and refused with
     413 once past the limit, not read whole."""
-    sent = []
 
     def parts():
         yield b'{"prompt": "'
         for _ in range(600):  # 600 x 16 KiB = 9.4 MiB, past the 4 MiB limit
-            sent.append(1)
             yield b"w" * 16384
         yield b'"}'
 

@@ -1,4 +1,5 @@
 #!/bin/bash
+# (as kept here: the summary scripts are read from their folders in docs/results; the call ran copies of them)
 # call 1: GPU tier subset on this tree; engine alone c16; then py-spy + /metrics of a process-mode server under c16 load
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "pip failed"
@@ -25,6 +26,6 @@ for side in plain dflash; do
   timeout 30 $SPY record --pid $SP --subprocesses --threads --idle -r 400 -d 3 -f raw -o $R/spy-$side.txt > $R/spy-rec-$side.log 2>&1; echo "spy $side rc=$? t=$(( $(date +%s)-t0 ))"
   wait $LP; curl -s localhost:8300/metrics > $R/metrics-after-$side.txt; kill -TERM $SP; wait $SP
 done
-python3 .prof/dev/spy_summary.py $R/spy-plain.txt $R/spy-dflash.txt > $R/spy-summary.txt 2>&1
-python3 .prof/dev/summ.py $R
+python3 docs/results/h200-engine-process/call2/spy_summary.py $R/spy-plain.txt $R/spy-dflash.txt > $R/spy-summary.txt 2>&1
+python3 docs/results/h200-c16-in-server/call1/summ.py $R
 cd $OUT && tar czf r.tgz r && rm -rf r

@@ -264,3 +264,66 @@ def assert_batch_equivalent(
                 f"{what}: request {request_id} differs from plain greedy alone at output "
                 f"position {i}: expected {expected[i : i + 3]}..., got {got[i : i + 3]}..."
             )
+
+
+# ------------------------------------------------------------------ padding within a pooled cache
+# A captured prefill pads a chunk to its token bucket and writes the padding's keys and values;
+# on a pooled KV cache those rows must stay inside the cells the request holds. The mix:
+# (prompt tokens, max_tokens, arrival step). "x" holds the first cell and ends at once; "c",
+# admitted with it, holds the cells after it and decodes on; "b" then takes the first cell
+# again and arrives with "d", whose first chunk falls in a larger token bucket than b's. A
+# batched prefill that pads b to d's bucket writes past b's cell into c's prompt.
+PADDING_MIX = {"x": (4, 2, 0), "c": (60, 40, 0), "b": (4, 2, 3), "d": (60, 10, 3)}
+PADDING_CELL = 16  # tokens a cell
+PADDING_POOL = 256  # tokens: 16 cells
+PADDING_MAX_LEN = 128
+
+
+def padding_mix_prompts(source: Sequence[int]) -> dict[str, list[int]]:
+    """The mix's prompts, each a different stretch of `source` (cycled to length)."""
+    source = list(source)
+    return {
+        rid: [source[(i * 7 + k) % len(source)] for k in range(n)]
+        for i, (rid, (n, _, _)) in enumerate(PADDING_MIX.items())
+    }
+
+
+def run_padding_mix(
+    target: CausalLM, draft: DFlashDraft | None, prompts: dict[str, list[int]], numerics: str | None = None
+) -> dict[str, list[int]]:
+    """Run PADDING_MIX on a pooled engine (CUDA graphs where the device has them); returns
+    each request's output. Raises AssertionError when the engine did not place the requests as
+    the mix means (b back in the first cell, c's run right after it, b and d admitted in one
+    step): the run would then not exercise padding next to a live request."""
+    from reference_engine.runtime.engine import Engine
+
+    config = EngineConfig(
+        max_num_seqs=4,
+        block_size=8 if draft is not None else None,
+        commit_strategy="per_token",
+        max_model_len=PADDING_MAX_LEN,
+        kv_cache_tokens=PADDING_POOL,
+        kv_cell_tokens=PADDING_CELL,
+        numerics=numerics,
+    )
+    engine = Engine(target, draft, config)
+    requests = [
+        EngineRequest(rid, tuple(prompts[rid]), SamplingParams(max_tokens=m, ignore_eos=True), at)
+        for rid, (_, m, at) in PADDING_MIX.items()
+    ]
+    placed: dict[str, tuple[int, int]] = {}  # request -> (its first cell, the step that admitted it)
+    admit = engine.scheduler.admit
+
+    def admitted():
+        seqs = admit()
+        for seq in seqs:
+            placed[seq.request_id] = (seq.cell, engine.steps)
+        return seqs
+
+    engine.scheduler.admit = admitted
+    outputs = run_engine(engine, requests, {})
+    cell = {rid: at for rid, (at, _) in placed.items()}
+    admitted = {rid: when for rid, (_, when) in placed.items()}
+    assert cell.get("b") == cell.get("x") == 0 and cell.get("c") == 1, f"cells {cell}: not the mix's layout"
+    assert admitted.get("b") == admitted.get("d") and admitted["b"] > admitted["c"], f"admitted at {admitted}"
+    return outputs

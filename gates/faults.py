@@ -454,6 +454,17 @@ def _prefill_past_token_budget(correct):
 
 
 # ------------------------------------------------------------------ pooled KV cache
+def _prefill_groups_ignore_pool(correct):
+    def prefill_groups(self, lengths):
+        pool, self.state.pool = self.state.pool, None  # grouped as without a pool
+        try:
+            return correct(self, lengths)
+        finally:
+            self.state.pool = pool
+
+    return prefill_groups
+
+
 def _overlapping_runs(correct):
     def allocate(self, count):
         first = correct(self, count)
@@ -786,6 +797,13 @@ FAULTS: dict[str, Fault] = {
         "allocate",
         _overlapping_runs,
         CellAllocator,
+    ),
+    "prefill_padding_past_cells": Fault(
+        "pooled KV cache: batched first prefills grouped across token buckets, so a short prompt "
+        "is padded to a longer one's bucket and writes past the cells its request holds",
+        "prefill_groups",
+        _prefill_groups_ignore_pool,
+        ModelRunner,
     ),
     "dflash2_walk_last_on_tie": Fault(
         "DFlash2: the greedy walk takes the last of equal edge scores, the highest id of an exact "

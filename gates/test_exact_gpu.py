@@ -25,8 +25,12 @@ from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 
+from .checks import padding_mix_prompts, run_padding_mix
 from .exact import describe, divergences, model_ops, plain_with_logits, run_engine, verify_with
+from .faults import planted
 from .prompts import gate_prompt_ids
+
+CATCHES = ("prefill_padding_past_cells",)
 
 pytestmark = pytest.mark.gpu
 
@@ -139,6 +143,49 @@ def test_demo_gate_fails_on_vendor_kernels_in_the_verify_path(demo, numerics: st
     with verify_with(linear=TORCH.linear, attention=TORCH.attention, rms_norm=TORCH.rms_norm):
         outputs = run_engine(target, draft, prompts, max_tokens, config)
     assert divergences(references, logits, outputs), "the vendor kernels changed nothing"
+
+
+def padding_mix_references(demo, numerics: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """The padding mix's prompts (gates/checks.py PADDING_MIX) and each one's plain greedy
+    decode alone."""
+    from .checks import PADDING_MIX
+
+    target, _, prompts, _, _ = demo
+    mixed = padding_mix_prompts(next(iter(prompts.values())))
+    ops = model_ops(target, numerics)
+    return mixed, {
+        rid: plain_with_logits(target, ids, PADDING_MIX[rid][1], ops)[0] for rid, ids in mixed.items()
+    }
+
+
+@pytest.mark.parametrize("mode", ["plain", "dflash"])
+def test_captured_prefills_on_a_pooled_cache_write_only_their_own_cells(
+    demo, numerics: str, mode: str
+) -> None:
+    """A captured prefill writes its padding's keys and values: on a pooled KV cache a short
+    prompt batched with a longer one must not be padded past the cells it holds into the next
+    request's (gates/checks.py PADDING_MIX puts a live request right after it). Every output
+    equals plain greedy alone, under CUDA graphs."""
+    if numerics == "fast":
+        pytest.skip("only the exact numerics promise the bits of plain decode alone")
+    target, draft, _, _, _ = demo
+    mixed, references = padding_mix_references(demo, numerics)
+    outputs = run_padding_mix(target, draft if mode == "dflash" else None, mixed, numerics)
+    assert outputs == references, f"{mode} on a pooled KV cache under CUDA graphs != plain greedy"
+
+
+def test_pooled_padding_gate_fails_when_a_short_prompt_is_padded_to_a_longer_ones_bucket(
+    demo, numerics: str
+) -> None:
+    if numerics == "fast":
+        pytest.skip("only the exact numerics promise the bits of plain decode alone")
+    target, _, _, _, _ = demo
+    mixed, references = padding_mix_references(demo, numerics)
+    with planted("prefill_padding_past_cells"):
+        outputs = run_padding_mix(target, None, mixed, numerics)
+    assert outputs["c"] != references["c"], (
+        "a short prompt padded into the next request's cells changed nothing"
+    )
 
 
 # ----------------------------------------------------------------------------- 8: real shapes

@@ -17,9 +17,10 @@ from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
 
-from .checks import Pair, require_block
-from .faults import planted
+from .checks import Pair, padding_mix_prompts, require_block, run_padding_mix
+from .faults import FAULTS, planted
 
+# prefill_padding_past_cells shows only where prefills are captured: gates/test_exact_gpu.py
 CATCHES = ("kv_pool_overlapping_runs",)
 BLOCK = 8
 CELL = 8  # tokens a cell
@@ -109,3 +110,35 @@ def test_an_allocator_that_overlaps_runs_is_caught(pair: Pair) -> None:
     require_block(pair, BLOCK)
     with planted("kv_pool_overlapping_runs"), pytest.raises(AssertionError, match="pooled KV cache"):
         assert_pooled_equals_plain(pair, False)
+
+
+@pytest.mark.parametrize("mode", ["plain", "dflash"])
+def test_a_request_back_in_a_freed_cell_beside_a_live_one_changes_no_output(pair: Pair, mode: str) -> None:
+    """The mix the GPU tier runs under CUDA graphs (gates/checks.py PADDING_MIX): a short
+    request takes a freed cell right before a live request's run, admitted in one step with a
+    request of a larger prefill bucket. Here, without graphs, it checks the placement the GPU
+    gate relies on and that every output equals plain greedy alone."""
+    require_block(pair, 8)
+    prompts = padding_mix_prompts(pair.prompts[-1])
+    got = run_padding_mix(pair.target, pair.draft if mode == "dflash" else None, prompts, pair.numerics)
+    for rid, ids in prompts.items():
+        params = SamplingParams(max_tokens=len(got[rid]) or 1, ignore_eos=True)
+        want = generate_plain(pair.target, ids, params).output_ids
+        assert got[rid] == want, f"{pair.name}: {mode} {rid} on a pooled KV cache != plain greedy"
+
+
+def test_the_padding_fault_groups_first_chunks_across_token_buckets() -> None:
+    """prefill_padding_past_cells (planted by the GPU gate) groups a pooled cache's first
+    chunks as if there were no pool: a 5-token chunk shares a group with a 60-token one."""
+    from types import SimpleNamespace
+
+    from reference_engine.runtime.model_runner import ModelRunner
+
+    graphs = SimpleNamespace(prefill_buckets=(16, 32, 64), prefill_fits=lambda rows, longest: True)
+    graphs.token_bucket = lambda n: next(t for t in graphs.prefill_buckets if t >= n)
+    runner = SimpleNamespace(graphs=graphs, state=SimpleNamespace(pool=object()))
+    assert ModelRunner.prefill_groups(runner, [5, 60]) == [[0], [1]]
+    with planted("prefill_padding_past_cells"):
+        assert ModelRunner.prefill_groups(runner, [5, 60]) == [[0, 1]]
+    assert runner.state.pool is not None
+    assert "pad" in FAULTS["prefill_padding_past_cells"].description

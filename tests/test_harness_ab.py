@@ -181,3 +181,22 @@ def test_the_ratio_interval_resamples_both_sides() -> None:
     _, low_b, high_b = bootstrap_ratio(steady, noisy, seed=3)
     assert low_a < 1.0 < high_a and low_b < 1.0 < high_b
     assert low_a == pytest.approx(1 / high_b) and high_a == pytest.approx(1 / low_b)
+
+
+def test_a_repeat_without_a_figure_is_left_out_of_either_sides_median(tmp_path) -> None:
+    """A repeat with no value of a metric (NaN: e.g. no TPOT when every request failed or
+    produced one token) is left out of that metric's ratio on whichever side it is, not
+    carried into the median."""
+    from harness.ab import RATIO_METRICS, ratios
+
+    nan = float("nan")
+    values = {"A": (100.0, nan, 102.0, 101.0), "B": (nan, 200.0, 204.0, 202.0)}
+    summaries = [
+        {"label": label, "concurrency": 8, **dict.fromkeys(RATIO_METRICS, value)}
+        for label, repeats in values.items()
+        for value in repeats
+    ]
+    rows = [r for r in ratios(summaries, tmp_path / "ab.csv") if r["metric"] == "output_tokens_per_s"]
+    assert len(rows) == 1
+    assert rows[0]["a_median"] == 101.0 and rows[0]["b_median"] == 202.0
+    assert rows[0]["ratio"] == pytest.approx(2.0)

@@ -48,9 +48,11 @@ def test_an_event_the_stream_leaves_unended_is_discarded() -> None:
 
 
 def test_pieces_split_anywhere_read_as_the_whole() -> None:
-    body = "\ufeffdata: \u00e9\u2028\r\n\r\ndata: b\r\rdata: c\r\n\r\n".encode()
+    # the last event's two data lines end in CRLF: a CR and an LF read as two line ends
+    # would end that event after its first line
+    body = "\ufeffdata: \u00e9\u2028\r\n\r\ndata: b\r\rdata: c\r\ndata: d\r\n\r\n".encode()
     whole = event_data(body)
-    assert whole == ["\u00e9\u2028", "b", "c"]
+    assert whole == ["\u00e9\u2028", "b", "c\nd"]
     for size in (1, 2, 3, 5):
         reader = EventReader()
         got = [d for k in range(0, len(body), size) for d in reader.feed(body[k : k + size])]

@@ -341,3 +341,23 @@ def test_the_reports_itl_samples_are_the_harness_definitions() -> None:
     assert list(samples.token_ms) == pytest.approx([1000 * v for v in per_token_itl(record)])
     assert list(samples.token_ms) == pytest.approx([10, 5, 5, 5, 5, 2, 2])
     assert list(samples.chunk_ms) == pytest.approx([1000 * v for v in chunk_itl(record)])
+
+
+def test_the_reports_itl_samples_leave_out_failed_requests() -> None:
+    """A request that failed mid-stream is not measured (harness/metrics.py counts the
+    successful ones only): its chunk gaps are in neither sample of the report."""
+    import tempfile
+
+    from reports.results import _read_requests
+
+    row = {"label": "A", "concurrency": 4, "repeat": 0}
+    lines = [
+        {**row, "index": 0, "success": True, "chunk_times_s": [0.0, 0.01], "chunk_tokens": [1, 1]},
+        {**row, "index": 1, "success": False, "chunk_times_s": [0.0, 0.5, 0.9], "chunk_tokens": [1, 1, 1]},
+    ]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "requests.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        _, itl, _ = _read_requests(path, [])
+    assert list(itl[("A", 4)].token_ms) == pytest.approx([10.0])
+    assert list(itl[("A", 4)].chunk_ms) == pytest.approx([10.0])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference_engine.serving.protocol import parse_request
+from reference_engine.serving.protocol import ProtocolError, parse_request
 
 
 def tokenize(text: str) -> list[int]:
@@ -45,3 +45,32 @@ def test_top_k_minus_one_means_no_top_k(chat: bool) -> None:
         == 0
     )
     assert parsed(chat=chat, top_k=5, temperature=1.0).params.top_k == 5
+
+
+def test_stop_takes_up_to_four_strings() -> None:
+    """OpenAI's limit: four stop strings are taken, a fifth is refused."""
+    assert parsed(stop=["a", "b", "c", "d"]).stop == ("a", "b", "c", "d")
+    with pytest.raises(ProtocolError, match="at most 4"):
+        parsed(stop=["a", "b", "c", "d", "e"])
+
+
+@pytest.mark.parametrize("n", [0, -1, 2])
+def test_n_other_than_one_is_refused(n: int) -> None:
+    with pytest.raises(ProtocolError, match="only n=1"):
+        parsed(n=n)
+    assert parsed(n=1).prompt_ids == parsed().prompt_ids
+
+
+def test_chat_content_given_as_text_parts_is_the_same_request_as_a_string() -> None:
+    """OpenAI's list of {"type": "text"} parts reaches the chat template as the joined text."""
+    parts = [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]
+    as_parts = parsed(chat=True, messages=[{"role": "user", "content": parts}])
+    as_string = parsed(chat=True, messages=[{"role": "user", "content": "hello"}])
+    assert as_parts.prompt_ids == as_string.prompt_ids
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy() -> None:
+    """A temperature too small for the sampling arithmetic (below 1e-5) decodes greedily, as 0
+    does: the lowest id of a tie, the same output for every seed."""
+    assert parsed(temperature=1e-6).params.greedy and parsed(temperature=0).params.greedy
+    assert not parsed(temperature=1e-4).params.greedy

@@ -59,3 +59,23 @@ def test_greedy_ties_placed_at_random_ids_resolve_to_the_lowest() -> None:
     tied = torch.stack([torch.randperm(300, generator=gen)[:3] for _ in range(64)])  # [64, 3]
     logits.scatter_(1, tied, 10.0)
     assert torch.equal(greedy(logits), tied.min(dim=1).values)
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it_exactly() -> None:
+    """Four equally likely tokens (0.25 each, exact): top_p 0.5 is reached by two of them, so
+    two are kept, not the third whose mass before it is exactly 0.5."""
+    from reference_engine.runtime.sampling import probabilities
+
+    probs = probabilities(torch.zeros(4, dtype=torch.float64), 1.0, top_p=0.5)
+    assert sorted(probs.tolist()) == [0.0, 0.0, 0.5, 0.5]
+    probs = probabilities(torch.zeros(4, dtype=torch.float64), 1.0, top_p=0.75)
+    assert sorted(probs.tolist()) == pytest.approx([0.0, 1 / 3, 1 / 3, 1 / 3])
+
+
+def test_seed_zero_is_a_seed() -> None:
+    """seed 0 is as reproducible as any other seed (not "no seed")."""
+    from reference_engine.runtime.request import new_generator
+
+    draws = [torch.rand(4, generator=new_generator(torch.device("cpu"), 0)) for _ in range(2)]
+    assert torch.equal(*draws)
+    assert not torch.equal(draws[0], torch.rand(4, generator=new_generator(torch.device("cpu"), 1)))

@@ -271,3 +271,12 @@ def test_a_decoder_that_rewrites_text_outside_the_window_is_caught_at_the_end(ca
     assert "".join(pieces[:-1]) == "Hello world END\nHello world"  # streamed before the rewrite
     assert pieces[-1] == "!"  # the whole decode's text past what was sent
     assert [r for r in caplog.records if "differed" in r.getMessage()]
+
+
+def test_of_two_stop_strings_completed_by_one_token_the_earlier_one_cuts() -> None:
+    """ "Hello" completes "llo" and "ello" at once: the cut is at the one that starts first,
+    whatever the order the request lists them in."""
+    for stops in (("llo", "ello"), ("ello", "llo")):
+        for sizes in ([1], [2], [8]):
+            pieces, ids, stopped = run(IDS, stops, sizes)
+            assert ("".join(pieces), ids, stopped) == ("H", IDS[:2], True), (stops, sizes)

@@ -110,6 +110,21 @@ def test_a_starved_client_is_warned_about(tmp_path) -> None:
     assert "B at concurrency 4 were under 0.5 ms" in part
 
 
+def test_chunks_of_many_tokens_at_a_steady_pace_are_not_a_saturated_client(tmp_path) -> None:
+    """Saturation reads the gaps between chunks as they arrived: a speculative server's chunks
+    of 8 tokens 3 ms apart are a steady stream, though each token's share of a gap (0.375 ms)
+    is under the 0.5 ms a burst read shows."""
+    directory = write_results(tmp_path / "run")
+    path = directory / "requests.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        if r["label"] == "B" and r["concurrency"] == 4:
+            r["chunk_times_s"] = [0.05 + 0.003 * i for i in range(12)]
+            r["chunk_tokens"] = [8] * 12
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "saturated" not in verdict(build_report(directory).read_text())
+
+
 def test_a_lower_ttft_at_high_concurrency_carries_the_closed_loop_note(tmp_path) -> None:
     # the fixture's B has half A's TTFT at every concurrency
     part = verdict(build_report(write_results(tmp_path / "run")).read_text())

@@ -50,6 +50,18 @@ def test_medians_carry_min_and_max_and_disagreeing_repeats_are_warned_about(
     ) in out
 
 
+def test_the_spread_is_read_against_the_median() -> None:
+    """95 to 105.5 around a median of 100 spreads by 10.5% of the median: warned (against the
+    highest repeat it would be 9.95%, and against the lowest 11.1%: 96 to 106 is 10% of the
+    median, not warned)."""
+    wide = bench.median_row([run_row(95.0, 50.0), run_row(100.0, 50.0), run_row(105.5, 50.0)])
+    assert [w.split(" (")[0] for w in bench.disagreements(wide, ["output_tokens_per_s"])] == [
+        "dflash c=4 output_tokens_per_s 100.0"
+    ]
+    edge = bench.median_row([run_row(96.0, 50.0), run_row(100.0, 50.0), run_row(106.0, 50.0)])
+    assert bench.disagreements(edge, ["output_tokens_per_s"]) == []
+
+
 def test_the_profile_report_names_the_spread_and_warns_when_repeats_disagree() -> None:
     steady = {**bench.median_row([run_row(100.0, 50.0), run_row(101.0, 51.0)]), "file": "b.csv"}
     notes = from_bench_row({k: str(v) for k, v in steady.items()}).notes

@@ -89,6 +89,21 @@ class Shape:
 SHAPES = [
     Shape("qwen3", hidden=64, layers=4, seed=0, tie_word_embeddings=False),
     Shape("qwen3", hidden=128, layers=3, seed=1, tie_word_embeddings=True),
+    # sliding-window attention from layer 2 on, a window of 8: the prompt and every decode
+    # step reach past it
+    Shape(
+        "qwen3",
+        hidden=64,
+        layers=4,
+        seed=6,
+        tie_word_embeddings=False,
+        options=(
+            (
+                "config_overrides",
+                (("use_sliding_window", True), ("sliding_window", 8), ("max_window_layers", 2)),
+            ),
+        ),
+    ),
     Shape("qwen3_5", hidden=64, layers=4, seed=0, tie_word_embeddings=False),
     Shape("qwen3_5", hidden=96, layers=5, seed=2, tie_word_embeddings=True),
     Shape("qwen3_5", hidden=128, layers=3, seed=3, tie_word_embeddings=False),
@@ -411,3 +426,34 @@ def test_both_expert_layouts_load_to_the_same_model_here_and_in_transformers(
         ).logits
     assert torch.equal(logits["fused"], logits["per_expert"])
     assert torch.equal(hf["fused"](input_ids=prompt).logits, hf["per_expert"](input_ids=prompt).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_angles_are_transformers_bit_for_bit_in_every_dtype(dtype: torch.dtype) -> None:
+    """cos and sin of the rotary angles, computed in float32 and rounded to the model's dtype as
+    transformers computes them: at positions past 256 an angle computed in bfloat16 is another
+    angle (the position itself rounds)."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    config = transformers.Qwen3Config(
+        hidden_size=256,
+        num_attention_heads=2,
+        head_dim=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    positions = torch.tensor([[0, 1, 255, 257, 1001, 4097, 32767]])
+    hf_cos, hf_sin = modeling_qwen3.Qwen3RotaryEmbedding(config)(torch.zeros(1, dtype=dtype), positions)
+    cos, sin = RotaryEmbedding(128, 1000000.0).cos_sin(positions, dtype)
+    assert torch.equal(cos[:, :, 0], hf_cos) and torch.equal(sin[:, :, 0], hf_sin)
+
+
+def test_the_gated_deltanet_l2_norm_is_transformers_l2norm() -> None:
+    """The query and key L2 norm of Gated DeltaNet with FLA's epsilon (1e-6), as transformers'
+    Qwen3.5: on vectors whose squared norm is near the epsilon the two still agree."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from reference_engine.kernels.reference import l2_norm
+
+    scale = torch.tensor([1e-4, 1e-3, 1e-2, 1.0], dtype=torch.float64)[:, None, None]
+    x = torch.randn(4, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * scale
+    assert torch.allclose(l2_norm(x), modeling_qwen3_5.l2norm(x), rtol=1e-12, atol=0)

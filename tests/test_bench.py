@@ -133,6 +133,21 @@ def test_step_time_holds_the_top_level_phases_and_counts_every_step(checkpoint_r
         assert int(row["n_sample"]) >= int(row["concurrency"])  # at least each prompt's first
 
 
+def test_per_step_figures_divide_by_the_steps_and_hold_every_phase_of_a_step(checkpoint_run) -> None:
+    """ms_per_step is ms_step over the engine's steps (not its tokens), and a decode step's
+    time (ms_per_decode_step) holds the decode phase per decode (plain), or the draft,
+    verify, accept and commit phases per verify (DFlash)."""
+    _, _, rows = checkpoint_run
+    for row in rows:
+        assert float(row["ms_per_step"]) == pytest.approx(float(row["ms_step"]) / int(row["steps"]))
+        speculative = row["mode"] == "dflash"
+        names = ("draft", "verify", "accept", "commit") if speculative else ("decode",)
+        count = int(row["n_verify" if speculative else "n_decode"])
+        want = sum(float(row[f"ms_{name}"]) for name in names) / count
+        assert float(row["ms_per_decode_step"]) == pytest.approx(want)
+        assert speculative == (float(row["ms_commit"]) > 0)
+
+
 def test_the_printed_table_has_the_header_and_one_line_per_row(checkpoint_run) -> None:
     _, stdout, rows = checkpoint_run
     lines = stdout.splitlines()

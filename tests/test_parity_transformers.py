@@ -457,3 +457,24 @@ def test_the_gated_deltanet_l2_norm_is_transformers_l2norm() -> None:
     scale = torch.tensor([1e-4, 1e-3, 1e-2, 1.0], dtype=torch.float64)[:, None, None]
     x = torch.randn(4, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * scale
     assert torch.allclose(l2_norm(x), modeling_qwen3_5.l2norm(x), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norms_are_transformers_bit_for_bit_in_every_dtype(dtype: torch.dtype) -> None:
+    """Qwen3's RMSNorm (the normed value rounded to the model's dtype, then times the weight)
+    and Qwen3.5's (times 1 + weight in float32, then rounded), as transformers runs them: in
+    half precision the order of the rounding and the product changes bits."""
+    from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from reference_engine.kernels.reference import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 9, 256, generator=gen) * 3).to(dtype)
+    for hf_class, offset, weight in (
+        (modeling_qwen3.Qwen3RMSNorm, False, 1 + 0.1 * torch.randn(256, generator=gen)),
+        (modeling_qwen3_5.Qwen3_5RMSNorm, True, 0.1 * torch.randn(256, generator=gen)),
+    ):
+        hf = hf_class(256, eps=1e-6).to(dtype)
+        hf.weight.data.copy_(weight.to(dtype))
+        assert torch.equal(rms_norm(x, weight.to(dtype), 1e-6, offset), hf(x)), hf_class.__name__

@@ -121,6 +121,8 @@ def test_text_prompt_and_chat_template(dflash_server, target, pair_dirs) -> None
     rendered = (
         jinja2.Environment().from_string(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
     )
+    # ChatML as Qwen checkpoints write it: the assistant's turn opens on a line of its own
+    assert rendered == "<|im_start|>user\nWhat is a cache?<|im_end|>\n<|im_start|>assistant\n"
     chat = httpx.post(
         dflash_server.url + "/v1/chat/completions",
         timeout=60,

@@ -140,6 +140,10 @@ def test_per_step_figures_divide_by_the_steps_and_hold_every_phase_of_a_step(che
     _, _, rows = checkpoint_run
     for row in rows:
         assert float(row["ms_per_step"]) == pytest.approx(float(row["ms_step"]) / int(row["steps"]))
+        # throughput over the run's wall time, prefill and the host's work between steps included
+        assert float(row["output_tokens_per_s"]) == pytest.approx(
+            int(row["output_tokens"]) / float(row["wall_s"])
+        )
         speculative = row["mode"] == "dflash"
         names = ("draft", "verify", "accept", "commit") if speculative else ("decode",)
         count = int(row["n_verify" if speculative else "n_decode"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
 import torch
 
 from reference_engine import bench
@@ -43,7 +44,7 @@ def test_the_floor_counts_the_bytes_it_streams_and_its_spread(tiny_checkpoint) -
     floor = weight_streaming_floor(model, repeats=5)
     assert floor.bytes == sum(w.numel() * 4 for w in streamed_weights(model))
     assert 0 < floor.ms_min <= floor.ms_median <= floor.ms_max and floor.repeats == 5
-    assert floor.gb_per_s > 0
+    assert floor.gb_per_s == pytest.approx(floor.bytes / (floor.ms_median / 1000) / 1e9)  # GB/s
 
 
 def test_the_benchmark_gives_each_step_as_a_multiple_of_the_floor(tmp_path: Path, capsys) -> None:
@@ -105,6 +106,10 @@ def test_an_moe_floor_reads_the_experts_it_is_told_and_k_by_default() -> None:
     assert weight_streaming_floor(target, repeats=2, experts_per_layer=6.4).bytes == 4 * (
         dense + config.num_hidden_layers * 6 * expert
     )
+    # a mean of 6.6 distinct experts reads 7, the nearest whole count (not 6, cut down)
+    assert weight_streaming_floor(target, repeats=2, experts_per_layer=6.6).bytes == 4 * (
+        dense + config.num_hidden_layers * 7 * expert
+    )
 
 
 def test_the_benchmark_counts_the_distinct_experts_of_each_step(tmp_path: Path, capsys) -> None:
@@ -143,6 +148,28 @@ def test_with_a_context_the_floor_reads_each_requests_cache_too(tiny_checkpoint)
         floor = weight_streaming_floor(model, repeats=2, rows=3, context=50)
         assert weights.cache_bytes == 0 and floor.cache_bytes == want
         assert floor.bytes == weights.bytes + want
+
+
+def test_a_sliding_window_layer_reads_at_most_its_window_of_cache(tiny_checkpoint) -> None:
+    """A sliding-window layer's query sees its last `sliding_window` keys, however long the
+    context: the floor reads that many of its rows per request, the full layers the context."""
+    from reference_engine.bench.floor import cache_matrices
+
+    overrides = (("use_sliding_window", True), ("sliding_window", 8), ("max_window_layers", 1))
+    model = load_target(tiny_checkpoint("qwen3", config_overrides=overrides), dtype=torch.float32)
+    c = model.config
+    assert c.sliding_window == 8 and "sliding_attention" in c.layer_types
+    row = 2 * c.num_key_value_heads * c.head_dim * 4  # a position's key and value, float32
+    for context in (5, 50):
+        seen = [min(context, 8) if k == "sliding_attention" else context for k in c.layer_types]
+        want = sum(3 * n * row for n in seen)
+        assert sum(m.numel() * m.element_size() for m in cache_matrices(model, 3, context)) == want
+
+
+def test_the_mean_context_is_the_mean_prompt_and_half_the_output() -> None:
+    from types import SimpleNamespace
+
+    assert bench.mean_context([[1] * 10, [2] * 20], SimpleNamespace(output_len=8)) == 19
 
 
 def test_the_prefill_floor_counts_every_product_over_the_prompt_and_the_causal_attention(

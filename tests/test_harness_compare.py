@@ -700,3 +700,19 @@ def test_markdown_has_a_table_per_level_and_per_context() -> None:
     text = markdown(results, summary)
     assert "| concurrency | prompts | exact |" in text and "| 2 | 2 | 2 |" in text
     assert "| context | prompts | exact |" in text and "| ~512 | 2 | 2 |" in text
+
+
+def test_the_tie_rate_is_judged_at_each_concurrency_not_pooled() -> None:
+    """max_tie_rate holds at every level: ties at half the prompts of concurrency 1 fail the
+    run, though pooled with a clean concurrency 8 they are a quarter of all prompts."""
+    tie = Divergence(3, 5, 6, "<5>", "<6>", 0.001, "tie")
+    results = [
+        PromptResult(i, exact=not tied, compared_tokens=8, divergences=[tie] if tied else [], concurrency=c)
+        for c in (1, 8)
+        for i in range(4)
+        for tied in [c == 1 and i < 2]
+    ]
+    summary = verdict(results, ComparePolicy(max_tie_rate=0.3))
+    assert summary["tie_rate"] == 0.25 and summary["by_concurrency"]["1"]["tie_rate"] == 0.5
+    assert (summary["verdict"], summary["reason"]) == ("fail", "ties")
+    assert verdict(results, ComparePolicy(max_tie_rate=0.5))["verdict"] == "pass"

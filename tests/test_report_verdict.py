@@ -237,3 +237,14 @@ def test_a_server_thread_near_a_full_core_is_noted(tmp_path) -> None:
     part = verdict(build_report(directory).read_text())
     assert "**Note: the servers' host side was near a full core**" in part
     assert "A's server process 93% (concurrency 4)" in part and "B's engine loop 97% (concurrency 4)" in part
+
+
+def test_without_ab_csv_the_speed_up_is_b_over_a_from_the_medians(tmp_path) -> None:
+    directory = write_results(tmp_path / "run", ab=False)
+    name_sides(directory)
+    part = verdict(build_report(directory).read_text())
+    # medians 102.5 (A) and 230.0 (B) tok/s at concurrency 1
+    assert (
+        "Concurrency 1: dflash delivers 2.24x the output throughput of plain "
+        "(no interval: `ab.csv` absent): dflash is faster."
+    ) in part

@@ -26,6 +26,9 @@ def test_a_soak_passes_with_arrivals_aborts_and_every_output_checked(tiny_pair, 
     assert result["finished"] > 4 and result["aborted"] > 0
     assert result["arrived"] == result["finished"] + result["aborted"]
     assert len(result["batch_sizes"]) > 2  # the batch kept changing
+    # every finished request asked for 8 to 24 tokens and ignores EOS: its output is that long
+    assert 8 * result["finished"] <= result["output_tokens"] <= 24 * result["finished"]
+    assert result["output_tokens_per_s"] == result["output_tokens"] / result["seconds"]
 
 
 def test_a_soak_fails_on_an_engine_that_breaks_output(tiny_pair, tmp_path: Path) -> None:

@@ -222,6 +222,7 @@ def summary(soak: Soak, reference: dict[str, list[int]], engine: Engine) -> dict
         "aborted": soak.aborted,
         "errors": soak.errors,
         "mismatches": mismatches,
+        "output_tokens": soak.output_tokens,  # of the finished requests
         "output_tokens_per_s": soak.output_tokens / soak.seconds if soak.seconds else 0.0,
         "batch_sizes": dict(sorted(soak.batch_sizes.items())),
         "verify_widths": engine.stats().get("verify_widths", {}),

@@ -301,3 +301,18 @@ def test_checkpoint_errors_are_one_error_line_with_exit_code_2(
     (path / "config.json").write_text(json.dumps({**raw, "model_type": "mistral"}))
     result = main_in_process(capsys, "--model", str(path), "--prompt-ids", "1", "--max-tokens", "2")
     assert_one_error_line(*result, "unknown model_type 'mistral'")
+
+
+def test_a_sampled_run_follows_its_seed(capsys: pytest.CaptureFixture[str], qwen3_checkpoint: Path) -> None:
+    """--seed seeds the sampling: the same seed gives the same tokens, another seed others."""
+
+    def sampled(seed: int) -> list[int]:
+        args = ["--model", str(qwen3_checkpoint), "--prompt-ids", ",".join(map(str, PROMPT_IDS))]
+        args += ["--max-tokens", "12", "--dtype", "float64", "--ignore-eos", "--json"]
+        code, out, err = main_in_process(capsys, *args, "--temperature", "1.0", "--seed", str(seed))
+        assert code == 0, err
+        return json.loads(out)["output_ids"]
+
+    first = sampled(5)
+    assert sampled(5) == first
+    assert sampled(6) != first and sampled(0) != first

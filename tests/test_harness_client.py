@@ -124,6 +124,21 @@ def test_one_client_process_sustains_hundreds_of_requests_per_second() -> None:
     assert rate > 150
 
 
+def test_a_request_waiting_for_a_stream_is_not_sent_before_one_frees(tmp_path) -> None:
+    """At concurrency 2 a request is sent (and its TTFT clock starts) when a stream frees,
+    not queued inside the HTTP client from the start: of six requests of about 0.12 s each,
+    two are sent at once and the others after the first ones end."""
+    server, url = serve(Script([(0.06, [1]), (0.06, [2, 3])]))
+    try:
+        spec = LoadSpec(concurrency=2, num_prompts=6, output_len=3, warmup=0, timeout_s=10.0)
+        records, _ = asyncio.run(run_requests(Endpoint(url), synthetic(6, 4, 0), spec))
+    finally:
+        server.shutdown()
+    assert all(r.success for r in records)
+    sends = sorted(r.send_s for r in records)
+    assert sends[1] < 0.05 <= sends[2], sends
+
+
 def spread_run(tmp_path, prompts: list, concurrency: int, processes: int) -> tuple[dict, list[dict], Script]:
     script = Script([(0.01, [1]), (0.01, [2, 3])])
     server, url = serve(script)

@@ -109,6 +109,16 @@ def test_a_position_that_accepted_nothing_in_the_run_keeps_its_place() -> None:
     assert got["acceptance_per_position"] == pytest.approx([0.9, 0.0, 0.5])
 
 
+def test_per_position_acceptance_is_in_position_order_past_nine() -> None:
+    """A block of 16 has 15 draft positions: the tenth comes after the ninth (not after the
+    first, as text sorts them)."""
+    falling = [float(100 - 5 * k) for k in range(15)]
+    before = parse(counters("dflash:", 0, 0, 0, [0.0] * 15, 'server="ref"'))
+    after = parse(counters("dflash:", 100, 1500, sum(falling), falling, 'server="ref"'))
+    got = acceptance_from_counters(before, after)
+    assert got["acceptance_per_position"] == pytest.approx([v / 100 for v in falling])
+
+
 def test_per_request_acceptance_counts_completed_requests_only() -> None:
     done = {"steps": 2, "proposed": 14, "accepted": 6, "acceptance_lengths": [4, 4]}
     cut = {"steps": 5, "proposed": 35, "accepted": 0, "acceptance_lengths": [1, 1, 1, 1, 1]}

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from reference_engine import bench
+from reference_engine.bench import step_experts
 from reference_engine.bench.floor import streamed_weights, weight_streaming_floor
 from reference_engine.checkpoint import load_target
+from reference_engine.models.moe import ExpertCensus
 
 
 def test_a_step_streams_every_matrix_and_the_embedding_only_as_a_tied_head(tiny_checkpoint) -> None:
@@ -199,3 +201,16 @@ def test_the_census_means_over_every_width_a_speculative_run_verified_at() -> No
     assert census.mean_distinct(16) == 40.0
     assert census.mean_distinct(*range(1, 17)) == (60 + 40) / 4
     assert census.mean_distinct(2, 4) is None
+
+
+def test_a_speculative_runs_experts_are_read_from_its_verifies_at_every_width() -> None:
+    """The census rows a step's figure reads: plain reads one-token steps; DFlash reads every
+    verify width 1 through the block size (a full block included) and leaves prefill out."""
+    block = 4
+    census = ExpertCensus("cpu")
+    for tokens, distinct in ((1, 4), (2, 6), (block, 12), (16, 40)):  # 16: a prefill chunk
+        counter = census.counter(tokens)
+        counter += torch.tensor([distinct, 1])
+    assert step_experts(None, block, speculative=True) is None  # a dense target
+    assert step_experts(census, block, speculative=False) == 4.0
+    assert step_experts(census, block, speculative=True) == (4 + 6 + 12) / 3

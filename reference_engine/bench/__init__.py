@@ -387,12 +387,7 @@ def run_once(
         "ms_per_decode_step": decode_step_ms(phases, engine.timer.calls, kind, draft is not None),
         **{f"n_{phase}": engine.timer.calls[phase] for phase in PHASES},
         "phase_clock": "cuda_events" if on_gpu else "host",
-        # a mixture of experts: distinct experts per layer of a decode step (plain) or verify
-        # (a verify at any width up to the block's, its forward W + 1 tokens wide; prefill
-        # chunks are wider than a block unless the prompts are as short)
-        "distinct_experts": census.mean_distinct(*range(1, block + 1) if draft else (1,))
-        if census is not None
-        else None,
+        "distinct_experts": step_experts(census, block, draft is not None),
         "steps": steps,
         # DFlash: the verify width (draft tokens checked) per step, mean and counts
         "verify_width_mean": mean_width(stats.get("verify_widths")) if draft else None,
@@ -405,6 +400,16 @@ def run_once(
         "wall_s": wall,
     }
     return {"row": row, "outputs": outputs}
+
+
+def step_experts(census: ExpertCensus | None, block: int, speculative: bool) -> float | None:
+    """A mixture of experts: distinct experts per layer of a decode step (plain: one token a
+    row) or of a verify (DFlash: any width up to the block's, its forward W + 1 tokens a row,
+    1 through the block size; a plain step of a DFlash run is width 1). Prefill chunks are
+    wider than a block unless the prompts are as short. None for a dense target."""
+    if census is None:
+        return None
+    return census.mean_distinct(*range(1, block + 1) if speculative else (1,))
 
 
 def decode_step_ms(phases: dict, calls: dict, kind: str, speculative: bool) -> float:

@@ -165,6 +165,12 @@ def client_split(concurrency: int, processes: int, prompts: int) -> int:
     return max(d for d in range(1, top + 1) if concurrency % d == 0)
 
 
+def merged_end(so_far: tuple[float, float], reported: tuple[float, float]) -> tuple[float, float]:
+    """The run's (end, busiest share) once one more client process has reported its own: the
+    latest end and the highest share, whatever order the processes' reports are read in."""
+    return max(so_far[0], reported[0]), max(so_far[1], reported[1])
+
+
 def run_in_processes(
     endpoint: Endpoint, prompts: list[Prompt], spec: LoadSpec, on_record=None, label: str = ""
 ) -> tuple[list[RequestRecord], float, float]:
@@ -217,7 +223,7 @@ def run_in_processes(
                 elif kind == "record":
                     collected.take(value)
                 elif kind == "end":
-                    end, busy = max(end, value[0]), max(busy, value[1])
+                    end, busy = merged_end((end, busy), value)
                 else:  # "failed", with its traceback
                     print(f"\na client process failed:\n{value}", file=sys.stderr)
     finally:

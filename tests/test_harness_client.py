@@ -9,7 +9,7 @@ import time
 import pytest
 
 from harness.client import Endpoint, RequestRecord, StreamReader
-from harness.load import LoadSpec, client_processes_for, client_split, measure, run_requests
+from harness.load import LoadSpec, client_processes_for, client_split, measure, merged_end, run_requests
 from harness.metrics import calculate_metrics, chunk_itl, per_token_itl, tpot
 from harness.workloads import Prompt, synthetic
 
@@ -371,3 +371,15 @@ def test_without_token_ids_a_running_usage_gives_each_chunk_its_tokens() -> None
         event = {"choices": [{"text": text, "finish_reason": None}], "usage": {"completion_tokens": running}}
         counts.append(counter.tokens(event, "completions", record))
     assert counts == [1, 3, 5, 1] and record.count_source == "usage"
+
+
+def test_the_run_ends_at_the_latest_client_process_end_in_any_order_of_reports() -> None:
+    """Client processes report (end, share on a core) when done; their reports are read in
+    whatever order the pipes deliver them. The run ends at the latest end and counts the
+    busiest share, not the last report read."""
+    reports = [(10.0, 0.4), (12.5, 0.2), (11.0, 0.9)]
+    for order in (reports, reports[::-1], [reports[1], reports[0], reports[2]]):
+        so_far = (0.0, 0.0)
+        for reported in order:
+            so_far = merged_end(so_far, reported)
+        assert so_far == (12.5, 0.9)

@@ -189,3 +189,45 @@ def test_dtype_auto_is_the_checkpoints_own_and_float32_for_half_precision_on_the
     noted = f"runs the {half} checkpoint in float32 on the CPU" in capsys.readouterr().err
     assert noted == (device == "cpu" and half in ("bfloat16", "float16"))
     assert resolve_dtype("bfloat16", str(tmp_path), torch.device("cpu")) == torch.bfloat16
+
+
+def test_options_left_out_give_the_engine_configs_defaults_and_vllms_memory_share() -> None:
+    """A parser given none of the engine options builds the EngineConfig defaults (slots,
+    commit strategy, prefill chunk, cell size), and --gpu-memory-utilization defaults to
+    vLLM's 0.9 (docs/engine.md, Memory)."""
+    parser = argparse.ArgumentParser()
+    names = ("max_num_seqs", "commit_strategy", "prefill_chunk", "kv_cell_tokens", "gpu_memory_utilization")
+    add_engine_options(parser, *names)
+    built = engine_config(parser.parse_args([]))
+    default = EngineConfig()
+    for name in names[:-1]:
+        assert getattr(built, name) == getattr(default, name), name
+    assert built.gpu_memory_utilization == 0.9
+
+
+def test_a_plain_override_sets_the_options_default() -> None:
+    """add_engine_options(parser, "device", device="cuda"): a value that is not a dict of
+    argparse keywords becomes the option's default, and the flag still wins."""
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser, "device", "max_num_seqs", device="cuda", max_num_seqs=3)
+    assert vars(parser.parse_args([])) == {"device": "cuda", "max_num_seqs": 3}
+    assert parser.parse_args(["--device", "cpu"]).device == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_is_refused_where_there_is_none() -> None:
+    with pytest.raises(RequestError, match="--device cuda:1 asked for, but no CUDA device is available"):
+        resolve_device("cuda:1")
+    assert resolve_device("cpu").type == "cpu"
+
+
+def test_dtype_auto_refuses_a_checkpoint_dtype_it_does_not_run_and_prefers_torch_dtype(tmp_path) -> None:
+    """A checkpoint naming a dtype outside DTYPES is a ConfigError asking for --dtype; a
+    config naming both `torch_dtype` and transformers 5's `dtype` is read by `torch_dtype`."""
+    from reference_engine.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "int8"}))
+    with pytest.raises(ConfigError, match="the checkpoint's dtype 'int8' is not one of .*; pass --dtype"):
+        resolve_dtype("auto", str(tmp_path), torch.device("cpu"))
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16", "dtype": "float32"}))
+    assert resolve_dtype("auto", str(tmp_path), torch.device("cuda")) == torch.bfloat16

@@ -76,6 +76,17 @@ def test_a_pool_must_hold_one_request_of_the_full_room() -> None:
         PoolLayout.for_tokens(100, 0, 10)
 
 
+def test_a_pool_of_exactly_one_room_is_accepted_and_a_cell_of_no_tokens_is_named() -> None:
+    """The pool need only hold one request of the full room: C x S equal to the room is
+    enough. A layout built directly with cells of 0 tokens is refused for that reason, not
+    for the pool's size."""
+    assert PoolLayout(cells=4, cell_tokens=8, room=32).rows == 64
+    with pytest.raises(ConfigError, match="does not hold one request"):
+        PoolLayout(cells=4, cell_tokens=8, room=33)
+    with pytest.raises(ConfigError, match="kv_cell_tokens must be positive, got 0"):
+        PoolLayout(cells=4, cell_tokens=0, room=32)
+
+
 def test_the_engine_admits_by_cells_and_any_request_of_the_context_fits_the_pool(tiny_checkpoint) -> None:
     from reference_engine.checkpoint import load_target
     from reference_engine.runtime.engine import Engine, EngineConfig
@@ -144,6 +155,18 @@ def test_the_memory_plan_counts_the_pool_not_slots_times_the_room() -> None:
     assert "a pooled KV cache of 1000000 tokens" in message and "lower --kv-cache-tokens" in message
     fit = (pooled.budget - 65 * 1000) // (128 * 1024)
     assert f"at most {fit - 32784} fits" in message and "\n" not in message
+
+
+def test_a_pooled_state_of_exactly_the_budget_fits() -> None:
+    """A pooled KV cache whose state is exactly the budget is accepted; one row more is
+    refused."""
+    cost = StateCost(per_token=1024, per_slot=0)
+    args = dict(total=100 * GiB, utilization=1.0, weights=16 * GiB, activations=2 * GiB, cost=cost)
+    rows = 82 * GiB // 1024
+    exact = plan_memory(**args, slots=4, room=48, max_num_seqs=3, max_model_len=32, pool_rows=rows)
+    assert exact.state == exact.budget == 82 * GiB
+    with pytest.raises(ConfigError, match="lower --kv-cache-tokens"):
+        plan_memory(**args, slots=4, room=48, max_num_seqs=3, max_model_len=32, pool_rows=rows + 1)
 
 
 def test_the_kv_cache_usage_is_the_share_of_cells_held_and_is_exported(tiny_checkpoint) -> None:

@@ -87,6 +87,21 @@ def test_weights_that_leave_nothing_are_refused_before_the_state_is_weighed() ->
         plan(utilization=0.15)
 
 
+def test_weights_and_activations_that_take_the_whole_share_leave_no_memory() -> None:
+    """A budget of exactly 0 bytes (weights and activations take all of F x total) is refused
+    as leaving no memory, not weighed against the state."""
+    with pytest.raises(ConfigError, match="no memory left for the state"):
+        plan(utilization=1.0, weights=98 * GiB, activations=2 * GiB)
+
+
+def test_slots_whose_own_state_passes_the_budget_hold_zero_tokens_not_a_negative_count() -> None:
+    """When the per-slot state alone passes the budget, tokens_that_fit is 0 and the refusal
+    says the budget holds 0 tokens."""
+    cost = StateCost(per_token=1024, per_slot=GiB)
+    with pytest.raises(ConfigError, match=r"holds 0 tokens over 80 slots"):
+        plan(cost=cost, slots=80, max_num_seqs=80)
+
+
 @pytest.mark.parametrize("utilization", [0.0, -0.5, 1.01])
 def test_the_utilization_is_a_share_in_zero_to_one(utilization: float) -> None:
     with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):

@@ -96,3 +96,37 @@ def test_a_steps_tokens_stay_within_the_budget_counting_each_last_chunks_first_d
             else:
                 assert cost(seq) > left, (budget, running, prompts)
         assert left >= 0 or len(chosen) == 1, (budget, running, prompts)
+
+
+def test_an_aborted_waiting_request_leaves_the_queue_and_never_takes_a_slot() -> None:
+    """abort on a request still waiting for a slot: it leaves the queue, so the slot freed
+    next goes to the request behind it, and the aborted one is unknown afterwards."""
+    s = Scheduler(1, "wait", 8, None, 8, CHUNK, None, BLOCK)
+    for rid in ("x", "w", "z"):
+        s.queue(Sequence(rid, [1], SamplingParams(max_tokens=8), frozenset(), 0.0, False))
+    assert ids(s.admit()) == ["x"]
+    aborted = s.abort("w")
+    assert aborted.phase is Phase.FINISHED and aborted.finish_reason == "abort" and aborted.slot is None
+    assert ids(list(s.waiting)) == ["z"]
+    s.finish(s.get("x"))
+    assert ids(s.admit()) == ["z"] and s.get("z").slot == 0
+    assert not s.waiting and aborted.slot is None
+
+
+def test_low_acceptance_falls_back_once_after_steps_have_run_and_not_at_the_threshold() -> None:
+    """check_low_acceptance: a speculative request is judged only once it has run
+    `fallback_after_steps` steps (none before), and falls back only when its mean acceptance
+    length is below the threshold (a mean exactly at it keeps drafting)."""
+    s = Scheduler(2, "wait", 8, 2.0, 3, CHUNK, None, BLOCK)
+    low = Sequence("low", [1], SamplingParams(max_tokens=8), frozenset(), 0.0, True)
+    even = Sequence("even", [1], SamplingParams(max_tokens=8), frozenset(), 0.0, True)
+    for seq in (low, even):
+        s.queue(seq)
+    for step in range(3):
+        low.record_step(3, 0, 1, [5, 5, 5])  # acceptance length 1 every step
+        even.record_step(3, 1, 2, [5, 5, 5])  # exactly the threshold, 2
+        s.check_low_acceptance(low)
+        s.check_low_acceptance(even)
+        assert low.speculative == (step < 2)  # judged at the third step, not before
+    assert low.fallback_reason == "low_acceptance" and s.fallbacks == {"low_acceptance": 1}
+    assert even.speculative and even.fallback_reason is None

@@ -247,6 +247,69 @@ def test_a_chunked_body_without_a_length_is_held_to_the_limit_too(server) -> Non
     assert "at most 4194304" in r.json()["error"]["message"]
 
 
+def _read(body: bytes, limits, chunk: int, declare_length: bool) -> bytes:
+    """read_body on a real Starlette request carrying `body` in parts of `chunk` bytes."""
+    from starlette.requests import Request
+
+    from reference_engine.serving.limits import read_body
+
+    headers = [(b"content-type", b"application/json")]
+    if declare_length:
+        headers.append((b"content-length", str(len(body)).encode()))
+    parts = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
+    messages = [
+        {"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)
+    ]
+
+    async def receive():
+        return messages.pop(0)
+
+    request = Request({"type": "http", "method": "POST", "headers": headers}, receive)
+    return asyncio.run(read_body(request, limits))
+
+
+@pytest.mark.parametrize("declare_length", [True, False], ids=["content-length", "chunked"])
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_gets_413(declare_length: bool) -> None:
+    """The limit is the most bytes accepted: a body of max_bytes is read whole, whether its
+    length is declared or counted as it streams in; one byte more is refused with 413."""
+    from reference_engine.serving.limits import BodyLimits
+
+    limits = BodyLimits(max_bytes=100)
+    body = b"[" + b"1," * 48 + b"10]"
+    assert len(body) == 100 and _read(body, limits, 30, declare_length) == body
+    with pytest.raises(ProtocolError, match="at most 100") as info:
+        _read(body + b" ", limits, 30, declare_length)
+    assert info.value.status == 413
+
+
+def test_a_body_limit_of_zero_bytes_is_refused() -> None:
+    from reference_engine.errors import ConfigError
+    from reference_engine.serving.limits import BodyLimits
+
+    with pytest.raises(ConfigError, match="body size limit must be positive, got 0 bytes"):
+        BodyLimits(max_bytes=0)
+
+
+def test_json_limits_accept_their_bound_and_refuse_one_past_it() -> None:
+    """decode_json: nesting of exactly max_depth levels (the default, 32) is accepted and one
+    more refused; an integer of max_int_digits digits is accepted, with or without its minus
+    sign, and one digit more refused; a lone surrogate is refused even as the whole body."""
+    from reference_engine.serving.limits import BodyLimits, decode_json
+
+    limits = BodyLimits()
+    assert limits.max_depth == 32
+    deep = b"[" * 32 + b"]" * 32
+    assert decode_json(deep, limits) is not None
+    with pytest.raises(ProtocolError, match="more than 32 levels deep"):
+        decode_json(b"[" + deep + b"]", limits)
+    digits = b"9" * limits.max_int_digits
+    assert decode_json(b"[" + digits + b", -" + digits + b"]", limits) == [int(digits), -int(digits)]
+    with pytest.raises(ProtocolError, match="has 33 digits; at most 32"):
+        decode_json(b"[" + digits + b"9]", limits)
+    with pytest.raises(ProtocolError, match="invalid character"):
+        decode_json(b'"\\ud800"', limits)
+
+
 def test_a_large_prompt_under_the_limit_does_not_stall_the_event_loop(server) -> None:
     text = "word " * 600_000  # 3 MB: accepted size, too long for the context
 

@@ -296,3 +296,46 @@ def test_per_token_buffers_put_a_row_at_the_same_place_for_any_row_count(hybrid:
     read = [*state.verify_inputs_of(layer, 3, T), state.verify_states_of(layer, 3, T)]
     for i, (wide, narrow) in enumerate(zip(written, read)):
         assert torch.equal(narrow, wide[:3]), f"view {i} of 5 moved with the row count"
+
+
+def test_per_token_checkpoint_spacing_must_be_positive_and_counts_whole_states() -> None:
+    """kept_states: ceil(T / every) states, and a spacing below 1 is a ValueError naming it."""
+    from reference_engine.runtime.state import kept_states
+
+    assert [kept_states(T, 3) for T in (1, 3, 4, 8)] == [1, 1, 2, 3]
+    with pytest.raises(ValueError, match="every must be >= 1, got 0"):
+        kept_states(8, 0)
+
+
+def test_the_per_token_checkpoints_run_on_the_triton_dtypes_of_cuda_alone() -> None:
+    """checkpoint_every: PER_TOKEN_EVERY where the Triton kernel runs (CUDA in bfloat16,
+    float16 or float32), NO_CHECKPOINTS on the references (the CPU, or CUDA in float64)."""
+    from reference_engine.runtime.state import NO_CHECKPOINTS, PER_TOKEN_EVERY, checkpoint_every
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert checkpoint_every("cuda", dtype) == PER_TOKEN_EVERY
+        assert checkpoint_every("cpu", dtype) == NO_CHECKPOINTS
+    assert checkpoint_every("cuda:0", torch.float64) == NO_CHECKPOINTS
+
+
+def test_a_verify_longer_than_the_per_token_buffers_is_refused(hybrid: CausalLM) -> None:
+    """The per_token views are sized for `verify_len` tokens and `num_slots` rows: a verify
+    of more tokens, or of more rows, is refused rather than read past its region."""
+    state = TargetState(hybrid.config, 3, MAX_LEN, torch.float32, "cpu", 4, "per_token", every=2)
+    layer = hybrid.config.linear_layers[0]
+    assert state.verify_inputs_of(layer, 3, 4)[0].shape[:2] == (3, 4)
+    for rows, T in ((3, 5), (4, 4)):
+        for view in (state.verify_inputs_of, state.verify_states_of):
+            with pytest.raises(RuntimeError, match=f"a verify of {rows} rows and {T} tokens does not fit"):
+                view(layer, rows, T)
+
+
+def test_a_pool_for_another_room_is_refused(dense: CausalLM) -> None:
+    """A pooled state's rows span the pool's room: a pool laid out for another room than the
+    state's max_len is refused."""
+    from reference_engine.runtime.kv_pool import PoolLayout
+
+    pool = PoolLayout(cells=4, cell_tokens=16, room=MAX_LEN)
+    assert TargetState(dense.config, 2, MAX_LEN, torch.float32, "cpu", pool=pool).cell_of.tolist() == [4, 4]
+    with pytest.raises(ValueError, match=f"a pool for rooms of {MAX_LEN} tokens in a state of {MAX_LEN + 8}"):
+        TargetState(dense.config, 2, MAX_LEN + 8, torch.float32, "cpu", pool=pool)

@@ -52,6 +52,14 @@ def test_candidates_are_a_plain_step_blocks_of_powers_of_two_and_the_full_block(
         EngineConfig(verify_width="wide")
 
 
+def test_a_full_block_that_is_itself_a_halves_block_is_listed_once() -> None:
+    """Spaced by halves, a B of 1.5 times a power of two (3, 12, 24) is one of the blocks:
+    its width B-1 is a candidate once, not twice."""
+    assert width_candidates(12, "auto", plain_step=False, spacing="halves") == (1, 2, 3, 5, 7, 11)
+    assert width_candidates(3, "auto", spacing="halves") == (0, 1, 2)
+    assert width_candidates(24, "auto", plain_step=False, spacing="halves") == (1, 2, 3, 5, 7, 11, 15, 23)
+
+
 def test_with_graphs_every_width_is_a_candidate_and_one_short_of_a_block_can_win() -> None:
     """With CUDA graphs up to 16 rows (spacing `every`) the candidates are 1 .. B-1, and a
     verify whose cost grows with every token (a mixture of experts) takes the width its
@@ -248,6 +256,19 @@ def test_probes_take_a_bounded_share_of_a_plain_run() -> None:
     assert probe_gaps(chooser, low, run + 1)[0] == [run]
 
 
+def test_a_wider_probe_that_loses_little_breaks_every_run_of_probe_after_narrow_steps() -> None:
+    """Rows whose estimates never move (3 of 15 draft tokens accepted every step) and costs
+    under which W = 3 wins but W = 7 loses very little: a wider probe at 7 follows every
+    PROBE_AFTER steps at 3, also when 7 is exactly the most draft tokens the rows can still
+    commit (a probe may reach the rows' limit)."""
+    table = costs({0: 10.0, 1: 2.0, 3: 2.2, 7: 2.3, 15: 6.0})
+    seen = counts(3)
+    for limit in (15, 7):
+        chooser = VerifyWidth("auto", 16, table)
+        widths = [chooser.choose([limit] * 16, [seen] * 16, seen) for _ in range(20)]
+        assert widths == ([3] * PROBE_AFTER + [7]) * 4, (limit, widths)
+
+
 def test_a_table_without_a_plain_step_never_takes_one_and_reset_forgets_the_run() -> None:
     table = costs({1: 1.0, 3: 1.2, 7: 1.6, 15: 3.0})  # made for an engine without plain steps
     assert VerifyWidth("auto", 16, table).candidates == (1, 3, 7, 15)
@@ -268,6 +289,18 @@ def test_timing_ids_are_fixed_in_range_and_all_different_within_a_block(vocab: i
     assert int(ids.min()) >= 0 and int(ids.max()) < vocab
     assert len(set(ids.flatten().tolist())) == rows * width  # no token repeated: no routing shared
     assert torch.equal(ids, timing_ids(rows, width, vocab))
+
+
+def test_timing_ids_follow_the_documented_table() -> None:
+    """Position i of the flattened block takes (i * TIMING_STRIDE + 1) mod vocab: the first
+    is token 1, never token 0."""
+    from reference_engine.runtime.verify_width import TIMING_STRIDE, timing_ids
+
+    ids = timing_ids(2, 3, 1000)
+    assert ids.tolist() == [
+        [(i * TIMING_STRIDE + 1) % 1000 for i in range(r * 3, r * 3 + 3)] for r in range(2)
+    ]
+    assert int(ids[0, 0]) == 1
 
 
 class _Timed:

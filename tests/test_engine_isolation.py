@@ -18,9 +18,11 @@ from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.outputs import StepOutputs
 from reference_engine.runtime.prefill import Prefill
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sampling import NOT_A_DISTRIBUTION, sample
+from reference_engine.runtime.sequence import Sequence
 
 from .poison import POISON, poisoned
 
@@ -141,3 +143,47 @@ def test_a_non_finite_row_asking_for_logprobs_fails_alone(pair, temperature: flo
     for request_id, seq in done.items():
         expected = generate_plain(target, requests[request_id][0], params()).output_ids
         assert seq.output_ids == expected and len(seq.logprobs) == MAX_TOKENS
+
+
+def sequence(max_tokens: int, stops: frozenset[int] = frozenset()) -> Sequence:
+    return Sequence("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=True), stops, 0.0, False)
+
+
+def test_step_outputs_take_every_id_below_the_vocabulary_and_fail_the_vocab_id() -> None:
+    """An id in [0, vocab) is a token and is committed; the id `vocab` (greedy's mark of a
+    NaN row) fails the request with a numerical-failure reason and commits nothing."""
+    outputs = StepOutputs(vocab_size=8)
+    fine, bad = sequence(4), sequence(4)
+    assert outputs.emit(fine, [0, 7]) is True
+    assert fine.output_ids == [0, 7] and fine.finish_reason is None
+    assert outputs.emit(bad, [3, 8]) is False
+    assert bad.output_ids == [] and bad.finish_reason == "error" and "not finite" in bad.error
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs.items] == [([0, 7], None), ([], "error")]
+
+
+def test_logprobs_are_cut_with_the_tokens_a_request_keeps() -> None:
+    """Tokens past max_tokens are not committed, nor are their logprobs: the step output and
+    the request carry one logprob entry per kept token."""
+    outputs = StepOutputs(vocab_size=8)
+    seq = sequence(2)
+    entries = [{5: -0.1}, {6: -0.2}, {7: -0.3}]
+    assert outputs.emit(seq, [5, 6, 7], entries) is True
+    (out,) = outputs.items
+    assert out.new_token_ids == [5, 6] and out.finished and out.finish_reason == "length"
+    assert out.new_logprobs == entries[:2] and seq.logprobs == entries[:2]
+
+
+def test_a_request_is_failed_once_whatever_fails_it_again() -> None:
+    """A request already finished (failed, or done) is not failed again: one error output,
+    the first reason kept."""
+    outputs = StepOutputs(vocab_size=8)
+    seq = sequence(4)
+    with outputs.failing([seq]):
+        raise RuntimeError("first")
+    outputs.fail(seq, "second")
+    assert [o.error for o in outputs.items] == ["engine error: RuntimeError: first"]
+    assert seq.error == "engine error: RuntimeError: first"
+    done = sequence(1)
+    outputs.emit(done, [3])
+    outputs.fail(done, "late")
+    assert done.finish_reason == "length" and len(outputs.items) == 2

@@ -8,7 +8,22 @@ import json
 
 import pytest
 
-from harness.answer import ERRORS, Answer, AnswerError, error_class, margin, read_stream, read_whole
+from harness.answer import (
+    ERRORS,
+    Answer,
+    AnswerError,
+    Ask,
+    error_class,
+    listed_ids,
+    listed_texts,
+    margin,
+    read_stream,
+    read_whole,
+    request_body,
+    token_pieces,
+    token_texts,
+)
+from harness.client import Endpoint
 
 
 def whole(**choice) -> bytes:
@@ -287,3 +302,79 @@ def test_reasoning_is_compared_as_a_client_reads_it_and_every_field_must_say_the
     assert (divergence is None) == agrees, divergence
     if not agrees:
         assert divergence.what == "reasoning" and divergence.kind == "mismatch"
+
+
+def test_alternatives_listed_by_text_only_name_no_ids() -> None:
+    """listed_ids gives the ids of a position's alternatives, and None (not a set holding
+    None) when the logprobs name them by text only, as chat logprobs without token_id do."""
+    by_id = Answer(
+        "ab",
+        [1],
+        "length",
+        logprobs={
+            "top_token_logprobs": [[{"token_id": 1, "logprob": -0.1}, {"token_id": 9, "logprob": -0.3}]]
+        },
+    )
+    by_text = Answer(
+        "a",
+        [1],
+        "length",
+        logprobs={
+            "content": [
+                {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]},
+            ]
+        },
+    )
+    assert listed_ids(by_id, 0) == {1, 9}
+    assert listed_ids(by_text, 0) is None
+    assert listed_texts(by_text, 0) == {"a"}
+
+
+def test_the_baseline_asks_for_two_alternatives_per_position_so_a_margin_can_be_read() -> None:
+    """A margin is top-1 minus top-2: a request with logprobs asks for two alternatives,
+    as `logprobs: 2` (completions) or `logprobs: true, top_logprobs: 2` (chat)."""
+    endpoint = Endpoint("http://unused")
+    chat = request_body(
+        endpoint, Ask(4, messages=({"role": "user", "content": "hi"},)), logprobs=True, stream=False
+    )
+    text = request_body(endpoint, Ask(4, prompt="hi"), logprobs=True, stream=False)
+    assert (chat["logprobs"], chat["top_logprobs"]) == (True, 2)
+    assert text["logprobs"] == 2 and "top_logprobs" not in text
+    assert "logprobs" not in request_body(endpoint, Ask(4, prompt="hi"), logprobs=False, stream=False)
+
+
+@pytest.mark.parametrize("echoed", [[7, 8], [7, 8, 9, 10]], ids=["fewer", "more"])
+def test_echoed_prompt_ids_that_disagree_with_the_usage_count_either_way_are_refused(
+    echoed: list[int],
+) -> None:
+    """usage.prompt_tokens (3 in `whole`) must be the number of echoed prompt ids: fewer or
+    more ids are an inconsistent answer; exactly as many read fine."""
+    assert read_whole(whole(prompt_token_ids=[7, 8, 9]), chat=False).prompt_ids == [7, 8, 9]
+    with pytest.raises(AnswerError) as refused:
+        read_whole(whole(prompt_token_ids=echoed), chat=False)
+    assert refused.value.name == "inconsistent_answer"
+    assert f"usage.prompt_tokens is 3 for {len(echoed)} prompt ids" in refused.value.message
+
+
+def test_token_texts_pair_ids_and_pieces_only_where_both_are_there() -> None:
+    """token_texts maps a position's generated id to its logprobs piece; where the logprobs
+    list more pieces than there are ids, the extra positions name no id (and raise nothing)."""
+    answer = Answer("ab", [5], "length", logprobs={"tokens": ["a", "b"]})
+    assert token_texts(answer, 0) == {5: "a"}
+    assert token_texts(answer, 1) == {}
+    assert token_pieces(answer) == ["a", "b"]
+
+
+def test_a_usage_count_of_zero_is_a_count_and_a_negative_one_is_not() -> None:
+    """An answer that generated nothing (EOS first) reports completion_tokens 0: read as a
+    count; a negative count is a malformed body."""
+    body = {
+        "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 0},
+    }
+    answer = read_whole(json.dumps(body).encode(), chat=False)
+    assert (answer.ids, answer.completion_tokens, answer.prompt_tokens) == ([], 0, 3)
+    body["usage"]["completion_tokens"] = -1
+    with pytest.raises(AnswerError) as refused:
+        read_whole(json.dumps(body).encode(), chat=False)
+    assert refused.value.name == "malformed_body" and "usage.completion_tokens is -1" in refused.value.message

@@ -5,8 +5,10 @@ without duplicating a row (torn lines tolerated), and Ctrl-C keeps what was meas
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -16,8 +18,18 @@ from pathlib import Path
 
 import pytest
 
+from harness import arguments
 from harness.__main__ import main
-from harness.resume import read_request_rows
+from harness.outcome import verdict_line
+from harness.resume import (
+    ResumeConflict,
+    check_saved_identity,
+    differences,
+    failure_rate,
+    prepare,
+    read_request_rows,
+    trim_torn_tail,
+)
 
 from .server_process import REPO, free_port, sigint_as_default
 from .sse_stub import Script, serve
@@ -301,3 +313,124 @@ def test_ab_names_the_sides_and_sends_the_whole_dataset_at_every_concurrency(tmp
     report = (out / "report.md").read_text()
     assert "A is **plain**, B is **dflash**." in report
     assert "Outputs identical: 30/30 requests" in report
+
+
+# ------------------------------------------------------------------ resume, unit by unit
+def test_a_resume_conflict_names_four_differences_and_counts_the_rest(tmp_path) -> None:
+    """The conflict line names at most four differences and says how many more there were;
+    with exactly four it names them all and claims no more."""
+    path = tmp_path / "bench_run.json"
+    path.write_text(json.dumps({k: 1 for k in "abcdef"}))
+    with pytest.raises(ResumeConflict) as six:
+        check_saved_identity(path, {k: 2 for k in "abcdef"}, "held", "differ", "made", "again")
+    assert "a was 1, now 2; b was 1, now 2; c was 1, now 2; d was 1, now 2 (and 2 more)" in str(six.value)
+    path.write_text(json.dumps({k: 1 for k in "abcd"}))
+    with pytest.raises(ResumeConflict) as four:
+        check_saved_identity(path, {k: 2 for k in "abcd"}, "held", "differ", "made", "again")
+    assert str(four.value) == "differ: a was 1, now 2; b was 1, now 2; c was 1, now 2; d was 1, now 2; again"
+
+
+def test_differences_name_the_command_first_then_the_rest_by_name() -> None:
+    """The subcommand is the plainest difference, so it leads; nested keys read as `a.b`."""
+    saved = {"seed": 1, "command": "bench", "a": {"x": 1}}
+    now = {"seed": 2, "command": "ab", "a": {"x": 3}}
+    assert differences(saved, now) == [
+        "command was 'bench', now 'ab'",
+        "a.x was 1, now 3",
+        "seed was 1, now 2",
+    ]
+
+
+def _summary_row(label: str, concurrency: int, completed: int, failed: int) -> dict:
+    return {"label": label, "concurrency": concurrency, "repeat": 0, "completed": completed, "failed": failed}
+
+
+def test_prepare_keeps_whole_runs_within_the_threshold_and_measures_the_rest_again(tmp_path) -> None:
+    """A run is done when its failure rate is at most the threshold (equal counts) and its
+    requests add up to the planned number exactly (more is not whole either); the last copy
+    of a request row wins; `redo` names only the planned runs that left rows behind."""
+    rows = [
+        _summary_row("A", 1, 3, 1),  # 1/4 failed, at the threshold: done
+        _summary_row("A", 2, 5, 0),  # five requests where four were planned: measured again
+        _summary_row("A", 4, 2, 2),  # half failed: measured again
+    ]
+    with (tmp_path / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    requests = [
+        {"label": "A", "concurrency": 1, "repeat": 0, "index": 0, "text": "first"},
+        {"label": "A", "concurrency": 1, "repeat": 0, "index": 0, "text": "second"},
+        {"label": "A", "concurrency": 2, "repeat": 0, "index": 0, "text": "gone"},
+    ]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    planned = {("A", 1, 0): 4, ("A", 2, 0): 4, ("A", 4, 0): 4, ("A", 8, 0): 4}
+    resumed = prepare(tmp_path, planned, max_failure_rate=0.25)
+    assert resumed.done == {("A", 1, 0)}
+    assert resumed.redo == {("A", 2, 0), ("A", 4, 0)}  # A c=8 left nothing behind
+    assert resumed.dropped_lines == 0
+    kept, dropped = read_request_rows(tmp_path / "requests.jsonl")
+    assert [r["text"] for r in kept] == ["second"] and dropped == 0
+    assert [(r["concurrency"], r["completed"]) for r in summary(tmp_path)] == [("1", "3")]
+
+
+def test_a_whole_requests_file_drops_no_line_and_a_torn_tail_is_cut_at_the_last_newline(tmp_path) -> None:
+    """The newline that ends the last row is no torn line; trim_torn_tail keeps every whole
+    row, its newline included, so the next append starts a fresh line."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"index": 0}\n{"index": 1}\n')
+    assert read_request_rows(path) == ([{"index": 0}, {"index": 1}], 0)
+    assert trim_torn_tail(path) is False
+    path.write_bytes(b'{"index": 0}\n{"ind')
+    assert trim_torn_tail(path) is True
+    assert path.read_bytes() == b'{"index": 0}\n'
+
+
+def test_a_run_that_sent_no_request_counts_as_failed() -> None:
+    """A summary row with no completed and no failed request is a failed run (rate 1.0),
+    so the benchmark fails even when another run completed every request."""
+    rows = [_summary_row("A", 1, 4, 0), _summary_row("A", 2, 0, 0)]
+    assert failure_rate(rows[1]) == 1.0
+    line = verdict_line(rows, max_failure_rate=0.5)
+    assert line is not None and line.startswith("benchmark failed: 1 of 2 runs failed"), line
+
+
+def test_argument_types_take_their_bounds_and_refuse_one_past_them() -> None:
+    """The bounds themselves are valid: a failure rate of 0 or 1, a port of 1 or 65535, one
+    request; one past them (a rate above 1, port 0 or 65536, zero) is refused."""
+    assert (arguments.rate("0"), arguments.rate("1")) == (0.0, 1.0)
+    assert arguments.base_url("http://127.0.0.1:1") == "http://127.0.0.1:1"
+    assert arguments.base_url("http://127.0.0.1:65535") == "http://127.0.0.1:65535"
+    assert arguments.positive_int("1") == 1 and arguments.concurrency_list("1,4") == [1, 4]
+    assert arguments.positive_float("0.5") == 0.5
+    for convert, text, message in (
+        (arguments.rate, "1.01", "expected a fraction in [0, 1], got 1.01"),
+        (arguments.base_url, "http://127.0.0.1:0", "port must be in 1-65535, got 0"),
+        (arguments.base_url, "http://127.0.0.1:65536", "port must be in 1-65535, got 65536"),
+        (arguments.positive_int, "0", "expected a whole number >= 1, got 0"),
+        (arguments.positive_float, "0", "expected a number > 0, got 0.0"),
+        (arguments.concurrency_list, "2,0", "concurrency must be >= 1, got 0"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            convert(text)
+
+
+def test_the_verdict_names_four_failed_runs_and_counts_the_rest() -> None:
+    """The verdict line counts the failed runs out of all, names the first four with their
+    failed/sent counts, and says how many more there were."""
+    rows = [_summary_row("A", c, 3, 1) for c in (1, 2, 4, 8, 16, 32)] + [_summary_row("A", 64, 4, 0)]
+    rows[0]["errors"] = "HTTP 500: boom"
+    line = verdict_line(rows, max_failure_rate=0.1)
+    assert line == (
+        "benchmark failed: 6 of 7 runs failed more than --max-failure-rate 0.1 of their requests "
+        "(A c=1 r=0 1/4, A c=2 r=0 1/4, A c=4 r=0 1/4, A c=8 r=0 1/4 and 2 more); first error: HTTP 500: boom"
+    )
+    assert verdict_line(rows[-1:], max_failure_rate=0.1) is None
+
+
+def test_a_benchmark_in_which_no_request_completed_fails_whatever_the_threshold() -> None:
+    """Even under --max-failure-rate 1 (every failure tolerated), a benchmark with no
+    completed request at all has measured nothing: it fails."""
+    rows = [_summary_row("A", 1, 0, 4)]
+    assert verdict_line(rows, max_failure_rate=1.0) == "benchmark failed: no request completed"
+    assert verdict_line([], max_failure_rate=1.0) is None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +165,25 @@ def test_profile_refuses_a_folder_another_run_holds(tmp_path) -> None:
         hold.release()
     assert done.returncode == 2
     assert "is in use by another run" in one_error_line(done.stderr)
+
+
+def test_the_room_refusal_gives_the_free_space_and_the_need_in_mib(tmp_path) -> None:
+    """The refusal's figures are MiB: the folder's free space as the system reports it and
+    the space asked for."""
+    with pytest.raises(OutputError) as refused:
+        claim(tmp_path / "out", min_free_bytes=2**50)
+    free_mib = float(re.search(r"has ([0-9.]+) MiB free", str(refused.value))[1])
+    assert free_mib == pytest.approx(shutil.disk_usage(tmp_path).free / 2**20, rel=0.05)
+    assert f"a run needs at least {2**30} MiB" in str(refused.value)
+
+
+def test_the_lock_file_names_only_the_current_holder(tmp_path) -> None:
+    """Each claim rewrites DIR/.lock with its own pid line, so a refusal names the process
+    that holds the folder now, not every one that held it before."""
+    claim(tmp_path).release()
+    hold = claim(tmp_path)
+    try:
+        lines = (tmp_path / ".lock").read_text().splitlines()
+    finally:
+        hold.release()
+    assert len(lines) == 1 and lines[0].startswith(f"pid {os.getpid()} since ")

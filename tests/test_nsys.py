@@ -233,3 +233,57 @@ def test_a_file_without_the_report_table_is_an_error_naming_it(tmp_path: Path) -
     (tmp_path / "plain-c1_nvtx_sum.csv").write_text("Name,Count\nfoo,1\n")
     with pytest.raises(NsysError, match=r"plain-c1_nvtx_sum.csv: no nvtx_sum table .*'Name,Count'"):
         load_capture(tmp_path, "plain-c1")
+
+
+def test_the_first_alias_wins_over_an_earlier_column_with_a_later_alias() -> None:
+    """A GPU projection report with both `Instances` and `Range Instances` counts the range's
+    instances (the first alias), wherever the columns stand."""
+    text = (
+        "Range,Style,Instances,Total Proj Time (ns),Range Instances\n"
+        ":verify,PushPop,99,2000000,4\n"
+        ":draft,PushPop,98,1000000,3\n"
+    )
+    table = read_table(text, "nvtx_gpu_proj_sum")
+    assert table["instances"].tolist() == [4, 3]
+    assert table["gpu_ms"].tolist() == pytest.approx([2.0, 1.0])
+
+
+def test_a_report_without_the_optional_range_time_leaves_it_unknown_not_zero(tmp_path: Path) -> None:
+    """`Total Range Time` is optional in nvtx_gpu_proj_sum: without it the phase's range_ms
+    is NaN (unknown), not a sum of nothing that reads as 0 ms."""
+    copy_label("plain-c1", tmp_path)
+    write_csv(
+        tmp_path / "plain-c1_nvtx_gpu_proj_sum.csv",
+        ["Range", "Style", "Total Proj Time (ns)", "Range Instances"],
+        [[":verify", "PushPop", "3000000", "2"], ["dflash:verify", "PushPop", "1000000", "1"]],
+    )
+    gpu = load_capture(tmp_path, "plain-c1").gpu
+    assert gpu.loc["verify", "gpu_ms"] == pytest.approx(4.0)
+    assert gpu.loc["verify", "instances"] == 3
+    assert pd.isna(gpu.loc["verify", "range_ms"])
+
+
+def test_a_kernels_mean_time_is_in_microseconds_per_launch() -> None:
+    """top_kernels: mean_us = total ms x 1000 / instances (a kernel never launched: NaN)."""
+    kernels = pd.DataFrame({"kernel": ["gemm", "idle"], "instances": [4, 0], "total_ms": [2.0, 0.0]})
+    top = top_kernels(kernels, 2)
+    assert top["mean_us"].iloc[0] == pytest.approx(500.0)
+    assert pd.isna(top["mean_us"].iloc[1])
+    assert top["share_pct"].tolist() == pytest.approx([100.0, 0.0])
+
+
+def test_a_captures_output_tokens_are_one_runs_tokens_times_its_repeats() -> None:
+    """The capture spans every measured repeat, the benchmark CSV's output_tokens one run: the
+    capture's tokens are their product (a row without repeats counts one)."""
+    capture = load_capture(FIXTURES, "plain-c1")
+    times = from_capture(capture, {("plain", 1): {"output_tokens": 40, "repeats": 3}})
+    assert (times.mode, times.concurrency, times.output_tokens) == ("plain", 1, 120)
+    assert from_capture(capture, {("plain", 1): {"output_tokens": 40}}).output_tokens == 40
+    assert from_capture(capture, {("plain", 8): {"output_tokens": 40}}).output_tokens is None
+
+
+def test_a_time_header_without_a_unit_is_in_nanoseconds() -> None:
+    """nsys's default time unit is the nanosecond: a `Total Time` header with no unit reads
+    as ns."""
+    text = "Time (%),Total Time,Instances,Range\n100.0,2500000,5,dflash:verify\n"
+    assert read_table(text, "nvtx_sum")["total_ms"].tolist() == pytest.approx([2.5])

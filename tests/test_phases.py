@@ -208,3 +208,31 @@ def test_a_gpu_benchmark_row_says_its_phases_are_cuda_event_time() -> None:
     times = from_bench_row(row)
     assert any("CUDA-event time" in note for note in times.notes)
     assert breakdown(times).loc[OTHER, "total_ms"] == pytest.approx(1.0)
+
+
+def test_a_csv_named_after_a_capture_wins_over_another_benchmark_csv(tmp_path: Path) -> None:
+    """Two benchmark CSVs with a row for the same run: the one named after the capture
+    (`<mode>-c<concurrency>.csv`) is read last and wins, whatever the names' order."""
+    header = "mode,concurrency,ms_step\n"
+    (tmp_path / "plain-c1.csv").write_text(header + "plain,1,7.0\n")
+    (tmp_path / "zz_sweep.csv").write_text(header + "plain,1,9.0\nplain,2,5.0\n")
+    rows = bench_rows(tmp_path)
+    assert rows[("plain", 1)]["file"] == "plain-c1.csv" and rows[("plain", 1)]["ms_step"] == 7.0
+    assert rows[("plain", 2)]["file"] == "zz_sweep.csv"
+
+
+@pytest.mark.parametrize(("low", "high", "warned"), [(48.0, 52.0, False), (46.0, 54.0, True)])
+def test_repeats_more_than_ten_percent_apart_are_warned_about(low: float, high: float, warned: bool) -> None:
+    """The step time's spread over repeats, (max - min) / median, is noted; past 10% (here
+    16% against 8%) the note is a warning that the run is not stable."""
+    row = {
+        "mode": "plain",
+        "concurrency": 2,
+        "ms_step": 50.0,
+        "ms_step_min": low,
+        "ms_step_max": high,
+        "file": "b.csv",
+    }
+    notes = [n for n in from_bench_row(row).notes if "ms_step" in n]
+    assert len(notes) == 1
+    assert notes[0].startswith("**warning: repeats disagree by 16%**") is warned

@@ -12,10 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from reports.__main__ import main
-from reports.profile import build_profile
+from reports.phases import PhaseTimes
+from reports.profile import build_profile, draw_breakdown, kernel_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
@@ -163,3 +165,56 @@ def test_the_timer_path_needs_no_nsys_and_writes_profile_md(tmp_path: Path) -> N
     assert "scripts/bench_engine.py --concurrency 1 --out" in text  # the commands it ran
     assert (out / "plots" / "phase_breakdown.png").read_bytes()[:8] == PNG_MAGIC
     assert (out / "bench.csv").is_file() and (out / "bench.log").is_file()
+
+
+def test_the_kernel_line_counts_the_kernels_shown_and_long_names_are_cut_to_90_characters(
+    captures: Path,
+) -> None:
+    """With --top-kernels past the number of kernels, the kernel line says how many are
+    shown (all of them); a kernel name longer than 90 characters is cut to 89 and an
+    ellipsis, 90 in all."""
+    with open(captures / "plain-c1_cuda_gpu_kern_sum.csv", newline="") as f:
+        names = [row["Name"] for row in csv.DictReader(f)]
+    text = build_profile(captures, top=1000).read_text()
+    plain_c1 = text[text.index("### plain-c1") : text.index("## Concurrency 8")]
+    assert f"Top {len(names)} by total time:" in plain_c1
+    long_name = next(n for n in names if len(n) > 90)
+    assert f"| `{long_name[:89]}…` |" in plain_c1
+
+
+def test_a_concurrency_where_one_run_has_no_token_count_is_shown_in_ms(captures: Path) -> None:
+    """Per-token figures need every run of the concurrency to know its tokens: with one
+    run's benchmark CSV gone, that concurrency's side-by-side table is in ms."""
+    (captures / "plain-c1.csv").unlink()
+    text = build_profile(captures).read_text()
+    assert "| Phase | plain ms | plain % of step | plain GPU ms | dflash ms |" in text
+    assert (
+        "| Phase | plain ms/token | plain % of step | plain GPU ms/token | dflash ms/token |" in text
+    )  # c=8
+
+
+def test_kernel_time_equal_to_the_step_time_is_not_flagged() -> None:
+    """Only kernel time past the step time is flagged; a GPU busy for exactly the step time
+    (100%) is not work outside the steps."""
+    kernels = pd.DataFrame({"kernel": ["gemm", "copy"], "instances": [3, 1], "total_ms": [6.0, 2.0]})
+
+    def line(step_ms: float) -> str:
+        times = PhaseTimes("plain-c1", "plain", 1, "nsys", step_ms, {"decode": step_ms}, kernels=kernels)
+        return kernel_summary(times, 10)
+
+    assert (
+        line(8.0)
+        == "All kernels: 8.00 ms of GPU time in 4 launches, 100.0% of the step time. Top 2 by total time:"
+    )
+    assert "More kernel time than step time" in line(7.5)
+
+
+def test_only_a_negative_other_is_named_as_drawn_at_zero(tmp_path: Path) -> None:
+    """The caption names the runs whose `other` (step minus the top-level phases) is below
+    zero; a step the phases fill exactly has `other` 0 and is not named."""
+    exact = PhaseTimes("plain-c1", "plain", 1, "timer", 10.0, {"decode": 6.0, "schedule": 4.0})
+    over = PhaseTimes("dflash-c1", "dflash", 1, "timer", 10.0, {"verify": 8.0, "draft": 4.0})
+    caption = draw_breakdown(tmp_path / "exact.png", [exact])
+    assert "negative" not in caption
+    caption = draw_breakdown(tmp_path / "both.png", [exact, over])
+    assert caption.endswith(" A negative `other` is drawn as 0 (dflash-c1).")

@@ -361,3 +361,24 @@ def test_the_reports_itl_samples_leave_out_failed_requests() -> None:
         _, itl, _ = _read_requests(path, [])
     assert list(itl[("A", 4)].token_ms) == pytest.approx([10.0])
     assert list(itl[("A", 4)].chunk_ms) == pytest.approx([10.0])
+
+
+def test_points_with_different_repeat_counts_show_the_range_of_repeats(results_dir: Path) -> None:
+    """The header gives the repeats per point as one number when every point has as many,
+    and as min–max when one point has fewer (a run cut short)."""
+    assert "repeats per point: 2 (8 rows in `summary.csv`)." in build_report(results_dir).read_text()
+    with (results_dir / "summary.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    with (results_dir / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows[:-1])
+    assert "repeats per point: 1–2 (7 rows in `summary.csv`)." in build_report(results_dir).read_text()
+
+
+def test_included_headings_nest_two_levels_deeper_down_to_the_sixth(results_dir: Path) -> None:
+    """compare.md's headings move two levels down, a fourth-level one to the sixth, and none
+    deeper than markdown's six levels."""
+    (results_dir / "compare.md").write_text("# Top\n\n#### Four\n\n##### Five\n\ntext\n")
+    text = build_report(results_dir).read_text()
+    assert "\n### Top\n\n###### Four\n\n###### Five\n\ntext" in text

@@ -100,28 +100,27 @@ def test_a_body_the_client_ends_early_gets_400_at_once(server) -> None:
     assert "before the request body was complete" in body["error"]["message"]
 
 
+def post_while_holding(server, held: int) -> httpx.Response:
+    """A completion request sent while `held` other connections stay open (and idle)."""
+    sockets = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(held)]
+    time.sleep(0.2)
+    try:
+        return httpx.post(server.url + "/v1/completions", json=json.loads(BODY), timeout=10)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def test_the_connection_at_the_cap_is_served(server) -> None:
     """--max-connections N serves N connections at once: with N - 1 held open, the N-th's
     request is answered."""
     time.sleep(0.2)  # the earlier tests' connections closed
-    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS - 1)]
-    time.sleep(0.2)
-    try:
-        served = httpx.post(server.url + "/v1/completions", json=json.loads(BODY), timeout=10)
-    finally:
-        for sock in held:
-            sock.close()
+    served = post_while_holding(server, MAX_CONNECTIONS - 1)
     assert served.status_code == 200, served.text
 
 
 def test_a_connection_past_the_cap_gets_503_naming_the_limit(server) -> None:
-    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS)]
-    time.sleep(0.2)
-    try:
-        refused = httpx.post(server.url + "/v1/completions", json=json.loads(BODY), timeout=10)
-    finally:
-        for sock in held:
-            sock.close()
+    refused = post_while_holding(server, MAX_CONNECTIONS)
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert "--max-connections" in refused.json()["error"]["message"]
     time.sleep(0.2)

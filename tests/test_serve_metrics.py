@@ -245,3 +245,37 @@ def test_the_engine_loops_cpu_time_is_counted_once_across_a_reset_and_the_proces
     page = samples(metrics.render(idle_engine(epoch=1))[0])
     assert value(page, "dflash:engine_cpu_seconds_total") == 4.0
     assert value(page, "process_cpu_seconds_total") > 0  # the server's own process (Linux)
+
+
+def test_a_gap_observed_for_several_tokens_at_once_fills_the_buckets_as_one_call_a_token() -> None:
+    """A DFlash chunk's tokens share one inter-token gap, observed in one call
+    (`Latencies.observe_many`): the same buckets, count and sum as one `observe` a token,
+    for values below, on, between and past the bounds."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from reference_engine.serving.metrics import LATENCY_BUCKETS, Latencies
+
+    values = [0.0, -0.001, 1e-6, 0.0005, 0.00051, 0.001, 0.0049, 0.005, 0.25, 60.0, 61.0, 1e9, float("inf")]
+    values += list(LATENCY_BUCKETS)
+    for count in (0, 1, 2, 3, 7):
+        pages = []
+        for many in (True, False):
+            registry = CollectorRegistry()
+            histogram = Latencies("itl", "gaps", buckets=LATENCY_BUCKETS, registry=registry)
+            for v in values:
+                if many:
+                    histogram.observe_many(v, count)
+                else:
+                    for _ in range(count):
+                        histogram.observe(v)
+            pages.append(samples(generate_latest(registry).decode()))
+        many_page, single_page = pages
+        assert many_page.keys() == single_page.keys()
+        for key, v in single_page.items():
+            if key[0] == "itl_sum":
+                assert many_page[key] == pytest.approx(v, rel=1e-12, abs=1e-12), count
+            else:
+                assert many_page[key] == v, (key, count)
+    nan = Latencies("nan_itl", "gaps", buckets=LATENCY_BUCKETS, registry=CollectorRegistry())
+    nan.observe_many(float("nan"), 2)  # as `observe`: in no bucket
+    assert sum(b.get() for b in nan._buckets) == 0

@@ -280,3 +280,65 @@ def test_of_two_stop_strings_completed_by_one_token_the_earlier_one_cuts() -> No
         for sizes in ([1], [2], [8]):
             pieces, ids, stopped = run(IDS, stops, sizes)
             assert ("".join(pieces), ids, stopped) == ("H", IDS[:2], True), (stops, sizes)
+
+
+@pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
+def test_a_chunk_decoded_at_once_gives_the_text_of_its_tokens_pushed_one_at_a_time(real_tokenizers, name) -> None:
+    """`extend` (a DFlash step's several tokens, without stop strings) against `push` token by
+    token, on random ids (byte tokens that split characters, special tokens) cut into random
+    chunks: after every chunk the texts are equal, and equal to the whole decode while that
+    decode only grows."""
+    import random
+
+    tok = real_tokenizers[name]
+    rng = random.Random(11)
+    specials = [i for t, i in tok.get_vocab().items() if t in SPECIALS | {"<unk>", "[UNK]"}]
+    checked = whole_checked = 0
+    for _ in range(150):
+        ids = [
+            rng.choice(specials) if rng.random() < 0.3 else rng.randrange(tok.get_vocab_size())
+            for _ in range(rng.randrange(2, 70))
+        ]
+        chunked, single = IncrementalText(tok.decode), IncrementalText(tok.decode)
+        at, before = 0, ""
+        while at < len(ids):
+            size = rng.randrange(1, 9)
+            chunked.extend(ids[at : at + size])
+            for token in ids[at : at + size]:
+                single.push(token)
+            at += size
+            assert chunked.text() == single.text(), (name, ids[:at])
+            assert chunked.ids == ids[:at]
+            checked += 1
+            whole = tok.decode(ids[:at])
+            if whole.startswith(before.rstrip(REPLACEMENT)):
+                assert chunked.text() == whole, (name, ids[:at])
+                whole_checked += 1
+            before = whole
+    assert checked > 1000 and whole_checked > 500, (checked, whole_checked)
+
+
+def test_a_chunk_without_stop_strings_costs_one_decode(real_tokenizers) -> None:
+    """A DFlash server's chunks carry several tokens: without stop strings each is decoded
+    once (its window reused from the chunk before), not once a token."""
+    tok = real_tokenizers["byte-level (demo)"]
+    decoded = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 40).ids
+    assert len(ids) >= 200
+    stream = StopStringText(counting)
+    chunks = [ids[at : at + 4] for at in range(0, len(ids), 4)]
+    pieces = [stream.push(c, final=i == len(chunks) - 1)[0] for i, c in enumerate(chunks)]
+    assert "".join(pieces) == tok.decode(ids)
+    calls = (len(decoded) - 1) / len(chunks)  # less the one whole decode at the end
+    assert calls <= 1.6, calls  # 1.5: every other chunk the window moves on
+    assert (sum(decoded) - len(ids)) / len(chunks) <= 24
+    with_stop = StopStringText(counting, ("never there",))
+    decoded.clear()
+    for i, c in enumerate(chunks):
+        with_stop.push(c, final=i == len(chunks) - 1)
+    assert (len(decoded) - 1) / len(ids) >= 1  # a stop string needs every token's text

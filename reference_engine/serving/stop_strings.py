@@ -18,6 +18,9 @@ so a request's detokenisation costs time linear in its length (decoding the whol
 every step costs time growing with its square: at 128 tokens, a third of a plain server's
 event-loop work on the H200). The window moves by tokens, one at a time, so the text does not
 depend on the chunking either; the last push checks it against one decode of the whole output.
+Without stop strings a chunk's tokens are decoded together (`IncrementalText.extend`: one
+decode a chunk, not one a token, when their text settles at once), which gives the text that
+pushing them one at a time would.
 """
 
 from __future__ import annotations
@@ -73,15 +76,7 @@ class IncrementalText:
 
     def push(self, token: int) -> None:
         self.ids.append(token)
-        before = self.window_text
-        if before is None:
-            before = self.decode(self.ids[self.window : self.read]) if self.read > self.window else ""
-        # reach back while the window's settled ids decode to nothing (special tokens, which
-        # decode skips) or to other than the settled text's end (bytes it cut from their group)
-        while self.window > 0 and not (before and self.settled.endswith(before)):
-            self.window = max(0, self.window - self.CONTEXT)
-            before = self.decode(self.ids[self.window : self.read])
-        self.window_text = before
+        before = self._window_before()
         now = self.decode(self.ids[self.window :])
         if not now.startswith(before):  # the decoder rewrote earlier text: settle it all at once
             self._settle(self.decode(self.ids))
@@ -93,6 +88,42 @@ class IncrementalText:
             self.pending = added
             return
         self._settle(self.settled + added, now)
+
+    def extend(self, tokens: list[int]) -> None:
+        """`push` each of `tokens`: the same text, with one decode for the whole run when its
+        text settles at once (it ends in a complete character and the decoder did not rewrite
+        the window), as a DFlash step's several tokens mostly do; otherwise one push a token."""
+        if len(tokens) > 1:
+            known = len(self.ids)
+            if self._settle_run(tokens):
+                return
+            del self.ids[known:]  # the window may have reached back: as the first push's would
+        for token in tokens:
+            self.push(token)
+
+    def _settle_run(self, tokens: list[int]) -> bool:
+        """Append `tokens` and settle their text (with any pending before them) in one
+        decode; False (the ids appended) when it does not settle that way."""
+        self.ids.extend(tokens)
+        before = self._window_before()
+        now = self.decode(self.ids[self.window :])
+        if not now.startswith(before) or now.endswith(REPLACEMENT):
+            return False
+        self._settle(self.settled + now[len(before) :], now)
+        return True
+
+    def _window_before(self) -> str:
+        """decode(ids[window:read]), the window reaching back while its settled ids decode
+        to nothing (special tokens, which decode skips) or to other than the settled text's
+        end (bytes it cut from their group)."""
+        before = self.window_text
+        if before is None:
+            before = self.decode(self.ids[self.window : self.read]) if self.read > self.window else ""
+        while self.window > 0 and not (before and self.settled.endswith(before)):
+            self.window = max(0, self.window - self.CONTEXT)
+            before = self.decode(self.ids[self.window : self.read])
+        self.window_text = before
+        return before
 
     def _settle(self, text: str, window_text: str | None = None) -> None:
         """`window_text`: the decode of the window through the last id (what the push just
@@ -128,14 +159,18 @@ class StopStringText:
         """(new text, new ids) to emit. After a stop string, nothing more is taken."""
         if self.stopped:
             return "", []
+        if not self.stops:  # nothing to cut: the chunk's tokens settle together
+            self.incremental.extend(new_ids)
+            text = self.incremental.text()
+            if final:
+                text = self._checked(text)
+            return self._release(text, final), list(new_ids)
         taken: list[int] = []
         text = self.incremental.text()
         for token in new_ids:
             self.incremental.push(token)
             taken.append(token)
             text = self.incremental.text()
-            if not self.stops:
-                continue
             found = [text.find(s) for s in self.stops if s in text]
             if found:
                 at = min(found)

@@ -283,7 +283,7 @@ def test_of_two_stop_strings_completed_by_one_token_the_earlier_one_cuts() -> No
 
 
 @pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
-def test_a_chunk_decoded_at_once_gives_the_text_of_its_tokens_pushed_one_at_a_time(real_tokenizers, name) -> None:
+def test_a_chunk_decoded_at_once_is_its_tokens_pushed_one_at_a_time(real_tokenizers, name) -> None:
     """`extend` (a DFlash step's several tokens, without stop strings) against `push` token by
     token, on random ids (byte tokens that split characters, special tokens) cut into random
     chunks: after every chunk the texts are equal, and equal to the whole decode while that

@@ -1241,3 +1241,25 @@ def test_a_queued_draft_taken_by_a_wider_step_runs_its_head_again_and_proposes_w
     faulty, _ = _drafts_and_outputs(*pair_models, ahead=True, arrivals=arrivals)
     assert [d for _, d in faulty.values()] != [d for _, d in fresh.values()]
     assert [o for o, _ in faulty.values()] == [o for o, _ in fresh.values()]  # lossless all the same
+
+
+def test_the_verify_width_reads_each_rows_recent_counts(target: CausalLM, draft: DFlashDraft) -> None:
+    """The width is chosen from each row's RecentAcceptance (its recent steps weighing more),
+    recorded at every drafted step; the request's SpecCounters keep the plain counts."""
+    from reference_engine.runtime.stats import RecentAcceptance
+
+    engine = make_engine(target, draft, max_num_seqs=2)
+    seen: list[tuple[int, int]] = []  # (steps of the counters the width got, the request's steps)
+    choose = engine.verify_width.choose
+
+    def recording(limits, counters, totals):
+        for seq, counted in zip(engine.scheduler.running(), counters):
+            assert isinstance(counted, RecentAcceptance) and counted is seq.recent
+            seen.append((counted.steps, seq.spec.steps))
+        return choose(limits, counters, totals)
+
+    engine.verify_width.choose = recording
+    engine.add_request("a", PROMPTS[0], greedy(30))
+    drain(engine)
+    assert len(seen) >= 3 and all(recent == plain for recent, plain in seen)
+    assert seen[-1][0] >= 2

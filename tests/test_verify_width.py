@@ -475,3 +475,63 @@ def test_the_remembered_estimates_are_those_a_fresh_chooser_computes() -> None:
             counters = [*counters[1:], SpecCounters()]
         got = chooser.expected(limits, counters, totals)
         assert got == VerifyWidth("auto", 16, table).expected(limits, counters, totals), limits
+
+
+# ------------------------------------------------------------------ recent acceptance
+def test_recent_counts_weigh_each_step_by_decay_to_its_age_and_survive_a_rescale() -> None:
+    """RecentAcceptance's decayed counts are sum over steps of DECAY^age x the step's counts
+    (positions as SpecCounters counts them), and its rates are those of the decayed counts at
+    the prior's weight, however large its scale has grown (rescaled past RESCALE)."""
+    import random
+
+    from reference_engine.runtime.stats import RecentAcceptance
+
+    rng = random.Random(5)
+    steps = [(rng.choice([3, 7, 15]), rng.randrange(0, 16)) for _ in range(1200)]  # past a rescale
+    steps = [(proposed, min(accepted, proposed)) for proposed, accepted in steps]
+    recent = RecentAcceptance()
+    for proposed, accepted in steps:
+        recent.record(proposed, accepted)
+    assert recent.steps == len(steps) and recent.scale < RecentAcceptance.RESCALE
+    want_accepted, want_verified = {}, {}
+    for age, (proposed, accepted) in enumerate(reversed(steps[-200:])):  # older ones weigh < 1e-44
+        weight = RecentAcceptance.DECAY**age
+        for k in range(1, accepted + 1):
+            want_accepted[k] = want_accepted.get(k, 0.0) + weight
+        for k in range(1, min(proposed, accepted + 1) + 1):
+            want_verified[k] = want_verified.get(k, 0.0) + weight
+    accepted_at, verified_at = recent.counts()
+    assert accepted_at == pytest.approx(want_accepted, rel=1e-9)
+    assert verified_at == pytest.approx(want_verified, rel=1e-9)
+    prior = [0.9, 0.8, 0.7, *[0.6] * 12]
+    want, product = [], 1.0
+    for j, p in enumerate(prior, 1):
+        product *= (want_accepted.get(j, 0) + REQUEST_WEIGHT * p) / (want_verified.get(j, 0) + REQUEST_WEIGHT)
+        want.append(product)
+    assert prefix_rates(recent, prior) == pytest.approx(want, rel=1e-9)
+    assert prefix_rates(RecentAcceptance(), prior) == pytest.approx(prefix_rates(SpecCounters(), prior))
+
+
+def test_a_requests_estimate_follows_its_acceptance_as_it_moves() -> None:
+    """Acceptance moves along a continuation (low at its start, high later; or a request
+    that turns to text the draft cannot guess): after a few steps at the new rate the
+    request's expected tokens are near what it now commits, where counts of every step alike
+    stay near the old rate's. The engine-wide prior is the mix of both phases."""
+    from reference_engine.runtime.stats import RecentAcceptance
+
+    totals = SpecCounters()
+    for _ in range(100):
+        totals.record(7, 0, 1)
+        totals.record(7, 7, 8)
+    prior = engine_rates(totals, 7)
+    for before, after in ((0, 7), (7, 0)):  # rising, then falling acceptance
+        recent, alike = RecentAcceptance(), SpecCounters()
+        for accepted in [before] * 20 + [after] * 5:
+            recent.record(7, accepted)
+            alike.record(7, accepted, accepted + 1)
+        now = 1 + after  # what a step at the new rate commits
+        then = 1 + before
+        recent_tokens = 1 + sum(prefix_rates(recent, prior))
+        alike_tokens = 1 + sum(prefix_rates(alike, prior))
+        assert abs(recent_tokens - now) < 1.5, (before, after, recent_tokens)  # of a swing of 7
+        assert abs(alike_tokens - then) < 1.5, (before, after, alike_tokens)

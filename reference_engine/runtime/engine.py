@@ -350,7 +350,7 @@ class Engine:
                 # its accepted draft tokens and the target's own token after them
                 width = self.verify_width.choose(
                     [min(self.block_size - 1, max(s.remaining - 1, 0)) for s in spec],
-                    [s.spec for s in spec],
+                    [s.recent for s in spec],
                     self.spec_totals,
                 )
                 # the next step's draft may be queued behind this one's commit when no

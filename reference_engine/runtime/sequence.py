@@ -9,7 +9,7 @@ import torch
 
 from .oracle import Proposer
 from .request import SamplingParams
-from .stats import SpecCounters
+from .stats import RecentAcceptance, SpecCounters
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class Sequence:
     finish_reason: str | None = None
     fallback_reason: str | None = None
     spec: SpecCounters = field(default_factory=SpecCounters)
+    recent: RecentAcceptance = field(default_factory=RecentAcceptance)  # what the verify width reads
     steps: list[StepRecord] = field(default_factory=list)
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -80,4 +81,5 @@ class Sequence:
 
     def record_step(self, proposed: int, accepted: int, committed: int, drafted: list[int]) -> None:
         self.spec.record(proposed, accepted, committed)
+        self.recent.record(proposed, accepted)
         self.steps.append(StepRecord(proposed, accepted, committed, tuple(drafted)))

@@ -89,6 +89,47 @@ class SpecCounters:
         }
 
 
+class RecentAcceptance:
+    """A request's acceptance counts per position with its recent steps weighing more: each
+    drafted step multiplies the counts before it by DECAY (kept as one growing scale that its
+    own counts are added at, so a step touches only the positions it verified). What the verify
+    width reads (verify_width.prefix_rates): a continuation's acceptance moves along it (on the
+    demo pair a request's first 5 drafted steps commit 1.9 tokens a step and its 10th to 30th
+    4.2-4.6), and counts of every step alike lag it; `SpecCounters` keep the plain counts."""
+
+    DECAY = 0.6  # the weight of a step's counts, a step later
+    RESCALE = 1e150  # counts and scale divided back to a scale of 1 past this
+
+    __slots__ = ("accepted_per_position", "verified_per_position", "scale", "steps")
+
+    def __init__(self) -> None:
+        self.accepted_per_position: dict[int, float] = {}  # scaled weights, 1-based positions
+        self.verified_per_position: dict[int, float] = {}
+        self.scale = 1.0  # the weight of the latest step: counts / scale are the decayed counts
+        self.steps = 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.scale /= self.DECAY
+        if self.scale > self.RESCALE:
+            for counts in (self.accepted_per_position, self.verified_per_position):
+                for k in counts:
+                    counts[k] /= self.scale
+            self.scale = 1.0
+        s, accepted_at, verified_at = self.scale, self.accepted_per_position, self.verified_per_position
+        for k in range(1, accepted + 1):
+            accepted_at[k] = accepted_at.get(k, 0.0) + s
+        for k in range(1, min(proposed, accepted + 1) + 1):
+            verified_at[k] = verified_at.get(k, 0.0) + s
+
+    def counts(self) -> tuple[dict[int, float], dict[int, float]]:
+        """(accepted, verified) per position, decayed: a step's counts weigh DECAY^age."""
+        return (
+            {k: v / self.scale for k, v in self.accepted_per_position.items()},
+            {k: v / self.scale for k, v in self.verified_per_position.items()},
+        )
+
+
 class PhaseTimer:
     """Wall time per phase with a monotonic clock; on CUDA also device time per phase from
     CUDA events, collected by `flush()` once they have completed: the timer never makes the

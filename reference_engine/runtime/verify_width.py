@@ -32,8 +32,9 @@ left: the step's last token is the target's own) and r_i[k] the probability that
 1..k are all accepted. The forward is padded to its widest row, so one W for the step is best
 for every row: a row verified narrower than its neighbours would save nothing. r_i[k] is the
 product of conditional acceptance rates c_j (draft token j accepted, given 1..j-1 were and j
-was verified), each the request's own count shrunk toward the engine's rate over all
-requests, and the engine's toward its rate at j-1 (starting from 1: an engine with no history
+was verified), each the request's own count (its recent steps weighing more:
+stats.RecentAcceptance) shrunk toward the engine's rate over all requests, and the engine's
+toward its rate at j-1 (starting from 1: an engine with no history
 verifies the full block, and a position no step has verified yet borrows the rate of the one
 before it). Ties go to the wider W. The choice is a function of the counts, the costs and
 the runs of plain and of narrow steps before it (VerifyWidth), so deterministic: the same requests with the
@@ -77,10 +78,10 @@ from functools import cached_property
 import torch
 
 from ..errors import ConfigError
-from .stats import SpecCounters
+from .stats import RecentAcceptance, SpecCounters
 
 VERIFY_WIDTHS = ("auto", "fixed")
-REQUEST_WEIGHT = 4.0  # pseudo-steps of the engine's rate in a request's estimate
+REQUEST_WEIGHT = 1.0  # pseudo-steps of the engine's rate in a request's estimate
 ENGINE_WEIGHT = 4.0  # pseudo-steps of the previous position's rate in the engine's
 PROBE_AFTER = 4  # the fewest plain steps in a row before a speculative step measures acceptance again
 PROBE_SHARE = 0.02  # of the plain run's time, what a probe's expected loss may take
@@ -204,14 +205,17 @@ def engine_rates(totals: SpecCounters, positions: int) -> list[float]:
     return rates
 
 
-def prefix_rates(counters: SpecCounters, prior: Sequence[float]) -> list[float]:
+def prefix_rates(counters: SpecCounters | RecentAcceptance, prior: Sequence[float]) -> list[float]:
     """r[k], k = 1..len(prior): the chance that a request's draft tokens 1..k are all accepted,
     from its own counts shrunk toward the engine's conditional rates `prior` (the arithmetic
-    of `conditional_rates`, in one pass: the engine runs this for every row of every step)."""
+    of `conditional_rates`, in one pass: the engine runs this for every row of every step).
+    The engine passes `RecentAcceptance` (recent steps weigh more): its counts are kept at a
+    scale, so the prior's weight is taken at that scale too."""
     accepted, verified = counters.accepted_per_position, counters.verified_per_position
+    weight = REQUEST_WEIGHT * counters.scale if isinstance(counters, RecentAcceptance) else REQUEST_WEIGHT
     out, product = [], 1.0
     for j, p in enumerate(prior, 1):
-        product *= (accepted.get(j, 0) + REQUEST_WEIGHT * p) / (verified.get(j, 0) + REQUEST_WEIGHT)
+        product *= (accepted.get(j, 0) + weight * p) / (verified.get(j, 0) + weight)
         out.append(product)
     return out
 
@@ -303,7 +307,7 @@ class VerifyWidth:
         self.memo: tuple | None = None  # (key, counters, expected tokens) of the last choice
 
     def expected(
-        self, limits: Sequence[int], counters: Sequence[SpecCounters], totals: SpecCounters
+        self, limits: Sequence[int], counters: Sequence[SpecCounters | RecentAcceptance], totals: SpecCounters
     ) -> dict[int, float]:
         """expected_tokens for these rows, or the last step's when nothing it was computed
         from has moved: the same counters (every count moves a step count) and limits. A run
@@ -323,7 +327,9 @@ class VerifyWidth:
         self.memo = (key, (totals, *counters), tokens)
         return tokens
 
-    def choose(self, limits: Sequence[int], counters: Sequence[SpecCounters], totals: SpecCounters) -> int:
+    def choose(
+        self, limits: Sequence[int], counters: Sequence[SpecCounters | RecentAcceptance], totals: SpecCounters
+    ) -> int:
         """This step's verify width for rows that may still produce `limits` draft tokens, with
         their own and the engine's acceptance counts."""
         if len(self.candidates) == 1:

@@ -90,7 +90,11 @@ def test_sigterm_ends_running_and_queued_streams_with_an_error_event_and_done(mo
         )
     )
     threads[-1].start()
-    time.sleep(0.3)
+    # its 200 headers: the server holds it (a fixed wait loses the race on a busy machine)
+    deadline = time.monotonic() + 30
+    while not queued and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert queued == [200]
     start = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     for t in threads:

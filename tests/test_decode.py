@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from reference_engine.checkpoint import load_target
+from reference_engine.errors import RequestError
 from reference_engine.models import CausalLM
 from reference_engine.runtime.decode import (
     FINISH_LENGTH,
@@ -211,6 +212,35 @@ def test_generate_plain_fits_exactly_into_the_context(model: CausalLM, reference
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = generate_plain(model, PROMPT, params, max_model_len=len(PROMPT) + 3)
     assert out.output_ids == reference[:3]
+
+
+def test_generate_plain_refuses_an_output_one_token_past_the_context(model: CausalLM) -> None:
+    """The context check is exact: prompt + max_tokens one past max_model_len is refused
+    (one that fits exactly is served, the test above)."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with pytest.raises(RequestError, match="exceeds the context"):
+        generate_plain(model, PROMPT, params, max_model_len=len(PROMPT) + 3)
+
+
+@pytest.mark.parametrize(
+    "options", [{"logprobs": 2}, {"repetition_penalty": 1.2}], ids=["logprobs", "repetition_penalty"]
+)
+def test_generate_plain_refuses_either_option_only_the_engine_serves(model: CausalLM, options: dict) -> None:
+    """The bare reference loop neither reports logprobs nor penalises repetition: either
+    option on its own is refused with a pointer to the engine, never silently ignored."""
+    with pytest.raises(RequestError, match="served by the engine"):
+        generate_plain(model, PROMPT, SamplingParams(max_tokens=4, **options))
+
+
+def test_a_temperature_below_the_greedy_threshold_decodes_greedily(qwen3_checkpoint: Path) -> None:
+    """A positive temperature below GREEDY_BELOW is greedy in generate_plain too: in float32
+    logits / 1e-40 overflow to inf and the softmax to NaN, so sampling at it would give no
+    token at all; the output is greedy decode's."""
+    f32 = load_target(qwen3_checkpoint, dtype=torch.float32)
+    greedy_params = SamplingParams(max_tokens=8, ignore_eos=True)
+    tiny = SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)
+    out = generate_plain(f32, PROMPT, tiny, generator=torch.Generator().manual_seed(0))
+    assert out.output_ids == generate_plain(f32, PROMPT, greedy_params).output_ids
 
 
 def test_sampling_with_top_k_1_gives_the_greedy_output(model: CausalLM, reference: list[int]) -> None:

@@ -21,8 +21,8 @@ import torch
 from reference_engine.checkpoint import load_draft, load_target
 from reference_engine.errors import ConfigError, RequestError
 from reference_engine.models import CausalLM
-from reference_engine.models.dflash import DFlashDraft
-from reference_engine.runtime.decode import generate_plain
+from reference_engine.models.dflash import DFlashDraft, DraftState
+from reference_engine.runtime.decode import decode_step, generate_plain, new_state, prefill
 from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from reference_engine.runtime.forwards import StepInputs
 from reference_engine.runtime.oracle import OracleProposer
@@ -30,7 +30,7 @@ from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Phase, Sequence
 from reference_engine.runtime.speculative_step import DraftAhead, SpeculativeStep
 from reference_engine.runtime.state import NO_CHECKPOINTS
-from reference_engine.runtime.stats import SpecCounters
+from reference_engine.runtime.stats import RecentAcceptance, SpecCounters
 from reference_engine.runtime.verify_width import StepCosts
 
 TinyCheckpoint = Callable[..., Path]
@@ -205,6 +205,23 @@ def test_a_stop_token_inside_an_accepted_block_ends_the_stream_there(
     assert engine.collect("r").finish_reason == "stop"
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_with_stop(
+    target: CausalLM, draft: DFlashDraft, speculative: bool
+) -> None:
+    """A request whose max_tokens-th token is one of its stop ids ends on both at once; the
+    stop wins, as in generate_plain: finish_reason "stop" on the stream and the request, the
+    stop token the output's last."""
+    full = reference(target, PROMPTS[0], greedy(24))
+    end = next(k for k in range(3, len(full)) if full[k] not in full[:k])  # its first occurrence
+    engine = make_engine(target, draft if speculative else None, max_num_seqs=1)
+    engine.add_request("r", PROMPTS[0], greedy(end + 1, stop_token_ids=(full[end],)))
+    outs = drain(engine)
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    seq = engine.collect("r")
+    assert seq.output_ids == full[: end + 1] and seq.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
 def test_chunked_prefill_gives_the_plain_decode_output(
@@ -235,6 +252,20 @@ def test_chunked_prefill_gives_the_plain_decode_output(
     assert short.output_ids == reference(target, PROMPTS[2], greedy(12))
     # the time to first token ends in the step that gave the token, not at the first chunk
     assert long.first_token_s >= started[first_step["long"]] > started[0]
+
+
+def test_a_prompt_is_run_to_its_last_token_whatever_its_last_chunk_holds(target: CausalLM) -> None:
+    """Prompts of 1 to 2 * chunk + 1 tokens in chunks of 4: a prompt counts as run only once
+    its last token has run (a last chunk of a single token included), so each first token
+    comes from the whole prompt and every output is plain greedy decode's."""
+    chunk = 4
+    prompts = {str(n): LONG_PROMPT[:n] for n in range(1, 2 * chunk + 2)}
+    engine = make_engine(target, None, max_num_seqs=len(prompts), prefill_chunk=chunk)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, greedy(3))
+    drain(engine)
+    for rid, prompt in prompts.items():
+        assert engine.collect(rid).output_ids == reference(target, prompt, greedy(3)), rid
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -608,6 +639,19 @@ def test_an_unseeded_sampling_request_leaves_the_global_torch_rng_alone(
     assert torch.equal(torch.rand(4), expected)
 
 
+def test_a_top_p_that_keeps_only_the_likeliest_token_samples_the_greedy_output(target: CausalLM) -> None:
+    """Plain decode's sampling applies top_p: at top_p 1e-6 only the most likely token is
+    left, so even a hot temperature gives greedy decode's tokens, the first one (from the
+    prefill) included."""
+    engine = make_engine(target, None, max_num_seqs=2)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        params = SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=i, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    drain(engine)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert engine.collect(str(i)).output_ids == reference(target, prompt, greedy(12))
+
+
 # ----------------------------------------------------------------------------- logprobs
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
 def test_logprobs_hold_the_chosen_token_and_the_top_k(
@@ -683,6 +727,40 @@ def test_repetition_penalty_changes_greedy_output_and_falls_back_from_speculatio
     assert engine.stats()["fallbacks"] == {"sampling_option": 1}
 
 
+@torch.inference_mode()
+def penalised_greedy(target: CausalLM, prompt: list[int], penalty: float, n: int) -> list[int]:
+    """Greedy decode under the repetition penalty, on the reference loop's prefill and decode
+    steps: before each choice every token seen so far, prompt or output, has a positive logit
+    divided by the penalty and a negative one multiplied by it."""
+    state = new_state(target, len(prompt) + n)
+    logits, _ = prefill(target, state, 0, prompt)
+    seen, out = list(prompt), []
+    for _ in range(n):
+        row = logits.clone()
+        for t in set(seen):
+            row[t] = row[t] / penalty if row[t] > 0 else row[t] * penalty
+        token = int(row.argmax())
+        out.append(token)
+        seen.append(token)
+        logits = decode_step(target, state, 0, token)
+    return out
+
+
+def test_repetition_penalty_follows_its_rule_over_prompt_and_output_tokens(target: CausalLM) -> None:
+    """The engine's penalised greedy output is the rule's, token by token. The first prompt
+    ends with its own greedy continuation, which plain decode goes on repeating: prompt tokens
+    count as seen, so the penalty changes even the first output token."""
+    first = PROMPTS[0] + reference(target, PROMPTS[0], greedy(8))
+    prompts = [first, PROMPTS[1]]
+    engine = make_engine(target, None, max_num_seqs=2)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(16, repetition_penalty=1.3))
+    drain(engine)
+    outputs = [engine.collect(str(i)).output_ids for i in range(2)]
+    assert outputs == [penalised_greedy(target, prompt, 1.3, 16) for prompt in prompts]
+    assert outputs[0][0] != reference(target, first, greedy(1))[0]
+
+
 def test_the_cpu_engine_runs_eagerly_with_no_spare_slot(qwen3_checkpoint) -> None:
     target = load_target(qwen3_checkpoint, dtype=torch.float32)
     engine = Engine(target, None, EngineConfig(max_num_seqs=3))
@@ -747,6 +825,45 @@ def test_per_token_checkpoints_every_few_tokens_commit_the_state_of_every_token(
         recurrent[kept_every] = [engine.state.recurrent[layer].clone() for layer in layers]
     for got, want in zip(recurrent[every], recurrent[None]):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_every_commit_leaves_the_gated_deltanet_state_of_a_fresh_prefill_of_the_committed_tokens(
+    tiny_pair: TinyPair, strategy: str
+) -> None:
+    """After each speculative commit, every row's conv and recurrent state is the one a fresh
+    prefill of its committed tokens reaches (the rejected block tokens undone), whatever the
+    strategy, with rows accepting different counts each step. On this tiny target a wrong
+    state can leave the greedy output unchanged for a while, so the state itself is compared;
+    float64, where the verify's other matmul shapes move only the last bits."""
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)
+    prompts = [[5, 9, 3, 77, 12], [40, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    refs = [generate_plain(target, p, params).output_ids for p in prompts]
+    layers = target.config.linear_layers
+    seen = []
+
+    def observe(seq: Sequence, state, length: int) -> None:
+        recurrent = [state.recurrent[layer][seq.slot].clone() for layer in layers]
+        conv = [state.conv[layer][seq.slot].clone() for layer in layers]
+        seen.append((int(seq.request_id), length, recurrent, conv))
+
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=2, commit_strategy=strategy))
+    engine.commit_observer = observe
+    for i, p in enumerate(prompts):
+        accepts = [[2, 6, 0, 4], [5, 1, 3, 0]][i]
+        engine.add_request(str(i), p, params, oracle=OracleProposer(refs[i], accepts, VOCAB))
+    drain(engine)
+    assert [engine.collect(str(i)).output_ids for i in range(2)] == refs
+    assert len(seen) >= 6
+    for i, length, recurrent, conv in seen:
+        fresh = new_state(target, length)
+        prefill(target, fresh, 0, (prompts[i] + refs[i])[:length])
+        for layer, got_recurrent, got_conv in zip(layers, recurrent, conv):
+            torch.testing.assert_close(got_recurrent, fresh.recurrent[layer][0], rtol=0, atol=1e-9)
+            torch.testing.assert_close(got_conv, fresh.conv[layer][0], rtol=0, atol=1e-9)
 
 
 def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(tiny_pair: TinyPair) -> None:
@@ -1009,6 +1126,42 @@ def test_a_draft_queued_ahead_proposes_what_a_fresh_draft_would(
     assert [o for o, _ in faulty.values()] == [o for o, _ in fresh.values()]  # lossless all the same
 
 
+@torch.inference_mode()
+def first_block_proposals(target: CausalLM, draft: DFlashDraft, prompt: list[int]) -> list[int]:
+    """The draft's proposals for a request's first block, from the models alone: the whole
+    prompt's target features as the draft's context, then a block of the greedy first token
+    and BLOCK_SIZE - 1 mask tokens right after the prompt."""
+    n = len(prompt)
+    state = new_state(target, n + BLOCK_SIZE)
+    logits, features = prefill(target, state, 0, prompt, capture_layers=draft.config.target_layer_ids)
+    draft_state = DraftState(draft.config, 1, n + BLOCK_SIZE, torch.float64)
+    slots = torch.tensor([0])
+    draft.append_context(features[None], torch.arange(n)[None], slots, draft_state)
+    block = torch.full((1, BLOCK_SIZE), draft.config.mask_token_id)
+    block[0, 0] = int(logits.argmax())
+    embeds = target.embed(block) * draft.config.input_embedding_scale
+    hidden = draft(embeds, torch.arange(n, n + BLOCK_SIZE)[None], slots, draft_state, n + BLOCK_SIZE)
+    return draft.proposals(hidden, target.lm_head_weight, anchors=block[:, 0])[1][0].tolist()
+
+
+def test_a_speculative_requests_first_draft_reads_its_whole_prompt_as_context(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    """Prefill writes the prompt's target features into the draft's context, chunk by chunk:
+    each request's first drafted block is the one the draft proposes from the whole prompt.
+    A draft without that context stays lossless (the output alone cannot show it), but
+    proposes other tokens."""
+    prompts = {"short": PROMPTS[0], "long": LONG_PROMPT}
+    engine = make_engine(target, draft, max_num_seqs=2, prefill_chunk=8)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, greedy(12))
+    drain(engine)
+    for rid, prompt in prompts.items():
+        seq = engine.collect(rid)
+        assert seq.output_ids == reference(target, prompt, greedy(12))
+        assert list(seq.steps[0].drafted) == first_block_proposals(target, draft, prompt)
+
+
 def _as_if_captured(engine: Engine) -> None:
     """Run the speculative step as with CUDA graphs, on the CPU: full padded blocks, a
     "replayed" accept that runs the captured accept's body eagerly (the step's table, and
@@ -1263,3 +1416,25 @@ def test_the_verify_width_reads_each_rows_recent_counts(target: CausalLM, draft:
     drain(engine)
     assert len(seen) >= 3 and all(recent == plain for recent, plain in seen)
     assert seen[-1][0] >= 2
+
+
+def test_a_requests_recent_counts_hold_the_draft_tokens_its_steps_accepted(
+    target: CausalLM, draft: DFlashDraft
+) -> None:
+    """Each drafted step adds its accepted draft tokens to the request's RecentAcceptance,
+    not the tokens it committed (one more, the bonus): under an oracle accepting 3 of every
+    block (fewer where the budget leaves fewer to draft) the decayed counts are those of its
+    steps' (proposed, accepted), positions 1..3 accepted and 4 verified (the first
+    rejection) but never accepted."""
+    full = reference(target, PROMPTS[0], greedy(30))
+    engine = make_engine(target, draft, max_num_seqs=1)
+    engine.add_request("r", PROMPTS[0], greedy(30), oracle=OracleProposer(full, [3], VOCAB))
+    drain(engine)
+    seq = engine.collect("r")
+    assert len(seq.steps) >= 3 and all(s.accepted == min(3, s.proposed) for s in seq.steps)
+    expected = RecentAcceptance()
+    for s in seq.steps:
+        expected.record(s.proposed, s.accepted)
+    accepted_at, verified_at = seq.recent.counts()
+    assert set(accepted_at) == {1, 2, 3} and set(verified_at) == {1, 2, 3, 4}
+    assert (accepted_at, verified_at) == expected.counts()

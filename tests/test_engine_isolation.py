@@ -93,6 +93,30 @@ def test_an_exception_in_one_requests_prefill_fails_that_request_alone(pair, mon
     assert done["good"].output_ids == generate_plain(target, PROMPTS[1], params()).output_ids
 
 
+def test_an_exception_in_a_batched_decode_fails_every_request_it_was_computing(pair) -> None:
+    """Plain decode runs its requests in one forward: when that forward raises, each request
+    it was computing fails with the reason (none is left running on tokens that never came),
+    and the freed slots serve the next request exactly."""
+    target, _ = pair
+    engine = Engine(target, None, EngineConfig(max_num_seqs=4))
+    decode, calls = engine.runner.decode, []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("planted")
+        return decode(*args)
+
+    engine.runner.decode = failing
+    done = run(engine, {f"r{i}": (p, params()) for i, p in enumerate(PROMPTS[:3])})
+    for seq in done.values():
+        assert seq.finish_reason == "error" and seq.error == "engine error: RuntimeError: planted"
+        assert len(seq.output_ids) == 2  # the prefill's token and the first decode step's
+    engine.runner.decode = decode
+    again = run(engine, {"next": (PROMPTS[3], params())})["next"]
+    assert again.output_ids == generate_plain(target, PROMPTS[3], params()).output_ids
+
+
 def test_sample_marks_a_row_that_is_not_a_distribution_without_failing_the_others() -> None:
     probs = torch.tensor(
         [

@@ -123,3 +123,33 @@ def test_the_phase_timer_collects_the_completed_phases_of_one_stream_from_the_en
         start.done = True
     timer.flush(wait=True)
     assert len(timer.device_s) == 5 and all(e.waits == 1 for e in ends) and not timer._pending
+
+
+def test_nothing_is_collected_while_no_phase_of_the_one_stream_has_completed() -> None:
+    """With every pending event on one stream and none completed, flush collects no phase
+    (the first one included) and waits for none; once they complete, the next flush
+    collects them all."""
+    timer = PhaseTimer(torch.device("cpu"))
+    ends = _pending_phases(timer, 0, {7})
+    timer.flush()
+    assert not timer.device_s and len(timer._pending) == 5 and not any(e.waits for e in ends)
+    for _, start, end in timer._pending:
+        start.done = end.done = True
+    timer.flush()
+    assert dict(timer.device_s) == {"a": 0.001, "b": 0.002, "c": 0.003, "d": 0.004, "e": 0.005}
+    assert not timer._pending and not timer._streams
+
+
+def test_the_totals_wait_for_pending_phases_unless_told_not_to() -> None:
+    """PhaseTimer.as_dict: with wait=False (a reader after every step) it reports the device
+    times of the phases that have completed and leaves the rest pending; by default it waits
+    for every pending phase and reports all of them."""
+    timer = PhaseTimer(torch.device("cpu"))
+    ends = _pending_phases(timer, 2, {7})
+    for _, start, _ in timer._pending:
+        start.done = True
+    assert timer.as_dict(wait=False) == {"device_s_a": 0.001, "device_s_b": 0.002}
+    assert [name for name, _, _ in timer._pending] == ["c", "d", "e"]
+    totals = timer.as_dict()
+    assert totals == {f"device_s_{name}": (i + 1) / 1000 for i, name in enumerate("abcde")}
+    assert [e.waits for e in ends] == [0, 0, 1, 1, 1] and not timer._pending

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 
@@ -152,6 +153,17 @@ def real_tokenizers():
     return _tokenizers()
 
 
+def counting_decoder(tok) -> tuple[Callable[[list[int]], str], list[int]]:
+    """`tok.decode`, recording the number of ids of every call in the returned list."""
+    decoded: list[int] = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    return counting, decoded
+
+
 SPECIALS = {"<|endoftext|>", "<|im_end|>", "</s>", "[SEP]"}
 
 
@@ -215,11 +227,7 @@ def test_incremental_text_decodes_a_window_not_the_whole_output(real_tokenizers)
     """Linear cost: each token decodes a few ids, however long the output is (a server that
     decodes the whole output at every step takes time growing with its square)."""
     tok = real_tokenizers["byte-level (demo)"]
-    decoded = []
-
-    def counting(ids: list[int]) -> str:
-        decoded.append(len(ids))
-        return tok.decode(ids)
+    counting, decoded = counting_decoder(tok)
 
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 40).ids
     stream = StopStringText(counting)
@@ -240,11 +248,7 @@ def test_invalid_bytes_do_not_hold_the_window_open(real_tokenizers) -> None:
     stays linear and the text is still the whole decode."""
     tok = real_tokenizers["byte-level (demo)"]
     invalid = tok.token_to_id("ÿ")  # the byte 0xFF, never part of UTF-8
-    decoded = []
-
-    def counting(ids: list[int]) -> str:
-        decoded.append(len(ids))
-        return tok.decode(ids)
+    counting, decoded = counting_decoder(tok)
 
     ids = [invalid] * 300 + tok.encode(" and then text").ids
     text = IncrementalText(counting)
@@ -322,11 +326,7 @@ def test_a_chunk_without_stop_strings_costs_one_decode(real_tokenizers) -> None:
     """A DFlash server's chunks carry several tokens: without stop strings each is decoded
     once (its window reused from the chunk before), not once a token."""
     tok = real_tokenizers["byte-level (demo)"]
-    decoded = []
-
-    def counting(ids: list[int]) -> str:
-        decoded.append(len(ids))
-        return tok.decode(ids)
+    counting, decoded = counting_decoder(tok)
 
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 40).ids
     assert len(ids) >= 200

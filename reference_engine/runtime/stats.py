@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,7 @@ class SpecCounters:
     # 1-based position -> steps that verified draft token k after accepting 1..k-1: the
     # denominators of the conditional acceptance rates the verify width reads (verify_width.py)
     verified_per_position: Counter = field(default_factory=Counter)
+    scale: ClassVar[float] = 1.0  # every step's counts weigh 1 (RecentAcceptance's are scaled)
 
     def record(self, proposed: int, accepted: int, acceptance_length: int) -> None:
         self.steps += 1

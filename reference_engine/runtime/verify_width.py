@@ -210,9 +210,9 @@ def prefix_rates(counters: SpecCounters | RecentAcceptance, prior: Sequence[floa
     from its own counts shrunk toward the engine's conditional rates `prior` (the arithmetic
     of `conditional_rates`, in one pass: the engine runs this for every row of every step).
     The engine passes `RecentAcceptance` (recent steps weigh more): its counts are kept at a
-    scale, so the prior's weight is taken at that scale too."""
+    scale, so the prior's weight is taken at that scale too (`SpecCounters`: a scale of 1)."""
     accepted, verified = counters.accepted_per_position, counters.verified_per_position
-    weight = REQUEST_WEIGHT * counters.scale if isinstance(counters, RecentAcceptance) else REQUEST_WEIGHT
+    weight = REQUEST_WEIGHT * counters.scale
     out, product = [], 1.0
     for j, p in enumerate(prior, 1):
         product *= (accepted.get(j, 0) + weight * p) / (verified.get(j, 0) + weight)

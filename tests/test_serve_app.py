@@ -1,21 +1,33 @@
 """The server's routes (reference_engine/serving/app.py), in process: every route that the
 API key protects refuses a missing or wrong key, the routes read from the app itself so that
 a new one cannot be left out; and a streamed and a non-streamed reply to the same greedy
-request carry the same tokens, text, finish_reason and usage (replies.py, generation.py)."""
+request carry the same tokens, text, finish_reason and usage (replies.py, generation.py).
+With a scripted engine loop in place of the engine, each reply is made from exactly the step
+outputs given: a stop string cut inside a chunk, an error, a shutdown, a reply cut short."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
+from reference_engine.runtime.request import SamplingParams
 from reference_engine.serving.app import INLINE_PARSE_BYTES, create_app
 from reference_engine.serving.args import ServeArgs
-from reference_engine.serving.protocol import ProtocolError
+from reference_engine.serving.async_engine import EngineTotals, RequestFailed, ShuttingDown
+from reference_engine.serving.generation import Generation
+from reference_engine.serving.metrics import ServerMetrics
+from reference_engine.serving.protocol import ParsedRequest, ProtocolError
+from reference_engine.serving.replies import full_reply, respond, sse_reply
 from reference_engine.serving.service import Server
+
+from .test_serve_engine_loop import ScriptedEngine, out
+from .test_serve_metrics import samples, value
 
 KEY = "sekret"
 
@@ -180,3 +192,212 @@ def test_a_small_completions_body_is_parsed_on_the_event_loop_a_large_or_chat_on
     )
     assert reply.status_code == 400 and "parsed" in reply.text
     assert on_loop == [True, False, False]
+
+
+# ------------------------------------------------------------------ a scripted engine loop
+# The asyncio side of the engine (async_engine.py `AsyncEngine`) with the loop's turns
+# delivered by the test: a request's events (generation.py) and both replies (replies.py)
+# made from exactly the step outputs given, in process and at once.
+VOCAB = {0: "Hel", 1: "lo", 2: " wo", 3: "rld", 4: "!", 5: " E", 6: "ND", 7: "\n"}
+
+
+def toy_decode(ids: list[int]) -> str:
+    return "".join(VOCAB[i] for i in ids)
+
+
+def scripted_server(engine: ScriptedEngine) -> SimpleNamespace:
+    numbers = itertools.count(1)
+    return SimpleNamespace(
+        detokenize=toy_decode,
+        metrics=ServerMetrics(),
+        lifecycle=SimpleNamespace(runner=engine),
+        name="toy",
+        new_request_id=lambda chat: f"cmpl-{next(numbers)}",
+    )
+
+
+def parsed_request(**fields) -> ParsedRequest:
+    defaults = dict(
+        prompt_ids=[0, 1],
+        params=SamplingParams(max_tokens=16),
+        stop=(),
+        stream=False,
+        include_usage=False,
+        continuous_usage=False,
+        logprobs=None,
+        chat=False,
+    )
+    return ParsedRequest(**{**defaults, **fields})
+
+
+async def started(
+    server, engine: ScriptedEngine, parsed: ParsedRequest, arrival_s: float = 0.0
+) -> Generation:
+    """A generation the scripted engine took."""
+    starting = asyncio.create_task(Generation.start(server, parsed, arrival_s))
+    await asyncio.sleep(0)
+    request_id = engine.sent[-1][1]
+    engine.receive([("added", request_id, None)], EngineTotals())
+    return await starting
+
+
+def sse_events(stream: list[str]) -> list:
+    assert all(s.startswith("data: ") and s.endswith("\n\n") for s in stream)
+    return [s[6:-2] if s[6:-2] == "[DONE]" else json.loads(s[6:-2]) for s in stream]
+
+
+def metrics_page(server) -> dict:
+    """Every sample of the server's /metrics page."""
+    return samples(server.metrics.render(EngineTotals())[0])
+
+
+async def answered(parsed: ParsedRequest, turns: list[list[tuple]], error: Exception | None = None):
+    """The reply to one request (whole, or its error; or its SSE events when `parsed.stream`)
+    whose engine turns are `turns` (each a list of `out` arguments: ids, finish_reason,
+    time_s, logprobs), then its end (with `error`); with the scripted engine and the server."""
+    engine = ScriptedEngine()
+    server = scripted_server(engine)
+    generation = await started(server, engine, parsed)
+    rid = generation.request_id
+    for outputs in turns:
+        engine.receive([out(rid, *o) for o in outputs], EngineTotals())
+    engine.receive([("end", rid, None, error)], EngineTotals())
+    try:
+        if parsed.stream:
+            reply = sse_events([s async for s in sse_reply(server, generation)])
+        else:
+            reply = await full_reply(server, generation)
+    except ProtocolError as exc:  # the whole reply's error
+        reply = exc
+    finally:
+        generation.close()
+    return reply, engine, server
+
+
+def entries(ids: list[int]) -> list[dict[int, float]]:
+    """Top-2 logprobs for each of `ids`: the token's own and another's."""
+    return [{t: -0.5, (t + 1) % len(VOCAB): -1.5} for t in ids]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_cut_inside_a_chunk_ends_the_reply_there_once(stream: bool) -> None:
+    """A stop string completed by the third token of a four-token chunk: the reply is the
+    text before it and the ids through that token, with their logprobs only; finish_reason
+    "stop" comes once, the request is aborted, and the tokens the engine committed before
+    the abort landed are neither sent nor counted."""
+    parsed = parsed_request(stop=("o w",), logprobs=1, stream=stream, include_usage=stream)
+    turns = [
+        [([0, 1, 2, 3], None, 1.0, entries([0, 1, 2, 3]))],
+        [([4], None, 2.0, entries([4]))],  # before the abort landed
+        [([5, 6], "length", 3.0, entries([5, 6]))],
+    ]
+    reply, engine, server = asyncio.run(answered(parsed, turns))
+    if stream:
+        assert reply[-1] == "[DONE]"
+        chunks = [e for e in reply[:-1] if e["choices"]]
+        choices = [e["choices"][0] for e in chunks]
+        text = "".join(c["text"] for c in choices)
+        ids = [t for c in choices for t in c["token_ids"]]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["stop"]
+        assert choices[-1]["finish_reason"] == "stop"
+        top = [entry for c in choices if c["logprobs"] for entry in c["logprobs"]["top_logprobs"]]
+        assert reply[-2]["usage"]["completion_tokens"] == 3
+    else:
+        choice = reply["choices"][0]
+        text, ids = choice["text"], choice["token_ids"]
+        assert choice["finish_reason"] == "stop"
+        top = choice["logprobs"]["top_logprobs"]
+        assert choice["logprobs"]["tokens"] == ["Hel", "lo", " wo"]
+        assert reply["usage"]["completion_tokens"] == 3
+    assert (text, ids) == ("Hell", [0, 1, 2])
+    assert len(top) == 3
+    assert engine.sent.count(("abort", "cmpl-1")) == 1
+    page = metrics_page(server)
+    assert value(page, "dflash:generation_tokens_total") == 3
+    assert value(page, "dflash:request_success_total", finish_reason="stop") == 1
+    assert value(page, "dflash:time_to_first_token_seconds_sum") == 1.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "error, status, failed",
+    [(ShuttingDown("the grace period ran out"), 503, False), (RequestFailed("numerical failure"), 500, True)],
+    ids=["shut down", "engine failure"],
+)
+def test_a_request_the_server_shut_down_on_gets_503_and_is_counted_as_aborted(
+    error: Exception, status: int, failed: bool, stream: bool
+) -> None:
+    """The shutdown's grace period ran out (ShuttingDown): the client gets 503 (an error event,
+    then [DONE], when streamed), and the request is counted under "abort", not as one the
+    engine failed; a request the engine failed gets 500 and is counted as a failure."""
+    parsed = parsed_request(stream=stream)
+    reply, _, server = asyncio.run(answered(parsed, [[([0, 1], None, 1.0)]], error=error))
+    if stream:
+        assert reply[-1] == "[DONE]" and reply[-2]["error"]["code"] == status
+    else:
+        assert isinstance(reply, ProtocolError) and reply.status == status
+    page = metrics_page(server)
+    assert value(page, "dflash:request_failure_total") == (1 if failed else 0)
+    assert value(page, "dflash:request_success_total", finish_reason="abort") == (0 if failed else 1)
+
+
+def test_a_request_the_engine_loop_cannot_take_is_a_500_counted_as_a_failure() -> None:
+    """The engine loop is not running: the request gets 500 at once, and it is counted, as a
+    failure, like every request that reached the engine's door."""
+    engine = ScriptedEngine()
+    engine.running = False
+    server = scripted_server(engine)
+    with pytest.raises(ProtocolError) as caught:
+        asyncio.run(Generation.start(server, parsed_request(), 0.0))
+    assert caught.value.status == 500
+    page = metrics_page(server)
+    assert value(page, "dflash:request_failure_total") == 1
+    assert value(page, "dflash:e2e_request_latency_seconds_count") == 1
+
+
+def test_a_streamed_chat_reply_names_the_role_once_and_carries_usage_only_as_asked() -> None:
+    """A chat stream's first chunk carries the role, the others only content; each chunk
+    carries the running usage only with continuous_usage_stats, and the usage chunk at the
+    end comes with include_usage."""
+    turns = [[([0, 1], None, 1.0)], [([2], None, 2.0)], [([3], "length", 3.0)]]
+    for continuous in (False, True):
+        parsed = parsed_request(chat=True, stream=True, include_usage=True, continuous_usage=continuous)
+        reply, _, _ = asyncio.run(answered(parsed, turns))
+        chunks = [e for e in reply[:-1] if e["choices"]]
+        assert ["role" in c["choices"][0]["delta"] for c in chunks] == [True, False, False]
+        if continuous:
+            assert [c["usage"]["completion_tokens"] for c in chunks] == [2, 3, 4]
+        else:
+            assert not any("usage" in c for c in chunks)
+        assert reply[-2]["choices"] == [] and reply[-2]["usage"]["completion_tokens"] == 4
+
+
+def test_a_request_that_ends_without_a_finish_reason_is_reported_as_aborted() -> None:
+    """The engine ended the request without finishing it (the server stopped its engine):
+    the whole reply has what was committed and finish_reason "abort"."""
+    reply, _, _ = asyncio.run(answered(parsed_request(), [[([0, 1], None, 1.0)]]))
+    choice = reply["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("Hello", "abort")
+
+
+def test_a_whole_reply_cut_short_aborts_its_request_and_counts_it_as_aborted() -> None:
+    """A non-streamed reply whose handler is cancelled while it waits (the server going
+    away under it): its request is aborted in the engine and counted once, as "abort"."""
+    engine = ScriptedEngine()
+    server = scripted_server(engine)
+
+    async def scenario() -> None:
+        replying = asyncio.create_task(respond(server, parsed_request(), 0.0))
+        await asyncio.sleep(0)
+        rid = engine.sent[-1][1]
+        engine.receive([("added", rid, None), out(rid, [0], None, 1.0)], EngineTotals())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        replying.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await replying
+        assert engine.sent[-1] == ("abort", rid)
+
+    asyncio.run(scenario())
+    page = metrics_page(server)
+    assert value(page, "dflash:request_success_total", finish_reason="abort") == 1

@@ -78,6 +78,24 @@ def test_a_request_that_ends_before_its_first_token_is_in_e2e_but_not_in_ttft() 
     assert value(page, "dflash:generation_tokens_total") == 0
 
 
+def test_tokens_delivered_after_the_request_ended_are_not_counted() -> None:
+    """A request is counted as its client saw it: once it has ended (a stop string cut, a
+    client gone), tokens the engine committed before the abort landed are neither output
+    tokens nor inter-token gaps."""
+    metrics = ServerMetrics()
+    counted = metrics.request(prompt_tokens=2, arrival_s=10.0)
+    counted.delivered(1, 10.25)
+    counted.delivered(2, 10.5)
+    counted.finish("stop")
+    counted.delivered(4, 11.0)  # the engine's tokens after the cut
+    page = samples(metrics.render(idle_engine())[0])
+    assert value(page, "dflash:generation_tokens_total") == 3
+    assert value(page, "dflash:time_to_first_token_seconds_count") == 1
+    assert value(page, "dflash:inter_token_latency_seconds_count") == 2
+    assert value(page, "dflash:inter_token_latency_seconds_sum") == pytest.approx(0.25)
+    assert value(page, "dflash:e2e_request_latency_seconds_sum") == pytest.approx(0.5)
+
+
 def test_verify_widths_count_the_engines_steps_per_width() -> None:
     metrics = ServerMetrics()
     metrics.on_step(idle_engine(verify_widths={15: 2, 3: 1}))
@@ -97,6 +115,29 @@ def test_engine_steps_and_drafts_ahead_are_the_engines_totals() -> None:
     assert value(page, "dflash:spec_decode_draft_ahead_total", outcome="queued") == 7
     assert value(page, "dflash:spec_decode_draft_ahead_total", outcome="used") == 5
     assert value(page, "dflash:spec_decode_draft_ahead_total", outcome="widened") == 1
+
+
+@pytest.mark.parametrize(
+    "device_type, seconds",
+    [("cpu", {"draft": 1.5, "verify": 2.0}), ("cuda", {"draft": 0.25, "verify": 0.5})],
+    ids=["cpu", "cuda"],
+)
+def test_phase_seconds_are_the_host_times_on_a_cpu_and_the_device_times_on_a_gpu(
+    device_type: str, seconds: dict[str, float]
+) -> None:
+    """The engine's phase timer reports host and device seconds per phase: the counter takes
+    the device's on a GPU (CUDA-event time) and the host's elsewhere, labelled by the phase's
+    own name, at the engine's latest totals."""
+    metrics = ServerMetrics()
+    first = {"host_s_draft": 1.0, "host_s_verify": 1.5, "device_s_draft": 0.125, "device_s_verify": 0.25}
+    metrics.on_step(EngineTotals(0, phases=first, device_type=device_type))
+    later = {"host_s_draft": 1.5, "host_s_verify": 2.0, "device_s_draft": 0.25, "device_s_verify": 0.5}
+    metrics.on_step(EngineTotals(0, phases=later, device_type=device_type))
+    page = samples(metrics.render(idle_engine())[0])
+    got = {
+        dict(labels)["phase"]: v for (name, labels), v in page.items() if name == "dflash:phase_seconds_total"
+    }
+    assert got == pytest.approx(seconds)
 
 
 def test_engine_counters_advance_by_the_totals_differences_and_survive_a_reset() -> None:

@@ -322,23 +322,87 @@ def test_a_chunk_decoded_at_once_is_its_tokens_pushed_one_at_a_time(real_tokeniz
     assert checked > 1000 and whole_checked > 500, (checked, whole_checked)
 
 
-def test_a_chunk_without_stop_strings_costs_one_decode(real_tokenizers) -> None:
-    """A DFlash server's chunks carry several tokens: without stop strings each is decoded
-    once (its window reused from the chunk before), not once a token."""
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_chunk_without_stop_strings_costs_one_decode(real_tokenizers, size: int) -> None:
+    """A DFlash server's chunks carry several tokens (two, the fewest, as well as four):
+    without stop strings each is decoded once (its window reused from the chunk before), not
+    once a token."""
     tok = real_tokenizers["byte-level (demo)"]
     counting, decoded = counting_decoder(tok)
 
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 40).ids
     assert len(ids) >= 200
     stream = StopStringText(counting)
-    chunks = [ids[at : at + 4] for at in range(0, len(ids), 4)]
+    chunks = [ids[at : at + size] for at in range(0, len(ids), size)]
     pieces = [stream.push(c, final=i == len(chunks) - 1)[0] for i, c in enumerate(chunks)]
     assert "".join(pieces) == tok.decode(ids)
     calls = (len(decoded) - 1) / len(chunks)  # less the one whole decode at the end
-    assert calls <= 1.6, calls  # 1.5: every other chunk the window moves on
+    assert calls <= 1.6, calls  # 1.5 for chunks of 4: every other chunk the window moves on
     assert (sum(decoded) - len(ids)) / len(chunks) <= 24
     with_stop = StopStringText(counting, ("never there",))
     decoded.clear()
     for i, c in enumerate(chunks):
         with_stop.push(c, final=i == len(chunks) - 1)
     assert (len(decoded) - 1) / len(ids) >= 1  # a stop string needs every token's text
+
+
+def test_a_chunk_that_ends_inside_a_character_waits_without_decoding_the_whole_output(
+    real_tokenizers,
+) -> None:
+    """Chunks of CJK and accented text cut inside a character's bytes: the chunk's text is not
+    settled until the character's next bytes come, so every decode stays a short window (a
+    replacement character settled there would be rewritten by the next token, and a rewrite
+    is settled by decoding the whole output: a cost growing with its square)."""
+    tok = real_tokenizers["byte-level (demo)"]
+    ids = tok.encode("数字と漢字、ünïcödé 😀 texte. " * 20).ids
+    decoded = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    stream = StopStringText(counting)
+    chunks = [ids[at : at + 3] for at in range(0, len(ids), 3)]
+    assert any(tok.decode(ids[: 3 * n]).endswith(REPLACEMENT) for n in range(1, len(chunks)))
+    pieces = [stream.push(c, final=i == len(chunks) - 1)[0] for i, c in enumerate(chunks)]
+    assert "".join(pieces) == tok.decode(ids)
+    assert max(decoded[:-1]) <= 24, max(decoded[:-1])  # about 17 here; the last: the whole decode
+
+
+@pytest.mark.parametrize("stops", [(), ("never there",)])
+def test_an_output_that_ends_inside_a_character_ends_with_its_replacement_character(
+    real_tokenizers, stops: tuple[str, ...]
+) -> None:
+    """An output cut short inside a character (max_tokens reached between its bytes) ends as
+    the whole decode ends, with U+FFFD: held back while more bytes might come, but released
+    with the last chunk, with or without stop strings, whatever the chunking."""
+    tok = real_tokenizers["byte-level (demo)"]
+    ids = tok.encode("Hello 数字").ids
+    whole = tok.decode(ids[:-1])
+    assert whole.endswith(REPLACEMENT)
+    for size in (1, 2, len(ids)):
+        stream = StopStringText(tok.decode, stops)
+        pieces, at = [], 0
+        while at < len(ids) - 1:
+            chunk = ids[at : min(at + size, len(ids) - 1)]
+            at += len(chunk)
+            pieces.append(stream.push(chunk, final=at == len(ids) - 1)[0])
+        assert "".join(pieces) == whole, (stops, size)
+
+
+def test_the_last_piece_follows_the_whole_decode_where_the_incremental_text_differs(caplog) -> None:
+    """A decoder that rewrites text outside the window at the last token (here: the whole
+    text upper-cased once an output of more than 10 tokens ends in "rld"): what is still to
+    send comes from the whole decode, not from the incremental text."""
+
+    def rewriting(ids: list[int]) -> str:
+        text = decode(ids)
+        return text.upper() if len(ids) > 10 and ids[-1] == 3 else text
+
+    ids = [0, 1, 2, 3, 5, 6, 7, 0, 1, 2, 3]  # "Hello world END\nHello world"
+    for stops in ((), ("never there",)):
+        stream = StopStringText(rewriting, stops)
+        with caplog.at_level("WARNING"):
+            pieces = [stream.push([token], final=i == len(ids) - 1)[0] for i, token in enumerate(ids)]
+        assert "".join(pieces[:-1]) == "Hello world END\nHello wo", stops
+        assert pieces[-1] == "RLD", stops

@@ -205,10 +205,13 @@ def toy_decode(ids: list[int]) -> str:
     return "".join(VOCAB[i] for i in ids)
 
 
-def scripted_server(engine: ScriptedEngine) -> SimpleNamespace:
+def scripted_server(
+    engine: ScriptedEngine, detokenize=toy_decode, skipped_ids=frozenset()
+) -> SimpleNamespace:
     numbers = itertools.count(1)
     return SimpleNamespace(
-        detokenize=toy_decode,
+        detokenize=detokenize,
+        skipped_ids=skipped_ids,
         metrics=ServerMetrics(),
         lifecycle=SimpleNamespace(runner=engine),
         name="toy",
@@ -251,12 +254,13 @@ def metrics_page(server) -> dict:
     return samples(server.metrics.render(EngineTotals())[0])
 
 
-async def answered(parsed: ParsedRequest, turns: list[list[tuple]], error: Exception | None = None):
+async def answered(parsed: ParsedRequest, turns: list[list[tuple]], error: Exception | None = None, **server):
     """The reply to one request (whole, or its error; or its SSE events when `parsed.stream`)
     whose engine turns are `turns` (each a list of `out` arguments: ids, finish_reason,
-    time_s, logprobs), then its end (with `error`); with the scripted engine and the server."""
+    time_s, logprobs), then its end (with `error`); with the scripted engine and the server
+    (`server`: scripted_server's fields)."""
     engine = ScriptedEngine()
-    server = scripted_server(engine)
+    server = scripted_server(engine, **server)
     generation = await started(server, engine, parsed)
     rid = generation.request_id
     for outputs in turns:
@@ -277,6 +281,42 @@ async def answered(parsed: ParsedRequest, turns: list[list[tuple]], error: Excep
 def entries(ids: list[int]) -> list[dict[int, float]]:
     """Top-2 logprobs for each of `ids`: the token's own and another's."""
     return [{t: -0.5, (t + 1) % len(VOCAB): -1.5} for t in ids]
+
+
+def test_the_server_skips_its_tokenizers_special_tokens_when_it_detokenises(pair_dirs) -> None:
+    """The ids the server's detokenisation never decodes are its tokenizer's special tokens,
+    which its decode drops wherever they stand."""
+    server = Server(ServeArgs.parse(["--model", str(pair_dirs[0])]))
+    tok = server.tokenizer
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    assert special and server.skipped_ids == special
+    words = tok.encode("Hello world").ids
+    assert not special & set(words)
+    ids = [*special, *words, *special, *words]
+    assert server.detokenize(ids) == server.detokenize([i for i in ids if i not in special])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_run_of_special_tokens_costs_the_reply_no_decoding(stream: bool) -> None:
+    """A model that repeats a special token (id 8 here, which the toy decode drops) for
+    hundreds of tokens: a generation never decodes it (the server's skipped ids), so the
+    decodes are those of the few text tokens, and the text is theirs."""
+    calls: list[list[int]] = []
+
+    def decode(ids: list[int]) -> str:
+        calls.append(ids)
+        return toy_decode([i for i in ids if i != 8])
+
+    parsed = parsed_request(stream=stream, params=SamplingParams(max_tokens=1000))
+    turns = [[([8] * 3, None, float(t), None)] for t in range(200)] + [[([0, 1, 8], "length", 201.0, None)]]
+    reply, _, _ = asyncio.run(answered(parsed, turns, detokenize=decode, skipped_ids=frozenset({8})))
+    if stream:
+        text = "".join(e["choices"][0]["text"] for e in reply[:-1] if e["choices"])
+    else:
+        text = reply["choices"][0]["text"]
+    assert text == "Hello"
+    assert len(calls) <= 3, len(calls)  # the two text tokens' chunk, and the whole decode at the end
+    assert not any(8 in ids for ids in calls[:-1])
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -167,6 +167,11 @@ def counting_decoder(tok) -> tuple[Callable[[list[int]], str], list[int]]:
 SPECIALS = {"<|endoftext|>", "<|im_end|>", "</s>", "[SEP]"}
 
 
+def special_ids(tok) -> frozenset[int]:
+    """The tokenizer's special tokens, which its decode skips (as the server reads them)."""
+    return frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+
+
 def _streamed(decode, ids: list[int], sizes: list[int]) -> list[str]:
     stream = StopStringText(decode)
     pieces, at = [], 0
@@ -177,12 +182,15 @@ def _streamed(decode, ids: list[int], sizes: list[int]) -> list[str]:
             return pieces
 
 
+@pytest.mark.parametrize("skipping", [False, True])
 @pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
-def test_incremental_text_is_the_whole_decode_at_every_token(real_tokenizers, name) -> None:
+def test_incremental_text_is_the_whole_decode_at_every_token(real_tokenizers, name, skipping) -> None:
     """After every token, the incremental text is the decode of the whole output so far, on
     random ids (byte tokens that split characters, special tokens) as long as that decode
     only grows (a byte-fallback decoder turns a group of bytes into replacement characters
-    once a later byte makes it invalid, rewriting text already streamed, whoever streams it)."""
+    once a later byte makes it invalid, rewriting text already streamed, whoever streams it);
+    with the special tokens decoded (`skipping` False) and never decoded (True, as the server
+    does)."""
     import random
 
     tok = real_tokenizers[name]
@@ -195,7 +203,7 @@ def test_incremental_text_is_the_whole_decode_at_every_token(real_tokenizers, na
             rng.choice(specials) if rng.random() < 0.35 else rng.randrange(tok.get_vocab_size())
             for _ in range(rng.randrange(1, 60))
         ]
-        text = IncrementalText(tok.decode)
+        text = IncrementalText(tok.decode, special_ids(tok) if skipping else ())
         before = ""
         for n, token in enumerate(ids, 1):
             text.push(token)
@@ -240,6 +248,47 @@ def test_incremental_text_decodes_a_window_not_the_whole_output(real_tokenizers)
     calls = (len(decoded) - 1) / len(ids)
     assert calls <= 1.3, calls
     assert tok.decode(ids) == stream.incremental.text()
+
+
+@pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_run_of_tokens_that_decode_to_nothing_costs_one_decode_a_token(real_tokenizers, name, size) -> None:
+    """A model that repeats a special token (decode skips it) for hundreds of tokens, after
+    text and before more: each push decodes once, as any other token's does, rather than
+    reaching back through the whole run to find text before it (time growing with the
+    run's cube)."""
+    tok = real_tokenizers[name]
+    special = tok.token_to_id(next(t for t in tok.get_vocab() if t in SPECIALS))
+    counting, decoded = counting_decoder(tok)
+    ids = tok.encode("Hello there").ids + [special] * 400 + tok.encode("world again").ids
+    stream = StopStringText(counting)
+    chunks = [ids[at : at + size] for at in range(0, len(ids), size)]
+    pieces = [stream.push(c, final=i == len(chunks) - 1)[0] for i, c in enumerate(chunks)]
+    assert "".join(pieces) == tok.decode(ids)
+    calls = (len(decoded) - 1) / len(ids)  # less the one whole decode at the end
+    assert calls <= 1.3, calls
+
+
+@pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
+def test_ids_the_decoder_skips_are_never_decoded(real_tokenizers, name) -> None:
+    """Given the ids decode skips (the server passes its tokenizer's special tokens), a run of
+    them costs no decode at all, whether pushed one at a time or in chunks, and the text is
+    still the decode of the whole output (specials before, inside and after text)."""
+    tok = real_tokenizers[name]
+    skipped = special_ids(tok)
+    special = tok.token_to_id(next(t for t in tok.get_vocab() if t in SPECIALS))
+    assert special in skipped
+    words = tok.encode("Hello there world").ids
+    ids = [special] * 50 + words + [special] * 2000 + words + [special] * 3
+    for size in (1, 4):
+        counting, decoded = counting_decoder(tok)
+        stream = StopStringText(counting, skipped=skipped)
+        chunks = [ids[at : at + size] for at in range(0, len(ids), size)]
+        pieces = [stream.push(c, final=i == len(chunks) - 1)[0] for i, c in enumerate(chunks)]
+        assert "".join(pieces) == tok.decode(ids), (name, size)
+        assert stream.ids == ids
+        assert len(decoded) - 1 <= 2 * len(words) + 2, (name, size, len(decoded))
+        assert sum(decoded) - len(ids) <= 24 * 2 * len(words), (name, size, sum(decoded))
 
 
 def test_invalid_bytes_do_not_hold_the_window_open(real_tokenizers) -> None:

@@ -75,7 +75,7 @@ class Generation:
         self.server, self.request_id, self.parsed = server, request_id, parsed
         self.queue = queue  # from the engine loop: StepOutputs, then one Finished
         self.counted = counted
-        self.text = StopStringText(server.detokenize, parsed.stop)
+        self.text = StopStringText(server.detokenize, parsed.stop, server.skipped_ids)
 
     @classmethod
     async def start(cls, server: Server, parsed: ParsedRequest, arrival_s: float) -> Generation:

@@ -46,6 +46,10 @@ class Server:
             self.info = self.spawned.info
         self.tokenizer = load_tokenizer(args.model)
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+        # the special tokens, which `detokenize` (decode, skipping them) drops wherever they stand
+        self.skipped_ids = frozenset(
+            i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special
+        )
         self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
         self.limits = BodyLimits(max_bytes=int(args.max_body_mb * MiB))
         self.name = args.served_model_name or Path(args.model).name

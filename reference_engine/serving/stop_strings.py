@@ -26,7 +26,7 @@ pushing them one at a time would.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 REPLACEMENT = "\ufffd"
 log = logging.getLogger(__name__)
@@ -60,31 +60,44 @@ class IncrementalText:
     reaches further back: a decoder that strips the space a text starts with would otherwise
     strip one the whole output keeps. The window moves forward in steps of CONTEXT tokens (it
     starts 4 to 8 settled tokens back), so that a token's push reuses the text the push
-    before it decoded: one decode a token."""
+    before it decoded: one decode a token.
+
+    `skipped`: ids that `decode` drops wherever they stand (a tokenizer's special tokens,
+    which its decode skips), so that decode(ids) is the decode of the other ids. They are
+    kept in `ids` but never decoded: a run of them (a model that repeats its end-of-text
+    token, say) costs nothing to detokenise, where decoding it would reach back through the
+    run at every token."""
 
     CONTEXT = 4  # settled tokens a window starts at least before the first unsettled one
     PENDING_LIMIT = 8  # tokens an incomplete character may hold unsettled
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
-        self.ids: list[int] = []
-        self.settled = ""  # decode(ids[:read])
+    def __init__(self, decode: Callable[[list[int]], str], skipped: Collection[int] = ()) -> None:
+        self.decode, self.skipped = decode, frozenset(skipped)
+        self.ids: list[int] = []  # every id pushed
+        self.text_ids: list[int] = []  # those decode reads: the ids less the skipped ones
+        # the positions below index text_ids
+        self.settled = ""  # decode(text_ids[:read])
         self.window = 0  # first id of the window
         self.read = 0  # first id not settled
         self.pending = ""  # the unsettled ids' text (an incomplete character)
-        self.window_text: str | None = None  # decode(ids[window:read]), when known
+        self.window_text: str | None = None  # decode(text_ids[window:read]), when known
 
     def push(self, token: int) -> None:
         self.ids.append(token)
+        if token not in self.skipped:
+            self._push(token)
+
+    def _push(self, token: int) -> None:
+        self.text_ids.append(token)
         before = self._window_before()
-        now = self.decode(self.ids[self.window :])
+        now = self.decode(self.text_ids[self.window :])
         if not now.startswith(before):  # the decoder rewrote earlier text: settle it all at once
-            self._settle(self.decode(self.ids))
+            self._settle(self.decode(self.text_ids))
             return
         added = now[len(before) :]
         # an incomplete character: wait for its next bytes (a character spans at most 4 bytes,
         # so at most 4 tokens: past PENDING_LIMIT the replacement characters are for good)
-        if added.endswith(REPLACEMENT) and len(self.ids) - self.read < self.PENDING_LIMIT:
+        if added.endswith(REPLACEMENT) and len(self.text_ids) - self.read < self.PENDING_LIMIT:
             self.pending = added
             return
         self._settle(self.settled + added, now)
@@ -93,20 +106,23 @@ class IncrementalText:
         """`push` each of `tokens`: the same text, with one decode for the whole run when its
         text settles at once (it ends in a complete character and the decoder did not rewrite
         the window), as a DFlash step's several tokens mostly do; otherwise one push a token."""
+        self.ids.extend(tokens)
+        if self.skipped:
+            tokens = [t for t in tokens if t not in self.skipped]
         if len(tokens) > 1:
-            known = len(self.ids)
+            known = len(self.text_ids)
             if self._settle_run(tokens):
                 return
-            del self.ids[known:]  # the window may have reached back: as the first push's would
+            del self.text_ids[known:]  # the window may have reached back: as the first push's would
         for token in tokens:
-            self.push(token)
+            self._push(token)
 
     def _settle_run(self, tokens: list[int]) -> bool:
         """Append `tokens` and settle their text (with any pending before them) in one
         decode; False (the ids appended) when it does not settle that way."""
-        self.ids.extend(tokens)
+        self.text_ids.extend(tokens)
         before = self._window_before()
-        now = self.decode(self.ids[self.window :])
+        now = self.decode(self.text_ids[self.window :])
         if not now.startswith(before) or now.endswith(REPLACEMENT):
             return False
         self._settle(self.settled + now[len(before) :], now)
@@ -118,20 +134,23 @@ class IncrementalText:
         end (bytes it cut from their group)."""
         before = self.window_text
         if before is None:
-            before = self.decode(self.ids[self.window : self.read]) if self.read > self.window else ""
+            before = self.decode(self.text_ids[self.window : self.read]) if self.read > self.window else ""
         while self.window > 0 and not (before and self.settled.endswith(before)):
             self.window = max(0, self.window - self.CONTEXT)
-            before = self.decode(self.ids[self.window : self.read])
+            before = self.decode(self.text_ids[self.window : self.read])
         self.window_text = before
         return before
 
     def _settle(self, text: str, window_text: str | None = None) -> None:
         """`window_text`: the decode of the window through the last id (what the push just
         decoded). The window then stays where it is, and that text is the next push's
-        settled part, until it holds 2 x CONTEXT settled ids: one decode a token, not two."""
+        settled part, until it holds 2 x CONTEXT settled ids, or for as long as pushes add no
+        text (a run of ids that decode to nothing): a window moved on into such a run would
+        reach back through it at every push."""
+        added = text != self.settled
         self.settled, self.pending = text, ""
-        self.read = len(self.ids)
-        if window_text is not None and self.read - self.window <= 2 * self.CONTEXT:
+        self.read = len(self.text_ids)
+        if window_text is not None and (not added or self.read - self.window <= 2 * self.CONTEXT):
             self.window_text = window_text
         else:
             self.window = max(0, self.read - self.CONTEXT)
@@ -143,11 +162,14 @@ class IncrementalText:
 
 
 class StopStringText:
-    """Feed each step's new token ids; get back the text and ids that are settled."""
+    """Feed each step's new token ids; get back the text and ids that are settled.
+    `skipped`: ids that `decode` drops (IncrementalText)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], stops: tuple[str, ...] = (), skipped: Collection[int] = ()
+    ) -> None:
         self.decode, self.stops = decode, tuple(stops)
-        self.incremental = IncrementalText(decode)
+        self.incremental = IncrementalText(decode, skipped)
         self.sent = 0  # characters of text already emitted
         self.stopped = False  # a stop string ended the output
 

@@ -18,7 +18,9 @@ so a request's detokenisation costs time linear in its length (decoding the whol
 every step costs time growing with its square: at 128 tokens, a third of a plain server's
 event-loop work on the H200). The window moves by tokens, one at a time, so the text does not
 depend on the chunking either; the last push checks it against one decode of the whole output.
-Without stop strings a chunk's tokens are decoded together (`IncrementalText.extend`: one
+Each token's search for stop strings reads only the text since the search before (and the
+longest stop string's length before it), so stop strings cost linear time too. Without stop
+strings a chunk's tokens are decoded together (`IncrementalText.extend`: one
 decode a chunk, not one a token, when their text settles at once), which gives the text that
 pushing them one at a time would.
 """
@@ -42,6 +44,13 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = n
                 break
     return longest
+
+
+def earliest(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    """Where the first of `stops` found in text[start:] begins (an index into `text`); None
+    when none is there."""
+    found = [at for at in (text.find(stop, start) for stop in stops) if at >= 0]
+    return min(found) if found else None
 
 
 class IncrementalText:
@@ -81,6 +90,7 @@ class IncrementalText:
         self.read = 0  # first id not settled
         self.pending = ""  # the unsettled ids' text (an incomplete character)
         self.window_text: str | None = None  # decode(text_ids[window:read]), when known
+        self.rewrites = 0  # times the settled text was replaced rather than extended
 
     def push(self, token: int) -> None:
         self.ids.append(token)
@@ -92,6 +102,7 @@ class IncrementalText:
         before = self._window_before()
         now = self.decode(self.text_ids[self.window :])
         if not now.startswith(before):  # the decoder rewrote earlier text: settle it all at once
+            self.rewrites += 1
             self._settle(self.decode(self.text_ids))
             return
         added = now[len(before) :]
@@ -172,6 +183,12 @@ class StopStringText:
         self.incremental = IncrementalText(decode, skipped)
         self.sent = 0  # characters of text already emitted
         self.stopped = False  # a stop string ended the output
+        # the settled text searched for stop strings so far (its length, and the rewrites then):
+        # a stop string that no earlier search found ends past it, so it starts at most `reach`
+        # characters before it (the longest stop string less one): each search reads the new
+        # text and that much before it, not the whole output
+        self.searched, self.searched_rewrites = 0, 0
+        self.reach = max((len(stop) for stop in self.stops), default=1) - 1
 
     @property
     def ids(self) -> list[int]:
@@ -193,9 +210,8 @@ class StopStringText:
             self.incremental.push(token)
             taken.append(token)
             text = self.incremental.text()
-            found = [text.find(s) for s in self.stops if s in text]
-            if found:
-                at = min(found)
+            at = self._first_stop(text)
+            if at is not None:
                 self.stopped = True
                 out = text[self.sent : at]
                 self.sent = at
@@ -203,6 +219,17 @@ class StopStringText:
         if final:
             text = self._checked(text)
         return self._release(text, final), taken
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest stop string in `text` (the incremental text) begins; None when
+        none is in it. Reads the text a stop string could end in since the last search, and
+        `reach` characters before it; all of it when the settled text was rewritten since."""
+        incremental = self.incremental
+        if incremental.rewrites != self.searched_rewrites:
+            self.searched, self.searched_rewrites = 0, incremental.rewrites
+        at = earliest(text, self.stops, max(0, self.searched - self.reach))
+        self.searched = len(incremental.settled)
+        return at
 
     def _checked(self, text: str) -> str:
         """The output's text decoded whole, once, at its end: what the incremental reads

@@ -38,7 +38,7 @@ from ..config import DraftConfig, TargetConfig
 from ..errors import CheckpointError, ConfigError
 from ..models import CausalLM, build_draft, build_target, draft_expected_shapes, expected_shapes
 from ..models.base import target_rotary
-from ..models.dflash import DFlashDraft
+from ..models.dflash import DFlashDraft, draft_rotary
 from ..models.layers import RotaryEmbedding
 from ..runtime.tensor_parallel import Shard, TensorParallel, shard_plan, sharded_target
 
@@ -348,9 +348,7 @@ def assemble_target(
 def assemble_draft(
     config: DraftConfig, tensors: dict[str, torch.Tensor], device: torch.device | str
 ) -> DFlashDraft:
-    return _assemble(
-        lambda: build_draft(config), tensors, RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
-    )
+    return _assemble(lambda: build_draft(config), tensors, draft_rotary(config).to(device))
 
 
 def _assemble(build, tensors: dict[str, torch.Tensor], rotary: RotaryEmbedding):

@@ -63,6 +63,11 @@ class DraftState:
         return slots if self.cell_of is None else self.cell_of.index_select(0, slots)
 
 
+def draft_rotary(config: DraftConfig) -> RotaryEmbedding:
+    """The draft's RoPE: its head dim, theta and scaling (Llama 3.x frequencies)."""
+    return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
 class DFlashDraft(nn.Module):
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
@@ -71,7 +76,7 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = draft_rotary(config)
         # tensor parallelism: the target's LM head holds this rank's slice of the vocabulary,
         # and this gathers the slices' logits (runtime/tensor_parallel.py)
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -308,3 +308,35 @@ def test_a_dflash2_layer_wraps_each_sublayer_in_its_convolution_pair(
     )
     expected = h + convolved(layer.mlp_conv, norm(h, layer.post_attention_layernorm.weight), swiglu)
     torch.testing.assert_close(ours, expected, rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- loading
+def _modules_and_buffers(model: torch.nn.Module) -> tuple[dict[str, type], dict[str, torch.Tensor]]:
+    modules = {name: type(m) for name, m in model.named_modules()}
+    buffers = {name: b for name, b in model.named_buffers()}  # persistent or not (RoPE's)
+    return modules, buffers
+
+
+@pytest.mark.parametrize("draft_arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "llama", "qwen3_moe", "qwen3_5_moe"])
+def test_models_loaded_from_their_files_are_the_models_their_configs_build(
+    arch: str, draft_arch: str, tiny_pair: Callable[..., tuple[Path, Path]]
+) -> None:
+    """A target and a draft loaded from their files have the modules and every buffer
+    (the RoPE frequencies, which no checkpoint holds, among them) of the models their
+    configs build, bit for bit: a loader that rebuilds a part the model builds itself (a
+    draft's RoPE without its scaling, say) cannot make it differ."""
+    from reference_engine.models import build_draft, build_target
+
+    target_dir, draft_dir = tiny_pair(arch, draft_arch=draft_arch)
+    target = load_target(target_dir, dtype=F64)
+    draft = load_draft(draft_dir, target)
+    for loaded, built in ((target, build_target(target.config)), (draft, build_draft(draft.config))):
+        built = built.to(F64)
+        built.load_state_dict(loaded.state_dict())
+        loaded_modules, loaded_buffers = _modules_and_buffers(loaded)
+        built_modules, built_buffers = _modules_and_buffers(built)
+        assert loaded_modules == built_modules, arch
+        assert loaded_buffers.keys() == built_buffers.keys(), arch
+        for name, buffer in built_buffers.items():
+            assert torch.equal(loaded_buffers[name], buffer), (arch, draft_arch, name)

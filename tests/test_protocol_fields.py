@@ -54,6 +54,23 @@ def test_stop_takes_up_to_four_strings() -> None:
         parsed(stop=["a", "b", "c", "d", "e"])
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stop_string_longer_than_the_limit_is_refused_naming_it(chat: bool) -> None:
+    """Every token of a request is checked against its stop strings' prefixes on the event
+    loop all requests share, so their length is bounded: MAX_STOP_CHARS characters are taken,
+    one more is a 400 on `stop` that names the limit and the length, in a list as alone."""
+    from reference_engine.serving.protocol import MAX_STOP_CHARS
+
+    longest = "x" * MAX_STOP_CHARS
+    assert parsed(chat=chat, stop=["a", longest]).stop == ("a", longest)
+    for stop in ("y" * (MAX_STOP_CHARS + 1), ["a", "y" * (MAX_STOP_CHARS + 1)]):
+        with pytest.raises(
+            ProtocolError, match=f"at most {MAX_STOP_CHARS} characters.*{MAX_STOP_CHARS + 1}"
+        ) as e:
+            parsed(chat=chat, stop=stop)
+        assert e.value.param == "stop" and e.value.status == 400
+
+
 @pytest.mark.parametrize("n", [0, -1, 2])
 def test_n_other_than_one_is_refused(n: int) -> None:
     with pytest.raises(ProtocolError, match="only n=1"):

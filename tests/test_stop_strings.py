@@ -94,6 +94,28 @@ def test_an_incomplete_character_waits_for_its_next_byte() -> None:
     assert stream.push([2], final=True)[0] == "é"
 
 
+def test_held_back_is_the_longest_suffix_of_the_text_that_is_a_proper_prefix_of_a_stop() -> None:
+    """`held_back` against its definition, every length tried, on random texts and stop
+    strings over small alphabets (repeats and overlaps: "abab", "aaa"), empty text included."""
+    import random
+
+    def by_definition(text: str, stops: tuple[str, ...]) -> int:
+        return max(
+            (n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+            default=0,
+        )
+
+    rng = random.Random(11)
+    for _ in range(5000):
+        alphabet = rng.choice(["ab", "abc", "a", "xy ab"])
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 25)))
+        stops = tuple(
+            "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 10)))
+            for _ in range(rng.randrange(1, 5))
+        )
+        assert held_back(text, stops) == by_definition(text, stops), (text, stops)
+
+
 def test_held_back_is_the_longest_suffix_that_begins_a_stop() -> None:
     assert held_back("abcab", ("abd",)) == 2
     assert held_back("abcab", ("xyz",)) == 0

@@ -192,6 +192,12 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+# Each token's text is checked against every stop string's prefixes (a tail that may still
+# begin one is held back), so a stop string's length bounds the work of every token of its
+# request on the event loop, which all requests share (serving/stop_strings.py)
+MAX_STOP_CHARS = 1024
+
+
 def _stop_strings(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -202,6 +208,11 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
         raise ProtocolError("'stop' must be a non-empty string or a list of them", "stop")
     if len(stop) > 4:
         raise ProtocolError("'stop' takes at most 4 strings", "stop")
+    longest = max(len(s) for s in stop)
+    if longest > MAX_STOP_CHARS:
+        raise ProtocolError(
+            f"'stop' strings may have at most {MAX_STOP_CHARS} characters each, got one of {longest}", "stop"
+        )
     return tuple(stop)
 
 

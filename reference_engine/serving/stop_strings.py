@@ -36,13 +36,22 @@ log = logging.getLogger(__name__)
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of `text` that could still begin one of `stops`: the longest
-    suffix of `text` that is a proper prefix of a stop string."""
-    longest = 0
+    suffix of `text` that is a proper prefix of a stop string. Only the prefixes that end in
+    the text's last character are compared (found by a search of the stop string), not every
+    length down from the longest."""
+    if not text:
+        return 0
+    last, longest = text[-1], 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+        n = min(len(stop) - 1, len(text))  # stop[:n] ends at stop[n - 1]
+        while n > longest:
+            n = stop.rfind(last, 0, n) + 1  # the longest candidate prefix ending in `last`
+            if n <= longest:
+                break
             if text.endswith(stop[:n]):
                 longest = n
                 break
+            n -= 1
     return longest
 
 

@@ -11,8 +11,9 @@ samples of one family are summed over their other labels (model, engine, ...). A
 carries several families (our server with `--metrics-names dflash,vllm`: the same counts
 under two names) is read for the first of PREFIXES only. Positions are kept 1-based: vLLM
 and lmdeploy number theirs from 0. SGLang
-exposes gauges (`sglang:spec_accept_length`), read as they are after the run, and
-per-request `meta_info` (`spec_verify_ct`, `completion_tokens`).
+exposes gauges (`sglang:spec_accept_length`), read as they are after the run (a mean over
+their label sets where there are several, one a scheduler), and per-request `meta_info`
+(`spec_verify_ct`, `completion_tokens`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ Snapshot = dict[str, float]  # "drafts" / "accepted" / "pos:3" / "sglang:..." ->
 
 
 def parse(text: str) -> Snapshot:
-    """The spec-decode values of one /metrics page, summed over label sets."""
+    """The spec-decode values of one /metrics page: counters summed over their label sets,
+    SGLang's gauges averaged over theirs."""
     snap: Snapshot = {}
     by_prefix: dict[str, Snapshot] = {}
+    gauges: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
@@ -58,7 +61,7 @@ def parse(text: str) -> Snapshot:
                 if name == counter:
                     snap[key] = snap.get(key, 0.0) + sample.value
             if name in SGLANG_GAUGES.values():
-                snap[name] = snap.get(name, 0.0) + sample.value
+                gauges.setdefault(name, []).append(sample.value)
                 continue
             for prefix in PREFIXES:
                 if not name.startswith(prefix):
@@ -72,6 +75,9 @@ def parse(text: str) -> Snapshot:
                         key = f"pos:{position}"
                     counts = by_prefix.setdefault(prefix, {})
                     counts[key] = counts.get(key, 0.0) + sample.value
+    # a gauge per scheduler (one a data-parallel rank): their mean, not their sum, as each is
+    # already a per-step average (the page does not say how many steps each rank ran)
+    snap |= {name: sum(values) / len(values) for name, values in gauges.items()}
     prefix = next((p for p in PREFIXES if p in by_prefix), None)
     if prefix is not None:
         snap |= by_prefix[prefix]

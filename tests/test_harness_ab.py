@@ -200,3 +200,20 @@ def test_a_repeat_without_a_figure_is_left_out_of_either_sides_median(tmp_path) 
     assert len(rows) == 1
     assert rows[0]["a_median"] == 101.0 and rows[0]["b_median"] == 202.0
     assert rows[0]["ratio"] == pytest.approx(2.0)
+
+
+def test_sides_whose_repeats_are_all_equal_are_within_noise(tmp_path) -> None:
+    """Repeats that give one figure on both sides (a count, or a deterministic run) make an
+    interval of exactly [1, 1]: it holds 1, so the sides do not differ, and no direction is
+    read into a ratio of exactly 1."""
+    from harness.ab import RATIO_METRICS, bootstrap_ratio, ratios
+
+    assert bootstrap_ratio([50.0] * 3, [50.0] * 3) == (1.0, 1.0, 1.0)
+    summaries = [
+        {"label": label, "concurrency": 2, **dict.fromkeys(RATIO_METRICS, 50.0)}
+        for label in ("A", "B")
+        for _ in range(3)
+    ]
+    rows = ratios(summaries, tmp_path / "ab.csv")
+    assert len(rows) == len(RATIO_METRICS)
+    assert all(r["ratio"] == 1.0 and r["within_noise"] is True for r in rows), rows

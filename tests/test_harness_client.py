@@ -383,3 +383,74 @@ def test_the_run_ends_at_the_latest_client_process_end_in_any_order_of_reports()
         for reported in order:
             so_far = merged_end(so_far, reported)
         assert so_far == (12.5, 0.9)
+
+
+def test_a_token_whose_text_reads_done_does_not_end_the_stream() -> None:
+    """Only an event whose whole data is `[DONE]` ends a stream: a model may well write the
+    text `[DONE]`, inside a JSON string of a token chunk."""
+    record = read_events(
+        Endpoint("http://unused"),
+        [
+            (0.02, {"choices": [{"index": 0, "text": "data: [DONE]", "token_ids": [5, 6]}]}),
+            (0.03, {"choices": [{"index": 0, "text": "[DONE]", "token_ids": [7], "finish_reason": "stop"}]}),
+        ],
+    )
+    assert record.success and record.output_tokens == 3 and record.token_ids == [5, 6, 7]
+    assert record.chunk_times_s == [0.02, 0.03] and record.done_marker
+
+
+def test_a_stream_that_ends_cleanly_without_a_token_is_a_failure() -> None:
+    """A finish_reason and [DONE] with no token before them is no completed request: counted
+    as completed it would add a request, and no tokens, to the throughput."""
+    record = read_events(
+        Endpoint("http://unused"),
+        [
+            (0.01, {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}),
+            (0.02, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}),
+        ],
+    )
+    assert not record.success and record.output_tokens == 0
+    assert record.error == "the stream ended without a token"
+
+
+def test_an_error_object_in_a_stream_fails_the_request_whatever_else_the_event_carries() -> None:
+    """An event with an `error` member is the server's error, also when it keeps the chunk's
+    other members (an empty `choices` list)."""
+    reader = StreamReader(Endpoint("http://unused"), RequestRecord(index=0, send_s=0.0))
+    assert not reader.event(json.dumps({"choices": [{"index": 0, "text": "a", "token_ids": [1]}]}), 0.01)
+    assert reader.event(json.dumps({"choices": [], "error": {"message": "the engine failed"}}), 0.02)
+    record = reader.finish()
+    assert not record.success and "the engine failed" in (record.error or "")
+
+
+def test_an_sglang_stream_is_whole_after_its_finish_reason_without_done() -> None:
+    """SGLang's native stream says it is finished in `meta_info.finish_reason`: a stream that
+    ends cleanly after it is whole even without [DONE], one cut before it is not."""
+
+    def sglang(finished: bool) -> RequestRecord:
+        reader = StreamReader(Endpoint("http://unused", kind="sglang"), RequestRecord(index=0, send_s=0.0))
+        meta = {"prompt_tokens": 3, "completion_tokens": 1, "finish_reason": None}
+        assert not reader.event(json.dumps({"text": "a", "meta_info": meta}), 0.01)
+        meta = {**meta, "completion_tokens": 3, "finish_reason": {"type": "length"} if finished else None}
+        assert not reader.event(json.dumps({"text": "abc", "meta_info": meta}), 0.02)
+        return reader.finish()
+
+    whole, cut = sglang(True), sglang(False)
+    assert whole.success and whole.output_tokens == 3 and not whole.done_marker, whole.error
+    assert whole.chunk_tokens == [1, 2] and whole.count_source == "meta_info"
+    assert not cut.success and "before [DONE] or a finish_reason" in (cut.error or "")
+
+
+def test_only_completed_streams_are_counted_as_ended_without_done(tmp_path) -> None:
+    """`streams_without_done` counts completed requests whose stream ended cleanly without
+    [DONE] (a plain OpenAI server's way); a request that failed (HTTP 500 here) ended no
+    stream and is counted as failed only."""
+    server, url = serve(Script(CHUNKS, fail_every=2))
+    try:
+        spec = LoadSpec(concurrency=1, num_prompts=4, output_len=9, warmup=0, timeout_s=5.0)
+        labels = {"label": "A", "concurrency": 1, "repeat": 0}
+        summary = measure(Endpoint(url), synthetic(4, 4, 0), spec, tmp_path, labels, None)
+    finally:
+        server.shutdown()
+    assert (summary["completed"], summary["failed"]) == (2, 2)
+    assert summary["streams_without_done"] == 0

@@ -716,3 +716,168 @@ def test_the_tie_rate_is_judged_at_each_concurrency_not_pooled() -> None:
     assert summary["tie_rate"] == 0.25 and summary["by_concurrency"]["1"]["tie_rate"] == 0.5
     assert (summary["verdict"], summary["reason"]) == ("fail", "ties")
     assert verdict(results, ComparePolicy(max_tie_rate=0.5))["verdict"] == "pass"
+
+
+@pytest.mark.parametrize(
+    ("base_text", "cand_text", "what"),
+    [("ab\n", "ab", "length"), ("ab", "ab ", "length"), (" ab", "ab", "text"), ("a b", "a  b", "text")],
+    ids=["newline dropped", "space added", "leading space dropped", "space doubled"],
+)
+def test_texts_that_differ_only_in_whitespace_differ(base_text: str, cand_text: str, what: str) -> None:
+    """Compared by text (no ids), a space or a newline is a character like any other: no
+    trimming or collapsing makes two texts the same."""
+    _, summary = against(
+        lambda p, b: completion(None, base_text, completion_tokens=2),
+        lambda p, b: completion(None, cand_text, completion_tokens=2),
+        kind=KNOWN["openai"],
+    )
+    assert summary["compared"] == "text" and summary["verdict"] == "fail", summary
+    assert summary["first_mismatch"] == what, summary
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("cand_text", ["<1><2>\n", "<1><2> ", " <1><2>"], ids=["newline", "space", "leading"])
+def test_the_right_ids_with_whitespace_added_to_the_text_fail(cand_text: str, stream: bool) -> None:
+    _, summary = against(
+        lambda p, b: completion([1, 2]), lambda p, b: completion([1, 2], cand_text), stream=stream
+    )
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "text", summary
+
+
+@pytest.mark.parametrize(("runner_up", "kind"), [(-1.125, "mismatch"), (-1.0625, "tie")])
+def test_a_margin_equal_to_the_tie_threshold_is_no_tie(runner_up: float, kind: str) -> None:
+    """A tie is a margin below the threshold: a margin of exactly the threshold is a mismatch
+    (both margins are exact in binary, so the comparison is not a rounding question)."""
+
+    def baseline(path: str, body: dict) -> dict:
+        ids = [1, 2, 3]
+        data = completion(ids, prompt_tokens=2)
+        data["choices"][0]["logprobs"] = {
+            "token_ids": ids,
+            "tokens": [f"<{t}>" for t in ids],
+            "top_token_logprobs": [
+                [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": runner_up}] for t in ids
+            ],
+        }
+        return data
+
+    policy = ComparePolicy(tie_threshold=0.125, max_tie_rate=1.0)
+    results, _ = against(baseline, lambda p, b: completion([1, 3, 3], prompt_tokens=2), policy=policy)
+    d = results[0].divergences[0]
+    assert (d.position, d.what, d.kind) == (1, "token", kind), d
+    assert d.margin == -1.0 - runner_up
+
+
+def test_a_candidate_that_echoes_another_prompt_than_the_one_sent_fails() -> None:
+    """The baseline echoes no prompt ids, the candidate echoes ids of the right count that are
+    not the prompt sent: the candidate answered another prompt."""
+
+    def echoing(path: str, body: dict) -> dict:
+        data = completion([1, 2], prompt_tokens=2)
+        data["choices"][0]["prompt_token_ids"] = [5, 7]
+        return data
+
+    _, summary = against(lambda p, b: completion([1, 2], prompt_tokens=2), echoing, stream=False)
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "prompt", summary
+
+
+def test_two_servers_that_echo_other_prompt_ids_for_one_text_prompt_fail() -> None:
+    """A text prompt has no ids to hold an echo against, so the two echoes are held against
+    each other: the same count of other ids is another prompt."""
+
+    def echoing(prompt_ids: list[int]):
+        def answer(path: str, body: dict) -> dict:
+            data = completion([1, 2], prompt_tokens=2)
+            data["choices"][0]["prompt_token_ids"] = prompt_ids
+            return data
+
+        return answer
+
+    _, summary = against(echoing([5, 6]), echoing([5, 7]), prompts=[Prompt(text="a")], stream=False)
+    assert summary["verdict"] == "fail" and summary["first_mismatch"] == "prompt", summary
+
+
+def test_a_text_cut_short_is_located_at_the_first_token_it_lacks(tokenizer) -> None:
+    """Compared by text with a tokenizer, a candidate whose text is a strict prefix of the
+    baseline's diverges at the token after its last one, as a length mismatch."""
+    from harness.answer import Answer
+    from harness.divergence import compare_texts
+
+    ids = tokenizer.encode(TEXT)
+    short = tokenizer.decode(ids[:5])
+    assert tokenizer.encode(short) == ids[:5]
+    d = compare_texts(Answer(TEXT, None, "length"), Answer(short, None, "length"), tokenizer, 3, 0.1)
+    assert (d.position, d.what, d.kind, d.char_position) == (3 + 5, "length", "mismatch", len(short))
+    assert (d.baseline_token, d.candidate_token, d.candidate_text) == (ids[5], -1, "(end)")
+
+
+def test_the_agreed_text_before_a_character_split_over_two_tokens_is_known_from_the_tokenizer(
+    tokenizer,
+) -> None:
+    """The demo tokenizer spells `é` as two byte tokens: the agreed ids up to the first of
+    them decode to `h` and a U+FFFD, which stands for no text of the baseline's. The agreed
+    text is then `h`, so the candidate's text over the agreed ids is compared."""
+    from harness.answer import Answer
+    from harness.divergence import agreed_text, ids_round
+
+    ids = tokenizer.encode("héllo")
+    assert tokenizer.decode(ids[:2]) == "h\ufffd"
+    base = Answer("héllo", ids, "length")
+    assert agreed_text(base, 2, tokenizer) == "h"
+    cand = Answer("h" + tokenizer.decode([ids[2] + 1]), ids[:2] + [ids[2] + 1], "length")
+    divergence, agreed = ids_round(base, cand, 0, 0.1, tokenizer)
+    assert agreed == 2 and (divergence.position, divergence.what) == (2, "token")
+    assert not divergence.prefix_unchecked
+
+
+def test_after_a_tie_the_comparison_resumes_for_the_tokens_max_tokens_leaves() -> None:
+    """A tie at output position 1 of 4 settles positions 0 and 1 (the baseline's token
+    there): both servers are asked for the 2 tokens left, from the prompt, the agreed token
+    and the baseline's, and what they answer is compared at positions 2 and 3 (the text
+    before the tie stays unchecked here: these logprobs carry no token texts)."""
+    with Stub(resumable([1, 2, 3, 4], logprobs=True)) as base, Stub(resumable([1, 3, 3, 4])) as cand:
+        results, summary = asyncio.run(
+            compare(Endpoint(base.url), Endpoint(cand.url), [Prompt(token_ids=(5, 6))], 4, 1, TIE_TOLERANT)
+        )
+    asked = [([5, 6], 4), ([5, 6, 1, 2], 2)]
+    assert [(b["prompt"], b["max_tokens"]) for b in cand.bodies] == asked
+    assert [(b["prompt"], b["max_tokens"]) for b in base.bodies] == asked
+    assert [(d.position, d.kind) for d in results[0].divergences] == [(1, "tie")]
+    assert results[0].compared_tokens == 3
+    assert (summary["ties"], summary["mismatches"]) == (1, 0), summary
+
+
+def test_a_mismatch_after_a_tie_is_located_at_its_output_position() -> None:
+    """Positions after a resumed tie count from the start of the output, not of the round."""
+    with Stub(resumable([1, 2, 3, 4], logprobs=True)) as base, Stub(resumable([1, 3, 3, 9])) as cand:
+        results, summary = asyncio.run(
+            compare(Endpoint(base.url), Endpoint(cand.url), [Prompt(token_ids=(5, 6))], 4, 1, TIE_TOLERANT)
+        )
+    got = [(d.position, d.kind, d.baseline_token, d.candidate_token) for d in results[0].divergences]
+    assert got == [(1, "tie", 2, 3), (3, "mismatch", 4, 9)]
+    assert results[0].compared_tokens == 2 and summary["reason"] == "mismatch", summary
+
+
+def test_a_tie_one_before_the_last_position_leaves_the_last_unchecked() -> None:
+    """With max_tokens 3, a tie at position 1 that cannot be resumed (a chat prompt) leaves
+    position 2 never compared: the candidate may have written anything there."""
+    with (
+        Stub(near_tie_chat_baseline([1, 2, 3], tied=1)) as base,
+        Stub(lambda p, b: completion([1, 3, 9], chat=True)) as cand,
+    ):
+        results, summary = asyncio.run(
+            compare(Endpoint(base.url), Endpoint(cand.url), CHAT, 3, 1, TIE_TOLERANT)
+        )
+    assert [(d.position, d.kind) for d in results[0].divergences] == [(1, "tie")]
+    assert results[0].unchecked == "from position 2 on: a chat prompt cannot be extended by token ids"
+    assert summary["verdict"] == "fail" and summary["reason"] == "unchecked", summary
+
+
+def test_a_comparison_is_bucketed_by_the_baselines_prompt_count() -> None:
+    """The baseline is the reference: its usage's prompt count places the comparison, not the
+    count of a candidate that saw another prompt."""
+    results, _ = against(
+        lambda p, b: completion([1, 2], prompt_tokens=200),
+        lambda p, b: completion([1, 2], prompt_tokens=300),
+    )
+    assert (results[0].prompt_tokens, results[0].context) == (200, "~128")

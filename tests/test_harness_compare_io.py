@@ -17,6 +17,7 @@ import pytest
 from harness.__main__ import main, parser
 from harness.answer import ERRORS
 from harness.compare_io import RowLog
+from reference_engine.demo import DEMO_TARGET
 
 from .completion_stub import Reply, Stub, completion
 from .server_process import REPO, sigint_as_default
@@ -136,6 +137,7 @@ def results(out: Path) -> dict[str, bytes]:
         ("--no-stream", "stream"),
         ("--tie-threshold", "tie_threshold"),
         ("--max-divergences", "max_divergences"),
+        ("--tokenizer", "baseline.tokenizer"),
     ],
 )
 def test_resume_refuses_rows_made_against_another_candidate_or_settings(
@@ -154,6 +156,7 @@ def test_resume_refuses_rows_made_against_another_candidate_or_settings(
             "--no-stream": ["--no-stream"],
             "--tie-threshold": ["--tie-threshold", "0.5"],
             "--max-divergences": ["--max-divergences", "2"],
+            "--tokenizer": ["--tokenizer", str(DEMO_TARGET)],
         }.get(change, [])
         again = args(
             base.url, other.url if change == "candidate" else cand.url, prompts, out, "--resume", *extra

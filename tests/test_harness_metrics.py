@@ -64,3 +64,18 @@ def test_a_failed_request_adds_nothing_to_throughput_or_latency() -> None:
     assert row["output_tokens_per_s"] == pytest.approx(5.0)
     assert row["ttft_ms_mean"] == pytest.approx(10.0)
     assert row["achieved_concurrency"] == pytest.approx(ok.e2e_s)
+
+
+def test_where_the_token_counts_came_from_names_every_source_when_requests_differ() -> None:
+    """One source for every completed request is named alone; requests that differ are each
+    counted, so an estimate behind a few requests is not hidden behind the first source."""
+    from harness.metrics import count_sources
+
+    def counted(index: int, source: str, success: bool = True) -> RequestRecord:
+        return RequestRecord(index, 0.0, success=success, count_source=source)
+
+    same = [counted(0, "server_ids"), counted(1, "server_ids"), counted(2, "estimated", success=False)]
+    assert count_sources(same) == "server_ids"
+    sources = ["tokenizer", "estimated", "tokenizer", "tokenizer"]
+    mixed = [counted(i, source) for i, source in enumerate(sources)]
+    assert count_sources(mixed) == "tokenizer (3), estimated (1)"

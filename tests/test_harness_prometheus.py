@@ -149,3 +149,70 @@ dflash:engine_cpu_seconds_total {engine}
     ) == {"server_cpu": 0.25}
     assert server_cpu(parse(""), parse(""), 1.0) == {} and server_cpu(None, after, 1.0) == {}
     assert "acceptance_length" not in acceptance_from_counters(before, after)  # CPU is not acceptance
+
+
+def test_a_server_restarted_between_the_scrapes_gives_no_counter_acceptance() -> None:
+    """Counters that went down between the snapshots (the server restarted and counts from
+    zero again) say nothing about the run: their differences are negative, and a ratio of two
+    negative differences must not pass for an acceptance length."""
+    before = parse(counters("vllm:", 1000, 15000, 4000, [900, 700, 500], 'engine="0"'))
+    after = parse(counters("vllm:", 100, 1500, 450, [90, 70, 50], 'engine="0"'))
+    assert acceptance_from_counters(before, after) == {}
+
+
+def test_created_timestamps_beside_the_counters_are_not_counted() -> None:
+    """prometheus_client writes a `_created` sample (a Unix time) beside each counter unless
+    told not to, as vLLM's page has them: only the `_total` samples are counts."""
+
+    def page(drafts: float, draft_tokens: float, accepted: float) -> str:
+        lines = []
+        for name, value in (
+            ("spec_decode_num_drafts", drafts),
+            ("spec_decode_num_draft_tokens", draft_tokens),
+            ("spec_decode_num_accepted_tokens", accepted),
+        ):
+            lines += [
+                f"# HELP vllm:{name} {name}",
+                f"# TYPE vllm:{name} counter",
+                f'vllm:{name}_total{{engine="0",model_name="m"}} {value}',
+                f'vllm:{name}_created{{engine="0",model_name="m"}} 1.7171717171e+09',
+            ]
+        return "\n".join(lines) + "\n"
+
+    before, after = parse(page(1000, 15000, 4000)), parse(page(1100, 16500, 4450))
+    assert after["drafts"] == 1100 and after["accepted"] == 4450
+    got = acceptance_from_counters(before, after)
+    assert got["acceptance_length"] == pytest.approx(1 + 450 / 100)
+    assert got["acceptance_rate"] == pytest.approx(450 / 1500)
+
+
+def test_sglang_gauges_are_read_after_the_run_not_differenced() -> None:
+    """A gauge is a level, not a count: the value after the run is the figure, whatever the
+    page said before it."""
+
+    def page(length: float) -> str:
+        name = "sglang:spec_accept_length"
+        return f'# TYPE {name} gauge\n{name}{{model_name="m"}} {length}\n'
+
+    got = acceptance_from_counters(parse(page(2.5)), parse(page(3.2)))
+    assert got["acceptance_length"] == pytest.approx(3.2)
+
+
+def test_sglang_gauges_of_several_schedulers_are_averaged_not_summed() -> None:
+    """SGLang exposes one acceptance gauge a scheduler (a data-parallel rank each): each is
+    already a per-step figure, so two ranks at 3.0 and 4.0 read as 3.5, not 7.0; one label
+    set reads as itself."""
+    name = "sglang:spec_accept_length"
+    page = (
+        f"# TYPE {name} gauge\n"
+        f'{name}{{model_name="m",dp_rank="0"}} 3.0\n'
+        f'{name}{{model_name="m",dp_rank="1"}} 4.0\n'
+        "# TYPE sglang:spec_accept_rate gauge\n"
+        'sglang:spec_accept_rate{model_name="m",dp_rank="0"} 0.25\n'
+        'sglang:spec_accept_rate{model_name="m",dp_rank="1"} 0.35\n'
+    )
+    got = acceptance_from_counters(parse(""), parse(page))
+    assert got["acceptance_length"] == pytest.approx(3.5)
+    assert got["acceptance_rate"] == pytest.approx(0.3)
+    single = f'# TYPE {name} gauge\n{name}{{model_name="m",dp_rank="0"}} 3.0\n'
+    assert acceptance_from_counters(parse(""), parse(single))["acceptance_length"] == pytest.approx(3.0)

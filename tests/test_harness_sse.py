@@ -135,3 +135,18 @@ def test_a_done_marker_padded_with_spaces_ends_the_stream() -> None:
     assert not isinstance(answer, AnswerError), answer
     assert (answer.text, answer.ids) == ("ab", [1, 2])
     assert record.success and record.done_marker, record.error
+
+
+def test_a_byte_that_is_not_utf8_reads_as_a_replacement_character_never_vanishes() -> None:
+    """A stray byte in a stream is text a client shows as U+FFFD: read as nothing, a candidate
+    that sends its honest text with such a byte in it would read as that honest text."""
+    body = b'data: {"text": "a\xffb"}\n\ndata: c\xe2\x82\n\n'
+    assert event_data(body) == ['{"text": "a\ufffdb"}', "c\ufffd"]
+    reader = EventReader()
+    assert [d for k in range(len(body)) for d in reader.feed(body[k : k + 1])] == event_data(body)
+
+
+def test_a_field_is_data_only_when_its_name_is_exactly_data() -> None:
+    """The field name runs to the first colon, spaces included: `data :` and ` data:` are
+    other fields, which a client ignores."""
+    assert event_data("data : x\n\n data: y\n\nDATA: w\n\ndata: z\n\n") == ["z"]

@@ -248,3 +248,17 @@ def test_without_ab_csv_the_speed_up_is_b_over_a_from_the_medians(tmp_path) -> N
         "Concurrency 1: dflash delivers 2.24x the output throughput of plain "
         "(no interval: `ab.csv` absent): dflash is faster."
     ) in part
+
+
+def test_requests_without_token_ids_are_not_claimed_identical(tmp_path) -> None:
+    """A server that reports no ids (plain OpenAI) leaves nothing to compare: the verdict says
+    so, and no request without ids on either side counts as identical."""
+    directory = write_results(tmp_path / "run")
+    set_token_ids(directory, lambda r: None)
+    part = verdict(build_report(directory).read_text())
+    assert "Outputs not compared: the servers reported no token ids" in part
+    assert "Outputs identical" not in part
+    set_token_ids(directory, lambda r: None if r["label"] == "B" and r["index"] == 0 else [1, 2, 3])
+    part = verdict(build_report(directory).read_text())
+    # B's request 0 of each (concurrency, repeat) has no ids (one of them failed anyway)
+    assert "Outputs identical: 8/8 requests" in part

@@ -129,3 +129,19 @@ def test_id_prompts_to_a_text_only_server_need_the_tokenizer(strict_server, toke
         payload(Endpoint(url, server=kind), Prompt(token_ids=(10, 11)), 4)
     body = payload(Endpoint(url, server=kind, tokenizer=tokenizer), Prompt(token_ids=(10, 11)), 4)
     assert body["prompt"] == tokenizer.decode([10, 11])
+
+
+def test_a_server_error_on_the_token_id_probe_is_no_refusal() -> None:
+    """Only a 4xx says the server takes no token-id prompts; a 5xx says nothing of it (the
+    server failed), so the ids are tried rather than the prompts left unsent."""
+    from .completion_stub import Reply, Stub, completion
+
+    def answer(path: str, body: dict):
+        if isinstance(body.get("prompt"), list):
+            return Reply(500, b'{"error": {"message": "the engine failed"}}')
+        return completion([1], "a")
+
+    with Stub(answer) as stub:
+        found = probe(stub.url)
+    assert found.kind.name == "openai" and found.kind.prompt_ids
+    assert "token-id prompts accepted" in found.kind.evidence

@@ -30,6 +30,8 @@ from reference_engine.runtime.engine import EngineConfig
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.speculative_step import SpeculativeStep
 
+from .test_gate_options import Options
+
 
 # ------------------------------------------------------------------ gates/checks.py
 def test_divergence_names_the_first_differing_output_position(monkeypatch) -> None:
@@ -363,24 +365,16 @@ def test_assert_sampling_lossless_tests_the_acceptance_count(monkeypatch) -> Non
 
 
 # ------------------------------------------------------------------ gates/prompts.py
-class _Options:
-    def __init__(self, **values) -> None:
-        self.values = values
-
-    def getoption(self, name: str):
-        return self.values.get(name)
-
-
 def test_gate_prompts_take_count_of_the_demo_prompts_and_keep_repeated_rows(tmp_path) -> None:
     """Without a target the demo's first `count` held-out prompts; a file's rows are taken
     as they are, a repeated prompt kept (the gate's workload is the file's)."""
     from gates.prompts import gate_prompt_ids
     from reference_engine.demo import demo_prompts
 
-    assert gate_prompt_ids(_Options(), None, 3) == [row["prompt_ids"] for row in demo_prompts()][:3]
+    assert gate_prompt_ids(Options(), None, 3) == [row["prompt_ids"] for row in demo_prompts()][:3]
     rows = tmp_path / "ids.jsonl"
     rows.write_text('{"prompt_ids": [5, 6]}\n{"prompt_ids": [5, 6]}\n{"prompt_ids": [9]}\n')
-    assert gate_prompt_ids(_Options(**{"--gate-prompts": str(rows)}), None, 32) == [[5, 6], [5, 6], [9]]
+    assert gate_prompt_ids(Options(**{"--gate-prompts": str(rows)}), None, 32) == [[5, 6], [5, 6], [9]]
 
 
 def test_gate_prompts_join_chat_turns_with_newlines(tiny_checkpoint, tmp_path) -> None:
@@ -392,7 +386,7 @@ def test_gate_prompts_join_chat_turns_with_newlines(tiny_checkpoint, tmp_path) -
     chat = tmp_path / "chat.jsonl"
     turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the model"}]
     chat.write_text(json.dumps({"messages": turns}) + "\n")
-    got = gate_prompt_ids(_Options(**{"--gate-prompts": str(chat)}), target, 32)
+    got = gate_prompt_ids(Options(**{"--gate-prompts": str(chat)}), target, 32)
     tokenizer = load_tokenizer(target)
     assert got == [tokenizer.encode("be brief\nthe model").ids]
     assert got != [tokenizer.encode("be brief the model").ids]

@@ -1,13 +1,17 @@
 """Event-loop time of one request's detokenisation and stop-string work (serving/stop_strings.py)
 for long and adversarial outputs, with the demo tokenizer. Run from the repository root:
 
-    python docs/results/cpu-serving-text-costs/measure.py
+    python docs/results/cpu-serving-text-costs/measure.py [--short] [--before]
 
-Each figure is one run (seconds of one core, or decode calls), pushed one token at a time as a
-plain server's chunks come."""
+`--short`: 1600 special tokens only, not also 8000 (the tree before this change takes hours
+on 8000). `--before`: without the special ids, which that tree's StopStringText does not
+take. `after.txt` is `--short` on this tree, `before.txt` `--short --before` on a100d16,
+back to back. Each figure is one run (seconds of one core, or decode calls), pushed one token
+at a time as a plain server's chunks come."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 from reference_engine.demo import DEMO_TARGET
@@ -27,7 +31,7 @@ def run(ids: list[int], stops: tuple[str, ...] = (), skipped=frozenset()) -> tup
         calls[0] += 1
         return tok.decode(x)
 
-    stream = StopStringText(decode, stops, skipped)
+    stream = StopStringText(decode, stops, skipped) if skipped else StopStringText(decode, stops)
     start = time.perf_counter()
     for i, token in enumerate(ids):
         stream.push([token], final=i == len(ids) - 1)
@@ -36,9 +40,10 @@ def run(ids: list[int], stops: tuple[str, ...] = (), skipped=frozenset()) -> tup
 
 print("| output | stop strings | special ids given | seconds | decodes |")
 print("|---|---|---|---|---|")
-for n in (1600, 8000):
+before, short = "--before" in sys.argv[1:], "--short" in sys.argv[1:]
+for n in (1600,) if short else (1600, 8000):
     ids = tok.encode("Hello there").ids + [eot] * n + tok.encode(" world").ids
-    for skipped in (frozenset(), special_ids):
+    for skipped in (frozenset(),) if before else (frozenset(), special_ids):
         seconds, calls = run(ids, skipped=skipped)
         print(f"| text, {n} x <|endoftext|>, text | none | {bool(skipped)} | {seconds:.3f} | {calls} |")
 stops = ("never there", "another stop", "<end>", "###")

@@ -56,7 +56,7 @@ from .speculative_step import SpeculativeStep, StepCommit
 from .state import TargetState, checkpoint_every
 from .stats import PhaseTimer, SpecCounters
 from .token_choice import choose_tokens
-from .transfer import to_device
+from .transfer import place_tokens, to_device
 from .verify_width import StepCosts, VerifyWidth, width_candidates, width_spacing
 
 __all__ = ["Engine", "EngineConfig", "EngineFullError", "StepOutput"]
@@ -187,7 +187,9 @@ class Engine:
             self.verify_width = VerifyWidth(
                 config.verify_width, self.block_size, step_costs, plain_step, spacing
             )
-        self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk)
+        # on CUDA a greedy request's first token is read with its first step's results
+        defer_first = self.device.type == "cuda"
+        self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk, defer_first)
         if self.memory is not None:
             graphs = torch.cuda.memory_allocated(self.device) - before - self.memory.state
             line = f"{self.memory.describe()}; CUDA graphs {graphs / GiB:.2f} GiB"
@@ -359,9 +361,12 @@ class Engine:
                 commits = self.speculative_step(spec, width, same_rows_next=same_rows)
                 self.verify_widths[width] += 1  # a step that ran (one that raised is not counted)
             for seq, commit in zip(spec, commits):
-                self._record_speculative(seq, commit, outputs, drafted=width > 0)
+                if seq.pending is None or self.emit_first(seq, outputs):
+                    self._record_speculative(seq, commit, outputs, drafted=width > 0)
             if self.speculative_step.deferred:  # a request that ended never drafts again
                 self.speculative_step.drop_context([s for s in spec if s.finish_reason is not None])
+        for seq in running:  # a step that raised read nothing: a first token it left is dropped
+            seq.pending = None
         self.scheduler.finish_done()
         self.timer.flush()
         return outputs.items
@@ -371,8 +376,12 @@ class Engine:
         lengths = [self.state.lengths[s.slot] for s in seqs]
         # one copy for the three, queued without waiting for the device (transfer.py)
         ids, positions, slots = to_device(
-            [[s.output_ids[-1] for s in seqs], lengths, [s.slot for s in seqs]], self.device
+            [[s.output_ids[-1] if s.pending is None else 0 for s in seqs], lengths, [s.slot for s in seqs]],
+            self.device,
         )
+        pending = [(i, *s.pending) for i, s in enumerate(seqs) if s.pending is not None]
+        if pending:  # first tokens still on the device (prefill.py)
+            place_tokens(ids, pending)
         out = self.runner.decode(ids[:, None], positions[:, None], slots, max(lengths) + 1)
         for seq, n in zip(seqs, lengths):
             self.state.lengths[seq.slot] = n + 1
@@ -384,7 +393,17 @@ class Engine:
             else:
                 tokens, logprobs = choose_tokens(out.logits, seqs)
         for seq, token, lp in zip(seqs, tokens, logprobs):
-            outputs.emit(seq, token, lp)
+            if seq.pending is None or self.emit_first(seq, outputs):
+                outputs.emit(seq, token, lp)
+
+    def emit_first(self, seq: Sequence, outputs: StepOutputs) -> bool:
+        """Emit a first token that the prefill left on the device (prefill.py), now that the
+        step has read its results; whether the request goes on (its first token may end it,
+        and then the step's tokens for it are dropped)."""
+        tokens, index = seq.pending
+        seq.pending = None
+        seq.first_token_s = time.monotonic()
+        return outputs.emit(seq, [tokens.value(index)]) and seq.finish_reason is None
 
     def _record_speculative(
         self, seq: Sequence, commit: StepCommit, outputs: StepOutputs, drafted: bool = True

@@ -4,6 +4,17 @@ request), and each request's first token once its prompt is in.
 A request runs one chunk of at most `chunk` tokens per step. With CUDA graphs the first chunks
 of newly admitted requests share one captured forward where a bucket holds them; a batch that
 raises is retried row by row from reset slots, so that a failing request fails alone.
+
+A request's first token is the argmax (or a sample) of its last chunk's logits. Reading it
+at once makes the host wait for the prefill's forward and everything queued before it, with
+the device idle behind that wait while the host then lays out the step's other forwards.
+With `defer_first` (on CUDA) a greedy request's first token stays on the device: the request
+runs in this very step's decode or speculative step, which takes its input token from the
+device (`transfer.place_tokens`), and the engine emits the token after that step's one read
+(`Engine.emit_first`), without a wait of its own. Its output is the same: only when the
+token is known on the host changes. A request that stops at its first token (max_tokens 1)
+reads it at once; one whose first token is a stop token still runs that step, and the
+step's tokens are dropped (a finished request emits nothing more).
 """
 
 from __future__ import annotations
@@ -20,13 +31,23 @@ from .sequence import Phase, Sequence
 from .state import TargetState
 from .stats import PhaseTimer
 from .token_choice import choose_tokens
+from .transfer import DeviceTokens, to_device
 
 log = logging.getLogger("reference_engine.runtime.engine")
 
 
 class Prefill:
-    def __init__(self, runner: ModelRunner, state: TargetState, timer: PhaseTimer, chunk: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        state: TargetState,
+        timer: PhaseTimer,
+        chunk: int,
+        defer_first: bool = False,
+    ) -> None:
         self.runner, self.state, self.timer, self.chunk = runner, state, timer, chunk
+        # greedy first tokens left on the device for the step's own read (module docstring)
+        self.defer_first = defer_first
 
     def __call__(self, seqs: list[Sequence], outputs: StepOutputs) -> None:
         """One chunk of each request still prefilling."""
@@ -83,13 +104,19 @@ class Prefill:
             return
         with self.timer.phase("sample"):
             chosen = [seqs[i] for i in done]
+            rows = logits if len(done) == logits.shape[0] else logits[to_device(done, logits.device)]
             if all(s.params.argmax_only for s in chosen):
                 # the device argmax of every row at once (lowest id on a tie, as choose_tokens)
                 # and one transfer, as decode does, instead of a few operations per row
-                first = self.runner.ops.greedy(logits[done]).tolist()
-                tokens, logprobs = [[t] for t in first], [None] * len(done)
+                first = self.runner.ops.greedy(rows)
+                if self.defer_first and all(s.params.max_tokens > 1 for s in chosen):
+                    pending = DeviceTokens(first)
+                    for j, seq in enumerate(chosen):
+                        seq.phase, seq.pending = Phase.RUNNING, (pending, j)
+                    return
+                tokens, logprobs = [[t] for t in first.tolist()], [None] * len(done)
             else:
-                tokens, logprobs = choose_tokens(logits[done], chosen)
+                tokens, logprobs = choose_tokens(rows, chosen)
         for i, token, lp in zip(done, tokens, logprobs):
             seqs[i].phase = Phase.RUNNING
             seqs[i].first_token_s = time.monotonic()

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .oracle import Proposer
 from .request import SamplingParams
 from .stats import RecentAcceptance, SpecCounters
+from .transfer import DeviceTokens
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One speculative step of one request."""
+class StepRecord(NamedTuple):
+    """One speculative step of one request (a named tuple: one is made per row of every
+    step, in a third of a frozen dataclass's time)."""
 
     proposed: int  # draft tokens in the block (B - 1, fewer for a short final block)
     accepted: int  # a
@@ -51,10 +53,16 @@ class Sequence:
     cell: int | None = None  # first cell of its run in a pooled KV cache (kv_pool.py)
     prefilled: int = 0  # prompt tokens run through the target so far
     output_ids: list[int] = field(default_factory=list)
+    # the first token while it is still on its way from the device (prefill.py): it counts
+    # as generated, the step after the prefill takes it from the device, and the engine
+    # emits it once that step has read its results (Engine.emit_first)
+    pending: tuple[DeviceTokens, int] | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     fallback_reason: str | None = None
-    spec: SpecCounters = field(default_factory=SpecCounters)
+    # the counters of `steps`, brought up to date when read (`spec`): most requests are read
+    # once, at their end, and a step need not count each row twice (the engine's totals too)
+    _spec: SpecCounters = field(default_factory=SpecCounters, init=False, repr=False)
     recent: RecentAcceptance = field(default_factory=RecentAcceptance)  # what the verify width reads
     steps: list[StepRecord] = field(default_factory=list)
     first_token_s: float | None = None
@@ -62,8 +70,13 @@ class Sequence:
     error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
+    def generated(self) -> int:
+        """Tokens generated so far, a first token still on the device included."""
+        return len(self.output_ids) + (self.pending is not None)
+
+    @property
     def remaining(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.params.max_tokens - self.generated
 
     def append(self, tokens: list[int]) -> list[int]:
         """Append newly committed tokens, cut at the first stop and at max_tokens; returns
@@ -79,7 +92,15 @@ class Sequence:
             self.finish_reason = "length"
         return kept
 
+    @property
+    def spec(self) -> SpecCounters:
+        """The request's speculative counters, over every step in `steps`."""
+        spec = self._spec
+        if spec.steps < len(self.steps):
+            for step in self.steps[spec.steps :]:
+                spec.record(step.proposed, step.accepted, step.acceptance_length)
+        return spec
+
     def record_step(self, proposed: int, accepted: int, committed: int, drafted: list[int]) -> None:
-        self.spec.record(proposed, accepted, committed)
         self.recent.record(proposed, accepted)
         self.steps.append(StepRecord(proposed, accepted, committed, tuple(drafted)))

@@ -39,7 +39,7 @@ from .sampling import accept_greedy, accept_sampled, probabilities, sample
 from .sequence import Sequence
 from .state import TargetState
 from .stats import PhaseTimer
-from .transfer import HostCopy, HostReader, to_device
+from .transfer import HostCopy, HostReader, place_tokens, to_device
 from .verify_width import timing_ids
 from .walk import sample_walk
 
@@ -379,11 +379,14 @@ class SpeculativeStep:
         N = self.block_size - 1 if self.pad_blocks else max(n)
         starts = self.anchor_positions(seqs)
         slot_ids = [s.slot for s in seqs]
-        anchors = [s.output_ids[-1] for s in seqs]
+        anchors = [s.output_ids[-1] if s.pending is None else 0 for s in seqs]
         remaining = [s.remaining for s in seqs]
         # one host-to-device copy for the five
         packed = to_device(starts + slot_ids + n + anchors + remaining, self.device)
         starts_t, slots_t, n_t, anchors_t, remaining_t = packed.split(len(seqs))
+        pending = [(i, *s.pending) for i, s in enumerate(seqs) if s.pending is not None]
+        if pending:  # first tokens still on the device (prefill.py)
+            place_tokens(anchors_t, pending)
         positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
         kv_len = max(starts) + N + 1
         draft_width = None if width is None or width >= N else width
@@ -546,7 +549,7 @@ class SpeculativeStep:
         for i, seq in enumerate(rows.seqs):
             n_i = min(rows.n[i], W)
             if seq.oracle is not None:
-                guesses[i] = seq.oracle.propose(seq.spec.steps, len(seq.output_ids), rows.n[i])[:W]
+                guesses[i] = seq.oracle.propose(seq.spec.steps, seq.generated, rows.n[i])[:W]
             elif not seq.params.greedy and drafted.edges is not None:  # DFlash2: along the walk
                 p = seq.params
                 proposals[i, :n_i], draft_probs[i] = sample_walk(

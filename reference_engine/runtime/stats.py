@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cache
 from typing import ClassVar
 
 import torch
@@ -56,17 +57,11 @@ class SpecCounters:
         self.proposed += proposed
         self.accepted += accepted
         # dict.get rather than Counter's += : a key not counted yet would go through
-        # Counter.__missing__ (Python code), and a request's own counters start empty
-        lengths, accepted_at, verified_at = (
-            self.acceptance_lengths,
-            self.accepted_per_position,
-            self.verified_per_position,
-        )
+        # Counter.__missing__ (Python code); the positions 1..k in one C loop (Counter.update)
+        lengths = self.acceptance_lengths
         lengths[acceptance_length] = lengths.get(acceptance_length, 0) + 1
-        for k in range(1, accepted + 1):
-            accepted_at[k] = accepted_at.get(k, 0) + 1
-        for k in range(1, min(proposed, accepted + 1) + 1):
-            verified_at[k] = verified_at.get(k, 0) + 1
+        self.accepted_per_position.update(_positions(accepted))
+        self.verified_per_position.update(_positions(min(proposed, accepted + 1)))
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -89,6 +84,12 @@ class SpecCounters:
             "acceptance_length_histogram": dict(sorted(self.acceptance_lengths.items())),
             "accepted_per_position": dict(sorted(self.accepted_per_position.items())),
         }
+
+
+@cache
+def _positions(k: int) -> range:
+    """Positions 1..k (made once per k)."""
+    return range(1, k + 1)
 
 
 class RecentAcceptance:

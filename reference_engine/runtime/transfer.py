@@ -84,3 +84,33 @@ class HostReader:
         if self._event is None:
             self._event = torch.cuda.Event()
         return HostCopy(values, host, self._event)
+
+
+class DeviceTokens:
+    """Token ids chosen on the device ([k]), on their way to the host: the copy is queued at
+    once and read (`value`) once a later read of the step has waited for the device anyway,
+    so that choosing them makes the host wait for nothing. Meanwhile a forward that needs
+    them as inputs takes them from `device` (`place_tokens`)."""
+
+    def __init__(self, device_tokens: torch.Tensor) -> None:
+        self.device = device_tokens
+        self.copy = HostCopy(device_tokens)
+        self._values: list[int] | None = None
+
+    def value(self, index: int) -> int:
+        if self._values is None:
+            self._values = self.copy.tolist()
+        return self._values[index]
+
+
+def place_tokens(ids: torch.Tensor, pending: list[tuple[int, DeviceTokens, int]]) -> None:
+    """Write tokens still on the device into `ids` [b]: each (row, tokens, index) puts
+    `tokens.device[index]` at `ids[row]`, one copy per DeviceTokens (no host wait)."""
+    groups: dict[int, tuple[DeviceTokens, list[int], list[int]]] = {}
+    for row, tokens, index in pending:
+        group = groups.setdefault(id(tokens), (tokens, [], []))
+        group[1].append(row)
+        group[2].append(index)
+    for tokens, rows, indices in groups.values():
+        at, taken = to_device([rows, indices], ids.device)
+        ids.index_copy_(0, at, tokens.device.index_select(0, taken))

@@ -74,6 +74,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 import torch
 
@@ -161,6 +162,17 @@ class StepCosts:
     def of(self, rows: int, width: int) -> float:
         """The cost at the smallest measured row count >= rows (the largest past them all);
         `unpadded`, interpolated linearly from the largest measured count below rows."""
+        cost = self._known.get((rows, width))
+        if cost is None:
+            cost = self._known[rows, width] = self._of(rows, width)
+        return cost
+
+    @cached_property
+    def _known(self) -> dict[tuple[int, int], float]:
+        """`of`'s answers so far (a step asks for each candidate width, twice or more)."""
+        return {}
+
+    def _of(self, rows: int, width: int) -> float:
         counts = self.row_counts
         upper = next((r for r in counts if r >= rows), None)
         if upper is None:
@@ -228,16 +240,12 @@ def expected_tokens(
     1 + sum(rates[i][:min(W, limits[i])]); the sums are running sums, taken once per row for
     every candidate."""
     widths = sorted(candidates, reverse=True)
-    tokens = dict.fromkeys(widths, 0.0)
+    totals = [0.0] * len(widths)
     for r, n in zip(rates, limits):
-        sums, total = [0], 0
-        for x in r[: min(widths[0], n)]:
-            total += x
-            sums.append(total)
+        sums = list(accumulate(r[: min(widths[0], n)], initial=0))
         last = len(sums) - 1
-        for width in widths:
-            tokens[width] += 1.0 + sums[min(width, last)]
-    return tokens
+        totals = [t + (1.0 + sums[w if w < last else last]) for t, w in zip(totals, widths)]
+    return dict(zip(widths, totals))
 
 
 def best_width(tokens: dict[int, float], rows: int, costs: StepCosts) -> int:

@@ -890,6 +890,28 @@ def test_a_draft_row_that_is_not_finite_costs_acceptance_not_the_request(tiny_pa
         assert seq.output_ids == generate_plain(target, p, params).output_ids
 
 
+def test_a_sampled_draft_row_that_is_not_finite_costs_acceptance_not_the_request(tiny_pair: TinyPair) -> None:
+    """A sampled row draws NOT_A_DISTRIBUTION from a draft distribution that is not finite: its
+    proposals are still valid ids for the verify, and the request runs to its end."""
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=4)
+    target = load_target(target_dir, dtype=torch.float64)
+    draft = load_draft(draft_dir, target)  # poisoned below in memory only
+    draft.logits = lambda hidden, weight, ops=None: torch.full(
+        (*hidden.shape[:-1], weight.shape[0]), float("nan"), dtype=hidden.dtype
+    )
+    outputs = []
+    for _ in range(2):
+        engine = Engine(target, draft, EngineConfig(max_num_seqs=2, commit_strategy="per_token"))
+        engine.add_request("s", [5, 9, 3, 77], sampled(seed=7, max_tokens=9))
+        while engine.has_unfinished():
+            engine.step()
+        seq = engine.collect("s")
+        assert seq.finish_reason == "length" and len(seq.output_ids) == 9, seq.error
+        assert all(0 <= t < target.config.vocab_size for t in seq.output_ids)
+        outputs.append(seq.output_ids)
+    assert outputs[0] == outputs[1]
+
+
 def test_measured_eager_step_costs_cover_every_row_bucket_and_width_and_change_no_output(
     target: CausalLM, draft: DFlashDraft
 ) -> None:

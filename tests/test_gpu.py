@@ -196,6 +196,43 @@ def test_step_inputs_are_copied_without_waiting_for_queued_work() -> None:
     assert stream.query()  # the pageable copy synchronized the stream
 
 
+def test_a_first_token_left_on_the_device_changes_no_output_on_cuda(tiny_pair) -> None:
+    """On CUDA with graphs (prefills batched, the step's inputs from captured buffers) a greedy
+    request's first token stays on the device after its prefill (the default there): plain and
+    DFlash engines give plain greedy output for requests arriving while others run, and the
+    same streams as with the token read at once."""
+    target_dir, draft_dir = tiny_pair("qwen3_5", block_size=8)
+    target = load_target(target_dir, dtype=torch.float64, device="cuda")
+    draft = load_draft(draft_dir, target)
+    rng = random.Random(3)
+    requests = [
+        ([rng.randrange(400) for _ in range(rng.randint(1, 60))], rng.choice([1, 2, 9, 24]))
+        for _ in range(10)
+    ]
+    for spec in (None, draft):
+        streams = []
+        for defer in (False, True):
+            engine = Engine(target, spec, EngineConfig(max_num_seqs=4, commit_strategy="per_token"))
+            assert engine.prefill.defer_first
+            engine.prefill.defer_first = defer
+            got: dict[str, list] = {}
+            for step in range(400):
+                if step < len(requests):  # one arrives each step
+                    prompt, n = requests[step]
+                    engine.add_request(str(step), prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+                for out in engine.step():
+                    got.setdefault(out.request_id, []).append((step, out.new_token_ids, out.finish_reason))
+                if step >= len(requests) and not engine.has_unfinished():
+                    break
+            for i, (prompt, n) in enumerate(requests):
+                want = generate_plain(
+                    target, prompt, SamplingParams(max_tokens=n, ignore_eos=True)
+                ).output_ids
+                assert engine.collect(str(i)).output_ids == want, (spec is not None, defer, i)
+            streams.append(got)
+        assert streams[0] == streams[1]
+
+
 def test_the_step_result_reaches_the_host_without_waiting_for_work_queued_after_it() -> None:
     """runtime/transfer.HostCopy queues its copy and returns; work queued after it (the
     captured commit) is still running when `tolist` has the values."""

@@ -30,8 +30,15 @@ class _Rows:
         return self._each(lambda t: t.index_select(0, at))
 
     def head(self, rows: int):
-        """The same output for the first `rows` rows (a bucket's padding rows dropped)."""
+        """The same output for the first `rows` rows (a bucket's padding rows dropped); itself
+        when it has no other rows (a full bucket: a step's every replay asks)."""
+        if all(t.shape[0] == rows for t in self._tensors()):
+            return self
         return self._each(lambda t: t[:rows])
+
+    def _tensors(self) -> list[torch.Tensor]:
+        values = (getattr(self, name) for name in _field_names(type(self)))
+        return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 @cache

@@ -25,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,9 +45,9 @@ from .verify_width import timing_ids
 from .walk import sample_walk
 
 
-@dataclass(frozen=True)
-class StepCommit:
-    """What one step committed for one row (before the request's stop and max_tokens cuts)."""
+class StepCommit(NamedTuple):
+    """What one step committed for one row (before the request's stop and max_tokens cuts); a
+    named tuple, made for every row of every step."""
 
     proposed: int  # n_i: draft tokens in the row's block
     accepted: int  # a
@@ -71,6 +72,12 @@ class Rows:
     # the draft slots whose proposals the step takes (the verify's width when it checks fewer
     # than N: the slots after them change none of theirs); None: all N
     draft_width: int | None = None
+    valid_t: torch.Tensor | None = None  # [b] n_t + 1, when copied with the rest (`valid`)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[b] the block tokens of each row that count: its anchor and its draft tokens."""
+        return self.valid_t if self.valid_t is not None else self.n_t + 1
 
 
 @dataclass
@@ -357,6 +364,8 @@ class SpeculativeStep:
         speculative request that runs, so what is left belongs to requests that have left (an
         abort, a failed step, a fall back to plain decode), whose slots may already hold
         another request."""
+        if not self.deferred:  # nothing deferred (always so on a GPU, where no step is plain)
+            return
         # an entry holds its request, so no other request can have that id()
         entries = [self.deferred.pop(id(seq)) for seq in seqs if id(seq) in self.deferred]
         if only:
@@ -381,17 +390,30 @@ class SpeculativeStep:
         slot_ids = [s.slot for s in seqs]
         anchors = [s.output_ids[-1] if s.pending is None else 0 for s in seqs]
         remaining = [s.remaining for s in seqs]
-        # one host-to-device copy for the five
-        packed = to_device(starts + slot_ids + n + anchors + remaining, self.device)
-        starts_t, slots_t, n_t, anchors_t, remaining_t = packed.split(len(seqs))
+        valid = [k + 1 for k in n]
+        positions = [start + j for start in starts for j in range(N + 1)]
+        # one host-to-device copy for the six and the positions (each a device operation less)
+        b = len(seqs)
+        packed = to_device(slot_ids + n + anchors + remaining + valid + positions, self.device)
+        slots_t, n_t, anchors_t, remaining_t, valid_t, positions_t = packed.split([b] * 5 + [len(positions)])
         pending = [(i, *s.pending) for i, s in enumerate(seqs) if s.pending is not None]
         if pending:  # first tokens still on the device (prefill.py)
             place_tokens(anchors_t, pending)
-        positions = starts_t[:, None] + torch.arange(N + 1, device=self.device)
         kv_len = max(starts) + N + 1
         draft_width = None if width is None or width >= N else width
         return Rows(
-            seqs, slot_ids, slots_t, starts, n, n_t, anchors_t, remaining_t, positions, kv_len, draft_width
+            seqs,
+            slot_ids,
+            slots_t,
+            starts,
+            n,
+            n_t,
+            anchors_t,
+            remaining_t,
+            positions_t.view(b, N + 1),
+            kv_len,
+            draft_width,
+            valid_t,
         )
 
     def verified_rows(self, rows: Rows, width: int) -> Rows:
@@ -540,18 +562,24 @@ class SpeculativeStep:
             block = self.block_of(rows.anchors, N)
             with self.timer.parts() as part:  # a DFlash2 draft's convolution and selector, when eager
                 drafted = self.runner.propose(
-                    block, rows.positions, rows.slots, rows.n_t + 1, rows.kv_len, part, width=W
+                    block, rows.positions, rows.slots, rows.valid, rows.kv_len, part, width=W
                 )
         draft_logits = drafted.logits[:, :W]  # [b, W, vocab], until the next replay
-        proposals = drafted.tokens[:, :W].clone()  # [b, W] (a queued draft's head may be wider)
+        # [b, W] (a queued draft's head may be wider), a copy; a draft row that is not finite
+        # (greedy gives `vocab`, sampling -1) still proposes a valid id: the target verifies
+        # every proposal, so a bad draft costs acceptance only
+        vocab = self.target.config.vocab_size
+        proposals = drafted.tokens[:, :W].clamp(0, vocab - 1)
+        drawn = False  # whether a sampled row wrote its own proposals (clamped again below)
         draft_probs: list[torch.Tensor | None] = [None] * len(rows.seqs)
         guesses = {}  # tests and benchmarks: the oracle's scheduled proposals, row -> ids
         for i, seq in enumerate(rows.seqs):
             n_i = min(rows.n[i], W)
             if seq.oracle is not None:
-                guesses[i] = seq.oracle.propose(seq.spec.steps, seq.generated, rows.n[i])[:W]
+                guesses[i] = seq.oracle.propose(len(seq.steps), seq.generated, rows.n[i])[:W]
             elif not seq.params.greedy and drafted.edges is not None:  # DFlash2: along the walk
                 p = seq.params
+                drawn = True
                 proposals[i, :n_i], draft_probs[i] = sample_walk(
                     drafted.candidates[i, :n_i],
                     drafted.edges[i, :n_i],
@@ -565,13 +593,13 @@ class SpeculativeStep:
                 p = seq.params
                 draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)
                 proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
+                drawn = True
         if guesses:  # one host-to-device copy for every oracle row (-1: keep the draft's)
             guessed = to_device([g + [-1] * (W - len(g)) for g in guesses.values()], self.device)
             at = to_device(list(guesses), self.device)
             proposals[at] = torch.where(guessed >= 0, guessed, proposals[at])
-        # a draft row that is not finite (greedy gives `vocab`, sampling -1) still proposes a
-        # valid id: the target verifies every proposal, so a bad draft costs acceptance only
-        proposals.clamp_(0, self.target.config.vocab_size - 1)
+        if drawn or guesses:
+            proposals.clamp_(0, vocab - 1)
         # the anchors the host knows, not the draft's block (a queued draft's is a view of its
         # graph's static inputs, written from the device's results): a draft's inputs, however
         # wrong, then cost acceptance only
@@ -599,7 +627,7 @@ class SpeculativeStep:
             self.state.save_rows(rows.slot_ids)
         # a block of the anchor alone is real in every row: an eager forward then takes
         # decode's path (no row held back, the conv state moved on by a slice, not a gather)
-        valid = None if block.shape[1] == 1 and not self.runner.captured else rows.n_t + 1
+        valid = None if block.shape[1] == 1 and not self.runner.captured else rows.valid
         return self.runner.verify(block, rows.positions, rows.slots, valid, rows.kv_len, record)
 
     # ------------------------------------------------------------------ accept
@@ -629,7 +657,7 @@ class SpeculativeStep:
             target_tokens = self.ops.greedy(logits)  # [b, N + 1]
         accepted = self.accept_greedy(proposals, target_tokens, rows.n_t)
         forced = [
-            (i, seq.oracle.scheduled(seq.spec.steps, rows.n[i]))
+            (i, seq.oracle.scheduled(len(seq.steps), rows.n[i]))
             for i, seq in enumerate(rows.seqs)
             if seq.oracle is not None and seq.oracle.forced
         ]  # benchmarks only

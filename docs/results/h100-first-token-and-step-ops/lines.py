@@ -1,16 +1,23 @@
-import collections, sys
-path, proc = sys.argv[1], sys.argv[2]
-incl = collections.Counter(); tot = 0
+"""Summarise py-spy raw output (`record -f raw`) by line: each frame's inclusive samples, the
+engine's frames first. `python lines.py SPY_RAW_FILE FILTER`: only stacks whose first five
+frames contain FILTER ("" for all)."""
+
+import collections
+import sys
+
+path, wanted = sys.argv[1], sys.argv[2]
+inclusive: collections.Counter = collections.Counter()
+total = 0
 for line in open(path):
     stack, _, count = line.rstrip("\n").rpartition(" ")
     frames = stack.split(";")
-    if not any(proc in f for f in frames[:5]): continue
-    c = int(count); tot += c
-    seen = set()
-    for f in frames:
-        if f not in seen:
-            incl[f] += c; seen.add(f)
-print("total", tot)
-for f, c in incl.most_common(150):
-    if "reference_engine" in f and "process" not in f[:8]:
-        print(f"{c:6d} {100*c/tot:5.1f}% {f[:130]}")
+    if not any(wanted in f for f in frames[:5]):
+        continue
+    samples = int(count)
+    total += samples
+    for frame in set(frames):
+        inclusive[frame] += samples
+print("total", total)
+for frame, samples in inclusive.most_common(150):
+    if "reference_engine" in frame and "process" not in frame[:8]:
+        print(f"{samples:6d} {100 * samples / total:5.1f}% {frame[:130]}")

@@ -255,6 +255,10 @@ def assert_batch_equivalent(
     for request_id, expected in references.items():
         if request_id in skip:
             continue
+        if request_id not in streamed:
+            raise AssertionError(
+                f"{what}: request {request_id} streamed nothing (it is not among the outputs)"
+            )
         got = streamed[request_id]
         if got != expected:
             i = next(

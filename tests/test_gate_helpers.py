@@ -137,6 +137,14 @@ def test_assert_batch_equivalent_rejects_a_truncated_stream() -> None:
     )
 
 
+def test_assert_batch_equivalent_names_a_request_missing_from_the_outputs() -> None:
+    """A request with a reference and no outputs at all fails the check by name (an
+    AssertionError, not a KeyError from the lookup); a skipped one may be missing."""
+    with pytest.raises(AssertionError, match="batch: request b streamed nothing"):
+        checks.assert_batch_equivalent({"a": [1]}, {"a": [1], "b": [2]}, "batch")
+    checks.assert_batch_equivalent({"a": [1]}, {"a": [1], "b": [2]}, "batch", skip=("b",))
+
+
 # ------------------------------------------------------------------ gates/exact.py
 def test_divergences_report_length_differences_both_ways_and_the_margin_at_the_position() -> None:
     """A shorter or longer output is a divergence, and a token divergence at k carries the

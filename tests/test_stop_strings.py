@@ -580,3 +580,140 @@ def test_a_stop_string_that_a_decoder_rewrites_into_earlier_text_is_found() -> N
             if stream.stopped:
                 break
         assert stream.stopped and taken == ids[:42], size
+
+
+def test_growing_text_reads_its_end_as_the_string_would() -> None:
+    """GrowingText against a plain string: appends of every size (past a block at once, empty
+    ones), every tail and every suffix test, a start text of several blocks."""
+    import random
+
+    rng = random.Random(2)
+    for start in ("", "x" * 9000):
+        grown, plain = stop_strings.GrowingText(start), start
+        for _ in range(300):
+            piece = "".join(rng.choice("ab\ufffdé") for _ in range(rng.choice([0, 1, 3, 50, 5000])))
+            grown.append(piece)
+            plain += piece
+            assert grown.length == len(plain)
+            for at in {0, len(plain), len(plain) + 3, rng.randrange(len(plain) + 1), max(len(plain) - 7, 0)}:
+                assert grown.tail(at) == plain[at:], at
+            end = plain[-rng.randrange(1, 20) :] if plain else "a"
+            assert grown.endswith(end) == plain.endswith(end)
+            assert not grown.endswith("q")
+        assert str(grown) == plain
+        assert all(len(block) >= grown.BLOCK for block in grown.blocks)
+
+
+def _reference_pushes(decode, ids: list[int], stops: tuple[str, ...], sizes: list[int]) -> list:
+    """What each push returns by the module's rules, read off the whole text at every token:
+    the first stop string found in the whole text cuts it; otherwise the text past what was
+    sent, less a trailing incomplete character and the end that could begin a stop string
+    (all of it, checked against the whole decode, at the last push)."""
+    sent, out, at, text = 0, [], 0, IncrementalText(decode)
+    for size in itertools.cycle(sizes):
+        chunk, at = ids[at : at + size], at + size
+        final, taken, stop = at >= len(ids), [], None
+        for token in chunk:
+            text.push(token)
+            taken.append(token)
+            whole = text.text()
+            found = [whole.find(s) for s in stops if s in whole]
+            if found:
+                stop = min(found)
+                break
+        whole = text.text()
+        if stop is not None:
+            out.append((whole[sent:stop], taken))
+            return out
+        if final:
+            whole = decode(ids)
+        else:
+            whole = whole.rstrip(REPLACEMENT)
+            whole = whole[: len(whole) - held_back(whole, stops)]
+        out.append((whole[sent:], taken))
+        sent = max(sent, len(whole))
+        if final:
+            return out
+
+
+@pytest.mark.parametrize("name", ["byte-level (demo)", "metaspace", "wordpiece"])
+def test_each_push_returns_what_the_whole_text_gives(real_tokenizers, name) -> None:
+    """Every push's text and ids, not only their sum, are those read off the whole text at
+    every token (`_reference_pushes`), though a push reads only the text's end: outputs with
+    and without stop strings, stop strings that are prefixes of the text's tail, invalid
+    bytes (byte-level: ids that decode to U+FFFD), for three chunkings."""
+    import random
+
+    tok = real_tokenizers[name]
+    rng = random.Random(11)
+    words = "Hello world, héllo wörld! Don't stop: it's 3.5 tokens a step. 数字 and more words here.".split()
+    vocab = tok.get_vocab_size()
+    for trial in range(30):
+        ids = tok.encode(" ".join(rng.choice(words) for _ in range(rng.randrange(10, 50)))).ids
+        if trial % 3 == 0:  # ids at random: invalid bytes, special tokens
+            ids = [rng.randrange(vocab) if rng.random() < 0.3 else i for i in ids]
+        whole = tok.decode(ids)
+        stops: tuple[str, ...] = ()
+        if trial % 2:
+            picks = [whole[a : a + rng.randrange(2, 9)] for a in rng.sample(range(len(whole)), 2)]
+            stops = tuple(s for s in picks if s.strip()) + ("zz" + whole[-3:],)
+        for sizes in ([1], [3], [2, 5]):
+            stream = StopStringText(tok.decode, stops)
+            got, at = [], 0
+            for size in itertools.cycle(sizes):
+                got.append(stream.push(ids[at : at + size], final=at + size >= len(ids)))
+                at += size
+                if stream.stopped or at >= len(ids):
+                    break
+            assert got == _reference_pushes(tok.decode, ids, stops, sizes), (name, trial, stops, sizes)
+
+
+@pytest.mark.parametrize("stops", [(), ("never there", "<end>")])
+def test_a_long_output_is_read_from_its_end_at_every_push(real_tokenizers, monkeypatch, stops) -> None:
+    """A push reads the text since what it last sent or searched (and the longest stop
+    string's length before it), not the whole output: only the last push reads it whole (the
+    check against one decode). The settled text grows in blocks, so no push copies it whole
+    either (a string grown by `+` would: time growing with the output's length squared)."""
+    tok = real_tokenizers["byte-level (demo)"]
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 400).ids
+    reads: list[int] = []
+    wholes: list[int] = []
+    tail, text = IncrementalText.tail, IncrementalText.text
+
+    def counted_tail(self, start: int) -> str:
+        out = tail(self, start)
+        reads.append(len(out))
+        return out
+
+    def counted_text(self) -> str:
+        wholes.append(len(reads))
+        return text(self)
+
+    monkeypatch.setattr(IncrementalText, "tail", counted_tail)
+    monkeypatch.setattr(IncrementalText, "text", counted_text)
+    stream = StopStringText(tok.decode, stops)
+    pieces = [stream.push([token], final=i == len(ids) - 1)[0] for i, token in enumerate(ids)]
+    assert "".join(pieces) == tok.decode(ids)
+    assert len(wholes) == 1  # the last push's check
+    longest = max(map(len, stops), default=0)
+    assert max(reads[:-1]) <= longest + 16, max(reads[:-1])
+    blocks = stream.incremental.settled_text
+    assert len(blocks.open) < blocks.BLOCK and blocks.length == len(tok.decode(ids))
+
+
+def test_the_incremental_texts_tail_reads_into_its_pending_character() -> None:
+    """tail(k) is text()[k:] for every k, also inside the pending text of a token that ends in
+    an incomplete character after complete ones ("ab" and the first byte of "数")."""
+    pieces = {0: b"Hi ", 1: b"ab\xe6", 2: b"\x95\xb0", 3: b"!"}
+
+    def decode(ids: list[int]) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    text = IncrementalText(decode)
+    for token in (0, 1, 2, 3):
+        text.push(token)
+        whole = text.text()
+        assert whole == decode([0, 1, 2, 3][: len(text.ids)])
+        for k in range(len(whole) + 2):
+            assert text.tail(k) == whole[k:], (text.ids, k)
+    assert text.text() == "Hi ab数!"

@@ -19,7 +19,9 @@ every step costs time growing with its square: at 128 tokens, a third of a plain
 event-loop work on the H200). The window moves by tokens, one at a time, so the text does not
 depend on the chunking either; the last push checks it against one decode of the whole output.
 Each token's search for stop strings reads only the text since the search before (and the
-longest stop string's length before it), so stop strings cost linear time too. Without stop
+longest stop string's length before it), so stop strings cost linear time too. The text
+grows in blocks (`GrowingText`) and a push reads only its end (what it has not sent and the
+longest stop string's length before that), so no push copies the whole output. Without stop
 strings a chunk's tokens are decoded together (`IncrementalText.extend`: one
 decode a chunk, not one a token, when their text settles at once), which gives the text that
 pushing them one at a time would.
@@ -28,6 +30,7 @@ pushing them one at a time would.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 from collections.abc import Callable, Collection
 
 REPLACEMENT = "\ufffd"
@@ -62,6 +65,45 @@ def earliest(text: str, stops: tuple[str, ...], start: int) -> int | None:
     return min(found) if found else None
 
 
+class GrowingText:
+    """A string that grows at its end, read from its end (`tail`), without copying all of it
+    at every append: closed blocks of at least BLOCK characters and an open one, which an
+    append copies (at most BLOCK characters and the new ones) until it is full. A string
+    that grows by `+` copies all of itself at every append: time growing with its length
+    squared over a long output, on the event loop every request shares."""
+
+    BLOCK = 4096
+
+    def __init__(self, text: str = "") -> None:
+        self.blocks: list[str] = []
+        self.starts: list[int] = []  # where each closed block begins
+        self.open = ""
+        self.length = 0
+        self.append(text)
+
+    def append(self, text: str) -> None:
+        self.open += text
+        self.length += len(text)
+        if len(self.open) >= self.BLOCK:
+            self.starts.append(self.length - len(self.open))
+            self.blocks.append(self.open)
+            self.open = ""
+
+    def tail(self, start: int) -> str:
+        """The characters from `start` on (the string's [start:])."""
+        opened = self.length - len(self.open)
+        if start >= opened:
+            return self.open[max(start - opened, 0) :]
+        i = max(bisect_right(self.starts, start) - 1, 0)
+        return "".join([self.blocks[i][max(start - self.starts[i], 0) :], *self.blocks[i + 1 :], self.open])
+
+    def endswith(self, text: str) -> bool:
+        return len(text) <= self.length and self.tail(self.length - len(text)) == text
+
+    def __str__(self) -> str:
+        return self.tail(0)
+
+
 class IncrementalText:
     """`decode(ids)` of a growing list of ids, fed one token at a time, each decoding a short
     window rather than the whole output.
@@ -94,7 +136,7 @@ class IncrementalText:
         self.ids: list[int] = []  # every id pushed
         self.text_ids: list[int] = []  # those decode reads: the ids less the skipped ones
         # the positions below index text_ids
-        self.settled = ""  # decode(text_ids[:read])
+        self.settled_text = GrowingText()  # decode(text_ids[:read])
         self.window = 0  # first id of the window
         self.read = 0  # first id not settled
         self.pending = ""  # the unsettled ids' text (an incomplete character)
@@ -112,7 +154,7 @@ class IncrementalText:
         now = self.decode(self.text_ids[self.window :])
         if not now.startswith(before):  # the decoder rewrote earlier text: settle it all at once
             self.rewrites += 1
-            self._settle(self.decode(self.text_ids))
+            self._settle(self.decode(self.text_ids), rewrite=True)
             return
         added = now[len(before) :]
         # an incomplete character: wait for its next bytes (a character spans at most 4 bytes,
@@ -120,7 +162,7 @@ class IncrementalText:
         if added.endswith(REPLACEMENT) and len(self.text_ids) - self.read < self.PENDING_LIMIT:
             self.pending = added
             return
-        self._settle(self.settled + added, now)
+        self._settle(added, now)
 
     def extend(self, tokens: list[int]) -> None:
         """`push` each of `tokens`: the same text, with one decode for the whole run when its
@@ -145,7 +187,7 @@ class IncrementalText:
         now = self.decode(self.text_ids[self.window :])
         if not now.startswith(before) or now.endswith(REPLACEMENT):
             return False
-        self._settle(self.settled + now[len(before) :], now)
+        self._settle(now[len(before) :], now)
         return True
 
     def _window_before(self) -> str:
@@ -155,20 +197,27 @@ class IncrementalText:
         before = self.window_text
         if before is None:
             before = self.decode(self.text_ids[self.window : self.read]) if self.read > self.window else ""
-        while self.window > 0 and not (before and self.settled.endswith(before)):
+        while self.window > 0 and not (before and self.settled_text.endswith(before)):
             self.window = max(0, self.window - self.CONTEXT)
             before = self.decode(self.text_ids[self.window : self.read])
         self.window_text = before
         return before
 
-    def _settle(self, text: str, window_text: str | None = None) -> None:
-        """`window_text`: the decode of the window through the last id (what the push just
-        decoded). The window then stays where it is, and that text is the next push's
-        settled part, until it holds 2 x CONTEXT settled ids, or for as long as pushes add no
-        text (a run of ids that decode to nothing): a window moved on into such a run would
-        reach back through it at every push."""
-        added = text != self.settled
-        self.settled, self.pending = text, ""
+    def _settle(self, text: str, window_text: str | None = None, rewrite: bool = False) -> None:
+        """Settle every id pushed: `text` is what their text adds to the settled text (with
+        `rewrite`, the whole settled text, which replaces it). `window_text`: the decode of
+        the window through the last id (what the push just decoded). The window then stays
+        where it is, and that text is the next push's settled part, until it holds 2 x
+        CONTEXT settled ids, or for as long as pushes add no text (a run of ids that decode to
+        nothing): a window moved on into such a run would reach back through it at every
+        push."""
+        if rewrite:
+            added = text != str(self.settled_text)
+            self.settled_text = GrowingText(text)
+        else:
+            added = bool(text)
+            self.settled_text.append(text)
+        self.pending = ""
         self.read = len(self.text_ids)
         if window_text is not None and (not added or self.read - self.window <= 2 * self.CONTEXT):
             self.window_text = window_text
@@ -176,9 +225,21 @@ class IncrementalText:
             self.window = max(0, self.read - self.CONTEXT)
             self.window_text = None
 
+    @property
+    def settled(self) -> str:
+        """decode(text_ids[:read]): the text of the settled ids (all of it, copied)."""
+        return str(self.settled_text)
+
     def text(self) -> str:
-        """The text of every id pushed so far."""
-        return self.settled + self.pending
+        """The text of every id pushed so far (all of it, copied)."""
+        return self.tail(0)
+
+    def tail(self, start: int) -> str:
+        """text()[start:], reading only those characters."""
+        settled = self.settled_text.length
+        if start >= settled:
+            return self.pending[start - settled :]
+        return self.settled_text.tail(start) + self.pending
 
 
 class StopStringText:
@@ -209,36 +270,30 @@ class StopStringText:
             return "", []
         if not self.stops:  # nothing to cut: the chunk's tokens settle together
             self.incremental.extend(new_ids)
-            text = self.incremental.text()
-            if final:
-                text = self._checked(text)
-            return self._release(text, final), list(new_ids)
+            return self._release(final), list(new_ids)
         taken: list[int] = []
-        text = self.incremental.text()
         for token in new_ids:
             self.incremental.push(token)
             taken.append(token)
-            text = self.incremental.text()
-            at = self._first_stop(text)
+            at = self._first_stop()
             if at is not None:
                 self.stopped = True
-                out = text[self.sent : at]
+                out = self.incremental.tail(self.sent)[: max(at - self.sent, 0)]
                 self.sent = at
                 return out, taken
-        if final:
-            text = self._checked(text)
-        return self._release(text, final), taken
+        return self._release(final), taken
 
-    def _first_stop(self, text: str) -> int | None:
-        """Where the earliest stop string in `text` (the incremental text) begins; None when
-        none is in it. Reads the text a stop string could end in since the last search, and
-        `reach` characters before it; all of it when the settled text was rewritten since."""
+    def _first_stop(self) -> int | None:
+        """Where the earliest stop string in the incremental text begins; None when none is
+        in it. Reads the text a stop string could end in since the last search, and `reach`
+        characters before it; all of it when the settled text was rewritten since."""
         incremental = self.incremental
         if incremental.rewrites != self.searched_rewrites:
             self.searched, self.searched_rewrites = 0, incremental.rewrites
-        at = earliest(text, self.stops, max(0, self.searched - self.reach))
-        self.searched = len(incremental.settled)
-        return at
+        start = max(0, self.searched - self.reach)
+        at = earliest(incremental.tail(start), self.stops, 0)
+        self.searched = incremental.settled_text.length
+        return None if at is None else start + at
 
     def _checked(self, text: str) -> str:
         """The output's text decoded whole, once, at its end: what the incremental reads
@@ -253,10 +308,19 @@ class StopStringText:
             )
         return whole
 
-    def _release(self, text: str, final: bool) -> str:
-        if not final:
-            text = text.rstrip(REPLACEMENT)
+    def _release(self, final: bool) -> str:
+        """The text to emit now: the text past what was emitted, less (unless `final`) an
+        incomplete character at its end and the end that could still begin a stop string.
+        Reads the text from `reach` characters before what was emitted (what `held_back`
+        looks at), not the whole output; the final push reads it whole (`_checked`)."""
+        if final:
+            start, text = 0, self._checked(self.incremental.text())
+        else:
+            # held_back reads the last `reach` characters; where fewer than that are left
+            # from `start`, the text ends before what was sent, and nothing is released
+            start = max(0, self.sent - self.reach - 1)
+            text = self.incremental.tail(start).rstrip(REPLACEMENT)
             text = text[: len(text) - held_back(text, self.stops)]
-        out = text[self.sent :]
-        self.sent = max(self.sent, len(text))
+        out = text[self.sent - start :]
+        self.sent = max(self.sent, start + len(text))
         return out

@@ -500,7 +500,7 @@ def _proposed_counts_the_drafted_block(correct):
         commits = correct(self, seqs, width, same_rows_next)
         if not width:
             return commits
-        return [replace(c, proposed=n) for c, n in zip(commits, drafted)]
+        return [c._replace(proposed=n) for c, n in zip(commits, drafted)]
 
     return call
 

@@ -14,7 +14,7 @@ from reference_engine.errors import ConfigError, RequestError
 from reference_engine.runtime.kv_pool import CellAllocator
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import GREEDY_BELOW, SEED_RANGE, SamplingParams, new_generator
-from reference_engine.runtime.scheduler import Scheduler
+from reference_engine.runtime.scheduler import EngineFullError, Scheduler
 from reference_engine.runtime.sequence import Phase, Sequence
 
 CHUNK = 16
@@ -149,3 +149,59 @@ def test_an_unseeded_generator_draws_a_fresh_seed_and_a_seeded_one_repeats() -> 
     assert not torch.equal(torch.rand(8, generator=first), torch.rand(8, generator=second))
     again = [torch.rand(8, generator=new_generator(cpu, 1234)) for _ in range(2)]
     assert torch.equal(again[0], again[1])
+
+
+def test_reject_refuses_a_request_that_would_wait_for_cells_with_a_slot_free() -> None:
+    """Admission `reject` with a pooled cache: a request whose run of cells is not free (the
+    requests queued before it taking theirs first) is refused at once, naming the cells, though
+    a slot is free; under `wait` it queues; one that fits is taken."""
+    cells = CellAllocator(4)
+    s = Scheduler(3, "reject", 0, None, 8, CHUNK, None, 0, cells=cells, cells_needed=lambda seq: 3)
+    a = sequence("a", speculative=False)
+    s.check_room(a)
+    s.queue(a)
+    s.admit()
+    b = sequence("b", speculative=False)
+    with pytest.raises(
+        EngineFullError, match=r"no free run of 3 KV cache cells for request 'b' \(1 of 4 free"
+    ):
+        s.check_room(b)
+    assert s.free_slots == [1, 2] and not s.waiting
+    small = Scheduler(
+        3, "reject", 0, None, 8, CHUNK, None, 0, cells=CellAllocator(6), cells_needed=lambda q: 3
+    )
+    first, second, third = (sequence(r, speculative=False) for r in "xyz")
+    for seq in (first, second):
+        small.check_room(seq)
+        small.queue(seq)  # both queued, not yet admitted: their runs are promised
+    with pytest.raises(EngineFullError, match="'z'"):
+        small.check_room(third)
+    waiting = Scheduler(
+        3, "wait", 8, None, 8, CHUNK, None, 0, cells=CellAllocator(4), cells_needed=lambda q: 3
+    )
+    waiting.queue(sequence("a", speculative=False))
+    waiting.admit()
+    waiting.check_room(sequence("b", speculative=False))  # it may wait
+
+
+def test_an_engine_under_reject_refuses_a_request_its_pooled_cache_cannot_hold_now(tiny_checkpoint) -> None:
+    """The engine asks the scheduler before it queues: with a pool of 4 cells of 16 tokens and
+    requests of 3 cells each, the second is refused while the first holds its run, and taken
+    once the first has ended."""
+    from reference_engine.checkpoint import load_target
+    from reference_engine.runtime.engine import Engine, EngineConfig
+
+    target = load_target(tiny_checkpoint("qwen3"), dtype=torch.float64)
+    config = EngineConfig(
+        max_num_seqs=3, admission="reject", kv_cache_tokens=64, kv_cell_tokens=16, max_model_len=48
+    )
+    engine = Engine(target, None, config)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.step()
+    with pytest.raises(EngineFullError, match="KV cache cells"):
+        engine.add_request("b", [1, 2, 3], params)
+    while engine.has_unfinished():
+        engine.step()
+    engine.collect("a")
+    engine.add_request("b", [1, 2, 3], params)

@@ -299,6 +299,7 @@ class Engine:
             speculative=self.draft is not None,
             oracle=oracle,
         )
+        self.scheduler.check_room(seq)
         if not params.greedy:
             seq.generator = generator or new_generator(self.device, params.seed)
         self.scheduler.queue(seq)

@@ -25,7 +25,9 @@ class EngineConfig:
     # plus the prefill chunks that fit beside them (scheduler.py); None: every prefilling
     # request runs one chunk per step. The oldest prefilling request's chunk always runs.
     max_num_batched_tokens: int | None = None
-    admission: str = "wait"  # "wait": queue; "reject": refuse when no slot is free
+    # "wait": queue; "reject": refuse a request that would wait (no free slot, or with a
+    # pooled KV cache no free run of cells for it)
+    admission: str = "wait"
     max_waiting: int = 1024  # queued requests beyond the free slots
     # fallback to plain decode when a request's mean acceptance length stays below this
     # after `fallback_after_steps` steps; None disables it (the default, as in the gates)

@@ -4,7 +4,8 @@ Slots are preallocated (the engine's state has `max_num_seqs` of them); a reques
 arrival order until a slot is free at the start of a step, holds it through prefill and
 decode, and gives it back when it finishes or is aborted. Admission policy `wait` queues up
 to `max_waiting` requests beyond the free slots; `reject` refuses a request that would have
-to wait. A speculative request falls back to plain decode for good when it asks for
+to wait (no free slot, or with a pooled KV cache no free run of cells for it). A
+speculative request falls back to plain decode for good when it asks for
 something the speculative path does not serve (logprobs, penalties) or, when enabled, when
 its mean acceptance length stays low; `fallbacks` counts the reasons.
 
@@ -84,6 +85,23 @@ class Scheduler:
             )
         if len(self.waiting) - len(self.free_slots) >= self.max_waiting:
             raise EngineFullError(f"waiting queue full ({self.max_waiting} requests); retry later")
+
+    def check_room(self, seq: Sequence) -> None:
+        """Under `reject` with a pooled KV cache: EngineFullError when the request would wait
+        for a run of cells, the requests queued before it taking theirs first (a free slot
+        alone does not admit it: `admit`)."""
+        if self.admission != "reject" or self.cells is None:
+            return
+        trial = CellAllocator(self.cells.cells)
+        trial.runs = dict(self.cells.runs)
+        for queued in (*self.waiting, seq):
+            need = self.cells_needed(queued)
+            if trial.allocate(need) is None:
+                raise EngineFullError(
+                    f"no free run of {need} KV cache cells for request {seq.request_id!r} "
+                    f"({trial.free_cells} of {trial.cells} free, the largest run "
+                    f"{trial.largest_free_run}; admission policy 'reject')"
+                )
 
     def queue(self, seq: Sequence) -> None:
         """Take a new request; a speculative one that asks for what only plain decode serves

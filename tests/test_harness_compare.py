@@ -271,14 +271,18 @@ def test_tokens_after_a_tie_that_cannot_be_resumed_are_unchecked_never_a_pass(st
     assert exit_status(summary) == 1
 
 
-def test_a_tie_at_the_last_position_leaves_nothing_unchecked() -> None:
+def tied_chat_run(tied: int, candidate: list[int]):
+    """compare() of one chat prompt, max_tokens 3: the baseline [1, 2, 3] with a near tie at
+    position `tied`, the candidate `candidate`; (results, summary)."""
     with (
-        Stub(near_tie_chat_baseline([1, 2, 3], tied=2)) as base,
-        Stub(lambda p, b: completion([1, 2, 4], chat=True)) as cand,
+        Stub(near_tie_chat_baseline([1, 2, 3], tied=tied)) as base,
+        Stub(lambda p, b: completion(candidate, chat=True)) as cand,
     ):
-        results, summary = asyncio.run(
-            compare(Endpoint(base.url), Endpoint(cand.url), CHAT, 3, 1, TIE_TOLERANT)
-        )
+        return asyncio.run(compare(Endpoint(base.url), Endpoint(cand.url), CHAT, 3, 1, TIE_TOLERANT))
+
+
+def test_a_tie_at_the_last_position_leaves_nothing_unchecked() -> None:
+    results, summary = tied_chat_run(2, [1, 2, 4])
     assert [(d.position, d.kind) for d in results[0].divergences] == [(2, "tie")]
     assert results[0].unchecked is None and summary["verdict"] == "pass", summary
 
@@ -861,13 +865,7 @@ def test_a_mismatch_after_a_tie_is_located_at_its_output_position() -> None:
 def test_a_tie_one_before_the_last_position_leaves_the_last_unchecked() -> None:
     """With max_tokens 3, a tie at position 1 that cannot be resumed (a chat prompt) leaves
     position 2 never compared: the candidate may have written anything there."""
-    with (
-        Stub(near_tie_chat_baseline([1, 2, 3], tied=1)) as base,
-        Stub(lambda p, b: completion([1, 3, 9], chat=True)) as cand,
-    ):
-        results, summary = asyncio.run(
-            compare(Endpoint(base.url), Endpoint(cand.url), CHAT, 3, 1, TIE_TOLERANT)
-        )
+    results, summary = tied_chat_run(1, [1, 3, 9])
     assert [(d.position, d.kind) for d in results[0].divergences] == [(1, "tie")]
     assert results[0].unchecked == "from position 2 on: a chat prompt cannot be extended by token ids"
     assert summary["verdict"] == "fail" and summary["reason"] == "unchecked", summary

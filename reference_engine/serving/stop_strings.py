@@ -108,7 +108,7 @@ class IncrementalText:
     """`decode(ids)` of a growing list of ids, fed one token at a time, each decoding a short
     window rather than the whole output.
 
-    The settled text (`settled`) is the decode of the ids before `read`; a new token decodes
+    The settled text (`settled_text`) is the decode of the ids before `read`; a new token decodes
     the ids from `window` (a few tokens before `read`, so that a decoder that treats the start
     of its input or a token's neighbours specially sees the same context) and takes what its
     text adds past the window's settled part. A token whose text ends in an incomplete UTF-8
@@ -224,11 +224,6 @@ class IncrementalText:
         else:
             self.window = max(0, self.read - self.CONTEXT)
             self.window_text = None
-
-    @property
-    def settled(self) -> str:
-        """decode(text_ids[:read]): the text of the settled ids (all of it, copied)."""
-        return str(self.settled_text)
 
     def text(self) -> str:
         """The text of every id pushed so far (all of it, copied)."""

@@ -10,6 +10,11 @@ applied to the text streamed so far; else a chunk with text counts as one token.
 record's `count_source` says which (`server_ids`, `usage`, `meta_info`, `tokenizer`,
 `estimated`), and the request is flagged `estimated_counts` in the last case.
 
+Counts a server reports are checked against each other, since the throughput is made of them:
+a request fails ("inconsistent token counts") when its final `usage.completion_tokens` is not
+the number of token ids it streamed, when a running total (`usage` or `meta_info`) falls, or
+when the server's counts come to more tokens than the request's `max_tokens`.
+
 Only the extensions the server accepts are sent (`Endpoint.server`, see server_kind.py;
 not given: our own server's). A stream that ends cleanly without `data: [DONE]` (plain
 OpenAI servers such as `transformers serve` never send it) is accepted when a
@@ -31,6 +36,7 @@ from .tokens import TextTokenizer
 from .workloads import Prompt
 
 ENDPOINT_KINDS = ("completions", "chat", "sglang")
+SERVER_COUNTS = frozenset({"server_ids", "usage", "meta_info"})  # count sources the server reports
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "sglang": "/generate"}
 
 
@@ -159,6 +165,16 @@ class _Counter:
         self.endpoint = endpoint
         self.sources: list[str] = []
         self.finished = False  # a finish_reason arrived
+        self.contradiction: str | None = None  # the first running total that fell
+
+    def _running(self, name: str, total: int) -> int:
+        """The tokens a running total adds since the last chunk (a total that falls adds none,
+        and contradicts the server's own earlier count)."""
+        new = total - self.cumulative
+        if new < 0 and self.contradiction is None:
+            self.contradiction = f"{name} fell from {self.cumulative} to {total}"
+        self.cumulative = total
+        return max(new, 0)
 
     def _source(self, name: str, record: RequestRecord) -> None:
         if name not in self.sources:
@@ -172,11 +188,9 @@ class _Counter:
                 self.finished = True
             if "completion_tokens" in meta:
                 record.meta_info = meta
-                new = meta["completion_tokens"] - self.cumulative
-                self.cumulative = meta["completion_tokens"]
                 record.prompt_tokens = meta.get("prompt_tokens", record.prompt_tokens)
                 self._source("meta_info", record)
-                return max(new, 0)
+                return self._running("meta_info.completion_tokens", meta["completion_tokens"])
             return self._from_text(event.get("text"), record)
         choices = event.get("choices") or []
         usage = event.get("usage") or {}
@@ -198,10 +212,8 @@ class _Counter:
             self._source("server_ids", record)
             return len(ids)
         if usage.get("completion_tokens") is not None and self.endpoint.accepts.continuous_usage:
-            new = usage["completion_tokens"] - self.cumulative
-            self.cumulative = usage["completion_tokens"]
             self._source("usage", record)
-            return max(new, 0)
+            return self._running("usage.completion_tokens", usage["completion_tokens"])
         text = choice.get("text")
         if text is None:
             text = (choice.get("delta") or {}).get("content")
@@ -229,8 +241,11 @@ class StreamReader:
     request was sent). Kept apart from the socket so that the timing rules can be checked
     against a scripted clock."""
 
-    def __init__(self, endpoint: Endpoint, record: RequestRecord) -> None:
+    def __init__(self, endpoint: Endpoint, record: RequestRecord, max_tokens: int | None = None) -> None:
+        """`max_tokens`: what the request asked for at most (the server's counts are checked
+        against it; None: not checked)."""
         self.endpoint, self.record = endpoint, record
+        self.max_tokens = max_tokens
         self.counter = _Counter(endpoint)
         self.events = EventReader()
         self.done = False  # data: [DONE] arrived
@@ -283,8 +298,45 @@ class StreamReader:
         if record.output_tokens == 0:
             record.error = "the stream ended without a token"
             return record
+        problem = self.counter.contradiction or self.count_problem()
+        if problem is not None:
+            record.error = f"inconsistent token counts: {problem}"
+            return record
         record.success = True
         return record
+
+    def count_problem(self) -> str | None:
+        """Where the server's own counts contradict each other or the request; None when they
+        agree. Counts made on this side (the tokenizer's, the estimate) are not checked: text
+        tokenized again may legitimately come to other counts than the server's ids."""
+        record = self.record
+        sources = set(self.counter.sources)
+        ids = record.token_ids
+        if sources == {"server_ids"} and record.usage_completion_tokens not in (None, len(ids or ())):
+            return (
+                f"usage.completion_tokens is {record.usage_completion_tokens} for {len(ids or ())} token ids"
+            )
+        if (
+            self.max_tokens is not None
+            and sources
+            and sources <= SERVER_COUNTS
+            and record.output_tokens > self.max_tokens
+        ):
+            return f"{record.output_tokens} tokens ({record.count_source}) for max_tokens {self.max_tokens}"
+        return None
+
+
+def requested_tokens(body: dict) -> int | None:
+    """The most tokens a request body asks for (`max_tokens`, chat's `max_completion_tokens`,
+    SGLang's `max_new_tokens`), or None when it names none."""
+    for value in (
+        body.get("max_completion_tokens"),
+        body.get("max_tokens"),
+        (body.get("sampling_params") or {}).get("max_new_tokens"),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 async def send(
@@ -293,7 +345,7 @@ async def send(
     """Send one streaming request and time it. Never raises: failures are recorded."""
     sent = time.perf_counter()
     record = RequestRecord(index=index, send_s=sent - run_start)
-    reader = StreamReader(endpoint, record)
+    reader = StreamReader(endpoint, record, requested_tokens(body))
     try:
         async with client.stream(
             "POST", endpoint.url, json=body, headers=endpoint.headers(), timeout=timeout

@@ -12,7 +12,8 @@ class Script:
     """What the stub answers: chunks of (delay before it in seconds, token ids), plus
     faults: `malformed_at` (chunk index sent as broken JSON), `hang_s` (sleep before the
     first byte), `die_at` (close the connection before that chunk), `fail_every` (every
-    k-th request gets HTTP 500 instead of a stream)."""
+    k-th request gets HTTP 500 instead of a stream), `usage_over` (the usage chunk reports that
+    many tokens more than the stream's ids)."""
 
     def __init__(
         self,
@@ -22,11 +23,13 @@ class Script:
         die_at=None,
         metrics_text: str = "",
         fail_every: int | None = None,
+        usage_over: int = 0,
     ) -> None:
         self.chunks = chunks
         self.malformed_at, self.hang_s, self.die_at = malformed_at, hang_s, die_at
         self.metrics_text = metrics_text
         self.fail_every = fail_every
+        self.usage_over = usage_over
         self.posts = 0
         self.open = self.most_open = 0  # streams being answered now, and at most at once
         self.lock = threading.Lock()
@@ -42,7 +45,10 @@ def events(script: Script) -> list[tuple[float, str]]:
         out.append((delay, f"data: {line}\n\n"))
     usage = {
         "choices": [],
-        "usage": {"prompt_tokens": 3, "completion_tokens": sum(len(ids) for _, ids in script.chunks)},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": sum(len(ids) for _, ids in script.chunks) + script.usage_over,
+        },
     }
     out.append((0.0, f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"))
     return out

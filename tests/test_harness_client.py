@@ -358,6 +358,99 @@ def test_tokens_are_counted_from_the_ids_a_server_sends_not_from_its_text() -> N
     assert record.token_ids == [5, 6, 7, 8] and record.count_source == "server_ids"
 
 
+def test_a_server_whose_usage_contradicts_its_ids_fails_the_request_over_http(tmp_path) -> None:
+    """The throughput is made of the server's counts: a final usage.completion_tokens that is
+    not the number of ids streamed fails each request by name, and the run with it."""
+    record, _ = one_record(Script(CHUNKS, usage_over=3))
+    assert not record.success
+    assert record.error == "inconsistent token counts: usage.completion_tokens is 12 for 9 token ids"
+    server, url = serve(Script(CHUNKS, usage_over=-1))
+    try:
+        spec = LoadSpec(concurrency=2, num_prompts=4, output_len=9, warmup=0, timeout_s=2.0)
+        labels = {"label": "A", "concurrency": 2, "repeat": 0}
+        summary = measure(Endpoint(url), synthetic(4, 4, 0), spec, tmp_path, labels, None)
+    finally:
+        server.shutdown()
+    assert summary["failed"] == 4 and summary["completed"] == 0
+    assert "usage.completion_tokens is 8 for 9 token ids" in summary["errors"]
+
+
+def test_more_tokens_than_max_tokens_from_the_servers_counts_fail_the_request() -> None:
+    """Ids, a running usage or SGLang's meta_info that add up to more than the request's
+    max_tokens fail it; as many as max_tokens pass."""
+    from harness.server_kind import ServerKind
+
+    def read(endpoint, stream, max_tokens):
+        reader = StreamReader(endpoint, RequestRecord(index=0, send_s=0.0), max_tokens)
+        for k, event in enumerate(stream):
+            reader.event(json.dumps(event), 0.01 * (k + 1))
+        return reader.finish()
+
+    ids = [
+        {"choices": [{"text": "ab", "token_ids": [1, 2]}]},
+        {"choices": [{"text": "c", "token_ids": [3], "finish_reason": "length"}]},
+    ]
+    running = [
+        {"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}},
+        {"choices": [{"text": "c", "finish_reason": "length"}], "usage": {"completion_tokens": 3}},
+    ]
+    meta = [
+        {"text": "ab", "meta_info": {"completion_tokens": 2}},
+        {"text": "abc", "meta_info": {"completion_tokens": 3, "finish_reason": {"type": "length"}}},
+    ]
+    vllm = Endpoint("http://unused", server=ServerKind("vllm", continuous_usage=True))
+    for endpoint, stream in (
+        (Endpoint("http://unused"), ids),
+        (vllm, running),
+        (Endpoint("http://unused", kind="sglang"), meta),
+    ):
+        assert read(endpoint, stream, 3).success
+        record = read(endpoint, stream, 2)
+        assert not record.success and record.error.startswith("inconsistent token counts: 3 tokens (")
+        assert record.error.endswith("for max_tokens 2")
+
+
+def test_a_running_total_that_falls_fails_the_request() -> None:
+    """A running usage or meta_info count that goes down contradicts the server's own earlier
+    count: the request fails, naming both."""
+    from harness.server_kind import ServerKind
+
+    vllm = Endpoint("http://unused", server=ServerKind("vllm", continuous_usage=True))
+    reader = StreamReader(vllm, RequestRecord(index=0, send_s=0.0))
+    for k, (total, finish) in enumerate(((4, None), (2, None), (5, "length"))):
+        event = {"choices": [{"text": "x", "finish_reason": finish}], "usage": {"completion_tokens": total}}
+        reader.event(json.dumps(event), 0.01 * (k + 1))
+    record = reader.finish()
+    assert record.error == "inconsistent token counts: usage.completion_tokens fell from 4 to 2"
+    reader = StreamReader(Endpoint("http://unused", kind="sglang"), RequestRecord(index=0, send_s=0.0))
+    for k, (total, finish) in enumerate(((3, None), (1, {"type": "length"}))):
+        reader.event(
+            json.dumps({"text": "x", "meta_info": {"completion_tokens": total, "finish_reason": finish}}), k
+        )
+    assert reader.finish().error == "inconsistent token counts: meta_info.completion_tokens fell from 3 to 1"
+
+
+def test_counts_made_on_this_side_are_not_held_to_max_tokens() -> None:
+    """Text tokenized again, or estimated a chunk a token, may come to more tokens than the
+    server generated: no check holds them to max_tokens."""
+    for endpoint in (Endpoint("http://unused"),):
+        reader = StreamReader(endpoint, RequestRecord(index=0, send_s=0.0), 1)
+        for k, finish in enumerate((None, "length")):
+            reader.event(json.dumps({"choices": [{"text": "x", "finish_reason": finish}]}), k)
+        record = reader.finish()
+        assert record.success and record.output_tokens == 2 and record.count_source == "estimated"
+
+
+def test_the_requested_tokens_are_read_from_each_endpoint_kinds_body() -> None:
+    from harness.client import payload, requested_tokens
+
+    prompt = Prompt(token_ids=(1, 2, 3), text="abc")
+    for kind in ("completions", "chat", "sglang"):
+        assert requested_tokens(payload(Endpoint("http://unused", kind=kind), prompt, 7)) == 7
+    assert requested_tokens({"max_completion_tokens": 5, "max_tokens": 9}) == 5
+    assert requested_tokens({"prompt": "x"}) is None and requested_tokens({"max_tokens": True}) is None
+
+
 def test_without_token_ids_a_running_usage_gives_each_chunk_its_tokens() -> None:
     """A server kind that sends no ids but keeps a running usage (`continuous_usage_stats`):
     each chunk carries the growth of `usage.completion_tokens`, however many tokens that is."""

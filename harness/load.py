@@ -28,7 +28,13 @@ import httpx
 
 from .client import Endpoint, RequestRecord, payload, send
 from .metrics import GROUP_LATENCIES, calculate_metrics, count_sources
-from .prometheus import acceptance_from_counters, acceptance_from_requests, scrape, server_cpu
+from .prometheus import (
+    acceptance_from_counters,
+    acceptance_from_requests,
+    counter_contradictions,
+    scrape,
+    server_cpu,
+)
 from .workloads import GROUPS, Prompt, arrivals
 
 
@@ -306,6 +312,7 @@ def measure(
     summary |= {**acceptance, **counters}  # counters win: they are the server's own totals
     if "acceptance_histogram" in acceptance:
         summary["acceptance_histogram"] = acceptance["acceptance_histogram"]
+    summary["acceptance_check"] = counter_contradictions(before, after, records)
     summary["count_source"] = count_sources(records)
     summary["streams_without_done"] = sum(1 for r in records if r.success and not r.done_marker)
     summary["server_kind"] = endpoint.accepts.name if endpoint.server else "ours (not probed)"
@@ -339,6 +346,7 @@ SUMMARY_COLUMNS = [
     "acceptance_per_position",
     "acceptance_histogram",
     "acceptance_source",
+    "acceptance_check",
     "errors",
     "count_source",
     "server_kind",

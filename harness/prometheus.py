@@ -14,10 +14,20 @@ and lmdeploy number theirs from 0. SGLang
 exposes gauges (`sglang:spec_accept_length`), read as they are after the run (a mean over
 their label sets where there are several, one a scheduler), and per-request `meta_info`
 (`spec_verify_ct`, `completion_tokens`).
+
+The counters are checked against what they count (`counter_contradictions`): accepted tokens
+are at most the draft tokens, each position's at most the drafts and at most the position
+before's (a token is accepted only after every one before it), and the tokens the drafted
+steps committed (a draft's accepted tokens and the target's own after them) at most what the
+run streamed past each request's first token, plus one block a request (a last step may
+commit past max_tokens or a stop string), checked when every request of the run completed and
+the run's requests were the server's only traffic. A server whose counters break one reports
+an acceptance its steps cannot have had.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter as Tally
 from collections.abc import Sequence
 
@@ -116,6 +126,44 @@ def acceptance_from_counters(before: Snapshot | None, after: Snapshot | None) ->
     if gauges:
         return {**gauges, "acceptance_source": "sglang gauges (not differenced)"}
     return {}
+
+
+def counter_contradictions(
+    before: Snapshot | None, after: Snapshot | None, records: Sequence[RequestRecord]
+) -> str:
+    """Where a run's acceptance counter differences contradict each other or the tokens the run
+    streamed (module docstring); "" when they agree or there are none."""
+    if before is None or after is None:
+        return ""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if not k.startswith(("sglang", "cpu:"))}
+    drafts, accepted, draft_tokens = d.get("drafts", 0.0), d.get("accepted", 0.0), d.get("draft_tokens")
+    if drafts <= 0:
+        return ""
+    found = []
+    if draft_tokens is not None and accepted > draft_tokens:
+        found.append(f"{accepted:g} accepted tokens of {draft_tokens:g} drafted")
+    positions = sorted(int(k[4:]) for k in d if k.startswith("pos:"))
+    before_count = drafts
+    for k in positions:
+        count = d[f"pos:{k}"]
+        if count > before_count:
+            what = "drafts" if before_count == drafts and k == positions[0] else f"position {k - 1}'s"
+            found.append(f"position {k} accepted {count:g} times, more than the {before_count:g} {what}")
+            break
+        before_count = count
+    # a failed stream (a timeout, a cut connection) may leave the server committing tokens that
+    # never reached the client: the bound holds for runs whose requests all completed
+    streamed = sum(sum(r.chunk_tokens) for r in records)
+    started = sum(1 for r in records if r.chunk_tokens)
+    block = math.ceil(draft_tokens / drafts) + 1 if draft_tokens else 1
+    most = streamed - started + started * block
+    if records and all(r.success for r in records) and drafts + accepted > most:
+        found.append(
+            f"the drafted steps committed {drafts + accepted:g} tokens ({drafts:g} drafts, {accepted:g} "
+            f"accepted), more than the {streamed} tokens streamed to {started} requests allow "
+            f"({most:g}: all but each first token, and a block of {block} a request over)"
+        )
+    return "; ".join(found)
 
 
 def server_cpu(before: Snapshot | None, after: Snapshot | None, duration_s: float) -> dict:

@@ -55,6 +55,7 @@ def verdict_section(results: ResultSet) -> str:
         _saturation(results),
         _busy_client(results),
         _busy_server(results),
+        _contradicting_counters(results),
         _closed_loop_ttft(results, agg),
     )
     warnings = [w for w in checks if w]
@@ -286,6 +287,32 @@ def _busy_server(results: ResultSet) -> str | None:
         + "; ".join(found)
         + ". A Python thread near a core sets the pace there, not the device: the ratio compares "
         "the two servers' host work as much as their decoding."
+    )
+
+
+def _contradicting_counters(results: ResultSet) -> str | None:
+    """Runs whose acceptance counters contradict each other or the tokens streamed (summary's
+    `acceptance_check`, harness/prometheus.py): the first of each label."""
+    summary = results.summary
+    if "acceptance_check" not in summary:
+        return None
+    found = []
+    for label in results.labels:
+        part = summary[summary["label"] == label]
+        bad = part[part["acceptance_check"].fillna("").astype(str).str.len() > 0]
+        if len(bad):
+            row = bad.iloc[0]
+            found.append(
+                f"{results.display(label)} in {len(bad)} of {len(part)} runs (first at concurrency "
+                f"{int(row['concurrency'])}, repeat {int(row['repeat'])}: {row['acceptance_check']})"
+            )
+    if not found:
+        return None
+    return (
+        "**Warning: a server's acceptance counters contradict what they count**: "
+        + "; ".join(found)
+        + ". Its acceptance figures are not what its steps did: a counter counts twice, or other "
+        "traffic reached the server during the runs."
     )
 
 

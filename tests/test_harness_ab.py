@@ -103,6 +103,7 @@ def test_acceptance_from_prometheus_equals_the_servers_own_statistics(ab_run) ->
         assert float(row["acceptance_rate"]) == pytest.approx(accepted / sum(s["proposed"] for s in mine))
         hist = json.loads(row["acceptance_histogram"])
         assert sum(hist.values()) == steps
+        assert row["acceptance_check"] == ""  # our server's counters agree with what it streamed
 
 
 def test_resume_refuses_a_folder_measured_with_other_servers_and_leaves_it_as_it_was(ab_run) -> None:

@@ -213,6 +213,54 @@ def test_the_servers_counters_exclude_the_warm_up_requests(tmp_path) -> None:
     assert summary["acceptance_source"] == "prometheus"
     assert summary["acceptance_length"] == pytest.approx(2.0)
     assert summary["acceptance_rate"] == pytest.approx(1 / 7)
+    assert summary["acceptance_check"] == ""
+
+
+class CountedTwice(Script):
+    """Each request streams 33 tokens (a first token, then four chunks of 8) and counts 4 drafts
+    of 7 tokens, all accepted; `twice`: its draft and accepted tokens are counted twice (60 and
+    56 for 28 and 28, as a server drafting blocks of 15 would count)."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__([(0.0, [1])] + [(0.0, list(range(8)))] * 4)
+        self.twice = twice
+
+    @property
+    def metrics_text(self) -> str:
+        posts = self.posts
+        return (
+            f"vllm:spec_decode_num_drafts_total {4 * posts}\n"
+            f"vllm:spec_decode_num_draft_tokens_total {(60 if self.twice else 28) * posts}\n"
+            f"vllm:spec_decode_num_accepted_tokens_total {(56 if self.twice else 28) * posts}\n"
+        )
+
+    @metrics_text.setter
+    def metrics_text(self, value: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_acceptance_counted_twice_is_caught_against_the_tokens_streamed(tmp_path, twice) -> None:
+    """A server whose accepted-token counter counts each token twice reports an acceptance
+    length of 15 for steps that committed 8 tokens: its 8 requests streamed 264 tokens, which
+    its counters' 480 committed tokens contradict; the honest counters pass."""
+    script = CountedTwice(twice)
+    server, url = serve(script)
+    try:
+        spec = LoadSpec(concurrency=4, num_prompts=8, output_len=33, warmup=2, timeout_s=10.0)
+        labels = {"label": "B", "concurrency": 4, "repeat": 0}
+        summary = measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path, labels, url + "/metrics")
+    finally:
+        server.shutdown()
+    assert summary["completed"] == 8
+    assert summary["acceptance_length"] == pytest.approx(15.0 if twice else 8.0)
+    if twice:
+        assert summary["acceptance_check"] == (
+            "the drafted steps committed 480 tokens (32 drafts, 448 accepted), more than the 264 tokens "
+            "streamed to 8 requests allow (384: all but each first token, and a block of 16 a request over)"
+        )
+    else:
+        assert summary["acceptance_check"] == ""
 
 
 def test_client_processes_share_the_streams_evenly_or_fewer_run() -> None:

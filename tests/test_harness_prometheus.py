@@ -216,3 +216,50 @@ def test_sglang_gauges_of_several_schedulers_are_averaged_not_summed() -> None:
     assert got["acceptance_rate"] == pytest.approx(0.3)
     single = f'# TYPE {name} gauge\n{name}{{model_name="m",dp_rank="0"}} 3.0\n'
     assert acceptance_from_counters(parse(""), parse(single))["acceptance_length"] == pytest.approx(3.0)
+
+
+def streamed(*outputs: int, failed: int = 0) -> list[RequestRecord]:
+    """Completed requests that streamed `outputs` tokens each (a first token, then the rest),
+    and `failed` requests cut after 2 tokens."""
+    records = [
+        RequestRecord(i, 0.0, success=True, chunk_tokens=[1, n - 1] if n > 1 else [1])
+        for i, n in enumerate(outputs)
+    ]
+    return records + [RequestRecord(len(records) + i, 0.0, chunk_tokens=[1, 1]) for i in range(failed)]
+
+
+def test_counters_that_agree_with_the_tokens_streamed_pass_and_each_contradiction_is_named() -> None:
+    """Two requests of 33 tokens: 8 drafts of 7 tokens that accept 28 commit the 64 tokens after
+    the first ones. Accepted past drafted, a position past the drafts or past the one before,
+    and committed tokens past the streamed ones plus a block a request are each named."""
+    from harness.prometheus import counter_contradictions
+
+    def check(drafts, draft_tokens, accepted, per_pos, records=None):
+        before = parse(counters("vllm:", 10, 70, 20, [9, 6, 5], 'engine="0"'))
+        after = parse(
+            counters(
+                "vllm:",
+                10 + drafts,
+                70 + draft_tokens,
+                20 + accepted,
+                [a + b for a, b in zip([9, 6, 5], per_pos)],
+                'engine="0"',
+            )
+        )
+        return counter_contradictions(before, after, streamed(33, 33) if records is None else records)
+
+    assert check(8, 56, 56, [8, 8, 8]) == ""  # every draft token accepted: 64 committed
+    assert check(8, 56, 57, [8, 8, 8]).startswith("57 accepted tokens of 56 drafted")
+    assert check(8, 56, 20, [9, 8, 3]) == "position 1 accepted 9 times, more than the 8 drafts"
+    assert check(8, 56, 20, [8, 5, 6]) == "position 3 accepted 6 times, more than the 5 position 2's"
+    # 8 drafts + 72 accepted = 80 committed, against 66 - 2 + 2 x 10 = 84 at most (blocks of 9 + 1)
+    assert check(8, 72, 72, [8, 8, 8]) == ""
+    over = check(8, 80, 80, [8, 8, 8])
+    assert over.startswith("the drafted steps committed 88 tokens (8 drafts, 80 accepted), more than the 66 ")
+    assert "66 tokens streamed to 2 requests allow (86: all but each first token, and a block of 11" in over
+    # a run with a failed stream is not held to its streamed tokens (the server may have gone on)
+    assert check(8, 80, 80, [8, 8, 8], streamed(33, 33, failed=1)) == ""
+    assert (
+        counter_contradictions(None, parse(counters("vllm:", 1, 7, 1, [1], 'engine="0"')), streamed(3)) == ""
+    )
+    assert check(0, 0, 0, [0, 0, 0]) == ""  # no drafted step in the run

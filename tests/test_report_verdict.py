@@ -239,6 +239,20 @@ def test_a_server_thread_near_a_full_core_is_noted(tmp_path) -> None:
     assert "A's server process 93% (concurrency 4)" in part and "B's engine loop 97% (concurrency 4)" in part
 
 
+def test_acceptance_counters_that_contradict_the_tokens_are_warned_about(tmp_path) -> None:
+    directory = write_results(tmp_path / "run")
+    assert "contradict" not in verdict(build_report(directory).read_text())
+
+    def lying(row: dict) -> dict:
+        high = row["concurrency"] == "4" and row["label"] == "B"
+        return {**row, "acceptance_check": "57 accepted tokens of 56 drafted" if high else ""}
+
+    edit_summary(directory, lying)
+    part = verdict(build_report(directory).read_text())
+    assert "**Warning: a server's acceptance counters contradict what they count**" in part
+    assert "B in 2 of 4 runs (first at concurrency 4, repeat 0: 57 accepted tokens of 56 drafted)" in part
+
+
 def test_without_ab_csv_the_speed_up_is_b_over_a_from_the_medians(tmp_path) -> None:
     directory = write_results(tmp_path / "run", ab=False)
     name_sides(directory)

@@ -91,3 +91,34 @@ def test_a_temperature_below_the_greedy_threshold_is_greedy() -> None:
     does: the lowest id of a tie, the same output for every seed."""
     assert parsed(temperature=1e-6).params.greedy and parsed(temperature=0).params.greedy
     assert not parsed(temperature=1e-4).params.greedy
+
+
+def test_a_requests_spec_decode_summary_sums_its_step_records_as_its_counters_do() -> None:
+    """`spec_decode` (the usage chunk's per-request statistics) counts every step record of the
+    request, as `Sequence.spec` does: steps, proposed, accepted, and each step's length."""
+    import random
+
+    from reference_engine.runtime.request import SamplingParams
+    from reference_engine.runtime.sequence import Sequence
+    from reference_engine.serving.protocol import spec_summary
+
+    rng = random.Random(7)
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=500), frozenset(), 0.0, True)
+    assert spec_summary(seq) == {
+        "steps": 0,
+        "proposed": 0,
+        "accepted": 0,
+        "acceptance_lengths": [],
+        "fallback_reason": None,
+    }
+    for _ in range(40):
+        proposed = rng.randint(1, 7)
+        accepted = rng.randint(0, proposed)
+        seq.record_step(proposed, accepted, accepted + rng.randint(0, 1), [3] * proposed)
+    summary = spec_summary(seq)
+    assert summary["steps"] == seq.spec.steps == 40
+    assert (summary["proposed"], summary["accepted"]) == (seq.spec.proposed, seq.spec.accepted)
+    assert summary["acceptance_lengths"] == [s.acceptance_length for s in seq.steps]
+    assert sum(summary["acceptance_lengths"]) == sum(n * c for n, c in seq.spec.acceptance_lengths.items())
+    plain = Sequence("p", [1], SamplingParams(max_tokens=5), frozenset(), 0.0, False)
+    assert spec_summary(plain) is None and spec_summary(None) is None

@@ -73,7 +73,8 @@ def _speedups(results: ResultSet, agg: pd.DataFrame, a: str, b: str) -> list[str
             rows[int(r.concurrency)] = (r.ratio, r.ci_low, r.ci_high, r.within_noise)
     out = []
     for c in results.concurrencies:
-        if c in rows:
+        unreadable = c in rows and pd.isna(rows[c][0])  # a damaged or hand-edited `ab.csv`
+        if c in rows and not unreadable:
             ratio, low, high, noise = rows[c]
             interval = (
                 f" (95% interval {fmt(low, 2)}–{fmt(high, 2)})"
@@ -84,7 +85,8 @@ def _speedups(results: ResultSet, agg: pd.DataFrame, a: str, b: str) -> list[str
             va, vb = _get(agg, a, c), _get(agg, b, c)
             if va is None or vb is None or va == 0:
                 continue
-            ratio, interval, noise = vb / va, " (no interval: `ab.csv` absent)", None
+            why = "the ratio in `ab.csv` is unreadable" if unreadable else "`ab.csv` absent"
+            ratio, interval, noise = vb / va, f" (no interval: {why})", None
         if noise or ratio == 1.0:
             reading = "no clear difference, within run-to-run noise"
         else:

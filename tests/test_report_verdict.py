@@ -264,6 +264,31 @@ def test_without_ab_csv_the_speed_up_is_b_over_a_from_the_medians(tmp_path) -> N
     ) in part
 
 
+def test_an_unreadable_ratio_in_ab_csv_falls_back_to_the_medians(tmp_path) -> None:
+    """A ratio cell that does not read as a number (a damaged or hand-edited `ab.csv`) is not
+    printed as "n/ax ... slower": the verdict takes B over A from the medians, and says why
+    there is no interval."""
+    directory = write_results(tmp_path / "run")
+    name_sides(directory)
+    path = directory / "ab.csv"
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        if row["metric"] == "output_tokens_per_s" and row["concurrency"] == "1":
+            row["ratio"] = "garbled"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    part = verdict(build_report(directory).read_text())
+    assert "n/ax" not in part
+    assert (
+        "Concurrency 1: dflash delivers 2.24x the output throughput of plain "
+        "(no interval: the ratio in `ab.csv` is unreadable): dflash is faster."
+    ) in part
+    assert "Concurrency 4: dflash delivers 2.12x" in part and "(95% interval" in part
+
+
 def test_requests_without_token_ids_are_not_claimed_identical(tmp_path) -> None:
     """A server that reports no ids (plain OpenAI) leaves nothing to compare: the verdict says
     so, and no request without ids on either side counts as identical."""

@@ -143,19 +143,20 @@ def _identical(results: ResultSet, a: str, b: str) -> str:
 def _acceptance(results: ResultSet, agg: pd.DataFrame) -> str | None:
     if "acceptance_length" not in agg.columns:
         return None
-    parts = []
-    for label in results.labels:
+    sentences = []
+    for label in results.labels:  # each side that has figures (DFlash against DFlash2: both)
+        parts = []
         for c in results.concurrencies:
             value = _get(agg, label, c, "acceptance_length")
             if value is not None:
                 parts.append(f"{fmt(value, 2)} at c={c}")
         if parts:
-            return (
+            sentences.append(
                 f"Mean acceptance length of {results.name(label)} (bonus token included): "
                 + ", ".join(parts)
                 + "."
             )
-    return None
+    return " ".join(sentences) or None
 
 
 def _prompt_sets(results: ResultSet) -> str | None:

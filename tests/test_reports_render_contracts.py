@@ -599,12 +599,19 @@ def test_five_mismatches_are_all_listed_and_a_sixth_is_counted_as_more() -> None
     assert "request 4 (first difference at output token 1); and 1 more (identical: 2/8)" in six
 
 
-def test_acceptance_is_given_for_the_first_side_that_has_it() -> None:
-    """With acceptance figures on both sides the sentence gives A's (labels in order, A
-    before B)."""
+def test_acceptance_is_given_for_each_side_that_has_it() -> None:
+    """With acceptance figures on both sides (DFlash against DFlash2) the verdict gives both,
+    A's first; with them on one side, that side's alone."""
     rows = [_row("A", 1, acceptance_length=2.0), _row("B", 1, acceptance_length=4.0)]
     text = verdict.verdict_section(_results(rows))
-    assert "Mean acceptance length of A (bonus token included): 2.00 at c=1." in text
+    assert (
+        "Mean acceptance length of A (bonus token included): 2.00 at c=1. "
+        "Mean acceptance length of B (bonus token included): 4.00 at c=1."
+    ) in text
+    rows = [_row("A", 1), _row("B", 1, acceptance_length=4.0)]
+    text = verdict.verdict_section(_results(rows))
+    assert "Mean acceptance length of B (bonus token included): 4.00 at c=1." in text
+    assert "Mean acceptance length of A" not in text
 
 
 def test_the_widest_disagreement_between_repeats_is_listed_first() -> None:

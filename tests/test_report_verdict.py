@@ -61,9 +61,9 @@ def test_mismatched_outputs_are_counted_and_listed(tmp_path) -> None:
     assert "A and B are not named" in part
 
 
-def edit_summary(directory: Path, change) -> None:
-    """Rewrite summary.csv with change(row) applied to every row."""
-    path = directory / "summary.csv"
+def edit_summary(directory: Path, change, name: str = "summary.csv") -> None:
+    """Rewrite summary.csv (or another CSV of the folder) with change(row) applied to every row."""
+    path = directory / name
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     changed = [change(dict(r)) or r for r in rows]
@@ -189,16 +189,13 @@ def test_a_ratio_whose_interval_holds_one_is_no_clear_difference(tmp_path) -> No
     within noise, not "faster"."""
     directory = write_results(tmp_path / "run")
     name_sides(directory)
-    path = directory / "ab.csv"
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:
+
+    def within_noise(row: dict) -> dict:
         if row["metric"] == "output_tokens_per_s":
             row.update(ratio="1.03", ci_low="0.97", ci_high="1.09", within_noise="True")
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        return row
+
+    edit_summary(directory, within_noise, "ab.csv")
     part = verdict(build_report(directory).read_text())
     assert (
         "Concurrency 1: dflash delivers 1.03x the output throughput of plain "
@@ -270,16 +267,13 @@ def test_an_unreadable_ratio_in_ab_csv_falls_back_to_the_medians(tmp_path) -> No
     there is no interval."""
     directory = write_results(tmp_path / "run")
     name_sides(directory)
-    path = directory / "ab.csv"
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:
+
+    def garbled(row: dict) -> dict:
         if row["metric"] == "output_tokens_per_s" and row["concurrency"] == "1":
             row["ratio"] = "garbled"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        return row
+
+    edit_summary(directory, garbled, "ab.csv")
     part = verdict(build_report(directory).read_text())
     assert "n/ax" not in part
     assert (

@@ -341,3 +341,14 @@ def test_wrapper_without_text_config_is_rejected() -> None:
 def test_field_out_of_range_is_rejected_with_field_and_value(raw: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         TargetConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("value", ["151645", 3.0, [1.7], True, [2, True], {"id": 2}])
+def test_an_eos_token_id_that_is_not_token_ids_is_refused(value) -> None:
+    """`eos_token_id` is a token id or a list of them: a string is not read digit by digit, a
+    float is not truncated, a boolean is not id 1; each is a ConfigError naming the field."""
+    with pytest.raises(ConfigError, match="'eos_token_id' must be a token id or a list of them"):
+        TargetConfig.from_hf(qwen3(eos_token_id=value))
+    assert TargetConfig.from_hf(qwen3(eos_token_id=7)).eos_token_ids == (7,)
+    assert TargetConfig.from_hf(qwen3(eos_token_id=[7, 9])).eos_token_ids == (7, 9)
+    assert TargetConfig.from_hf(qwen3(eos_token_id=None)).eos_token_ids == ()

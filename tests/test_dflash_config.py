@@ -384,3 +384,11 @@ def test_a_tiny_llama_pairs_draft_carries_its_targets_rope_scaling(tiny_pair: Ti
     draft = load_draft(draft_dir, target)
     assert draft.config.rope_scaling == target.config.rope_scaling is not None
     assert draft.config.rope_theta == target.config.rope_theta
+
+
+@pytest.mark.parametrize("value", ["5", 5.9, True])
+def test_a_mask_token_id_that_is_not_a_token_id_is_refused(value) -> None:
+    """`mask_token_id` is a token id: a string, a float or a boolean is a ConfigError naming
+    the field, not an id made by `int()`."""
+    with pytest.raises(ConfigError, match="'mask_token_id' must be a token id"):
+        DraftConfig.from_hf(draft_raw(dflash={"mask_token_id": value}))

@@ -122,3 +122,32 @@ def test_a_requests_spec_decode_summary_sums_its_step_records_as_its_counters_do
     assert sum(summary["acceptance_lengths"]) == sum(n * c for n, c in seq.spec.acceptance_lengths.items())
     plain = Sequence("p", [1], SamplingParams(max_tokens=5), frozenset(), 0.0, False)
     assert spec_summary(plain) is None and spec_summary(None) is None
+
+
+def test_an_empty_stop_list_is_no_stop_strings() -> None:
+    """`stop: []` is a request without stop strings (OpenAI, vLLM), not a server error."""
+    assert parsed(stop=[]).stop == () and parsed(chat=True, stop=[]).stop == ()
+
+
+def test_a_chat_top_logprobs_out_of_range_names_top_logprobs() -> None:
+    """In chat, `logprobs` is the boolean and `top_logprobs` the count: a count out of range is
+    refused naming `top_logprobs`; completions' `logprobs` count names `logprobs`."""
+    with pytest.raises(ProtocolError) as caught:
+        parsed(chat=True, logprobs=True, top_logprobs=21)
+    assert caught.value.param == "top_logprobs" and "top_logprobs must be in [0, 20], got 21" in str(
+        caught.value
+    )
+    with pytest.raises(ProtocolError) as caught:
+        parsed(logprobs=21)
+    assert caught.value.param == "logprobs"
+
+
+@pytest.mark.parametrize("value", [0, False, "", {}])
+def test_stop_token_ids_that_are_not_a_list_are_refused_even_when_falsy(value) -> None:
+    """Every value of `stop_token_ids` but a list of integers (or null) is refused, the falsy
+    ones too, rather than read as no stop ids."""
+    with pytest.raises(ProtocolError) as caught:
+        parsed(stop_token_ids=value)
+    assert caught.value.param == "stop_token_ids"
+    assert parsed(stop_token_ids=None).params.stop_token_ids == ()
+    assert parsed(stop_token_ids=[]).params.stop_token_ids == ()

@@ -14,6 +14,7 @@ from .fields import (
     Llama3RopeScaling,
     _positive_int,
     _rope,
+    _token_id,
 )
 from .target import TargetConfig
 
@@ -155,6 +156,8 @@ class DraftConfig:
         mask = dflash.get("mask_token_id", raw.get("mask_token_id"))
         if mask is None:
             raise ConfigError(f"{where}: no mask_token_id (in dflash_config or top level)")
+        if not _token_id(mask):
+            raise ConfigError(f"{where}: 'mask_token_id' must be a token id, got {mask!r}")
         sliding_window = raw.get("sliding_window")
         layer_types = raw.get("layer_types") or [FULL_ATTENTION] * num_layers
         softcap = raw.get("final_logit_softcapping")
@@ -175,7 +178,7 @@ class DraftConfig:
             block_size=_positive_int(dflash, "block_size", where, default=raw.get("block_size", 16)),
             num_target_layers=num_target,
             target_layer_ids=ids,
-            mask_token_id=int(mask),
+            mask_token_id=mask,
             layer_types=tuple(layer_types),
             sliding_window=sliding_window if SLIDING_ATTENTION in layer_types else None,
             attention_bias=bool(raw.get("attention_bias", False)),

@@ -91,10 +91,19 @@ def _rope(
     )
 
 
-def _eos_ids(raw: dict[str, Any], outer: dict[str, Any]) -> tuple[int, ...]:
+def _token_id(value: Any) -> bool:
+    """Whether `value` reads as a token id: an integer (a JSON boolean is not one; the range is
+    checked against the vocabulary where the config is validated)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _eos_ids(raw: dict[str, Any], outer: dict[str, Any], where: str = "config") -> tuple[int, ...]:
+    """`eos_token_id`: one token id or a list of them (Llama 3's three), or absent."""
     eos = raw.get("eos_token_id", outer.get("eos_token_id"))
     if eos is None:
         return ()
-    if isinstance(eos, int):
+    if _token_id(eos):
         return (eos,)
-    return tuple(int(e) for e in eos)
+    if isinstance(eos, list) and all(_token_id(e) for e in eos):
+        return tuple(eos)
+    raise ConfigError(f"{where}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")

@@ -275,7 +275,7 @@ class TargetConfig:
             tie_word_embeddings=bool(tie),
             partial_rotary_factor=float(partial),
             attention_bias=bool(raw.get("attention_bias", False)),
-            eos_token_ids=_eos_ids(raw, outer),
+            eos_token_ids=_eos_ids(raw, outer, where),
             **_mixer_fields(family, raw, num_layers, where),
             **_mlp_fields(family, raw, num_layers, where),
         )

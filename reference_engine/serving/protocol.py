@@ -208,7 +208,7 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
         raise ProtocolError("'stop' must be a non-empty string or a list of them", "stop")
     if len(stop) > 4:
         raise ProtocolError("'stop' takes at most 4 strings", "stop")
-    longest = max(len(s) for s in stop)
+    longest = max((len(s) for s in stop), default=0)  # `[]`: no stop strings (OpenAI, vLLM)
     if longest > MAX_STOP_CHARS:
         raise ProtocolError(
             f"'stop' strings may have at most {MAX_STOP_CHARS} characters each, got one of {longest}", "stop"
@@ -266,7 +266,8 @@ def parse_request(
     if not prompt_ids:
         raise ProtocolError("the prompt is empty: at least one token is needed", "prompt")
     if logprobs is not None and not 0 <= logprobs <= 20:
-        raise ProtocolError(f"logprobs must be in [0, 20], got {logprobs}", "logprobs")
+        field = "top_logprobs" if chat else "logprobs"  # chat's `logprobs` is the boolean
+        raise ProtocolError(f"{field} must be in [0, 20], got {logprobs}", field)
     stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
@@ -275,7 +276,9 @@ def parse_request(
         raise ProtocolError(f"'stream_options' must be an object, got {options!r}", "stream_options")
     elif not stream:
         raise ProtocolError("'stream_options' is only allowed with 'stream': true", "stream_options")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
     if not isinstance(stop_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
     ):

@@ -643,3 +643,33 @@ def test_an_empty_target_layer_list_takes_the_published_spread() -> None:
     assert c.target_layer_ids == (1, 9, 17, 25, 33)
     one = DraftConfig.from_hf(draft({"target_layer_ids": []}, num_target_layers=7, num_hidden_layers=1))
     assert one.target_layer_ids == (3,)
+
+
+def test_a_chat_template_renders_as_hugging_faces_apply_chat_template_does() -> None:
+    """The environment of transformers' `apply_chat_template`, which the peer servers use:
+    blocks trimmed, break and continue, a tojson that neither escapes nor sorts, and
+    strftime_now. Each template gives transformers' text."""
+    trimmed = '{% for m in messages %}\n{{ m["content"] }}\n{% endfor %}'
+    assert render_chat_template(compile_chat_template(trimmed), MESSAGES) == "hi\n"
+    indented = (
+        "{% for m in messages %}\n    {% if m.role == 'user' %}[{{ m.content }}]{% endif %}\n{% endfor %}"
+    )
+    assert render_chat_template(compile_chat_template(indented), MESSAGES) == "[hi]"
+    loop = '{% for m in messages %}{{ m["content"] }}{% break %}{% endfor %}'
+    two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert render_chat_template(compile_chat_template(loop), two) == "a"
+    skip = (
+        '{% for m in messages %}{% if m.content == "a" %}{% continue %}{% endif %}{{ m.content }}{% endfor %}'
+    )
+    assert render_chat_template(compile_chat_template(skip), two) == "b"
+    as_json = "{{ messages[0] | tojson }}"
+    text = render_chat_template(compile_chat_template(as_json), [{"role": "user", "content": "<a> é"}])
+    assert text == '{"role": "user", "content": "<a> é"}'
+    indented_json = "{{ messages[0] | tojson(indent=2) }}"
+    assert render_chat_template(compile_chat_template(indented_json), MESSAGES) == (
+        '{\n  "role": "user",\n  "content": "hi"\n}'
+    )
+    import datetime
+
+    today = render_chat_template(compile_chat_template('{{ strftime_now("%Y") }}'), MESSAGES)
+    assert today in {str(datetime.date.today().year), str(datetime.date.today().year + 1)}

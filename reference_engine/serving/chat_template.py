@@ -7,9 +7,18 @@ passed in. A template that tries, or that fails for any other reason (including 
 `raise_exception(...)` Hugging Face templates call for unsupported roles, and a Python error
 such as a division by zero inside the template), fails the request with HTTP 400, never the
 server.
+
+The environment is the one Hugging Face's `apply_chat_template` renders in (and so vLLM's and
+SGLang's): blocks trimmed (`trim_blocks`, `lstrip_blocks`), `{% break %}` and `{% continue %}`,
+a `tojson` that neither escapes HTML nor sorts keys, and `strftime_now`. A template that relies
+on any of them gives the same prompt here as there, so the two servers of a comparison get the
+same tokens.
 """
 
 from __future__ import annotations
+
+import json
+from datetime import datetime
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -22,9 +31,26 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """Hugging Face's `tojson`: JSON as `json.dumps` writes it (Jinja's own escapes <, >, &
+    and ' for HTML, and sorts keys)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    """Today's date or time in `format` (Llama 3.x templates print the date)."""
+    return datetime.now().strftime(format)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment()
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env
 
 

@@ -151,3 +151,21 @@ def test_stop_token_ids_that_are_not_a_list_are_refused_even_when_falsy(value) -
     assert caught.value.param == "stop_token_ids"
     assert parsed(stop_token_ids=None).params.stop_token_ids == ()
     assert parsed(stop_token_ids=[]).params.stop_token_ids == ()
+
+
+@pytest.mark.parametrize(
+    "chat,body,field",
+    [
+        (False, {"max_tokens": 0}, "max_tokens"),
+        (True, {"max_completion_tokens": 0}, "max_completion_tokens"),
+        (True, {"max_tokens": -1}, "max_tokens"),
+        (False, {"top_p": 0.0}, "top_p"),
+        (False, {"top_k": -2}, "top_k"),
+    ],
+)
+def test_a_sampling_parameter_out_of_range_names_its_field(chat, body, field) -> None:
+    """The checks SamplingParams makes come back naming the request's field (`param`), as the
+    server's own checks do."""
+    with pytest.raises(ProtocolError) as caught:
+        parsed(chat=chat, **body)
+    assert caught.value.param == field

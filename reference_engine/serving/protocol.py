@@ -308,7 +308,7 @@ def parse_request(
     except ProtocolError:
         raise
     except ReferenceEngineError as exc:
-        raise ProtocolError(str(exc)) from None
+        raise ProtocolError(str(exc), _field_named(str(exc), body, chat)) from None
     return ParsedRequest(
         prompt_ids,
         params,
@@ -319,6 +319,17 @@ def parse_request(
         logprobs,
         chat,
     )
+
+
+def _field_named(message: str, body: dict, chat: bool) -> str | None:
+    """The request field a SamplingParams error names (its message starts with the parameter's
+    name), as the request spelled it; None when it names none of the body's fields."""
+    name = message.split(" ", 1)[0]
+    if chat and name == "max_tokens" and "max_completion_tokens" in body:
+        return "max_completion_tokens"
+    if chat and name == "logprobs":
+        return "top_logprobs"
+    return name if name in body else None
 
 
 def new_id(chat: bool) -> str:

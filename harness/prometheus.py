@@ -106,11 +106,16 @@ def scrape(metrics_url: str, timeout: float = 10.0) -> Snapshot | None:
     return parse(response.text)
 
 
+def _differences(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """The acceptance counters' differences over a run (SGLang's gauges and CPU time left out)."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if not k.startswith(("sglang", "cpu:"))}
+
+
 def acceptance_from_counters(before: Snapshot | None, after: Snapshot | None) -> dict:
     """Acceptance metrics from counter differences (or SGLang gauges after the run)."""
     if before is None or after is None:
         return {}
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if not k.startswith(("sglang", "cpu:"))}
+    d = _differences(before, after)
     drafts = d.get("drafts", 0.0)
     if drafts > 0:
         positions = sorted(int(k[4:]) for k in d if k.startswith("pos:"))
@@ -135,7 +140,7 @@ def counter_contradictions(
     streamed (module docstring); "" when they agree or there are none."""
     if before is None or after is None:
         return ""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if not k.startswith(("sglang", "cpu:"))}
+    d = _differences(before, after)
     drafts, accepted, draft_tokens = d.get("drafts", 0.0), d.get("accepted", 0.0), d.get("draft_tokens")
     if drafts <= 0:
         return ""

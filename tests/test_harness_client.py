@@ -175,7 +175,30 @@ def test_a_closed_loop_spread_over_client_processes_sends_each_prompt_once_withi
     assert 0 <= sends[0] < 1.0 and sends[-1] < summary["duration_s"] < 30
 
 
-class WarmThenMeasured(Script):
+class CountingScript(Script):
+    """A stub whose acceptance counters move by the requests posted (`counts`)."""
+
+    PREFIX = "dflash:"
+
+    def counts(self, posts: int) -> tuple[int, int, int]:
+        """(drafts, draft tokens, accepted tokens) after `posts` requests."""
+        raise NotImplementedError
+
+    @property
+    def metrics_text(self) -> str:
+        drafts, draft_tokens, accepted = self.counts(self.posts)
+        return (
+            f"{self.PREFIX}spec_decode_num_drafts_total {drafts}\n"
+            f"{self.PREFIX}spec_decode_num_draft_tokens_total {draft_tokens}\n"
+            f"{self.PREFIX}spec_decode_num_accepted_tokens_total {accepted}\n"
+        )
+
+    @metrics_text.setter
+    def metrics_text(self, value: str) -> None:
+        pass
+
+
+class WarmThenMeasured(CountingScript):
     """Counters that move by the requests posted: each of the first `warm` drafts 7 tokens
     and accepts all, each later one accepts 1 of 7."""
 
@@ -183,19 +206,8 @@ class WarmThenMeasured(Script):
         super().__init__(chunks)
         self.warm = warm
 
-    @property
-    def metrics_text(self) -> str:
-        posts = self.posts
-        accepted = 7 * min(posts, self.warm) + max(posts - self.warm, 0)
-        return (
-            f"dflash:spec_decode_num_drafts_total {posts}\n"
-            f"dflash:spec_decode_num_draft_tokens_total {7 * posts}\n"
-            f"dflash:spec_decode_num_accepted_tokens_total {accepted}\n"
-        )
-
-    @metrics_text.setter
-    def metrics_text(self, value: str) -> None:
-        pass
+    def counts(self, posts: int) -> tuple[int, int, int]:
+        return posts, 7 * posts, 7 * min(posts, self.warm) + max(posts - self.warm, 0)
 
 
 def test_the_servers_counters_exclude_the_warm_up_requests(tmp_path) -> None:
@@ -216,7 +228,7 @@ def test_the_servers_counters_exclude_the_warm_up_requests(tmp_path) -> None:
     assert summary["acceptance_check"] == ""
 
 
-class CountedTwice(Script):
+class CountedTwice(CountingScript):
     """Each request streams 33 tokens (a first token, then four chunks of 8) and counts 4 drafts
     of 7 tokens, all accepted; `twice`: its draft and accepted tokens are counted twice (60 and
     56 for 28 and 28, as a server drafting blocks of 15 would count)."""
@@ -225,18 +237,10 @@ class CountedTwice(Script):
         super().__init__([(0.0, [1])] + [(0.0, list(range(8)))] * 4)
         self.twice = twice
 
-    @property
-    def metrics_text(self) -> str:
-        posts = self.posts
-        return (
-            f"vllm:spec_decode_num_drafts_total {4 * posts}\n"
-            f"vllm:spec_decode_num_draft_tokens_total {(60 if self.twice else 28) * posts}\n"
-            f"vllm:spec_decode_num_accepted_tokens_total {(56 if self.twice else 28) * posts}\n"
-        )
+    PREFIX = "vllm:"
 
-    @metrics_text.setter
-    def metrics_text(self, value: str) -> None:
-        pass
+    def counts(self, posts: int) -> tuple[int, int, int]:
+        return 4 * posts, (60 if self.twice else 28) * posts, (56 if self.twice else 28) * posts
 
 
 @pytest.mark.parametrize("twice", [False, True])

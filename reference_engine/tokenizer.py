@@ -16,6 +16,8 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, MASK_TOKEN)
+# the ids a tiny tokenizer's training text had no merges for
+RESERVED_TOKEN = "<|reserved_{}|>"
 
 # ChatML, as Qwen checkpoints use it.
 CHAT_TEMPLATE = (
@@ -39,9 +41,11 @@ of earlier positions so that each new token attends to them without recomputing.
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of `vocab_size` tokens trained on `texts` (deterministic for the
-    same texts). The special tokens come last, after the learned vocabulary, as in Qwen
-    tokenizers."""
+    """A byte-level BPE of exactly `vocab_size` tokens trained on `texts` (deterministic for
+    the same texts). The special tokens come last, after the learned vocabulary, as in Qwen
+    tokenizers. Texts too short to learn that many merges leave the vocabulary short: the
+    rest is filled with reserved tokens (`<|reserved_N|>`, special, never produced from
+    text) before the special tokens, as Qwen and Llama reserve their unused ids."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise CheckpointError(
             f"tokenizer vocab_size {vocab_size} too small: a byte-level BPE needs at least "
@@ -56,7 +60,8 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    short = vocab_size - len(SPECIAL_TOKENS) - tok.get_vocab_size()
+    tok.add_special_tokens([RESERVED_TOKEN.format(i) for i in range(short)] + list(SPECIAL_TOKENS))
     return tok
 
 

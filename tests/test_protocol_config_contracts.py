@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +323,29 @@ def test_the_tiny_tokenizer_fills_its_vocabulary_with_the_special_tokens_last(ti
     assert [demo.token_to_id(t) for t in order] == list(range(size - 4, size))
     demo_eos = json.loads((DEMO_TARGET / "config.json").read_text())["eos_token_id"]
     assert demo_eos in (size - 4, [size - 4])
+
+
+@pytest.mark.parametrize("size", [545, 1000, 4096])
+def test_a_vocabulary_larger_than_the_text_can_learn_is_filled_to_its_size(size: int) -> None:
+    """The built-in training text learns fewer merges than these sizes ask for: the tokenizer
+    still has exactly `size` tokens, the special tokens at the last ids, the ids between the
+    learned ones and the special ones reserved (never produced from ordinary text), and text
+    still round-trips through it as through the 512-token one."""
+    tok = build_tiny_tokenizer(size)
+    assert tok.get_vocab_size() == size
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(size - 4, size))
+    names = [tok.id_to_token(i) for i in range(size - len(SPECIAL_TOKENS))]
+    is_reserved = [re.fullmatch(r"<\|reserved_\d+\|>", t) is not None for t in names]
+    learned = is_reserved.index(True)
+    assert learned > 256 and all(is_reserved[learned:]), names[learned:][:3]
+    assert len(set(names)) == len(names)
+    # the same as the tokenizer whose size is just what the text learns, which reserves none
+    exact = build_tiny_tokenizer(learned + len(SPECIAL_TOKENS))
+    assert not any(t.startswith("<|reserved_") for t in exact.get_vocab())
+    text = "The quick brown fox, def greedy(logits): print(i * i) 🙂"
+    ids = tok.encode(text).ids
+    assert ids == exact.encode(text).ids and max(ids) < learned
+    assert tok.decode(ids) == text
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,9 @@ one program per (row, chunk) finds the chunk's maximum, and one program per row 
 the chunks in order. A decode step's one row thus reads its logits with many programs, not
 one. On an exact tie the lowest token id wins: inside a block by `tie_break_left`, across
 blocks and chunks because only a strictly greater maximum replaces the best so far, and the
-chunks are visited in ascending order. A row of -inf gives id 0."""
+chunks are visited in ascending order. A row of -inf gives id 0. A row holding a NaN gives
+`vocab`, as the reference's greedy (the step then fails that request, runtime/outputs.py): a
+chunk with a NaN reports the id `vocab`, which the second pass keeps over any maximum."""
 
 from __future__ import annotations
 
@@ -23,29 +25,34 @@ def _chunk_max_kernel(x_ptr, best_ptr, id_ptr, V, chunks, CHUNK: tl.constexpr, B
     chunk = tl.program_id(1)
     best = tl.full((), float("-inf"), tl.float32)
     best_id = tl.full((), 0, tl.int64)
+    nans = tl.full((), 0, tl.int32)
     for v0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), BLOCK):
         ids = v0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * V + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
+        nans += tl.sum((x != x).to(tl.int32), axis=0)
         m = tl.max(x, axis=0)
         i = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + v0
         take = m > best
         best_id = tl.where(take, i, best_id)
         best = tl.where(take, m, best)
     tl.store(best_ptr + row * chunks + chunk, best)
-    tl.store(id_ptr + row * chunks + chunk, best_id)
+    tl.store(id_ptr + row * chunks + chunk, tl.where(nans > 0, V, best_id))
 
 
 @triton.jit
-def _pick_kernel(best_ptr, id_ptr, out_ptr, chunks):
+def _pick_kernel(best_ptr, id_ptr, out_ptr, V, chunks):
     row = tl.program_id(0).to(tl.int64)
     best = tl.full((), float("-inf"), tl.float32)
     best_id = tl.full((), 0, tl.int64)
+    nan = tl.full((), 0, tl.int1)
     for c in range(0, chunks):
         m = tl.load(best_ptr + row * chunks + c)
+        i = tl.load(id_ptr + row * chunks + c)
+        nan = nan | (i == V)
         take = m > best
-        best_id = tl.where(take, tl.load(id_ptr + row * chunks + c), best_id)
+        best_id = tl.where(take, i, best_id)
         best = tl.where(take, m, best)
-    tl.store(out_ptr + row, best_id)
+    tl.store(out_ptr + row, tl.where(nan, V, best_id))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -61,5 +68,5 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
         best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
         ids = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
         _chunk_max_kernel[(rows, chunks)](x, best, ids, V, chunks, CHUNK=chunk, BLOCK=block, **LAUNCH)
-        _pick_kernel[(rows,)](best, ids, out, chunks, **LAUNCH)
+        _pick_kernel[(rows,)](best, ids, out, V, chunks, **LAUNCH)
     return out.reshape(logits.shape[:-1])

@@ -225,6 +225,10 @@ def matmul(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).contiguous()
     w = weight.contiguous()
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"matmul: bias has shape {tuple(bias.shape)}, weight expects ({N},)")
+    # the kernels read the bias at column offsets: a strided view is made contiguous first
+    b = bias.contiguous() if bias is not None else w
     M = x2.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
@@ -237,7 +241,7 @@ def matmul(
             TensorDescriptor.from_tensor(x2, [t.block_m, t.block_k]),
             TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),
             TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]),
-            bias if bias is not None else w,
+            b,
             M,
             N,
             K,
@@ -253,7 +257,7 @@ def matmul(
     _matmul_kernel[grid](
         x2,
         w,
-        bias if bias is not None else w,
+        b,
         out,
         M,
         N,

@@ -179,9 +179,17 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise RequestError(f"unknown --device {name!r}, expected auto, cpu, cuda or cuda:N") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise RequestError(f"unknown --device {name!r}, expected auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RequestError(f"--device {name} asked for, but no CUDA device is available here")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise RequestError(
+            f"--device {name} asked for, but this machine has {count} CUDA device(s): "
+            f"cuda:0 to cuda:{count - 1}"
+        )
     return device
 
 
@@ -205,10 +213,10 @@ def resolve_dtype(name: str, model_dir: str | None, device: torch.device) -> tor
     if found is None:
         return torch.float32
     if device.type == "cpu" and found in HALF_PRECISION:
+        # --dtype offers only what runs everywhere: float16 runs by auto alone, on cuda
+        keep = f"--dtype {found} keeps its own" if found in DTYPES else f"{found} runs on cuda only"
         print(
-            f"note: --dtype auto runs the {found} checkpoint in float32 on the CPU "
-            f"(--dtype {found} keeps its own)",
-            file=sys.stderr,
+            f"note: --dtype auto runs the {found} checkpoint in float32 on the CPU ({keep})", file=sys.stderr
         )
         return torch.float32
     if found == "float16":

@@ -89,6 +89,8 @@ class GenerateArgs:
 
 
 def run(args: GenerateArgs) -> dict:
+    if args.draft is None and args.block_size is not None:
+        raise RequestError("--block-size needs --draft (--dflash-draft-model-path)")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, args.model, device)
     numerics = args.numerics or default_numerics(device, dtype)

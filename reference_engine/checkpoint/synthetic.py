@@ -258,6 +258,7 @@ def make_tiny_target(
         if arch == "llama":
             raw["mlp_bias"] = True
     raw.update(dict(config_overrides))
+    raw["torch_dtype"] = str(dtype).removeprefix("torch.")  # what the weights are stored in
     config = TargetConfig.from_hf(raw)
     tensors = random_weights(expected_shapes(config), seed, config.norm_offset)
     if expert_layout == "per_expert":
@@ -346,7 +347,7 @@ def make_tiny_draft(
             "target_layer_ids": spread_layer_ids(target_config.num_hidden_layers, 2),
             "mask_token_id": mask,
         },
-        "torch_dtype": "float32",
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if target_config.rope_scaling is not None:  # as z-lab's Llama 3.1 drafts: the target's RoPE
         target_raw = read_config(target)

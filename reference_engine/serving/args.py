@@ -115,13 +115,13 @@ class ServeArgs:
         )
         p.add_argument(
             "--max-body-mb",
-            type=float,
+            type=_positive_float,
             default=4.0,
             help="largest request body in MiB; a larger one gets HTTP 413",
         )
         p.add_argument(
             "--shutdown-grace",
-            type=float,
+            type=_non_negative_float,
             default=5.0,
             help="seconds that requests in flight get to finish after SIGTERM; "
             "then each ends with an error event and [DONE]",
@@ -135,19 +135,19 @@ class ServeArgs:
         )
         p.add_argument(
             "--timeout-keep-alive",
-            type=float,
+            type=_positive_float,
             default=5.0,
             help="seconds an idle keep-alive connection stays open",
         )
         p.add_argument(
             "--header-timeout",
-            type=float,
+            type=_positive_float,
             default=10.0,
             help="seconds a connection has to send a request's headers",
         )
         p.add_argument(
             "--body-timeout",
-            type=float,
+            type=_positive_float,
             default=30.0,
             help="seconds a request has to send its whole body after its headers; then HTTP 408",
         )
@@ -195,6 +195,31 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """Seconds or MiB that must be above 0: 0 or less would refuse or close every request."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
 
 

@@ -43,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
     except ValueError:
         p.error(f"--block-sizes must be comma-separated integers, got {args.block_sizes!r}")
+    if min(block_sizes) < 2:
+        p.error(f"--block-sizes must each be at least 2, got {args.block_sizes!r}")
     torch.backends.cuda.matmul.allow_tf32 = False  # true float32 on a GPU too
     try:
         target = load_target(args.target, torch.float32, args.device)
         prompts = [row["prompt_ids"] for row in demo_prompts(args.prompts)]
         drafts = [(folder, load_draft(folder, target)) for folder in args.drafts]
-    except (ReferenceEngineError, OSError, KeyError) as e:
+    except (ReferenceEngineError, OSError, KeyError, ValueError) as e:  # ValueError: a line not JSON
         print(f"eval_demo_drafts.py: {e}", file=sys.stderr)
         return 2
     results = {}

@@ -75,8 +75,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=32, help="slots: requests decoded at once")
     p.add_argument("--duration", type=float, default=600.0, help="seconds during which requests arrive")
     p.add_argument("--requests", type=int, default=None, help="stop arrivals after this many requests too")
-    p.add_argument("--max-tokens", type=int, default=256, help="the most output tokens a request asks for")
-    p.add_argument("--prompt-len", type=int, default=256, help="a random shape's longest random prompt")
+    p.add_argument(
+        "--max-tokens", type=int, default=256, help="the most output tokens a request asks for (at least 8)"
+    )
+    p.add_argument(
+        "--prompt-len", type=int, default=256, help="a random shape's longest random prompt (at least 8)"
+    )
     p.add_argument("--abort-share", type=float, default=0.1, help="share of requests aborted mid-flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON summary")
@@ -233,6 +237,9 @@ def summary(soak: Soak, reference: dict[str, list[int]], engine: Engine) -> dict
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        for flag, value in (("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
+            if value < 8:  # requests ask for 8 or more tokens, random prompts are 8 or more long
+                raise ReferenceEngineError(f"{flag} must be at least 8, got {value}")
         target, draft, pool = load(args)
         context = max(map(len, pool)) + args.max_tokens
         engine = Engine(target, draft, engine_config(args, context, True))

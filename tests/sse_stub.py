@@ -73,13 +73,21 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
             with script.lock:
                 script.open += 1
                 script.most_open = max(script.most_open, script.open)
+            self.counted = True  # in script.open until its stream's last event (`closed`)
             try:
                 self.answer()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client hung up first (a fault test)
             finally:
-                with script.lock:
-                    script.open -= 1
+                self.closed()
+
+        def closed(self) -> None:
+            """The stream no longer counts as open. Called before its last event is written:
+            a client that reads that event may post its next request at once, before this
+            thread runs on, and the two must not count as open together."""
+            with script.lock:
+                script.open -= self.counted
+                self.counted = False
 
         def answer(self) -> None:
             length = int(self.headers.get("Content-Length", 0))
@@ -92,6 +100,7 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
                 self.send_response(500)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                self.closed()
                 self.wfile.write(data)
                 return
             time.sleep(script.hang_s)
@@ -99,11 +108,14 @@ def serve(script: Script) -> tuple[ThreadingHTTPServer, str]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for i, (delay, text) in enumerate(events(script)):
+            sent = events(script)
+            for i, (delay, text) in enumerate(sent):
                 time.sleep(delay)
                 if script.die_at == i:
                     self.connection.shutdown(2)
                     return
+                if i == len(sent) - 1:
+                    self.closed()
                 self.wfile.write(text.encode())
                 self.wfile.flush()
             self.close_connection = True

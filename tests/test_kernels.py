@@ -54,12 +54,12 @@ from reference_engine.kernels.rope import attention_inputs  # noqa: E402
 from reference_engine.kernels.rows import conv_state_at, copy_rows  # noqa: E402
 from reference_engine.models.layers import RotaryEmbedding  # noqa: E402
 from tests.interpreter import row_invariant_dots  # noqa: E402
+from tests.kernel_inputs import DEVICE, delta_inputs, rand  # noqa: E402
 
 pytestmark = [
     pytest.mark.kernels,
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
 ]
-DEVICE = "cuda" if CUDA else "cpu"
 DOT_DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 ROW_DTYPES = [torch.float32, torch.bfloat16]
 PREFILL_ROWS = 512  # past this many rows (batched prefill) every projection takes LARGE
@@ -71,11 +71,6 @@ def _dots_like_the_device():
     instruction does (tests/interpreter.py says why numpy's product does not)."""
     with row_invariant_dots():
         yield
-
-
-def rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -439,16 +434,6 @@ def test_a_split_must_be_whole_key_blocks() -> None:
 
 
 # ----------------------------------------------------------------------------- gated delta rule
-def delta_inputs(batch: int = 2, T: int = 4, heads: int = 3, dk: int = 16, dv: int = 40):
-    q = torch.nn.functional.normalize(rand(batch, T, heads, dk), dim=-1)
-    k = torch.nn.functional.normalize(rand(batch, T, heads, dk, seed=1), dim=-1)
-    v = rand(batch, T, heads, dv, seed=2)
-    g = -rand(batch, T, heads, seed=3).abs()
-    beta = torch.sigmoid(rand(batch, T, heads, seed=4))
-    state = rand(batch, heads, dk, dv, seed=5)
-    return q, k, v, g, beta, state
-
-
 def test_gated_delta_equals_the_reference_with_valid_lengths_and_per_token_states() -> None:
     q, k, v, g, beta, state = delta_inputs()
     valid = torch.tensor([2, 4], device=DEVICE)

@@ -39,8 +39,8 @@ if not CUDA:
 
 from reference_engine.kernels import reference as ref  # noqa: E402
 from reference_engine.runtime.tensor_parallel import TensorParallel  # noqa: E402
+from tests.kernel_inputs import DEVICE, delta_inputs, rand  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
 kernels = [
     pytest.mark.kernels,
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
@@ -63,11 +63,6 @@ def triton_dots():
 
     with row_invariant_dots():
         yield
-
-
-def rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
 
 
 def implementation(name: str, function: str):
@@ -204,16 +199,6 @@ def test_a_key_head_of_zeros_is_normalised_to_zeros_not_nan(request, impl: str) 
     q, k, *_ = inputs(mixed, a, b, rand(v_heads, seed=4), rand(v_heads, seed=5), k_heads, k_dim, v_dim)
     assert torch.isfinite(q).all() and torch.isfinite(k).all()
     assert (q[:, 1] == 0).all() and (k[:, 1] == 0).all() and (q[:, 0] != 0).any()
-
-
-def delta_inputs(batch: int, T: int, heads: int = 2, dk: int = 8, dv: int = 8):
-    q = torch.nn.functional.normalize(rand(batch, T, heads, dk), dim=-1) * dk**-0.5
-    k = torch.nn.functional.normalize(rand(batch, T, heads, dk, seed=1), dim=-1)
-    v = rand(batch, T, heads, dv, seed=2)
-    g = -rand(batch, T, heads, seed=3).abs()
-    beta = torch.sigmoid(rand(batch, T, heads, seed=4))
-    state = rand(batch, heads, dk, dv, seed=5)
-    return q, k, v, g, beta, state
 
 
 def test_the_recurrence_keeps_the_state_after_tokens_0_every_2_every_and_so_on() -> None:

@@ -47,6 +47,7 @@ from ..runtime.request import SamplingParams
 from .shapes import TARGET_SHAPES, random_pair
 
 PROGRESS_EVERY_S = 10.0
+SHORTEST = 8  # the fewest tokens a random prompt has and a request asks for
 Finished = tuple[list[int], int, list[int]]  # a finished request's prompt, max_tokens and output
 
 
@@ -98,8 +99,7 @@ def load(args: argparse.Namespace):
         )
         block = args.block_size or 16
         target, draft = random_pair(args.random_shape, str(device), dtype, args.seed, block)
-        vocab = target.config.vocab_size
-        pool = [[rng.randrange(vocab) for _ in range(rng.randint(8, args.prompt_len))] for _ in range(256)]
+        pool = random_prompts(rng, target.config.vocab_size, args.prompt_len)
         return target, draft, pool
     model = args.model or str(DEMO_TARGET)
     draft_dir = args.draft or (str(DEMO_DRAFT) if args.model is None else None)
@@ -110,8 +110,7 @@ def load(args: argparse.Namespace):
     if args.model is None:
         pool = [row["prompt_ids"] for row in demo_prompts()]
     else:
-        vocab = target.config.vocab_size
-        pool = [[rng.randrange(vocab) for _ in range(rng.randint(8, args.prompt_len))] for _ in range(256)]
+        pool = random_prompts(rng, target.config.vocab_size, args.prompt_len)
     return target, draft, pool
 
 
@@ -149,7 +148,7 @@ def run(engine: Engine, pool: list[list[int]], args: argparse.Namespace) -> Soak
                 burst = min(burst, args.requests - soak.arrived)
             for _ in range(burst):
                 rid = f"s{next(numbers)}"
-                prompt, n = list(rng.choice(pool)), rng.randint(8, args.max_tokens)
+                prompt, n = list(rng.choice(pool)), rng.randint(SHORTEST, args.max_tokens)
                 engine.add_request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
                 wanted[rid] = (prompt, n)
                 soak.arrived += 1
@@ -234,12 +233,17 @@ def summary(soak: Soak, reference: dict[str, list[int]], engine: Engine) -> dict
     }
 
 
+def random_prompts(rng: random.Random, vocab: int, longest: int) -> list[list[int]]:
+    """256 prompts of random ids, each SHORTEST to `longest` tokens."""
+    return [[rng.randrange(vocab) for _ in range(rng.randint(SHORTEST, longest))] for _ in range(256)]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         for flag, value in (("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
-            if value < 8:  # requests ask for 8 or more tokens, random prompts are 8 or more long
-                raise ReferenceEngineError(f"{flag} must be at least 8, got {value}")
+            if value < SHORTEST:
+                raise ReferenceEngineError(f"{flag} must be at least {SHORTEST}, got {value}")
         target, draft, pool = load(args)
         context = max(map(len, pool)) + args.max_tokens
         engine = Engine(target, draft, engine_config(args, context, True))

@@ -188,39 +188,33 @@ def _metrics_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or abs(value) == float("inf"):
+        raise ValueError(text)
     return value
 
 
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
-    return value
+def _bounded(parse, what: str, ok, bound: str):
+    """An argparse type: `parse` the text (`what` it must be otherwise), then require `ok`;
+    each refusal is one line naming the value."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value:g}")
+        return value
+
+    return convert
 
 
-def _positive_float(text: str) -> float:
-    """Seconds or MiB that must be above 0: 0 or less would refuse or close every request."""
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
-    return value
+_positive_int = _bounded(int, "an integer", lambda v: v >= 1, ">= 1")
+# seconds or MiB: 0 or less would refuse or close every request
+_positive_float = _bounded(_finite_float, "a finite number", lambda v: v > 0, "> 0")
+_non_negative_float = _bounded(_finite_float, "a finite number", lambda v: v >= 0, ">= 0")
 
 
 def _port(text: str) -> int:

@@ -203,8 +203,8 @@ def test_a_key_head_of_zeros_is_normalised_to_zeros_not_nan(request, impl: str) 
 
 def test_the_recurrence_keeps_the_state_after_tokens_0_every_2_every_and_so_on() -> None:
     q, k, v, g, beta, state = delta_inputs(2, 5)
-    each = torch.full((2, 5, *state.shape[1:]), float("nan"))
-    spaced = torch.full((2, 3, *state.shape[1:]), float("nan"))
+    each = torch.full((2, 5, *state.shape[1:]), float("nan"), device=DEVICE)
+    spaced = torch.full((2, 3, *state.shape[1:]), float("nan"), device=DEVICE)
     ref.gated_delta_recurrent(q, k, v, g, beta, state, None, each, every=1)
     ref.gated_delta_recurrent(q, k, v, g, beta, state, None, spaced, every=2)
     assert torch.equal(spaced, each[:, ::2])
@@ -216,7 +216,7 @@ def test_a_decode_step_keeps_its_state_as_the_first_checkpoint_whatever_the_spac
         request.getfixturevalue("triton_dots")
     step = implementation(impl, "gated_delta")
     q, k, v, g, beta, state = delta_inputs(2, 1)
-    kept = torch.full((2, 1, *state.shape[1:]), float("nan"))
+    kept = torch.full((2, 1, *state.shape[1:]), float("nan"), device=DEVICE)
     _, final = step(q, k, v, g, beta, state, None, kept, every=3)
     assert torch.equal(kept[:, 0], final)
 

@@ -133,6 +133,13 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "command under torchrun with as many processes (docs/engine.md, Tensor parallelism)",
         {"type": int, "default": 1},
     ),
+    "device_phase_times": EngineOption(
+        ("--device-phase-times",),
+        "on a GPU, time each engine phase on the device as well (two CUDA events a phase, about "
+        "8%% of a DFlash engine's host work a step at c16 on the demo pair): "
+        "dflash:phase_seconds_total then counts device seconds; off (the default), host seconds",
+        {"action": "store_true"},
+    ),
     "enforce_eager": EngineOption(
         ("--enforce-eager",), "run every forward eagerly (no CUDA graphs)", {"action": "store_true"}
     ),

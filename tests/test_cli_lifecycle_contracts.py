@@ -31,7 +31,7 @@ from uvicorn.server import ServerState
 from reference_engine.bench import BenchArgs
 from reference_engine.checkpoint.__main__ import main as checkpoint_main
 from reference_engine.checkpoint.synthetic import make_tiny_draft, make_tiny_target
-from reference_engine.engine_args import resolve_device, resolve_dtype
+from reference_engine.engine_args import engine_config, resolve_device, resolve_dtype
 from reference_engine.errors import ReferenceEngineError, RequestError
 from reference_engine.generate import GenerateArgs
 from reference_engine.generate import main as generate_main
@@ -64,8 +64,8 @@ def refused(capsys, parse, *argv: str) -> str:
 def test_serve_defaults_are_the_documented_ones() -> None:
     """docs/engine.md and --help: loopback, port 8000, body 4 MiB, grace 5 s, header 10 s,
     body 30 s, 512 connections, keep-alive 5 s, the key guarding /v1/* only, dflash counter
-    names, the engine loop chosen by the device, and the checkpoint's dtype on the device
-    there is."""
+    names, the engine loop chosen by the device, the checkpoint's dtype on the device there
+    is, and phases timed on the host alone (no CUDA events a step unless asked)."""
     args = ServeArgs.parse(["--model", "m"])
     assert (args.host, args.port) == ("127.0.0.1", 8000)
     assert (args.max_body_mb, args.shutdown_grace) == (4.0, 5.0)
@@ -73,6 +73,7 @@ def test_serve_defaults_are_the_documented_ones() -> None:
     assert (args.max_connections, args.max_waiting) == (512, 256)
     assert (args.api_key_scope, args.metrics_names, args.engine_loop) == ("api", ("dflash",), "auto")
     assert (args.dtype, args.device, args.verify_width) == ("auto", "auto", "auto")
+    assert args.device_phase_times is False and engine_config(args).device_phase_times is False
 
 
 def test_the_serve_parser_and_its_dataclass_agree_on_every_default() -> None:

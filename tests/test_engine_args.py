@@ -98,6 +98,7 @@ GIVEN = {
     "checkpoint_every": 2,
     "numerics": "exact",
     "enforce_eager": True,
+    "device_phase_times": True,  # the server's default is off (the engine's, on)
 }
 
 

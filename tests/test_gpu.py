@@ -270,6 +270,25 @@ def test_the_phase_timer_times_each_phase_on_the_device_and_reuses_its_events() 
     assert not timer._pending and len(timer._free) <= 16  # not 4 a step: each recorded many times
 
 
+def test_an_engine_told_not_to_time_the_device_keeps_host_phase_times_only(tiny_pair) -> None:
+    """EngineConfig(device_phase_times=False), what the server runs by default: a DFlash
+    engine's steps record no CUDA event, its phases carry host seconds alone, and the server's
+    totals say so (the metric then counts host seconds)."""
+    from reference_engine.serving.async_engine import EngineTotals
+
+    target_dir, draft_dir = tiny_pair("qwen3", block_size=8)
+    target = load_target(target_dir, dtype=torch.float32, device="cuda")
+    draft = load_draft(draft_dir, target)
+    engine = Engine(target, draft, EngineConfig(max_num_seqs=2, device_phase_times=False))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=9, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    phases = engine.stats()["phases"]
+    assert phases["host_s_verify"] > 0 and not [k for k in phases if k.startswith("device_s_")]
+    assert not engine.timer._pending and not engine.timer._free
+    assert EngineTotals.of(engine).device_phases is False
+
+
 def spec_run(
     engine: Engine,
     prompts: dict[str, list[int]],

@@ -10,6 +10,8 @@ crosses the pipe without the engine's generator and oracle."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import multiprocessing
 import pickle
 from collections import Counter
@@ -22,7 +24,7 @@ from reference_engine.errors import RequestError
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.outputs import StepOutput
 from reference_engine.runtime.request import SamplingParams
-from reference_engine.runtime.sequence import Sequence
+from reference_engine.runtime.sequence import Sequence, StepRecord
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.serving.async_engine import (
     AsyncEngine,
@@ -31,7 +33,7 @@ from reference_engine.serving.async_engine import (
     Finished,
     RequestFailed,
 )
-from reference_engine.serving.engine_process import ProcessEngine, _portable
+from reference_engine.serving.engine_process import ProcessEngine, _portable, turn_bytes
 
 
 class ScriptedEngine(AsyncEngine):
@@ -115,6 +117,8 @@ def test_a_request_waiting_to_be_taken_keeps_the_engine_busy_until_it_fails_with
 # ------------------------------------------------------------------ the loop
 class StepTimer:
     """A phase timer whose device time of the last step is known only when waited for."""
+
+    cuda = True  # it times the device
 
     def as_dict(self, wait: bool = True) -> dict:
         return {"host_s_step": 1.0, "device_s_step": 2.0 if wait else 1.5}
@@ -261,3 +265,64 @@ def test_a_sequence_crosses_to_the_server_without_its_generator_and_oracle() -> 
     assert got.generator is None and got.oracle is None
     assert (got.request_id, got.prompt_ids, got.output_ids, got.params) == ("r", [1, 2], [5, 6], params)
     assert seq.generator is not None and seq.oracle is not None
+
+
+def test_a_sequence_with_step_records_pickles_back_equal_with_named_records() -> None:
+    """A sequence pickles its step records as plain tuples and loads them back as StepRecords:
+    the same sequence, every field and record equal (the recent acceptance by its counts, the
+    counters' cache by what it counts), the records' fields read by name and the request's
+    counters counted from them as before; a copy is the same too."""
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=20), frozenset({9}), 1.5, True)
+    for proposed, accepted, drafted in ((7, 3, [4, 5, 6, 1, 1, 1, 1]), (7, 0, [8] * 7), (2, 2, [3, 3])):
+        seq.record_step(proposed, accepted, min(accepted + 1, seq.remaining), drafted)
+        seq.append(drafted[:accepted] + [0])
+    seq.logprobs = [{4: -0.5}]
+    seq.finish_reason, seq.first_token_s = "length", 2.0
+    for got in (pickle.loads(pickle.dumps(seq)), copy.deepcopy(seq), copy.copy(seq)):
+        assert got is not seq and all(
+            getattr(got, f.name) == getattr(seq, f.name)
+            for f in dataclasses.fields(Sequence)
+            if f.name not in ("recent", "_spec")
+        )
+        assert all(type(r) is StepRecord for r in got.steps)
+        assert [(r.proposed, r.accepted, r.acceptance_length, r.drafted) for r in got.steps] == [
+            tuple(r) for r in seq.steps
+        ]
+        assert got.spec.as_dict() == seq.spec.as_dict() and got.spec.steps == 3
+        assert got.recent.counts() == seq.recent.counts() and got.generated == seq.generated
+
+
+def test_a_turn_crosses_the_pipe_as_the_server_reads_it() -> None:
+    """`turn_bytes` (the engine process's message of a turn) is read by the server's end of
+    the pipe as ("turn", events, totals): the events as `_portable` makes them, a sequence's
+    step records named, and the totals whole."""
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=8), frozenset(), 0.0, True)
+    seq.record_step(3, 1, 2, [5, 6, 7])
+    seq.append([5, 0])
+    seq.generator = torch.Generator().manual_seed(3)
+    totals = EngineTotals(steps=4, spec_totals=SpecCounters(steps=1, proposed=3, accepted=1))
+    events = [("added", "q", None), out("r", [5, 0], "length"), ("end", "r", seq, None)]
+    server_end, engine_end = multiprocessing.Pipe()
+    try:
+        engine_end.send_bytes(turn_bytes(events, totals))
+        kind, got, got_totals = server_end.recv()
+    finally:
+        server_end.close()
+        engine_end.close()
+    assert kind == "turn" and got_totals == totals and got[:2] == events[:2]
+    ended = got[2][2]
+    assert got[2][:2] == ("end", "r") and ended.generator is None and ended.output_ids == [5, 0]
+    assert ended.steps == seq.steps and ended.steps[0].acceptance_length == 2
+
+
+def test_the_totals_copy_the_engines_counts_as_they_were() -> None:
+    """EngineTotals.of copies the engine's counts per length and position (as plain dicts,
+    equal to the engine's Counters): a step counted after the copy does not reach it."""
+    engine = TokenAStepEngine()
+    engine.spec_totals.record(7, 2, 3)
+    totals = EngineTotals.of(engine)
+    engine.spec_totals.record(7, 5, 6)
+    spec = totals.spec_totals
+    assert spec.acceptance_lengths == {3: 1} and spec.accepted_per_position == {1: 1, 2: 1}
+    assert spec.verified_per_position == {1: 1, 2: 1, 3: 1} and spec.mean_acceptance_length == 3.0
+    assert pickle.loads(pickle.dumps(totals)) == totals

@@ -153,3 +153,16 @@ def test_the_totals_wait_for_pending_phases_unless_told_not_to() -> None:
     totals = timer.as_dict()
     assert totals == {f"device_s_{name}": (i + 1) / 1000 for i, name in enumerate("abcde")}
     assert [e.waits for e in ends] == [0, 0, 1, 1, 1] and not timer._pending
+
+
+def test_a_timer_told_not_to_time_the_device_times_a_cuda_engines_phases_on_the_host_alone() -> None:
+    """PhaseTimer(device_times=False) on a CUDA device (the server's default): no CUDA event is
+    made or read (none could be on this machine), each phase's host time and calls are kept,
+    and the totals hold host seconds only."""
+    timer = PhaseTimer(torch.device("cuda"), device_times=False)
+    for _ in range(2):
+        with timer.phase("verify"):
+            sum(range(1000))
+        timer.flush()
+    assert not timer.cuda and timer.calls == {"verify": 2} and timer.host_s["verify"] > 0
+    assert list(timer.as_dict()) == ["host_s_verify"] and not timer._pending

@@ -123,7 +123,7 @@ class Engine:
             lambda seq: cells_needed()(seq),
         )
         self.ranges = ranges or NvtxRanges()
-        self.timer = PhaseTimer(self.device, self.ranges)
+        self.timer = PhaseTimer(self.device, self.ranges, device_times=config.device_phase_times)
         self.spec_totals = SpecCounters()
         self.stats_epoch = 0  # how many times reset_stats started the statistics afresh
         self.steps = 0  # steps that ran (prefill, plain decode, speculative, or a mix)

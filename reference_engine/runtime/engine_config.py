@@ -63,6 +63,11 @@ class EngineConfig:
     # keeps the rows each token writes and whose commit makes the state from them, recompute's
     # bits; one given there still gives plain greedy's output but no longer recompute's bits)
     checkpoint_every: int | None = None
+    # on CUDA, time each phase on the device as well (two CUDA events a phase, read once they
+    # complete: stats()["phases"]' device_s_*); off, the phases are timed on the host alone.
+    # The events are host work every step: at c16 on the demo pair, 8% of a DFlash server's
+    # engine process, so the server leaves them off unless asked (--device-phase-times)
+    device_phase_times: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

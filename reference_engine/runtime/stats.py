@@ -135,13 +135,17 @@ class RecentAcceptance:
 
 class PhaseTimer:
     """Wall time per phase with a monotonic clock; on CUDA also device time per phase from
-    CUDA events, collected by `flush()` once they have completed: the timer never makes the
-    host wait for the device (a step's last phase, the commit, runs on while the host
-    prepares the next step). `as_dict()` waits for what is still pending. Each phase is
-    also an NVTX range when profiling is on (profiling.NvtxRanges)."""
+    CUDA events (unless `device_times` is off), collected by `flush()` once they have
+    completed: the timer never makes the host wait for the device (a step's last phase, the
+    commit, runs on while the host prepares the next step). `as_dict()` waits for what is
+    still pending. Each phase is also an NVTX range when profiling is on (profiling.NvtxRanges)."""
 
-    def __init__(self, device: torch.device, ranges: NvtxRanges | None = None) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(
+        self, device: torch.device, ranges: NvtxRanges | None = None, device_times: bool = True
+    ) -> None:
+        # whether phases are timed on the device too (CUDA events); `device_times` False: on the
+        # host alone, as off CUDA
+        self.cuda = device.type == "cuda" and device_times
         # events record on the device's current stream, named by index: without one, each
         # record looks the current device up through CUDA availability checks (tens of us)
         self.device_index = None

@@ -31,6 +31,7 @@ class ServeArgs:
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
     measure_step_costs: bool = False
+    device_phase_times: bool = False
     prefill_chunk: int = 2048
     max_num_batched_tokens: int | None = None
     kv_cache_tokens: int | None = None
@@ -103,6 +104,7 @@ class ServeArgs:
             "gpu_memory_utilization",
             "verify_width",
             "measure_step_costs",
+            "device_phase_times",
             "tensor_parallel_size",
         )
         p.add_argument(

@@ -34,7 +34,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -79,7 +78,7 @@ class EngineTotals:
     phases: dict[str, float] = field(default_factory=dict)  # the phase timer's totals
     steps: int = 0  # engine steps that ran
     draft_ahead: dict[str, int] = field(default_factory=dict)  # Engine.draft_ahead()
-    device_type: str = "cpu"
+    device_phases: bool = False  # whether `phases` holds device times (PhaseTimer.cuda)
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -90,20 +89,22 @@ class EngineTotals:
         """The engine's totals now; without `settled`, device times of phases still running
         are left for a later call (after a step: the host does not wait for the device)."""
         spec = engine.spec_totals
+        # the counts per length and position copied as plain dicts: they are only read (items,
+        # get), and a Counter unpickles through Python code, every turn in the server's process
         return cls(
             engine.stats_epoch,
             replace(
                 spec,
-                acceptance_lengths=Counter(spec.acceptance_lengths),
-                accepted_per_position=Counter(spec.accepted_per_position),
-                verified_per_position=Counter(spec.verified_per_position),
+                acceptance_lengths=dict(spec.acceptance_lengths),
+                accepted_per_position=dict(spec.accepted_per_position),
+                verified_per_position=dict(spec.verified_per_position),
             ),
             dict(engine.verify_widths),
             dict(engine.scheduler.fallbacks),
             engine.timer.as_dict(wait=settled),
             engine.steps,
             engine.draft_ahead(),
-            engine.device.type,
+            engine.timer.cuda,
             len(engine.scheduler.active),
             len(engine.scheduler.waiting),
             engine.kv_cache_usage(),

@@ -11,7 +11,7 @@ there, prints what it reserved, and answers `("ready", EngineInfo)`, or `("faile
 for bad input (the server then exits with that one line, as it would on a thread). The
 process runs an `EngineLoop` (async_engine.py) on its main thread. A reader thread puts the
 commands that arrive on the pipe (add, abort, end all, stop) on the loop's queue, and the loop
-sends each turn's events and totals back in one message. The process's interpreter switches
+sends each turn's events and totals back in one message (`turn_bytes`). The process's interpreter switches
 threads every COMMAND_SWITCH_S rather than Python's default 5 ms: the reader, woken by a
 command while the loop steps, waits that long for the lock, and a new request waits for its
 reader before its next turn admits it. `ProcessEngine`, on the event loop,
@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import pickle
 import signal
 import sys
 import threading
@@ -160,7 +161,7 @@ def run_engine_process(args: ServeArgs, conn: Connection) -> None:
 
     def deliver(events: list[Event], totals: EngineTotals | None) -> None:
         try:
-            conn.send(("turn", [_portable(event) for event in events], totals))
+            conn.send_bytes(turn_bytes(events, totals))
         except OSError:  # the server is gone
             engine_loop.put(("stop",))
 
@@ -179,6 +180,14 @@ def run_engine_process(args: ServeArgs, conn: Connection) -> None:
     threading.Thread(target=read, name="commands", daemon=True).start()
     engine_loop.run()
     conn.close()
+
+
+def turn_bytes(events: list[Event], totals: EngineTotals | None) -> bytes:
+    """A turn's message as the server's `Connection.recv` reads it, pickled by `pickle` itself:
+    `Connection.send` pickles through multiprocessing's ForkingPickler, which copies its table of
+    reducers (torch adds about eighty) for every message, and a turn carries no tensor, pipe or
+    file that needs them."""
+    return pickle.dumps(("turn", [_portable(event) for event in events], totals), pickle.HIGHEST_PROTOCOL)
 
 
 def _portable(event: Event) -> Event:

@@ -29,7 +29,8 @@ Names (prefix `dflash:`), with the semantics of vLLM's spec-decode counters:
   evenly among the tokens the later one carried), `dflash:e2e_request_latency_seconds`
   (every request, to its last token, or to its end when it got none) histograms, with
   buckets from 0.5 ms so millisecond-scale decode is resolved;
-- `dflash:phase_seconds_total{phase}`: engine time per phase (CUDA-event time on a GPU);
+- `dflash:phase_seconds_total{phase}`: engine time per phase: host seconds, or CUDA-event time
+  on a GPU with `--device-phase-times` (EngineTotals.device_phases);
 - `dflash:engine_cpu_seconds_total`: CPU time of the thread that runs the engine loop, and
   prometheus_client's `process_cpu_seconds_total` (with the other `process_*` series, on
   Linux) of the server's own process: over a run, each divided by its duration is the share
@@ -239,7 +240,7 @@ class ServerMetrics:
         self._advance("steps", lambda: [self.engine_steps], totals.steps)
         for outcome, count in totals.draft_ahead.items():
             self._advance(f"ahead:{outcome}", lambda o=outcome: [self.draft_ahead.labels(outcome=o)], count)
-        kind = "device_s_" if totals.device_type == "cuda" else "host_s_"
+        kind = "device_s_" if totals.device_phases else "host_s_"
         for name, seconds in totals.phases.items():
             if name.startswith(kind):
                 phase = name[len(kind) :]

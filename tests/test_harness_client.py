@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -599,3 +600,91 @@ def test_only_completed_streams_are_counted_as_ended_without_done(tmp_path) -> N
         server.shutdown()
     assert (summary["completed"], summary["failed"]) == (2, 2)
     assert summary["streams_without_done"] == 0
+
+
+class _ChunkedSSE:
+    """A keep-alive SSE server on loopback that ends each body with the chunked encoding's
+    last chunk (as uvicorn does), counting the connections it accepts; `after_done_s`: it
+    goes on sending comments for that long after [DONE] before it ends the body."""
+
+    def __init__(self, after_done_s: float = 0.0) -> None:
+        import socketserver
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.connections = 0
+        self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                with outer.lock:
+                    outer.connections += 1
+
+            def chunk(self, text: str) -> None:
+                data = text.encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for ids in ([1], [2, 3]):
+                    event = {"choices": [{"index": 0, "text": "x", "token_ids": ids, "finish_reason": None}]}
+                    self.chunk(f"data: {json.dumps(event)}\n\n")
+                self.chunk("data: [DONE]\n\n")
+                end = time.monotonic() + after_done_s
+                while time.monotonic() < end:
+                    self.chunk(": still here\n\n")
+                    time.sleep(0.02)
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+
+        class Server(ThreadingHTTPServer, socketserver.ThreadingMixIn):
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_a_closed_loop_reuses_its_connections_as_a_real_client_does() -> None:
+    """Each stream is read to its body's end after [DONE], so its connection goes back to the
+    pool: a closed loop of 2 streams and 12 requests opens 2 connections, not one a request
+    (a response closed unread closes its connection, and the server under test would pay for
+    a new one every request)."""
+    stub = _ChunkedSSE()
+    try:
+        spec = LoadSpec(concurrency=2, num_prompts=12, output_len=3, timeout_s=5.0)
+        records, _ = asyncio.run(run_requests(Endpoint(stub.url), synthetic(12, 4, 0), spec))
+    finally:
+        stub.server.shutdown()
+    assert all(r.success and r.output_tokens == 3 for r in records)
+    assert stub.connections == 2
+
+
+def test_a_server_that_sends_on_after_done_is_cut_and_its_request_counts(monkeypatch) -> None:
+    """A body that goes on past [DONE] (comments for 3 s) is read for DRAIN_S at most, then
+    its connection is closed: the request succeeds with the tokens before [DONE], and the run
+    does not wait for the body's end."""
+    import harness.client
+
+    monkeypatch.setattr(harness.client, "DRAIN_S", 0.2)
+    stub = _ChunkedSSE(after_done_s=3.0)
+    try:
+        spec = LoadSpec(concurrency=1, num_prompts=2, output_len=3, timeout_s=10.0)
+        start = time.perf_counter()
+        records, _ = asyncio.run(run_requests(Endpoint(stub.url), synthetic(2, 4, 0), spec))
+        took = time.perf_counter() - start
+    finally:
+        stub.server.shutdown()
+    assert all(r.success and r.output_tokens == 3 and r.done_marker for r in records)
+    assert took < 2.0 and stub.connections == 2  # each cut body closed its connection

@@ -691,7 +691,10 @@ def test_make_tiny_refuses_zero_layers_instead_of_writing_its_default(
     [
         ({"max_files": 1}, "max_files must be at least 2, got 1"),
         ({"seq_len": 79}, "seq_len must hold a prompt and one block"),  # 64 + 16 > 79
-        ({"target_layer_ids": (0, 6)}, r"target_layer_ids \(0, 6\) outside the target"),
+        (
+            {"target_layer_ids": (0, 6)},
+            r"target_layer_ids \[0, 6\]: give one or more of the target's 6 layers, 0 to 5",
+        ),
         ({"train_block_sizes": (8, 32)}, "block sizes cannot exceed block_size"),
         ({"eval_block_sizes": (4, 32)}, "block sizes cannot exceed block_size"),
         ({"short_block_share": 1.01}, r"short_block_share must be in \[0, 1\], got 1.01"),

@@ -87,8 +87,12 @@ class Recipe:
             raise ValueError(f"max_files must be at least 2, got {self.max_files}")
         if self.prompt_len + self.block_size > self.seq_len:
             raise ValueError("seq_len must hold a prompt and one block")
-        if max(self.target_layer_ids) >= self.target_layers:
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} outside the target")
+        outside = [i for i in self.target_layer_ids if not 0 <= i < self.target_layers]
+        if not self.target_layer_ids or outside:
+            raise ValueError(
+                f"target_layer_ids {list(self.target_layer_ids)}: give one or more of the target's "
+                f"{self.target_layers} layers, 0 to {self.target_layers - 1}"
+            )
         if max(self.eval_block_sizes + self.train_block_sizes) > self.block_size:
             raise ValueError("training and evaluation block sizes cannot exceed block_size")
         if not 0.0 <= self.short_block_share <= 1.0:

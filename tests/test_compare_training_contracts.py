@@ -72,6 +72,7 @@ from reference_engine.training.settings import Recipe
 from reference_engine.training.stages import draw_block_lengths, generator
 
 from .completion_stub import Stub, completion
+from .test_harness_compare import near_tie_logprobs
 from .test_training import make_wheel_corpus
 from .test_training_dflash2 import RECIPE as DFLASH2
 from .test_training_dflash2 import naive_selector_loss, selector_batch, smoke_draft
@@ -253,13 +254,7 @@ def tied_everywhere(ids: list[int]):
         out = ids[len(body["prompt"]) - 2 :][: body["max_tokens"]]
         data = completion(out, prompt_tokens=len(body["prompt"]))
         if body.get("logprobs"):
-            data["choices"][0]["logprobs"] = {
-                "token_ids": out,
-                "tokens": [f"<{t}>" for t in out],
-                "top_token_logprobs": [
-                    [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": -1.01}] for t in out
-                ],
-            }
+            data["choices"][0]["logprobs"] = near_tie_logprobs(out)
         return data
 
     return reply

@@ -192,18 +192,23 @@ def against(base_answer, cand_answer, prompts=None, policy=None, levels=1, strea
     return results, summary
 
 
+def near_tie_logprobs(ids: list[int]) -> dict:
+    """Logprobs of `ids` with every position all but tied (margin 0.01) with the id after it."""
+    return {
+        "token_ids": ids,
+        "tokens": [f"<{t}>" for t in ids],
+        "top_token_logprobs": [
+            [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": -1.01}] for t in ids
+        ],
+    }
+
+
 def near_tie_baseline(ids: list[int]):
     """The baseline's answer, with every position all but tied (margin 0.01)."""
 
     def answer(path: str, body: dict) -> dict:
         data = completion(ids, prompt_tokens=2)
-        data["choices"][0]["logprobs"] = {
-            "token_ids": ids,
-            "tokens": [f"<{t}>" for t in ids],
-            "top_token_logprobs": [
-                [{"token_id": t, "logprob": -1.0}, {"token_id": t + 1, "logprob": -1.01}] for t in ids
-            ],
-        }
+        data["choices"][0]["logprobs"] = near_tie_logprobs(ids)
         return data
 
     return answer

@@ -23,6 +23,7 @@ from reference_engine.models.dflash import DFlashDraft, DraftState
 from reference_engine.runtime.decode import generate_plain, new_state, prefill
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.speculative_step import TimingProposals
 from reference_engine.runtime.stats import SpecCounters
 
 TinyCheckpoint = Callable[..., Path]
@@ -360,32 +361,18 @@ def test_statistics_count_each_drafted_step_once_and_only_the_tokens_it_kept(
     assert spec["acceptance_length_histogram"] == dict(sorted(histogram.items()))
 
 
-class FixedProposals:
-    """Proposes the same tokens at every step, the edge ids 0 and vocab - 1 among them."""
-
-    forced = False
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def scheduled(self, step: int, n: int) -> int:
-        return 0
-
-    def propose(self, step: int, generated: int, n: int) -> list[int]:
-        return self.tokens[:n]
-
-
 def test_the_step_verifies_the_proposers_tokens_whatever_their_ids(
     dense: tuple[CausalLM, DFlashDraft],
 ) -> None:
     """A request's proposer (oracle.py) replaces the draft's tokens: every drafted step
     records exactly the proposer's tokens for its draft slots, token id 0 and the last id of
-    the vocabulary included, and the output stays plain greedy decode's."""
+    the vocabulary included, and the output stays plain greedy decode's. The proposer is the
+    step timing's (the same tokens every step)."""
     target = dense[0]
     vocab = target.config.vocab_size
     tokens = [0, vocab - 1, 0, 5, 0, vocab - 1, 0]
     engine = engine_with_widths(dense, [7, 3])
-    engine.add_request("p", PROMPTS[0], greedy(14), oracle=FixedProposals(tokens))
+    engine.add_request("p", PROMPTS[0], greedy(14), oracle=TimingProposals(tokens))
     engine.add_request("q", PROMPTS[1], greedy(6))
     drain(engine)
     seq = engine.collect("p")

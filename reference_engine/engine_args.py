@@ -135,8 +135,8 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
     ),
     "device_phase_times": EngineOption(
         ("--device-phase-times",),
-        "on a GPU, time each engine phase on the device as well (two CUDA events a phase, about "
-        "8%% of a DFlash engine's host work a step at c16 on the demo pair): "
+        "on a GPU, time each engine phase on the device as well (two CUDA events a phase: about "
+        "8%% of a DFlash engine process's profile samples at c16 on the demo pair, on an H100): "
         "dflash:phase_seconds_total then counts device seconds; off (the default), host seconds",
         {"action": "store_true"},
     ),

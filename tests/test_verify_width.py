@@ -14,13 +14,13 @@ from reference_engine.errors import ConfigError
 from reference_engine.runtime.engine_config import EngineConfig
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.runtime.verify_width import (
+    ENGINE_WEIGHT,
     PROBE_AFTER,
     PROBE_SHARE,
     REQUEST_WEIGHT,
     StepCosts,
     VerifyWidth,
     choose_width,
-    conditional_rates,
     engine_rates,
     prefix_rates,
     width_candidates,
@@ -28,6 +28,14 @@ from reference_engine.runtime.verify_width import (
 )
 
 WIDTHS = (0, 1, 3, 7, 15)
+
+
+def conditional_rates(
+    accepted: list[int], verified: list[int], prior: list[float], weight: float
+) -> list[float]:
+    """The shrunk conditional rate of each position, as the module's docstrings define it:
+    c_j = (accepted_j + weight x prior_j) / (verified_j + weight)."""
+    return [(a + weight * p) / (v + weight) for a, v, p in zip(accepted, verified, prior)]
 
 
 def costs(by_width: dict[int, float], rows: tuple[int, ...] = (1, 16, 64)) -> StepCosts:
@@ -182,6 +190,13 @@ def test_a_request_with_no_steps_borrows_the_engines_rates() -> None:
         totals.record(15, 2, 3)  # draft tokens 1 and 2 accepted, 3 rejected, every step
     prior = engine_rates(totals, 15)
     assert prior[0] > 0.98 and prior[1] > 0.98 and prior[2] < 0.03
+    before = 1.0  # each position's rate shrunk toward the one before it, by ENGINE_WEIGHT
+    for j, rate in enumerate(prior, 1):
+        (expected,) = conditional_rates(
+            [totals.accepted_per_position[j]], [totals.verified_per_position[j]], [before], ENGINE_WEIGHT
+        )
+        assert rate == expected
+        before = expected
     assert prior[3:] == pytest.approx([prior[2]] * 12)  # unverified positions: the last rate
     assert prefix_rates(SpecCounters(), prior) == pytest.approx(
         [prior[0], prior[0] * prior[1], *[prior[0] * prior[1] * prior[2] ** k for k in range(1, 14)]]

@@ -65,8 +65,9 @@ class EngineConfig:
     checkpoint_every: int | None = None
     # on CUDA, time each phase on the device as well (two CUDA events a phase, read once they
     # complete: stats()["phases"]' device_s_*); off, the phases are timed on the host alone.
-    # The events are host work every step: at c16 on the demo pair, 8% of a DFlash server's
-    # engine process, so the server leaves them off unless asked (--device-phase-times)
+    # The events are host work every step (about 8% of a DFlash server's engine-process
+    # profile samples at c16 on the demo pair, on an H100), so the server leaves them off
+    # unless asked (--device-phase-times)
     device_phase_times: bool = True
 
     def __post_init__(self) -> None:

@@ -59,7 +59,7 @@ class SpecCounters:
         # dict.get rather than Counter's += : a key not counted yet would go through
         # Counter.__missing__ (Python code); the positions 1..k in one C loop, the one
         # Counter.update runs after its own Python checks (the engine counts every row of every
-        # step here: at 16 rows, 0.6 of the time through update on this machine)
+        # step here: at 16 rows, 0.6 of the time through update on the 2-core CPU)
         lengths = self.acceptance_lengths
         lengths[acceptance_length] = lengths.get(acceptance_length, 0) + 1
         _count_elements(self.accepted_per_position, _positions(accepted))

@@ -197,17 +197,10 @@ class StepCosts:
         return ", ".join(f"{key} {1000 * s:.2f}" for key, s in self.as_dict().items())
 
 
-def conditional_rates(
-    accepted: Sequence[int], verified: Sequence[int], prior: Sequence[float], weight: float
-) -> list[float]:
-    """c_j = (accepted_j + weight x prior_j) / (verified_j + weight), for j = 1..len(prior)."""
-    return [(a + weight * p) / (v + weight) for a, v, p in zip(accepted, verified, prior)]
-
-
 def engine_rates(totals: SpecCounters, positions: int) -> list[float]:
     """The engine's conditional acceptance rate per position, each shrunk toward the one before
-    it (and the first toward 1)."""
-    # conditional_rates' arithmetic, position by position (each one's prior is the one before)
+    it (and the first toward 1): c_j = (accepted_j + ENGINE_WEIGHT x c_{j-1}) /
+    (verified_j + ENGINE_WEIGHT), c_0 = 1."""
     accepted, verified = totals.accepted_per_position, totals.verified_per_position
     rates, before = [], 1.0
     for j in range(1, positions + 1):
@@ -218,8 +211,9 @@ def engine_rates(totals: SpecCounters, positions: int) -> list[float]:
 
 def prefix_rates(counters: SpecCounters | RecentAcceptance, prior: Sequence[float]) -> list[float]:
     """r[k], k = 1..len(prior): the chance that a request's draft tokens 1..k are all accepted,
-    from its own counts shrunk toward the engine's conditional rates `prior` (the arithmetic
-    of `conditional_rates`, in one pass: the engine runs this for every row of every step).
+    from its own counts shrunk toward the engine's conditional rates `prior`: the product of
+    (accepted_j + weight x prior_j) / (verified_j + weight) over j = 1..k, in one pass (the
+    engine runs this for every row of every step).
     The engine passes `RecentAcceptance` (recent steps weigh more): its counts are kept at a
     scale, so the prior's weight is taken at that scale too (`SpecCounters`: a scale of 1)."""
     accepted, verified = counters.accepted_per_position, counters.verified_per_position

@@ -11,8 +11,8 @@ there, prints what it reserved, and answers `("ready", EngineInfo)`, or `("faile
 for bad input (the server then exits with that one line, as it would on a thread). The
 process runs an `EngineLoop` (async_engine.py) on its main thread. A reader thread puts the
 commands that arrive on the pipe (add, abort, end all, stop) on the loop's queue, and the loop
-sends each turn's events and totals back in one message (`turn_bytes`). The process's interpreter switches
-threads every COMMAND_SWITCH_S rather than Python's default 5 ms: the reader, woken by a
+sends each turn's events and totals back in one message (`turn_bytes`). The process's
+interpreter switches threads every COMMAND_SWITCH_S rather than Python's default 5 ms: the reader, woken by a
 command while the loop steps, waits that long for the lock, and a new request waits for its
 reader before its next turn admits it. `ProcessEngine`, on the event loop,
 reads the pipe when it is readable and hands each turn to `AsyncEngine.receive`.

@@ -400,6 +400,60 @@ def test_small_step_inputs_reach_the_device_in_the_dtype_asked_for(dtype: torch.
     assert t.tolist() == torch.tensor([[1, 0], [3, 4]], dtype=dtype).tolist()
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        [3, -1, 0, 2**63 - 1, -(2**63)],  # flat ints, int64's ends included
+        [[1, 2, 3], [4, 5, 6]],  # rows of one length
+        [[7], [8]],
+        [1, True, 2],  # a bool after an int: an int to both
+        [True, 2],  # first a bool: torch.tensor's own
+        [1, 2.5],  # a float: torch.tensor's own (it truncates)
+        [[1, 2], (3, 4)],  # a tuple row
+        (5, 6),  # a tuple
+        [],
+        [[]],
+        [torch.tensor(4), 5],
+    ],
+)
+def test_small_int_inputs_reach_the_device_as_torch_tensor_makes_them(values) -> None:
+    """The step's int inputs take a faster way to a tensor than `torch.tensor` (int64_tensor):
+    every shape of list it takes gives the values, shape and dtype torch.tensor gives, and
+    what it does not take goes to torch.tensor itself."""
+    from reference_engine.runtime.transfer import int64_tensor, to_device, to_pinned
+
+    want = torch.tensor(values, dtype=torch.int64)
+    for got in (to_device(values, DEVICE), to_pinned(values)):
+        assert got.dtype == torch.int64 and got.shape == want.shape and got.tolist() == want.tolist()
+    fast = int64_tensor(values)
+    if fast is not None:
+        assert fast.dtype == torch.int64 and fast.shape == want.shape and torch.equal(fast, want)
+
+
+@pytest.mark.parametrize("values", [[[1, 2], [3]], [2**63], [-(2**63) - 1], [[1], [2**64]], [1, "2"]])
+def test_int_inputs_torch_tensor_refuses_are_refused_alike(values) -> None:
+    """Ragged rows, a number past int64 and a string fail in to_device as in torch.tensor
+    (the faster way leaves them to it) rather than giving a tensor."""
+    from reference_engine.runtime.transfer import int64_tensor, to_device
+
+    assert int64_tensor(values) is None
+    with pytest.raises((ValueError, TypeError, RuntimeError, OverflowError)):
+        torch.tensor(values, dtype=torch.int64)
+    with pytest.raises((ValueError, TypeError, RuntimeError, OverflowError)):
+        to_device(values, DEVICE)
+
+
+def test_a_step_input_tensor_does_not_change_with_the_list_it_came_from() -> None:
+    """The tensor made from a list is its own: changing the list after (the engine reuses
+    its lists) changes nothing in it."""
+    from reference_engine.runtime.transfer import to_device
+
+    values = [1, 2, 3]
+    t = to_device(values, DEVICE)
+    values[0] = 9
+    assert t.tolist() == [1, 2, 3]
+
+
 def test_device_tokens_read_their_host_copy_once_for_all_their_tokens() -> None:
     """On CUDA each read of the copy waits for the device: the values are read once, at the
     first token asked for, and kept."""

@@ -33,7 +33,7 @@ from reference_engine.serving.async_engine import (
     Finished,
     RequestFailed,
 )
-from reference_engine.serving.engine_process import ProcessEngine, _portable, turn_bytes
+from reference_engine.serving.engine_process import ProcessEngine, turn_bytes, turn_events
 
 
 class ScriptedEngine(AsyncEngine):
@@ -231,7 +231,7 @@ def test_an_engine_process_whose_pipe_closed_fails_its_streams_and_refuses_new_r
             submitted = asyncio.create_task(engine.submit("r", [1, 2], params))
             await asyncio.sleep(0)
             assert engine_end.recv() == ("add", "r", [1, 2], params)
-            engine_end.send(("turn", [("added", "r", None), out("r", [5, 6])], EngineTotals(steps=1)))
+            engine_end.send_bytes(turn_bytes([("added", "r", None), out("r", [5, 6])], EngineTotals(steps=1)))
             queue = await asyncio.wait_for(submitted, 5)
             engine_end.close()
             assert (await asyncio.wait_for(queue.get(), 5)).new_token_ids == [5, 6]
@@ -247,24 +247,59 @@ def test_an_engine_process_whose_pipe_closed_fails_its_streams_and_refuses_new_r
     asyncio.run(scenario())
 
 
-def test_a_sequence_crosses_to_the_server_without_its_generator_and_oracle() -> None:
+def crossed(events: list, totals=None) -> tuple[list, object]:
+    """`events` and `totals` as the server reads them from the engine process's pipe."""
+    server_end, engine_end = multiprocessing.Pipe()
+    try:
+        engine_end.send_bytes(turn_bytes(events, totals))
+        kind, got, got_totals = server_end.recv()
+    finally:
+        server_end.close()
+        engine_end.close()
+    assert kind == "turn"
+    return turn_events(got), got_totals
+
+
+def test_a_sequence_crosses_to_the_server_without_what_only_the_engine_reads() -> None:
     """A request's end carries its sequence from the engine process to the server: without
     the engine's own generator (a CUDA generator unpickled on the server side would start a
-    CUDA context there) and oracle, with everything the replies and statistics read; the
-    engine's sequence keeps both, and the other events cross as they are."""
+    CUDA context there), oracle and verify-width counts, with everything the replies and
+    statistics read (its counters counted from its step records); the engine's sequence keeps
+    all of it, and the other events cross as they are."""
     params = SamplingParams(max_tokens=8, seed=3)
-    seq = Sequence("r", [1, 2], params, frozenset(), 0.0, True)
+    seq = Sequence("r", [1, 2], params, frozenset({7}), 0.5, True)
+    seq.record_step(3, 1, 2, [5, 6, 4])
     seq.append([5, 6])
+    seq.finish_reason, seq.fallback_reason, seq.first_token_s = "length", "low_acceptance", 1.0
     seq.generator = torch.Generator().manual_seed(3)
     seq.oracle = OracleProposer.for_mean_acceptance([5, 6], 2.0, 4, 10)
+    assert seq.spec.steps == 1  # the engine's cache of the counters, filled
     added, end = ("added", "r", None), ("end", "r", seq, None)
-    assert _portable(added) is added
-    crossed = pickle.loads(pickle.dumps(_portable(end)))
-    assert crossed[:2] == ("end", "r") and crossed[3] is None
-    got = crossed[2]
-    assert got.generator is None and got.oracle is None
-    assert (got.request_id, got.prompt_ids, got.output_ids, got.params) == ("r", [1, 2], [5, 6], params)
-    assert seq.generator is not None and seq.oracle is not None
+    (got_added, got_end), _ = crossed([added, end])
+    assert got_added == added
+    assert got_end[:2] == ("end", "r") and got_end[3] is None
+    got = got_end[2]
+    assert got is not seq and got.generator is None and got.oracle is None
+    assert got.recent.steps == 0 and not got.recent.accepted_per_position
+    left = ("generator", "oracle", "recent", "_spec")
+    kept = [f.name for f in dataclasses.fields(Sequence) if f.name not in left]
+    assert all(getattr(got, name) == getattr(seq, name) for name in kept)
+    assert all(type(r) is StepRecord for r in got.steps)
+    assert got.spec.as_dict() == seq.spec.as_dict() and got.spec.steps == 1
+    assert seq.generator is not None and seq.oracle is not None and seq.recent.steps == 1
+
+
+def test_a_step_output_crosses_as_it_was_made() -> None:
+    """A step output crosses the pipe as a tuple of its fields and is read back as the same
+    StepOutput, every field (logprobs and an error included) in place."""
+    outputs = [
+        StepOutput("a", [5, 6], False, None, 12.5),
+        StepOutput("b", [7], True, "stop", 13.0, [{7: -0.25, 3: -1.5}]),
+        StepOutput("c", [], True, "error", 14.0, error="numerical failure"),
+    ]
+    events = [("out", o) for o in outputs]
+    got, _ = crossed(events)
+    assert got == events and all(type(e[1]) is StepOutput for e in got)
 
 
 def test_a_sequence_with_step_records_pickles_back_equal_with_named_records() -> None:
@@ -294,22 +329,16 @@ def test_a_sequence_with_step_records_pickles_back_equal_with_named_records() ->
 
 def test_a_turn_crosses_the_pipe_as_the_server_reads_it() -> None:
     """`turn_bytes` (the engine process's message of a turn) is read by the server's end of
-    the pipe as ("turn", events, totals): the events as `_portable` makes them, a sequence's
-    step records named, and the totals whole."""
+    the pipe as ("turn", events, totals), and `turn_events` gives the events back as the loop
+    made them: a sequence's step records named, and the totals whole."""
     seq = Sequence("r", [1, 2], SamplingParams(max_tokens=8), frozenset(), 0.0, True)
     seq.record_step(3, 1, 2, [5, 6, 7])
     seq.append([5, 0])
     seq.generator = torch.Generator().manual_seed(3)
     totals = EngineTotals(steps=4, spec_totals=SpecCounters(steps=1, proposed=3, accepted=1))
     events = [("added", "q", None), out("r", [5, 0], "length"), ("end", "r", seq, None)]
-    server_end, engine_end = multiprocessing.Pipe()
-    try:
-        engine_end.send_bytes(turn_bytes(events, totals))
-        kind, got, got_totals = server_end.recv()
-    finally:
-        server_end.close()
-        engine_end.close()
-    assert kind == "turn" and got_totals == totals and got[:2] == events[:2]
+    got, got_totals = crossed(events, totals)
+    assert got_totals == totals and got[:2] == events[:2]
     ended = got[2][2]
     assert got[2][:2] == ("end", "r") and ended.generator is None and ended.output_ids == [5, 0]
     assert ended.steps == seq.steps and ended.steps[0].acceptance_length == 2

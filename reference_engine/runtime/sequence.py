@@ -112,11 +112,11 @@ class Sequence:
         pair its records were two thirds of the cost of pickling it)."""
         state = self.__dict__.copy()
         state["steps"] = [tuple(step) for step in self.steps]
-        return (_rebuilt, (state,))
+        return (sequence_from_state, (state,))
 
 
-def _rebuilt(state: dict) -> Sequence:
-    """A pickled Sequence again (Sequence.__reduce__)."""
+def sequence_from_state(state: dict) -> Sequence:
+    """A pickled Sequence again (Sequence.__reduce__): its fields, its step records as tuples."""
     seq = Sequence.__new__(Sequence)
     state["steps"] = [tuple.__new__(StepRecord, step) for step in state["steps"]]
     seq.__dict__.update(state)

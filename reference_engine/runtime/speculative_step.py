@@ -564,7 +564,6 @@ class SpeculativeStep:
                 drafted = self.runner.propose(
                     block, rows.positions, rows.slots, rows.valid, rows.kv_len, part, width=W
                 )
-        draft_logits = drafted.logits[:, :W]  # [b, W, vocab], until the next replay
         # [b, W] (a queued draft's head may be wider), a copy; a draft row that is not finite
         # (greedy gives `vocab`, sampling -1) still proposes a valid id: the target verifies
         # every proposal, so a bad draft costs acceptance only
@@ -583,7 +582,7 @@ class SpeculativeStep:
                 proposals[i, :n_i], draft_probs[i] = sample_walk(
                     drafted.candidates[i, :n_i],
                     drafted.edges[i, :n_i],
-                    draft_logits.shape[-1],
+                    drafted.logits.shape[-1],
                     p.temperature,
                     p.top_k,
                     p.top_p,
@@ -591,7 +590,8 @@ class SpeculativeStep:
                 )
             elif not seq.params.greedy:
                 p = seq.params
-                draft_probs[i] = probabilities(draft_logits[i, :n_i], p.temperature, p.top_k, p.top_p)
+                # [n_i, vocab] of the draft's logits (valid until its next replay)
+                draft_probs[i] = probabilities(drafted.logits[i, :n_i], p.temperature, p.top_k, p.top_p)
                 proposals[i, :n_i] = sample(draft_probs[i], seq.generator)
                 drawn = True
         if guesses:  # one host-to-device copy for every oracle row (-1: keep the draft's)

@@ -11,6 +11,7 @@ allocator keeps the buffer until the copy has run. Off CUDA it is a plain tensor
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from functools import cache
 
@@ -21,14 +22,43 @@ def to_device(values: Sequence, device: torch.device | str, dtype: torch.dtype =
     """`values` (a list, nested lists) as a tensor on `device`, without a stream sync on CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
+        host = int64_tensor(values) if dtype is torch.int64 else None
+        return torch.tensor(values, dtype=dtype, device=device) if host is None else host.to(device)
     return to_pinned(values, dtype).to(device, non_blocking=True)
 
 
 def to_pinned(values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`values` as a host tensor that a non-blocking copy to the GPU can read from (pinned
     where CUDA is present)."""
-    return torch.tensor(values, dtype=dtype, pin_memory=_pinned())
+    host = int64_tensor(values) if dtype is torch.int64 else None
+    if host is None:
+        return torch.tensor(values, dtype=dtype, pin_memory=_pinned())
+    return host.pin_memory() if _pinned() else host
+
+
+def int64_tensor(values: Sequence) -> torch.Tensor | None:
+    """A list of ints, or a list of equally long lists of ints, as an int64 host tensor
+    through an `array` (`torch.tensor` reads a Python list element by element, and a step's
+    inputs are a list of about 200 ints: 25 us against 8 on an H100's host); None for
+    anything else (empty, ragged, not ints), which `torch.tensor` takes as it always did."""
+    if type(values) is not list or not values:
+        return None
+    first = values[0]
+    if type(first) is list:
+        width = len(first)
+        if not width or any(type(row) is not list or len(row) != width for row in values):
+            return None
+        flat = [v for row in values for v in row]
+    elif type(first) is int:
+        flat, width = values, 0
+    else:
+        return None
+    try:
+        packed = array.array("q", flat)
+    except (TypeError, OverflowError):  # a float, a tensor, a number past int64: torch.tensor's
+        return None
+    host = torch.frombuffer(packed, dtype=torch.int64)
+    return host.view(len(values), width) if width else host
 
 
 @cache

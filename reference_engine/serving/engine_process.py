@@ -27,6 +27,7 @@ unhealthy, and new requests get 500.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import multiprocessing
 import pickle
@@ -35,11 +36,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from ..errors import ReferenceEngineError
+from ..runtime.outputs import StepOutput
+from ..runtime.sequence import Sequence, sequence_from_state
+from ..runtime.stats import RecentAcceptance, SpecCounters
 from .async_engine import AsyncEngine, EngineLoop, EngineTotals, Event
 from .engine_build import EngineInfo, build_engine
 
@@ -107,7 +110,7 @@ class ProcessEngine(AsyncEngine):
             while self.open and self.conn.poll():
                 kind, events, totals = self.conn.recv()
                 if kind == "turn":
-                    self.receive(events, totals)
+                    self.receive(turn_events(events), totals)
         except (EOFError, OSError):
             self._lost()
 
@@ -183,16 +186,58 @@ def run_engine_process(args: ServeArgs, conn: Connection) -> None:
 
 
 def turn_bytes(events: list[Event], totals: EngineTotals | None) -> bytes:
-    """A turn's message as the server's `Connection.recv` reads it, pickled by `pickle` itself:
-    `Connection.send` pickles through multiprocessing's ForkingPickler, which copies its table of
-    reducers (torch adds about eighty) for every message, and a turn carries no tensor, pipe or
-    file that needs them."""
-    return pickle.dumps(("turn", [_portable(event) for event in events], totals), pickle.HIGHEST_PROTOCOL)
+    """A turn's message as the server's `Connection.recv` reads it (`turn_events` gives its
+    events back), pickled by `pickle` itself: `Connection.send` pickles through
+    multiprocessing's ForkingPickler, which copies its table of reducers (torch adds about
+    eighty) for every message, and a turn carries no tensor, pipe or file that needs them.
+    A step output crosses as a plain tuple of its fields (a dataclass pickles and loads
+    through Python calls: at 16 rows a turn's outputs took 22 us to pickle as objects and 4
+    as tuples on the 2-core CPU), and a sequence as `_sequence_state` keeps it."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _ACROSS
+    pickler.dump(("turn", [_portable(event) for event in events], totals))
+    return buffer.getvalue()
+
+
+def turn_events(events: list[Event]) -> list[Event]:
+    """A turn's events as the engine loop made them, from what `turn_bytes` sent."""
+    return [("out", StepOutput(*event[1:])) if event[0] == "out" else event for event in events]
 
 
 def _portable(event: Event) -> Event:
-    """An event as it crosses to the server: a request's sequence without its oracle and its
-    generator (the engine's own, of no use to the server)."""
-    if event[0] == "end" and event[2] is not None:
-        return (*event[:2], replace(event[2], oracle=None, generator=None), event[3])
+    """An event as it crosses to the server: a step output's fields as a tuple."""
+    if event[0] == "out":
+        out = event[1]
+        return (
+            "out",
+            out.request_id,
+            out.new_token_ids,
+            out.finished,
+            out.finish_reason,
+            out.time_s,
+            out.new_logprobs,
+            out.error,
+        )
     return event
+
+
+def _sequence_state(seq: Sequence) -> tuple:
+    """How a request's sequence crosses to the server (at its end): without the engine's own
+    generator (a CUDA generator unpickled on the server side would start a CUDA context there)
+    and oracle, and without what only the engine reads: the verify width's recent counts and
+    the cache of `spec`, which counts the step records again when read (counters pickle and
+    load through Python calls). The engine's sequence keeps all of them."""
+    state = seq.__dict__.copy()
+    state.update(oracle=None, generator=None, recent=None, _spec=None)
+    state["steps"] = [tuple(step) for step in seq.steps]
+    return (_arrived, (state,))
+
+
+def _arrived(state: dict) -> Sequence:
+    """A sequence sent by `_sequence_state`, with fresh counts where it left them behind."""
+    state["recent"], state["_spec"] = RecentAcceptance(), SpecCounters()
+    return sequence_from_state(state)
+
+
+_ACROSS = {Sequence: _sequence_state}

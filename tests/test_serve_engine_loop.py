@@ -355,3 +355,23 @@ def test_the_totals_copy_the_engines_counts_as_they_were() -> None:
     assert spec.acceptance_lengths == {3: 1} and spec.accepted_per_position == {1: 1, 2: 1}
     assert spec.verified_per_position == {1: 1, 2: 1, 3: 1} and spec.mean_acceptance_length == 3.0
     assert pickle.loads(pickle.dumps(totals)) == totals
+
+
+class Registered:
+    """A value whose pickling copyreg decides."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_a_turn_pickles_what_copyreg_registers_as_registered() -> None:
+    """A type registered with copyreg crosses the pipe through its registered reduction (the
+    turn's own table comes first, copyreg's after it), as any other pickle would send it."""
+    import copyreg
+
+    copyreg.pickle(Registered, lambda r: (Registered, (r.value + 1,)))
+    try:
+        got, _ = crossed([("added", "r", Registered(3))])
+    finally:
+        copyreg.dispatch_table.pop(Registered, None)
+    assert type(got[0][2]) is Registered and got[0][2].value == 4

@@ -27,6 +27,7 @@ unhealthy, and new requests get 500.
 from __future__ import annotations
 
 import asyncio
+import copyreg
 import io
 import logging
 import multiprocessing
@@ -35,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+from collections import ChainMap
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -240,4 +242,5 @@ def _arrived(state: dict) -> Sequence:
     return sequence_from_state(state)
 
 
-_ACROSS = {Sequence: _sequence_state}
+# what crosses differently, before copyreg's own table (a pickler given a table reads no other)
+_ACROSS = ChainMap({Sequence: _sequence_state}, copyreg.dispatch_table)

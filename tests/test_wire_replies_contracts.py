@@ -41,7 +41,7 @@ from reference_engine.serving.replies import full_reply, respond, sse_reply
 
 from .poison import POISON, poisoned
 from .test_serve_app import VOCAB, metrics_page, parsed_request, scripted_server, sse_events, started
-from .test_serve_engine_loop import ScriptedEngine, out
+from .test_serve_engine_loop import ExitingProcess, ScriptedEngine, out
 from .test_serve_metrics import value
 
 
@@ -159,21 +159,6 @@ def test_a_sequence_crosses_its_own_way_even_where_copyreg_has_a_reduction_for_i
     assert all(type(r) is StepRecord for r in got.steps)
 
 
-class OpenProcess:
-    """The engine process, alive, as ProcessEngine sees it."""
-
-    exitcode = None
-
-    def is_alive(self) -> bool:
-        return True
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
-
-    def kill(self) -> None:
-        pass
-
-
 def test_the_server_reads_every_turn_waiting_in_the_pipe_when_it_wakes() -> None:
     """When the pipe becomes readable the server hands on every turn waiting in it, in order
     (each turn's totals to `on_step`, its events to the requests), before it gives the event
@@ -183,7 +168,8 @@ def test_the_server_reads_every_turn_waiting_in_the_pipe_when_it_wakes() -> None
         server_end, engine_end = multiprocessing.Pipe()
         seen: list[int] = []
         engine = ProcessEngine(
-            SimpleNamespace(conn=server_end, process=OpenProcess()), lambda totals: seen.append(totals.steps)
+            SimpleNamespace(conn=server_end, process=ExitingProcess()),
+            lambda totals: seen.append(totals.steps),
         )
         try:
             submitted = asyncio.create_task(engine.submit("r", [1, 2], SamplingParams(max_tokens=4)))
@@ -440,7 +426,7 @@ def test_a_lost_engine_process_fails_the_streams_though_a_client_left_while_queu
 
     async def scenario() -> None:
         server_end, engine_end = multiprocessing.Pipe()
-        engine = ProcessEngine(SimpleNamespace(conn=server_end, process=OpenProcess()))
+        engine = ProcessEngine(SimpleNamespace(conn=server_end, process=ExitingProcess()))
         try:
             streaming = asyncio.create_task(engine.submit("streaming", [1], tokens(4)))
             gone = asyncio.create_task(engine.submit("gone", [1], tokens(4)))
@@ -466,7 +452,7 @@ def test_a_request_submitted_as_the_pipe_breaks_fails_at_once() -> None:
 
     async def scenario() -> None:
         server_end, engine_end = multiprocessing.Pipe()
-        engine = ProcessEngine(SimpleNamespace(conn=server_end, process=OpenProcess()))
+        engine = ProcessEngine(SimpleNamespace(conn=server_end, process=ExitingProcess()))
         try:
             engine_end.close()
             with pytest.raises(RequestFailed):

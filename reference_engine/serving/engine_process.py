@@ -12,9 +12,9 @@ for bad input (the server then exits with that one line, as it would on a thread
 process runs an `EngineLoop` (async_engine.py) on its main thread. A reader thread puts the
 commands that arrive on the pipe (add, abort, end all, stop) on the loop's queue, and the loop
 sends each turn's events and totals back in one message (`turn_bytes`). The process's
-interpreter switches threads every COMMAND_SWITCH_S rather than Python's default 5 ms: the reader, woken by a
-command while the loop steps, waits that long for the lock, and a new request waits for its
-reader before its next turn admits it. `ProcessEngine`, on the event loop,
+interpreter switches threads every COMMAND_SWITCH_S rather than Python's default 5 ms: the
+reader, woken by a command while the loop steps, waits that long for the lock, and a new
+request waits for its reader before its next turn admits it. `ProcessEngine`, on the event loop,
 reads the pipe when it is readable and hands each turn to `AsyncEngine.receive`.
 
 The process ignores SIGINT and SIGTERM: a Ctrl-C in a terminal reaches the whole process group,
@@ -230,9 +230,8 @@ def _sequence_state(seq: Sequence) -> tuple:
     and oracle, and without what only the engine reads: the verify width's recent counts and
     the cache of `spec`, which counts the step records again when read (counters pickle and
     load through Python calls). The engine's sequence keeps all of them."""
-    state = seq.__dict__.copy()
+    _, (state,) = seq.__reduce__()  # a copy of its fields, its step records as tuples
     state.update(oracle=None, generator=None, recent=None, _spec=None)
-    state["steps"] = [tuple(step) for step in seq.steps]
     return (_arrived, (state,))
 
 

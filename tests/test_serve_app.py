@@ -278,6 +278,26 @@ async def answered(parsed: ParsedRequest, turns: list[list[tuple]], error: Excep
     return reply, engine, server
 
 
+async def answered_paced(parsed: ParsedRequest, turns: list[list[tuple]], **server):
+    """`answered`'s SSE events and server when the stream reads each turn's chunk before the
+    next turn arrives (a stream that keeps up with the engine); `parsed.stream` is set."""
+    engine = ScriptedEngine()
+    server = scripted_server(engine, **server)
+    generation = await started(server, engine, parsed)
+    rid, stream, sent, ended = generation.request_id, sse_reply(server, generation), [], False
+    try:
+        for outputs in turns:
+            engine.receive([out(rid, *o) for o in outputs], EngineTotals())
+            if not ended:  # past its finish the stream drops the turns until the end
+                sent.append(await anext(stream))
+                ended = sse_events(sent[-1:])[0]["choices"][0]["finish_reason"] is not None
+        engine.receive([("end", rid, None, None)], EngineTotals())
+        sent.extend([s async for s in stream])
+    finally:
+        generation.close()
+    return sse_events(sent), server
+
+
 def entries(ids: list[int]) -> list[dict[int, float]]:
     """Top-2 logprobs for each of `ids`: the token's own and another's."""
     return [{t: -0.5, (t + 1) % len(VOCAB): -1.5} for t in ids]
@@ -402,7 +422,7 @@ def test_a_streamed_chat_reply_names_the_role_once_and_carries_usage_only_as_ask
     turns = [[([0, 1], None, 1.0)], [([2], None, 2.0)], [([3], "length", 3.0)]]
     for continuous in (False, True):
         parsed = parsed_request(chat=True, stream=True, include_usage=True, continuous_usage=continuous)
-        reply, _, _ = asyncio.run(answered(parsed, turns))
+        reply, _ = asyncio.run(answered_paced(parsed, turns))
         chunks = [e for e in reply[:-1] if e["choices"]]
         assert ["role" in c["choices"][0]["delta"] for c in chunks] == [True, False, False]
         if continuous:
@@ -410,6 +430,67 @@ def test_a_streamed_chat_reply_names_the_role_once_and_carries_usage_only_as_ask
         else:
             assert not any("usage" in c for c in chunks)
         assert reply[-2]["choices"] == [] and reply[-2]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stop", [(), ("o w",), ("ld!",), ("ND\n",)])
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_the_steps_a_stream_fell_behind_by_reach_it_as_one_chunk_of_what_one_a_step_carries(
+    chat: bool, stop: tuple[str, ...], logprobs: int | None
+) -> None:
+    """Turns that wait for a stream (its reply still writing the chunk before) come out as
+    one chunk: the same text, ids, logprobs, finish and usage as one chunk a turn, and the
+    server's metrics count each turn's tokens at the time the engine committed them."""
+    times = [1.0, 1.5, 2.5, 2.75, 4.0]
+    steps = [[0, 1], [2], [3, 4], [5], [6, 7]]
+    turns = [
+        [(ids, "length" if k == len(steps) - 1 else None, at, entries(ids) if logprobs else None)]
+        for k, (ids, at) in enumerate(zip(steps, times))
+    ]
+    parsed = parsed_request(
+        chat=chat,
+        stop=stop,
+        logprobs=logprobs,
+        stream=True,
+        include_usage=True,
+        params=SamplingParams(max_tokens=8),
+    )
+    behind, behind_server = asyncio.run(answered(parsed, turns))[::2]
+    paced, paced_server = asyncio.run(answered_paced(parsed, turns))
+
+    def read(reply: list) -> tuple:
+        choices = [e["choices"][0] for e in reply[:-1] if e["choices"]]
+        texts = [c["delta"].get("content", "") if chat else c["text"] for c in choices]
+        top = [
+            entry
+            for c in choices
+            if c["logprobs"]
+            for entry in c["logprobs"]["top_logprobs" if not chat else "content"]
+        ]
+        return (
+            "".join(texts),
+            [t for c in choices for t in c["token_ids"]],
+            top,
+            [c["finish_reason"] for c in choices if c["finish_reason"]],
+            reply[-2]["usage"],
+        )
+
+    assert read(behind) == read(paced)
+    assert len([e for e in behind[:-1] if e["choices"]]) == 1
+    assert len([e for e in paced[:-1] if e["choices"]]) > 1
+    counted = [
+        "dflash:generation_tokens_total",
+        "dflash:time_to_first_token_seconds_sum",
+        "dflash:inter_token_latency_seconds_count",
+        "dflash:inter_token_latency_seconds_sum",
+    ]
+    assert [value(metrics_page(behind_server), name) for name in counted] == [
+        value(metrics_page(paced_server), name) for name in counted
+    ]
+    if not stop:
+        assert value(metrics_page(behind_server), "dflash:inter_token_latency_seconds_sum") == pytest.approx(
+            3.0
+        )
 
 
 def test_a_request_that_ends_without_a_finish_reason_is_reported_as_aborted() -> None:

@@ -3,9 +3,10 @@ stream of events (`Generation.events`) from which both replies are made (replies
 streamed and a non-streamed reply to the same request cannot disagree.
 
 The events, in order:
-- `Tokens`: output text and ids that are settled (stop_strings.py), with their logprobs. The
-  one that a stop string cuts carries finish_reason "stop" and aborts the request; the
-  engine's tokens after it are dropped until the abort lands.
+- `Tokens`: output text and ids that are settled (stop_strings.py), with their logprobs: one
+  for the engine's step outputs that wait when the stream reads (one a step while the stream
+  keeps up). The one that a stop string cuts carries finish_reason "stop" and aborts the
+  request; the engine's tokens after it are dropped until the abort lands.
 - then exactly one `Done` (the engine's sequence: usage and spec_decode) or `Failed` (the
   engine failed the request: 500; the server shut down before it finished: 503).
 
@@ -96,16 +97,25 @@ class Generation:
         return cls(server, request_id, parsed, queue, counted)
 
     async def events(self) -> AsyncIterator[Event]:
-        """The request's events until its end (read once)."""
+        """The request's events until its end (read once). The step outputs waiting when the
+        stream reads its queue make one `Tokens` (a stream that fell behind the engine, its
+        event loop busy with other requests, catches up in one chunk rather than one a step;
+        the text and ids are those of one chunk a step, stop_strings.py)."""
+        queue = self.queue
         while True:
-            item = await self.queue.get()
+            item = await queue.get()
+            outs: list[StepOutput] = []
+            while not isinstance(item, Finished):
+                outs.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            if outs and not self.text.stopped:  # stopped: drop what comes until the abort lands
+                yield self._tokens(outs)
             if isinstance(item, Finished):
                 self.counted.finish(_ended(item))
                 yield _last(item)
                 return
-            if self.text.stopped:
-                continue  # cut at a stop string: drop what comes until the abort lands
-            yield self._tokens(item)
 
     def close(self) -> None:
         """Called however the reply ended; a client gone leaves the request unfinished."""
@@ -113,17 +123,26 @@ class Generation:
             self.server.lifecycle.runner.abort(self.request_id)
             self.counted.finish("abort")
 
-    def _tokens(self, out: StepOutput) -> Tokens:
-        text, ids = self.text.push(out.new_token_ids, out.finished)
-        self.counted.delivered(len(ids), out.time_s)
-        finish = out.finish_reason
+    def _tokens(self, outs: list[StepOutput]) -> Tokens:
+        """The `Tokens` of consecutive step outputs (only the last can be the request's
+        final one); each step's tokens are counted as delivered at its own time."""
+        last = outs[-1]
+        new_ids = last.new_token_ids if len(outs) == 1 else [t for out in outs for t in out.new_token_ids]
+        text, ids = self.text.push(new_ids, last.finished)
+        left = len(ids)  # fewer than new_ids where a stop string cut them
+        for out in outs:
+            count = min(len(out.new_token_ids), left)
+            self.counted.delivered(count, out.time_s)
+            left -= count
+        logprobs = [entry for out in outs for entry in out.new_logprobs or ()][: len(ids)]
+        finish = last.finish_reason
         if self.text.stopped:
             finish = "stop"
             self.counted.finish(finish)
             self.server.lifecycle.runner.abort(self.request_id)
-        elif out.finished:
+        elif last.finished:
             self.counted.finish(finish)
-        return Tokens(text, ids, (out.new_logprobs or [])[: len(ids)], finish)
+        return Tokens(text, ids, logprobs, finish)
 
 
 def _ended(item: Finished) -> str:

@@ -649,10 +649,6 @@ def test_a_step_that_raises_reaches_the_client_as_one_engine_error(pair) -> None
     assert str(error) == "engine error: RuntimeError: broken step"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Generation.events makes an end with an error Failed even after a stop string ended the reply",
-)
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "error",

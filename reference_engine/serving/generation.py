@@ -8,7 +8,8 @@ The events, in order:
   keeps up). The one that a stop string cuts carries finish_reason "stop" and aborts the
   request; the engine's tokens after it are dropped until the abort lands.
 - then exactly one `Done` (the engine's sequence: usage and spec_decode) or `Failed` (the
-  engine failed the request: 500; the server shut down before it finished: 503).
+  engine failed the request: 500; the server shut down before it finished: 503). A reply that
+  a stop string ended gets `Done` whatever ends the request after it.
 
 The request's metrics (metrics.py `RequestMetrics`) are fed here as each event is made: only
 here is it known how the request ended for its client (a stop string cut, a client gone), and
@@ -114,7 +115,9 @@ class Generation:
                 yield self._tokens(outs)
             if isinstance(item, Finished):
                 self.counted.finish(_ended(item))
-                yield _last(item)
+                # a reply a stop string ended is whole: an error that reached the request
+                # before its abort landed (the engine failing it, a shutdown) is not its client's
+                yield Done(item.sequence) if self.text.stopped else _last(item)
                 return
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from starlette.routing import Route
 
 from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.sequence import Sequence
 from reference_engine.serving.app import INLINE_PARSE_BYTES, create_app
 from reference_engine.serving.args import ServeArgs
 from reference_engine.serving.async_engine import EngineTotals, RequestFailed, ShuttingDown
@@ -278,24 +279,35 @@ async def answered(parsed: ParsedRequest, turns: list[list[tuple]], error: Excep
     return reply, engine, server
 
 
-async def answered_paced(parsed: ParsedRequest, turns: list[list[tuple]], **server):
-    """`answered`'s SSE events and server when the stream reads each turn's chunk before the
-    next turn arrives (a stream that keeps up with the engine); `parsed.stream` is set."""
+async def paced(parsed, turns: list[list[tuple]], sequence: Sequence | None = None):
+    """The reply to one request (the SSE events when `parsed.stream`, else the whole reply)
+    read by the real reply generator while the engine runs: each turn (a list of `out`
+    arguments: ids, finish_reason, time_s, logprobs) reaches the request only once the reply
+    has read the one before, so every turn is a chunk of its own; then the request's end
+    with `sequence`."""
     engine = ScriptedEngine()
-    server = scripted_server(engine, **server)
+    server = scripted_server(engine)
     generation = await started(server, engine, parsed)
-    rid, stream, sent, ended = generation.request_id, sse_reply(server, generation), [], False
+    rid = generation.request_id
+    if parsed.stream:
+        reading = asyncio.ensure_future(_collect(sse_reply(server, generation)))
+    else:
+        reading = asyncio.ensure_future(full_reply(server, generation))
     try:
         for outputs in turns:
+            await asyncio.sleep(0)
             engine.receive([out(rid, *o) for o in outputs], EngineTotals())
-            if not ended:  # past its finish the stream drops the turns until the end
-                sent.append(await anext(stream))
-                ended = sse_events(sent[-1:])[0]["choices"][0]["finish_reason"] is not None
-        engine.receive([("end", rid, None, None)], EngineTotals())
-        sent.extend([s async for s in stream])
+            for _ in range(5):
+                await asyncio.sleep(0)
+        engine.receive([("end", rid, sequence, None)], EngineTotals())
+        reply = await asyncio.wait_for(reading, 5)
     finally:
         generation.close()
-    return sse_events(sent), server
+    return (sse_events(reply) if parsed.stream else reply), engine, server
+
+
+async def _collect(stream) -> list[str]:
+    return [s async for s in stream]
 
 
 def entries(ids: list[int]) -> list[dict[int, float]]:
@@ -422,7 +434,7 @@ def test_a_streamed_chat_reply_names_the_role_once_and_carries_usage_only_as_ask
     turns = [[([0, 1], None, 1.0)], [([2], None, 2.0)], [([3], "length", 3.0)]]
     for continuous in (False, True):
         parsed = parsed_request(chat=True, stream=True, include_usage=True, continuous_usage=continuous)
-        reply, _ = asyncio.run(answered_paced(parsed, turns))
+        reply, _, _ = asyncio.run(paced(parsed, turns))
         chunks = [e for e in reply[:-1] if e["choices"]]
         assert ["role" in c["choices"][0]["delta"] for c in chunks] == [True, False, False]
         if continuous:
@@ -456,7 +468,7 @@ def test_the_steps_a_stream_fell_behind_by_reach_it_as_one_chunk_of_what_one_a_s
         params=SamplingParams(max_tokens=8),
     )
     behind, behind_server = asyncio.run(answered(parsed, turns))[::2]
-    paced, paced_server = asyncio.run(answered_paced(parsed, turns))
+    paced_reply, _, paced_server = asyncio.run(paced(parsed, turns))
 
     def read(reply: list) -> tuple:
         choices = [e["choices"][0] for e in reply[:-1] if e["choices"]]
@@ -475,9 +487,9 @@ def test_the_steps_a_stream_fell_behind_by_reach_it_as_one_chunk_of_what_one_a_s
             reply[-2]["usage"],
         )
 
-    assert read(behind) == read(paced)
+    assert read(behind) == read(paced_reply)
     assert len([e for e in behind[:-1] if e["choices"]]) == 1
-    assert len([e for e in paced[:-1] if e["choices"]]) > 1
+    assert len([e for e in paced_reply[:-1] if e["choices"]]) > 1
     counted = [
         "dflash:generation_tokens_total",
         "dflash:time_to_first_token_seconds_sum",

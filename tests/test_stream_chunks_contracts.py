@@ -20,11 +20,11 @@ from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Sequence
 from reference_engine.serving.async_engine import EngineTotals
 from reference_engine.serving.protocol import chunk, full_response, logprobs_body, spec_summary, usage
-from reference_engine.serving.replies import EventStream, full_reply, respond, sse_reply
+from reference_engine.serving.replies import EventStream, respond
 from reference_engine.serving.stop_strings import REPLACEMENT, GrowingText, IncrementalText, StopStringText
 from reference_engine.tokenizer import load_tokenizer
 
-from .test_serve_app import VOCAB, metrics_page, parsed_request, scripted_server, sse_events, started
+from .test_serve_app import VOCAB, metrics_page, paced, parsed_request, scripted_server
 from .test_serve_engine_loop import ScriptedEngine, out
 from .test_serve_metrics import value
 
@@ -36,37 +36,6 @@ def tokenizer(tiny_checkpoint):
 
 def top2(ids: list[int]) -> list[dict[int, float]]:
     return [{t: -0.25, (t + 1) % len(VOCAB): -2.0} for t in ids]
-
-
-async def paced(parsed, turns: list[list[tuple]], sequence: Sequence | None = None):
-    """The reply to one request (the SSE events when `parsed.stream`, else the whole reply)
-    read by the real reply generator while the engine runs: each turn (a list of `out`
-    arguments: ids, finish_reason, time_s, logprobs) reaches the request only once the reply
-    has read the one before, so every turn is a chunk of its own; then the request's end
-    with `sequence`."""
-    engine = ScriptedEngine()
-    server = scripted_server(engine)
-    generation = await started(server, engine, parsed)
-    rid = generation.request_id
-    if parsed.stream:
-        reading = asyncio.ensure_future(_collect(sse_reply(server, generation)))
-    else:
-        reading = asyncio.ensure_future(full_reply(server, generation))
-    try:
-        for outputs in turns:
-            await asyncio.sleep(0)
-            engine.receive([out(rid, *o) for o in outputs], EngineTotals())
-            for _ in range(5):
-                await asyncio.sleep(0)
-        engine.receive([("end", rid, sequence, None)], EngineTotals())
-        reply = await asyncio.wait_for(reading, 5)
-    finally:
-        generation.close()
-    return (sse_events(reply) if parsed.stream else reply), engine, server
-
-
-async def _collect(stream) -> list[str]:
-    return [s async for s in stream]
 
 
 def choices(events: list) -> list[dict]:

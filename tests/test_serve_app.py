@@ -255,18 +255,25 @@ def metrics_page(server) -> dict:
     return samples(server.metrics.render(EngineTotals())[0])
 
 
-async def answered(parsed: ParsedRequest, turns: list[list[tuple]], error: Exception | None = None, **server):
+async def answered(
+    parsed: ParsedRequest,
+    turns: list[list[tuple]],
+    error: Exception | None = None,
+    sequence: Sequence | None = None,
+    **server,
+):
     """The reply to one request (whole, or its error; or its SSE events when `parsed.stream`)
     whose engine turns are `turns` (each a list of `out` arguments: ids, finish_reason,
-    time_s, logprobs), then its end (with `error`); with the scripted engine and the server
-    (`server`: scripted_server's fields)."""
+    time_s, logprobs), all delivered before the reply reads, then its end (with `sequence`
+    and `error`); with the scripted engine and the server (`server`: scripted_server's
+    fields)."""
     engine = ScriptedEngine()
     server = scripted_server(engine, **server)
     generation = await started(server, engine, parsed)
     rid = generation.request_id
     for outputs in turns:
         engine.receive([out(rid, *o) for o in outputs], EngineTotals())
-    engine.receive([("end", rid, None, error)], EngineTotals())
+    engine.receive([("end", rid, sequence, error)], EngineTotals())
     try:
         if parsed.stream:
             reply = sse_events([s async for s in sse_reply(server, generation)])

@@ -36,12 +36,18 @@ from reference_engine.serving.async_engine import (
     ThreadEngine,
 )
 from reference_engine.serving.engine_process import ProcessEngine, turn_bytes, turn_events
-from reference_engine.serving.protocol import ParsedRequest, ProtocolError
-from reference_engine.serving.replies import full_reply, respond, sse_reply
+from reference_engine.serving.protocol import ProtocolError
+from reference_engine.serving.replies import respond
 
 from .poison import POISON, poisoned
-from .test_serve_app import VOCAB, metrics_page, parsed_request, scripted_server, sse_events, started
-from .test_serve_engine_loop import ExitingProcess, ScriptedEngine, out
+from .test_serve_app import (
+    VOCAB,
+    answered,
+    metrics_page,
+    parsed_request,
+    scripted_server,
+)
+from .test_serve_engine_loop import ExitingProcess
 from .test_serve_metrics import value
 
 
@@ -465,35 +471,6 @@ def test_a_request_submitted_as_the_pipe_breaks_fails_at_once() -> None:
 
 
 # ------------------------------------------------------------------ the replies
-async def replied(
-    parsed: ParsedRequest,
-    turns: list[list[tuple]],
-    sequence: Sequence | None = None,
-    error: Exception | None = None,
-):
-    """The reply to one request (the whole response or its ProtocolError; the SSE events when
-    `parsed.stream`) made by the real reply generators from the asyncio side of an engine
-    that delivers `turns` (each a list of `out` arguments: ids, finish_reason, time_s,
-    logprobs), then the request's end with `sequence` and `error`."""
-    engine = ScriptedEngine()
-    server = scripted_server(engine)
-    generation = await started(server, engine, parsed)
-    rid = generation.request_id
-    for outputs in turns:
-        engine.receive([out(rid, *o) for o in outputs], EngineTotals())
-    engine.receive([("end", rid, sequence, error)], EngineTotals())
-    try:
-        if parsed.stream:
-            reply = sse_events([s async for s in sse_reply(server, generation)])
-        else:
-            reply = await full_reply(server, generation)
-    except ProtocolError as exc:
-        reply = exc
-    finally:
-        generation.close()
-    return reply, engine, server
-
-
 def streamed_choices(reply: list) -> list[dict]:
     return [e["choices"][0] for e in reply[:-1] if "choices" in e and e["choices"]]
 
@@ -514,7 +491,7 @@ def test_streamed_completions_logprobs_continue_the_text_offsets_of_the_chunks_b
     completion, chunk after chunk, as the whole reply counts them."""
     for stream in (True, False):
         parsed = parsed_request(stream=stream, logprobs=1, params=SamplingParams(max_tokens=5))
-        reply, _, _ = asyncio.run(replied(parsed, THREE_TURNS))
+        reply, _, _ = asyncio.run(answered(parsed, THREE_TURNS))
         if stream:
             offsets = [o for c in streamed_choices(reply) for o in c["logprobs"]["text_offset"]]
         else:
@@ -526,11 +503,11 @@ def test_a_whole_reply_has_the_logprobs_of_every_chunk() -> None:
     """The whole reply gathers the logprobs of every chunk the engine sent, one entry per
     token, in order, as the streamed reply sends them."""
     parsed = parsed_request(logprobs=1, params=SamplingParams(max_tokens=5))
-    whole, _, _ = asyncio.run(replied(parsed, THREE_TURNS))
+    whole, _, _ = asyncio.run(answered(parsed, THREE_TURNS))
     lp = whole["choices"][0]["logprobs"]
     assert lp["tokens"] == ["Hel", "lo", " wo", "rld", "!"] and lp["token_logprobs"] == [-0.25] * 5
     assert whole["choices"][0]["token_ids"] == [0, 1, 2, 3, 4]
-    streamed, _, _ = asyncio.run(replied(parsed_request(stream=True, logprobs=1), THREE_TURNS))
+    streamed, _, _ = asyncio.run(answered(parsed_request(stream=True, logprobs=1), THREE_TURNS))
     top = [t for c in streamed_choices(streamed) for t in c["logprobs"]["top_logprobs"]]
     assert top == lp["top_logprobs"]
 
@@ -540,7 +517,7 @@ def test_chat_logprobs_without_top_logprobs_give_each_tokens_own_logprob(stream:
     """A chat request with `logprobs: true` and no `top_logprobs` (logprobs 0) gets each
     token's own logprob and no alternatives, streamed or whole."""
     parsed = parsed_request(chat=True, stream=stream, logprobs=0, params=SamplingParams(max_tokens=5))
-    reply, _, _ = asyncio.run(replied(parsed, THREE_TURNS))
+    reply, _, _ = asyncio.run(answered(parsed, THREE_TURNS))
     if stream:
         content = [entry for c in streamed_choices(reply) for entry in c["logprobs"]["content"]]
     else:
@@ -567,16 +544,18 @@ def test_both_replies_carry_the_requests_spec_decode_summary() -> None:
         "acceptance_lengths": [2, 3],
         "fallback_reason": "low_acceptance",
     }
-    whole, _, _ = asyncio.run(replied(parsed_request(), turns, speculative_sequence()))
+    whole, _, _ = asyncio.run(answered(parsed_request(), turns, sequence=speculative_sequence()))
     assert whole["spec_decode"] == want
     streamed, _, _ = asyncio.run(
-        replied(parsed_request(stream=True, include_usage=True), turns, speculative_sequence())
+        answered(parsed_request(stream=True, include_usage=True), turns, sequence=speculative_sequence())
     )
     assert streamed[-2]["choices"] == [] and streamed[-2]["spec_decode"] == want
     plain = Sequence("r", [0, 1], SamplingParams(max_tokens=5), frozenset(), 0.0, False)
     for seq in (plain, None):
-        whole, _, _ = asyncio.run(replied(parsed_request(), turns, seq))
-        streamed, _, _ = asyncio.run(replied(parsed_request(stream=True, include_usage=True), turns, seq))
+        whole, _, _ = asyncio.run(answered(parsed_request(), turns, sequence=seq))
+        streamed, _, _ = asyncio.run(
+            answered(parsed_request(stream=True, include_usage=True), turns, sequence=seq)
+        )
         assert "spec_decode" not in whole and "spec_decode" not in streamed[-2]
         assert streamed[-2]["usage"]["completion_tokens"] == 5
 
@@ -584,27 +563,27 @@ def test_both_replies_carry_the_requests_spec_decode_summary() -> None:
 def test_a_whole_completion_names_its_prompts_token_ids() -> None:
     """The whole completions reply's choice carries the prompt's token ids."""
     parsed = parsed_request(prompt_ids=[4, 2, 7])
-    whole, _, _ = asyncio.run(replied(parsed, [[([0], "length", 1.0)]]))
+    whole, _, _ = asyncio.run(answered(parsed, [[([0], "length", 1.0)]]))
     assert whole["choices"][0]["prompt_token_ids"] == [4, 2, 7]
     assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_failure_reaches_the_client_as_an_engine_error(stream: bool) -> None:
-    """A request the engine failed gets a 500 whose message names it an engine error and
-    gives the engine's reason, whole or as the stream's error event before [DONE]."""
-    reply, _, _ = asyncio.run(
-        replied(
-            parsed_request(stream=stream), [[([0, 1], None, 1.0)]], error=RequestFailed("numerical failure")
+    """A request the engine failed gets a 500 whose message is the engine loop's reason as
+    it stands (the engine's own "engine error: ..."; what ended the loop), whole or as the
+    stream's error event before [DONE]."""
+    for reason in ("engine error: FloatingPointError: numerical failure", "the engine process stopped"):
+        reply, _, _ = asyncio.run(
+            answered(parsed_request(stream=stream), [[([0, 1], None, 1.0)]], error=RequestFailed(reason))
         )
-    )
-    if stream:
-        error = reply[-2]["error"]
-        assert reply[-1] == "[DONE]" and (error["code"], error["type"]) == (500, "server_error")
-        assert error["message"] == "engine error: numerical failure"
-    else:
-        assert isinstance(reply, ProtocolError) and reply.status == 500
-        assert str(reply) == "engine error: numerical failure"
+        if stream:
+            error = reply[-2]["error"]
+            assert reply[-1] == "[DONE]" and (error["code"], error["type"]) == (500, "server_error")
+            assert error["message"] == reason
+        else:
+            assert isinstance(reply, ProtocolError) and reply.status == 500
+            assert str(reply) == reason
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -613,7 +592,7 @@ def test_the_last_output_releases_the_text_held_back_for_a_stop_string(stream: b
     with its last output when no stop string came: the reply ends with it, whole or
     streamed."""
     parsed = parsed_request(stream=stream, stop=("!!",), params=SamplingParams(max_tokens=3))
-    reply, _, _ = asyncio.run(replied(parsed, [[([0], None, 1.0)], [([1, 4], "length", 2.0)]]))
+    reply, _, _ = asyncio.run(answered(parsed, [[([0], None, 1.0)], [([1, 4], "length", 2.0)]]))
     if stream:
         choices = streamed_choices(reply)
         text, finish = "".join(c["text"] for c in choices), choices[-1]["finish_reason"]
@@ -662,7 +641,7 @@ def test_a_reply_a_stop_string_ended_stays_complete_whatever_ends_the_request_af
     the request aborted); an error on the request's end that comes before the abort lands (the
     engine failing it, or the shutdown's deadline) does not turn that reply into an error."""
     parsed = parsed_request(stream=stream, stop=("o w",), params=SamplingParams(max_tokens=16))
-    reply, engine, server = asyncio.run(replied(parsed, [[([0, 1, 2, 3], None, 1.0)]], error=error))
+    reply, engine, server = asyncio.run(answered(parsed, [[([0, 1, 2, 3], None, 1.0)]], error=error))
     assert engine.sent[-1] == ("abort", "cmpl-1")
     page = metrics_page(server)
     assert value(page, "dflash:request_success_total", finish_reason="stop") == 1

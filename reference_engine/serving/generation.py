@@ -160,12 +160,8 @@ def _last(item: Finished) -> Done | Failed:
     if isinstance(item.error, ShuttingDown):
         return Failed(ProtocolError(str(item.error), None, 503, "service_unavailable"))
     if item.error is not None:
-        # a step or a request's own work that raised says so already ("engine error: ...")
-        reason = str(item.error)
-        if not reason.startswith(ENGINE_ERROR):
-            reason = ENGINE_ERROR + reason
-        return Failed(ProtocolError(reason, None, 500, "server_error"))
+        # the engine loop's reason is the client's message as it stands: the engine's own
+        # failures say "engine error: ..." (runtime/outputs.py, async_engine.py), the loop's
+        # end says what ended it ("the engine process stopped")
+        return Failed(ProtocolError(str(item.error), None, 500, "server_error"))
     return Done(item.sequence)
-
-
-ENGINE_ERROR = "engine error: "  # how a failure the engine reports starts, once

@@ -201,3 +201,78 @@ def test_a_step_that_raises_drops_the_first_tokens_it_left(pair, monkeypatch: py
     assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([], "error")]
     seq = engine.collect("r")
     assert seq.pending is None and seq.output_ids == [] and seq.first_token_s is None
+
+
+def run_ordered(engine: Engine, target: CausalLM, defer: bool, after: bool) -> tuple[dict, list[list[str]]]:
+    """`requests` through an engine whose prompt chunks run before or after the running
+    requests' forwards (`Engine.prefill_after_step`): each request's tokens as streamed, output
+    and finish reason, and each step's forwards in the order the runner got them
+    ("prefill <id>" for a prompt chunk, "decode <ids>" and "verify <ids>" for the running rows)."""
+    engine.prefill.defer_first, engine.prefill_after_step = defer, after
+    runner, calls = engine.runner, []
+
+    def ids(slots) -> str:
+        owner = {seq.slot: seq.request_id for seq in engine.scheduler.active.values()}
+        return " ".join(sorted(owner[int(slot)] for slot in slots))
+
+    def logged(name: str, method, slots_of):
+        def call(*args, **kwargs):
+            calls[-1].append(f"{name} {ids(slots_of(*args))}")
+            return method(*args, **kwargs)
+
+        return call
+
+    runner.prefill = logged("prefill", runner.prefill, lambda ids, start, slot, spec: [slot])
+    runner.decode = logged("decode", runner.decode, lambda ids, positions, slots, kv_len: slots.tolist())
+    runner.verify = logged("verify", runner.verify, lambda block, positions, slots, *rest: slots.tolist())
+    todo = requests(target)
+    streamed: dict[str, list[int]] = {}
+    step = 0
+    while todo or engine.has_unfinished():
+        for entry in [e for e in todo if e[0] <= step]:
+            _, rid, prompt, params, continuation = entry
+            oracle = OracleProposer(continuation, [2, 5, 0], VOCAB) if continuation else None
+            engine.add_request(rid, prompt, params, oracle=oracle)
+            todo.remove(entry)
+        calls.append([])
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+        assert step < 300
+    seqs = {rid: engine.collect(rid) for rid in streamed}
+    return {rid: (streamed[rid], seq.output_ids, seq.finish_reason) for rid, seq in seqs.items()}, calls
+
+
+@pytest.mark.parametrize("mode", ["plain", "dflash", "dflash-captured"])
+@pytest.mark.parametrize("defer", [False, True])
+def test_prompt_chunks_queued_after_the_running_rows_change_no_output(pair, mode: str, defer: bool) -> None:
+    """With `prefill_after_step` (the default on CUDA) a step's prompt chunks run after the
+    running requests' decode or verify, and a request whose prompt is in runs its first decode
+    or verify in the next step: every request gets the tokens and finish reason it gets with
+    the chunks first (plain greedy's for the greedy ones), a request never runs a chunk and a
+    decode or verify in one step, and no step runs a chunk before its running rows' forwards."""
+    target, draft = pair
+
+    def engine() -> Engine:
+        e = make_engine(target, None if mode == "plain" else draft, max_num_seqs=3, prefill_chunk=16)
+        if mode == "dflash-captured":
+            _as_if_captured(e)
+            e.speculative_step.draft_ahead = True
+        return e
+
+    first, _ = run_ordered(engine(), target, defer, after=False)
+    after, calls = run_ordered(engine(), target, defer, after=True)
+    assert after == first
+    for _, rid, prompt, params, _ in requests(target):
+        if params.greedy and params.logprobs is None:
+            assert after[rid][1] == reference(target, prompt, params), rid
+    prefilled = set()
+    for step in calls:
+        kinds = [call.split(" ")[0] for call in step]
+        assert kinds == sorted(kinds, key=lambda kind: kind == "prefill"), step  # chunks last
+        chunks = {call.split(" ")[1] for call in step if call.startswith("prefill")}
+        rows = {rid for call in step if not call.startswith("prefill") for rid in call.split(" ")[1:]}
+        assert not chunks & rows, step
+        assert rows <= prefilled, step  # a row's prompt went in at an earlier step
+        prefilled |= chunks
+    assert len(prefilled) == len(requests(target))

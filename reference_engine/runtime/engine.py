@@ -190,11 +190,6 @@ class Engine:
         # on CUDA a greedy request's first token is read with its first step's results
         defer_first = self.device.type == "cuda"
         self.prefill = Prefill(self.runner, self.state, self.timer, config.prefill_chunk, defer_first)
-        # on CUDA a step queues its prompt chunks after the running requests' forwards, so that
-        # the device runs them while the host records the step and lays out the next one; a
-        # request whose last chunk runs in a step then runs its first decode or verify in the
-        # next (docs/engine.md, "Chunked prefill")
-        self.prefill_after_step = self.device.type == "cuda"
         if self.memory is not None:
             graphs = torch.cuda.memory_allocated(self.device) - before - self.memory.state
             line = f"{self.memory.describe()}; CUDA graphs {graphs / GiB:.2f} GiB"
@@ -343,10 +338,8 @@ class Engine:
             for seq in admitted:
                 if seq.cell is not None:
                     self.state.place(seq.slot, seq.cell)
-        prefilling = self.scheduler.prefilling()
-        if not self.prefill_after_step:
-            with self.timer.phase("prefill"):
-                self.prefill(prefilling, outputs)
+        with self.timer.phase("prefill"):
+            self.prefill(self.scheduler.prefilling(), outputs)
         running = self.scheduler.running()
         plain = [s for s in running if not s.speculative]
         spec = [s for s in running if s.speculative]
@@ -368,10 +361,6 @@ class Engine:
                 same_rows = not self.scheduler.may_join_next()
                 commits = self.speculative_step(spec, width, same_rows_next=same_rows)
                 self.verify_widths[width] += 1  # a step that ran (one that raised is not counted)
-        if self.prefill_after_step:  # queued behind the step's commit, before its records
-            with self.timer.phase("prefill"):
-                self.prefill(prefilling, outputs)
-        if spec:
             for seq, commit in zip(spec, commits):
                 if seq.pending is None or self.emit_first(seq, outputs):
                     self._record_speculative(seq, commit, outputs, drafted=width > 0)

@@ -8,10 +8,9 @@ raises is retried row by row from reset slots, so that a failing request fails a
 A request's first token is the argmax (or a sample) of its last chunk's logits. Reading it
 at once makes the host wait for the prefill's forward and everything queued before it, with
 the device idle behind that wait while the host then lays out the step's other forwards.
-With `defer_first` (on CUDA) a greedy request's first token stays on the device: the
-request's first decode or speculative step (on CUDA the step after its last chunk, which runs
-after that step's forwards: Engine.prefill_after_step) takes its input token from the device
-(`transfer.place_tokens`), and the engine emits the token after that step's one read
+With `defer_first` (on CUDA) a greedy request's first token stays on the device: the request
+runs in this very step's decode or speculative step, which takes its input token from the
+device (`transfer.place_tokens`), and the engine emits the token after that step's one read
 (`Engine.emit_first`), without a wait of its own. Its output is the same: only when the
 token is known on the host changes. A request that stops at its first token (max_tokens 1)
 reads it at once; one whose first token is a stop token still runs that step, and the

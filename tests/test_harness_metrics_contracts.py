@@ -233,11 +233,6 @@ def test_an_error_member_ends_the_stream_whatever_its_value() -> None:
     assert not record.success and record.error.startswith("server error in stream")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client.py StreamReader.event fails a chunk whose `error` member is null; "
-    "harness compare's reader (answer.py _no_error) reads the same chunk as no error",
-)
 def test_a_null_error_member_beside_a_token_is_no_error() -> None:
     """A stream whose chunks carry `"error": null` beside their tokens reports no error: both
     readers of it (`harness compare`'s and the benchmark client's, over HTTP) read the whole

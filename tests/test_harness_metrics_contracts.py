@@ -37,6 +37,7 @@ from harness.workloads import Prompt, arrival_times, mixed_long, synthetic
 
 from . import openai_stub
 from .sse_stub import Script, serve
+from .test_harness_metrics import record
 from .test_harness_prometheus import counters
 from .test_harness_sse import both_readers, serve_stream, stream_body
 
@@ -44,28 +45,10 @@ from .test_harness_sse import both_readers, serve_stream, stream_body
 # run metrics
 
 
-def done(index: int, ttft: float, gaps: list[float], tokens: list[int], group: str | None = None):
-    """A completed request: a first token at `ttft`, then chunks of `tokens` after `gaps`."""
-    times = [ttft]
-    for gap in gaps:
-        times.append(times[-1] + gap)
-    return RequestRecord(
-        index,
-        0.0,
-        success=True,
-        ttft_s=ttft,
-        e2e_s=times[-1],
-        chunk_times_s=times,
-        chunk_tokens=[1, *tokens],
-        output_tokens=1 + sum(tokens),
-        group=group,
-    )
-
-
 def test_a_run_of_zero_duration_reports_no_rates_and_raises_nothing() -> None:
     """A measured phase that took no time (a clock that did not move) has no rate: the
     request, token and concurrency rates and the goodput read NaN, the latencies stay."""
-    row = calculate_metrics([done(0, 0.01, [0.004], [2])], 0.0, {"ttft": 100.0})
+    row = calculate_metrics([record(0, None, 0.01, [0.004], [2])], 0.0, {"ttft": 100.0})
     for key in (
         "request_throughput",
         "output_tokens_per_s",
@@ -79,7 +62,7 @@ def test_a_run_of_zero_duration_reports_no_rates_and_raises_nothing() -> None:
 def test_a_failed_request_adds_nothing_to_its_groups_latencies() -> None:
     """A request of a group that failed after streaming tokens (its TTFT and gaps recorded) is
     left out of that group's TTFT and ITLs, as it is of the run's."""
-    ok = done(0, 0.010, [0.004], [2], group="long")
+    ok = record(0, "long", 0.010, [0.004], [2])
     cut = RequestRecord(1, 0.0, success=False, error="cut", ttft_s=0.5, e2e_s=0.9, group="long")
     cut.chunk_times_s, cut.chunk_tokens, cut.output_tokens = [0.5, 0.9], [1, 1], 2
     row = calculate_metrics([ok, cut], 1.0)
@@ -92,7 +75,7 @@ def test_a_request_not_marked_successful_is_failed_whatever_its_error_says() -> 
     """`failed` is every request that did not succeed: one left without an error text (never
     settled) counts as failed, not as nothing."""
     unsettled = RequestRecord(1, 0.0)
-    row = calculate_metrics([done(0, 0.01, [0.004], [1]), unsettled], 1.0)
+    row = calculate_metrics([record(0, None, 0.01, [0.004], [1]), unsettled], 1.0)
     assert (row["completed"], row["failed"]) == (1, 1)
 
 

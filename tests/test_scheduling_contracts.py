@@ -49,15 +49,21 @@ def ids(seqs) -> list[str]:
 
 
 # ------------------------------------------------------------------ admission and the queue
+def finished(s: Scheduler, rid: str) -> Sequence:
+    """Request `rid` queued, admitted and finished by its step ("length"), not collected yet."""
+    s.queue(seq(rid))
+    (request,) = s.admit()
+    request.finish_reason = "length"
+    s.finish_done()
+    return request
+
+
 def test_a_finished_id_is_a_duplicate_until_it_is_collected_and_collect_forgets_it() -> None:
     """check_new refuses the id of a request that finished but was not collected yet; after
     collect the id is free again, and a second collect of it is refused."""
     s = plain_scheduler(2)
     s.check_new("a")
-    s.queue(seq("a"))
-    (a,) = s.admit()
-    a.finish_reason = "length"
-    s.finish_done()
+    a = finished(s, "a")
     with pytest.raises(RequestError, match="duplicate request id 'a'"):
         s.check_new("a")
     assert s.collect("a") is a
@@ -162,10 +168,7 @@ def test_a_finished_request_cannot_be_aborted_and_keeps_its_finish_reason() -> N
     """Once finished a request is no longer live: abort refuses it as unknown and its finish
     reason stays the one its step set; it stays collectable."""
     s = plain_scheduler(2)
-    s.queue(seq("a"))
-    (a,) = s.admit()
-    a.finish_reason = "length"
-    s.finish_done()
+    a = finished(s, "a")
     with pytest.raises(RequestError, match="unknown request id 'a'"):
         s.abort("a")
     assert a.finish_reason == "length" and s.collect("a") is a

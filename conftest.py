@@ -13,11 +13,12 @@ never modify the directory it gets; copy it first (`copy_checkpoint`) to corrupt
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,18 @@ def _checkpoint_name(arch: str, options: dict[str, Any]) -> str:
             value = str(value).removeprefix("torch.")
         parts.append(f"{key}-{value}")
     return "_".join(parts)
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A fresh event loop for a test that drives a connection's protocol by hand; its tasks
+    are cancelled and it is closed after the test."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
 
 
 @pytest.fixture(scope="session")

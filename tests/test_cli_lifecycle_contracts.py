@@ -204,16 +204,6 @@ def run_for(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
     loop.run_until_complete(asyncio.sleep(seconds))
 
 
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    for task in asyncio.all_tasks(loop):
-        task.cancel()
-    loop.run_until_complete(asyncio.sleep(0))
-    loop.close()
-
-
 POST_HEAD = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
     b"Content-Type: application/json\r\nContent-Length: 40\r\n\r\n"

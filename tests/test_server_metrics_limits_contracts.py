@@ -257,16 +257,6 @@ def test_plain_json_is_decoded_as_it_is() -> None:
 
 
 # ------------------------------------------------------------------ one connection
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    for task in asyncio.all_tasks(loop):
-        task.cancel()
-    loop.run_until_complete(asyncio.sleep(0))
-    loop.close()
-
-
 def answer_of(written: bytes) -> tuple[h11.Response, bytes, bool]:
     """The one response in `written`, parsed as a client would, its body and whether it
     was followed by anything else."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from .client import Endpoint
-from .sse import event_data
+from .sse import event_data, server_error
 
 # error class -> (exit status of `harness compare`, what it means); 0 is a pass, 1 a
 # difference between the answers, 2 bad arguments
@@ -309,8 +309,9 @@ def read_stream(body: bytes | str, chat: bool) -> Answer:
 
 
 def _no_error(data: dict, what: str) -> None:
-    if data.get("error") is not None:
-        raise AnswerError("error_object", f"{what}: {str(data['error'])[:200]}")
+    error = server_error(data)
+    if error is not None:
+        raise AnswerError("error_object", f"{what}: {str(error)[:200]}")
 
 
 def _one_choice(choices: list, where: str) -> dict:

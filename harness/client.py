@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from .server_kind import KNOWN, ServerKind
-from .sse import EventReader
+from .sse import EventReader, server_error
 from .tokens import TextTokenizer
 from .workloads import Prompt
 
@@ -273,9 +273,9 @@ class StreamReader:
         except json.JSONDecodeError:
             record.error = f"malformed SSE event: {data[:200]!r}"
             return True
-        # a null `error` beside the tokens is no error (as `harness compare` reads the stream)
-        if isinstance(event, dict) and event.get("error") is not None:
-            record.error = f"server error in stream: {str(event['error'])[:300]}"
+        error = server_error(event)
+        if error is not None:
+            record.error = f"server error in stream: {str(error)[:300]}"
             return True
         n = self.counter.tokens(event, self.endpoint.kind, record)
         if n > 0:

@@ -80,3 +80,10 @@ class EventReader:
 def event_data(body: bytes | str) -> list[str]:
     """The data of every event of a whole stream (an unended last event discarded)."""
     return EventReader().feed(body)
+
+
+def server_error(event: object) -> object | None:
+    """The server's error an event (or a whole JSON body) carries: its `error` member when the
+    body is an object and the member is not null (`"error": null` beside the tokens is no
+    error); None otherwise. Both readers of a stream decide by this one rule."""
+    return event.get("error") if isinstance(event, dict) else None

@@ -130,11 +130,16 @@ class VerifyLogitCheck:
         step.verify = verify
 
     def _check(self, rows, block: torch.Tensor, verify_logits: torch.Tensor) -> None:
-        tokens = block.tolist()
+        # where each row's block sits and what it drafted, as the device has them: a turn's
+        # later steps are laid out there, and the host learns them at the turn's end
+        tokens, starts, n = block.tolist(), rows.positions[:, 0].tolist(), rows.n_t.tolist()
+        left = rows.remaining_t.tolist()
         for i, seq in enumerate(rows.seqs):
+            if left[i] <= 0:  # a row past its max_tokens, run on to its turn's end: nothing read
+                continue
             ref, plain = self.references[seq.request_id], self.logits[seq.request_id]
-            first = rows.starts[i] - len(self.prompts[seq.request_id])  # output index of the anchor
-            for j in range(rows.n[i] + 1):
+            first = starts[i] - len(self.prompts[seq.request_id])  # output index of the anchor
+            for j in range(n[i] + 1):
                 k = first + j + 1  # the output index slot j's logits choose
                 if k >= len(ref) or tokens[i][: j + 1] != ref[first : first + j + 1]:
                     break

@@ -1229,7 +1229,7 @@ def _as_if_captured(engine: Engine) -> None:
         max_len = step.state.max_len
         drafted = step.runner.propose(nxt.ids, nxt.positions, nxt.slots, nxt.valid, max_len, width=width)
         step._ahead_inputs += 1
-        return nxt.ids, drafted
+        return nxt, drafted
 
     step._ahead_inputs = 0
     step.verify, step.commit_replayed, step.runner.accept = stash, commit_replayed, accept
@@ -1266,8 +1266,10 @@ def test_a_draft_queued_behind_a_replayed_commit_proposes_what_a_fresh_draft_wou
     ahead_body, next_blocks = SpeculativeStep.ahead_body, SpeculativeStep.next_blocks
 
     def behind(self, x, table, remaining):
-        _, positions = next_blocks(self, table[:, 1], table[:, 2] - 1, x.positions[:, 0], self.block_size - 1)
-        return replace(ahead_body(self, x, table, remaining), positions=positions)
+        nxt = ahead_body(self, x, table, remaining)
+        N = self.block_size - 1
+        _, positions = next_blocks(self, table[:, 1], table[:, 2] - 1, x.positions[:, 0], N, nxt.valid - 1)
+        return replace(nxt, positions=positions)
 
     def swapped(self, x, table, remaining):  # each block with another row's anchor
         nxt = ahead_body(self, x, table, remaining)

@@ -159,10 +159,12 @@ def test_divergences_report_length_differences_both_ways_and_the_margin_at_the_p
     assert exact.divergences(refs, {"a": logits}, {"a": [0, 0, 0]}) == []
 
 
-def _verify_check(verify_logits: torch.Tensor, plain: torch.Tensor, block: list[list[int]], n: int):
+def _verify_check(
+    verify_logits: torch.Tensor, plain: torch.Tensor, block: list[list[int]], n: int, left: int = 5
+):
     """A VerifyLogitCheck on a stand-in engine: one request with prompt [7, 7] and plain
-    output [10, 11, 12, 13, 14]; its verify at anchor output index 1 (start 3) returns
-    `verify_logits` [1, B, vocab]."""
+    output [10, 11, 12, 13, 14]; its verify at anchor output index 1 (start 3, on the
+    device), with `left` tokens of max_tokens left, returns `verify_logits` [1, B, vocab]."""
 
     class Step:
         def verify(self, rows, block, record=True):
@@ -171,7 +173,12 @@ def _verify_check(verify_logits: torch.Tensor, plain: torch.Tensor, block: list[
     engine = SimpleNamespace(speculative_step=Step())
     ref = [10, 11, 12, 13, 14]
     check = exact.VerifyLogitCheck(engine, {"r": [7, 7]}, {"r": ref}, {"r": plain})
-    rows = SimpleNamespace(seqs=[SimpleNamespace(request_id="r")], starts=[3], n=[n])
+    rows = SimpleNamespace(
+        seqs=[SimpleNamespace(request_id="r")],
+        positions=torch.tensor([[3 + j for j in range(len(block[0]))]]),
+        n_t=torch.tensor([n]),
+        remaining_t=torch.tensor([left]),
+    )
     engine.speculative_step.verify(rows, torch.tensor(block))
     return check
 
@@ -187,6 +194,15 @@ def test_verify_logit_check_compares_slot_j_with_plain_row_anchor_plus_j_plus_on
     # the block leaves the plain output after slot 0: slots 1 and 2 are not the request's own
     check = _verify_check(verify * 0, plain, [[11, 99, 13]], n=2)
     assert check.compared == 1 and len(check.mismatches) == 1
+
+
+def test_verify_logit_check_skips_a_row_past_its_max_tokens() -> None:
+    """A row with no tokens left (run on to the end of a turn of several steps, its block
+    never read) is not compared, even where its block follows the plain output."""
+    plain = torch.arange(5 * 4, dtype=torch.float64).reshape(5, 4)
+    check = _verify_check(plain[2:5].clone()[None] * 0, plain, [[11, 12, 13]], n=2, left=0)
+    assert check.compared == 0 and check.mismatches == []
+    assert _verify_check(plain[2:5].clone()[None] * 0, plain, [[11, 12, 13]], n=2, left=1).mismatches
 
 
 def test_verify_logit_check_is_bitwise_not_a_tolerance_or_a_float32_copy() -> None:

@@ -110,6 +110,7 @@ class BenchArgs:
     device: str
     gpu_memory_utilization: float
     verify_width: str
+    steps_per_turn: int | None
     measure_step_costs: bool
     prefill_chunk: int
     max_num_batched_tokens: int | None
@@ -161,7 +162,13 @@ class BenchArgs:
         p.add_argument("--output-len", type=int, default=128)
         add_engine_options(p, "block_size", "commit_strategy", "checkpoint_every")
         add_engine_options(
-            p, "dtype", "device", "gpu_memory_utilization", "verify_width", "measure_step_costs"
+            p,
+            "dtype",
+            "device",
+            "gpu_memory_utilization",
+            "verify_width",
+            "steps_per_turn",
+            "measure_step_costs",
         )
         add_engine_options(p, "prefill_chunk", "max_num_batched_tokens", "kv_cache_tokens", "kv_cell_tokens")
         p.add_argument("--repeats", type=int, default=3)

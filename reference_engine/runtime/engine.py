@@ -63,6 +63,9 @@ __all__ = ["Engine", "EngineConfig", "EngineFullError", "StepOutput"]
 
 log = logging.getLogger(__name__)
 
+# speculative steps a turn runs by default with CUDA graphs (EngineConfig.steps_per_turn)
+STEPS_PER_TURN = 4
+
 
 class Engine:
     def __init__(
@@ -166,6 +169,9 @@ class Engine:
             if draft is not None
             else None
         )
+        # speculative steps a turn may run before the host reads their results
+        # (SpeculativeStep.turn): the config's, or with CUDA graphs STEPS_PER_TURN
+        self.steps_per_turn = config.steps_per_turn or (STEPS_PER_TURN if use_graphs else 1)
         self.verify_width: VerifyWidth | None = None
         self.verify_widths: Counter = Counter()  # verify width -> speculative steps
         if self.speculative_step is not None:
@@ -347,7 +353,7 @@ class Engine:
             with self.timer.phase("decode"), outputs.failing(plain):
                 self._decode(plain, outputs)
         if spec:
-            commits: list[StepCommit] = []
+            turn: list[list[StepCommit]] = []
             with outputs.failing(spec):
                 # the draft tokens a row can commit: a step commits at most what it has left,
                 # its accepted draft tokens and the target's own token after them
@@ -359,11 +365,16 @@ class Engine:
                 # the next step's draft may be queued behind this one's commit when no
                 # request is about to join these rows (speculative_step.DraftAhead)
                 same_rows = not self.scheduler.may_join_next()
-                commits = self.speculative_step(spec, width, same_rows_next=same_rows)
-                self.verify_widths[width] += 1  # a step that ran (one that raised is not counted)
-            for seq, commit in zip(spec, commits):
-                if seq.pending is None or self.emit_first(seq, outputs):
-                    self._record_speculative(seq, commit, outputs, drafted=width > 0)
+                steps = self.steps_per_turn if not plain and not self.scheduler.prefilling() else 1
+                turn = self.speculative_step.turn(spec, width, steps, same_rows_next=same_rows)
+                self.verify_widths[width] += len(turn)  # steps that ran (one that raised is not counted)
+                self.steps += len(turn) - 1
+            for commits in turn:  # a turn of several steps: each step's tokens in turn
+                for seq, commit in zip(spec, commits):
+                    if seq.finish_reason is not None:  # it ended at an earlier step of the turn
+                        continue
+                    if seq.pending is None or self.emit_first(seq, outputs):
+                        self._record_speculative(seq, commit, outputs, drafted=width > 0)
             if self.speculative_step.deferred:  # a request that ended never drafts again
                 self.speculative_step.drop_context([s for s in spec if s.finish_reason is not None])
         for seq in running:  # a step that raised read nothing: a first token it left is dropped

@@ -317,11 +317,11 @@ class EngineGraphs:
 
             self.ahead_graphs[b, width] = self._capture(b, width, write, inputs=accept.inputs)
 
-    def propose_ahead(self, remaining: torch.Tensor, width: int) -> tuple[torch.Tensor, Proposals] | None:
+    def propose_ahead(self, remaining: torch.Tensor, width: int) -> tuple[StepInputs, Proposals] | None:
         """Right after a replayed accept and its commit: replay the inputs of the next draft
         (`capture_ahead`), the bucket's draft and its head for draft slots 1..`width`. Returns
-        (the blocks [rows, B], a view of the draft's static inputs, and the proposals), or None
-        when this step's accept did not replay."""
+        (the draft's inputs for the `rows` rows: views of its graph's static inputs, blocks
+        [rows, B], and the proposals), or None when this step's accept did not replay."""
         key = self.accepted
         g = self.ahead_graphs.get(key) if key is not None else None
         if g is None:
@@ -332,8 +332,9 @@ class EngineGraphs:
         draft = self.draft_graphs[key[0], self.block_size]
         draft.graph.replay()
         self.drafted = key[0]
-        ids = draft.inputs.ids[:rows]
-        return ids, self._head(rows, width, draft.outputs.head(rows), ids[:, 0])
+        x = draft.inputs
+        inputs = StepInputs(x.ids[:rows], x.positions[:rows], x.slots[:rows], x.valid[:rows])
+        return inputs, self._head(rows, width, draft.outputs.head(rows), inputs.ids[:, 0])
 
     def static_inputs(self, rows: int, width: int) -> StepInputs:
         """The input buffers of a decode, draft or verify graph of `rows` x `width` tokens:

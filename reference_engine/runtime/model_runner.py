@@ -231,10 +231,11 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_ahead(body)
 
-    def propose_ahead(self, remaining: torch.Tensor, width: int) -> tuple[torch.Tensor, Proposals] | None:
+    def propose_ahead(self, remaining: torch.Tensor, width: int) -> tuple[StepInputs, Proposals] | None:
         """The next step's draft from this step's replayed accept, its inputs written by a
-        graph: (its blocks [b, B], its proposals for draft slots 1..`width`); None when this
-        step's accept did not replay (the caller queues it from eager operations)."""
+        graph: (its inputs, blocks [b, B] among them, its proposals for draft slots
+        1..`width`); None when this step's accept did not replay (the caller queues it from
+        eager operations)."""
         return self.graphs.propose_ahead(remaining, width) if self.graphs is not None else None
 
     def accept(self, rows: int) -> torch.Tensor | None:

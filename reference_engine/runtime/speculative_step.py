@@ -323,19 +323,145 @@ class SpeculativeStep:
         acc_list, bonus_list, kept = [r[0] for r in table], [r[1] for r in table], [r[2] for r in table]
         drafted = [r[3 : 3 + n] for r, n in zip(table, rows.n)]
         if not replayed:
-            if not plain:  # a plain step keeps its whole block: the state is there already
-                self.commit_state(rows.slot_ids, rows, block, processed.contiguous())
-            width = max(kept)
-            features = self.context_features(out.features, width, rows.n_t)
-            if plain:  # nothing reads the draft's context before the next draft (DeferredContext)
-                self.defer_context(rows, features)
+            if plain:  # the state is there already; nothing reads the draft's context before
+                # the next draft (DeferredContext)
+                self.defer_context(rows, self.context_features(out.features, max(kept), rows.n_t))
             else:
-                positions = rows.positions[:, :width]
-                self.draft.append_context(features, positions, rows.slots, self.draft_state, self.ops)
+                self.commit_eagerly(rows, block, out, processed, max(kept))
         for i, slot in enumerate(rows.slot_ids):
             self.state.lengths[slot] = rows.starts[i] + kept[i]
             self.draft_state.lengths[slot] = rows.starts[i] + kept[i]
         return acc_list, bonus_list, kept, drafted
+
+    def commit_eagerly(
+        self, rows: Rows, block: torch.Tensor, out: Verified, processed: torch.Tensor, width: int
+    ) -> None:
+        """The commit without its graph: the state to the accepted boundary, and the draft's
+        context of the block's first `width` positions (at least every row's kept ones)."""
+        self.commit_state(rows.slot_ids, rows, block, processed.contiguous())
+        features = self.context_features(out.features, width, rows.n_t)
+        positions = rows.positions[:, :width]
+        self.draft.append_context(features, positions, rows.slots, self.draft_state, self.ops)
+
+    # ------------------------------------------------------------------ turns of several steps
+    def turn_fits(self, seqs: list[Sequence], width: int | None) -> bool:
+        """Whether `turn` may run steps past the first: a drafted step (width above 0) whose
+        rows are all greedy and draft for themselves (an oracle's proposals are the host's)."""
+        return width != 0 and all(s.params.greedy and s.oracle is None for s in seqs)
+
+    def turn(
+        self, seqs: list[Sequence], width: int | None, steps: int, same_rows_next: bool = False
+    ) -> list[list[StepCommit]]:
+        """`steps` speculative steps of the same rows, each queued from the one before it on
+        the device, and the results of all of them read at the end: what each committed, step
+        by step (docs/engine.md, "Steps per turn"). Step k + 1 drafts from step k's bonus
+        tokens and processed counts (the captured inputs of a draft queued ahead, or the same
+        operations eagerly) and verifies what that draft proposed, so the host queues
+        `steps` steps and waits for the device once. Every row runs every step: a row that
+        ends on the way (its end of sequence, a stop string, its max_tokens) runs on to the
+        turn's end, the host drops what it commits after its end, and a row that has used
+        up its max_tokens stays where it is (`next_blocks`), inside its cells. One step
+        (`__call__`) when `steps` is 1 or the rows cannot (`turn_fits`)."""
+        if steps <= 1 or not self.turn_fits(seqs, width):
+            return [self(seqs, width, same_rows_next)]
+        first = rows = self.rows(seqs, width)
+        with self.timer.phase("draft"):
+            block, _, _ = self.propose(rows)
+        N = rows.positions.shape[1] - 1
+        W = N if width is None else min(width, N)
+        if W < N:
+            first = rows = self.verified_rows(rows, W)
+            block = block[:, : W + 1].contiguous()
+        tables, table, written = [], block, False  # each step's table (step 0 reads none)
+        for k in range(steps):
+            if k:
+                with self.timer.phase("draft"):
+                    rows, block = self.turn_step(rows, table, written, W, k)
+            with self.timer.phase("verify"):
+                out = self.verify(rows, block)
+            with self.timer.phase("accept"):
+                table = self.accept_replayed(rows)
+                written = table is not None
+                if not written:
+                    proposals = block[:, 1:]
+                    accepted, bonus = self.accept(rows, proposals, [None] * len(seqs), out.logits, out.tokens)
+                    table = step_table(accepted, bonus, self.processed(rows, accepted), proposals)
+                tables.append(table.clone())  # a replayed accept's table is the next one's buffer
+            with self.timer.phase("commit"):
+                replayed = self.commit_replayed(table[:, 2], written)
+                if not replayed:
+                    self.commit_eagerly(rows, block, out, table[:, 2], W + 1)
+        if self.draft_ahead and same_rows_next and replayed:
+            with self.timer.phase("draft", count=False):
+                self.launch_ahead_replayed(rows, table[:, 1], table[:, 2], written)
+        with self.timer.phase("commit", count=False):
+            read = self.reader.copy(torch.stack(tables)).tolist()
+        return self.turn_commits(first, read)
+
+    def turn_step(
+        self, rows: Rows, table: torch.Tensor, written: bool, W: int, k: int
+    ) -> tuple[Rows, torch.Tensor]:
+        """Step k of a turn (k >= 1) from step k - 1's `rows` and `table` on the device: its
+        rows as the verify sees them, and its blocks [b, W + 1] (each row's bonus, then the
+        proposals of a draft from there)."""
+        N = self.block_size - 1
+        processed = table[:, 2]
+        queued = self.runner.propose_ahead(rows.remaining_t, W) if written else None
+        if queued is not None:  # the draft's inputs written by their graph, then the draft's
+            x, drafted = queued
+        else:
+            n = self.next_draft_tokens(rows.remaining_t, processed)
+            ids, positions = self.next_blocks(table[:, 1], processed, rows.positions[:, 0], N, n)
+            x = StepInputs(ids, positions, rows.slots, n + 1)
+        # what an eager forward reads: the turn's rows move at most a block a step
+        kv_len = min(max(rows.starts) + (k + 1) * (N + 1), self.state.max_len)
+        if queued is None:
+            drafted = self.runner.propose(x.ids, x.positions, x.slots, x.valid, kv_len, width=W)
+        vocab = self.target.config.vocab_size
+        anchors = x.ids[:, 0]
+        block = torch.cat([anchors[:, None], drafted.tokens[:, :W].clamp(0, vocab - 1)], dim=1)
+        n_t = (x.valid - 1).clamp(max=W)
+        nxt = Rows(
+            rows.seqs,
+            rows.slot_ids,
+            x.slots,
+            rows.starts,  # the first step's: later ones are read at the turn's end
+            rows.n,
+            n_t,
+            anchors,
+            rows.remaining_t - processed,
+            x.positions[:, : W + 1],
+            kv_len,
+            rows.draft_width,
+            n_t + 1,
+        )
+        return nxt, block
+
+    def turn_commits(self, rows: Rows, read: list[list[list[int]]]) -> list[list[StepCommit]]:
+        """What each step of a turn committed for each row, from the steps' tables (`read`, a
+        table a step) and the turn's first rows; moves the rows' lengths to the turn's end and
+        says where a draft queued behind it put each row (DraftAhead)."""
+        B = self.block_size
+        W = rows.positions.shape[1] - 1
+        starts, remaining = list(rows.starts), [s.remaining for s in rows.seqs]
+        n = list(rows.n)
+        out = []
+        for k, table in enumerate(read):
+            if k:  # the draft tokens each row verified at step k, from what it had left
+                n = [min(B - 1, W, max(r, 0)) for r in remaining]
+            commits = []
+            for i, r in enumerate(table):
+                accepted, bonus, kept = r[0], r[1], r[2]
+                drafted = r[3 : 3 + n[i]]
+                commits.append(StepCommit(n[i], accepted, drafted, drafted[:accepted] + [bonus]))
+                starts[i] += kept  # past its end a row's values are never read again
+                remaining[i] -= kept
+            out.append(commits)
+        for i, slot in enumerate(rows.slot_ids):
+            self.state.lengths[slot] = self.draft_state.lengths[slot] = starts[i]
+        if self.ahead is not None:
+            self.ahead.starts, self.ahead.n = starts, [min(B - 1, r) for r in remaining]
+        return out
 
     # ------------------------------------------------------------------ deferred context
     def defer_context(self, rows: Rows, features: torch.Tensor) -> None:
@@ -449,11 +575,15 @@ class SpeculativeStep:
         return block
 
     def next_blocks(
-        self, bonus: torch.Tensor, processed: torch.Tensor, anchors_at: torch.Tensor, N: int
+        self, bonus: torch.Tensor, processed: torch.Tensor, anchors_at: torch.Tensor, N: int, n: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The next step's draft blocks [b, N + 1] and their positions from this step's results:
-        each row's bonus as its anchor, at its anchor position `anchors_at` + processed."""
-        positions = (anchors_at + processed)[:, None] + torch.arange(N + 1, device=self.device)
+        each row's bonus as its anchor, at its anchor position `anchors_at` + processed. A row
+        with no draft tokens left (`n`, next_draft_tokens, is 0: this step used up its
+        max_tokens) stays where it is: nothing takes its block, and it then writes only the
+        positions this step's block wrote, inside the request's cells."""
+        at = anchors_at + torch.where(n > 0, processed, 0)
+        positions = at[:, None] + torch.arange(N + 1, device=self.device)
         return self.block_of(bonus, N), positions
 
     def next_draft_tokens(self, remaining: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
@@ -478,7 +608,7 @@ class SpeculativeStep:
         """Queue the next step's draft (DraftAhead): each row's bonus as its anchor, at its
         start + processed, its head at this step's draft width."""
         self.flush_context(rows.seqs, only=True)
-        block, positions = self.next_blocks(bonus, processed, rows.positions[:, 0], N)
+        block, positions = self.next_blocks(bonus, processed, rows.positions[:, 0], N, n)
         width = self.ahead_width(rows, N)
         drafted = self.runner.propose(block, positions, rows.slots, n + 1, kv_len, width=width)
         self.queued_ahead(rows, block, drafted, width)
@@ -501,7 +631,8 @@ class SpeculativeStep:
             width = self.ahead_width(rows, N)
             queued = self.runner.propose_ahead(rows.remaining_t, width)
             if queued is not None:
-                self.queued_ahead(rows, *queued, width)
+                inputs, drafted = queued
+                self.queued_ahead(rows, inputs.ids, drafted, width)
                 return
         n = self.next_draft_tokens(rows.remaining_t, processed)
         self.launch_ahead(rows, bonus, processed, n, N, self.state.max_len)
@@ -514,8 +645,9 @@ class SpeculativeStep:
         the padding's inputs by the graphs)."""
         bonus, processed = table[:, 1], table[:, 2]
         N = self.block_size - 1
-        block, positions = self.next_blocks(bonus, processed, x.positions[:, 0], N)
-        return StepInputs(block, positions, x.slots, self.next_draft_tokens(remaining, processed) + 1)
+        n = self.next_draft_tokens(remaining, processed)
+        block, positions = self.next_blocks(bonus, processed, x.positions[:, 0], N, n)
+        return StepInputs(block, positions, x.slots, n + 1)
 
     def expect_ahead(self, rows: Rows, kept: list[int], bonus: list[int], replayed: bool) -> None:
         """Once the step's results are read: where the queued draft put each row, checked

@@ -30,6 +30,7 @@ class ServeArgs:
     enforce_eager: bool
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
+    steps_per_turn: int | None = None
     measure_step_costs: bool = False
     device_phase_times: bool = False
     prefill_chunk: int = 2048
@@ -103,6 +104,7 @@ class ServeArgs:
             "enforce_eager",
             "gpu_memory_utilization",
             "verify_width",
+            "steps_per_turn",
             "measure_step_costs",
             "device_phase_times",
             "tensor_parallel_size",

@@ -183,7 +183,8 @@ def test_a_row_that_moves_on_past_its_max_tokens_is_seen(demo, monkeypatch) -> N
 
 def test_rows_a_turn_cannot_run_take_one_step(demo) -> None:
     """Sampled rows and rows whose proposals come from an oracle (the host's) run one step a
-    turn; a plain-decode request beside speculative ones, too."""
+    turn; so do greedy rows beside a plain-decode request, beside a prompt still prefilling in
+    chunks, and in an engine whose observer sees the state after each step's commit."""
     target, draft, prompts = demo
     config = EngineConfig(max_num_seqs=2, block_size=BLOCK, commit_strategy="per_token", steps_per_turn=4)
     engine = Engine(target, draft, config)
@@ -194,6 +195,26 @@ def test_rows_a_turn_cannot_run_take_one_step(demo) -> None:
     step = engine.speculative_step
     assert not step.turn_fits([engine.get("sampled")], None)
     assert step.turn_fits([engine.get("greedy")], None) and not step.turn_fits([engine.get("greedy")], 0)
+
+    for watched in (False, True):
+        engine = Engine(target, draft, config)
+        engine.add_request("greedy", prompts[1], SamplingParams(max_tokens=30, ignore_eos=True))
+        if watched:
+            engine.commit_observer = lambda seq, state, length: None
+        else:  # logprobs are plain decode's: this request does not speculate
+            engine.add_request("plain", prompts[0], SamplingParams(max_tokens=30, logprobs=1))
+        engine.step()
+        assert sum(engine.verify_widths.values()) == 1, watched
+
+    chunked = Engine(target, draft, EngineConfig(**{**config.__dict__, "prefill_chunk": 16}))
+    chunked.add_request("greedy", prompts[1], SamplingParams(max_tokens=60, ignore_eos=True))
+    while chunked.get("greedy").pending is None and not chunked.get("greedy").output_ids:
+        chunked.step()  # its prompt in chunks of 16
+    chunked.add_request("long", prompts[2], SamplingParams(max_tokens=5, ignore_eos=True))
+    before = sum(chunked.verify_widths.values())
+    for _ in range(3):  # the long prompt's first three chunks: a step of the greedy row each
+        chunked.step()
+    assert sum(chunked.verify_widths.values()) == before + 3
 
 
 def test_the_setting_and_its_defaults() -> None:

@@ -365,7 +365,10 @@ class Engine:
                 # the next step's draft may be queued behind this one's commit when no
                 # request is about to join these rows (speculative_step.DraftAhead)
                 same_rows = not self.scheduler.may_join_next()
-                steps = self.steps_per_turn if not plain and not self.scheduler.prefilling() else 1
+                # one step when a turn would hold back others' tokens (a plain request's, a
+                # chunked prompt's) or an observer must see the state after each step's commit
+                several = not plain and not self.scheduler.prefilling() and self.commit_observer is None
+                steps = self.steps_per_turn if several else 1
                 turn = self.speculative_step.turn(spec, width, steps, same_rows_next=same_rows)
                 self.verify_widths[width] += len(turn)  # steps that ran (one that raised is not counted)
                 self.steps += len(turn) - 1

@@ -166,11 +166,11 @@ def test_a_row_that_moves_on_past_its_max_tokens_is_seen(demo, monkeypatch) -> N
     """The check above fails on rows that keep moving after their max_tokens ran out."""
     target, draft, prompts = demo
 
-    def moving(self, bonus, processed, anchors_at, N, n):
-        return original(self, bonus, processed, anchors_at, N, torch.ones_like(n))
+    def moving(self, processed, anchors_at, N, n):
+        return original(self, processed, anchors_at, N, torch.ones_like(n))
 
-    original = SpeculativeStep.next_blocks
-    monkeypatch.setattr(SpeculativeStep, "next_blocks", moving)
+    original = SpeculativeStep.next_positions
+    monkeypatch.setattr(SpeculativeStep, "next_positions", moving)
     config = EngineConfig(max_num_seqs=2, block_size=BLOCK, commit_strategy="per_token", steps_per_turn=6)
     engine = Engine(target, draft, config)
     engine.add_request("short", prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -260,3 +260,23 @@ def test_every_step_of_a_turn_verifies_with_plain_decodes_logits(request, captur
     assert check.compared >= 2 * 29
     diffs = [float(m.rsplit(" ", 1)[1]) for m in check.mismatches]
     assert max(diffs, default=0.0) < 1e-12, check.mismatches[:3]
+
+
+def test_a_turns_draft_inputs_cost_acceptance_only(demo, params, plain, monkeypatch) -> None:
+    """On the GPU's path a turn's later steps draft from inputs a captured graph writes
+    (SpeculativeStep.ahead_body); the verify lays its rows out apart from them, so inputs that
+    hold another row's anchors propose other blocks, and output stays plain greedy's."""
+    from dataclasses import replace
+
+    target, draft, prompts = demo
+    _, fresh = run(target, draft, prompts, params, 4, captured=True)
+    ahead_body = SpeculativeStep.ahead_body
+
+    def swapped(self, x, table, remaining):
+        nxt = ahead_body(self, x, table, remaining)
+        return replace(nxt, ids=nxt.ids.roll(1, dims=0))
+
+    monkeypatch.setattr(SpeculativeStep, "ahead_body", swapped)
+    outputs, faulty = run(target, draft, prompts, params, 4, captured=True)
+    assert outputs == plain
+    assert faulty.stats()["spec"] != fresh.stats()["spec"]  # other proposals, other acceptance

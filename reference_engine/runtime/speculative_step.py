@@ -403,34 +403,34 @@ class SpeculativeStep:
     ) -> tuple[Rows, torch.Tensor]:
         """Step k of a turn (k >= 1) from step k - 1's `rows` and `table` on the device: its
         rows as the verify sees them, and its blocks [b, W + 1] (each row's bonus, then the
-        proposals of a draft from there)."""
+        proposals of a draft from there). The rows are laid out here, from the table, as the
+        draft's inputs are (`next_blocks`), but apart from them: a draft's inputs, however
+        wrong, change its proposals and so acceptance, never output."""
         N = self.block_size - 1
-        processed = table[:, 2]
-        queued = self.runner.propose_ahead(rows.remaining_t, W) if written else None
-        if queued is not None:  # the draft's inputs written by their graph, then the draft's
-            x, drafted = queued
-        else:
-            n = self.next_draft_tokens(rows.remaining_t, processed)
-            ids, positions = self.next_blocks(table[:, 1], processed, rows.positions[:, 0], N, n)
-            x = StepInputs(ids, positions, rows.slots, n + 1)
+        bonus, processed = table[:, 1], table[:, 2]
+        n = self.next_draft_tokens(rows.remaining_t, processed)
+        positions = self.next_positions(processed, rows.positions[:, 0], N, n)
         # what an eager forward reads: the turn's rows move at most a block a step
         kv_len = min(max(rows.starts) + (k + 1) * (N + 1), self.state.max_len)
-        if queued is None:
-            drafted = self.runner.propose(x.ids, x.positions, x.slots, x.valid, kv_len, width=W)
+        queued = self.runner.propose_ahead(rows.remaining_t, W) if written else None
+        if queued is not None:  # the draft's inputs written by their graph, then the draft's
+            drafted = queued[1]
+        else:
+            block = self.block_of(bonus, N)
+            drafted = self.runner.propose(block, positions, rows.slots, n + 1, kv_len, width=W)
         vocab = self.target.config.vocab_size
-        anchors = x.ids[:, 0]
-        block = torch.cat([anchors[:, None], drafted.tokens[:, :W].clamp(0, vocab - 1)], dim=1)
-        n_t = (x.valid - 1).clamp(max=W)
+        block = torch.cat([bonus[:, None], drafted.tokens[:, :W].clamp(0, vocab - 1)], dim=1)
+        n_t = n.clamp(max=W)
         nxt = Rows(
             rows.seqs,
             rows.slot_ids,
-            x.slots,
+            rows.slots,
             rows.starts,  # the first step's: later ones are read at the turn's end
             rows.n,
             n_t,
-            anchors,
+            block[:, 0],
             rows.remaining_t - processed,
-            x.positions[:, : W + 1],
+            positions[:, : W + 1],
             kv_len,
             rows.draft_width,
             n_t + 1,
@@ -582,9 +582,14 @@ class SpeculativeStep:
         with no draft tokens left (`n`, next_draft_tokens, is 0: this step used up its
         max_tokens) stays where it is: nothing takes its block, and it then writes only the
         positions this step's block wrote, inside the request's cells."""
+        return self.block_of(bonus, N), self.next_positions(processed, anchors_at, N, n)
+
+    def next_positions(
+        self, processed: torch.Tensor, anchors_at: torch.Tensor, N: int, n: torch.Tensor
+    ) -> torch.Tensor:
+        """The positions [b, N + 1] of the next step's blocks (`next_blocks`)."""
         at = anchors_at + torch.where(n > 0, processed, 0)
-        positions = at[:, None] + torch.arange(N + 1, device=self.device)
-        return self.block_of(bonus, N), positions
+        return at[:, None] + torch.arange(N + 1, device=self.device)
 
     def next_draft_tokens(self, remaining: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
         """Each row's draft tokens next step, from the tokens it had left and kept: min(B - 1,

@@ -144,9 +144,9 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         ("--steps-per-turn",),
         "DFlash steps of the same rows queued before the host reads their results (one wait "
         "for the device per turn; a request that ends mid-turn leaves its row idle to the "
-        "turn's end, one that arrives joins at the next); output is the same either way "
-        "(default: 4 with CUDA graphs, else 1)",
-        {"type": int, "default": None},
+        "turn's end, one that arrives joins at the next); output is the same at any count "
+        "(default 1)",
+        {"type": int, "default": 1},
     ),
     "enforce_eager": EngineOption(
         ("--enforce-eager",), "run every forward eagerly (no CUDA graphs)", {"action": "store_true"}

@@ -15,7 +15,7 @@ from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET, demo_prompts
 from reference_engine.engine_args import engine_config
 from reference_engine.errors import ConfigError
 from reference_engine.runtime.decode import generate_plain
-from reference_engine.runtime.engine import STEPS_PER_TURN, Engine, EngineConfig
+from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.serving.args import ServeArgs
@@ -55,7 +55,7 @@ def params(demo) -> list[SamplingParams]:
     return out
 
 
-def run(target, draft, prompts, params, steps: int | None, captured: bool = False, every: int = 2):
+def run(target, draft, prompts, params, steps: int, captured: bool = False, every: int = 2):
     """The requests through one engine of four slots, one joining every `every` calls of
     `step`; each request's output, and the engine."""
     config = EngineConfig(
@@ -78,7 +78,7 @@ def run(target, draft, prompts, params, steps: int | None, captured: bool = Fals
 @pytest.fixture(scope="module")
 def plain(demo, params) -> list[list[int]]:
     target, _, prompts = demo
-    outputs, _ = run(target, None, prompts, params, None)
+    outputs, _ = run(target, None, prompts, params, 1)
     return outputs
 
 
@@ -217,20 +217,19 @@ def test_rows_a_turn_cannot_run_take_one_step(demo) -> None:
     assert sum(chunked.verify_widths.values()) == before + 3
 
 
-def test_the_setting_and_its_defaults() -> None:
+def test_the_setting_and_its_default() -> None:
     """`--steps-per-turn` reaches the engine's config from `serve` and the engine benchmark;
-    without it an engine runs STEPS_PER_TURN steps a turn with CUDA graphs and one without;
-    below 1 is refused."""
+    without it a turn is one step; below 1 is refused."""
     args = ServeArgs.parse(["--model", "m", "--steps-per-turn", "3"])
     assert engine_config(args).steps_per_turn == 3
-    assert engine_config(ServeArgs.parse(["--model", "m"])).steps_per_turn is None
+    assert engine_config(ServeArgs.parse(["--model", "m"])).steps_per_turn == 1
     from reference_engine.bench import BenchArgs
 
     bench = BenchArgs.parser().parse_args(["--model", "m", "--steps-per-turn", "2"])
     assert engine_config(bench).steps_per_turn == 2
     with pytest.raises(ConfigError, match="steps_per_turn"):
         EngineConfig(steps_per_turn=0)
-    assert STEPS_PER_TURN > 1
+    assert EngineConfig().steps_per_turn == 1
 
 
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "as-captured"])

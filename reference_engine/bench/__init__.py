@@ -110,7 +110,7 @@ class BenchArgs:
     device: str
     gpu_memory_utilization: float
     verify_width: str
-    steps_per_turn: int | None
+    steps_per_turn: int
     measure_step_costs: bool
     prefill_chunk: int
     max_num_batched_tokens: int | None

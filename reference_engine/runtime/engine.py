@@ -63,9 +63,6 @@ __all__ = ["Engine", "EngineConfig", "EngineFullError", "StepOutput"]
 
 log = logging.getLogger(__name__)
 
-# speculative steps a turn runs by default with CUDA graphs (EngineConfig.steps_per_turn)
-STEPS_PER_TURN = 4
-
 
 class Engine:
     def __init__(
@@ -170,8 +167,8 @@ class Engine:
             else None
         )
         # speculative steps a turn may run before the host reads their results
-        # (SpeculativeStep.turn): the config's, or with CUDA graphs STEPS_PER_TURN
-        self.steps_per_turn = config.steps_per_turn or (STEPS_PER_TURN if use_graphs else 1)
+        # (SpeculativeStep.turn)
+        self.steps_per_turn = config.steps_per_turn
         self.verify_width: VerifyWidth | None = None
         self.verify_widths: Counter = Counter()  # verify width -> speculative steps
         if self.speculative_step is not None:

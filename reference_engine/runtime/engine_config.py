@@ -72,8 +72,8 @@ class EngineConfig:
     # speculative steps of the same rows a turn queues before the host reads their results
     # (SpeculativeStep.turn; docs/engine.md, "Steps per turn"): a request that ends in a turn
     # leaves its row idle to the turn's end, and one that arrives joins at the next turn.
-    # None: 4 with CUDA graphs, else 1 (one step a turn)
-    steps_per_turn: int | None = None
+    # Output is the same at any count; 1 (the default) reads every step's results
+    steps_per_turn: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -110,7 +110,7 @@ class EngineConfig:
             raise ConfigError(f"kv_cell_tokens must be positive, got {self.kv_cell_tokens}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
-        if self.steps_per_turn is not None and self.steps_per_turn < 1:
+        if self.steps_per_turn < 1:
             raise ConfigError(f"steps_per_turn must be >= 1, got {self.steps_per_turn}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")

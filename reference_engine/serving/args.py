@@ -30,7 +30,7 @@ class ServeArgs:
     enforce_eager: bool
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
-    steps_per_turn: int | None = None
+    steps_per_turn: int = 1
     measure_step_costs: bool = False
     device_phase_times: bool = False
     prefill_chunk: int = 2048

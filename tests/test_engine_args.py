@@ -99,6 +99,7 @@ GIVEN = {
     "numerics": "exact",
     "enforce_eager": True,
     "device_phase_times": True,  # the server's default is off (the engine's, on)
+    "steps_per_turn": 3,
 }
 
 

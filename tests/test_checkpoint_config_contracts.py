@@ -617,15 +617,10 @@ def test_an_empty_target_layer_ids_list_falls_back_to_the_published_spread(tmp_p
     assert c.num_features == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/target.py and config/draft.py test the window with `not self.sliding_window`, "
-    "which refuses 0 but lets a negative window through; that window masks every key",
-)
-@pytest.mark.parametrize("window", [-1, -4096])
+@pytest.mark.parametrize("window", [-1, -4096, True, 2.5])
 def test_a_negative_sliding_window_is_refused(tmp_path: Path, window: int) -> None:
-    """Sliding layers need a positive `sliding_window`: a negative one is a ConfigError in a
-    target's config and in a draft's, as 0 is."""
+    """Sliding layers need a positive integer `sliding_window`: a negative one, a boolean or a
+    fraction is a ConfigError in a target's config and in a draft's, as 0 is."""
     raw = qwen3(num_hidden_layers=2, layer_types=[F, S], sliding_window=window)
     with pytest.raises(ConfigError, match=r"sliding_attention layers need a positive sliding_window"):
         target_from_file(tmp_path, raw)

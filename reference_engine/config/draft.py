@@ -12,6 +12,7 @@ from .fields import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     Llama3RopeScaling,
+    _is_positive_int,
     _positive_int,
     _rope,
     _token_id,
@@ -99,7 +100,7 @@ class DraftConfig:
                 raise ConfigError(
                     f"{where}: layer_types[{i}] = '{kind}' is not full_attention or sliding_attention"
                 )
-        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+        if SLIDING_ATTENTION in self.layer_types and not _is_positive_int(self.sliding_window):
             raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(

@@ -97,6 +97,11 @@ def _token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_positive_int(value: Any) -> bool:
+    """Whether `value` is a positive integer (a JSON boolean or a float is not one)."""
+    return _token_id(value) and value > 0
+
+
 def _eos_ids(raw: dict[str, Any], outer: dict[str, Any], where: str = "config") -> tuple[int, ...]:
     """`eos_token_id`: one token id or a list of them (Llama 3's three), or absent."""
     eos = raw.get("eos_token_id", outer.get("eos_token_id"))

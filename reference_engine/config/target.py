@@ -13,6 +13,7 @@ from .fields import (
     SLIDING_ATTENTION,
     Llama3RopeScaling,
     _eos_ids,
+    _is_positive_int,
     _positive_int,
     _rope,
 )
@@ -112,7 +113,7 @@ class TargetConfig:
             )
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"{where}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+        if SLIDING_ATTENTION in self.layer_types and not _is_positive_int(self.sliding_window):
             raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window")
         if LINEAR_ATTENTION in self.layer_types:
             if self.linear_num_value_heads % self.linear_num_key_heads:

@@ -216,16 +216,17 @@ def _read_summary(path: Path, problems: list[str]) -> pd.DataFrame:
     for col in ("acceptance_source", "errors"):
         if col in df.columns:
             df[col] = df[col].where(df[col].notna(), None)
+    lines = [int(i) + 2 for i in df.index]  # each row's line in the file (its header is line 1)
     df = df.reset_index(drop=True)
     if "acceptance_per_position" in df.columns:
         df["acceptance_per_position"] = [
-            _rates(v, f"{path.name} row {i + 2} acceptance_per_position", problems)
-            for i, v in enumerate(df["acceptance_per_position"])
+            _rates(v, f"{path.name} row {line} acceptance_per_position", problems)
+            for line, v in zip(lines, df["acceptance_per_position"])
         ]
     if "acceptance_histogram" in df.columns:
         df["acceptance_histogram"] = [
-            _histogram(v, f"{path.name} row {i + 2} acceptance_histogram", problems)
-            for i, v in enumerate(df["acceptance_histogram"])
+            _histogram(v, f"{path.name} row {line} acceptance_histogram", problems)
+            for line, v in zip(lines, df["acceptance_histogram"])
         ]
     return df
 

@@ -122,7 +122,7 @@ def ratio_table(ab: pd.DataFrame) -> str:
     header = ["Metric", "Concurrency", "A median", "B median", "B/A", "95% CI", "Within noise", "B vs A"]
     rows = []
     for r in ab.itertuples(index=False):
-        digits = 1 if "per_s" in r.metric else 2
+        digits = 1 if r.metric.endswith("tokens_per_s") else 2  # tok/s to 0.1, requests to 0.01
         ci = (
             f"[{fmt(r.ci_low, 3)}, {fmt(r.ci_high, 3)}]"
             if not (math.isnan(r.ci_low) or math.isnan(r.ci_high))

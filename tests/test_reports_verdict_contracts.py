@@ -32,10 +32,6 @@ GPU time leaves out nested phases, unknown GPU time stays unknown, a blank call 
 unknown, the timer's nested phases are shown, the throughput spread is noted, runs without a
 concurrency come last, a capture's step is no phase, the CUDA-event note needs the timer to
 say so, and a spread without its median is not noted.
-
-Two tests are marked xfail (strict) because the code is wrong there today: a problem in a
-JSON cell after a skipped row names the line before its own, and the ratio table prints
-goodput medians (req/s) with one decimal where request throughput gets two.
 """
 
 from __future__ import annotations
@@ -284,11 +280,6 @@ def test_a_malformed_json_cell_is_reported_with_its_line_in_the_file(tmp_path: P
     assert results.summary["acceptance_per_position"][1] == pytest.approx([0.9, 0.7, 0.5])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reports/results.py _read_summary numbers JSON cells after dropping rows without a "
-    "label or concurrency, so a problem after a skipped row names the line before it",
-)
 def test_a_malformed_json_cell_after_a_skipped_row_names_its_own_line(tmp_path: Path) -> None:
     """A row without a label (line 2) is skipped; a malformed per-position cell on line 6 is
     reported as row 6 of summary.csv."""
@@ -490,11 +481,6 @@ def test_ratio_table_medians_have_one_decimal_in_tokens_per_second_and_two_other
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reports/tables.py ratio_table gives one decimal to every metric whose name holds "
-    "`per_s`, so goodput_requests_per_s (req/s) medians lose a decimal that request_throughput keeps",
-)
 def test_goodput_medians_have_the_decimals_of_request_throughput(tmp_path: Path) -> None:
     """Goodput is in requests per second like request throughput: its medians print with two
     decimals, 0.45 and 0.04 req/s as `0.45` and `0.04`."""

@@ -91,7 +91,7 @@ def test_turns_of_several_steps_give_plain_greedy_output(demo, params, plain, st
     target, draft, prompts = demo
     outputs, engine = run(target, draft, prompts, params, steps, captured)
     assert outputs == plain
-    assert [len(o) for o in outputs] == [BUDGETS[0], *[len(o) for o in plain[1:]]]
+    assert len(outputs[0]) == BUDGETS[0]  # its budget ends it inside a turn
     assert len(outputs[3]) == STOP_AT[3] + 1  # cut at its stop token, inside a turn
     _, single = run(target, draft, prompts, params, 1, captured)
     assert engine.stats()["spec"] == single.stats()["spec"]  # a row's steps do not depend on turns

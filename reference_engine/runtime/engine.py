@@ -166,9 +166,6 @@ class Engine:
             if draft is not None
             else None
         )
-        # speculative steps a turn may run before the host reads their results
-        # (SpeculativeStep.turn)
-        self.steps_per_turn = config.steps_per_turn
         self.verify_width: VerifyWidth | None = None
         self.verify_widths: Counter = Counter()  # verify width -> speculative steps
         if self.speculative_step is not None:
@@ -365,7 +362,7 @@ class Engine:
                 # one step when a turn would hold back others' tokens (a plain request's, a
                 # chunked prompt's) or an observer must see the state after each step's commit
                 several = not plain and not self.scheduler.prefilling() and self.commit_observer is None
-                steps = self.steps_per_turn if several else 1
+                steps = self.config.steps_per_turn if several else 1
                 turn = self.speculative_step.turn(spec, width, steps, same_rows_next=same_rows)
                 self.verify_widths[width] += len(turn)  # steps that ran (one that raised is not counted)
                 self.steps += len(turn) - 1

@@ -205,14 +205,8 @@ class SpeculativeStep:
         with self.timer.phase("verify"):
             out = self.verify(rows, block, record=not plain)
         with self.timer.phase("accept"):
-            table = None if plain else self.accept_replayed(rows)
-            written = table is not None  # the captured accept wrote `processed` for the commit
-            if written:
-                bonus, processed = table[:, 1], table[:, 2]
-            else:
-                accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits, out.tokens)
-                processed = self.processed(rows, accepted)
-                table = step_table(accepted, bonus, processed, proposals)
+            table, written = self.step_results(rows, proposals, draft_probs, out, plain)
+            bonus, processed = table[:, 1], table[:, 2]
             # the one host transfer of the step, read once the captured commit is queued
             b = len(seqs)
             pending = self.reader.copy(table)
@@ -360,7 +354,7 @@ class SpeculativeStep:
         `steps` steps and waits for the device once. Every row runs every step: a row that
         ends on the way (its end of sequence, a stop string, its max_tokens) runs on to the
         turn's end, the host drops what it commits after its end, and a row that has used
-        up its max_tokens stays where it is (`next_blocks`), inside its cells. One step
+        up its max_tokens stays where it is (`next_positions`), inside its cells. One step
         (`__call__`) when `steps` is 1 or the rows cannot (`turn_fits`)."""
         if steps <= 1 or not self.turn_fits(seqs, width):
             return [self(seqs, width, same_rows_next)]
@@ -380,12 +374,7 @@ class SpeculativeStep:
             with self.timer.phase("verify"):
                 out = self.verify(rows, block)
             with self.timer.phase("accept"):
-                table = self.accept_replayed(rows)
-                written = table is not None
-                if not written:
-                    proposals = block[:, 1:]
-                    accepted, bonus = self.accept(rows, proposals, [None] * len(seqs), out.logits, out.tokens)
-                    table = step_table(accepted, bonus, self.processed(rows, accepted), proposals)
+                table, written = self.step_results(rows, block[:, 1:], [None] * len(seqs), out)
                 tables.append(table.clone())  # a replayed accept's table is the next one's buffer
             with self.timer.phase("commit"):
                 replayed = self.commit_replayed(table[:, 2], written)
@@ -779,6 +768,22 @@ class SpeculativeStep:
         if not self.runs_reference(REFERENCE_ACCEPT):
             return None
         return self.runner.accept(len(rows.seqs))
+
+    def step_results(
+        self,
+        rows: Rows,
+        proposals: torch.Tensor,
+        draft_probs: list[torch.Tensor | None],
+        out: Verified,
+        plain: bool = False,
+    ) -> tuple[torch.Tensor, bool]:
+        """The step's table (step_table) and whether the captured accept made it, which then
+        also wrote `processed` into the commit's input; eagerly otherwise (a plain step always)."""
+        table = None if plain else self.accept_replayed(rows)
+        if table is not None:
+            return table, True
+        accepted, bonus = self.accept(rows, proposals, draft_probs, out.logits, out.tokens)
+        return step_table(accepted, bonus, self.processed(rows, accepted), proposals), False
 
     def accept(
         self,

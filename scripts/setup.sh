@@ -34,6 +34,14 @@ case "$PEERS" in
   yes|no) ;;
   *) echo "error: PEERS=$PEERS: expected yes or no" >&2; exit 2 ;;
 esac
+# a fresh install takes about 2.4 GB (torch's CPU build, its dependencies, this package) and the
+# peer clients 1.3 GB more, with room for pip to unpack wheels: a full disk otherwise shows only
+# as an OSError halfway through
+free_kb=$(df -Pk . 2>/dev/null | awk 'NR == 2 {print $4}')
+need_gb=$([ "$PEERS" = yes ] && echo 5 || echo 4)
+if [ -n "$free_kb" ] && [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+  echo "warning: $((free_kb / 1024)) MiB free on this disk; a fresh install needs about $need_gb GB" >&2
+fi
 # torch alone from its index, then its dependencies and the rest from the default index only
 # (pip asks an extra index about every package, and retries each time where it is unreachable)
 if [ "$DEPS" = tested ]; then

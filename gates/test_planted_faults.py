@@ -20,7 +20,7 @@ from .checks import (
     plain_states,
     speculative_states,
 )
-from .faults import FAULTS, planted
+from .faults import FAULTS, LIES, planted
 
 MIXED = [7, 0, 3, 1, 5, 2]
 
@@ -59,6 +59,45 @@ def test_every_fault_is_caught_by_some_gate_test() -> None:
     assert sorted(caught) == sorted(FAULTS), (
         f"faults no gate catches: {sorted(set(FAULTS) - set(caught))}; "
         f"claimed but not planted anywhere: {sorted(set(caught) - set(FAULTS))}"
+    )
+
+
+def doc_table(heading: str) -> dict[str, list[str]]:
+    """The rows of the first table under `heading` in docs/gates.md: first cell's name -> cells."""
+    text = (Path(__file__).parents[1] / "docs" / "gates.md").read_text()
+    section = text.split(heading, 1)[1]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            rows[cells[0].strip("`")] = cells
+        elif rows and not line.startswith("|"):
+            break
+    return rows
+
+
+def test_docs_list_every_fault_with_the_gates_that_claim_it() -> None:
+    """docs/gates.md's table of faults names exactly the registered faults, each with the gate
+    modules that claim it."""
+    claims: dict[str, set[str]] = {}
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for name in getattr(importlib.import_module(f"gates.{path.stem}"), "CATCHES", ()):
+            claims.setdefault(name, set()).add(f"`{path.name}`")
+    rows = doc_table("## Planted faults")
+    assert sorted(rows) == sorted(FAULTS), (
+        f"not in the docs: {sorted(set(FAULTS) - set(rows))}; "
+        f"in the docs, not registered: {sorted(set(rows) - set(FAULTS))}"
+    )
+    for name, cells in rows.items():
+        assert set(cells[-1].split(", ")) == claims[name], (name, cells[-1])
+
+
+def test_docs_list_every_lie() -> None:
+    """docs/gates.md's table of lying candidates names exactly the registered lies."""
+    rows = doc_table("### Lying candidates")
+    assert sorted(rows) == sorted(LIES), (
+        f"not in the docs: {sorted(set(LIES) - set(rows))}; "
+        f"in the docs, not registered: {sorted(set(rows) - set(LIES))}"
     )
 
 

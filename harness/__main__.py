@@ -148,7 +148,8 @@ def _compare_epilog() -> str:
     lines = [
         "exit status:",
         "  0   pass",
-        "  1   fail: an answer differs (mismatch), or ties above --max-tie-rate (strict: any tie)",
+        "  1   fail: an answer differs (mismatch), ties above --max-tie-rate (strict: any tie), output after",
+        "      a tie never compared (unchecked), or prompts a server would not take (unsent)",
         "  2   bad arguments or prompts file",
     ]
     for name, (status, what) in ERRORS.items():

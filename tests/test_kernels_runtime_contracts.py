@@ -91,6 +91,59 @@ def test_greedy_gives_vocab_for_a_row_holding_a_nan() -> None:
     assert got[2] == nan_rows()[2].argmax()
 
 
+def first_maximal(logits: torch.Tensor) -> torch.Tensor:
+    """greedy's contract read off torch.max over the whole row: its first maximal index, or
+    `vocab` for a row holding a NaN."""
+    best, ids = logits.max(dim=-1)
+    return torch.where(best.isnan(), logits.shape[-1], ids)
+
+
+def awkward_logits(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Logits with exact ties inside and across chunks of 64, NaNs before and after a row's
+    maximum, infinities, signed zeros and whole rows of one value."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, generator=g, dtype=dtype)
+    rows = logits.view(-1, shape[-1])
+    vocab = shape[-1]
+    kind = seed % 6
+    if kind == 0:
+        rows.copy_((rows * 2).round())  # many exact ties, across chunks
+    elif kind == 1:
+        rows[0, seed % vocab] = float("nan")
+        rows[-1, vocab - 1] = float("nan")
+        rows[-1, 0] = 1e9  # the maximum before a NaN in a later chunk
+    elif kind == 2:
+        rows[:, ::7] = float("inf")
+    elif kind == 3:
+        rows.copy_(torch.where(rows > 0, -0.0, 0.0))  # only signed zeros: the first wins
+    elif kind == 4:
+        rows[0] = float("-inf")
+        rows[1:] = 3.0
+    else:
+        rows[:, vocab - 1] = rows.max() + 1  # the maximum in the last chunk
+        rows[:, 63] = rows[:, vocab - 1]  # tied with the end of the first chunk
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 4096), (4, 8, 4096), (3, 128), (2, 64), (5, 4160), (3, 100)])
+def test_greedy_on_the_cpu_is_the_first_maximal_index_of_the_whole_row(shape, dtype) -> None:
+    """On the CPU a vocabulary of whole chunks of 64 is searched chunk by chunk: the same ids as
+    torch.max over the whole row (lowest id on an exact tie, `vocab` for a NaN row), for ties
+    across chunks, signed zeros, infinities, NaNs after the maximum, non-contiguous logits and
+    no rows at all; other vocabularies (one chunk, or not whole chunks) as well."""
+    for seed in range(12):
+        logits = awkward_logits(seed, shape, dtype)
+        assert torch.equal(ref.greedy(logits), first_maximal(logits)), seed
+        wide = torch.cat([logits, logits], dim=-1)[..., : shape[-1]]  # non-contiguous rows
+        assert torch.equal(ref.greedy(wide), first_maximal(wide)), seed
+    empty = torch.zeros(0, *shape[1:], dtype=dtype)
+    assert ref.greedy(empty).shape == empty.shape[:-1]
+    if shape[-1] > ref.GREEDY_CHUNK and shape[-1] % ref.GREEDY_CHUNK == 0:
+        logits = awkward_logits(0, shape, dtype)
+        assert torch.equal(ref._greedy_by_chunks(logits), first_maximal(logits))
+
+
 @kernel_test
 def test_the_triton_greedy_gives_vocab_for_a_row_holding_a_nan(triton_dots) -> None:
     """Within one chunk of the first pass, and across chunks: a NaN in a later chunk than the

@@ -145,11 +145,6 @@ def test_logit_bias_pairs_come_in_token_order_whatever_the_order_of_the_keys() -
     assert one == other
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.py _logit_bias: keys '42' and '042' both name token 42 and are both kept, "
-    "as two biases for one token, of which the sampler applies one",
-)
 def test_a_token_named_twice_in_logit_bias_is_refused() -> None:
     """Two logit_bias keys that name the same token id ("42" and "042") give that token two
     biases: refused on logit_bias, as a JSON key given twice is."""
@@ -177,11 +172,6 @@ def test_ignore_eos_is_off_unless_asked_for() -> None:
     assert parsed(ignore_eos=True).params.ignore_eos is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.py parse_request: a chat body with max_completion_tokens null reads that null "
-    "(the default, 16) and never looks at max_tokens",
-)
 def test_chat_max_completion_tokens_null_leaves_max_tokens_in_charge() -> None:
     """Chat max_completion_tokens sent as null is left out: max_tokens is the budget (5 is
     taken, 0 refused on max_tokens), as in a body without max_completion_tokens."""

@@ -87,6 +87,7 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
     if not isinstance(bias, dict):
         raise ProtocolError("'logit_bias' must be an object of token id -> bias", "logit_bias")
     out = []
+    named: dict[int, str] = {}  # token id -> the key that named it
     for key, value in bias.items():
         # plain ASCII digits only: int() also reads "1_0", " 5", "+5" and other scripts' digits
         if not (key.isascii() and key.isdigit()):
@@ -103,6 +104,11 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
             raise ProtocolError(
                 f"'logit_bias' token id {token} outside the vocabulary [0, {vocab_size})", "logit_bias"
             )
+        if token in named:
+            raise ProtocolError(
+                f"'logit_bias' names token {token} twice ({named[token]!r} and {key!r})", "logit_bias"
+            )
+        named[token] = key
         out.append((token, float(value)))
     return tuple(sorted(out))
 
@@ -284,7 +290,7 @@ def parse_request(
     ):
         raise ProtocolError("'stop_token_ids' must be a list of integers", "stop_token_ids")
     max_tokens = _integer(
-        body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", 16
+        body, "max_completion_tokens" if _sends(body, "max_completion_tokens", chat) else "max_tokens", 16
     )
     top_k = _integer(body, "top_k", 0)
     seed = _integer(body, "seed", None)
@@ -321,11 +327,17 @@ def parse_request(
     )
 
 
+def _sends(body: dict, name: str, chat: bool) -> bool:
+    """Whether a chat body sends `name` (null is left out): max_completion_tokens, chat's own
+    name for max_tokens, then rules over it."""
+    return chat and body.get(name) is not None
+
+
 def _field_named(message: str, body: dict, chat: bool) -> str | None:
     """The request field a SamplingParams error names (its message starts with the parameter's
     name), as the request spelled it; None when it names none of the body's fields."""
     name = message.split(" ", 1)[0]
-    if chat and name == "max_tokens" and "max_completion_tokens" in body:
+    if name == "max_tokens" and _sends(body, "max_completion_tokens", chat):
         return "max_completion_tokens"
     if chat and name == "logprobs":
         return "top_logprobs"

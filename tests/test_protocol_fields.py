@@ -20,7 +20,7 @@ def parsed(chat: bool = False, **body):
     else:
         body.setdefault("prompt", "hello")
     return parse_request(
-        body, "m", tokenize, chat, apply_chat_template=lambda m: m[-1]["content"], vocab_size=256
+        body, "m", tokenize, chat, apply_chat_template=lambda m: m[-1]["content"] if m else "", vocab_size=256
     )
 
 

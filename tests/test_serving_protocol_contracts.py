@@ -22,11 +22,12 @@ import uvicorn
 
 from reference_engine.serving.app import INLINE_PARSE_BYTES, TITLE, create_app
 from reference_engine.serving.args import ServeArgs
-from reference_engine.serving.protocol import ProtocolError, parse_request
+from reference_engine.serving.protocol import ProtocolError
 from reference_engine.serving.service import Server
 from reference_engine.serving.stop_strings import StopStringText
 
 from .server_process import free_port
+from .test_protocol_fields import parsed
 from .test_serve_metrics import samples, value
 
 SERVED = "toy-served"
@@ -115,18 +116,6 @@ def sse(loopback: LoopbackServer, body: dict, path: str = "/v1/completions") -> 
 
 
 # ------------------------------------------------------------------ parse_request
-def tokenize(text: str) -> list[int]:
-    return [ord(c) % 200 for c in text]
-
-
-def parsed(chat: bool = False, **body):
-    if chat:
-        body.setdefault("messages", [{"role": "user", "content": "hi"}])
-    else:
-        body.setdefault("prompt", "hello")
-    return parse_request(
-        body, "m", tokenize, chat, apply_chat_template=lambda m: m[-1]["content"] if m else "", vocab_size=256
-    )
 
 
 def refused(param: str | None, chat: bool = False, status: int = 400, **body) -> ProtocolError:

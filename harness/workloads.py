@@ -83,6 +83,19 @@ def mixed_long(
     ]
 
 
+def row_max_tokens(row: dict, source: str) -> int | None:
+    """A dataset row's output length: `max_tokens`, else `output_len` (a null is left out), a
+    positive integer; None when it gives neither."""
+    for name in ("max_tokens", "output_len"):
+        value = row.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise WorkloadError(f"{source}: '{name}' must be a positive integer, got {value!r}")
+        return value
+    return None
+
+
 def load_jsonl(path: str | Path) -> list[Prompt]:
     """Rows with `prompt` (text, or a list of token ids: the OpenAI API's other prompt form)
     or `messages` (chat), optionally `max_tokens` / `output_len`: the custom-dataset format of
@@ -98,10 +111,10 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{path}:{n}: not valid JSON ({exc})") from None
-        max_tokens = row.get("max_tokens", row.get("output_len")) if isinstance(row, dict) else None
         source = f"{path}:{n}"
         if not isinstance(row, dict):
             raise WorkloadError(f"{source}: a JSON object per line, got {type(row).__name__}")
+        max_tokens = row_max_tokens(row, source)
         if isinstance(row.get("prompt"), str):
             prompts.append(Prompt(text=row["prompt"], max_tokens=max_tokens, source=source))
         elif (

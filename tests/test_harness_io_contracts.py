@@ -107,6 +107,30 @@ def test_a_dataset_without_a_prompt_is_refused(tmp_path) -> None:
         load_jsonl(path)
 
 
+@pytest.mark.parametrize("value", [-5, 0, "12", 3.0, True])
+@pytest.mark.parametrize("name", ["max_tokens", "output_len"])
+def test_a_rows_output_length_must_be_a_positive_integer(tmp_path, name, value) -> None:
+    """A row's max_tokens or output_len that is not a positive integer is refused with the
+    row's line and the field's name, not sent on as it is."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b", name: value}) + "\n")
+    with pytest.raises(WorkloadError, match=rf"p.jsonl:2: '{name}' must be a positive integer"):
+        load_jsonl(path)
+
+
+def test_a_rows_null_max_tokens_leaves_its_output_len_in_charge(tmp_path) -> None:
+    """max_tokens rules over output_len; a null max_tokens is left out, so output_len is the
+    row's length; a row with neither has none of its own."""
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "a", "max_tokens": 7, "output_len": 9},
+        {"prompt": "b", "max_tokens": None, "output_len": 9},
+        {"prompt": "c"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [p.max_tokens for p in load_jsonl(path)] == [7, 9, None]
+
+
 def test_chat_prompts_read_from_a_file_hold_their_messages_as_a_tuple(tmp_path) -> None:
     """A chat row's messages are kept as a tuple, as every Prompt holds them: a prompt read
     from a file equals one built from the same messages."""

@@ -162,6 +162,15 @@ class DraftConfig:
         sliding_window = raw.get("sliding_window")
         layer_types = raw.get("layer_types") or [FULL_ATTENTION] * num_layers
         softcap = raw.get("final_logit_softcapping")
+        if softcap is not None and not (
+            isinstance(softcap, (int, float))
+            and not isinstance(softcap, bool)
+            and 0 <= softcap < float("inf")
+        ):
+            raise ConfigError(
+                f"{where}: 'final_logit_softcapping' must be a finite number >= 0 (0 or null: no cap), "
+                f"got {softcap!r}"
+            )
         max_positions = _positive_int(raw, "max_position_embeddings", where, default=32768)
         theta, scaling = _rope(raw, where, llama3=True, max_positions=max_positions)
         return cls(

@@ -13,6 +13,7 @@ from .fields import (
     SLIDING_ATTENTION,
     Llama3RopeScaling,
     _is_positive_int,
+    _number,
     _positive_int,
     _rope,
     _token_id,
@@ -162,11 +163,7 @@ class DraftConfig:
         sliding_window = raw.get("sliding_window")
         layer_types = raw.get("layer_types") or [FULL_ATTENTION] * num_layers
         softcap = raw.get("final_logit_softcapping")
-        if softcap is not None and not (
-            isinstance(softcap, (int, float))
-            and not isinstance(softcap, bool)
-            and 0 <= softcap < float("inf")
-        ):
+        if softcap is not None and not 0 <= _number(raw, "final_logit_softcapping", where) < float("inf"):
             raise ConfigError(
                 f"{where}: 'final_logit_softcapping' must be a finite number >= 0 (0 or null: no cap), "
                 f"got {softcap!r}"

@@ -24,7 +24,7 @@ def _positive_int(raw: dict[str, Any], name: str, where: str, default: int | Non
     value = raw.get(name, default)
     if value is None:
         raise ConfigError(f"{where}: required field '{name}' is missing")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not _is_positive_int(value):
         raise ConfigError(f"{where}: '{name}' must be a positive integer, got {value!r}")
     return value
 

@@ -289,9 +289,7 @@ def parse_request(
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
     ):
         raise ProtocolError("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    max_tokens = _integer(
-        body, "max_completion_tokens" if _sends(body, "max_completion_tokens", chat) else "max_tokens", 16
-    )
+    max_tokens = _integer(body, _budget_field(body, chat), 16)
     top_k = _integer(body, "top_k", 0)
     seed = _integer(body, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -327,18 +325,18 @@ def parse_request(
     )
 
 
-def _sends(body: dict, name: str, chat: bool) -> bool:
-    """Whether a chat body sends `name` (null is left out): max_completion_tokens, chat's own
-    name for max_tokens, then rules over it."""
-    return chat and body.get(name) is not None
+def _budget_field(body: dict, chat: bool) -> str:
+    """The field a request's token budget is read from: a chat body's max_completion_tokens
+    (chat's own name for it) when sent, not null; max_tokens otherwise."""
+    return "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
 
 
 def _field_named(message: str, body: dict, chat: bool) -> str | None:
     """The request field a SamplingParams error names (its message starts with the parameter's
     name), as the request spelled it; None when it names none of the body's fields."""
     name = message.split(" ", 1)[0]
-    if name == "max_tokens" and _sends(body, "max_completion_tokens", chat):
-        return "max_completion_tokens"
+    if name == "max_tokens":
+        name = _budget_field(body, chat)
     if chat and name == "logprobs":
         return "top_logprobs"
     return name if name in body else None

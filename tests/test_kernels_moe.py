@@ -24,6 +24,7 @@ triton = pytest.importorskip("triton")
 
 from reference_engine.kernels import moe  # noqa: E402
 from reference_engine.kernels import reference as ref  # noqa: E402
+from reference_engine.kernels.launch import LAUNCH  # noqa: E402
 from tests.interpreter import row_invariant_dots  # noqa: E402
 
 pytestmark = [
@@ -169,3 +170,60 @@ def test_no_tokens_give_an_empty_output() -> None:
     ids = torch.empty(0, 2, dtype=torch.int64, device=DEVICE)
     assert moe.experts(x, torch.empty(0, 2, device=DEVICE), ids, gate_up, down).shape == (0, HIDDEN)
     assert moe.route_experts(torch.empty(0, 4, device=DEVICE), 2, True)[1].shape == (0, 2)
+
+
+def test_experts_whose_probabilities_underflow_to_zero_tie_at_the_lower_ids() -> None:
+    """A router whose one expert takes all the probability (the others' float32 softmax is
+    exactly 0): the next picks are the lowest ids not yet chosen, never a chosen one again, and
+    each token still gets k distinct experts."""
+    logits = torch.tensor([[0.0, 0.0, 200.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 200.0]], device=DEVICE)
+    weights, ids = moe.route_experts(logits, 3, renormalise=True)
+    assert ids.tolist() == [[0, 1, 2], [0, 1, 4]]
+    assert weights.tolist() == [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
+
+
+@pytest.mark.parametrize("layout", [(4, 1), (16, 4)])
+def test_a_routing_layout_of_several_tokens_a_program_leaves_the_last_programs_spare_rows_alone(
+    layout: tuple[int, int],
+) -> None:
+    """5 tokens in programs of 4 or 16 (`layout`, the sweeps' override): the last program's rows
+    past the tokens write nothing (the kernel run into the front of larger buffers leaves the
+    rows after the tokens as they were), and every token's experts are the one-token layout's."""
+    tokens, experts, top_k = 5, 8, 3
+    logits = rand(tokens, experts, seed=11)
+    want_weights, want_ids = moe.route_experts(logits, top_k, True)
+    padded_ids = torch.full((tokens + 16, top_k), -7, dtype=torch.int64, device=DEVICE)
+    padded_weights = torch.full((tokens + 16, top_k), -7.0, device=DEVICE)
+    block_t, warps = layout
+    moe._route_kernel[(triton.cdiv(tokens, block_t),)](
+        logits,
+        padded_weights,
+        padded_ids,
+        tokens,
+        experts,
+        TOP_K=top_k,
+        RENORMALISE=True,
+        BLOCK_T=block_t,
+        BLOCK_E=triton.next_power_of_2(experts),
+        num_warps=warps,
+        **LAUNCH,
+    )
+    assert (padded_ids[tokens:] == -7).all() and (padded_weights[tokens:] == -7.0).all()
+    assert torch.equal(padded_ids[:tokens], want_ids)
+    weights, ids = moe.route_experts(logits, top_k, True, layout=layout)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-6)
+
+
+def test_a_residual_that_is_a_strided_view_is_read_by_rows() -> None:
+    """The residual may be a view with a row stride of its own (a slice of a wider buffer): the
+    layer adds each token's own row, as with a contiguous copy of it."""
+    tokens, experts, top_k = 7, 8, 3
+    x = rand(tokens, HIDDEN, seed=3)
+    wide = rand(tokens, 2 * HIDDEN, seed=5, scale=4.0)
+    residual = wide[:, HIDDEN:]
+    assert not residual.is_contiguous()
+    weights, ids = ref.route_experts(rand(tokens, experts, seed=4), top_k, True)
+    gate_up, down = stacks(experts, torch.float32)
+    got = moe.experts(x, weights, ids, gate_up, down, residual=residual)
+    assert torch.equal(got, moe.experts(x, weights, ids, gate_up, down, residual=residual.contiguous()))

@@ -203,6 +203,24 @@ def test_the_census_means_over_every_width_a_speculative_run_verified_at() -> No
     assert census.mean_distinct(2, 4) is None
 
 
+def test_the_census_counts_as_many_widths_as_its_buffer_has_rows_and_no_more() -> None:
+    """Each new width takes the next row of the buffer allocated up front; a width past its last
+    row gets no counter (its calls go uncounted) and reads as never having run, while every
+    width within it, the last row included, counts and reads back."""
+    census = ExpertCensus("cpu", widths=2)
+    first, last = census.counter(1), census.counter(8)
+    assert first is not None and last is not None
+    first.add_(torch.tensor([4, 1]))
+    last.add_(torch.tensor([6, 2]))
+    assert census.counter(16) is None  # a third width: past the buffer
+    assert torch.equal(census.counter(8), last)
+    assert census.mean_distinct(8) == 3.0
+    assert census.mean_distinct(1, 8, 16) == (4 + 6) / 3
+    assert census.mean_distinct(16) is None
+    census.reset()
+    assert census.mean_distinct(1, 8) is None
+
+
 def test_a_speculative_runs_experts_are_read_from_its_verifies_at_every_width() -> None:
     """The census rows a step's figure reads: plain reads one-token steps; DFlash reads every
     verify width 1 through the block size (a full block included) and leaves prefill out."""

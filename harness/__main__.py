@@ -475,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         except (WorkloadError, ValueError, OSError, OutputError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    try:  # a tokenizer that cannot be read is a bad argument: refused before the folder or a server
+        tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     fresh = not out.exists()
     try:
@@ -508,7 +513,6 @@ def main(argv: list[str] | None = None) -> int:
                 url, cmd = getattr(args, f"{side}_url"), getattr(args, f"{side}_cmd")
                 log = out / f"server-{side.upper()}.log"
                 servers[side.upper()] = ManagedServer.start(cmd, log) if cmd else ManagedServer(url)
-        tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
         endpoints: dict[str, Endpoint] = {}
 
         def endpoint_of(label: str) -> Endpoint:

@@ -20,7 +20,13 @@ class TextTokenizer:
         if not file.is_file():
             raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
         self.path = str(path)
-        self._tokenizer = Tokenizer.from_file(str(file))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers package raises a bare Exception
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(
+                f"--tokenizer {path}: {file} is not a tokenizer the tokenizers package reads ({reason})"
+            ) from None
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids

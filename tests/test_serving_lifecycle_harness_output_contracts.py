@@ -261,10 +261,10 @@ def test_a_second_signal_during_the_drain_ends_the_drain_at_once() -> None:
 
 def test_the_drain_ends_the_requests_left_once_the_grace_period_is_over() -> None:
     """The drain waits `grace_s`, not longer, before ending the requests still in flight."""
-    server, events = graceful(0.5, idle=lambda: False)
+    server, events = graceful(1.0, idle=lambda: False)
     start = time.monotonic()
     asyncio.run(server._drain(signal.SIGTERM, None))
-    assert 0.49 <= time.monotonic() - start < 0.9
+    assert 0.99 <= time.monotonic() - start < 1.9  # twice the grace would be 2 s
     assert events == ["deadline"]
 
 
@@ -482,14 +482,9 @@ def test_a_released_folder_is_free_while_its_lock_object_lives_on(tmp_path) -> N
     assert hold.file.closed and again.file.closed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a tokenizer.json that does not parse escapes TextTokenizer as the tokenizers "
-    "package's bare Exception, which harness's main does not catch: a traceback and exit 1",
-)
 def test_a_tokenizer_json_that_does_not_parse_is_refused_with_one_line(tmp_path, capsys) -> None:
     """--tokenizer naming a broken tokenizer.json is a bad argument like a missing one: exit
-    status 2 and one error line naming it, no traceback."""
+    status 2 and one error line naming it, no traceback, and no output folder left behind."""
     broken = tmp_path / "tok"
     broken.mkdir()
     (broken / "tokenizer.json").write_text('{"version": "1.0", ')
@@ -501,3 +496,4 @@ def test_a_tokenizer_json_that_does_not_parse_is_refused_with_one_line(tmp_path,
     assert status == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and str(broken) in last
+    assert not (tmp_path / "out").exists()  # refused before the output folder is made

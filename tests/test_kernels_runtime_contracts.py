@@ -130,13 +130,17 @@ def awkward_logits(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> tor
 def test_greedy_on_the_cpu_is_the_first_maximal_index_of_the_whole_row(shape, dtype) -> None:
     """On the CPU a vocabulary of whole chunks of 64 is searched chunk by chunk: the same ids as
     torch.max over the whole row (lowest id on an exact tie, `vocab` for a NaN row), for ties
-    across chunks, signed zeros, infinities, NaNs after the maximum, non-contiguous logits and
-    no rows at all; other vocabularies (one chunk, or not whole chunks) as well."""
+    across chunks, signed zeros, infinities, NaNs after the maximum, non-contiguous logits,
+    logits laid out vocabulary-major (the CPU linear's output, searched in that layout) and no
+    rows at all; other vocabularies (one chunk, or not whole chunks) as well."""
     for seed in range(12):
         logits = awkward_logits(seed, shape, dtype)
         assert torch.equal(ref.greedy(logits), first_maximal(logits)), seed
         wide = torch.cat([logits, logits], dim=-1)[..., : shape[-1]]  # non-contiguous rows
         assert torch.equal(ref.greedy(wide), first_maximal(wide)), seed
+        # vocabulary-major, as the CPU's linear gives its output (a row's logits rows apart)
+        by_vocab = logits.reshape(-1, shape[-1]).T.contiguous().T.reshape(shape)
+        assert torch.equal(ref.greedy(by_vocab), first_maximal(logits)), seed
     empty = torch.zeros(0, *shape[1:], dtype=dtype)
     assert ref.greedy(empty).shape == empty.shape[:-1]
     if shape[-1] > ref.GREEDY_CHUNK and shape[-1] % ref.GREEDY_CHUNK == 0:

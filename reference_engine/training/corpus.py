@@ -228,7 +228,13 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
 
 
 def random_windows(stream: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """`count` windows of `length` tokens at random offsets. [count, length]"""
+    """`count` windows of `length` tokens at random offsets. [count, length]
+
+    Starts are drawn from [0, len(stream) - length), so the window ending at the stream's last
+    token is never drawn: these are the draws the shipped demo pair was trained with (and that
+    `--from-pair` repeats), kept as they are. A stream of `length` tokens or fewer is refused."""
+    if len(stream) <= length:
+        raise CorpusError(f"a token stream of {len(stream)} tokens is too short for windows of {length}")
     starts = torch.randint(0, len(stream) - length, (count,), generator=generator)
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 

@@ -79,3 +79,13 @@ def test_seed_zero_is_a_seed() -> None:
     draws = [torch.rand(4, generator=new_generator(torch.device("cpu"), 0)) for _ in range(2)]
     assert torch.equal(*draws)
     assert not torch.equal(draws[0], torch.rand(4, generator=new_generator(torch.device("cpu"), 1)))
+
+
+def test_a_row_with_a_negative_entry_draws_not_a_distribution_and_the_others_draw() -> None:
+    """`sample` fails only the rows that hold no distribution (a negative entry here, as NaN,
+    inf or no mass elsewhere): the batch's other rows still draw, from their own support."""
+    from reference_engine.runtime.sampling import NOT_A_DISTRIBUTION, sample
+
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, -0.25, 0.5, 0.25], [0.0, 1.0, 0.0, 0.0]])
+    drawn = sample(probs, torch.Generator().manual_seed(0))
+    assert drawn.tolist() == [2, NOT_A_DISTRIBUTION, 1]

@@ -219,3 +219,18 @@ def test_accept_sampled_is_reproducible_with_a_seeded_generator() -> None:
     other = accept_sampled(draft, q, p, gen(16))
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     assert not (torch.equal(first[0], other[0]) and torch.equal(first[1], other[1]))
+
+
+def test_a_draft_token_neither_distribution_gives_any_mass_is_never_accepted() -> None:
+    """A proposal outside both supports (p(x) = q(x) = 0: a greedy draft's token that the
+    request's top-k or top-p cut from both) is rejected whatever the uniform draw, and the
+    replacement comes from the target's support."""
+    batch, n, vocab = 500, 3, 8
+    p = torch.zeros(batch, n + 1, vocab, dtype=torch.float64)
+    p[..., :4] = 0.25  # the target: tokens 0..3
+    q = torch.zeros(batch, n, vocab, dtype=torch.float64)
+    q[..., 4:7] = 1 / 3  # the draft: tokens 4..6
+    draft = torch.full((batch, n), 7)  # in neither support
+    accepted, bonus = accept_sampled(draft, q, p, gen(21))
+    assert (accepted == 0).all()
+    assert (bonus < 4).all()

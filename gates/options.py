@@ -72,7 +72,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("DFLASH_COMPARE_PROMPTS"),
         help="HTTP gate: JSONL prompts (default: built-in sets)",
     )
-    group.addoption("--compare-api-key", default=os.environ.get("DFLASH_COMPARE_API_KEY"))
+    group.addoption(
+        "--compare-api-key",
+        default=os.environ.get("DFLASH_COMPARE_API_KEY"),
+        help="HTTP gate: bearer key sent to both servers (env DFLASH_COMPARE_API_KEY)",
+    )
     group.addoption(
         "--compare-server-kind",
         default=os.environ.get("DFLASH_COMPARE_SERVER_KIND", "auto"),

@@ -8,8 +8,9 @@
 
 Without --draft: plain decode. With --draft: DFlash speculative decoding, lossless.
 With --json it prints one JSON object: prompt_ids, output_ids, text, finish_reason, and
-with a draft also acceptance_lengths (one int per step: the tokens that step committed,
-accepted + bonus, cut at a stop; the first token, from prefill, not counted).
+with a draft also block_size, commit_strategy and acceptance_lengths (one int per step:
+the tokens that step committed, accepted + bonus, cut at a stop; the first token, from
+prefill, not counted).
 """
 
 from __future__ import annotations

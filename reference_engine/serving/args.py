@@ -135,7 +135,7 @@ class ServeArgs:
             choices=("api", "all"),
             default="api",
             help="what --api-key protects: 'api' (/v1/*) or 'all' (also /metrics, "
-            "/info, /docs, /openapi.json; /health stays open)",
+            "/info, /docs, /redoc, /openapi.json; /health stays open)",
         )
         p.add_argument(
             "--timeout-keep-alive",

@@ -248,6 +248,23 @@ def test_the_step_result_reaches_the_host_without_waiting_for_work_queued_after_
     torch.cuda.synchronize()
 
 
+def test_the_host_reader_keeps_a_buffer_per_shape_and_dtype() -> None:
+    """runtime/transfer.HostReader reuses its pinned buffers from step to step: results of one
+    shape in two dtypes (a step's token ids and its float scores) each come back in their own
+    dtype and values, read after the other's copy was made; and a reused buffer gives the new
+    step's values, not the last one's."""
+    from reference_engine.runtime.transfer import HostReader
+
+    reader = HostReader()
+    ids = torch.tensor([[3, 1 << 40], [7, -2]], device="cuda", dtype=torch.int64)
+    scores = torch.tensor([[0.5, -1.25], [2.0, 3.5]], device="cuda", dtype=torch.float32)
+    assert reader.copy(ids).tolist() == [[3, 1 << 40], [7, -2]]
+    assert reader.copy(scores).tolist() == [[0.5, -1.25], [2.0, 3.5]]
+    again = reader.copy(ids + 1).tolist()
+    assert again == [[4, (1 << 40) + 1], [8, -1]]
+    assert all(isinstance(v, int) for row in again for v in row)
+
+
 def test_the_phase_timer_times_each_phase_on_the_device_and_reuses_its_events() -> None:
     """runtime/stats.PhaseTimer: a phase's device time is its own (a phase that queues ~1 ms
     of work against one that queues none), and events read by `flush` are recorded again,

@@ -148,6 +148,15 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "(default 1)",
         {"type": int, "default": 1},
     ),
+    "draft_span": EngineOption(
+        ("--draft-span",),
+        "the positions a draft forward runs: 'block' (the default) the anchor and all B-1 mask "
+        "tokens, as DFlash drafts are trained; 'verify' the anchor and only as many mask tokens "
+        "as the step verifies (--verify-width), a smaller forward whose proposals differ, for "
+        "drafts trained on shorter blocks too (the demo pair's); output is the same either way; "
+        "eager forwards only (the CPU, --enforce-eager; docs/engine.md, Draft span)",
+        {"choices": ("block", "verify"), "default": "block"},
+    ),
     "enforce_eager": EngineOption(
         ("--enforce-eager",), "run every forward eagerly (no CUDA graphs)", {"action": "store_true"}
     ),

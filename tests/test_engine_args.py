@@ -100,6 +100,7 @@ GIVEN = {
     "enforce_eager": True,
     "device_phase_times": True,  # the server's default is off (the engine's, on)
     "steps_per_turn": 3,
+    "draft_span": "verify",
 }
 
 

@@ -111,6 +111,7 @@ class BenchArgs:
     gpu_memory_utilization: float
     verify_width: str
     steps_per_turn: int
+    draft_span: str
     measure_step_costs: bool
     prefill_chunk: int
     max_num_batched_tokens: int | None
@@ -168,6 +169,7 @@ class BenchArgs:
             "gpu_memory_utilization",
             "verify_width",
             "steps_per_turn",
+            "draft_span",
             "measure_step_costs",
         )
         add_engine_options(p, "prefill_chunk", "max_num_batched_tokens", "kv_cache_tokens", "kv_cell_tokens")

@@ -33,7 +33,7 @@ from collections import Counter
 
 import torch
 
-from ..errors import RequestError
+from ..errors import ConfigError, RequestError
 from ..kernels import Kernels, default_numerics, select
 from ..models import CausalLM, fuse_projections
 from ..models.dflash import DFlashDraft, DraftState
@@ -93,6 +93,11 @@ class Engine:
                 fuse_projections(draft)
         room = self.context_len + self.block_size  # a verify may run past the last token
         use_graphs = graphs_possible(self.device, ops, config.enforce_eager)
+        if use_graphs and draft is not None and config.draft_span != "block":
+            raise ConfigError(
+                f"draft span {config.draft_span!r} runs eager forwards only: the captured drafts run "
+                "whole blocks (add --enforce-eager, or keep --draft-span block)"
+            )
         # CUDA graphs pad a batch to its bucket with rows on one spare slot that no request owns
         slots = config.max_num_seqs + int(use_graphs)
         self.pool = (
@@ -162,6 +167,7 @@ class Engine:
                 config.commit_strategy,
                 self.timer,
                 self.runner,
+                draft_span=config.draft_span,
             )
             if draft is not None
             else None

@@ -12,6 +12,7 @@ from .commit import check_strategy
 from .verify_width import VERIFY_WIDTHS
 
 ADMISSION_POLICIES = ("wait", "reject")
+DRAFT_SPANS = ("block", "verify")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class EngineConfig:
     # leaves its row idle to the turn's end, and one that arrives joins at the next turn.
     # Output is the same at any count; 1 (the default) reads every step's results
     steps_per_turn: int = 1
+    # the positions a draft forward runs (DRAFT_SPANS): "block", the anchor and all B-1 mask
+    # tokens, as DFlash drafts are trained; "verify", the anchor and only as many mask tokens
+    # as the step's verify checks (verify_width), a smaller forward whose proposals differ
+    # (its block attention sees fewer positions), for drafts trained on shorter blocks too.
+    # Output is the same either way. Eager forwards only: the captured drafts run whole blocks
+    draft_span: str = "block"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -110,6 +117,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cell_tokens must be positive, got {self.kv_cell_tokens}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.draft_span not in DRAFT_SPANS:
+            raise ConfigError(f"draft_span must be one of {', '.join(DRAFT_SPANS)}, got {self.draft_span!r}")
         if self.steps_per_turn < 1:
             raise ConfigError(f"steps_per_turn must be >= 1, got {self.steps_per_turn}")
         if self.max_model_len is not None and self.max_model_len < 2:

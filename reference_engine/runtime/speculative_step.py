@@ -157,8 +157,12 @@ class SpeculativeStep:
         commit_strategy: str,
         timer: PhaseTimer,
         runner: ModelRunner,
+        draft_span: str = "block",
     ) -> None:
         self.target, self.draft = target, draft
+        # "verify": a drafted step's draft runs the anchor and as many mask tokens as its verify
+        # checks, not the whole block (EngineConfig.draft_span; eager forwards only)
+        self.span_verify = draft_span == "verify"
         self.state, self.draft_state = state, draft_state
         self.block_size = block_size
         self.commit_strategy = commit_strategy
@@ -395,9 +399,9 @@ class SpeculativeStep:
         proposals of a draft from there). The rows are laid out here, from the table, as the
         draft's inputs are (`next_blocks`), but apart from them: a draft's inputs, however
         wrong, change its proposals and so acceptance, never output."""
-        N = self.block_size - 1
+        N = W if self.span_verify else self.block_size - 1
         bonus, processed = table[:, 1], table[:, 2]
-        n = self.next_draft_tokens(rows.remaining_t, processed)
+        n = self.next_draft_tokens(rows.remaining_t, processed).clamp(max=N)
         positions = self.next_positions(processed, rows.positions[:, 0], N, n)
         # what an eager forward reads: the turn's rows move at most a block a step
         kv_len = min(max(rows.starts) + (k + 1) * (N + 1), self.state.max_len)
@@ -498,8 +502,11 @@ class SpeculativeStep:
     # ------------------------------------------------------------------ layout
     def rows(self, seqs: list[Sequence], width: int | None = None) -> Rows:
         """The step's rows, their blocks of N + 1 positions, and the draft slots whose
-        proposals a verify of `width` takes (Rows.draft_width)."""
+        proposals a verify of `width` takes (Rows.draft_width). With the verify's draft span a
+        drafted step's blocks hold only as many mask tokens as it verifies."""
         n = [min(self.block_size - 1, s.remaining) for s in seqs]
+        if self.span_verify and width:
+            n = [min(k, width) for k in n]
         N = self.block_size - 1 if self.pad_blocks else max(n)
         starts = self.anchor_positions(seqs)
         slot_ids = [s.slot for s in seqs]

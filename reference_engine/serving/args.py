@@ -31,6 +31,7 @@ class ServeArgs:
     gpu_memory_utilization: float = 0.9
     verify_width: str = "auto"
     steps_per_turn: int = 1
+    draft_span: str = "block"
     measure_step_costs: bool = False
     device_phase_times: bool = False
     prefill_chunk: int = 2048
@@ -105,6 +106,7 @@ class ServeArgs:
             "gpu_memory_utilization",
             "verify_width",
             "steps_per_turn",
+            "draft_span",
             "measure_step_costs",
             "device_phase_times",
             "tensor_parallel_size",

@@ -167,18 +167,14 @@ def test_a_sliding_window_query_gets_the_same_bits_from_either_split_path() -> N
     assert_rows_close(chunk, ref.attention(q, k_cache, v_cache, slots, prefill, 210, 0.3, True, 100))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the kernel loads whole key blocks and multiplies the weight 0 of a key past the "
-    "query's position by its value: a NaN or inf left in the value cache there gives NaN",
-)
 @pytest.mark.parametrize("T", [1, 20], ids=["decode", "prefill"])
 def test_non_finite_values_past_every_key_a_query_sees_do_not_reach_it(T: int) -> None:
     """A slot's cache past a request's length may hold what an earlier request of the slot
     left there (a slot's reset clears its recurrent state, not its key and value rows), NaN
     from a request that failed on non-finite numbers included. Those keys are hidden from every
-    query of the new request, so their values must not reach its outputs: the reference over
-    the request's own keys."""
+    query of the new request, so their values must not reach its outputs, neither alone nor
+    beside a longer request whose keys reach past them (the batch's kv_len): the kernel and
+    the reference over the request's own keys."""
     k_cache, v_cache = kv_cache(2, 128)
     k_cache[0, 40:] = float("nan")
     v_cache[0, 40:] = float("nan")
@@ -189,6 +185,14 @@ def test_non_finite_values_past_every_key_a_query_sees_do_not_reach_it(T: int) -
     want = ref.attention(*args)  # over the first 31 keys alone
     assert torch.isfinite(want).all()
     assert_rows_close(attention(*args), want)
+    # beside a request at positions up to 120 in slot 1: the batch reads 121 keys a row
+    both = torch.cat([positions, positions + 90])
+    slots2 = torch.tensor([0, 1], device=DEVICE)
+    q2 = torch.cat([q, rand(1, T, 4, 16, seed=29)])
+    args2 = (q2, k_cache, v_cache, slots2, both, 121, 0.3)
+    for got in (ref.attention(*args2), attention(*args2)):
+        assert torch.isfinite(got).all()
+        assert_rows_close(got[:1], want)
 
 
 # ----------------------------------------------------------------------------- gated delta inputs

@@ -102,10 +102,15 @@ def _key_block(
     offs = cache + kpos[:, None].to(tl.int64) * stride_cl + d[None, :]
     if MASKED:
         kv_ok = (kpos < max_len)[:, None] & d_ok[None, :]
+        # a key past every row's last is read as 0: its weight is 0 in every row, and a value
+        # there (a slot's rows past its request's length, left by an earlier request, NaN from
+        # one that failed included) must not reach the rows as 0 * NaN
+        v_ok = kv_ok & (kpos <= tl.max(hi, axis=0))[:, None]
     else:
         kv_ok = d_ok[None, :]
+        v_ok = kv_ok
     k = tl.load(k_ptr + offs, mask=kv_ok, other=0.0)
-    v = tl.load(v_ptr + offs, mask=kv_ok, other=0.0)
+    v = tl.load(v_ptr + offs, mask=v_ok, other=0.0)
     if IEEE:  # float32 models: no tf32 rounding of the operands
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:

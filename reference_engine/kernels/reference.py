@@ -204,6 +204,12 @@ def attention(
     else:
         visible_to = (positions[:, 0] + valid_len - 1)[:, None, None]
     allowed = key_pos <= visible_to  # [batch, T or 1 (non-causal), kv_len]
+    # the rows past every query's last key read as 0: their weights are 0, and what an earlier
+    # request of the slot left there (NaN from one that failed included) must reach no score
+    # or product (a masked NaN score, or a weight of 0 times NaN, is NaN)
+    past = (key_pos[0] > visible_to.amax(1))[:, :, None, None]  # [batch, kv_len, 1, 1]
+    keys.masked_fill_(past, 0)
+    values.masked_fill_(past, 0)
     if sliding_window is not None:  # not in place: a non-causal limit broadcasts over T
         allowed = allowed & (query_pos - key_pos < sliding_window) & (key_pos - query_pos < sliding_window)
     out = F.scaled_dot_product_attention(

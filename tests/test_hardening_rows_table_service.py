@@ -270,19 +270,30 @@ def test_the_default_temperature_note_is_said_once_and_only_without_a_temperatur
 
 
 @pytest.mark.parametrize(
-    ("template", "rendered"),
+    ("template", "jinja", "rendered"),
     [
-        ("<<{{ messages[0]['content'] }}>>", "<<hi>>"),
-        ([{"name": "default", "template": "<<{{ messages[0]['content'] }}>>"}], None),
-        (None, None),
+        ("<<{{ messages[0]['content'] }}>>", None, "<<hi>>"),
+        (
+            [
+                {"name": "tool_use", "template": "[[{{ messages[0]['content'] }}]]"},
+                {"name": "default", "template": "<<{{ messages[0]['content'] }}>>"},
+            ],
+            None,
+            "<<hi>>",
+        ),
+        ([{"name": "tool_use", "template": "[[{{ messages[0]['content'] }}]]"}], None, None),
+        ("<<{{ messages[0]['content'] }}>>", "{{ messages[0]['content'] }}!", "hi!"),
+        (None, "{{ messages[0]['content'] }}!", "hi!"),
+        (None, None, None),
     ],
-    ids=["string", "named-list", "none"],
+    ids=["string", "named-list", "list-without-default", "jinja-file-first", "jinja-file", "none"],
 )
 def test_the_chat_template_is_the_checkpoints_string_or_chatml(
-    model_dir, copy_checkpoint, template, rendered
+    model_dir, copy_checkpoint, template, jinja, rendered
 ) -> None:
-    """A tokenizer_config.json chat_template that is a string is the server's; anything else
-    (a list of named templates, none) falls back to ChatML."""
+    """The chat template is found as transformers finds it: chat_template.jinja when the
+    checkpoint has one (before tokenizer_config.json's), else tokenizer_config.json's
+    chat_template, a string or the list's template named "default"; without any, ChatML."""
     from pathlib import Path
 
     from reference_engine.serving.chat_template import compile_chat_template, render_chat_template
@@ -291,6 +302,8 @@ def test_the_chat_template_is_the_checkpoints_string_or_chatml(
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = template
     (model / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (model / "chat_template.jinja").write_text(jinja)
     messages = [{"role": "user", "content": "hi"}]
     if rendered is None:
         rendered = render_chat_template(compile_chat_template(CHAT_TEMPLATE), messages)

@@ -111,9 +111,24 @@ class Server:
 
 
 def _chat_template(model_dir: Path) -> str:
+    """The checkpoint's chat template, found as transformers finds it: `chat_template.jinja`
+    when the folder has one (it takes priority), else tokenizer_config.json's `chat_template`,
+    a string or a list of named templates (the one named "default"); else ChatML, the
+    documented default for tiny models."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
     config = model_dir / "tokenizer_config.json"
     if config.is_file():
-        template = json.loads(config.read_text()).get("chat_template")
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
         if isinstance(template, str):
             return template
-    return CHAT_TEMPLATE  # ChatML, documented default for tiny models
+        if isinstance(template, list):
+            for entry in template:
+                if (
+                    isinstance(entry, dict)
+                    and entry.get("name") == "default"
+                    and isinstance(entry.get("template"), str)
+                ):
+                    return entry["template"]
+    return CHAT_TEMPLATE

@@ -106,7 +106,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--gate-prompts",
         default=os.environ.get("DFLASH_GATE_PROMPTS"),
         help="JSONL prompts for a user's pair: `prompt` (text), `messages` (chat, "
-        "the checkpoint's template) or `prompt_ids` per row; default: 32 of the "
+        "their turns' contents joined by newlines) or `prompt_ids` per row; default: 32 of the "
         "built-in mixed set (env DFLASH_GATE_PROMPTS)",
     )
     group.addoption(

@@ -1,9 +1,9 @@
 """Chat templates from checkpoints, rendered as untrusted code.
 
-A checkpoint's `tokenizer_config.json` carries a Jinja template that runs on every chat
-request. A checkpoint is not trusted, so the template renders in Jinja's immutable sandbox:
-no access to Python internals (`__class__`, `__globals__`, ...), no mutation of the objects
-passed in. A template that tries, or that fails for any other reason (including the
+A checkpoint carries a Jinja template (`chat_template.jinja`, or `tokenizer_config.json`'s)
+that runs on every chat request. A checkpoint is not trusted, so the template renders in
+Jinja's immutable sandbox: no access to Python internals (`__class__`, `__globals__`, ...),
+no mutation of the objects passed in. A template that tries, or that fails for any other reason (including the
 `raise_exception(...)` Hugging Face templates call for unsupported roles, and a Python error
 such as a division by zero inside the template), fails the request with HTTP 400, never the
 server.

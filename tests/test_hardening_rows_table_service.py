@@ -43,18 +43,7 @@ from reference_engine.serving.protocol import ProtocolError  # noqa: E402
 from reference_engine.serving.service import Server  # noqa: E402
 from reference_engine.tokenizer import CHAT_TEMPLATE  # noqa: E402
 from tests.kernel_inputs import DEVICE, rand  # noqa: E402
-
-kernels = [
-    pytest.mark.kernels,
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
-]
-
-
-def kernel_test(test):
-    """The marks of the Triton kernel tests (tests/test_kernels.py's)."""
-    for mark in kernels:
-        test = mark(test)
-    return test
+from tests.test_kernels_runtime_contracts import kernel_test  # noqa: E402
 
 
 @pytest.fixture

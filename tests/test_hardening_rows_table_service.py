@@ -299,6 +299,27 @@ def test_the_chat_template_is_the_checkpoints_string_or_chatml(
     assert server_for(str(model)).apply_chat_template(messages) == rendered
 
 
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("chat_template.jinja", b"{{ '\xff' }}\xff"), ("tokenizer_config.json", b"{not json")],
+    ids=["jinja-not-utf8", "config-not-json"],
+)
+def test_a_chat_template_file_that_cannot_be_read_stops_start_up_naming_it(
+    model_dir, copy_checkpoint, name, content
+) -> None:
+    """A chat template file that is not UTF-8, or a tokenizer config that is not JSON, is a
+    CheckpointError naming the file (serve's one error line), not a decoder's traceback."""
+    from pathlib import Path
+
+    from reference_engine.errors import CheckpointError
+    from reference_engine.serving.service import _chat_template
+
+    model = copy_checkpoint(Path(model_dir))
+    (model / name).write_bytes(content)
+    with pytest.raises(CheckpointError, match=f"chat template in .*{name}"):
+        _chat_template(model)
+
+
 def test_the_servers_options_reach_its_name_grace_counters_and_request_ids(model_dir) -> None:
     from pathlib import Path
 

@@ -3,10 +3,10 @@
 A checkpoint carries a Jinja template (`chat_template.jinja`, or `tokenizer_config.json`'s)
 that runs on every chat request. A checkpoint is not trusted, so the template renders in
 Jinja's immutable sandbox: no access to Python internals (`__class__`, `__globals__`, ...),
-no mutation of the objects passed in. A template that tries, or that fails for any other reason (including the
-`raise_exception(...)` Hugging Face templates call for unsupported roles, and a Python error
-such as a division by zero inside the template), fails the request with HTTP 400, never the
-server.
+no mutation of the objects passed in. A template that tries, or that fails for any other
+reason (including the `raise_exception(...)` Hugging Face templates call for unsupported
+roles, and a Python error such as a division by zero inside the template), fails the request
+with HTTP 400, never the server.
 
 The environment is the one Hugging Face's `apply_chat_template` renders in (and so vLLM's and
 SGLang's): blocks trimmed (`trim_blocks`, `lstrip_blocks`), `{% break %}` and `{% continue %}`,

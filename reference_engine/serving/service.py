@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import CheckpointError
 from ..runtime.engine import Engine
 from ..runtime.tensor_parallel import TensorParallel
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
@@ -114,21 +115,27 @@ def _chat_template(model_dir: Path) -> str:
     """The checkpoint's chat template, found as transformers finds it: `chat_template.jinja`
     when the folder has one (it takes priority), else tokenizer_config.json's `chat_template`,
     a string or a list of named templates (the one named "default"); else ChatML, the
-    documented default for tiny models."""
+    documented default for tiny models. A file that is not UTF-8 (or not JSON) is a
+    CheckpointError naming it."""
     jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
     config = model_dir / "tokenizer_config.json"
-    if config.is_file():
+    try:
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        if not config.is_file():
+            return CHAT_TEMPLATE
         template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-        if isinstance(template, str):
-            return template
-        if isinstance(template, list):
-            for entry in template:
-                if (
-                    isinstance(entry, dict)
-                    and entry.get("name") == "default"
-                    and isinstance(entry.get("template"), str)
-                ):
-                    return entry["template"]
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        where = jinja if jinja.is_file() else config
+        raise CheckpointError(f"cannot read the chat template in {where}: {exc}") from None
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        for entry in template:
+            if (
+                isinstance(entry, dict)
+                and entry.get("name") == "default"
+                and isinstance(entry.get("template"), str)
+            ):
+                return entry["template"]
     return CHAT_TEMPLATE

@@ -223,3 +223,10 @@ def copy_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def served_pair(tiny_pair: TinyPair) -> tuple[str, str]:
+    """The qwen3 tiny pair at block size 4 as the directories `serve` is given (target, draft)."""
+    target, draft = tiny_pair("qwen3", block_size=4)
+    return str(target), str(draft)

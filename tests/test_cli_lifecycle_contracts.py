@@ -501,12 +501,6 @@ def test_a_broadcast_that_fails_is_followers_lost_naming_the_cause(monkeypatch) 
 
 
 # ------------------------------------------------------------------ the served engine
-@pytest.fixture(scope="module")
-def served_pair(tiny_pair) -> tuple[str, str]:
-    target, draft = tiny_pair("qwen3", block_size=4)
-    return str(target), str(draft)
-
-
 def test_serve_refuses_a_block_size_or_a_forced_acceptance_without_a_draft(served_pair) -> None:
     target, _ = served_pair
     with pytest.raises(ReferenceEngineError, match="--block-size needs --dflash-draft-model-path"):

@@ -121,12 +121,6 @@ def test_an_explicit_engine_loop_is_the_one_given_and_a_process_refused_at_two_r
         engine_loop_mode(serve("--device", "cpu", "--engine-loop", "process", "--tensor-parallel-size", "2"))
 
 
-@pytest.fixture(scope="module")
-def served_pair(tiny_pair) -> tuple[str, str]:
-    target, draft = tiny_pair("qwen3", block_size=4)
-    return str(target), str(draft)
-
-
 def test_threads_set_torchs_threads_and_the_info_carries_each_value_in_its_field(served_pair) -> None:
     target, _ = served_pair
     before = torch.get_num_threads()

@@ -13,7 +13,8 @@ kind; each class has its own exit status (see `ERRORS`):
     timeout              no reply within the timeout
     malformed_body       not JSON, or not an answer's shape: no `choices` list, a choice that
                          is not an object, text that is not a string, ids that are not
-                         integers, more than the one choice asked for, a body or stream cut
+                         integers, more than the one choice asked for (in a stream also
+                         chunks of an index other than 0: a second choice), a body or stream cut
                          mid-way, tokens after the finish_reason, another finish_reason
                          after the first, token ids in some chunks only, an answer without
                          a finish_reason
@@ -319,6 +320,12 @@ def _one_choice(choices: list, where: str) -> dict:
         raise AnswerError("malformed_body", f"{where}: {len(choices)} choices where one was asked for")
     if not isinstance(choices[0], dict):
         raise AnswerError("malformed_body", f"{where}: a choice that is not an object")
+    index = choices[0].get("index", 0)
+    if index != 0 or isinstance(index, bool):
+        # the one choice asked for is choice 0: a chunk of another index is a second choice
+        raise AnswerError(
+            "malformed_body", f"{where}: a choice of index {index!r} where one (0) was asked for"
+        )
     return choices[0]
 
 

@@ -17,12 +17,13 @@ their label sets where there are several, one a scheduler), and per-request `met
 
 The counters are checked against what they count (`counter_contradictions`): accepted tokens
 are at most the draft tokens, each position's at most the drafts and at most the position
-before's (a token is accepted only after every one before it), and the tokens the drafted
-steps committed (a draft's accepted tokens and the target's own after them) at most what the
-run streamed past each request's first token, plus one block a request (a last step may
-commit past max_tokens or a stop string), checked when every request of the run completed and
-the run's requests were the server's only traffic. A server whose counters break one reports
-an acceptance its steps cannot have had.
+before's (a token is accepted only after every one before it), the positions' counts together
+at most the accepted tokens (each accepted token is counted at its one position), and the
+tokens the drafted steps committed (a draft's accepted tokens and the target's own after them)
+at most what the run streamed past each request's first token, plus one block a request (a last
+step may commit past max_tokens or a stop string), checked when every request of the run
+completed and the run's requests were the server's only traffic. A server whose counters break
+one reports an acceptance its steps cannot have had.
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ def counter_contradictions(
             found.append(f"position {k} accepted {count:g} times, more than the {before_count:g} {what}")
             break
         before_count = count
+    counted = sum(d[f"pos:{k}"] for k in positions)
+    if counted > accepted:
+        found.append(f"the positions' counts total {counted:g}, more than the {accepted:g} accepted tokens")
     # a failed stream (a timeout, a cut connection) may leave the server committing tokens that
     # never reached the client: the bound holds for runs whose requests all completed
     streamed = sum(sum(r.chunk_tokens) for r in records)

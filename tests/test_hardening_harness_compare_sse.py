@@ -102,12 +102,6 @@ def test_streamed_tool_calls_are_joined_by_index_and_listed_in_index_order() -> 
     assert answer.finish_reason == "tool_calls" and answer.text == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_stream never reads a chunk's choice `index`: a stream whose chunks belong to two "
-    "choices (index 0 and 1) is joined into one answer, though answer.py names more than the one "
-    "choice asked for malformed_body and a client grouping by index sees choice 0 cut short",
-)
 def test_chunks_of_a_second_choice_index_are_not_one_answer() -> None:
     """A request asks for one choice; a stream whose second chunk is choice 1 carries two."""
     body = sse(chunk("He", [1]), chunk("llo", [2], "length", index=1), usage(2))
@@ -237,14 +231,6 @@ def test_a_malformed_sample_line_is_refused_never_read_as_some_count(line: str) 
         parse("# TYPE vllm:spec_decode_num_drafts counter\n" + line + "\n")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="counter_contradictions never compares the per-position counts with the accepted "
-    "tokens: each accepted draft token is accepted at one position, so positions that total "
-    "more than the accepted tokens contradict them, yet a page that inflates every position "
-    "(within the drafts, in falling order) passes and reports per-position acceptance its own "
-    "acceptance length rules out",
-)
 def test_per_position_counts_that_total_more_than_the_accepted_tokens_are_a_contradiction() -> None:
     """10 drafts accepting 5 tokens in all cannot have accepted their first three tokens 10
     times each (30 tokens)."""

@@ -938,6 +938,12 @@ LIES: dict[str, _liar.Lie] = {
         body=_liar.two_choices_body,
         events=_liar.two_choices_events,
     ),
+    "split_choices": _liar.Lie(
+        "a stream whose token chunks after the first are sent as choice 1 (the honest tokens, "
+        "in order, as two choices)",
+        ("malformed_body",),
+        events=_liar.split_choices_events,
+    ),
     "null_text": _liar.Lie(
         "a text that is not a string",
         ("malformed_body",),

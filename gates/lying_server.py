@@ -402,6 +402,16 @@ def two_choices_events(events: list) -> list:
     return [two_choices_body(e) if isinstance(e, dict) and e.get("choices") else e for e in events]
 
 
+def split_choices_events(events: list) -> list:
+    """Every token chunk after the first moved to choice index 1: the honest tokens, in order,
+    sent as two choices of which the one asked for is cut short."""
+    content = _content_events(events)
+    out = list(events)
+    for at in content[1:]:
+        out[at] = {**out[at], "choices": [{**c, "index": 1} for c in out[at]["choices"]]}
+    return out
+
+
 def null_text_body(data: dict) -> dict:
     for choice in data.get("choices") or []:
         for holder, key in (

@@ -402,6 +402,7 @@ CATCHES_LIES = (
     "cut_short",
     "http_500",
     "two_choices",
+    "split_choices",
     "null_text",
     "duplicated_chunk",
     "missing_chunk",

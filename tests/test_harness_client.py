@@ -411,6 +411,59 @@ def test_tokens_are_counted_from_the_ids_a_server_sends_not_from_its_text() -> N
     assert record.token_ids == [5, 6, 7, 8] and record.count_source == "server_ids"
 
 
+class PositionsCounted(CountedTwice):
+    """CountedTwice's honest stream and counters (4 drafts of 7, all accepted), with the
+    accepted tokens by position; `halved`: the accepted-token counter says half of them (14 of
+    28), while every position still says each draft's token there was accepted."""
+
+    def __init__(self, halved: bool) -> None:
+        super().__init__(twice=False)
+        self.halved = halved
+
+    @property
+    def metrics_text(self) -> str:
+        drafts, draft_tokens, accepted = self.counts(self.posts)
+        accepted = accepted // 2 if self.halved else accepted
+        lines = [
+            f"vllm:spec_decode_num_drafts_total {drafts}",
+            f"vllm:spec_decode_num_draft_tokens_total {draft_tokens}",
+            f"vllm:spec_decode_num_accepted_tokens_total {accepted}",
+        ]
+        lines += [
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{k}"}} {drafts}' for k in range(7)
+        ]
+        return "\n".join(lines) + "\n"
+
+    @metrics_text.setter
+    def metrics_text(self, value: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("halved", [False, True])
+def test_accepted_tokens_fewer_than_their_positions_count_are_caught(tmp_path, halved) -> None:
+    """Each accepted token is counted at its one position: a server whose positions count 28
+    accepted tokens and whose accepted-token counter says 14 contradicts itself (every other
+    bound holds: 14 of 28 drafted, each position within the drafts and falling, 18 tokens
+    committed of the 264 streamed), and the run says so; the honest counters pass."""
+    script = PositionsCounted(halved)
+    server, url = serve(script)
+    try:
+        spec = LoadSpec(concurrency=4, num_prompts=8, output_len=33, warmup=2, timeout_s=10.0)
+        labels = {"label": "B", "concurrency": 4, "repeat": 0}
+        summary = measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path, labels, url + "/metrics")
+    finally:
+        server.shutdown()
+    assert summary["completed"] == 8
+    assert summary["acceptance_per_position"] == pytest.approx([1.0] * 7)
+    if halved:
+        assert (
+            summary["acceptance_check"]
+            == "the positions' counts total 224, more than the 112 accepted tokens"
+        )
+    else:
+        assert summary["acceptance_check"] == ""
+
+
 def test_a_server_whose_usage_contradicts_its_ids_fails_the_request_over_http(tmp_path) -> None:
     """The throughput is made of the server's counts: a final usage.completion_tokens that is
     not the number of ids streamed fails each request by name, and the run with it."""

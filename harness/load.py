@@ -29,6 +29,7 @@ import httpx
 from .client import Endpoint, RequestRecord, payload, send
 from .metrics import GROUP_LATENCIES, calculate_metrics, count_sources
 from .prometheus import (
+    MetricsPageError,
     acceptance_from_counters,
     acceptance_from_requests,
     counter_contradictions,
@@ -305,14 +306,18 @@ def measure(
             records, duration, busy = run_in_processes(endpoint, measured, spec, keep, name)
         else:
             records, duration, busy = asyncio.run(_run_here(endpoint, measured, spec, keep, name))
-    after = scrape(metrics_url) if metrics_url else None
+    unreadable = ""
+    try:  # a page that broke during the run loses its counters, never the run's requests
+        after = scrape(metrics_url) if metrics_url else None
+    except MetricsPageError as e:
+        after, unreadable = None, f"the /metrics page after the run: {e}"
     summary = {**labels, **calculate_metrics(records, duration, spec.slo_ms)}
     acceptance = acceptance_from_requests(records)
     counters = acceptance_from_counters(before, after)
     summary |= {**acceptance, **counters}  # counters win: they are the server's own totals
     if "acceptance_histogram" in acceptance:
         summary["acceptance_histogram"] = acceptance["acceptance_histogram"]
-    summary["acceptance_check"] = counter_contradictions(before, after, records)
+    summary["acceptance_check"] = unreadable or counter_contradictions(before, after, records)
     summary["count_source"] = count_sources(records)
     summary["streams_without_done"] = sum(1 for r in records if r.success and not r.done_marker)
     summary["server_kind"] = endpoint.accepts.name if endpoint.server else "ours (not probed)"

@@ -96,15 +96,23 @@ def parse(text: str) -> Snapshot:
     return snap
 
 
+class MetricsPageError(ValueError):
+    """A server's /metrics page (HTTP 200) that is not Prometheus text."""
+
+
 def scrape(metrics_url: str, timeout: float = 10.0) -> Snapshot | None:
-    """Snapshot a server's /metrics; None when it has none."""
+    """Snapshot a server's /metrics; None when it has none (no answer, or not HTTP 200).
+    A page that is not Prometheus text raises MetricsPageError naming the URL and the fault."""
     try:
         response = httpx.get(metrics_url, timeout=timeout)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
         return None
-    return parse(response.text)
+    try:
+        return parse(response.text)
+    except ValueError as e:
+        raise MetricsPageError(f"{metrics_url} is not Prometheus text: {str(e)[:200]}") from e
 
 
 def _differences(before: Snapshot, after: Snapshot) -> dict[str, float]:

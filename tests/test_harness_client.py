@@ -464,6 +464,47 @@ def test_accepted_tokens_fewer_than_their_positions_count_are_caught(tmp_path, h
         assert summary["acceptance_check"] == ""
 
 
+class PageBreaks(CountedTwice):
+    """Honest counters until `broken_after` requests were posted; then a /metrics page that is
+    not Prometheus text (a sample whose value is not a number)."""
+
+    def __init__(self, broken_after: int) -> None:
+        super().__init__(twice=False)
+        self.broken_after = broken_after
+
+    @property
+    def metrics_text(self) -> str:
+        if self.posts >= self.broken_after:
+            return "dflash:spec_decode_num_drafts_total many\n"
+        return CountedTwice.metrics_text.fget(self)
+
+    @metrics_text.setter
+    def metrics_text(self, value: str) -> None:
+        pass
+
+
+def test_a_metrics_page_that_breaks_during_the_run_loses_its_counters_not_the_run(tmp_path) -> None:
+    """A page readable before the run and not Prometheus text after it: the run's requests are
+    measured and written, no acceptance is read from counters, and the summary's check names
+    the page; a page unreadable before the run stops it at once, naming the URL."""
+    spec = LoadSpec(concurrency=4, num_prompts=8, output_len=33, warmup=2, timeout_s=10.0)
+    labels = {"label": "B", "concurrency": 4, "repeat": 0}
+    server, url = serve(PageBreaks(broken_after=3))
+    try:
+        summary = measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path / "a", labels, url + "/metrics")
+    finally:
+        server.shutdown()
+    assert summary["completed"] == 8 and summary.get("acceptance_source") != "prometheus"
+    assert summary["acceptance_check"].startswith(f"the /metrics page after the run: {url}/metrics is not")
+    assert len((tmp_path / "a" / "requests.jsonl").read_text().splitlines()) == 8
+    server, url = serve(PageBreaks(broken_after=0))
+    try:
+        with pytest.raises(ValueError, match=f"{url}/metrics is not Prometheus text"):
+            measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path / "b", labels, url + "/metrics")
+    finally:
+        server.shutdown()
+
+
 def test_a_server_whose_usage_contradicts_its_ids_fails_the_request_over_http(tmp_path) -> None:
     """The throughput is made of the server's counts: a final usage.completion_tokens that is
     not the number of ids streamed fails each request by name, and the run with it."""

@@ -110,7 +110,7 @@ def rule_attention(q, k_cache, v_cache, slots, positions, scale, causal, window,
     |p - j| < w."""
     batch, T, heads, _ = q.shape
     group = heads // k_cache.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros(q.shape, dtype=torch.float64)  # on the CPU; callers move it to their device
     for b in range(batch):
         keys = k_cache[slots[b]].double().cpu()
         values = v_cache[slots[b]].double().cpu()
@@ -144,7 +144,7 @@ def test_a_non_causal_block_with_a_sliding_window_hides_keys_on_both_sides(valid
     args = (q, k_cache, v_cache, slots, positions, 120, 0.3, False, window, valid_len)
     want = rule_attention(q, k_cache, v_cache, slots, positions, 0.3, False, window, valid_len)
     reference = ref.attention(*args)
-    assert_rows_close(reference, want.to(reference.dtype))
+    assert_rows_close(reference, want.to(reference))
     assert_rows_close(attention(*args), reference)
     assert_rows_close(attention(*args, split=64), reference)
 

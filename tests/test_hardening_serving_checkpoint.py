@@ -7,15 +7,14 @@
   stop by itself within its timeout by killing it;
 - the loader (checkpoint/__init__.py): the shard index names the files that are read (a
   stale `model.safetensors` beside it is not), and a model is assembled from exactly its
-  tensors, none missing, none extra;
-- what clients expect that the server does not do yet (marked xfail): a malformed index or
-  config.json is a CheckpointError like an invalid config.json, and a chat request without
-  a token budget may use the context (OpenAI, vLLM) rather than 16 tokens."""
+  tensors, none missing, none extra; a shard index or config.json that is not a JSON object
+  is a CheckpointError naming the file;
+- chat's token budget: a chat request without one may use the rest of the context (OpenAI,
+  vLLM), where completions default to 16 tokens."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 import shutil
@@ -169,13 +168,6 @@ def test_a_model_is_assembled_from_exactly_its_tensors(tiny_checkpoint: TinyChec
         assemble_target(config, extra, "cpu")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(json.JSONDecodeError, AttributeError),
-    reason="tensor_files reads the shard index with a bare json.loads(...).get(...): an index that "
-    "is not valid JSON, or not an object, escapes as JSONDecodeError/AttributeError, where "
-    "read_config turns the same fault in config.json into a CheckpointError",
-)
 @pytest.mark.parametrize("index", ['{"weight_map": {', "[]"], ids=["truncated", "not an object"])
 def test_a_shard_index_that_is_not_a_json_object_is_a_checkpoint_error(
     tiny_checkpoint: TinyCheckpoint, copy_checkpoint: CopyCheckpoint, index: str
@@ -188,12 +180,6 @@ def test_a_shard_index_that_is_not_a_json_object_is_a_checkpoint_error(
         load_target(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="read_config returns whatever config.json holds; TargetConfig.from_hf then calls .get "
-    "on a list or null and raises AttributeError instead of a CheckpointError",
-)
 @pytest.mark.parametrize("config", ["[]", "null"])
 def test_a_config_that_is_not_a_json_object_is_a_checkpoint_error(
     tiny_checkpoint: TinyCheckpoint, copy_checkpoint: CopyCheckpoint, config: str
@@ -207,12 +193,6 @@ def test_a_config_that_is_not_a_json_object_is_a_checkpoint_error(
 
 
 # ----------------------------------------------------------------------------- chat's token budget
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.parse_request defaults max_tokens to 16 for chat as for completions; OpenAI's "
-    "chat API and vLLM's leave a chat request without max_tokens/max_completion_tokens the rest "
-    "of the context",
-)
 def test_a_chat_request_without_a_token_budget_may_use_the_rest_of_the_context(
     tiny_checkpoint: TinyCheckpoint,
 ) -> None:
@@ -223,8 +203,14 @@ def test_a_chat_request_without_a_token_budget_may_use_the_rest_of_the_context(
     with TestClient(create_app(Server(ServeArgs.parse(argv)))) as client:
         body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
         r = client.post("/v1/chat/completions", json=body)
+        plain = client.post("/v1/completions", json={"prompt": "hi", "temperature": 0, "ignore_eos": True})
+        long = {**body, "messages": [{"role": "user", "content": " hi" * 60}]}
+        too_long = client.post("/v1/chat/completions", json=long)
     assert r.status_code == 200, r.text
     data = r.json()
     prompt, completion = data["usage"]["prompt_tokens"], data["usage"]["completion_tokens"]
     assert prompt < 32
     assert completion == 48 - prompt and data["choices"][0]["finish_reason"] == "length"
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 16
+    # a chat prompt that fills the context is refused as too long, not given a budget of 0
+    assert too_long.status_code == 400 and "context" in too_long.json()["error"]["message"]

@@ -60,10 +60,18 @@ def read_config(path: str | Path) -> dict[str, Any]:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json (is this a model directory?)")
+    return _json_object(config_file)
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object (config.json, the shard index)."""
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: holds {type(data).__name__}, not a JSON object")
+    return data
 
 
 def tensor_files(path: str | Path) -> dict[str, Path]:
@@ -71,9 +79,9 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
     path = Path(path)
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no 'weight_map' object")
+        weight_map = _json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: no 'weight_map' object of tensor names to file names")
         files = {name: path / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():

@@ -235,7 +235,13 @@ class ParsedRequest:
 
 
 def parse_request(
-    body: Any, served_name: str, tokenize, chat: bool, apply_chat_template=None, vocab_size: int | None = None
+    body: Any,
+    served_name: str,
+    tokenize,
+    chat: bool,
+    apply_chat_template=None,
+    vocab_size: int | None = None,
+    context_len: int | None = None,
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
@@ -289,7 +295,9 @@ def parse_request(
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
     ):
         raise ProtocolError("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    max_tokens = _integer(body, _budget_field(body, chat), 16)
+    max_tokens = _integer(
+        body, _budget_field(body, chat), _default_budget(chat, len(prompt_ids), context_len)
+    )
     top_k = _integer(body, "top_k", 0)
     seed = _integer(body, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -323,6 +331,15 @@ def parse_request(
         logprobs,
         chat,
     )
+
+
+def _default_budget(chat: bool, prompt_tokens: int, context_len: int | None) -> int:
+    """max_tokens of a request that sets no budget: 16 for completions (OpenAI's and vLLM's
+    default); for chat the rest of the context (OpenAI's chat API, vLLM: max_model_len - the
+    prompt's tokens), at least 1, so a prompt that fills the context is refused as too long."""
+    if not chat or context_len is None:
+        return 16
+    return max(context_len - prompt_tokens, 1)
 
 
 def _budget_field(body: dict, chat: bool) -> str:

@@ -91,6 +91,7 @@ class Server:
             chat,
             self.apply_chat_template,
             self.info.vocab_size,
+            self.info.context_len,
         )
 
     def tokenize(self, text: str) -> list[int]:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -244,19 +245,25 @@ class CountedTwice(CountingScript):
         return 4 * posts, (60 if self.twice else 28) * posts, (56 if self.twice else 28) * posts
 
 
+def measure_c4(script: Script, out: Path, prompts: int = 8) -> dict:
+    """A measured run of `prompts` requests at c4 (2 warm-up) against the stub, its counters
+    read from its /metrics."""
+    server, url = serve(script)
+    try:
+        spec = LoadSpec(concurrency=4, num_prompts=prompts, output_len=33, warmup=2, timeout_s=10.0)
+        labels = {"label": "B", "concurrency": 4, "repeat": 0}
+        return measure(Endpoint(url), synthetic(prompts + 2, 4, 0), spec, out, labels, url + "/metrics")
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.parametrize("twice", [False, True])
 def test_acceptance_counted_twice_is_caught_against_the_tokens_streamed(tmp_path, twice) -> None:
     """A server whose accepted-token counter counts each token twice reports an acceptance
     length of 15 for steps that committed 8 tokens: its 8 requests streamed 264 tokens, which
     its counters' 480 committed tokens contradict; the honest counters pass."""
     script = CountedTwice(twice)
-    server, url = serve(script)
-    try:
-        spec = LoadSpec(concurrency=4, num_prompts=8, output_len=33, warmup=2, timeout_s=10.0)
-        labels = {"label": "B", "concurrency": 4, "repeat": 0}
-        summary = measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path, labels, url + "/metrics")
-    finally:
-        server.shutdown()
+    summary = measure_c4(script, tmp_path)
     assert summary["completed"] == 8
     assert summary["acceptance_length"] == pytest.approx(15.0 if twice else 8.0)
     if twice:
@@ -446,13 +453,7 @@ def test_accepted_tokens_fewer_than_their_positions_count_are_caught(tmp_path, h
     bound holds: 14 of 28 drafted, each position within the drafts and falling, 18 tokens
     committed of the 264 streamed), and the run says so; the honest counters pass."""
     script = PositionsCounted(halved)
-    server, url = serve(script)
-    try:
-        spec = LoadSpec(concurrency=4, num_prompts=8, output_len=33, warmup=2, timeout_s=10.0)
-        labels = {"label": "B", "concurrency": 4, "repeat": 0}
-        summary = measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path, labels, url + "/metrics")
-    finally:
-        server.shutdown()
+    summary = measure_c4(script, tmp_path)
     assert summary["completed"] == 8
     assert summary["acceptance_per_position"] == pytest.approx([1.0] * 7)
     if halved:
@@ -487,22 +488,13 @@ def test_a_metrics_page_that_breaks_during_the_run_loses_its_counters_not_the_ru
     """A page readable before the run and not Prometheus text after it: the run's requests are
     measured and written, no acceptance is read from counters, and the summary's check names
     the page; a page unreadable before the run stops it at once, naming the URL."""
-    spec = LoadSpec(concurrency=4, num_prompts=8, output_len=33, warmup=2, timeout_s=10.0)
-    labels = {"label": "B", "concurrency": 4, "repeat": 0}
-    server, url = serve(PageBreaks(broken_after=3))
-    try:
-        summary = measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path / "a", labels, url + "/metrics")
-    finally:
-        server.shutdown()
+    summary = measure_c4(PageBreaks(broken_after=3), tmp_path / "a")
     assert summary["completed"] == 8 and summary.get("acceptance_source") != "prometheus"
-    assert summary["acceptance_check"].startswith(f"the /metrics page after the run: {url}/metrics is not")
+    assert summary["acceptance_check"].startswith("the /metrics page after the run: http://127.0.0.1:")
+    assert "/metrics is not Prometheus text" in summary["acceptance_check"]
     assert len((tmp_path / "a" / "requests.jsonl").read_text().splitlines()) == 8
-    server, url = serve(PageBreaks(broken_after=0))
-    try:
-        with pytest.raises(ValueError, match=f"{url}/metrics is not Prometheus text"):
-            measure(Endpoint(url), synthetic(10, 4, 0), spec, tmp_path / "b", labels, url + "/metrics")
-    finally:
-        server.shutdown()
+    with pytest.raises(ValueError, match=r"http://127\.0\.0\.1:\d+/metrics is not Prometheus text"):
+        measure_c4(PageBreaks(broken_after=0), tmp_path / "b")
 
 
 def test_a_server_whose_usage_contradicts_its_ids_fails_the_request_over_http(tmp_path) -> None:

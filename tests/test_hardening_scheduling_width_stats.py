@@ -188,6 +188,26 @@ def test_logprobs_are_those_of_the_penalised_distribution_the_token_came_from() 
     assert max(entry, key=entry.get) == 7 and entry[7] > -0.05
 
 
+def test_a_sampled_rows_logprobs_come_before_temperature_and_top_k() -> None:
+    """docs/engine.md: logprobs are the log-softmax of the penalised and biased logits, before
+    temperature, top_k and top_p. A sampled row at temperature 0.5 and top_k 2 lists the same
+    values a greedy row of the same logits and bias would, an alternative top_k cuts off
+    included (finite), and they are not the tempered distribution's."""
+    logits = row_of({3: 2.0, 4: 1.5, 7: 1.0}, low=0.0)
+    biased = logits[0].clone()
+    biased[7] += 0.75
+    want = torch.log_softmax(biased, dim=-1)
+    seq = request("s", temperature=0.5, top_k=2, seed=1, logit_bias=((7, 0.75),), logprobs=3)
+    seq.generator = torch.Generator().manual_seed(1)
+    tokens, logprobs = choose_tokens(logits, [seq])
+    (entry,) = logprobs[0]
+    assert tokens[0][0] in (3, 7)  # top_k 2 of the biased row: 3 (2.0) and 7 (1.75)
+    assert set(entry) == {3, 7, 4}
+    assert entry == pytest.approx({t: float(want[t]) for t in (3, 7, 4)}, rel=1e-12)
+    tempered = torch.log_softmax(biased / 0.5, dim=-1)
+    assert entry[3] != pytest.approx(float(tempered[3]), rel=1e-3)
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
 def test_a_logit_bias_steers_every_token_of_a_request_alone_from_the_first_on(
     target: CausalLM, draft: DFlashDraft, speculative: bool
@@ -222,21 +242,14 @@ def test_a_logit_bias_takes_both_ends_of_its_range_and_the_vocabularys_last_id()
         validate_request([1, 2], SamplingParams(logit_bias=((VOCAB, 1.0),)), VOCAB, 64, False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SamplingParams takes a logit bias that names a token twice, and apply_penalties then "
-    "keeps one of the two biases (an indexed assignment), where the server refuses such a request",
-)
-def test_a_logit_bias_naming_a_token_twice_is_refused_or_adds_both_biases() -> None:
+def test_a_logit_bias_naming_a_token_twice_is_refused() -> None:
     """The server refuses a logit bias that names a token twice (serving/protocol.py); the
-    engine's own parameters, validated when built, either refuse it too or apply the sum of
-    the two biases: never one of them silently dropped."""
-    try:
-        params = SamplingParams(logit_bias=((1, 1.0), (1, 2.0)))
-    except RequestError:
-        return
-    out = apply_penalties(torch.zeros(4, dtype=F64), [], params)
-    assert out.tolist() == [0.0, 3.0, 0.0, 0.0]
+    engine's own parameters refuse it too, naming the token, where one of the two biases was
+    silently dropped. Distinct tokens each get their own bias."""
+    with pytest.raises(RequestError, match=r"logit_bias names token\(s\) \[1\] more than once"):
+        SamplingParams(logit_bias=((1, 1.0), (2, 0.5), (1, 2.0)))
+    out = apply_penalties(torch.zeros(4, dtype=F64), [], SamplingParams(logit_bias=((1, 1.0), (3, -2.0))))
+    assert out.tolist() == [0.0, 1.0, 0.0, -2.0]
 
 
 # ----------------------------------------------------------------------------- the verify width

@@ -66,6 +66,10 @@ class SamplingParams:
             raise RequestError(
                 f"logit_bias needs non-negative token ids and biases in [-100, 100], got {bad_bias[:5]}"
             )
+        named = [t for t, _ in self.logit_bias]
+        twice = sorted({t for t in named if named.count(t) > 1})
+        if twice:
+            raise RequestError(f"logit_bias names token(s) {twice[:5]} more than once")
         if self.seed is not None and (
             isinstance(self.seed, bool)
             or not isinstance(self.seed, int)

@@ -31,7 +31,10 @@ def choose_tokens(
     seqs: list[Sequence],
 ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
     """One next token per row, as single-token lists; plus, for rows that asked, the top
-    logprobs of the distribution the token came from (the chosen token always included)."""
+    logprobs (the chosen token always included): the log-softmax of the row's logits after the
+    repetition penalty, presence/frequency penalties and logit bias, before temperature, top-k
+    and top-p. A greedy row's token is their argmax; a sampled row's came from the tempered,
+    truncated distribution, whose probabilities these are not."""
     rows = []
     for i, seq in enumerate(seqs):
         params = seq.params

@@ -8,9 +8,9 @@ reference itself is what is pinned, against the rule written out in float64):
   (the window hides keys on both sides); a sliding-window query's bits on either split
   path; a value cache holding non-finite values past every key a query may see;
 - the gated delta inputs' L2 norm of a head of small norm (eps 1e-6 under the root);
-- RMSNorm, gated RMSNorm and SwiGLU rounding each step to the model dtype as the reference
-  does, checked in float16 (which the interpreter rounds as PyTorch does; bfloat16 it does
-  not);
+- RMSNorm, gated RMSNorm, SwiGLU and the per-head norms with RoPE rounding each step to the
+  model dtype as the reference does, checked in float16 (which the interpreter rounds as
+  PyTorch does; bfloat16 it truncates), and the RoPE in bfloat16 too where compiled;
 - RoPE's cache write at positions laid out with a batch stride other than T, and values
   read with their own strides;
 - greedy argmax over rows of only negative logits, and rows whose neighbour starts with a
@@ -219,15 +219,18 @@ def test_a_head_of_small_norm_is_l2_normalised_with_eps_1e6_under_the_root() -> 
 
 # ----------------------------------------------------------------------------- row kernels
 def assert_rounds_as_the_reference(got: torch.Tensor, want: torch.Tensor) -> None:
-    """float16 results that follow the reference's roundings step by step: all but a few
-    elements the same bits (a last-place difference of a root or an exponential), none more
-    than one place apart. A step rounded otherwise (one rounding dropped, or one added)
-    moves a large share of the elements."""
-    assert got.dtype == want.dtype == torch.float16 and got.shape == want.shape
+    """float16 or bfloat16 results that follow the reference's roundings step by step: all
+    but a few elements the same bits (a last-place difference of a root or an exponential),
+    none more than one place apart. A step rounded otherwise (one rounding dropped, or one
+    added, as when a product and the sum after it are contracted into one multiply-add) moves
+    a large share of the elements."""
+    assert got.dtype == want.dtype and got.dtype in (torch.float16, torch.bfloat16)
+    assert got.shape == want.shape
     differ = got != want
     assert differ.float().mean() < 0.01, f"{int(differ.sum())} of {differ.numel()} elements differ"
-    scale = want.float().abs().clamp(min=2.0**-14)
-    assert ((got.float() - want.float()).abs() <= scale * 2.0**-10).all()
+    info = torch.finfo(got.dtype)
+    scale = want.float().abs().clamp(min=info.smallest_normal)
+    assert ((got.float() - want.float()).abs() <= scale * info.eps).all()
 
 
 def test_norms_and_swiglu_round_each_step_to_the_model_dtype_as_the_reference() -> None:
@@ -291,22 +294,35 @@ def test_rope_reads_positions_and_values_with_their_own_strides() -> None:
     assert torch.equal(got[1], want[1])
 
 
-def test_rope_and_norms_round_each_step_to_the_model_dtype_as_the_reference() -> None:
-    """q_norm and k_norm (w and 1 + w), then RoPE over part of the head, in float16: each
-    product and sum rounded as the reference's PyTorch operations round."""
+COMPILED_BFLOAT16 = pytest.param(
+    torch.bfloat16,
+    id="bfloat16",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not CUDA, reason="the interpreter rounds float32 to bfloat16 by truncation"),
+    ],
+)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="float16"), COMPILED_BFLOAT16])
+@pytest.mark.parametrize("norm", [True, False], ids=["norms", "no_norms"])
+def test_rope_and_norms_round_each_step_to_the_model_dtype_as_the_reference(dtype, norm) -> None:
+    """q_norm and k_norm (w and 1 + w; none for Llama), then RoPE over part of the head, in
+    float16 and bfloat16: each product and sum rounded as the reference's PyTorch operations
+    round, so the rotation's two products are rounded before their sum."""
     from reference_engine.kernels.rope import attention_inputs
     from reference_engine.models.layers import RotaryEmbedding
 
     batch, T, heads, kv_heads, dim, rotary = 4, 8, 4, 2, 48, 16
-    q = (rand(batch, T, heads, dim, seed=56) * 2).half()
-    k = (rand(batch, T, kv_heads, dim, seed=57) * 2).half()
-    v = rand(batch, T, kv_heads, dim, seed=58).half()
-    qw, kw = rand(dim, seed=59).half(), rand(dim, seed=60).half()
+    q = (rand(batch, T, heads, dim, seed=56) * 2).to(dtype)
+    k = (rand(batch, T, kv_heads, dim, seed=57) * 2).to(dtype)
+    v = rand(batch, T, kv_heads, dim, seed=58).to(dtype)
+    qw, kw = (rand(dim, seed=59).to(dtype), rand(dim, seed=60).to(dtype)) if norm else (None, None)
     positions = torch.arange(batch * T, device=DEVICE).view(batch, T) * 3
-    cos, sin = RotaryEmbedding(rotary, 10000.0).to(DEVICE).cos_sin(positions, torch.float16)
+    cos, sin = RotaryEmbedding(rotary, 10000.0).to(DEVICE).cos_sin(positions, dtype)
     slots = torch.arange(batch, device=DEVICE)
     for offset in (False, True):
-        got = [torch.zeros(batch, 96, kv_heads, dim, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+        got = [torch.zeros(batch, 96, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
         want = [torch.zeros_like(c) for c in got]
         got_q = attention_inputs(q, k, v, qw, kw, 1e-6, offset, cos, sin, *got, slots, positions)
         want_q = ref.attention_inputs(q, k, v, qw, kw, 1e-6, offset, cos, sin, *want, slots, positions)

@@ -187,7 +187,7 @@ COMPILE = textwrap.dedent(
     """
 )
 # the kernels launched with launch.UNFUSED (test_kernels.py checks which those are)
-UNFUSED_KERNELS = ["attention._attention_kernel", "attention._merge_kernel"]
+UNFUSED_KERNELS = ["attention._attention_kernel", "attention._merge_kernel", "rope._attention_inputs_kernel"]
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +215,9 @@ def test_the_kernel_compiles_for_sm90_in_every_variant(name: str, compiled: dict
 def test_the_unfused_kernels_hold_no_float_arithmetic_the_assembler_may_contract(
     name: str, compiled: dict
 ) -> None:
-    """Compiled as the engine launches them (launch.UNFUSED), the attention kernels write every
-    float32 multiply and add rounded (mul.rn, add.rn, sub.rn), so the assembler cannot fuse a
-    multiply-add on one of a key block's two paths and not on the other. With fusion on,
-    Triton writes them plain, and this counts them."""
+    """Compiled as the engine launches them (launch.UNFUSED), the attention kernels and the
+    attention inputs write every float32 multiply and add rounded (mul.rn, add.rn, sub.rn), so
+    the assembler cannot fuse a multiply-add on one of a key block's two paths and not on the
+    other, nor fuse RoPE's products with their sum past the roundings between them. With
+    fusion on, Triton writes them plain, and this counts them."""
     assert compiled["contractable"].get(name) == 0, f"{name}: {compiled['contractable'].get(name)} ops"

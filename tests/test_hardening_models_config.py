@@ -802,12 +802,6 @@ def test_a_directly_built_moe_config_refuses_a_dense_layer_without_an_mlp_width(
     assert all_moe.dense_layers == ()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/target.py:311 (_mixer_fields) starts the sliding layers of a Qwen3 config without "
-    "max_window_layers at num_hidden_layers (none slide); transformers' Qwen3Config defaults "
-    "max_window_layers to 28, so layers 28 and on slide",
-)
 def test_qwen3_sliding_layers_start_at_layer_28_without_max_window_layers() -> None:
     """Qwen3Config: max_window_layers defaults to 28, and layer i slides when a window is set
     (use_sliding_window) and i >= max_window_layers."""
@@ -817,12 +811,6 @@ def test_qwen3_sliding_layers_start_at_layer_28_without_max_window_layers() -> N
     assert config.sliding_window == 16
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/target.py:309 (_mixer_fields) takes a Qwen3 config with use_sliding_window true but "
-    "no sliding_window as having no window (every layer full attention); transformers' "
-    "Qwen3Config defaults sliding_window to 4096, so the layers from max_window_layers slide",
-)
 def test_qwen3_use_sliding_window_without_a_sliding_window_slides_over_4096_positions() -> None:
     """Qwen3Config: sliding_window defaults to 4096 and is kept when use_sliding_window."""
     raw = {k: v for k, v in QWEN3.items() if k != "sliding_window"}
@@ -832,7 +820,7 @@ def test_qwen3_use_sliding_window_without_a_sliding_window_slides_over_4096_posi
 
 
 BAD_VALUES = [
-    # a traceback (ValueError, TypeError) from float(), a comparison or tuple() today
+    # once a traceback (ValueError, TypeError) from float(), a comparison or tuple()
     pytest.param(QWEN3, "rms_norm_eps", "1e-6x", id="target-eps-not-a-number"),
     pytest.param(QWEN3, "rms_norm_eps", None, id="target-eps-null"),
     pytest.param(QWEN3, "max_window_layers", None, id="max_window_layers-null"),
@@ -842,7 +830,7 @@ BAD_VALUES = [
     pytest.param(
         DFLASH, "dflash_config.input_embedding_scale", "2x", id="draft-embedding-scale-not-a-number"
     ),
-    # accepted today, as something the file does not say
+    # once accepted, as something the file does not say
     pytest.param(QWEN3, "tie_word_embeddings", "false", id="tie-string-false-read-as-true"),
     pytest.param(QWEN3_MOE, "norm_topk_prob", "false", id="norm_topk_prob-string-false-read-as-true"),
     pytest.param(DFLASH, "dflash_config.target_layer_ids", "12", id="target_layer_ids-a-string"),
@@ -850,17 +838,6 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/target.py:272 (rms_norm_eps), 276 (tie_word_embeddings), 313 (max_window_layers), "
-    "316 (layer_types), 342 (mlp_only_layers), 350 (norm_topk_prob) and config/draft.py:157 "
-    "(target_layer_ids), 181 (rms_norm_eps), 192-195 (input_embedding_scale, output_multiplier) "
-    "read these fields with float(), bool(), tuple() or a bare comparison: a value of the wrong "
-    "JSON type escapes as a ValueError/TypeError traceback, or is taken silently (the string "
-    "'false' as true; a string of digits as target layer ids, which then fails in check_target "
-    "with a TypeError; a negative draft epsilon, which TargetConfig refuses), where the config "
-    "package promises a ConfigError naming the field",
-)
 @pytest.mark.parametrize(("base", "field", "value"), BAD_VALUES)
 def test_a_config_value_of_the_wrong_type_or_range_is_refused_naming_the_field(
     base: dict[str, Any], field: str, value: Any

@@ -12,7 +12,9 @@ from .fields import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     Llama3RopeScaling,
+    _float,
     _is_positive_int,
+    _list,
     _number,
     _positive_int,
     _rope,
@@ -84,6 +86,8 @@ class DraftConfig:
             self._check_dflash2(where)
         if self.block_size < 2:
             raise ConfigError(f"{where}: block_size must be >= 2, got {self.block_size}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"{where}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"{where}: num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -153,7 +157,9 @@ class DraftConfig:
         hidden = _positive_int(raw, "hidden_size", where)
         heads = _positive_int(raw, "num_attention_heads", where)
         num_target = _positive_int(raw, "num_target_layers", where)
-        ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        ids = _list(
+            dflash if "target_layer_ids" in dflash else raw, "target_layer_ids", where, int, "layer indices"
+        )
         ids = tuple(ids) if ids else published_target_layer_ids(num_target, num_layers)
         mask = dflash.get("mask_token_id", raw.get("mask_token_id"))
         if mask is None:
@@ -178,7 +184,7 @@ class DraftConfig:
             num_attention_heads=heads,
             num_key_value_heads=_positive_int(raw, "num_key_value_heads", where, default=heads),
             head_dim=_positive_int(raw, "head_dim", where, default=hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
@@ -189,10 +195,8 @@ class DraftConfig:
             layer_types=tuple(layer_types),
             sliding_window=sliding_window if SLIDING_ATTENTION in layer_types else None,
             attention_bias=bool(raw.get("attention_bias", False)),
-            input_embedding_scale=float(
-                dflash.get("input_embedding_scale", raw.get("input_embedding_scale", 1.0))
-            ),
-            output_multiplier=float(dflash.get("output_multiplier", raw.get("output_multiplier", 1.0))),
+            input_embedding_scale=_float({**raw, **dflash}, "input_embedding_scale", where, 1.0),
+            output_multiplier=_float({**raw, **dflash}, "output_multiplier", where, 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
             architecture=architecture,
             **(_dflash2_fields(raw, dflash, where) if architecture == DFLASH2 else {}),

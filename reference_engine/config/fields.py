@@ -36,6 +36,36 @@ def _number(raw: dict[str, Any], name: str, where: str) -> float:
     return float(value)
 
 
+def _float(raw: dict[str, Any], name: str, where: str, default: float) -> float:
+    """A number (`default` when absent; null is not absent); its range is the config's to check."""
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: '{name}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(raw: dict[str, Any], name: str, where: str, default: bool) -> bool:
+    """JSON true or false (`default` when absent): a string such as "false" is refused, not
+    read as true."""
+    value = raw.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: '{name}' must be true or false, got {value!r}")
+    return value
+
+
+def _list(raw: dict[str, Any], name: str, where: str, kind: type, what: str) -> list | None:
+    """A JSON list of `kind` (a tuple, from a config built in code, too; None when absent or
+    null)."""
+    value = raw.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, kind) and not isinstance(v, bool) for v in value
+    ):
+        raise ConfigError(f"{where}: '{name}' must be a list of {what}, got {value!r}")
+    return list(value)
+
+
 @dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama 3.x RoPE scaling (`rope_type: llama3`): frequencies whose wavelength exceeds

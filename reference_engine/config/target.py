@@ -12,8 +12,11 @@ from .fields import (
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
     Llama3RopeScaling,
+    _bool,
     _eos_ids,
+    _float,
     _is_positive_int,
+    _list,
     _positive_int,
     _rope,
 )
@@ -260,7 +263,7 @@ class TargetConfig:
         partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
         if partial is None:
             partial = 0.25 if family in HYBRID_FAMILIES else 1.0
-        tie = raw.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))
+        tie = _bool(raw if "tie_word_embeddings" in raw else outer, "tie_word_embeddings", where, False)
         return cls(
             family=family,
             vocab_size=_positive_int(raw, "vocab_size", where),
@@ -269,11 +272,11 @@ class TargetConfig:
             num_attention_heads=heads,
             num_key_value_heads=_positive_int(raw, "num_key_value_heads", where, default=heads),
             head_dim=_positive_int({"head_dim": head_dim}, "head_dim", where),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(tie),
+            tie_word_embeddings=tie,
             partial_rotary_factor=float(partial),
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=_eos_ids(raw, outer, where),
@@ -284,7 +287,7 @@ class TargetConfig:
 
 def _mixer_fields(family: str, raw: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
     """layer_types and what the token mixers of those layers need."""
-    layer_types = raw.get("layer_types")
+    layer_types = _list(raw, "layer_types", where, str, "attention kinds")
     if family in HYBRID_FAMILIES:
         if layer_types is None:
             interval = _positive_int(raw, "full_attention_interval", where, default=4)
@@ -304,11 +307,15 @@ def _mixer_fields(family: str, raw: dict[str, Any], num_layers: int, where: str)
             # qwen3_moe would slide every layer, which no published checkpoint does
             raise ConfigError(f"{where}: use_sliding_window true is not supported (expected false)")
         return dict(layer_types=tuple(layer_types or [FULL_ATTENTION] * num_layers))
+    # transformers' Qwen3Config: a window of 4096 unless the config says otherwise, kept only
+    # with use_sliding_window, and layers from max_window_layers (28) on slide
     sliding_window = None
-    if raw.get("use_sliding_window"):
-        sliding_window = raw.get("sliding_window")
+    if _bool(raw, "use_sliding_window", where, False):
+        sliding_window = raw.get("sliding_window", 4096)
     if layer_types is None:
-        window_from = raw.get("max_window_layers", num_layers)
+        window_from = raw.get("max_window_layers", 28)
+        if isinstance(window_from, bool) or not isinstance(window_from, int) or window_from < 0:
+            raise ConfigError(f"{where}: 'max_window_layers' must be an integer >= 0, got {window_from!r}")
         layer_types = [
             SLIDING_ATTENTION if sliding_window and i >= window_from else FULL_ATTENTION
             for i in range(num_layers)
@@ -338,16 +345,14 @@ def _mlp_fields(family: str, raw: dict[str, Any], num_layers: int, where: str) -
             intermediate_size=0, norm_topk_prob=True, shared_expert_intermediate_size=shared, **experts
         )
     step = _positive_int(raw, "decoder_sparse_step", where, default=1)
-    mlp_only = raw.get("mlp_only_layers") or []
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
-        raise ConfigError(f"{where}: 'mlp_only_layers' must be a list of layer indices, got {mlp_only!r}")
+    mlp_only = _list(raw, "mlp_only_layers", where, int, "layer indices") or []
     dense = any(i in mlp_only or (i + 1) % step for i in range(num_layers))
     # required once some layer is dense; real all-MoE configs carry an unused one anyway
     needed = dense or raw.get("intermediate_size") is not None
     intermediate = _positive_int(raw, "intermediate_size", where) if needed else 0
     return dict(
         intermediate_size=intermediate,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        norm_topk_prob=_bool(raw, "norm_topk_prob", where, False),
         decoder_sparse_step=step,
         mlp_only_layers=tuple(mlp_only),
         **experts,

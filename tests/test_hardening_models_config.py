@@ -706,13 +706,6 @@ def test_draft_proposals_are_the_written_out_logits_and_choice_of_block_slots_1_
     assert tokens == walk
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/draft.py:198 reads `is_causal` only for a DFlash2DraftModel (_dflash2_fields); a "
-    "DFlashDraftModel config's `is_causal` is silently ignored and its layers keep the legacy rule "
-    "(sliding causal, full bidirectional), while z-lab's DFlashDraftModel (dflash 0.1.0) applies "
-    "`is_causal` to every layer of either architecture",
-)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_a_dflash_drafts_is_causal_decides_every_layers_block_attention(is_causal: bool) -> None:
     """z-lab's DFlashDraftModel takes `is_causal`, when the config gives it, for every layer

@@ -65,8 +65,8 @@ class DraftConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     architecture: str = DFLASH  # one of DRAFT_ARCHITECTURES
-    # whether the block attends causally; None: the legacy rule (sliding layers causal, full
-    # layers not). DFlash2 checkpoints say `is_causal: false`.
+    # whether the block attends causally in every layer (`is_causal`); None: the legacy rule
+    # (sliding layers causal, full layers not). DFlash2 checkpoints say `is_causal: false`.
     causal: bool | None = None
     conv_kernel_size: int = 0  # DFlash2: taps of the dynamic convolution
     conv_group_size: int = 0  # DFlash2: channels that share one dynamic tap weight
@@ -199,6 +199,7 @@ class DraftConfig:
             output_multiplier=_float({**raw, **dflash}, "output_multiplier", where, 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
             architecture=architecture,
+            causal=_causal(raw, dflash, where),
             **(_dflash2_fields(raw, dflash, where) if architecture == DFLASH2 else {}),
         )
 
@@ -225,15 +226,21 @@ class DraftConfig:
             )
 
 
-def _dflash2_fields(raw: dict[str, Any], dflash: dict[str, Any], where: str) -> dict[str, Any]:
-    """The DFlash2 fields: `dflash_config` first, then the top level (as the published
-    implementations read them); causality from `dflash_config.causal` or `is_causal`."""
-    merged = {**raw, **dflash}
+def _causal(raw: dict[str, Any], dflash: dict[str, Any], where: str) -> bool | None:
+    """Whether the block attends causally in every layer, from `dflash_config.causal` or
+    `is_causal` (z-lab's DFlashDraftModel takes it for either architecture); None when the
+    config says neither (the legacy rule, DraftConfig.layer_causal)."""
     causal = dflash.get("causal", raw.get("is_causal"))
     if causal is not None and not isinstance(causal, bool):
         raise ConfigError(f"{where}: 'is_causal' must be true or false, got {causal!r}")
+    return causal
+
+
+def _dflash2_fields(raw: dict[str, Any], dflash: dict[str, Any], where: str) -> dict[str, Any]:
+    """The DFlash2 fields: `dflash_config` first, then the top level (as the published
+    implementations read them)."""
+    merged = {**raw, **dflash}
     return dict(
-        causal=causal,
         conv_kernel_size=_positive_int(merged, "conv_kernel_size", where),
         conv_group_size=_positive_int(merged, "conv_group_size", where),
         selector_rank=_positive_int(merged, "selector_rank", where),

@@ -7,8 +7,10 @@ positions; those rows are cached per slot and written once, when positions commi
 
 Block: the anchor (last committed token) followed by B-1 mask tokens, embedded with the
 target's `embed_tokens` (times `input_embedding_scale`) at positions start..start+B-1.
-Queries come from the block only; keys/values are [context ; block]; full-attention layers
-are non-causal (the block sees itself whole), sliding layers causal inside a window.
+Queries come from the block only; keys/values are [context ; block]; with `is_causal` in the
+config every layer's block attention is causal (true) or not (false), as z-lab's draft reads
+it; without it, full-attention layers are non-causal (the block sees itself whole) and sliding
+layers causal inside a window.
 Block slot j (1..B-1) proposes the token at position start+j, through the target's lm_head
 (times `output_multiplier`, then optional tanh soft-capping).
 """
@@ -82,8 +84,10 @@ class DFlashDraft(nn.Module):
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def build_layer(self, config: DraftConfig, layer: int) -> nn.Module:
-        """Draft layer `layer`: a Qwen3 layer whose full-attention block is bidirectional."""
-        return Qwen3DecoderLayer(config, layer, bidirectional=True)
+        """Draft layer `layer`: a Qwen3 layer whose block attends causally or not as the
+        config says (DraftConfig.layer_causal: `is_causal`, else full-attention layers see the
+        block whole and sliding ones causally)."""
+        return Qwen3DecoderLayer(config, layer, causal=config.layer_causal(layer))
 
     def append_context(
         self,

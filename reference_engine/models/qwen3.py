@@ -20,7 +20,7 @@ class Qwen3DecoderLayer(nn.Module):
         self,
         config: TargetConfig,
         layer: int,
-        bidirectional: bool = False,
+        causal: bool = True,
         qk_norm: bool = True,
         mlp: nn.Module | None = None,
     ) -> None:
@@ -36,7 +36,7 @@ class Qwen3DecoderLayer(nn.Module):
             gated=False,
             bias=config.attention_bias,
             sliding_window=config.sliding_window if sliding else None,
-            causal=sliding or not bidirectional,
+            causal=causal,
             qk_norm=qk_norm,
         )
         self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)

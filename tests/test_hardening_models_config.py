@@ -742,13 +742,6 @@ def test_a_drafts_sliding_window_applies_only_with_use_sliding_window() -> None:
     assert (got - expected).abs().max().item() < ATOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/draft.py:164 (DraftConfig.from_hf) makes every layer full_attention when the "
-    "config has no layer_types, ignoring use_sliding_window and max_window_layers; z-lab's draft "
-    "config is a Qwen3Config, which then derives sliding_attention for layers >= "
-    "max_window_layers when use_sliding_window is true",
-)
 def test_a_draft_without_layer_types_slides_from_max_window_layers_with_use_sliding_window() -> None:
     """Qwen3Config without layer_types: layer i is sliding_attention when a window is set
     (use_sliding_window and sliding_window) and i >= max_window_layers."""

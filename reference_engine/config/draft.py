@@ -12,6 +12,8 @@ from .fields import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     Llama3RopeScaling,
+    _bool,
+    _count,
     _float,
     _is_positive_int,
     _list,
@@ -167,7 +169,17 @@ class DraftConfig:
         if not _token_id(mask):
             raise ConfigError(f"{where}: 'mask_token_id' must be a token id, got {mask!r}")
         sliding_window = raw.get("sliding_window")
-        layer_types = raw.get("layer_types") or [FULL_ATTENTION] * num_layers
+        layer_types = _list(raw, "layer_types", where, str, "attention kinds")
+        if not layer_types:  # as Qwen3Config derives them (config/target.py, _mixer_fields)
+            window = (
+                raw.get("sliding_window", 4096) if _bool(raw, "use_sliding_window", where, False) else None
+            )
+            window_from = _count(raw, "max_window_layers", where, 28)
+            layer_types = [
+                SLIDING_ATTENTION if window and i >= window_from else FULL_ATTENTION
+                for i in range(num_layers)
+            ]
+            sliding_window = window
         softcap = raw.get("final_logit_softcapping")
         if softcap is not None and not 0 <= _number(raw, "final_logit_softcapping", where) < float("inf"):
             raise ConfigError(

@@ -44,6 +44,14 @@ def _float(raw: dict[str, Any], name: str, where: str, default: float) -> float:
     return float(value)
 
 
+def _count(raw: dict[str, Any], name: str, where: str, default: int) -> int:
+    """An integer >= 0 (`default` when absent)."""
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: '{name}' must be an integer >= 0, got {value!r}")
+    return value
+
+
 def _bool(raw: dict[str, Any], name: str, where: str, default: bool) -> bool:
     """JSON true or false (`default` when absent): a string such as "false" is refused, not
     read as true."""

@@ -13,6 +13,7 @@ from .fields import (
     SLIDING_ATTENTION,
     Llama3RopeScaling,
     _bool,
+    _count,
     _eos_ids,
     _float,
     _is_positive_int,
@@ -313,9 +314,7 @@ def _mixer_fields(family: str, raw: dict[str, Any], num_layers: int, where: str)
     if _bool(raw, "use_sliding_window", where, False):
         sliding_window = raw.get("sliding_window", 4096)
     if layer_types is None:
-        window_from = raw.get("max_window_layers", 28)
-        if isinstance(window_from, bool) or not isinstance(window_from, int) or window_from < 0:
-            raise ConfigError(f"{where}: 'max_window_layers' must be an integer >= 0, got {window_from!r}")
+        window_from = _count(raw, "max_window_layers", where, 28)
         layer_types = [
             SLIDING_ATTENTION if sliding_window and i >= window_from else FULL_ATTENTION
             for i in range(num_layers)

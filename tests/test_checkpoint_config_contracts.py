@@ -328,8 +328,8 @@ def test_a_rope_theta_that_is_not_a_positive_number_is_refused(tmp_path: Path, t
             r"llama config: layer_types\[0\] = 'sliding_attention' is not one of \['full_attention'\]",
         ),
         (
-            qwen3(num_hidden_layers=2, layer_types=[F, S], sliding_window=0),
-            r"sliding_attention layers need a positive sliding_window",
+            qwen3(num_hidden_layers=2, layer_types=[F, S], sliding_window=0, use_sliding_window=True),
+            r"sliding_window must be a positive integer",
         ),
         (
             qwen3(partial_rotary_factor=0.005),
@@ -451,13 +451,16 @@ def test_a_wrappers_attention_bias_is_read_from_its_text_config(tmp_path: Path) 
     assert not target_from_file(tmp_path, raw).attention_bias
 
 
-def test_explicit_sliding_layer_types_take_the_window_without_use_sliding_window(tmp_path: Path) -> None:
+def test_explicit_sliding_layer_types_take_the_window_only_with_use_sliding_window(tmp_path: Path) -> None:
     """A Qwen3 config listing sliding_attention layers in `layer_types` takes its
-    `sliding_window` even with `use_sliding_window` false; without sliding layers the window
-    is dropped."""
-    raw = qwen3(num_hidden_layers=3, layer_types=[F, S, S], sliding_window=256, use_sliding_window=False)
+    `sliding_window` with `use_sliding_window` true; with it false those layers attend without
+    a window, as transformers' Qwen3Config reads it; without sliding layers the window is
+    dropped."""
+    raw = qwen3(num_hidden_layers=3, layer_types=[F, S, S], sliding_window=256, use_sliding_window=True)
     c = target_from_file(tmp_path, raw)
     assert c.layer_types == (F, S, S) and c.sliding_window == 256
+    off = target_from_file(tmp_path, {**raw, "use_sliding_window": False})
+    assert off.layer_types == (F, S, S) and off.sliding_window is None
     full = target_from_file(tmp_path, qwen3(num_hidden_layers=2, layer_types=[F, F], sliding_window=256))
     assert full.sliding_window is None
 
@@ -619,10 +622,13 @@ def test_an_empty_target_layer_ids_list_falls_back_to_the_published_spread(tmp_p
 
 @pytest.mark.parametrize("window", [-1, -4096, True, 2.5])
 def test_a_negative_sliding_window_is_refused(tmp_path: Path, window: int) -> None:
-    """Sliding layers need a positive integer `sliding_window`: a negative one, a boolean or a
-    fraction is a ConfigError in a target's config and in a draft's, as 0 is."""
-    raw = qwen3(num_hidden_layers=2, layer_types=[F, S], sliding_window=window)
-    with pytest.raises(ConfigError, match=r"sliding_attention layers need a positive sliding_window"):
+    """Sliding layers with `use_sliding_window` need a positive integer `sliding_window`: a
+    negative one, a boolean or a fraction is a ConfigError in a target's config and in a
+    draft's, as 0 is."""
+    raw = qwen3(num_hidden_layers=2, layer_types=[F, S], sliding_window=window, use_sliding_window=True)
+    with pytest.raises(ConfigError, match=r"sliding_window must be a positive integer"):
         target_from_file(tmp_path, raw)
-    with pytest.raises(ConfigError, match=r"sliding_attention layers need a positive sliding_window"):
-        draft_from_file(tmp_path, draft_raw(layer_types=[S, F, F, F, F], sliding_window=window))
+    with pytest.raises(ConfigError, match=r"sliding_window must be a positive integer"):
+        draft_from_file(
+            tmp_path, draft_raw(layer_types=[S, F, F, F, F], sliding_window=window, use_sliding_window=True)
+        )

@@ -186,14 +186,22 @@ def test_embedding_scale_output_multiplier_and_softcapping_are_parsed() -> None:
     assert (top.input_embedding_scale, top.output_multiplier) == (3.0, 0.25)
 
 
-def test_sliding_window_is_kept_only_with_a_sliding_attention_layer() -> None:
-    sliding = DraftConfig.from_hf(draft_raw(layer_types=[S, F, S, F, F], sliding_window=2048))
+def test_sliding_window_is_kept_only_with_a_sliding_attention_layer_and_use_sliding_window() -> None:
+    """As z-lab's DFlashDraftModel reads its config (a Qwen3Config): the window only with
+    use_sliding_window, and only where a layer slides; without layer_types, layers from
+    max_window_layers on slide."""
+    on = {"use_sliding_window": True, "sliding_window": 2048}
+    sliding = DraftConfig.from_hf(draft_raw(layer_types=[S, F, S, F, F], **on))
     assert sliding.layer_types == (S, F, S, F, F)
     assert sliding.sliding_window == 2048
-    full = DraftConfig.from_hf(draft_raw(layer_types=[F] * 5, sliding_window=2048))
+    off = DraftConfig.from_hf(draft_raw(layer_types=[S, F, S, F, F], sliding_window=2048))
+    assert off.layer_types == (S, F, S, F, F) and off.sliding_window is None
+    full = DraftConfig.from_hf(draft_raw(layer_types=[F] * 5, **on))
     assert full.sliding_window is None
     default = DraftConfig.from_hf(draft_raw(sliding_window=2048))
-    assert default.sliding_window is None
+    assert default.layer_types == (F,) * 5 and default.sliding_window is None
+    derived = DraftConfig.from_hf(draft_raw(max_window_layers=3, **on))
+    assert derived.layer_types == (F, F, F, S, S) and derived.sliding_window == 2048
 
 
 # ----------------------------------------------------------------------------- errors
@@ -215,7 +223,10 @@ def test_sliding_window_is_kept_only_with_a_sliding_attention_layer() -> None:
         (draft_raw(dflash={"mask_token_id": -1}), r"mask_token_id -1 outside the vocabulary"),
         (draft_raw(layer_types=[F, F, F]), r"layer_types has 3 entries, expected num_hidden_layers = 5"),
         (draft_raw(layer_types=[F, F, "linear_attention", F, F]), r"layer_types\[2\] = 'linear_attention'"),
-        (draft_raw(layer_types=[S, F, F, F, F]), r"sliding_attention layers need a positive sliding_window"),
+        (
+            draft_raw(layer_types=[S, F, F, F, F], use_sliding_window=True, sliding_window=0),
+            r"sliding_window must be a positive integer \(or null: no window\), got 0",
+        ),
         (
             draft_raw(num_attention_heads=12),
             r"num_attention_heads 12 is not a multiple of num_key_value_heads 8",
@@ -232,7 +243,7 @@ def test_sliding_window_is_kept_only_with_a_sliding_attention_layer() -> None:
         "negative-mask",
         "layer-types-length",
         "linear-layer",
-        "sliding-without-window",
+        "zero-window",
         "heads-not-multiple",
         "no-num-target-layers",
     ],

@@ -721,13 +721,6 @@ def test_a_dflash_drafts_is_causal_decides_every_layers_block_attention(is_causa
     assert (got - expected).abs().max().item() < ATOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/draft.py:163,190 keeps `sliding_window` for sliding_attention layers whatever "
-    "`use_sliding_window` says, so such a draft attends inside the window; z-lab's "
-    "DFlashDraftModel reads its config as a Qwen3Config, which sets sliding_window to None unless "
-    "use_sliding_window is true, and its sliding layers then attend without a window",
-)
 def test_a_drafts_sliding_window_applies_only_with_use_sliding_window() -> None:
     """A draft config with sliding_attention layers and a sliding_window but use_sliding_window
     false: z-lab's draft (Qwen3Config: `sliding_window if use_sliding_window else None`) attends

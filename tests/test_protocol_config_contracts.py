@@ -552,12 +552,15 @@ def test_mlp_bias_is_read_for_llama_only() -> None:
     assert not TargetConfig.from_hf(qwen3(mlp_bias=True)).mlp_bias
 
 
-def test_explicit_sliding_layer_types_take_the_sliding_window_without_use_sliding_window() -> None:
+def test_explicit_sliding_layer_types_read_the_sliding_window_only_with_use_sliding_window() -> None:
     """Qwen3 with explicit layer_types naming sliding_attention layers reads sliding_window
-    whatever use_sliding_window says."""
-    raw = qwen3(layer_types=[F, S, F, S], sliding_window=256, use_sliding_window=False)
+    when use_sliding_window is true; false, those layers attend without a window (Qwen3Config
+    sets sliding_window to None)."""
+    raw = qwen3(layer_types=[F, S, F, S], sliding_window=256, use_sliding_window=True)
     c = TargetConfig.from_hf(raw)
     assert c.layer_types == (F, S, F, S) and c.sliding_window == 256
+    off = TargetConfig.from_hf({**raw, "use_sliding_window": False})
+    assert off.layer_types == (F, S, F, S) and off.sliding_window is None
 
 
 def test_moe_checks_hold_on_a_config_built_directly() -> None:

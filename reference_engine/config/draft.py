@@ -107,8 +107,11 @@ class DraftConfig:
                 raise ConfigError(
                     f"{where}: layer_types[{i}] = '{kind}' is not full_attention or sliding_attention"
                 )
-        if SLIDING_ATTENTION in self.layer_types and not _is_positive_int(self.sliding_window):
-            raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window")
+        if self.sliding_window is not None and not _is_positive_int(self.sliding_window):
+            raise ConfigError(
+                f"{where}: sliding_window must be a positive integer (or null: no window), "
+                f"got {self.sliding_window!r}"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(
                 f"{where}: mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})"
@@ -168,18 +171,22 @@ class DraftConfig:
             raise ConfigError(f"{where}: no mask_token_id (in dflash_config or top level)")
         if not _token_id(mask):
             raise ConfigError(f"{where}: 'mask_token_id' must be a token id, got {mask!r}")
-        sliding_window = raw.get("sliding_window")
+        # as transformers' Qwen3Config reads them (z-lab's DFlash drafts are read so): a window
+        # of 4096 unless the config says otherwise, kept only with use_sliding_window (sliding
+        # layers without it attend without a window); without layer_types, the layers from
+        # max_window_layers (28) on slide. A DFlash2 draft's explicit sliding layers take its
+        # sliding_window whatever use_sliding_window says (the published one names none).
+        use_window = _bool(raw, "use_sliding_window", where, False)
+        sliding_window = raw.get("sliding_window", 4096) if use_window else None
         layer_types = _list(raw, "layer_types", where, str, "attention kinds")
-        if not layer_types:  # as Qwen3Config derives them (config/target.py, _mixer_fields)
-            window = (
-                raw.get("sliding_window", 4096) if _bool(raw, "use_sliding_window", where, False) else None
-            )
+        if layer_types and architecture == DFLASH2 and not use_window:
+            sliding_window = raw.get("sliding_window")
+        if not layer_types:
             window_from = _count(raw, "max_window_layers", where, 28)
             layer_types = [
-                SLIDING_ATTENTION if window and i >= window_from else FULL_ATTENTION
+                SLIDING_ATTENTION if sliding_window and i >= window_from else FULL_ATTENTION
                 for i in range(num_layers)
             ]
-            sliding_window = window
         softcap = raw.get("final_logit_softcapping")
         if softcap is not None and not 0 <= _number(raw, "final_logit_softcapping", where) < float("inf"):
             raise ConfigError(

@@ -117,8 +117,11 @@ class TargetConfig:
             )
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"{where}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if SLIDING_ATTENTION in self.layer_types and not _is_positive_int(self.sliding_window):
-            raise ConfigError(f"{where}: sliding_attention layers need a positive sliding_window")
+        if self.sliding_window is not None and not _is_positive_int(self.sliding_window):
+            raise ConfigError(
+                f"{where}: sliding_window must be a positive integer (or null: no window), "
+                f"got {self.sliding_window!r}"
+            )
         if LINEAR_ATTENTION in self.layer_types:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ConfigError(
@@ -309,7 +312,8 @@ def _mixer_fields(family: str, raw: dict[str, Any], num_layers: int, where: str)
             raise ConfigError(f"{where}: use_sliding_window true is not supported (expected false)")
         return dict(layer_types=tuple(layer_types or [FULL_ATTENTION] * num_layers))
     # transformers' Qwen3Config: a window of 4096 unless the config says otherwise, kept only
-    # with use_sliding_window, and layers from max_window_layers (28) on slide
+    # with use_sliding_window (sliding layers without it attend without a window), and
+    # without layer_types the layers from max_window_layers (28) on slide
     sliding_window = None
     if _bool(raw, "use_sliding_window", where, False):
         sliding_window = raw.get("sliding_window", 4096)
@@ -319,8 +323,8 @@ def _mixer_fields(family: str, raw: dict[str, Any], num_layers: int, where: str)
             SLIDING_ATTENTION if sliding_window and i >= window_from else FULL_ATTENTION
             for i in range(num_layers)
         ]
-    elif SLIDING_ATTENTION in layer_types:
-        sliding_window = raw.get("sliding_window")
+    if SLIDING_ATTENTION not in layer_types:
+        sliding_window = None
     return dict(layer_types=tuple(layer_types), sliding_window=sliding_window)
 
 

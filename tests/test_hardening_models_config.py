@@ -643,6 +643,13 @@ DRAFTS = {
     },
     "dflash2-non-causal-sliding": DFLASH2,
     "dflash2-causal": {**DFLASH2, "is_causal": True, "layer_types": ["full_attention", "sliding_attention"]},
+    # z-lab's DFlashDraftModel takes `is_causal`, when given, for every layer
+    # (`layer_type == "sliding_attention" if is_causal is None else bool(is_causal)`)
+    "dflash-is-causal-false": {**DFLASH, "is_causal": False},
+    "dflash-is-causal-true": {**DFLASH, "is_causal": True},
+    # Qwen3Config drops the window without use_sliding_window: the sliding layer attends over
+    # the whole context and block (causally, by the legacy rule)
+    "dflash-window-without-use-sliding-window": {**DFLASH, "use_sliding_window": False},
 }
 
 
@@ -704,35 +711,6 @@ def test_draft_proposals_are_the_written_out_logits_and_choice_of_block_slots_1_
         previous = candidates[max(range(len(scores)), key=scores.__getitem__)]
         walk.append(previous)
     assert tokens == walk
-
-
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_a_dflash_drafts_is_causal_decides_every_layers_block_attention(is_causal: bool) -> None:
-    """z-lab's DFlashDraftModel takes `is_causal`, when the config gives it, for every layer
-    (Qwen3DFlashAttention: `layer_type == "sliding_attention" if is_causal is None else
-    bool(is_causal)`), as DFlash2 does."""
-    raw = {**DFLASH, "is_causal": is_causal}
-    draft = random_draft(raw)
-    gen = torch.Generator().manual_seed(5)
-    features = torch.randn(CONTEXT, 2 * raw["hidden_size"], generator=gen, dtype=F64)
-    embeds = torch.randn(BLOCK, raw["hidden_size"], generator=gen, dtype=F64)
-    expected = reference_draft(draft.state_dict(), raw, features, embeds)
-    got = engine_block(draft, features, embeds, split=4)
-    assert (got - expected).abs().max().item() < ATOL
-
-
-def test_a_drafts_sliding_window_applies_only_with_use_sliding_window() -> None:
-    """A draft config with sliding_attention layers and a sliding_window but use_sliding_window
-    false: z-lab's draft (Qwen3Config: `sliding_window if use_sliding_window else None`) attends
-    over the whole context and block in those layers (causally, by the legacy rule)."""
-    raw = {**DFLASH, "use_sliding_window": False}
-    draft = random_draft(raw)
-    gen = torch.Generator().manual_seed(5)
-    features = torch.randn(CONTEXT, 2 * raw["hidden_size"], generator=gen, dtype=F64)
-    embeds = torch.randn(BLOCK, raw["hidden_size"], generator=gen, dtype=F64)
-    expected = reference_draft(draft.state_dict(), raw, features, embeds)
-    got = engine_block(draft, features, embeds, split=4)
-    assert (got - expected).abs().max().item() < ATOL
 
 
 def test_a_draft_without_layer_types_slides_from_max_window_layers_with_use_sliding_window() -> None:

@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .ab import ManagedServer, machine_load, metadata, ratios, write_meta
+from .ab import ManagedServer, machine_load, metadata, ratios, summary_numbers, write_meta
 from .arguments import (
     auto_or_positive_int,
     base_url,
@@ -535,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             with (out / "summary.csv").open() as f:
                 rows = list(csv.DictReader(f))
             (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
-        if args.command == "ab":
-            ratios(summaries, out / "ab.csv")
+        if args.command == "ab":  # over every run in summary.csv, a resumed run's kept ones too
+            ratios(summary_numbers(rows) if rows else summaries, out / "ab.csv")
     except (WorkloadError, RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import getpass
 import json
+import math
 import os
 import platform
 import random
@@ -99,14 +100,37 @@ class ManagedServer:
 def bootstrap_ratio(
     a: list[float], b: list[float], seed: int = 0, samples: int = 2000
 ) -> tuple[float, float, float]:
-    """Ratio of medians b/a with a 95% bootstrap interval (repeats resampled)."""
+    """Ratio of medians b/a with a 95% bootstrap interval (repeats resampled). A resample of A
+    whose median is 0 (a repeat at 0, such as one whose requests all failed, drawn more than
+    once) makes that resample's ratio infinite, or leaves it out where B's is 0 too; the point
+    needs A's median above 0."""
     rng = random.Random(seed)
     point = statistics.median(b) / statistics.median(a)
-    ratios = sorted(
-        statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a)))
-        for _ in range(samples)
-    )
-    return point, ratios[int(0.025 * samples)], ratios[int(0.975 * samples) - 1]
+    ratios = []
+    for _ in range(samples):
+        mb, ma = statistics.median(rng.choices(b, k=len(b))), statistics.median(rng.choices(a, k=len(a)))
+        if ma:
+            ratios.append(mb / ma)
+        elif mb:
+            ratios.append(math.copysign(math.inf, mb))
+    ratios.sort()
+    if not ratios:
+        return point, point, point
+    n = len(ratios)
+    return point, ratios[int(0.025 * n)], ratios[max(int(0.975 * n) - 1, 0)]
+
+
+def summary_numbers(rows: list[dict[str, str]]) -> list[dict]:
+    """summary.csv's rows (as csv.DictReader reads them) in the form `ratios` takes: the label,
+    the concurrency as an integer, each ratio metric as a float (NaN where the cell is empty)."""
+    return [
+        {
+            "label": row["label"],
+            "concurrency": int(row["concurrency"]),
+            **{m: float(row[m]) if row.get(m) not in (None, "") else math.nan for m in RATIO_METRICS},
+        }
+        for row in rows
+    ]
 
 
 def ratios(summaries: list[dict], out: Path) -> list[dict]:

@@ -129,7 +129,7 @@ def load_results(directory: Path) -> ResultSet:
         requests=requests,
         itl=itl,
         meta=meta,
-        compare_md=None if COMPARE_MD in missing else (directory / COMPARE_MD).read_text(),
+        compare_md=None if COMPARE_MD in missing else _read_text(directory / COMPARE_MD, problems),
         compare_summary=None
         if COMPARE_SUMMARY in missing
         else _read_json_object(directory / COMPARE_SUMMARY, problems),
@@ -198,6 +198,8 @@ def _read_summary(path: Path, problems: list[str]) -> pd.DataFrame:
         )
     except pd.errors.EmptyDataError as e:
         raise ResultsError(f"{path} is empty") from e
+    except (pd.errors.ParserError, UnicodeDecodeError) as e:  # a torn or foreign line
+        raise ResultsError(f"{path} cannot be read as CSV: {' '.join(str(e).split())}") from e
     absent = [c for c in ("label", "concurrency") if c not in df.columns]
     if absent:
         raise ResultsError(f"{path} lacks column(s) {absent}; columns found: {list(df.columns)}")
@@ -236,6 +238,9 @@ def _read_ab(path: Path, problems: list[str]) -> pd.DataFrame | None:
         df = pd.read_csv(path, dtype={"metric": str, "within_noise": str})
     except pd.errors.EmptyDataError:
         problems.append(f"{path.name} is empty")
+        return None
+    except (pd.errors.ParserError, UnicodeDecodeError) as e:
+        problems.append(f"{path.name} cannot be read as CSV ({' '.join(str(e).split())}); no ratio table")
         return None
     absent = [c for c in ("metric", "concurrency", "ratio") if c not in df.columns]
     if absent:
@@ -306,11 +311,24 @@ def _read_requests(
     return (pd.DataFrame(rows) if rows else None), itl, outputs
 
 
+def _read_text(path: Path, problems: list[str]) -> str:
+    """A text file as UTF-8; bytes that are not are replaced, and said so."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        problems.append(f"{path.name} is not UTF-8 text ({e.reason} at byte {e.start}); bad bytes replaced")
+        return data.decode("utf-8", errors="replace")
+
+
 def _read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         problems.append(f"{path.name} is not valid JSON ({e})")
+        return None
+    except UnicodeDecodeError as e:
+        problems.append(f"{path.name} is not UTF-8 text ({e.reason} at byte {e.start})")
         return None
     if not isinstance(value, dict):
         problems.append(f"{path.name} holds a {type(value).__name__}, expected a JSON object")

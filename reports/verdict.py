@@ -302,7 +302,8 @@ def _contradicting_counters(results: ResultSet) -> str | None:
     found = []
     for label in results.labels:
         part = summary[summary["label"] == label]
-        bad = part[part["acceptance_check"].fillna("").astype(str).str.len() > 0]
+        check = part["acceptance_check"]  # text, or a float column of NaN when every cell is empty
+        bad = part[check.notna() & (check.astype(str).str.len() > 0)]
         if len(bad):
             row = bad.iloc[0]
             found.append(

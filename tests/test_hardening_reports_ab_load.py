@@ -91,12 +91,6 @@ def test_the_b_median_of_a_ratio_row_is_the_median_of_bs_repeats(tmp_path) -> No
     assert float(written["output_tokens_per_s"]["b_median"]) == 20.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/ab.py bootstrap_ratio divides by the median of each resample of A: a side "
-    "with a repeat at 0 (e.g. output_tokens_per_s of a repeat whose requests all failed) but a "
-    "median above 0 draws a resample of median 0 and raises ZeroDivisionError out of `harness ab`",
-)
 def test_a_baseline_repeat_of_zero_does_not_break_the_ratio(tmp_path) -> None:
     """A's repeats 0, 100, 100 have median 100: the ratio row is made (B/A = 1) and its
     interval holds the point, however many resamples of A draw the zero twice."""
@@ -315,12 +309,6 @@ def test_the_servers_counters_win_over_per_request_acceptance_but_the_histogram_
     assert summary["acceptance_histogram"] == {3: 2}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/__main__.py (main, `ratios(summaries, out / 'ab.csv')`) computes ab.csv from "
-    "the runs measured by this invocation only: after --resume the kept repeats are left out, "
-    "so ab.csv's medians contradict summary.csv (and the report's results table)",
-)
 def test_a_resumed_ab_run_computes_its_ratios_over_every_repeat_in_the_summary(tmp_path) -> None:
     """`harness ab --resume` that adds a second repeat to a folder holding the first: ab.csv's
     A and B medians are the medians over both repeats of summary.csv."""
@@ -538,13 +526,6 @@ def test_ab_within_noise_flags_read_as_true_false_or_unknown(tmp_path, flags, ex
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reports/results.py reads meta.json and compare_summary.json with path.read_text() "
-    "(_read_json_object, line 311) and compare.md likewise (load_results, line 132), catching "
-    "only JSONDecodeError: a file that is not UTF-8 raises UnicodeDecodeError, so "
-    "`python -m reports` ends in a traceback instead of listing the file under input problems",
-)
 @pytest.mark.parametrize(
     "name,data",
     [
@@ -567,13 +548,6 @@ def test_an_optional_file_that_is_not_utf8_is_an_input_problem_not_a_crash(tmp_p
     assert render_report(results, []).startswith("# Benchmark report")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reports/results.py _read_summary (line 193) and _read_ab (line 236) catch only "
-    "pandas' EmptyDataError: a row with more fields than the header raises "
-    "pandas.errors.ParserError, so `python -m reports DIR` ends in a traceback instead of the "
-    "documented exit 2 with one error line (or the row skipped as an input problem)",
-)
 @pytest.mark.parametrize("name", ["summary.csv", "ab.csv"])
 def test_a_csv_row_with_more_fields_than_its_header_gives_no_traceback(tmp_path, name, capsys) -> None:
     from reports.__main__ import main

@@ -484,6 +484,14 @@ def test_captured_features_are_the_listed_layers_outputs_in_the_listed_order() -
     assert (out.features[0] - expected).abs().max().item() < ATOL
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="models/base.py (CausalLM.forward) captures the last layer's output before the final "
+    "norm, where Hugging Face's hidden_states[N] (the feature z-lab's extract_context_feature "
+    "reads for the target's last layer) is last_hidden_state, after model.norm; the shipped demo "
+    "drafts list the last layer and were trained on the raw output (docs/design.md), so changing "
+    "it needs them retrained",
+)
 def test_a_draft_listing_the_targets_last_layer_gets_its_final_normed_output() -> None:
     """hidden_states[N] of an N-layer transformers model is its final-normed output
     (capture_outputs ties hidden_states[-1] to last_hidden_state), so the feature of layer

@@ -90,15 +90,12 @@ class CausalLM(nn.Module):
             state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record, chunked, ops
         )
         captured: dict[int, torch.Tensor] = {}
-        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, ctx, i)
-            if i in capture_layers and i != last:
+            if i in capture_layers:
+                # the layer's raw output, the last layer's too (Hugging Face's hidden_states[N]
+                # is final-normed; the shipped demo drafts were trained on the raw one)
                 captured[i] = x
-        if last in capture_layers:
-            # a feature is Hugging Face's hidden_states[id + 1], and the last of those is the
-            # final-normed output (last_hidden_state), not the last layer's raw one
-            captured[last] = self.model.norm(x, ops)
         # in the order the draft lists them, repeats included (the published spread of
         # target layers repeats a layer when the target is shallow)
         features = torch.cat([captured[i] for i in capture_layers], -1) if captured else None

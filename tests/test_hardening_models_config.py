@@ -260,8 +260,8 @@ def reference_target(
 
 
 # ----------------------------------------------------------------------------- targets
-QWEN3 = {
-    "model_type": "qwen3",
+# the fields the tiny targets share (Llama's differ in layers and key heads)
+SHARED = {
     "vocab_size": 64,
     "hidden_size": 32,
     "intermediate_size": 48,
@@ -270,6 +270,10 @@ QWEN3 = {
     "num_key_value_heads": 2,
     "head_dim": 16,
     "rms_norm_eps": 0.25,
+}
+QWEN3 = {
+    "model_type": "qwen3",
+    **SHARED,
     "rope_theta": 300.0,
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
@@ -302,14 +306,7 @@ LLAMA = {
 }
 QWEN3_5 = {
     "model_type": "qwen3_5_text",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 0.25,
+    **SHARED,
     "rope_parameters": {"rope_type": "default", "rope_theta": 50.0},
     "tie_word_embeddings": False,
     "layer_types": ["linear_attention", "full_attention", "linear_attention"],
@@ -321,14 +318,7 @@ QWEN3_5 = {
 }
 QWEN3_MOE = {
     "model_type": "qwen3_moe",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 0.25,
+    **SHARED,
     "rope_theta": 300.0,
     "tie_word_embeddings": False,
     "num_experts": 6,
@@ -462,13 +452,13 @@ def test_target_logits_at_every_prompt_position_and_decode_step_equal_the_writte
     assert err < ATOL, f"max |engine - written out| = {err:.3g}"
 
 
-def test_captured_features_are_the_listed_layers_outputs_in_the_listed_order() -> None:
-    """The context features a target hands its draft are the outputs of the layers the draft
-    lists (z-lab's hidden_states[id + 1]: after layer id; the last layer's is normed, below),
-    concatenated in the draft's order, a repeated layer repeated."""
+def captured_features(layers: tuple[int, ...]):
+    """A random Qwen3 target's prompt forward capturing `layers`: (model, its state dict, the
+    written-out forward's per-layer outputs, the captured features)."""
     model = random_target(QWEN3)
     ids = token_ids(PROMPT, QWEN3["vocab_size"], seed=2)
-    _, outputs = reference_target(model.state_dict(), written_out_fields(QWEN3), ids)
+    sd = model.state_dict()
+    _, outputs = reference_target(sd, written_out_fields(QWEN3), ids)
     state = new_state(model, PROMPT)
     with torch.inference_mode():
         out = model(
@@ -477,11 +467,19 @@ def test_captured_features_are_the_listed_layers_outputs_in_the_listed_order() -
             torch.tensor([0]),
             state,
             kv_len=PROMPT,
-            capture_layers=(1, 0, 1),
+            capture_layers=layers,
         )
+    return model, sd, outputs, out.features
+
+
+def test_captured_features_are_the_listed_layers_outputs_in_the_listed_order() -> None:
+    """The context features a target hands its draft are the outputs of the layers the draft
+    lists (z-lab's hidden_states[id + 1]: after layer id; for the last layer, below),
+    concatenated in the draft's order, a repeated layer repeated."""
+    model, sd, outputs, features = captured_features((1, 0, 1))
     expected = torch.cat([outputs[1], outputs[0], outputs[1]], -1)
-    assert out.features is not None and out.features.shape == (1, PROMPT, 3 * QWEN3["hidden_size"])
-    assert (out.features[0] - expected).abs().max().item() < ATOL
+    assert features is not None and features.shape == (1, PROMPT, 3 * QWEN3["hidden_size"])
+    assert (features[0] - expected).abs().max().item() < ATOL
 
 
 @pytest.mark.xfail(
@@ -496,23 +494,10 @@ def test_a_draft_listing_the_targets_last_layer_gets_its_final_normed_output() -
     """hidden_states[N] of an N-layer transformers model is its final-normed output
     (capture_outputs ties hidden_states[-1] to last_hidden_state), so the feature of layer
     N - 1 is model.norm of that layer's output."""
-    model = random_target(QWEN3)
-    ids = token_ids(PROMPT, QWEN3["vocab_size"], seed=2)
-    sd = model.state_dict()
-    _, outputs = reference_target(sd, written_out_fields(QWEN3), ids)
+    model, sd, outputs, features = captured_features((2, 0))
     last = rms(outputs[2], sd["model.norm.weight"], QWEN3["rms_norm_eps"])
-    state = new_state(model, PROMPT)
-    with torch.inference_mode():
-        out = model(
-            torch.tensor([ids]),
-            torch.arange(PROMPT)[None],
-            torch.tensor([0]),
-            state,
-            kv_len=PROMPT,
-            capture_layers=(2, 0),
-        )
-    assert out.features is not None
-    assert (out.features[0] - torch.cat([last, outputs[0]], -1)).abs().max().item() < ATOL
+    assert features is not None
+    assert (features[0] - torch.cat([last, outputs[0]], -1)).abs().max().item() < ATOL
 
 
 # ----------------------------------------------------------------------------- drafts

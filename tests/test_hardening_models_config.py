@@ -783,6 +783,7 @@ BAD_VALUES = [
     # once accepted, as something the file does not say
     pytest.param(QWEN3, "tie_word_embeddings", "false", id="tie-string-false-read-as-true"),
     pytest.param(QWEN3_MOE, "norm_topk_prob", "false", id="norm_topk_prob-string-false-read-as-true"),
+    pytest.param(QWEN3, "use_sliding_window", "false", id="use_sliding_window-a-string"),
     pytest.param(DFLASH, "dflash_config.target_layer_ids", "12", id="target_layer_ids-a-string"),
     pytest.param(DFLASH, "rms_norm_eps", -1.0, id="draft-eps-negative"),
 ]

@@ -45,6 +45,8 @@ from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import RecentAcceptance, SpecCounters
 from reference_engine.runtime.token_choice import choose_tokens
 from reference_engine.runtime.verify_width import PROBE_AFTER, StepCosts, VerifyWidth
+from tests.test_step_engine_contracts import drain
+from tests.test_verify_width import decayed_counts
 
 TinyCheckpoint = Callable[..., Path]
 TinyPair = Callable[..., tuple[Path, Path]]
@@ -74,14 +76,6 @@ def request(rid: str, prompt: int = 1, speculative: bool = False, **options) -> 
 
 def ids(seqs) -> list[str]:
     return [s.request_id for s in seqs]
-
-
-def drain(engine: Engine, limit: int = 400) -> None:
-    for _ in range(limit):
-        if not engine.has_unfinished():
-            return
-        engine.step()
-    raise AssertionError(f"engine still busy after {limit} steps")
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -365,14 +359,7 @@ def test_recent_counts_are_unchanged_by_the_rescale_of_their_scale() -> None:
         if rescaled is None and recent.scale == 1.0:
             rescaled = len(steps)
     assert rescaled > 100 and recent.scale < 3.0
-    want_accepted: dict[int, float] = {}
-    want_verified: dict[int, float] = {}
-    for age, (proposed, accepted) in enumerate(reversed(steps)):
-        weight = RecentAcceptance.DECAY**age
-        for k in range(1, accepted + 1):
-            want_accepted[k] = want_accepted.get(k, 0.0) + weight
-        for k in range(1, min(proposed, accepted + 1) + 1):
-            want_verified[k] = want_verified.get(k, 0.0) + weight
+    want_accepted, want_verified = decayed_counts(steps)
     accepted_at, verified_at = recent.counts()
     assert accepted_at == pytest.approx(want_accepted, rel=1e-9)
     assert verified_at == pytest.approx(want_verified, rel=1e-9)

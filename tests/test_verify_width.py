@@ -493,6 +493,23 @@ def test_the_remembered_estimates_are_those_a_fresh_chooser_computes() -> None:
 
 
 # ------------------------------------------------------------------ recent acceptance
+def decayed_counts(steps: list[tuple[int, int]]) -> tuple[dict[int, float], dict[int, float]]:
+    """RecentAcceptance's counts written out: over (proposed, accepted) steps, oldest first,
+    each weighs DECAY^age; position k is accepted when k <= accepted, verified when k <=
+    min(proposed, accepted + 1) (SpecCounters)."""
+    from reference_engine.runtime.stats import RecentAcceptance
+
+    accepted_at: dict[int, float] = {}
+    verified_at: dict[int, float] = {}
+    for age, (proposed, accepted) in enumerate(reversed(steps)):
+        weight = RecentAcceptance.DECAY**age
+        for k in range(1, accepted + 1):
+            accepted_at[k] = accepted_at.get(k, 0.0) + weight
+        for k in range(1, min(proposed, accepted + 1) + 1):
+            verified_at[k] = verified_at.get(k, 0.0) + weight
+    return accepted_at, verified_at
+
+
 def test_recent_counts_weigh_each_step_by_decay_to_its_age_and_survive_a_rescale() -> None:
     """RecentAcceptance's decayed counts are sum over steps of DECAY^age x the step's counts
     (positions as SpecCounters counts them), and its rates are those of the decayed counts at
@@ -508,13 +525,7 @@ def test_recent_counts_weigh_each_step_by_decay_to_its_age_and_survive_a_rescale
     for proposed, accepted in steps:
         recent.record(proposed, accepted)
     assert recent.steps == len(steps) and recent.scale < RecentAcceptance.RESCALE
-    want_accepted, want_verified = {}, {}
-    for age, (proposed, accepted) in enumerate(reversed(steps[-200:])):  # older ones weigh < 1e-44
-        weight = RecentAcceptance.DECAY**age
-        for k in range(1, accepted + 1):
-            want_accepted[k] = want_accepted.get(k, 0.0) + weight
-        for k in range(1, min(proposed, accepted + 1) + 1):
-            want_verified[k] = want_verified.get(k, 0.0) + weight
+    want_accepted, want_verified = decayed_counts(steps[-200:])  # older ones weigh < 1e-44
     accepted_at, verified_at = recent.counts()
     assert accepted_at == pytest.approx(want_accepted, rel=1e-9)
     assert verified_at == pytest.approx(want_verified, rel=1e-9)

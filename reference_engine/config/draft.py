@@ -12,13 +12,11 @@ from .fields import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     Llama3RopeScaling,
-    _bool,
-    _count,
-    _float,
     _is_positive_int,
     _list,
     _number,
     _positive_int,
+    _qwen3_window,
     _rope,
     _token_id,
 )
@@ -171,22 +169,13 @@ class DraftConfig:
             raise ConfigError(f"{where}: no mask_token_id (in dflash_config or top level)")
         if not _token_id(mask):
             raise ConfigError(f"{where}: 'mask_token_id' must be a token id, got {mask!r}")
-        # as transformers' Qwen3Config reads them (z-lab's DFlash drafts are read so): a window
-        # of 4096 unless the config says otherwise, kept only with use_sliding_window (sliding
-        # layers without it attend without a window); without layer_types, the layers from
-        # max_window_layers (28) on slide. A DFlash2 draft's explicit sliding layers take its
-        # sliding_window whatever use_sliding_window says (the published one names none).
-        use_window = _bool(raw, "use_sliding_window", where, False)
-        sliding_window = raw.get("sliding_window", 4096) if use_window else None
-        layer_types = _list(raw, "layer_types", where, str, "attention kinds")
-        if layer_types and architecture == DFLASH2 and not use_window:
+        # as transformers' Qwen3Config reads them (z-lab's DFlash drafts are read so), except
+        # that a DFlash2 draft's explicit sliding layers take its sliding_window whatever
+        # use_sliding_window says (the published one names none)
+        listed = _list(raw, "layer_types", where, str, "attention kinds") or None
+        layer_types, sliding_window = _qwen3_window(raw, listed, num_layers, where)
+        if listed and architecture == DFLASH2 and SLIDING_ATTENTION in listed and sliding_window is None:
             sliding_window = raw.get("sliding_window")
-        if not layer_types:
-            window_from = _count(raw, "max_window_layers", where, 28)
-            layer_types = [
-                SLIDING_ATTENTION if sliding_window and i >= window_from else FULL_ATTENTION
-                for i in range(num_layers)
-            ]
         softcap = raw.get("final_logit_softcapping")
         if softcap is not None and not 0 <= _number(raw, "final_logit_softcapping", where) < float("inf"):
             raise ConfigError(
@@ -203,7 +192,7 @@ class DraftConfig:
             num_attention_heads=heads,
             num_key_value_heads=_positive_int(raw, "num_key_value_heads", where, default=heads),
             head_dim=_positive_int(raw, "head_dim", where, default=hidden // heads),
-            rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
+            rms_norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
@@ -212,10 +201,10 @@ class DraftConfig:
             target_layer_ids=ids,
             mask_token_id=mask,
             layer_types=tuple(layer_types),
-            sliding_window=sliding_window if SLIDING_ATTENTION in layer_types else None,
+            sliding_window=sliding_window,
             attention_bias=bool(raw.get("attention_bias", False)),
-            input_embedding_scale=_float({**raw, **dflash}, "input_embedding_scale", where, 1.0),
-            output_multiplier=_float({**raw, **dflash}, "output_multiplier", where, 1.0),
+            input_embedding_scale=_number({**raw, **dflash}, "input_embedding_scale", where, 1.0),
+            output_multiplier=_number({**raw, **dflash}, "output_multiplier", where, 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
             architecture=architecture,
             causal=_causal(raw, dflash, where),

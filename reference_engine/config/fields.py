@@ -29,16 +29,10 @@ def _positive_int(raw: dict[str, Any], name: str, where: str, default: int | Non
     return value
 
 
-def _number(raw: dict[str, Any], name: str, where: str) -> float:
-    value = _require(raw, name, where)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where}: '{name}' must be a number, got {value!r}")
-    return float(value)
-
-
-def _float(raw: dict[str, Any], name: str, where: str, default: float) -> float:
-    """A number (`default` when absent; null is not absent); its range is the config's to check."""
-    value = raw.get(name, default)
+def _number(raw: dict[str, Any], name: str, where: str, default: float | None = None) -> float:
+    """A number: required, or `default` when absent (null is not absent); its range is the
+    config's to check."""
+    value = _require(raw, name, where) if default is None else raw.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: '{name}' must be a number, got {value!r}")
     return float(value)
@@ -72,6 +66,22 @@ def _list(raw: dict[str, Any], name: str, where: str, kind: type, what: str) -> 
     ):
         raise ConfigError(f"{where}: '{name}' must be a list of {what}, got {value!r}")
     return list(value)
+
+
+def _qwen3_window(
+    raw: dict[str, Any], layer_types: list[str] | None, num_layers: int, where: str
+) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) as transformers' Qwen3Config reads them: a window of 4096
+    unless the config says otherwise, kept only with use_sliding_window (sliding layers
+    without it attend without a window); without layer_types, the layers from
+    max_window_layers (28) on slide when a window applies. No sliding layer: no window."""
+    window = raw.get("sliding_window", 4096) if _bool(raw, "use_sliding_window", where, False) else None
+    if layer_types is None:
+        window_from = _count(raw, "max_window_layers", where, 28)
+        layer_types = [
+            SLIDING_ATTENTION if window and i >= window_from else FULL_ATTENTION for i in range(num_layers)
+        ]
+    return layer_types, window if SLIDING_ATTENTION in layer_types else None
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from .fields import (
     SLIDING_ATTENTION,
     Llama3RopeScaling,
     _bool,
-    _count,
     _eos_ids,
-    _float,
     _is_positive_int,
     _list,
+    _number,
     _positive_int,
+    _qwen3_window,
     _rope,
 )
 
@@ -276,7 +276,7 @@ class TargetConfig:
             num_attention_heads=heads,
             num_key_value_heads=_positive_int(raw, "num_key_value_heads", where, default=heads),
             head_dim=_positive_int({"head_dim": head_dim}, "head_dim", where),
-            rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
+            rms_norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
@@ -307,24 +307,11 @@ def _mixer_fields(family: str, raw: dict[str, Any], num_layers: int, where: str)
             linear_conv_kernel_dim=_positive_int(raw, "linear_conv_kernel_dim", where),
         )
     if family != QWEN3:
-        if raw.get("use_sliding_window"):
+        if _bool(raw, "use_sliding_window", where, False):
             # qwen3_moe would slide every layer, which no published checkpoint does
             raise ConfigError(f"{where}: use_sliding_window true is not supported (expected false)")
         return dict(layer_types=tuple(layer_types or [FULL_ATTENTION] * num_layers))
-    # transformers' Qwen3Config: a window of 4096 unless the config says otherwise, kept only
-    # with use_sliding_window (sliding layers without it attend without a window), and
-    # without layer_types the layers from max_window_layers (28) on slide
-    sliding_window = None
-    if _bool(raw, "use_sliding_window", where, False):
-        sliding_window = raw.get("sliding_window", 4096)
-    if layer_types is None:
-        window_from = _count(raw, "max_window_layers", where, 28)
-        layer_types = [
-            SLIDING_ATTENTION if sliding_window and i >= window_from else FULL_ATTENTION
-            for i in range(num_layers)
-        ]
-    if SLIDING_ATTENTION not in layer_types:
-        sliding_window = None
+    layer_types, sliding_window = _qwen3_window(raw, layer_types, num_layers, where)
     return dict(layer_types=tuple(layer_types), sliding_window=sliding_window)
 
 

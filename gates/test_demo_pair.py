@@ -9,6 +9,8 @@ Each check is also run on an engine with a deliberate fault, and must catch it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -112,6 +114,20 @@ def test_acceptance_floor_catches_context_features_shifted_by_one_position(demo,
     """A draft-side fault that keeps the output lossless: only the floor can see it."""
     target, draft, prompts = demo
     outputs, mean = run(target, draft, prompts, 8, fault="feature_off_by_one")
+    assert_identical(demo, plain, outputs, "B=8")
+    with pytest.raises(AssertionError, match="fell below the floor"):
+        assert_acceptance(mean, 8)
+
+
+def test_acceptance_floor_catches_the_last_layer_read_after_the_final_norm(demo, plain) -> None:
+    """The draft lists the target's last layer and was trained on its raw output (its config
+    says so); an engine that hands it the final-normed output stays lossless, and only the
+    floor sees the draft drafting worse."""
+    target, _, prompts = demo
+    misread = load_draft(DEMO_DRAFT, target)
+    assert misread.config.raw_last_layer
+    misread.config = dataclasses.replace(misread.config, last_layer_feature="final_norm")
+    outputs, mean = run(target, misread, prompts, 8)
     assert_identical(demo, plain, outputs, "B=8")
     with pytest.raises(AssertionError, match="fell below the floor"):
         assert_acceptance(mean, 8)

@@ -241,6 +241,22 @@ def test_the_draft_config_takes_the_mask_token_given_and_smoke_the_seed_given() 
     assert DraftConfig.from_hf(dflash2.draft_config(11)).num_target_layers == recipe.target_layers
 
 
+def test_the_last_layer_feature_is_a_setting_that_the_draft_config_records() -> None:
+    """`--last-layer-feature`: raw (the shipped recipe) is written into the draft's
+    dflash_config; final_norm is the loader's default and is left out; anything else is
+    refused."""
+    raw = Recipe.smoke(0)
+    assert raw.draft_config(3)["dflash_config"]["last_layer_feature"] == "raw"
+    assert DraftConfig.from_hf(raw.draft_config(3)).raw_last_layer
+    final = recipe_module.parse(["--smoke", "--seed", "0", "--last-layer-feature", "final_norm"]).recipe
+    assert "last_layer_feature" not in final.draft_config(3)["dflash_config"]
+    assert not final.raw_last_layer and not DraftConfig.from_hf(final.draft_config(3)).raw_last_layer
+    with pytest.raises(ValueError, match="last_layer_feature"):
+        Recipe(last_layer_feature="normed")
+    with pytest.raises(SystemExit):
+        recipe_module.parse(["--smoke", "--last-layer-feature", "normed"])
+
+
 # ------------------------------------------------------------------ training/recipe.py: train and main
 @pytest.fixture
 def stages(monkeypatch: pytest.MonkeyPatch) -> list:
@@ -504,7 +520,9 @@ def test_continuations_are_drawn_in_chunks_of_at_most_4096_to_the_count_asked(mo
         return torch.cat([prompts, torch.zeros(len(prompts), new_tokens, dtype=prompts.dtype)], 1)
 
     monkeypatch.setattr(stages_module, "greedy_continue", greedy_continue)
-    monkeypatch.setattr(stages_module, "target_views", lambda target, sequences, layers: (None, sequences))
+    monkeypatch.setattr(
+        stages_module, "target_views", lambda target, sequences, layers, raw_last: (None, sequences)
+    )
     recipe = dataclasses.replace(Recipe.smoke(), continuations=4097)
     stream = torch.arange(200)
     data = stages_module.TrainingData(None, Path("lock.json"), None, stream, stream)

@@ -243,7 +243,7 @@ def prefill_graphs(engine, chunk: int, pad_slot: int) -> dict[tuple[int, int], E
         engine.draft_state,
     )
     g.ops, g.pad_slot, g.device = engine.ops, pad_slot, engine.device
-    g.capture_layers = engine.draft.config.target_layer_ids if engine.draft is not None else ()
+    g.capture_layers, g.raw_last_layer = engine.runner.capture_layers, engine.runner.raw_last_layer
     g.buckets = buckets_up_to(engine.config.max_num_seqs)
     g.decode_graphs, g.draft_graphs, g.verify_graphs = {}, {}, {}
     g.prefill_buckets = token_buckets(chunk, engine.state.max_len)

@@ -12,6 +12,7 @@ computation. Also: what config parsing reads from a config.json, and what it ref
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from reference_engine.config import DraftConfig, TargetConfig, published_target_layer_ids
+from reference_engine.demo import DEMO_DIR
 from reference_engine.errors import ConfigError
 from reference_engine.models import build_draft, build_target
 from reference_engine.models.dflash import DraftState
@@ -452,7 +454,7 @@ def test_target_logits_at_every_prompt_position_and_decode_step_equal_the_writte
     assert err < ATOL, f"max |engine - written out| = {err:.3g}"
 
 
-def captured_features(layers: tuple[int, ...]):
+def captured_features(layers: tuple[int, ...], raw_last_layer: bool = False):
     """A random Qwen3 target's prompt forward capturing `layers`: (model, its state dict, the
     written-out forward's per-layer outputs, the captured features)."""
     model = random_target(QWEN3)
@@ -468,6 +470,7 @@ def captured_features(layers: tuple[int, ...]):
             state,
             kv_len=PROMPT,
             capture_layers=layers,
+            raw_last_layer=raw_last_layer,
         )
     return model, sd, outputs, out.features
 
@@ -482,22 +485,39 @@ def test_captured_features_are_the_listed_layers_outputs_in_the_listed_order() -
     assert (features[0] - expected).abs().max().item() < ATOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="models/base.py (CausalLM.forward) captures the last layer's output before the final "
-    "norm, where Hugging Face's hidden_states[N] (the feature z-lab's extract_context_feature "
-    "reads for the target's last layer) is last_hidden_state, after model.norm; the shipped demo "
-    "drafts list the last layer and were trained on the raw output (docs/design.md), so changing "
-    "it needs them retrained",
-)
 def test_a_draft_listing_the_targets_last_layer_gets_its_final_normed_output() -> None:
     """hidden_states[N] of an N-layer transformers model is its final-normed output
     (capture_outputs ties hidden_states[-1] to last_hidden_state), so the feature of layer
-    N - 1 is model.norm of that layer's output."""
+    N - 1 is model.norm of that layer's output (what z-lab's extract_context_feature reads)."""
     model, sd, outputs, features = captured_features((2, 0))
     last = rms(outputs[2], sd["model.norm.weight"], QWEN3["rms_norm_eps"])
     assert features is not None
     assert (features[0] - torch.cat([last, outputs[0]], -1)).abs().max().item() < ATOL
+
+
+def test_a_draft_trained_on_the_raw_last_layer_gets_its_raw_output() -> None:
+    """`raw_last_layer` (a draft config's `last_layer_feature: "raw"`) gives the last layer's
+    output before the final norm; the other layers' features are the same either way."""
+    model, sd, outputs, features = captured_features((2, 0), raw_last_layer=True)
+    assert features is not None
+    assert (features[0] - torch.cat([outputs[2], outputs[0]], -1)).abs().max().item() < ATOL
+
+
+def test_a_draft_config_says_which_last_layer_feature_it_was_trained_on() -> None:
+    """`dflash_config.last_layer_feature`: absent or "final_norm" (Hugging Face's reading),
+    "raw"; anything else is refused naming the field. The shipped demo drafts say "raw"."""
+    for value, raw_last in ((None, False), ("final_norm", False), ("raw", True)):
+        dflash = dict(DFLASH["dflash_config"])
+        if value is not None:
+            dflash["last_layer_feature"] = value
+        assert DraftConfig.from_hf({**DFLASH, "dflash_config": dflash}).raw_last_layer is raw_last
+    with pytest.raises(ConfigError, match="last_layer_feature"):
+        DraftConfig.from_hf(
+            {**DFLASH, "dflash_config": {**DFLASH["dflash_config"], "last_layer_feature": "normed"}}
+        )
+    for name in ("draft", "draft-dflash2"):
+        raw = json.loads((DEMO_DIR / name / "config.json").read_text())
+        assert DraftConfig.from_hf(raw).raw_last_layer, name
 
 
 # ----------------------------------------------------------------------------- drafts

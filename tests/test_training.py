@@ -140,7 +140,8 @@ def test_block_logits_and_labels_are_what_the_engine_drafts_and_verifies(hybrid_
     seqs = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([[5, 30], [17, 36]])
     lengths = torch.tensor([B, 2, 3, B])
-    features, greedy = target_views(target, seqs, draft.config.target_layer_ids, batch=1)
+    layers = draft.config.target_layer_ids
+    features, greedy = target_views(target, seqs, layers, draft.config.raw_last_layer, batch=1)
     logits = block_logits(draft, target, seqs, features, anchors, lengths)
     labels = block_labels(greedy, anchors, B)
     for i, (row, p) in enumerate([(0, 5), (0, 30), (1, 17), (1, 36)]):

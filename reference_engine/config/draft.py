@@ -22,6 +22,9 @@ from .fields import (
 )
 from .target import TargetConfig
 
+FINAL_NORM, RAW = "final_norm", "raw"
+LAST_LAYER_FEATURES = (FINAL_NORM, RAW)
+
 DFLASH = "DFlashDraftModel"
 DFLASH2 = "DFlash2DraftModel"
 DRAFT_ARCHITECTURES = (DFLASH, DFLASH2)
@@ -74,6 +77,10 @@ class DraftConfig:
     selector_top_k: int = 0  # DFlash2: candidates kept per block slot
     # a Llama target's draft rotates as its target does (z-lab's Llama 3.1 drafts say so)
     rope_scaling: Llama3RopeScaling | None = None
+    # the feature of the target's last layer, when listed: after the final norm, as Hugging
+    # Face's hidden_states[N] that z-lab's training reads ("final_norm", the default), or the
+    # layer's raw output ("raw": `dflash_config.last_layer_feature`, for drafts trained so)
+    last_layer_feature: str = FINAL_NORM
 
     def __post_init__(self) -> None:
         where = "DFlash2 draft config" if self.is_dflash2 else "DFlash draft config"
@@ -95,6 +102,11 @@ class DraftConfig:
             )
         if not self.target_layer_ids:
             raise ConfigError(f"{where}: target_layer_ids is empty")
+        if self.last_layer_feature not in LAST_LAYER_FEATURES:
+            raise ConfigError(
+                f"{where}: last_layer_feature must be one of {', '.join(LAST_LAYER_FEATURES)}, "
+                f"got {self.last_layer_feature!r}"
+            )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"{where}: layer_types has {len(self.layer_types)} entries, expected "
@@ -137,6 +149,11 @@ class DraftConfig:
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def raw_last_layer(self) -> bool:
+        """Whether the target's last layer, if listed, gives its output before the final norm."""
+        return self.last_layer_feature == RAW
 
     def layer_causal(self, layer: int) -> bool:
         """Whether draft layer `layer` attends causally inside the block: `causal` when the
@@ -208,6 +225,7 @@ class DraftConfig:
             final_logit_softcapping=float(softcap) if softcap else None,
             architecture=architecture,
             causal=_causal(raw, dflash, where),
+            last_layer_feature=dflash.get("last_layer_feature", FINAL_NORM),
             **(_dflash2_fields(raw, dflash, where) if architecture == DFLASH2 else {}),
         )
 

@@ -69,6 +69,7 @@ class CausalLM(nn.Module):
         state,  # TargetState
         kv_len: int,
         capture_layers: tuple[int, ...] = (),
+        raw_last_layer: bool = False,
         last_only: bool = False,
         valid_len: torch.Tensor | None = None,  # [batch]
         record: str | None = None,
@@ -84,18 +85,20 @@ class CausalLM(nn.Module):
         `record` ("per_token" or "recompute") keeps what that commit strategy needs.
         `chunked` runs Gated DeltaNet layers through the PyTorch chunked form whatever `ops`
         says (training: differentiable, full rows). `ops`: the kernels (numerics).
+        `capture_layers`: the layers whose outputs make the features, in that order; the
+        last layer's is after the final norm (Hugging Face's hidden_states[N]), or its raw
+        output with `raw_last_layer` (a draft trained on that says so in its config).
         """
         x = self.embed(input_ids)
         ctx = ForwardContext(
             state, slots, positions, kv_len, self.rotary, x.dtype, valid_len, record, chunked, ops
         )
         captured: dict[int, torch.Tensor] = {}
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, ctx, i)
             if i in capture_layers:
-                # the layer's raw output, the last layer's too (Hugging Face's hidden_states[N]
-                # is final-normed; the shipped demo drafts were trained on the raw one)
-                captured[i] = x
+                captured[i] = self.model.norm(x, ops) if i == last and not raw_last_layer else x
         # in the order the draft lists them, repeats included (the published spread of
         # target layers repeats a layer when the target is shallow)
         features = torch.cat([captured[i] for i in capture_layers], -1) if captured else None

@@ -177,6 +177,7 @@ class EngineGraphs:
         pad_slot: int,
         block_size: int,
         capture_layers: tuple[int, ...],
+        raw_last_layer: bool,
         record: str | None,
         prefill_chunk: int,
         verify_widths: tuple[int, ...] = (),
@@ -185,6 +186,7 @@ class EngineGraphs:
         self.target, self.draft, self.state, self.draft_state = target, draft, state, draft_state
         self.ops, self.pad_slot = ops, pad_slot
         self.block_size, self.capture_layers, self.record = block_size, capture_layers, record
+        self.raw_last_layer = raw_last_layer
         self.buckets = buckets_up_to(max_rows)
         self.prefill_buckets = token_buckets(prefill_chunk, state.max_len)
         self.prefill_shapes = prefill_shapes(self.buckets, self.prefill_buckets, prefill_chunk)
@@ -385,6 +387,7 @@ class EngineGraphs:
             self.state,
             self.state.max_len,
             capture_layers=self.capture_layers,
+            raw_last_layer=self.raw_last_layer,
             last_only=True,
             valid_len=x.valid,
             ops=self.ops,
@@ -426,6 +429,7 @@ class EngineGraphs:
             self.state,
             1,
             capture_layers=self.capture_layers,
+            raw_last_layer=self.raw_last_layer,
             valid_len=x.valid,
             record=self.record,
             ops=self.ops,

@@ -216,10 +216,21 @@ def largest_forwards(
     included) and the verify of `rows` full blocks of `block_size`."""
     device = target.model.embed_tokens.weight.device
     layers = draft.config.target_layer_ids if draft is not None else ()
+    raw = draft is not None and draft.config.raw_last_layer
     ids = torch.zeros((1, prefill_tokens), dtype=torch.int64, device=device)
     slot = torch.zeros((1,), dtype=torch.int64, device=device)
     positions = torch.arange(prefill_tokens, device=device)[None]
-    target(ids, positions, slot, state, prefill_tokens, capture_layers=layers, last_only=True, ops=ops)
+    target(
+        ids,
+        positions,
+        slot,
+        state,
+        prefill_tokens,
+        capture_layers=layers,
+        raw_last_layer=raw,
+        last_only=True,
+        ops=ops,
+    )
     if draft is None:
         return
     block = torch.zeros((rows, block_size), dtype=torch.int64, device=device)
@@ -237,6 +248,7 @@ def largest_forwards(
         state,
         block_size,
         capture_layers=layers,
+        raw_last_layer=raw,
         valid_len=valid,
         record=record,
         ops=ops,

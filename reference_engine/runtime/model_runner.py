@@ -55,6 +55,7 @@ class ModelRunner:
         self.device = state.device
         self.max_rows, self.block_size = max_rows, block_size
         self.capture_layers = draft.config.target_layer_ids if draft is not None else ()
+        self.raw_last_layer = draft is not None and draft.config.raw_last_layer
         # what the verify keeps for the commit strategy (per-token states, inputs)
         self.record = verify_record(commit_strategy, target) if draft is not None else None
         self.graphs: EngineGraphs | None = None
@@ -70,6 +71,7 @@ class ModelRunner:
                 pad_slot=max_rows,
                 block_size=block_size,
                 capture_layers=self.capture_layers,
+                raw_last_layer=self.raw_last_layer,
                 record=self.record,
                 prefill_chunk=prefill_chunk,
                 verify_widths=verify_widths,
@@ -125,6 +127,7 @@ class ModelRunner:
             self.state,
             kv_len=end,
             capture_layers=self.capture_layers if speculative else (),
+            raw_last_layer=self.raw_last_layer,
             last_only=True,
             ops=self.ops,
         )
@@ -202,6 +205,7 @@ class ModelRunner:
             self.state,
             kv_len,
             capture_layers=self.capture_layers,
+            raw_last_layer=self.raw_last_layer,
             valid_len=valid,
             record=self.record if record else None,
             ops=self.ops,

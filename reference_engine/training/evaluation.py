@@ -78,6 +78,16 @@ def curve_rows(curve: list) -> str:
     return "\n".join(f"| {step} | {loss:.3f} |" for step, loss in curve)
 
 
+def last_layer_note(rec: dict) -> str:
+    """How the draft reads the target's last layer, when it lists it (a recipe without the
+    setting is the shipped one, trained on the raw output)."""
+    if rec["target_layers"] - 1 not in rec["target_layer_ids"]:
+        return ""
+    if rec.get("last_layer_feature", "raw") == "raw":
+        return " (the last one's raw output, before the final norm)"
+    return " (the last one after the final norm)"
+
+
 def model_card(r: dict) -> str:
     rec, corpus, acc = r["recipe"], r["corpus"], r["acceptance"]
     rows = "\n".join(
@@ -112,7 +122,7 @@ Hugging Face layout the engine loads (`target/`, `draft/`).
 ## Draft (`draft/`)
 
 - DFlash draft (`DFlashDraftModel`): {rec["draft_layers"]} layers, block size
-  {rec["block_size"]}, context from target layers {rec["target_layer_ids"]};
+  {rec["block_size"]}, context from target layers {rec["target_layer_ids"]}{last_layer_note(rec)};
   {r["parameters"]["draft_own"]:,} parameters of its own (it borrows the target's embeddings
   and lm_head).
 - Trained against the frozen target as shipped (bfloat16 weights) for {rec["draft_steps"]}

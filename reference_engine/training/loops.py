@@ -64,14 +64,16 @@ def init_weights(model: torch.nn.Module, num_layers: int, seed: int) -> None:
         p.copy_(value.to(p.dtype))
 
 
-def sequence_forward(target: CausalLM, ids: torch.Tensor, capture_layers: tuple[int, ...] = ()):
+def sequence_forward(
+    target: CausalLM, ids: torch.Tensor, capture_layers: tuple[int, ...] = (), raw_last_layer: bool = False
+):
     """Whole rows from position 0 with fresh state, chunked. ids: [batch, T]."""
     batch, T = ids.shape
     param = target.model.embed_tokens.weight
     state = TargetState(target.config, batch, T, param.dtype, param.device)
     positions = torch.arange(T, device=ids.device).expand(batch, T)
     slots = torch.arange(batch, device=ids.device)
-    return target(ids, positions, slots, state, T, capture_layers, chunked=True)
+    return target(ids, positions, slots, state, T, capture_layers, raw_last_layer, chunked=True)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -273,13 +275,18 @@ def greedy_continue(target: CausalLM, prompts: torch.Tensor, new_tokens: int) ->
 
 @torch.no_grad()
 def target_views(
-    target: CausalLM, seqs: torch.Tensor, layers: tuple[int, ...], batch: int = 256
+    target: CausalLM,
+    seqs: torch.Tensor,
+    layers: tuple[int, ...],
+    raw_last_layer: bool = False,
+    batch: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the draft learns from, for every row of `seqs` [n, T]: the target's features at
-    `layers` [n, T, len(layers) * hidden] and its greedy choice after each position [n, T]."""
+    `layers` [n, T, len(layers) * hidden] (the last layer's after the final norm unless
+    `raw_last_layer`) and its greedy choice after each position [n, T]."""
     features, greedy = [], []
     for begin in range(0, len(seqs), batch):
-        out = sequence_forward(target, seqs[begin : begin + batch], layers)
+        out = sequence_forward(target, seqs[begin : begin + batch], layers, raw_last_layer)
         features.append(out.features)
         greedy.append(out.logits.argmax(-1))
     return torch.cat(features), torch.cat(greedy)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_target
+from ..config.draft import LAST_LAYER_FEATURES
 from ..demo import DEMO_DIR
 from ..errors import exit_with
 from .corpus import LOCK, fetch, read_lock
@@ -165,6 +166,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="a finished pair folder (e.g. the shipped one) whose target, tokenizer and DFlash "
         "draft the run takes instead of training them; its recipe must be this run's",
+    )
+    p.add_argument(
+        "--last-layer-feature",
+        choices=LAST_LAYER_FEATURES,
+        default=None,
+        help="the feature of the target's last layer, when listed: raw (its output; the "
+        "default, as the shipped drafts were trained) or final_norm (after the final norm, "
+        "Hugging Face's hidden_states[N]); the draft's config.json says which",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny settings, seconds on a CPU")

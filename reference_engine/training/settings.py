@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.draft import FINAL_NORM, LAST_LAYER_FEATURES, RAW
 from ..demo import DEMO_RESULTS
 
 RESULTS_FILE = DEMO_RESULTS.name
@@ -24,6 +25,9 @@ class Recipe:
     target_layers: int = 6  # Gated DeltaNet, Gated DeltaNet, attention, repeated
     draft_layers: int = 3
     target_layer_ids: tuple[int, ...] = (0, 2, 5)  # low layers help copying, the last predicts
+    # the last layer's feature: "raw" (its output, as the shipped drafts were trained) or
+    # "final_norm" (Hugging Face's hidden_states[N]); written into the draft's config
+    last_layer_feature: str = "raw"
     block_size: int = 16
     seq_len: int = 256
     target_steps: int = 1500
@@ -93,6 +97,11 @@ class Recipe:
                 f"target_layer_ids {list(self.target_layer_ids)}: give one or more of the target's "
                 f"{self.target_layers} layers, 0 to {self.target_layers - 1}"
             )
+        if self.last_layer_feature not in LAST_LAYER_FEATURES:
+            raise ValueError(
+                f"last_layer_feature must be one of {', '.join(LAST_LAYER_FEATURES)}, "
+                f"got '{self.last_layer_feature}'"
+            )
         if max(self.eval_block_sizes + self.train_block_sizes) > self.block_size:
             raise ValueError("training and evaluation block sizes cannot exceed block_size")
         if not 0.0 <= self.short_block_share <= 1.0:
@@ -107,6 +116,10 @@ class Recipe:
             raise ValueError(f"selector_top_k must be in [1, {self.vocab_size}], got {self.selector_top_k}")
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+
+    @property
+    def raw_last_layer(self) -> bool:
+        return self.last_layer_feature == RAW
 
     @property
     def draft_stage(self) -> str:
@@ -187,4 +200,6 @@ class Recipe:
                 "selector_rank": self.selector_rank,
                 "selector_top_k": self.selector_top_k,
             }
+        if self.last_layer_feature != FINAL_NORM:
+            raw["dflash_config"]["last_layer_feature"] = self.last_layer_feature
         return raw

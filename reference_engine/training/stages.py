@@ -180,7 +180,7 @@ def continuations(
         prompts = random_windows(data.stream, count, recipe.prompt_len, prompt_gen).to(device)
         chunks.append(greedy_continue(target, prompts, new_tokens))
     sequences = torch.cat(chunks)  # [continuations, seq_len]
-    features, greedy = target_views(target, sequences, recipe.target_layer_ids)
+    features, greedy = target_views(target, sequences, recipe.target_layer_ids, recipe.raw_last_layer)
     log(f"continuations: {len(sequences)} x {new_tokens} tokens, {time.perf_counter() - t2:.0f} s")
     return sequences, features, greedy
 

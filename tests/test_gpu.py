@@ -421,3 +421,40 @@ def test_a_draft_queued_ahead_from_captured_inputs_proposes_what_a_fresh_draft_w
     drafted = {rid: [s.drafted for s in steps] for rid, (_, steps) in fresh.items()}
     assert {rid: [s.drafted for s in steps] for rid, (_, steps) in faulty.items()} != drafted
     assert {rid: out for rid, (out, _) in faulty.items()} == {rid: out for rid, (out, _) in fresh.items()}
+
+
+@pytest.mark.parametrize("feature", ["raw", "final_norm"])
+def test_captured_forwards_hand_the_draft_its_last_layer_as_its_config_says(feature: str) -> None:
+    """The shipped demo draft lists the target's last layer. Read as its config says (raw)
+    or after the final norm, a CUDA-graph engine's steps accept exactly as an eager engine's
+    (the captured prefill and verify give the same features), output equals plain greedy,
+    and the two readings accept differently (the setting reaches the captured forwards)."""
+    import dataclasses
+
+    from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET, demo_prompts
+
+    target = load_target(DEMO_TARGET, dtype=torch.float32, device="cuda")
+    prompts = [row["prompt_ids"] for row in demo_prompts()[:8]]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    refs = [generate_plain(target, p, params).output_ids for p in prompts]
+
+    def histogram(last_layer_feature: str, eager: bool) -> dict:
+        draft = load_draft(DEMO_DRAFT, target)
+        draft.config = dataclasses.replace(draft.config, last_layer_feature=last_layer_feature)
+        # every step verifies the whole block: an adaptive width follows each engine's own
+        # measured step costs, which differ between captured and eager forwards
+        config = EngineConfig(
+            max_num_seqs=8, block_size=8, enforce_eager=eager, max_model_len=256, verify_width="fixed"
+        )
+        engine = Engine(target, draft, config)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        assert [engine.collect(str(i)).output_ids for i in range(len(prompts))] == refs
+        return engine.stats()["spec"]["acceptance_length_histogram"]
+
+    other = "final_norm" if feature == "raw" else "raw"
+    captured = histogram(feature, eager=False)
+    assert captured == histogram(feature, eager=True)
+    assert captured != histogram(other, eager=False)

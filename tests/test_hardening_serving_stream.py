@@ -1,0 +1,215 @@
+"""The server's request and stream path, where the existing tests leave room:
+- the chat template (serving/chat_template.py) renders with what transformers'
+  `apply_chat_template` gives a template: the tokenizer's special tokens (`bos_token`,
+  `eos_token`, ...) and `tools` (None when the request has none) beside the messages;
+- chat logprobs (serving/protocol.py, replies.py): each token's `bytes` are its own UTF-8
+  bytes, so a character split over byte tokens is whole again when a client joins them
+  (OpenAI's reason for the field);
+- a request's end as /metrics counts it (serving/generation.py): one the engine ended
+  ("length", "stop") is a success under that finish_reason, whichever reply read it, not an
+  abort;
+- a connection (serving/connections.py) owes each request's headers within the header
+  timeout of its previous response too, not only of its opening: a keep-alive connection
+  that sends no next request is closed at that deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from reference_engine.runtime.request import SamplingParams
+from reference_engine.serving.args import ServeArgs
+from reference_engine.serving.chat_template import compile_chat_template, render_chat_template
+from reference_engine.serving.connections import connection_policy_protocol
+from reference_engine.serving.service import Server
+from reference_engine.tokenizer import load_tokenizer
+
+from .server_process import free_port
+from .test_serve_app import answered, metrics_page, parsed_request
+from .test_serve_metrics import value
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("qwen3")
+
+
+# ----------------------------------------------------------------------------- the chat template
+@pytest.mark.xfail(
+    strict=True,
+    reason="serving/chat_template.py render_chat_template renders a template with `messages` and "
+    "`add_generation_prompt` only: the tokenizer's special tokens (eos_token, bos_token, ...), which "
+    "transformers' apply_chat_template (and so vLLM and SGLang) passes to every template, are "
+    "undefined there and render as nothing, so a template that closes each turn with "
+    "{{ eos_token }} (Mistral's, Llama 2's) loses those tokens from the prompt",
+)
+def test_a_chat_template_sees_the_tokenizers_special_tokens_as_transformers_gives_them(
+    model_dir: Path, copy_checkpoint
+) -> None:
+    """transformers renders a chat template with the tokenizer's special tokens as variables
+    (tokenizer_config.json's `eos_token` here); the server's prompt is transformers' text."""
+    transformers = pytest.importorskip("transformers")
+    model = copy_checkpoint(model_dir)
+    template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (model / "chat_template.jinja").write_text(template)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    expected = transformers.AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    eos = json.loads((model / "tokenizer_config.json").read_text())["eos_token"]
+    assert expected == f"hi{eos}yo{eos}"
+    server = Server(ServeArgs.parse(["--model", str(model), "--device", "cpu"]))
+    assert server.apply_chat_template(messages) == expected
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serving/chat_template.py render_chat_template passes no `tools`, where transformers' "
+    "apply_chat_template passes tools=None to every template: a template that guards its tool "
+    "block with `tools is not none` (Mistral's do) finds `tools` undefined, not none, renders the "
+    "block, and `tools | tojson` fails on the Undefined, so every chat request gets 400",
+)
+def test_a_chat_template_sees_tools_as_none_when_the_request_has_none() -> None:
+    """transformers passes `tools` (None without tools) to the template: a tool block guarded
+    by `tools is not none` is left out, and the prompt is the messages' text."""
+    template = (
+        "{% if tools is not none %}[TOOLS]{{ tools | tojson }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat_template(compile_chat_template(template), messages) == "hi"
+
+
+# ----------------------------------------------------------------------------- logprobs
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    return load_tokenizer(model_dir)
+
+
+def chat_content(reply, stream: bool) -> list[dict]:
+    if stream:
+        chunks = [e["choices"][0] for e in reply[:-1] if e.get("choices")]
+        return [entry for c in chunks if c["logprobs"] for entry in c["logprobs"]["content"]]
+    return reply["choices"][0]["logprobs"]["content"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="serving/replies.py _logprobs and protocol.py logprobs_body take a token's `bytes` from "
+    "the text of the token decoded alone: a byte-level token that holds part of a character decodes "
+    "to U+FFFD, so its `bytes` are [239, 191, 189] (U+FFFD's) rather than its own byte, and a client "
+    "that joins the bytes of the tokens of 'é' (0xC3, 0xA9) gets two replacement characters",
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_bytes_of_a_character_split_over_tokens_join_into_it(tokenizer, stream: bool) -> None:
+    """OpenAI's chat logprobs give each token's UTF-8 `bytes` for characters that span
+    several tokens: joined in order, the tokens' bytes are the text's. 'é' is two byte tokens
+    of the tiny byte-level tokenizer, 0xC3 and 0xA9."""
+    ids = tokenizer.encode("é").ids
+    assert len(ids) == 2 and tokenizer.decode(ids) == "é"
+    parsed = parsed_request(chat=True, stream=stream, logprobs=0, params=SamplingParams(max_tokens=2))
+    turns = [[(ids, "length", 1.0, [{t: -0.5} for t in ids])]]
+    reply, _, _ = asyncio.run(answered(parsed, turns, detokenize=tokenizer.decode))
+    content = chat_content(reply, stream)
+    assert [entry["token_id"] for entry in content] == ids
+    assert b"".join(bytes(entry["bytes"]) for entry in content).decode() == "é"
+
+
+# ----------------------------------------------------------------------------- the end, as counted
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reason", ["length", "stop"])
+def test_a_request_the_engine_ended_is_a_success_under_its_finish_reason(reason: str, stream: bool) -> None:
+    """/metrics' `dflash:request_success_total{finish_reason}` counts a request the engine
+    ended (max_tokens reached, a stop token) under the finish_reason its client got, once;
+    nothing under "abort" and no failure."""
+    parsed = parsed_request(stream=stream, params=SamplingParams(max_tokens=3))
+    reply, _, server = asyncio.run(answered(parsed, [[([0, 1], None, 1.0)], [([2], reason, 2.0)]]))
+    if stream:
+        assert [e["choices"][0]["finish_reason"] for e in reply[:-1]][-1] == reason
+    else:
+        assert reply["choices"][0]["finish_reason"] == reason
+    page = metrics_page(server)
+    assert value(page, "dflash:request_success_total", finish_reason=reason) == 1
+    assert value(page, "dflash:request_success_total", finish_reason="abort") == 0
+    assert value(page, "dflash:request_failure_total") == 0
+
+
+# ----------------------------------------------------------------------------- a connection's deadlines
+HEADER_TIMEOUT_S = 0.5
+
+
+async def hello(scope, receive, send) -> None:
+    """A route that answers every request with a small JSON body."""
+    if scope["type"] != "http":
+        return
+    body = b'{"ok": true}'
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def policy_server():
+    """uvicorn on loopback with the server's connection policy (a short header timeout, a
+    keep-alive timeout far longer, so only the header deadline can close a connection)."""
+    port = free_port()
+    config = uvicorn.Config(
+        hello,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        http=connection_policy_protocol(HEADER_TIMEOUT_S, 30.0, 16),
+        timeout_keep_alive=60,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    yield port
+    server.should_exit = True
+    thread.join(30)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (the bytes read before are dropped)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_keep_alive_connection_owes_its_next_requests_headers_within_the_header_timeout(
+    policy_server,
+) -> None:
+    """A connection must deliver a request's headers within the header timeout of its
+    previous response, as of its opening: after one complete request and its response, a
+    connection that sends no next request is closed at that deadline, not held until the
+    (far longer) keep-alive timeout."""
+    with socket.create_connection(("127.0.0.1", policy_server), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while not reply.endswith(b'{"ok": true}'):
+            chunk = sock.recv(4096)
+            assert chunk, reply
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        assert closed_within(sock, 20 * HEADER_TIMEOUT_S)
+        assert time.monotonic() - start < 20 * HEADER_TIMEOUT_S

@@ -24,10 +24,16 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from tokenizers import Tokenizer, processors
 
+from reference_engine.errors import CheckpointError
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.serving.args import ServeArgs
-from reference_engine.serving.chat_template import compile_chat_template, render_chat_template
+from reference_engine.serving.chat_template import (
+    compile_chat_template,
+    render_chat_template,
+    template_special_tokens,
+)
 from reference_engine.serving.connections import connection_policy_protocol
 from reference_engine.serving.service import Server
 from reference_engine.tokenizer import load_tokenizer
@@ -43,14 +49,6 @@ def model_dir(tiny_checkpoint) -> Path:
 
 
 # ----------------------------------------------------------------------------- the chat template
-@pytest.mark.xfail(
-    strict=True,
-    reason="serving/chat_template.py render_chat_template renders a template with `messages` and "
-    "`add_generation_prompt` only: the tokenizer's special tokens (eos_token, bos_token, ...), which "
-    "transformers' apply_chat_template (and so vLLM and SGLang) passes to every template, are "
-    "undefined there and render as nothing, so a template that closes each turn with "
-    "{{ eos_token }} (Mistral's, Llama 2's) loses those tokens from the prompt",
-)
 def test_a_chat_template_sees_the_tokenizers_special_tokens_as_transformers_gives_them(
     model_dir: Path, copy_checkpoint
 ) -> None:
@@ -70,13 +68,6 @@ def test_a_chat_template_sees_the_tokenizers_special_tokens_as_transformers_give
     assert server.apply_chat_template(messages) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serving/chat_template.py render_chat_template passes no `tools`, where transformers' "
-    "apply_chat_template passes tools=None to every template: a template that guards its tool "
-    "block with `tools is not none` (Mistral's do) finds `tools` undefined, not none, renders the "
-    "block, and `tools | tojson` fails on the Undefined, so every chat request gets 400",
-)
 def test_a_chat_template_sees_tools_as_none_when_the_request_has_none() -> None:
     """transformers passes `tools` (None without tools) to the template: a tool block guarded
     by `tools is not none` is left out, and the prompt is the messages' text."""
@@ -86,6 +77,54 @@ def test_a_chat_template_sees_tools_as_none_when_the_request_has_none() -> None:
     )
     messages = [{"role": "user", "content": "hi"}]
     assert render_chat_template(compile_chat_template(template), messages) == "hi"
+
+
+def test_a_chat_prompt_holds_the_bos_its_template_writes_once_as_transformers_tokenises_it(
+    model_dir: Path, copy_checkpoint
+) -> None:
+    """A tokenizer whose post-processor adds a BOS (Llama 3's, Mistral's) and a template that
+    writes `{{ bos_token }}`: the chat prompt's ids are transformers' apply_chat_template's
+    (one BOS: the rendered text is tokenised without the post-processor's); a completion's
+    prompt still gets the post-processor's BOS."""
+    transformers = pytest.importorskip("transformers")
+    model = copy_checkpoint(model_dir)
+    bos = "<|im_start|>"  # a special token of the tiny vocabulary, standing for a BOS
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    tok.save(str(model / "tokenizer.json"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": bos}))
+    (model / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(model))
+    expected = list(
+        hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    )
+    assert expected.count(tok.token_to_id(bos)) == 1
+    server = Server(ServeArgs.parse(["--model", str(model), "--device", "cpu"]))
+    body = {"messages": messages, "max_tokens": 1}
+    assert list(server.parse(json.dumps(body).encode(), chat=True).prompt_ids) == expected
+    completion = server.parse(b'{"prompt": "hi", "max_tokens": 1}', chat=False).prompt_ids
+    assert list(completion) == hf("hi")["input_ids"] and completion[0] == tok.token_to_id(bos)
+
+
+def test_the_templates_special_tokens_are_read_as_transformers_reads_them() -> None:
+    """tokenizer_config.json's named special tokens, strings or added tokens' objects, and a
+    legacy special_tokens_map.json's for the names the config lacks; null is no token."""
+    config = {"eos_token": {"content": "</s>", "special": True}, "pad_token": None, "unk_token": "<unk>"}
+    legacy = {"bos_token": "<s>", "eos_token": "<other>", "mask_token": {"content": "<mask>"}}
+    assert template_special_tokens(config, legacy) == {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    }
+    with pytest.raises(CheckpointError, match="eos_token"):
+        template_special_tokens({"eos_token": 3})
 
 
 # ----------------------------------------------------------------------------- logprobs

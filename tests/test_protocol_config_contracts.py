@@ -52,7 +52,7 @@ F, L, S = FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 VOCAB = 256
 
 
-def tokenize(text: str) -> list[int]:
+def tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
     return [ord(c) % 200 for c in text]
 
 

@@ -10,7 +10,7 @@ import pytest
 from reference_engine.serving.protocol import ProtocolError, parse_request
 
 
-def tokenize(text: str) -> list[int]:
+def tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
     return [ord(c) % 200 for c in text]
 
 

@@ -258,7 +258,9 @@ def parse_request(
     if n != 1:
         raise ProtocolError(f"only n=1 is supported, got {n}", "n")
     if chat:
-        prompt_ids = tokenize(apply_chat_template(_messages(body)))
+        # the template writes the special tokens it wants (transformers and vLLM tokenise a
+        # chat prompt without the tokenizer's own)
+        prompt_ids = tokenize(apply_chat_template(_messages(body)), add_special_tokens=False)
         logprobs = None
         if _boolean(body, "logprobs", False):
             logprobs = _integer(body, "top_logprobs", 0)

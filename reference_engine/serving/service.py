@@ -13,7 +13,7 @@ from ..runtime.engine import Engine
 from ..runtime.tensor_parallel import TensorParallel
 from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
 from .async_engine import AsyncEngine, MakeOracle, ThreadEngine
-from .chat_template import compile_chat_template, render_chat_template
+from .chat_template import compile_chat_template, render_chat_template, template_special_tokens
 from .engine_build import EngineInfo, build_engine, engine_loop_mode
 from .engine_process import EngineProcess, ProcessEngine
 from .followers import LeadingEngine
@@ -52,6 +52,7 @@ class Server:
             i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special
         )
         self.chat_template = compile_chat_template(_chat_template(Path(args.model)))
+        self.template_tokens = _template_tokens(Path(args.model))
         self.limits = BodyLimits(max_bytes=int(args.max_body_mb * MiB))
         self.name = args.served_model_name or Path(args.model).name
         self.api_key = args.api_key
@@ -94,7 +95,9 @@ class Server:
             self.info.context_len,
         )
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s ids; `add_special_tokens`: with what the tokenizer's post-processor adds
+        (a completion's prompt; a chat prompt's template writes its own)."""
         # no token is longer than the vocabulary's longest, so a text too long for the
         # context is refused without tokenising it
         fewest = len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
@@ -103,13 +106,31 @@ class Server:
                 f"the prompt has at least {fewest} tokens but the context holds {self.info.context_len}",
                 "prompt",
             )
-        return self.tokenizer.encode_batch([text])[0].ids  # releases the GIL, unlike encode
+        # encode_batch releases the GIL, unlike encode
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        return render_chat_template(self.chat_template, messages)
+        return render_chat_template(self.chat_template, messages, self.template_tokens)
+
+
+def _template_tokens(model_dir: Path) -> dict[str, str]:
+    """The tokenizer's named special tokens for the chat template (tokenizer_config.json's,
+    then a legacy special_tokens_map.json's); a file that is not a JSON object is a
+    CheckpointError naming it."""
+    files = []
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = model_dir / name
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path} is not a JSON object")
+        files.append(raw)
+    return template_special_tokens(*files)
 
 
 def _chat_template(model_dir: Path) -> str:

@@ -4,6 +4,7 @@ tiny test checkpoints (a real `tokenizers` model, so that text prompts work end 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -89,3 +90,46 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
             f"{model_dir}: no tokenizer.json; pass token ids (--prompt-ids) instead of text"
         )
     return Tokenizer.from_file(str(path))
+
+
+def _byte_level_bytes() -> dict[str, int]:
+    """A byte-level BPE's vocabulary spells each byte as one printable character (the
+    printable Latin-1 bytes as themselves, the others as 256, 257, ... in byte order);
+    this maps each such character back to its byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    spelled = {b: b for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in spelled):
+        spelled[b] = 256 + extra
+    return {chr(c): b for b, c in spelled.items()}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """Each token's own bytes, OpenAI's logprobs `bytes`, which a client joins to rebuild a
+    character split over tokens: for a byte-level BPE's learned token the bytes its
+    vocabulary entry spells, for a byte-fallback token (`<0xC3>`) its byte, otherwise (an
+    added token, another model) the UTF-8 of the token decoded alone. Cached per id."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = _byte_level_bytes() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+        self.added = set(tokenizer.get_added_tokens_decoder())
+        self.cache: dict[int, bytes] = {}
+
+    def __call__(self, token: int) -> bytes:
+        found = self.cache.get(token)
+        if found is None:
+            found = self.cache[token] = self._bytes(token)
+        return found
+
+    def _bytes(self, token: int) -> bytes:
+        spelled = self.tokenizer.id_to_token(token)
+        if spelled is not None and token not in self.added:
+            if self.byte_level is not None and all(c in self.byte_level for c in spelled):
+                return bytes(self.byte_level[c] for c in spelled)
+            fallback = _BYTE_FALLBACK.fullmatch(spelled)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+        return self.tokenizer.decode([token]).encode()

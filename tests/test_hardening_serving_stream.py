@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from tokenizers import Tokenizer, processors
+from tokenizers import Tokenizer, decoders, models, processors
 
 from reference_engine.errors import CheckpointError
 from reference_engine.runtime.request import SamplingParams
@@ -36,7 +36,7 @@ from reference_engine.serving.chat_template import (
 )
 from reference_engine.serving.connections import connection_policy_protocol
 from reference_engine.serving.service import Server
-from reference_engine.tokenizer import load_tokenizer
+from reference_engine.tokenizer import TokenBytes, load_tokenizer
 
 from .server_process import free_port
 from .test_serve_app import answered, metrics_page, parsed_request
@@ -140,13 +140,6 @@ def chat_content(reply, stream: bool) -> list[dict]:
     return reply["choices"][0]["logprobs"]["content"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serving/replies.py _logprobs and protocol.py logprobs_body take a token's `bytes` from "
-    "the text of the token decoded alone: a byte-level token that holds part of a character decodes "
-    "to U+FFFD, so its `bytes` are [239, 191, 189] (U+FFFD's) rather than its own byte, and a client "
-    "that joins the bytes of the tokens of 'é' (0xC3, 0xA9) gets two replacement characters",
-)
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_bytes_of_a_character_split_over_tokens_join_into_it(tokenizer, stream: bool) -> None:
     """OpenAI's chat logprobs give each token's UTF-8 `bytes` for characters that span
@@ -156,10 +149,32 @@ def test_chat_logprobs_bytes_of_a_character_split_over_tokens_join_into_it(token
     assert len(ids) == 2 and tokenizer.decode(ids) == "é"
     parsed = parsed_request(chat=True, stream=stream, logprobs=0, params=SamplingParams(max_tokens=2))
     turns = [[(ids, "length", 1.0, [{t: -0.5} for t in ids])]]
-    reply, _, _ = asyncio.run(answered(parsed, turns, detokenize=tokenizer.decode))
+    reply, _, _ = asyncio.run(
+        answered(parsed, turns, detokenize=tokenizer.decode, token_bytes=TokenBytes(tokenizer))
+    )
     content = chat_content(reply, stream)
     assert [entry["token_id"] for entry in content] == ids
     assert b"".join(bytes(entry["bytes"]) for entry in content).decode() == "é"
+
+
+def test_token_bytes_join_into_the_text_for_byte_level_and_byte_fallback_vocabularies(
+    model_dir: Path,
+) -> None:
+    """A byte-level BPE's tokens (the server's own, as it serves them): joined, their bytes
+    are the text's UTF-8 whatever characters the tokens split; a byte-fallback token
+    (`<0xC3>`) is its byte; an added token is its text."""
+    server = Server(ServeArgs.parse(["--model", str(model_dir), "--device", "cpu"]))
+    text = "é naïve 😀 ok"
+    ids = server.tokenizer.encode(text).ids
+    assert len(ids) > len(text.split())  # characters split over tokens
+    assert b"".join(server.token_bytes(i) for i in ids) == text.encode()
+    vocab = {"<0xC3>": 0, "<0xA9>": 1, "a": 2}
+    fallback = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    fallback.decoder = decoders.ByteFallback()
+    fallback.add_special_tokens(["<0x41>"])  # added: its text, not a byte
+    spelled = TokenBytes(fallback)
+    assert [spelled(i) for i in range(3)] == [b"\xc3", b"\xa9", b"a"]
+    assert spelled(fallback.token_to_id("<0x41>")) == b""  # a special token decodes to nothing
 
 
 # ----------------------------------------------------------------------------- the end, as counted

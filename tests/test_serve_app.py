@@ -207,11 +207,12 @@ def toy_decode(ids: list[int]) -> str:
 
 
 def scripted_server(
-    engine: ScriptedEngine, detokenize=toy_decode, skipped_ids=frozenset()
+    engine: ScriptedEngine, detokenize=toy_decode, skipped_ids=frozenset(), token_bytes=None
 ) -> SimpleNamespace:
     numbers = itertools.count(1)
     return SimpleNamespace(
         detokenize=detokenize,
+        token_bytes=token_bytes or (lambda t: detokenize([t]).encode()),
         skipped_ids=skipped_ids,
         metrics=ServerMetrics(),
         lifecycle=SimpleNamespace(runner=engine),

@@ -399,13 +399,17 @@ def logprobs_body(
     token_text,
     top: int | None = None,
     text_offset: int = 0,
+    token_bytes=None,
 ) -> dict:
     """OpenAI logprobs for the given tokens; each top entry also carries its token id.
-    Chat lists exactly `top` alternatives (top_logprobs); completions also the chosen token,
+    Chat lists exactly `top` alternatives (top_logprobs), each token with its own `bytes`
+    (`token_bytes(id)`; by default the UTF-8 of its text); completions also the chosen token,
     and `text_offset`: where each token's text starts in the completion, counted over the
     token texts before it (as vLLM counts; `text_offset` is the first one's, for a chunk that
     continues a stream)."""
     if chat:
+        if token_bytes is None:
+            token_bytes = lambda t: token_text(t).encode()  # noqa: E731
         content = []
         for text, token_id, entry in zip(tokens, ids, entries):
             ranked = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[: top or 0]
@@ -414,13 +418,13 @@ def logprobs_body(
                     "token": text,
                     "token_id": token_id,
                     "logprob": entry.get(token_id),
-                    "bytes": list(text.encode()),
+                    "bytes": list(token_bytes(token_id)),
                     "top_logprobs": [
                         {
                             "token": token_text(t),
                             "token_id": t,
                             "logprob": lp,
-                            "bytes": list(token_text(t).encode()),
+                            "bytes": list(token_bytes(t)),
                         }
                         for t, lp in ranked
                     ],

@@ -136,7 +136,9 @@ def _logprobs(
         return server.detokenize([token])
 
     tokens = [token_text(t) for t in ids]
-    return logprobs_body(parsed.chat, tokens, ids, entries, token_text, parsed.logprobs, text_offset)
+    return logprobs_body(
+        parsed.chat, tokens, ids, entries, token_text, parsed.logprobs, text_offset, server.token_bytes
+    )
 
 
 def _sse(body: dict) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ..errors import CheckpointError
 from ..runtime.engine import Engine
 from ..runtime.tensor_parallel import TensorParallel
-from ..tokenizer import CHAT_TEMPLATE, load_tokenizer
+from ..tokenizer import CHAT_TEMPLATE, TokenBytes, load_tokenizer
 from .async_engine import AsyncEngine, MakeOracle, ThreadEngine
 from .chat_template import compile_chat_template, render_chat_template, template_special_tokens
 from .engine_build import EngineInfo, build_engine, engine_loop_mode
@@ -46,6 +46,7 @@ class Server:
             self.spawned = EngineProcess(args)
             self.info = self.spawned.info
         self.tokenizer = load_tokenizer(args.model)
+        self.token_bytes = TokenBytes(self.tokenizer)  # chat logprobs' `bytes`
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
         # the special tokens, which `detokenize` (decode, skipping them) drops wherever they stand
         self.skipped_ids = frozenset(

@@ -177,6 +177,22 @@ def test_token_bytes_join_into_the_text_for_byte_level_and_byte_fallback_vocabul
     assert spelled(fallback.token_to_id("<0x41>")) == b""  # a special token decodes to nothing
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stop_token_that_ends_a_request_adds_its_id_and_no_text(stream: bool) -> None:
+    """A request the engine ends at a stop token (EOS, or a `stop_token_ids` entry that is an
+    ordinary token) gets that token's id and not its text, as vLLM returns it; one that ends
+    at its length keeps its last token's text."""
+    for reason, text in (("stop", "Hello"), ("length", "Hello wo")):
+        parsed = parsed_request(stream=stream, params=SamplingParams(max_tokens=3))
+        reply, _, _ = asyncio.run(answered(parsed, [[([0, 1], None, 1.0)], [([2], reason, 2.0)]]))
+        if stream:
+            choices = [e["choices"][0] for e in reply[:-1] if e.get("choices")]
+            got = ("".join(c["text"] for c in choices), [t for c in choices for t in c["token_ids"]])
+        else:
+            got = (reply["choices"][0]["text"], reply["choices"][0]["token_ids"])
+        assert got == (text, [0, 1, 2]), reason
+
+
 # ----------------------------------------------------------------------------- the end, as counted
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("reason", ["length", "stop"])

@@ -131,7 +131,8 @@ class Generation:
         final one); each step's tokens are counted as delivered at its own time."""
         last = outs[-1]
         new_ids = last.new_token_ids if len(outs) == 1 else [t for out in outs for t in out.new_token_ids]
-        text, ids = self.text.push(new_ids, last.finished)
+        # a request the engine stopped ends in its stop token, whose text the client does not get
+        text, ids = self.text.push(new_ids, last.finished, last.finish_reason == "stop")
         left = len(ids)  # fewer than new_ids where a stop string cut them
         for out in outs:
             count = min(len(out.new_token_ids), left)

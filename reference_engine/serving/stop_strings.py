@@ -4,6 +4,7 @@ The rules, which make the result independent of how many tokens a chunk carries 
 server emits one token per step, a DFlash server several), so that the plain and the DFlash
 server return the same text and ids for the same tokens:
 
+- A stop token that ends the output (EOS, a `stop_token_ids` entry) adds its id and no text.
 - Tokens are examined one at a time, in order. The first token whose text completes a stop
   string ends the output: the text is cut where the earliest stop string found in it begins,
   and the ids are kept up to and including that token (as OpenAI and vLLM report them).
@@ -259,10 +260,18 @@ class StopStringText:
     def ids(self) -> list[int]:
         return self.incremental.ids
 
-    def push(self, new_ids: list[int], final: bool) -> tuple[str, list[int]]:
-        """(new text, new ids) to emit. After a stop string, nothing more is taken."""
+    def push(self, new_ids: list[int], final: bool, stop_token: bool = False) -> tuple[str, list[int]]:
+        """(new text, new ids) to emit. After a stop string, nothing more is taken.
+        `stop_token`: the last of `new_ids` is the stop token that ended the output (EOS or a
+        stop_token_ids entry): its id is emitted, its text is not (as vLLM leaves it out)."""
         if self.stopped:
             return "", []
+        if stop_token and new_ids:
+            text, taken = self.push(new_ids[:-1], final)
+            if not self.stopped:  # a stop string before it ended the output first
+                self.incremental.ids.append(new_ids[-1])  # kept, never decoded
+                taken = [*taken, new_ids[-1]]
+            return text, taken
         if not self.stops:  # nothing to cut: the chunk's tokens settle together
             self.incremental.extend(new_ids)
             return self._release(final), list(new_ids)

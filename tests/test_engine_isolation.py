@@ -175,14 +175,34 @@ def sequence(max_tokens: int, stops: frozenset[int] = frozenset()) -> Sequence:
 
 def test_step_outputs_take_every_id_below_the_vocabulary_and_fail_the_vocab_id() -> None:
     """An id in [0, vocab) is a token and is committed; the id `vocab` (greedy's mark of a
-    NaN row) fails the request with a numerical-failure reason and commits nothing."""
+    NaN row) fails the request with a numerical-failure reason, after the tokens before it
+    (plain decode emits those before the step that fails)."""
     outputs = StepOutputs(vocab_size=8)
     fine, bad = sequence(4), sequence(4)
     assert outputs.emit(fine, [0, 7]) is True
     assert fine.output_ids == [0, 7] and fine.finish_reason is None
-    assert outputs.emit(bad, [3, 8]) is False
-    assert bad.output_ids == [] and bad.finish_reason == "error" and "not finite" in bad.error
-    assert [(o.new_token_ids, o.finish_reason) for o in outputs.items] == [([0, 7], None), ([], "error")]
+    assert outputs.emit(bad, [3, 8, 2]) is False
+    assert bad.output_ids == [3] and bad.finish_reason == "error" and "not finite" in bad.error
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs.items] == [
+        ([0, 7], None),
+        ([3], None),
+        ([], "error"),
+    ]
+    first = sequence(4)
+    assert outputs.emit(first, [8]) is False and first.output_ids == [] and first.finish_reason == "error"
+
+
+def test_a_request_that_ends_before_a_not_finite_row_ends_as_plain_decode_ends_it() -> None:
+    """A commit whose stop token or last allowed token comes before a NaN row's mark ends the
+    request there ("stop", "length"), as plain decode, which never computes the row after
+    the end, ends it; nothing fails."""
+    outputs = StepOutputs(vocab_size=8)
+    stopped, full = sequence(4, stops=frozenset({3})), sequence(2)
+    assert outputs.emit(stopped, [5, 3, 8]) is True
+    assert stopped.output_ids == [5, 3] and stopped.finish_reason == "stop" and stopped.error is None
+    assert outputs.emit(full, [5, 6, 8]) is True
+    assert full.output_ids == [5, 6] and full.finish_reason == "length"
+    assert [o.finish_reason for o in outputs.items] == ["stop", "length"]
 
 
 def test_logprobs_are_cut_with_the_tokens_a_request_keeps() -> None:

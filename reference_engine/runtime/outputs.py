@@ -44,14 +44,25 @@ class StepOutputs:
     def emit(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> bool:
         """Commit a request's new tokens; False (and the request failed) when one of them is
         not a token: its row's distribution was not finite (greedy gives `vocab` for a NaN
-        row, sampling NOT_A_DISTRIBUTION)."""
+        row, sampling NOT_A_DISTRIBUTION). The tokens before that one are committed first, as
+        plain decode would have produced them before it failed: one of them may end the
+        request (a stop token, max_tokens), and then it ends so, not in error."""
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
+            good = next(i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size)
+            if good:
+                self._append(seq, tokens[:good], logprobs)
+            if seq.finish_reason is not None:
+                return True
             self.fail(
                 seq,
                 "numerical failure: the next-token distribution is not finite "
                 "(NaN or inf logits or probabilities)",
             )
             return False
+        self._append(seq, tokens, logprobs)
+        return True
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None) -> None:
         kept = seq.append(tokens)
         if logprobs is not None:
             logprobs = logprobs[: len(kept)]
@@ -66,7 +77,6 @@ class StepOutputs:
                 logprobs,
             )
         )
-        return True
 
     def fail(self, seq: Sequence, reason: str) -> None:
         """End one request with finish_reason "error"; its slot is freed at the step's end."""

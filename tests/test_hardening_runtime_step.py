@@ -46,7 +46,7 @@ from reference_engine.runtime.decode import generate_plain
 from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
 from reference_engine.runtime.one_request import generate_speculative
 from reference_engine.runtime.oracle import OracleProposer
-from reference_engine.runtime.request import SamplingParams
+from reference_engine.runtime.request import SamplingParams, validate_prompt
 from reference_engine.runtime.sequence import StepRecord
 from tests.test_graphs import prefill_graphs
 
@@ -355,3 +355,29 @@ def test_sampling_params_refuse_what_lies_just_outside_their_ranges(options: dic
         SamplingParams(**options)
     SamplingParams(logprobs=0, stop_token_ids=(0,))
     SamplingParams(logprobs=20)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"top_k": True},
+        {"top_k": 2.5},
+        {"logprobs": True},
+        {"logprobs": 1.5},
+        {"stop_token_ids": (True,)},
+        {"logit_bias": ((False, 1.0),)},
+        {"max_tokens": True},
+        {"seed": False},
+    ],
+    ids=lambda f: ",".join(f"{k}={v!r}" for k, v in f.items()),
+)
+def test_a_boolean_or_fraction_where_a_request_takes_an_integer_is_refused(fields: dict) -> None:
+    """True and False are Python ints but not a count, a token id or a seed: each integer
+    field of SamplingParams refuses them (and fractions) by name."""
+    with pytest.raises(RequestError, match=next(iter(fields)).split("_ids")[0]):
+        SamplingParams(**fields)
+
+
+def test_a_boolean_prompt_token_is_refused() -> None:
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        validate_prompt([1, True], vocab_size=8, context_len=16, max_tokens=2)

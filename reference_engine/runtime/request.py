@@ -37,8 +37,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, bias) pairs
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise RequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        for name in ("max_tokens", "top_k"):
+            if not _integer(getattr(self, name)):
+                raise RequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be positive, got {self.max_tokens}")
         if not self.temperature >= 0:
@@ -49,7 +50,7 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        if self.logprobs is not None and not (_integer(self.logprobs) and 0 <= self.logprobs <= 20):
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
@@ -60,7 +61,7 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         bad_bias = [
-            (t, b) for t, b in self.logit_bias if not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
+            (t, b) for t, b in self.logit_bias if not _integer(t) or t < 0 or not -100.0 <= b <= 100.0
         ]
         if bad_bias:
             raise RequestError(
@@ -70,13 +71,11 @@ class SamplingParams:
         twice = sorted({t for t in named if named.count(t) > 1})
         if twice:
             raise RequestError(f"logit_bias names token(s) {twice[:5]} more than once")
-        if self.seed is not None and (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        if self.seed is not None and not (
+            _integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
         ):
             raise RequestError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed}")
-        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        bad = [t for t in self.stop_token_ids if not _integer(t) or t < 0]
         if bad:
             raise RequestError(f"stop_token_ids must be non-negative integers, got {bad}")
 
@@ -95,11 +94,16 @@ class SamplingParams:
         return self.greedy and self.logprobs is None and self.repetition_penalty == 1.0 and not self.penalised
 
 
+def _integer(value) -> bool:
+    """An int that is not a bool (True and False are ints to Python, not to a request)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate_prompt(prompt_ids: list[int], vocab_size: int, context_len: int, max_tokens: int) -> None:
     """Reject prompts the model cannot run: empty, out-of-vocabulary, or past the context."""
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: at least one token is needed")
-    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    bad = [t for t in prompt_ids if not (_integer(t) and 0 <= t < vocab_size)]
     if bad:
         raise RequestError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if len(prompt_ids) >= context_len:

@@ -573,7 +573,7 @@ def test_reset_stats_starts_every_statistic_afresh_and_waits_for_an_idle_engine(
     def workload(engine: Engine) -> dict:
         truth = reference(target, PROMPTS[0], greedy(9))
         engine.add_request("a", PROMPTS[0], greedy(9), oracle=OracleProposer(truth, [2], VOCAB))
-        engine.add_request("b", PROMPTS[1], greedy(6, logprobs=True))  # a fallback
+        engine.add_request("b", PROMPTS[1], greedy(6, logprobs=1))  # a fallback
         drain(engine)
         engine.collect("a"), engine.collect("b")
         stats = engine.stats()

@@ -106,15 +106,33 @@ def _byte_level_bytes() -> dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _word_boundary(decoder) -> str | None:
+    """The character a SentencePiece vocabulary writes for a space ("\u2581"), when the
+    decoder turns it back into one (a Metaspace decoder, or a Replace in a Sequence)."""
+    try:  # the decoder's own JSON, as tokenizer.json holds it
+        state = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):  # no decoder, or one that does not say
+        return None
+    steps = state.get("decoders", [state]) if state.get("type") == "Sequence" else [state]
+    for step in steps:
+        if step.get("type") == "Metaspace":
+            return step.get("replacement")
+        if step.get("type") == "Replace" and step.get("content") == " ":
+            return step.get("pattern", {}).get("String")
+    return None
+
+
 class TokenBytes:
     """Each token's own bytes, OpenAI's logprobs `bytes`, which a client joins to rebuild a
     character split over tokens: for a byte-level BPE's learned token the bytes its
-    vocabulary entry spells, for a byte-fallback token (`<0xC3>`) its byte, otherwise (an
-    added token, another model) the UTF-8 of the token decoded alone. Cached per id."""
+    vocabulary entry spells, for a byte-fallback token (`<0xC3>`) its byte, for a
+    SentencePiece token its text with its word-boundary mark as a space, otherwise (an added
+    token, another model) the UTF-8 of the token decoded alone. Cached per id."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.byte_level = _byte_level_bytes() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+        self.boundary = None if self.byte_level else _word_boundary(tokenizer.decoder)
         self.added = set(tokenizer.get_added_tokens_decoder())
         self.cache: dict[int, bytes] = {}
 
@@ -132,4 +150,6 @@ class TokenBytes:
             fallback = _BYTE_FALLBACK.fullmatch(spelled)
             if fallback:
                 return bytes([int(fallback.group(1), 16)])
+            if self.boundary:
+                return spelled.replace(self.boundary, " ").encode()
         return self.tokenizer.decode([token]).encode()

@@ -168,12 +168,16 @@ def test_token_bytes_join_into_the_text_for_byte_level_and_byte_fallback_vocabul
     ids = server.tokenizer.encode(text).ids
     assert len(ids) > len(text.split())  # characters split over tokens
     assert b"".join(server.token_bytes(i) for i in ids) == text.encode()
-    vocab = {"<0xC3>": 0, "<0xA9>": 1, "a": 2}
+    vocab = {"<0xC3>": 0, "<0xA9>": 1, "a": 2, "\u2581caf": 3}
     fallback = Tokenizer(models.WordLevel(vocab, unk_token="a"))
-    fallback.decoder = decoders.ByteFallback()
+    # as Llama 2's and Mistral's: the word-boundary mark is a space, bytes are <0xNN>
+    fallback.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     fallback.add_special_tokens(["<0x41>"])  # added: its text, not a byte
     spelled = TokenBytes(fallback)
-    assert [spelled(i) for i in range(3)] == [b"\xc3", b"\xa9", b"a"]
+    assert [spelled(i) for i in range(4)] == [b"\xc3", b"\xa9", b"a", b" caf"]
+    assert b"".join(spelled(i) for i in (3, 0, 1)).decode() == " café"
     assert spelled(fallback.token_to_id("<0x41>")) == b""  # a special token decodes to nothing
 
 

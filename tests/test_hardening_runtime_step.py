@@ -381,3 +381,21 @@ def test_a_boolean_or_fraction_where_a_request_takes_an_integer_is_refused(field
 def test_a_boolean_prompt_token_is_refused() -> None:
     with pytest.raises(RequestError, match="outside the vocabulary"):
         validate_prompt([1, True], vocab_size=8, context_len=16, max_tokens=2)
+
+
+def test_a_seeded_sampled_request_decodes_the_same_in_the_bare_loop_and_the_engine(tmp_path: Path) -> None:
+    """generate_plain without a generator seeds one from the request's `seed`, as the engine
+    seeds a request's: the same seeded sampled request gives the same tokens from both, and
+    again from the bare loop."""
+    from reference_engine.checkpoint.synthetic import make_tiny_target
+
+    target = load_target(make_tiny_target(tmp_path / "t", arch="qwen3"), dtype=torch.float64)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    prompt = [5, 9, 2, 7]
+    first = generate_plain(target, prompt, params).output_ids
+    assert generate_plain(target, prompt, params).output_ids == first
+    engine = Engine(target, None, EngineConfig(max_num_seqs=1))
+    engine.add_request("r", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.collect("r").output_ids == first

@@ -13,7 +13,7 @@ import torch
 from ..errors import RequestError
 from ..kernels import TORCH, Kernels, select
 from ..models import CausalLM
-from .request import SamplingParams, validate_prompt
+from .request import SamplingParams, new_generator, validate_prompt
 from .sampling import greedy, probabilities, sample
 from .state import TargetState
 
@@ -118,7 +118,9 @@ def generate_plain(
     numerics: str | None = None,
 ) -> GenerationResult:
     """Plain decode, one token per forward: greedy (argmax, lowest id on a tie) at
-    temperature 0, else sampling with `generator`. Stops on EOS, stop ids, max_tokens.
+    temperature 0, else sampling with `generator` (without one: a generator seeded with
+    `params.seed` as the engine seeds a request's, or torch's global one when the request
+    names no seed). Stops on EOS, stop ids, max_tokens.
     `numerics`: the kernels (reference_engine.kernels; None: the device's default).
 
     The stop token, when one ends the output, is the last entry of `output_ids`.
@@ -134,6 +136,8 @@ def generate_plain(
     state = new_state(model, len(prompt_ids) + params.max_tokens)
     weight = model.model.embed_tokens.weight
     ops = select(numerics, weight.device, weight.dtype)
+    if generator is None and params.seed is not None and not params.greedy:
+        generator = new_generator(weight.device, params.seed)
     logits, _ = prefill(model, state, 0, prompt_ids, chunk_size=chunk_size, ops=ops)
     output: list[int] = []
     while True:

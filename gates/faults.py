@@ -38,6 +38,7 @@ from reference_engine.serving.async_engine import AsyncEngine
 from reference_engine.serving.engine_process import ProcessEngine
 from reference_engine.serving.generation import Generation
 from reference_engine.serving.metrics import RequestMetrics, ServerMetrics
+from reference_engine.serving.stop_strings import StopStringText
 
 
 # ------------------------------------------------------------------ the engine beside the server
@@ -107,6 +108,15 @@ def _narrow_verify_one_key_short(correct):
     return verify
 
 
+def _full_verify_one_key_short(correct):
+    def verify(self, block, positions, slots, valid, kv_len, *args, **kwargs):
+        if block.shape[0] > 1 and block.shape[1] == self.block_size:  # a batch's whole blocks
+            kv_len -= 1  # the row that reaches furthest attends to one key fewer
+        return correct(self, block, positions, slots, valid, kv_len, *args, **kwargs)
+
+    return verify
+
+
 def _repetition_penalty_ignores_prompt(correct):
     def choose_tokens(logits, seqs):
         prompts = [seq.prompt_ids for seq in seqs]
@@ -136,6 +146,13 @@ def _abort_mid_prefill_keeps_slot(correct):
         del self.known[request_id]  # released only from the waiting queue or a decoding row
         seq.phase, seq.finish_reason = Phase.FINISHED, "abort"
         return seq
+
+    return abort
+
+
+def _abort_keeps_draft_context(correct):
+    def abort(self, request_id):
+        self.scheduler.abort(request_id)  # what its plain steps deferred for the draft stays
 
     return abort
 
@@ -291,6 +308,25 @@ def _hangup_not_aborted(correct):
             self.counted.finish("abort")  # counted as an abort, but the engine runs it to its end
 
     return close
+
+
+def _stop_string_leaves_request_running(correct):
+    def tokens(self, outs):
+        runner = self.server.lifecycle.runner
+        runner.abort = lambda request_id: None  # the reply ends at the stop string, the request runs on
+        try:
+            return correct(self, outs)
+        finally:
+            del runner.abort
+
+    return tokens
+
+
+def _stop_token_text_in_reply(correct):
+    def push(self, new_ids, final, stop_token=False):
+        return correct(self, new_ids, final, False)  # the stop token's text decoded as any other's
+
+    return push
 
 
 def _abort_not_in_e2e(correct):
@@ -478,6 +514,32 @@ def _overlapping_runs(correct):
     return allocate
 
 
+def _gap_one_cell_short(correct):
+    def allocate(self, count):
+        start = 0
+        for first, length in sorted(self.runs.items()):
+            if first - start >= count - 1:  # a gap one cell short taken too
+                break
+            start = first + length
+        if start + count > self.cells:
+            return None
+        self.runs[start] = count
+        return start
+
+    return allocate
+
+
+def _last_cell_unused(correct):
+    def allocate(self, count):
+        first = correct(self, count)
+        if first is not None and first + count == self.cells:  # a run that ends at the pool's end
+            del self.runs[first]
+            return None
+        return first
+
+    return allocate
+
+
 def _plain_step_for_any_greedy_row(correct):
     def call(self, seqs, width=None, same_rows_next=False):
         if width == 0 and any(s.params.greedy for s in seqs):  # all(): sampled rows draw
@@ -532,6 +594,51 @@ def _stop_on_the_last_token_is_length(correct):
         return kept
 
     return append
+
+
+# ------------------------------------------------------------------ step records and turns
+def _turn_verify_one_key_short(correct):
+    def turn_step(self, rows, table, written, W, k):
+        nxt, block = correct(self, rows, table, written, W, k)
+        # the furthest row's last block position is left out of what the verify reads
+        nxt.kv_len = min(nxt.kv_len, int(nxt.positions.max()))
+        return nxt, block
+
+    return turn_step
+
+
+def _turn_context_one_short(correct):
+    def turn(self, seqs, width, steps, same_rows_next=False):
+        if steps <= 1 or not self.turn_fits(seqs, width):
+            return correct(self, seqs, width, steps, same_rows_next)
+        commit = type(self).commit_eagerly
+
+        def short(rows, block, out, processed, written):
+            # the draft context of the block's last position is left out
+            return commit(self, rows, block, out, processed, written - (written == block.shape[1]))
+
+        self.commit_eagerly = short
+        try:
+            return correct(self, seqs, width, steps, same_rows_next)
+        finally:
+            del self.commit_eagerly
+
+    return turn
+
+
+def _accepted_past_row_draft(correct):
+    def accept_greedy(self, proposals, target_tokens, n_t):
+        # a shorter row's padding slots counted too, when their proposals match
+        return correct(self, proposals, target_tokens, torch.full_like(n_t, proposals.shape[1]))
+
+    return accept_greedy
+
+
+def _turn_positions_one_behind(correct):
+    def next_positions(self, processed, anchors_at, N, n):
+        return correct(self, processed - 1, anchors_at, N, n)  # the next anchor one position early
+
+    return next_positions
 
 
 FAULTS: dict[str, Fault] = {
@@ -655,6 +762,13 @@ FAULTS: dict[str, Fault] = {
         _narrow_verify_one_key_short,
         ModelRunner,
     ),
+    "full_verify_one_key_short": Fault(
+        "batches: a verify of whole blocks attends to one key fewer than its furthest row holds "
+        "(only its last block slot, the bonus after a whole accepted block, loses a key)",
+        "verify",
+        _full_verify_one_key_short,
+        ModelRunner,
+    ),
     "repetition_penalty_ignores_prompt": Fault(
         "sampling: the repetition penalty of a decode step sees the generated tokens, not the prompt",
         "choose_tokens",
@@ -680,6 +794,13 @@ FAULTS: dict[str, Fault] = {
         _abort_keeps_cells,
         Scheduler,
     ),
+    "abort_keeps_draft_context": Fault(
+        "engine: an aborted request's deferred draft context (from its plain steps) is never "
+        "dropped, and the engine holds it after the request has gone (lossless)",
+        "abort",
+        _abort_keeps_draft_context,
+        engine_module.Engine,
+    ),
     "stop_counted_twice": Fault(
         "metrics: a request that ends on a stop is counted twice",
         "finish",
@@ -692,6 +813,18 @@ FAULTS: dict[str, Fault] = {
         "close",
         _hangup_not_aborted,
         Generation,
+    ),
+    "stop_string_leaves_request_running": Fault(
+        "server: a request a stop string ends is answered, but left running in the engine to its last token",
+        "_tokens",
+        _stop_string_leaves_request_running,
+        Generation,
+    ),
+    "stop_token_text_in_reply": Fault(
+        "server: the stop token that ends a request (EOS, a stop_token_ids entry) adds its text to the reply",
+        "push",
+        _stop_token_text_in_reply,
+        StopStringText,
     ),
     "abort_not_in_e2e": Fault(
         "metrics: an aborted request is left out of the e2e latency histogram",
@@ -798,6 +931,20 @@ FAULTS: dict[str, Fault] = {
         _overlapping_runs,
         CellAllocator,
     ),
+    "kv_pool_gap_one_cell_short": Fault(
+        "pooled KV cache: a run is placed in a free gap one cell shorter than it (its last cell is "
+        "the first of the live run after it)",
+        "allocate",
+        _gap_one_cell_short,
+        CellAllocator,
+    ),
+    "kv_pool_last_cell_unused": Fault(
+        "pooled KV cache: a run that would end at the pool's last cell is refused (a request that "
+        "needs the whole pool waits for ever)",
+        "allocate",
+        _last_cell_unused,
+        CellAllocator,
+    ),
     "prefill_padding_past_cells": Fault(
         "pooled KV cache: batched first prefills grouped across token buckets, so a short prompt "
         "is padded to a longer one's bucket and writes past the cells its request holds",
@@ -811,6 +958,31 @@ FAULTS: dict[str, Fault] = {
         "lowest_best",
         _walk_last_on_tie,
         dflash2_module,
+    ),
+    "turn_verify_one_key_short": Fault(
+        "turns of several steps: a step after a turn's first verifies with one key fewer than its "
+        "furthest row's block holds (on the demo pair the output stays plain greedy's)",
+        "turn_step",
+        _turn_verify_one_key_short,
+    ),
+    "turn_context_one_short": Fault(
+        "turns of several steps: a step's commit leaves out the draft context of its block's last "
+        "position (a row that accepted its whole block drafts next without it; lossless: costs "
+        "acceptance only)",
+        "turn",
+        _turn_context_one_short,
+    ),
+    "accepted_past_row_draft": Fault(
+        "batches: a row with fewer draft tokens than the block also accepts its padding slots "
+        "where their proposals match (lossless: cut at max_tokens; the records only)",
+        "accept_greedy",
+        _accepted_past_row_draft,
+    ),
+    "turn_positions_one_behind": Fault(
+        "turns of several steps: each step after a turn's first lays its block out one position "
+        "before where the step before it left the row",
+        "next_positions",
+        _turn_positions_one_behind,
     ),
 }
 

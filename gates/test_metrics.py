@@ -323,10 +323,38 @@ def client_abort(url: str) -> None:
         time.sleep(0.05)
 
 
+def stop_string_ends_the_request(url: str) -> None:
+    """A stop string cuts a request that asked for 3000 tokens: the reply ends at it, and its
+    request leaves the engine (the running gauge back to 0 long before 3000 tokens)."""
+    prompt = prompts()[7]
+    full = run(url, [{"prompt": prompt, "stream": False}])[0]
+    cut = stop_string(full.text)
+    assert full.status == 200 and cut, f"no clean stop string in {full}"
+    body = {"prompt": prompt, "max_tokens": 3000, "stop": [cut[0]], "stream": True}
+
+    async def one() -> Reply:  # long before 3000 tokens could be made
+        async with httpx.AsyncClient(timeout=15) as client:
+            return await complete(client, url, body)
+
+    try:
+        reply = asyncio.run(one())
+    except httpx.TimeoutException as exc:
+        raise AssertionError(
+            f"the engine still runs a request a stop string ended: its reply waits ({exc!r})"
+        ) from exc
+    assert (reply.finish, reply.text) == ("stop", full.text[: cut[1]]), reply
+    deadline = time.monotonic() + 10
+    while (running := samples(scrape(url)).get(("dflash:num_requests_running", ()))) != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine still runs a request a stop string ended ({running} running)")
+        time.sleep(0.05)
+
+
 PHASES: dict[str, Callable[[str], None]] = {
     "finish reasons and acceptance": finish_reasons_and_acceptance,
     "engine failures": engine_failures,
     "client abort": client_abort,
+    "stop string": stop_string_ends_the_request,
 }
 
 
@@ -355,6 +383,10 @@ def test_a_client_that_hangs_up_mid_stream_is_counted_once_as_abort(metrics_serv
     client_abort(metrics_server.url)
 
 
+def test_a_request_a_stop_string_ends_leaves_the_engine(metrics_server) -> None:
+    stop_string_ends_the_request(metrics_server.url)
+
+
 # the faults of this gate's class: a request, a token or a draft token counted wrong, each
 # with what the gate says about it
 CAUGHT_AS = {
@@ -366,6 +398,7 @@ CAUGHT_AS = {
     "accepted_counts_bonus": "[finish reasons and acceptance] counter differences",
     "positions_off_by_one": "accepted_per_pos differences",
     "generation_tokens_per_delivery": "token counters moved",
+    "stop_string_leaves_request_running": "[stop string] the engine still runs a request a stop string ended",
 }
 CATCHES = tuple(CAUGHT_AS)
 

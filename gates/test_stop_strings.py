@@ -19,8 +19,13 @@ import json
 import httpx
 import pytest
 
-from reference_engine.demo import DEMO_TARGET, demo_prompts
+from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET, demo_prompts
 from reference_engine.tokenizer import load_tokenizer
+from tests.poison import KILL, POISON
+
+from .poisoned_serve import serving_here
+
+CATCHES = ("stop_token_text_in_reply",)
 
 MAX_TOKENS = 32
 NUM_PROMPTS = 8
@@ -28,7 +33,12 @@ ABSENT = "\u00a7never\u00a7"
 
 
 async def _request(
-    client: httpx.AsyncClient, url: str, prompt: list[int], stream: bool, stop: list[str] | None
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    stream: bool,
+    stop: list[str] | None,
+    extra: dict | None = None,
 ) -> dict:
     body = {
         "prompt": prompt,
@@ -36,6 +46,7 @@ async def _request(
         "temperature": 0,
         "ignore_eos": True,
         "stream": stream,
+        **(extra or {}),
     }
     if stop:
         body["stop"] = stop
@@ -210,3 +221,45 @@ def test_several_stop_strings_the_first_to_complete_wins(
                 url,
                 got,
             )
+
+
+# ------------------------------------------------------------------ stop tokens
+def assert_stop_tokens_end_the_text(urls: list[str], continuations) -> None:
+    """A stop_token_ids entry inside the continuation ends the output there: its id is the last
+    one sent and its text is not in the reply (as vLLM returns it), streamed and not."""
+    decode = load_tokenizer(DEMO_TARGET).decode
+    cases = []
+    for prompt, ids, _ in continuations[:4]:
+        if prompt[0] in (POISON, KILL):
+            continue
+        k = next(k for k in range(4, len(ids)) if ids[k] not in ids[:k] and decode([ids[k]]).strip())
+        want = {"text": decode(ids[:k]), "ids": ids[: k + 1], "finish": "stop"}
+        cases += [
+            ((url, prompt, stream, None, {"stop_token_ids": [ids[k]]}), want)
+            for url in urls
+            for stream in (False, True)
+        ]
+    assert len(cases) >= 8
+    failures = []
+    for (job, want), got in zip(cases, _run_all([job for job, _ in cases])):
+        if (got["text"], got["ids"], got["finish"]) != (want["text"], want["ids"], want["finish"]):
+            failures.append(
+                f"stop token {job[4]} (stream {job[2]}): want {want['text'][-20:]!r}, "
+                f"got {got['text'][-30:]!r}"
+            )
+    assert not failures, "a stop token's reply is wrong:\n" + "\n".join(failures[:6])
+
+
+def test_a_stop_token_ends_the_output_without_its_text(
+    continuations, demo_plain_server, demo_dflash_server
+) -> None:
+    assert_stop_tokens_end_the_text([demo_plain_server.url, demo_dflash_server.url], continuations)
+
+
+def test_the_gate_catches_a_stop_tokens_text_in_the_reply(continuations) -> None:
+    serve = ("--model", str(DEMO_TARGET), "--dflash-draft-model-path", str(DEMO_DRAFT), "--block-size", "8")
+    with (
+        serving_here("stop_token_text_in_reply", (*serve, "--dtype", "float32", "--threads", "1")) as url,
+        pytest.raises(AssertionError, match="a stop token's reply is wrong"),
+    ):
+        assert_stop_tokens_end_the_text([url], continuations)

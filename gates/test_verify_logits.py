@@ -19,18 +19,20 @@ import random
 import pytest
 import torch
 
-from reference_engine.runtime.decode import decode_step, new_state, prefill
+from reference_engine.runtime.decode import decode_step, generate_plain, new_state, prefill
 from reference_engine.runtime.engine import Engine, EngineConfig
 from reference_engine.runtime.model_runner import ModelRunner
+from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 
 from .checks import Pair, state_tolerance
 from .faults import planted
 
-CATCHES = ("narrow_verify_one_key_short",)
+CATCHES = ("narrow_verify_one_key_short", "full_verify_one_key_short")
 BLOCK = 8
 MAX_TOKENS = 20
 WIDTHS = (0, 1, 3, 7, 2, 7)  # taken in turn by the "turns" runs
+FULL_BLOCKS = (BLOCK - 1, 3, BLOCK - 1, BLOCK - 1, 0)  # the oracle's accepted counts, step by step
 
 
 def plain_logits(pair: Pair, ids: list[int], prompt_len: int) -> dict[int, torch.Tensor]:
@@ -50,8 +52,12 @@ def requests(pair: Pair) -> dict[str, list[int]]:
     return {f"r{i}": p for i, p in enumerate(prompts)}
 
 
-def assert_verify_logits_are_plain_decodes(pair: Pair, strategy: str, widths: str, monkeypatch) -> int:
-    """Runs the batch; returns how many verified positions were compared."""
+def assert_verify_logits_are_plain_decodes(
+    pair: Pair, strategy: str, widths: str, monkeypatch, oracle: bool = False
+) -> int:
+    """Runs the batch; returns how many verified positions were compared. `oracle`: the
+    proposals are plain greedy's continuation at FULL_BLOCKS acceptance (whole blocks
+    accepted, every slot of the furthest row's block its own), not the draft's."""
     tolerance = state_tolerance(pair)  # 1e-9 in float64, 1e-3 in float32; bfloat16 is not compared
     config = EngineConfig(max_num_seqs=4, block_size=BLOCK, commit_strategy=strategy, numerics=pair.numerics)
     engine = Engine(pair.target, pair.draft, config)
@@ -71,17 +77,23 @@ def assert_verify_logits_are_plain_decodes(pair: Pair, strategy: str, widths: st
     wanted = requests(pair)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     names = list(wanted)
+    proposers = {name: None for name in names}
+    if oracle:
+        vocab = pair.target.config.vocab_size
+        for name in names:
+            truth = generate_plain(pair.target, wanted[name], params, numerics=pair.numerics).output_ids
+            proposers[name] = OracleProposer(truth, FULL_BLOCKS, vocab)
     # put back exactly what was there (a planted fault's verify, inside `planted`), not what a
     # monkeypatch would put back at teardown, after the fault is gone
     ModelRunner.verify = recording
     try:
         for name in names[:3]:
-            engine.add_request(name, wanted[name], params)
+            engine.add_request(name, wanted[name], params, oracle=proposers[name])
         steps = 0
         while engine.has_unfinished() or steps < 3:
             if steps == 2:
                 for name in names[3:]:
-                    engine.add_request(name, wanted[name], params)
+                    engine.add_request(name, wanted[name], params, oracle=proposers[name])
             engine.step()
             steps += 1
     finally:
@@ -124,3 +136,23 @@ def test_the_gate_catches_a_narrow_verify_one_key_short(pair: Pair, monkeypatch:
         pytest.raises(AssertionError, match="verify logits != plain"),
     ):
         assert_verify_logits_are_plain_decodes(pair, "replay", "turns", monkeypatch)
+
+
+@pytest.mark.parametrize("strategy", ["replay", "per_token", "recompute"])
+def test_the_verify_scores_whole_accepted_blocks_as_plain_decode(
+    pair: Pair, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With whole blocks accepted the furthest row's last block slot, whose logits choose its
+    bonus, is compared too (the draft's proposals seldom reach it)."""
+    if strategy != "replay" and not pair.target.config.is_hybrid:
+        pytest.skip("dense targets have one commit: the strategies are the hybrid state's")
+    compared = assert_verify_logits_are_plain_decodes(pair, strategy, "full", monkeypatch, oracle=True)
+    assert compared >= 6 * MAX_TOKENS // 2
+
+
+def test_the_gate_catches_a_full_verify_one_key_short(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    with (
+        planted("full_verify_one_key_short"),
+        pytest.raises(AssertionError, match="verify logits != plain"),
+    ):
+        assert_verify_logits_are_plain_decodes(pair, "replay", "full", monkeypatch, oracle=True)

@@ -540,6 +540,25 @@ def _last_cell_unused(correct):
     return allocate
 
 
+def _last_chunk_budgeted_without_its_block(correct):
+    def prefilling(self):
+        seqs = [s for s in self.active.values() if s.phase is Phase.PREFILL]
+        if self.max_num_batched_tokens is None:
+            return seqs
+        left = self.max_num_batched_tokens - sum(self.decode_tokens(s) for s in self.running())
+        chosen = []
+        for seq in seqs:
+            # a last chunk counted without the decode or verify block its request runs in the step
+            tokens = min(self.prefill_chunk, len(seq.prompt_ids) - seq.prefilled)
+            if chosen and tokens > left:
+                continue
+            chosen.append(seq)
+            left -= tokens
+        return chosen
+
+    return prefilling
+
+
 def _plain_step_for_any_greedy_row(correct):
     def call(self, seqs, width=None, same_rows_next=False):
         if width == 0 and any(s.params.greedy for s in seqs):  # all(): sampled rows draw
@@ -944,6 +963,13 @@ FAULTS: dict[str, Fault] = {
         "allocate",
         _last_cell_unused,
         CellAllocator,
+    ),
+    "last_chunk_budgeted_without_its_block": Fault(
+        "scheduling: a prompt's last chunk is fitted to max_num_batched_tokens without the decode "
+        "or verify block its request runs in the same step (lossless: costs the step's latency only)",
+        "prefilling",
+        _last_chunk_budgeted_without_its_block,
+        Scheduler,
     ),
     "prefill_padding_past_cells": Fault(
         "pooled KV cache: batched first prefills grouped across token buckets, so a short prompt "

@@ -23,7 +23,7 @@ from .checks import Pair, require_block
 from .faults import planted
 from .hooks import hooked
 
-CATCHES = ("decodes_wait_for_prefill", "prefill_past_token_budget")
+CATCHES = ("decodes_wait_for_prefill", "prefill_past_token_budget", "last_chunk_budgeted_without_its_block")
 BLOCK = 8
 CHUNK = 16
 SHORT = (3, 11)  # prompt lengths: one chunk each
@@ -33,6 +33,10 @@ SHORT_PARAMS = SamplingParams(max_tokens=BLOCK * sum(-(-n // CHUNK) for n in LON
 LONG_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 # room for the short requests' verify blocks and one chunk: a second chunk never fits
 BUDGET = len(SHORT) * BLOCK + CHUNK
+# room for the verify blocks, one chunk and 6 tokens more: a LATE-token prompt arriving while a
+# long one prefills fits only if its first verify block, which runs in the same step, is left out
+LATE = 4
+TIGHT = BUDGET + 6
 
 
 @dataclass
@@ -43,18 +47,21 @@ class Mix:
     over_budget: list[str] = field(default_factory=list)  # steps past the budget, with their tokens
 
 
-def prompts(pair: Pair) -> dict[str, tuple[int, ...]]:
+def prompts(pair: Pair, late: bool = False) -> dict[str, tuple[int, ...]]:
     rng = random.Random(29)
     vocab = pair.target.config.vocab_size - 16
     lengths = {f"short{i}": n for i, n in enumerate(SHORT)} | {f"long{i}": n for i, n in enumerate(LONG)}
+    if late:
+        lengths["late"] = LATE
     return {rid: tuple(rng.randrange(vocab) for _ in range(n)) for rid, n in lengths.items()}
 
 
-def run_mix(pair: Pair, speculative: bool, budget: int | None) -> Mix:
-    """The short requests first; once they decode, both long prompts at once. Records what
-    each step gave each request and how many target tokens its forwards ran."""
+def run_mix(pair: Pair, speculative: bool, budget: int | None, late: bool = False) -> Mix:
+    """The short requests first; once they decode, both long prompts at once (with `late`, a
+    short prompt a step later). Records what each step gave each request and how many target
+    tokens its forwards ran."""
     config = EngineConfig(
-        max_num_seqs=4,
+        max_num_seqs=4 + late,
         block_size=BLOCK if speculative else None,
         prefill_chunk=CHUNK,
         max_num_batched_tokens=budget,
@@ -80,13 +87,13 @@ def run_mix(pair: Pair, speculative: bool, budget: int | None) -> Mix:
         (ModelRunner, "decode", counted(lambda ids, *_: ids.shape[0], tokens)),
         (ModelRunner, "verify", counted(lambda block, *_: block.numel(), tokens)),
     )
-    all_prompts = prompts(pair)
+    all_prompts = prompts(pair, late)
     longs = [rid for rid in all_prompts if rid.startswith("long")]
     mix = Mix({rid: [] for rid in all_prompts})
     added: list[str] = []
     with hooked(*hooks):
         for rid in all_prompts:
-            if rid not in longs:
+            if rid.startswith("short"):
                 engine.add_request(rid, list(all_prompts[rid]), SHORT_PARAMS)
                 added.append(rid)
         step = 0
@@ -95,6 +102,9 @@ def run_mix(pair: Pair, speculative: bool, budget: int | None) -> Mix:
                 for rid in longs:
                     engine.add_request(rid, list(all_prompts[rid]), LONG_PARAMS)
                     added.append(rid)
+            if step == 3 and late:  # while both long prompts prefill
+                engine.add_request("late", list(all_prompts["late"]), LONG_PARAMS)
+                added.append("late")
             seqs = [engine.get(rid) for rid in added]
             decoding = [s.request_id for s in seqs if s.phase is Phase.RUNNING and s.finish_reason is None]
             before = {s.request_id: s.prefilled for s in seqs}
@@ -117,23 +127,23 @@ def run_mix(pair: Pair, speculative: bool, budget: int | None) -> Mix:
     return mix
 
 
-_plain: dict[str, dict[str, list[int]]] = {}
+_plain: dict[tuple[str, bool], dict[str, list[int]]] = {}
 
 
-def plain_outputs(pair: Pair) -> dict[str, list[int]]:
-    if pair.name in _plain:
-        return _plain[pair.name]
-    _plain[pair.name] = {
+def plain_outputs(pair: Pair, late: bool = False) -> dict[str, list[int]]:
+    if (pair.name, late) in _plain:
+        return _plain[pair.name, late]
+    _plain[pair.name, late] = {
         rid: generate_plain(
             pair.target, list(ids), SHORT_PARAMS if rid.startswith("short") else LONG_PARAMS
         ).output_ids
-        for rid, ids in prompts(pair).items()
+        for rid, ids in prompts(pair, late).items()
     }
-    return _plain[pair.name]
+    return _plain[pair.name, late]
 
 
-def assert_shares_steps(pair: Pair, speculative: bool, budget: int | None) -> Mix:
-    mix = run_mix(pair, speculative, budget)
+def assert_shares_steps(pair: Pair, speculative: bool, budget: int | None, late: bool = False) -> Mix:
+    mix = run_mix(pair, speculative, budget, late)
     assert not mix.stalls, (
         f"{pair.name}: decoding requests stalled while a long prompt prefilled: {mix.stalls}"
     )
@@ -161,3 +171,20 @@ def test_prefill_past_the_token_budget_is_caught(pair: Pair) -> None:
     require_block(pair, BLOCK)
     with planted("prefill_past_token_budget"), pytest.raises(AssertionError, match="past the budget"):
         assert_shares_steps(pair, False, BUDGET)
+
+
+def test_a_last_chunk_is_budgeted_with_the_block_it_runs(pair: Pair) -> None:
+    """A short prompt arriving while the long ones prefill: its chunk runs in a step only with
+    room for the verify block its request runs in that same step."""
+    require_block(pair, BLOCK)
+    mix = assert_shares_steps(pair, True, TIGHT, late=True)
+    assert mix.outputs == plain_outputs(pair, late=True), f"{pair.name}: output != plain greedy"
+
+
+def test_a_last_chunk_budgeted_without_its_block_is_caught(pair: Pair) -> None:
+    require_block(pair, BLOCK)
+    with (
+        planted("last_chunk_budgeted_without_its_block"),
+        pytest.raises(AssertionError, match="past the budget"),
+    ):
+        assert_shares_steps(pair, True, TIGHT, late=True)

@@ -6,7 +6,8 @@ on an engine with a deliberate fault and assert that they raise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,7 +16,8 @@ from reference_engine.kernels import select
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import GenerationResult, generate_plain, new_state, prefill
-from reference_engine.runtime.engine import EngineConfig
+from reference_engine.runtime.engine import Engine, EngineConfig
+from reference_engine.runtime.model_runner import ModelRunner
 from reference_engine.runtime.one_request import SpecResult, generate_speculative
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
@@ -331,3 +333,50 @@ def run_padding_mix(
     assert cell.get("b") == cell.get("x") == 0 and cell.get("c") == 1, f"cells {cell}: not the mix's layout"
     assert admitted.get("b") == admitted.get("d") and admitted["b"] > admitted["c"], f"admitted at {admitted}"
     return outputs
+
+
+@contextmanager
+def recorded_verifies(engine: Engine) -> Iterator[list]:
+    """Every verify `engine` runs inside the block, in order: (each row's request id, None for
+    a padding row; its block; positions; logits). ModelRunner.verify is put back as it was
+    (a planted fault's, inside `planted`), not as a monkeypatch would put it back at
+    teardown, after the fault is gone."""
+    seen: list[tuple[list[str | None], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    verify = ModelRunner.verify
+
+    def recording(self, block, positions, slots, valid, kv_len, *args, **kwargs):
+        out = verify(self, block, positions, slots, valid, kv_len, *args, **kwargs)
+        owner = {seq.slot: rid for rid, seq in engine.scheduler.active.items()}
+        rows = [owner.get(s) for s in slots.tolist()]
+        seen.append((rows, block.clone(), positions.clone(), out.logits.detach().clone()))
+        return out
+
+    ModelRunner.verify = recording
+    try:
+        yield seen
+    finally:
+        ModelRunner.verify = verify
+
+
+def verify_gaps(
+    seen: list, sequences: dict[str, list[int]], reference: dict[str, dict], tolerance: float
+) -> tuple[int, list[str]]:
+    """Compare each recorded verify's logits (`recorded_verifies`) with plain decode's at the
+    same position (`reference[request][position]`), over each row's own tokens (up to a
+    rejected draft token or padding) of `sequences` (prompt + output). Returns (positions
+    compared, the ones further apart than `tolerance`, described)."""
+    compared, worst = 0, []
+    for rows, block, positions, logits in seen:
+        for r, name in enumerate(rows):
+            if name is None:
+                continue  # a padding row
+            ids = sequences[name]
+            for j in range(block.shape[1]):
+                p = int(positions[r, j])
+                if p >= len(ids) - 1 or block[r, : j + 1].tolist() != ids[p - j : p + 1]:
+                    break  # past the request's own tokens: a rejected draft token or padding
+                gap = float((logits[r, j] - reference[name][p]).abs().max())
+                compared += 1
+                if gap > tolerance:
+                    worst.append(f"request {name} position {p} (block slot {j}): max |diff| {gap:.3g}")
+    return compared, worst

@@ -27,9 +27,9 @@ from reference_engine.checkpoint import load_draft, load_target
 from reference_engine.demo import DEMO_DRAFT, DEMO_TARGET, demo_prompts
 from reference_engine.runtime.decode import decode_step, generate_plain, new_state, prefill
 from reference_engine.runtime.engine import Engine, EngineConfig
-from reference_engine.runtime.model_runner import ModelRunner
 from reference_engine.runtime.request import SamplingParams
 
+from .checks import recorded_verifies, verify_gaps
 from .faults import planted
 
 CATCHES = (
@@ -112,20 +112,8 @@ def run_turns(demo_turns, steps: int, span: str, block: int = BLOCK) -> dict[str
         max_model_len=160,
     )
     engine = Engine(target, draft, config)
-    seen = []  # every verify: (each row's request, its block, positions, logits)
-    verify = ModelRunner.verify
-
-    def recording(self, block, positions, slots, valid, kv_len, *args, **kwargs):
-        out = verify(self, block, positions, slots, valid, kv_len, *args, **kwargs)
-        owner = {seq.slot: rid for rid, seq in engine.scheduler.active.items()}
-        rows = [owner.get(s) for s in slots.tolist()]
-        seen.append((rows, block.clone(), positions.clone(), out.logits.detach().clone()))
-        return out
-
     waiting, calls, seqs = list(range(len(prompts))), 0, {}
-    # put back exactly what was there (a planted fault's, inside `planted`)
-    ModelRunner.verify = recording
-    try:
+    with recorded_verifies(engine) as seen:
         while waiting or engine.has_unfinished():
             if waiting and calls % 2 == 0:  # one joins every other call: rows join between turns
                 i = waiting.pop(0)
@@ -135,8 +123,6 @@ def run_turns(demo_turns, steps: int, span: str, block: int = BLOCK) -> dict[str
                 seqs[rid] = engine.collect(rid)
             calls += 1
             assert calls < 500, "the engine did not finish"
-    finally:
-        ModelRunner.verify = verify
     what = f"demo pair, block {block}, {steps} steps a turn, draft span {span}"
     for i, expected in enumerate(plain):
         got = seqs[str(i)].output_ids
@@ -164,20 +150,7 @@ def assert_verify_logits_are_plain(target, prompts, plain, seen, what: str) -> N
         reference[name] = {n - 1: logits}
         for position in range(n, len(ids) - 1):
             reference[name][position] = decode_step(target, state, 0, ids[position])
-    compared, worst = 0, []
-    for rows, block, positions, logits in seen:
-        for r, name in enumerate(rows):
-            if name is None:
-                continue
-            ids = sequences[name]
-            for j in range(block.shape[1]):
-                p = int(positions[r, j])
-                if p >= len(ids) - 1 or block[r, : j + 1].tolist() != ids[p - j : p + 1]:
-                    break  # past the request's own tokens: a rejected draft token or padding
-                gap = float((logits[r, j] - reference[name][p]).abs().max())
-                compared += 1
-                if gap > 1e-3:
-                    worst.append(f"request {name} position {p} (block slot {j}): max |diff| {gap:.3g}")
+    compared, worst = verify_gaps(seen, sequences, reference, 1e-3)
     assert compared > 50, f"{what}: only {compared} verified positions compared"
     assert not worst, f"{what}: verify logits != plain decode's at {len(worst)} positions: " + "; ".join(
         worst[:4]

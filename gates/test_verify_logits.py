@@ -21,11 +21,10 @@ import torch
 
 from reference_engine.runtime.decode import decode_step, generate_plain, new_state, prefill
 from reference_engine.runtime.engine import Engine, EngineConfig
-from reference_engine.runtime.model_runner import ModelRunner
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 
-from .checks import Pair, state_tolerance
+from .checks import Pair, recorded_verifies, state_tolerance, verify_gaps
 from .faults import planted
 
 CATCHES = ("narrow_verify_one_key_short", "full_verify_one_key_short")
@@ -64,16 +63,6 @@ def assert_verify_logits_are_plain_decodes(
     if widths == "turns":
         turn = itertools.cycle(WIDTHS)
         monkeypatch.setattr(engine.verify_width, "choose", lambda limits, *_: min(next(turn), max(limits)))
-    seen: list[tuple[list[str | None], torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    verify = ModelRunner.verify
-
-    def recording(self, block, positions, slots, valid, kv_len, *args, **kwargs):
-        out = verify(self, block, positions, slots, valid, kv_len, *args, **kwargs)
-        owner = {seq.slot: rid for rid, seq in engine.scheduler.active.items()}
-        rows = [owner.get(s) for s in slots.tolist()]
-        seen.append((rows, block.clone(), positions.clone(), out.logits.detach().clone()))
-        return out
-
     wanted = requests(pair)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     names = list(wanted)
@@ -83,10 +72,7 @@ def assert_verify_logits_are_plain_decodes(
         for name in names:
             truth = generate_plain(pair.target, wanted[name], params, numerics=pair.numerics).output_ids
             proposers[name] = OracleProposer(truth, FULL_BLOCKS, vocab)
-    # put back exactly what was there (a planted fault's verify, inside `planted`), not what a
-    # monkeypatch would put back at teardown, after the fault is gone
-    ModelRunner.verify = recording
-    try:
+    with recorded_verifies(engine) as seen:
         for name in names[:3]:
             engine.add_request(name, wanted[name], params, oracle=proposers[name])
         steps = 0
@@ -96,24 +82,9 @@ def assert_verify_logits_are_plain_decodes(
                     engine.add_request(name, wanted[name], params, oracle=proposers[name])
             engine.step()
             steps += 1
-    finally:
-        ModelRunner.verify = verify
     sequences = {name: wanted[name] + engine.collect(name).output_ids for name in names}
     reference = {name: plain_logits(pair, ids, len(wanted[name])) for name, ids in sequences.items()}
-    compared, worst = 0, []
-    for rows, block, positions, logits in seen:
-        for r, name in enumerate(rows):
-            if name is None:
-                continue  # a padding row
-            ids = sequences[name]
-            for j in range(block.shape[1]):
-                p = int(positions[r, j])
-                if p >= len(ids) - 1 or block[r, : j + 1].tolist() != ids[p - j : p + 1]:
-                    break  # past the request's own tokens: a rejected draft token or padding
-                gap = float((logits[r, j] - reference[name][p]).abs().max())
-                compared += 1
-                if gap > tolerance:
-                    worst.append(f"{name} position {p} (block slot {j}): max |diff| {gap:.3g}")
+    compared, worst = verify_gaps(seen, sequences, reference, tolerance)
     assert compared > 0, "no verified position was compared"
     assert not worst, f"verify logits != plain decode's at {len(worst)} positions: " + "; ".join(worst[:4])
     return compared

@@ -504,12 +504,15 @@ def test_a_draft_trained_on_the_raw_last_layer_gets_its_raw_output() -> None:
 
 
 def test_a_draft_config_says_which_last_layer_feature_it_was_trained_on() -> None:
-    """`dflash_config.last_layer_feature`: absent or "final_norm" (Hugging Face's reading),
-    "raw"; anything else is refused naming the field. The shipped demo drafts say "raw"."""
+    """`dflash_config.last_layer_feature`: absent, null or "final_norm" (Hugging Face's
+    reading), "raw"; anything else is refused naming the field. The shipped demo drafts say
+    "raw"."""
+    assert (
+        "last_layer_feature" not in DFLASH["dflash_config"] and not DraftConfig.from_hf(DFLASH).raw_last_layer
+    )
     for value, raw_last in ((None, False), ("final_norm", False), ("raw", True)):
         dflash = dict(DFLASH["dflash_config"])
-        if value is not None:
-            dflash["last_layer_feature"] = value
+        dflash["last_layer_feature"] = value
         assert DraftConfig.from_hf({**DFLASH, "dflash_config": dflash}).raw_last_layer is raw_last
     with pytest.raises(ConfigError, match="last_layer_feature"):
         DraftConfig.from_hf(

@@ -201,6 +201,7 @@ class DraftConfig:
             )
         max_positions = _positive_int(raw, "max_position_embeddings", where, default=32768)
         theta, scaling = _rope(raw, where, llama3=True, max_positions=max_positions)
+        last_feature = dflash.get("last_layer_feature")  # null: the default
         return cls(
             vocab_size=_positive_int(raw, "vocab_size", where),
             hidden_size=hidden,
@@ -225,7 +226,7 @@ class DraftConfig:
             final_logit_softcapping=float(softcap) if softcap else None,
             architecture=architecture,
             causal=_causal(raw, dflash, where),
-            last_layer_feature=dflash.get("last_layer_feature", FINAL_NORM),
+            last_layer_feature=FINAL_NORM if last_feature is None else last_feature,
             **(_dflash2_fields(raw, dflash, where) if architecture == DFLASH2 else {}),
         )
 

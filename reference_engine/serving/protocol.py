@@ -409,7 +409,10 @@ def logprobs_body(
     continues a stream)."""
     if chat:
         if token_bytes is None:
-            token_bytes = lambda t: token_text(t).encode()  # noqa: E731
+
+            def token_bytes(token: int) -> bytes:
+                return token_text(token).encode()
+
         content = []
         for text, token_id, entry in zip(tokens, ids, entries):
             ranked = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[: top or 0]

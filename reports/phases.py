@@ -112,7 +112,7 @@ def load_profiles(directory: Path, source: str = "auto") -> list[PhaseTimes]:
             f"_nvtx_sum.csv from `nsys stats --output`, or <label>.txt)"
         )
     else:
-        profiles = [from_bench_row(r) for r in bench.values()]
+        profiles = [from_bench_row(r, _variant(r, run)) for run in bench.values() for r in run]
     if not profiles:
         raise ProfileError(
             f"nothing to profile in {directory}: no nsys captures (<label>_nvtx_sum.csv) and "
@@ -121,10 +121,13 @@ def load_profiles(directory: Path, source: str = "auto") -> list[PhaseTimes]:
     return sorted(profiles, key=_order)
 
 
-def bench_rows(directory: Path) -> dict[tuple[str, int], dict]:
-    """(mode, concurrency) -> the engine benchmark's row, from every CSV in `directory` that
-    is one (files named after a capture, `<label>.csv`, come last and so win)."""
-    rows: dict[tuple[str, int], dict] = {}
+def bench_rows(directory: Path) -> dict[tuple[str, int], list[dict]]:
+    """(mode, concurrency) -> the engine benchmark's rows of that run, from every CSV in
+    `directory` that is one: several when one run measured several drafts or numerics
+    (`--draft-arch dflash,dflash2`, `--numerics exact,fast`). A later file's rows for a run
+    replace an earlier file's (files named after a capture, `<label>.csv`, come last and so
+    win)."""
+    rows: dict[tuple[str, int], list[dict]] = {}
     paths = [
         p for p in sorted(directory.glob("*.csv")) if not any(p.name.endswith(f"_{r}.csv") for r in REPORTS)
     ]
@@ -136,16 +139,29 @@ def bench_rows(directory: Path) -> dict[tuple[str, int], dict]:
             continue
         if not set(BENCH_COLUMNS) <= set(frame.columns):
             continue
+        found: dict[tuple[str, int], list[dict]] = {}
         for record in frame.to_dict("records"):
             record["file"] = path.name
-            rows[(str(record["mode"]), int(record["concurrency"]))] = record
+            found.setdefault((str(record["mode"]), int(record["concurrency"])), []).append(record)
+        rows.update(found)
     return rows
 
 
-def from_bench_row(row: dict) -> PhaseTimes:
+VARIANT_COLUMNS = ("draft", "numerics")  # what tells apart a run's rows (bench_rows)
+
+
+def _variant(row: dict, others: list[dict]) -> str:
+    """The values of VARIANT_COLUMNS in which `row` differs from another row of its run,
+    as a label's suffix (empty when it is the run's only row)."""
+    differ = [c for c in VARIANT_COLUMNS if len({str(r.get(c)) for r in others}) > 1]
+    return "".join(f" {c} {row.get(c)}" for c in differ)
+
+
+def from_bench_row(row: dict, variant: str = "") -> PhaseTimes:
     """A benchmark CSV row: ms_<phase> (CUDA-event time on a GPU, host time on a CPU: its
     phase_clock), n_<phase>, ms_step (host wall time in engine.step()) and steps, medians
-    over its repeats."""
+    over its repeats; `variant` (of a run that measured several drafts or numerics) follows
+    the label."""
     phases = {p: float(row[f"ms_{p}"]) for p in (*TOP_LEVEL, *NESTED) if f"ms_{p}" in row}
     instances = {p: int(row[f"n_{p}"]) for p in phases if _known(row.get(f"n_{p}"))}
     clock = row.get("phase_clock", "")
@@ -162,7 +178,7 @@ def from_bench_row(row: dict) -> PhaseTimes:
     steps = row.get("steps")
     tokens = row.get("output_tokens")
     return PhaseTimes(
-        label=f"{row['mode']}-c{int(row['concurrency'])}",
+        label=f"{row['mode']}-c{int(row['concurrency'])}{variant}",
         mode=str(row["mode"]),
         concurrency=int(row["concurrency"]),
         source="timer",
@@ -199,10 +215,11 @@ def _spread_notes(row: dict) -> list[str]:
     return notes
 
 
-def from_capture(capture: Capture, bench: dict[tuple[str, int], dict]) -> PhaseTimes:
+def from_capture(capture: Capture, bench: dict[tuple[str, int], list[dict]]) -> PhaseTimes:
     """An nsys capture: host time per range (nvtx_sum) and GPU-projected time
     (nvtx_gpu_proj_sum), over the captured repeats; output tokens from the benchmark CSV of
-    the same run (tokens of one run x its repeats), when there is one."""
+    the same run (tokens of one run x its repeats, summed over the drafts or numerics the
+    run measured, all of which the capture holds), when it has them all."""
     mode, concurrency = _mode_and_concurrency(capture.label)
     notes = [f"{capture.label}: {r} absent or empty" for r in capture.missing]
     ranges = capture.ranges if capture.ranges is not None else pd.DataFrame(columns=["instances", "total_ms"])
@@ -213,9 +230,9 @@ def from_capture(capture: Capture, bench: dict[tuple[str, int], dict]) -> PhaseT
         )
     gpu = capture.gpu if capture.gpu is not None else pd.DataFrame(columns=["gpu_ms"])
     tokens = None
-    row = bench.get((mode, concurrency)) if concurrency is not None else None
-    if row is not None and _known(row.get("output_tokens")):
-        tokens = int(row["output_tokens"]) * int(row.get("repeats", 1) or 1)
+    run = bench.get((mode, concurrency), []) if concurrency is not None else []
+    if run and all(_known(row.get("output_tokens")) for row in run):
+        tokens = sum(int(row["output_tokens"]) * int(row.get("repeats", 1) or 1) for row in run)
     return PhaseTimes(
         label=capture.label,
         mode=mode,

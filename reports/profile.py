@@ -1,5 +1,6 @@
 """`python -m reports profile DIR`: DIR/profile.md and DIR/plots/phase_breakdown.png, the
-phase breakdown of each profiled run in DIR (one per mode and concurrency), plain and DFlash
+phase breakdown of each profiled run in DIR (one per mode and concurrency, and per draft or numerics of a
+benchmark that measured several), plain and DFlash
 side by side, from Nsight Systems captures or from the engine benchmark's built-in timer.
 
 The report depends on the files in DIR alone, so rebuilding it gives the same bytes.
@@ -144,9 +145,10 @@ def side_by_side(group: list[PhaseTimes]) -> str:
     gpu = {t.label for t in group if t.gpu_ms}
     header = ["Phase"]
     for t in group:
-        header += [f"{t.mode} {unit}", f"{t.mode} % of step"]
+        name = _run_name(t)
+        header += [f"{name} {unit}", f"{name} % of step"]
         if t.label in gpu:
-            header.append(f"{t.mode} GPU {unit}")
+            header.append(f"{name} GPU {unit}")
     rows = []
     for phase in phases:
         row = [_phase_title(phase)]
@@ -262,5 +264,13 @@ def _phase_title(phase: str, inside: str = "") -> str:
     return phase
 
 
+def _run_name(times: PhaseTimes) -> str:
+    """The run's mode, and its draft or numerics when its benchmark measured several
+    (the label's words after `<mode>-c<concurrency>`)."""
+    stem = f"{times.mode}-c{times.concurrency}"
+    return times.mode + times.label[len(stem) :] if times.label.startswith(stem) else times.mode
+
+
 def _bar_label(times: PhaseTimes) -> str:
-    return times.mode if times.concurrency is None else f"{times.mode}\nc={times.concurrency}"
+    name = _run_name(times)
+    return name if times.concurrency is None else f"{name}\nc={times.concurrency}"

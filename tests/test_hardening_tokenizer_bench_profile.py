@@ -54,7 +54,16 @@ from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.tensor_parallel import TensorParallel
 from reference_engine.tokenizer import SPECIAL_TOKENS, TokenBytes, build_tiny_tokenizer
 from reports.nsys import REPORTS, load_capture, read_table
-from reports.phases import OTHER, STEP, TOP_LEVEL, PhaseTimes, breakdown, from_capture, load_profiles
+from reports.phases import (
+    OTHER,
+    STEP,
+    TOP_LEVEL,
+    PhaseTimes,
+    bench_rows,
+    breakdown,
+    from_capture,
+    load_profiles,
+)
 from reports.profile import build_profile, detail_table, kernel_table, side_by_side
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
@@ -165,13 +174,9 @@ def test_a_projection_replaced_after_fusing_is_read_once_and_the_stale_stack_nev
     assert sum(w.numel() for w in weights) == unfused
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bench/floor.py prefill_compute_floor finds the LM head by `w.shape[0] == "
-    "config.vocab_size`; a tensor-parallel rank's head holds vocab_size / world_size rows, so "
-    "it is multiplied over every prompt row like a body matrix instead of the last row only",
-)
 def test_a_tensor_parallel_ranks_prefill_floor_multiplies_its_lm_head_slice_over_the_last_row_only() -> None:
+    """A tensor-parallel rank's LM head holds its slice of the vocabulary; the prefill floor
+    still knows it for the head and multiplies it over the prompt's last row only."""
     tp = TensorParallel(0, 2, "exact")
     target, _ = random_pair("qwen3-small", "cpu", torch.float32, seed=3, tensor_parallel=tp)
     c = target.config
@@ -184,14 +189,9 @@ def test_a_tensor_parallel_ranks_prefill_floor_multiplies_its_lm_head_slice_over
     assert prefill_compute_floor(target, tokens, repeats=1).flops == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bench/floor.py prefill_compute_floor counts (and times) full causal attention over "
-    "the whole prompt for every attention layer, a sliding-window layer included, though such a "
-    "layer's queries see at most its window (cache_matrices caps it): past the window the "
-    "compute floor asks more arithmetic than a prefill has to do",
-)
 def test_a_sliding_window_layers_prefill_attention_is_cut_to_its_window(tiny_checkpoint) -> None:
+    """A sliding-window layer's queries see at most its window, as its cache holds: up to the
+    window the prefill floor's arithmetic is full attention's, past it less."""
     overrides = (("use_sliding_window", True), ("sliding_window", 8), ("max_window_layers", 1))
     windowed = load_target(tiny_checkpoint("qwen3", config_overrides=overrides), dtype=torch.float32)
     full = load_target(tiny_checkpoint("qwen3"), dtype=torch.float32)
@@ -414,12 +414,6 @@ def test_the_kernel_tables_mean_is_microseconds_per_launch() -> None:
     assert table_row(table, "`copy`") == ["`copy`", "10", "0.50", "20.0", "50.0"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reports/phases.py bench_rows keys a benchmark CSV's rows by (mode, concurrency) "
-    "alone, so of two runs of one mode and concurrency (`--draft-arch dflash,dflash2`, or "
-    "several `--numerics`) the last silently replaces the others in the profile",
-)
 def test_a_benchmark_csv_with_two_drafts_at_one_concurrency_loses_neither(tmp_path: Path) -> None:
     (tmp_path / "bench.csv").write_text(
         "mode,draft,numerics,concurrency,ms_step,ms_verify,steps,output_tokens\n"
@@ -427,6 +421,16 @@ def test_a_benchmark_csv_with_two_drafts_at_one_concurrency_loses_neither(tmp_pa
         "dflash,dflash,exact,1,30.0,20.0,6,20\n"
         "dflash,dflash2,exact,1,40.0,25.0,7,20\n"
     )
+    """A run that measured two drafts (`--draft-arch dflash,dflash2`) has two rows of one mode
+    and concurrency: the profile keeps both, each labelled with its draft, and a capture of
+    that run counts the tokens of both."""
     profiles = load_profiles(tmp_path, "timer")
     assert sorted(p.step_ms for p in profiles) == [30.0, 40.0, 50.0]
     assert not any(math.isnan(p.step_ms) for p in profiles)
+    assert sorted(p.label for p in profiles) == [
+        "dflash-c1 draft dflash",
+        "dflash-c1 draft dflash2",
+        "plain-c1",
+    ]
+    run = bench_rows(tmp_path)[("dflash", 1)]
+    assert from_capture(load_capture(FIXTURES, "dflash-c1"), {("dflash", 1): run}).output_tokens == 40

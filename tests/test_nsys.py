@@ -276,10 +276,10 @@ def test_a_captures_output_tokens_are_one_runs_tokens_times_its_repeats() -> Non
     """The capture spans every measured repeat, the benchmark CSV's output_tokens one run: the
     capture's tokens are their product (a row without repeats counts one)."""
     capture = load_capture(FIXTURES, "plain-c1")
-    times = from_capture(capture, {("plain", 1): {"output_tokens": 40, "repeats": 3}})
+    times = from_capture(capture, {("plain", 1): [{"output_tokens": 40, "repeats": 3}]})
     assert (times.mode, times.concurrency, times.output_tokens) == ("plain", 1, 120)
-    assert from_capture(capture, {("plain", 1): {"output_tokens": 40}}).output_tokens == 40
-    assert from_capture(capture, {("plain", 8): {"output_tokens": 40}}).output_tokens is None
+    assert from_capture(capture, {("plain", 1): [{"output_tokens": 40}]}).output_tokens == 40
+    assert from_capture(capture, {("plain", 8): [{"output_tokens": 40}]}).output_tokens is None
 
 
 def test_a_time_header_without_a_unit_is_in_nanoseconds() -> None:

@@ -178,29 +178,40 @@ def prefill_compute_floor(model: CausalLM, tokens: int, repeats: int = 3) -> Pre
     lists them, with k experts a MoE layer) over all the prompt's rows at once, the LM head
     over the last row only (a prefill samples one token), and per
     attention layer the fused causal attention of torch's scaled_dot_product_attention over
-    the prompt (the flash kernel where it applies). Norms, rotary embedding, routing and the
+    the prompt (the flash kernel where it applies); a sliding-window layer's queries past its
+    window see only the window's keys, so its first window runs causal and the rest as one
+    unmasked product over a window of keys. Norms, rotary embedding, routing and the
     Gated DeltaNet recurrence are left out, so a prefill may not reach it on a hybrid model.
     A device figure: on the CPU it times the same products with the host clock."""
     config = model.config
     every = streamed_weights(model)
-    weights = [w for w in every if w.shape[0] != config.vocab_size]
-    heads_out = [w for w in every if w.shape[0] == config.vocab_size]
+    # the head by identity: a tensor-parallel rank's holds only its slice of the vocabulary
+    head = model.lm_head_weight
+    weights = [w for w in every if w is not head]
     device, dtype = every[0].device, every[0].dtype
     rows = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=dtype, device=device) for w in every}
     outs = {w.shape[0]: torch.empty(tokens, w.shape[0], dtype=dtype, device=device) for w in weights}
-    logits = torch.empty(1, config.vocab_size, dtype=dtype, device=device)
+    logits = torch.empty(1, head.shape[0], dtype=dtype, device=device)
     heads, dim = config.num_attention_heads, config.head_dim
-    attention_layers = len(config.attention_layers)
+    # per attention layer, how many of the prompt's first positions run causal; past a sliding
+    # window each query sees that window's keys, one unmasked product
+    windows = [
+        min(tokens, config.sliding_window) if kind == SLIDING_ATTENTION else tokens
+        for kind in config.layer_types
+        if kind != LINEAR_ATTENTION
+    ]
     q = torch.randn(1, heads, tokens, dim, dtype=dtype, device=device)
     k, v = torch.randn_like(q), torch.randn_like(q)  # kv heads repeated: the flash kernel's layout
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def run() -> None:
         for w in weights:
             torch.matmul(rows[w.shape[1]], w.t(), out=outs[w.shape[0]])
-        for w in heads_out:
-            torch.matmul(rows[w.shape[1]][-1:], w.t(), out=logits)
-        for _ in range(attention_layers):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.matmul(rows[head.shape[1]][-1:], head.t(), out=logits)
+        for window in windows:
+            sdpa(q[:, :, :window], k[:, :, :window], v[:, :, :window], is_causal=True)
+            if window < tokens:
+                sdpa(q[:, :, window:], k[:, :, :window], v[:, :, :window])
 
     def clock() -> float:
         if device.type != "cuda":
@@ -217,8 +228,9 @@ def prefill_compute_floor(model: CausalLM, tokens: int, repeats: int = 3) -> Pre
     with torch.no_grad():
         clock()  # library handles, workspaces, kernel choice
         times = [clock() for _ in range(repeats)]
-    products = sum(2.0 * tokens * w.numel() for w in weights) + sum(2.0 * w.numel() for w in heads_out)
-    attention = attention_layers * 2.0 * tokens * tokens * heads * dim  # causal: half of 4 L^2 H D
+    products = sum(2.0 * tokens * w.numel() for w in weights) + 2.0 * head.numel()
+    # causal over w positions: half of 4 w^2 H D; each later query against w keys: 4 w H D
+    attention = sum(2.0 * w * w * heads * dim + 4.0 * (tokens - w) * w * heads * dim for w in windows)
     return PrefillFloor(
         statistics.median(times), min(times), max(times), tokens, products + attention, repeats
     )

@@ -1,7 +1,7 @@
 """`python -m reports profile DIR`: DIR/profile.md and DIR/plots/phase_breakdown.png, the
-phase breakdown of each profiled run in DIR (one per mode and concurrency, and per draft or numerics of a
-benchmark that measured several), plain and DFlash
-side by side, from Nsight Systems captures or from the engine benchmark's built-in timer.
+phase breakdown of each profiled run in DIR (one per mode and concurrency, and per draft or
+numerics of a benchmark that measured several), plain and DFlash side by side, from Nsight
+Systems captures or from the engine benchmark's built-in timer.
 
 The report depends on the files in DIR alone, so rebuilding it gives the same bytes.
 """

@@ -158,6 +158,53 @@ def _flatten(messages) -> str:
     return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in messages or ())
 
 
+# where a chat delta carries a reasoning model's reasoning text (vLLM, SGLang: `reasoning_content`;
+# newer vLLM: `reasoning`), before its answer's `content`
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _shape_error(event, kind: str) -> str | None:
+    """What makes a stream event (JSON already) other than a chunk's shape, or None: an
+    object whose choices are objects, with usage an object, token ids a list of integers,
+    texts strings and token counts integers where they are given."""
+    if not isinstance(event, dict):
+        return f"an event is a JSON {type(event).__name__}, not an object"
+    if kind == "sglang":
+        meta = event.get("meta_info")
+        if meta is not None and not isinstance(meta, dict):
+            return "meta_info is not an object"
+        if meta and "completion_tokens" in meta and not _is_int(meta["completion_tokens"]):
+            return "meta_info.completion_tokens is not an integer"
+        return None if event.get("text") is None or isinstance(event["text"], str) else "text is not a string"
+    usage = event.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            return "usage is not an object"
+        for name in ("prompt_tokens", "completion_tokens"):
+            if usage.get(name) is not None and not _is_int(usage[name]):
+                return f"usage.{name} is not an integer"
+    choices = event.get("choices")
+    if choices is None:
+        return None
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        return "choices is not a list of objects"
+    for choice in choices[:1]:  # the one read
+        ids = choice.get("token_ids")
+        if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+            return "token_ids is not a list of integers"
+        delta = choice.get("delta")
+        if delta is not None and not isinstance(delta, dict):
+            return "delta is not an object"
+        texts = [choice.get("text")] + [(delta or {}).get(k) for k in REASONING_FIELDS + ("content",)]
+        if any(t is not None and not isinstance(t, str) for t in texts):
+            return "a text is not a string"
+    return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class _Counter:
     """How many tokens a chunk carries, from what the server reports (or the tokenizer)."""
 
@@ -217,8 +264,9 @@ class _Counter:
             self._source("usage", record)
             return self._running("usage.completion_tokens", usage["completion_tokens"])
         text = choice.get("text")
-        if text is None:
-            text = (choice.get("delta") or {}).get("content")
+        if text is None:  # a chat delta: a reasoning model's reasoning text is tokens too
+            delta = choice.get("delta") or {}
+            text = "".join(delta.get(k) or "" for k in REASONING_FIELDS + ("content",))
         return self._from_text(text, record)
 
     def _from_text(self, text, record: RequestRecord) -> int:
@@ -276,6 +324,10 @@ class StreamReader:
         error = server_error(event)
         if error is not None:
             record.error = f"server error in stream: {str(error)[:300]}"
+            return True
+        shape = _shape_error(event, self.endpoint.kind)
+        if shape is not None:
+            record.error = f"malformed SSE event ({shape}): {data[:200]!r}"
             return True
         n = self.counter.tokens(event, self.endpoint.kind, record)
         if n > 0:

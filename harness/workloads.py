@@ -104,7 +104,9 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise WorkloadError(f"dataset {path} does not exist")
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    # rows end at a line feed only: str.splitlines would also cut a row at U+2028, U+2029 or
+    # U+0085, which JSON carries raw inside a string
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -124,6 +126,12 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
         ):
             prompts.append(Prompt(token_ids=tuple(row["prompt"]), max_tokens=max_tokens, source=source))
         elif isinstance(row.get("messages"), list):
+            bad = [m for m in row["messages"] if not _is_message(m)]
+            if bad:  # an empty list is a prompt the comparison counts unusable
+                raise WorkloadError(
+                    f"{source}: 'messages' must be a list of message objects with a string 'role', "
+                    f"got {bad[0]!r:.80}"
+                )
             prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens, source=source))
         else:
             raise WorkloadError(
@@ -133,6 +141,11 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise WorkloadError(f"{path}: no prompts")
     return prompts
+
+
+def _is_message(entry) -> bool:
+    """A chat message as the OpenAI API takes it: an object with a string role."""
+    return isinstance(entry, dict) and isinstance(entry.get("role"), str)
 
 
 BUILTIN_DIR = Path(__file__).parent / "prompts"

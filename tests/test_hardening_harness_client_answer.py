@@ -230,13 +230,6 @@ def test_with_a_tokenizer_each_chunk_counts_the_tokens_its_text_adds(tokenizer) 
     assert record.chunk_tokens == [b - a for a, b in zip([0, *totals], totals) if b > a]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client.py StreamReader.event passes any JSON value to _Counter.tokens, which calls "
-    ".get on it: an event that is a JSON list or string, a choice that is not an object, "
-    "token_ids that are not a list or a usage that is not an object raise AttributeError or "
-    "TypeError out of send(), whose contract is 'never raises: failures are recorded'",
-)
 @pytest.mark.parametrize(
     "event",
     [
@@ -273,13 +266,6 @@ def test_a_plain_chat_streams_content_deltas_are_its_tokens_over_http() -> None:
     assert record.count_source == "estimated" and record.estimated_counts and record.done_marker
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client.py _Counter.tokens reads a chat delta's `content` only: a delta carrying "
-    "`reasoning_content` counts no token, so TTFT is taken at the first content chunk and the "
-    "reasoning tokens are left out of the output count (docs: TTFT is the first chunk that "
-    "carries a token)",
-)
 def test_a_chat_streams_reasoning_deltas_carry_tokens() -> None:
     """A reasoning model's chat stream from a plain OpenAI server (no ids, no running usage):
     its first chunk, a reasoning delta, is the first token; every chunk carries one."""
@@ -397,13 +383,6 @@ def test_the_mixed_builtin_set_is_every_set_in_name_order_whatever_the_folder_li
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workloads.py load_jsonl splits the file with str.splitlines, which also breaks at "
-    "U+2028, U+2029 and U+0085: characters JSON carries raw inside a string (json.dumps with "
-    "ensure_ascii=False writes them so), so such a row is cut in two and refused as not JSON; "
-    "JSONL rows end at a line feed only",
-)
 @pytest.mark.parametrize("char", ["\u2028", "\x85"], ids=["U+2028", "U+0085"])
 def test_a_dataset_prompt_with_a_raw_unicode_line_separator_reads_whole(tmp_path: Path, char: str) -> None:
     """A row's prompt text may hold any character JSON allows raw; the rows are its lines."""
@@ -415,13 +394,6 @@ def test_a_dataset_prompt_with_a_raw_unicode_line_separator_reads_whole(tmp_path
     assert [p.source for p in prompts] == [f"{path}:1", f"{path}:2"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workloads.py load_jsonl takes any list as a row's `messages`: entries that are not "
-    "message objects are accepted, and building a completions or SGLang request body from them "
-    "then raises AttributeError (client.py _flatten calls .get on each) in the middle of a run "
-    "(a chat endpoint sends them as they are), instead of a WorkloadError naming the line",
-)
 def test_a_chat_row_whose_messages_are_not_objects_is_refused_naming_its_line(tmp_path: Path) -> None:
     """A row's `messages` is a list of message objects; a list of strings is refused."""
     path = tmp_path / "data.jsonl"

@@ -121,7 +121,12 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         "--request-rate): one process reading tens of thousands of chunks a second times its "
         "own queue",
     )
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="per request, seconds")
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300.0,
+        help="per request, seconds: bounds the whole request, sending to its stream's end",
+    )
     p.add_argument(
         "--max-failure-rate",
         type=rate,
@@ -209,7 +214,12 @@ def _compare_parser(sub) -> None:
         default=True,
         help="ask the candidate for streamed answers (default) or whole ones",
     )
-    c.add_argument("--timeout", type=positive_float, default=300.0, help="per request, seconds")
+    c.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300.0,
+        help="per request, seconds: bounds the whole request, sending to its stream's end",
+    )
     c.add_argument("--policy", default="tie-tolerant", choices=["strict", "tie-tolerant"])
     c.add_argument("--tie-threshold", type=float, default=0.1)
     c.add_argument("--max-tie-rate", type=float, default=0.05)

@@ -29,6 +29,7 @@ kind; each class has its own exit status (see `ERRORS`):
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -150,9 +151,12 @@ async def ask_server(
     """Send one request and read the reply; raises AnswerError when it is not an answer."""
     path = "/v1/chat/completions" if ask.chat else "/v1/completions"
     body = request_body(endpoint, ask, logprobs, stream)
-    try:
-        r = await client.post(endpoint.base_url.rstrip("/") + path, json=body, headers=endpoint.headers())
-    except httpx.TimeoutException:
+    url = endpoint.base_url.rstrip("/") + path
+    try:  # the client's timeout bounds each wait for a byte and the whole reply
+        r = await asyncio.wait_for(
+            client.post(url, json=body, headers=endpoint.headers()), client.timeout.read
+        )
+    except (httpx.TimeoutException, asyncio.TimeoutError):
         raise AnswerError("timeout", f"no reply within {client.timeout.read} s") from None
     except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
         name = "truncated_stream" if stream else "malformed_body"

@@ -418,11 +418,14 @@ async def drain(pieces: AsyncIterator[bytes]) -> None:
 async def send(
     client: httpx.AsyncClient, endpoint: Endpoint, body: dict, index: int, run_start: float, timeout: float
 ) -> RequestRecord:
-    """Send one streaming request and time it. Never raises: failures are recorded."""
+    """Send one streaming request and time it. Never raises: failures are recorded. `timeout`
+    bounds the whole request, from sending to the stream's end (a server that keeps a stream
+    alive with a token now and then still runs out of it), and each wait for a byte."""
     sent = time.perf_counter()
     record = RequestRecord(index=index, send_s=sent - run_start)
     reader = StreamReader(endpoint, record, requested_tokens(body))
-    try:
+
+    async def exchange() -> RequestRecord:
         async with client.stream(
             "POST", endpoint.url, json=body, headers=endpoint.headers(), timeout=timeout
         ) as response:
@@ -435,10 +438,12 @@ async def send(
                 if reader.feed_bytes(piece, time.perf_counter() - sent):
                     await drain(pieces)  # the connection goes back to the pool
                     break
-    except httpx.TimeoutException:
+        return reader.finish()
+
+    try:
+        return await asyncio.wait_for(exchange(), timeout)
+    except (httpx.TimeoutException, asyncio.TimeoutError):
         record.error = f"timed out after {timeout} s"
-        return record
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
-        return record
-    return reader.finish()
+    return record

@@ -62,10 +62,16 @@ from reference_engine.demo import DEMO_TARGET
 # ----------------------------------------------------------------------------- a loopback server
 class Replies:
     """A server on loopback that answers every POST with (status, content type, body), after
-    `delay_s`, and keeps each request's headers and JSON body."""
+    `delay_s`, and keeps each request's headers and JSON body; with `every_s` the body's
+    events go out one at a time, that far apart."""
 
     def __init__(
-        self, status: int, body: bytes, content_type: str = "text/event-stream", delay_s: float = 0.0
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "text/event-stream",
+        delay_s: float = 0.0,
+        every_s: float = 0.0,
     ):
         self.headers: list[dict] = []
         self.bodies: list[dict] = []
@@ -84,7 +90,11 @@ class Replies:
                     self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    pieces = [e + b"\n\n" for e in body.split(b"\n\n") if e] if every_s else [body]
+                    for piece in pieces:
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                        time.sleep(every_s)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
@@ -172,6 +182,22 @@ def test_a_request_without_a_byte_within_the_timeout_says_it_timed_out() -> None
     with Replies(200, HONEST, delay_s=1.5) as server:
         record = bench(Endpoint(server.url), {"prompt": "x"}, timeout=0.3)
     assert not record.success and record.error == "timed out after 0.3 s"
+
+
+def test_a_stream_that_outlasts_the_timeout_times_out_though_its_tokens_keep_coming() -> None:
+    """The timeout is the request's, not each wait's: a stream that sends a token every 0.2 s
+    for 1.4 s fails at a timeout of 0.6 s (no single wait is that long), both as the load
+    generator sends it and as `harness compare` asks; with a timeout past its end it passes."""
+    events = [chunk(c, [i]) for i, c in enumerate("abcdef")] + [chunk("g", [9], "length")]
+    body = sse(*events)
+    with Replies(200, body, every_s=0.2) as server:
+        t0 = time.perf_counter()
+        record = bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 7}, timeout=0.6)
+        assert not record.success and record.error == "timed out after 0.6 s"
+        assert time.perf_counter() - t0 < 1.2
+        assert bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 7}, timeout=5.0).success
+        answer = ask(Endpoint(server.url), Ask(7, prompt="x"), stream=True, timeout=0.6)
+        assert isinstance(answer, AnswerError) and answer.name == "timeout"
 
 
 def test_the_e2e_time_is_the_last_token_bearing_chunks_and_usage_chunks_do_not_move_it() -> None:

@@ -149,17 +149,29 @@ def test_a_step_that_raises_is_an_error_and_fails_the_soak(tiny_pair, tmp_path: 
     assert "RuntimeError: step broke" in error and result["steps"] == 0
 
 
-def test_a_soak_output_differing_only_in_its_last_token_is_a_mismatch() -> None:
-    engine = SimpleNamespace(
+def soak_engine() -> SimpleNamespace:
+    """What soak.summary reads of an engine: a CPU engine without graphs, two slots."""
+    return SimpleNamespace(
         device="cpu",
         runner=SimpleNamespace(captured=False),
         numerics="exact",
         config=SimpleNamespace(max_num_seqs=2),
         stats=lambda: {"spec": {"mean_acceptance_length": 1.0}},
     )
+
+
+def test_a_soak_output_differing_only_in_its_last_token_is_a_mismatch() -> None:
+    engine = soak_engine()
     run = soak.Soak(finished={"a": ([1], 3, [4, 5, 6]), "b": ([2], 2, [7, 8])}, seconds=1.0)
     got = soak.summary(run, {"a": [4, 5, 9], "b": [7, 8]}, engine)
     assert got["mismatches"] == {"a": 2}
+
+
+def test_a_soaks_throughput_is_its_finished_tokens_over_its_seconds() -> None:
+    engine = soak_engine()
+    run = soak.Soak(finished={"a": ([1], 3, [4, 5, 6])}, seconds=4.0, output_tokens=10)
+    assert soak.summary(run, {"a": [4, 5, 6]}, engine)["output_tokens_per_s"] == 2.5
+    assert soak.summary(soak.Soak(), {}, engine)["output_tokens_per_s"] == 0.0
 
 
 def test_a_soak_of_a_model_without_a_draft_is_refused(tiny_checkpoint, capsys) -> None:

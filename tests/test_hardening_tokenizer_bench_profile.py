@@ -37,7 +37,6 @@ import csv
 import math
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -227,19 +226,6 @@ def test_repeats_exactly_ten_percent_apart_do_not_disagree() -> None:
     row = {"mode": "plain", "concurrency": 1, "x": 50.0, "x_min": 47.5, "x_max": 52.5}
     assert bench.disagreements(row, ["x"]) == []
     assert bench.disagreements({**row, "x_max": 52.6}, ["x"]) != []
-
-
-def test_a_soaks_throughput_is_its_finished_tokens_over_its_seconds() -> None:
-    engine = SimpleNamespace(
-        device="cpu",
-        runner=SimpleNamespace(captured=False),
-        numerics="exact",
-        config=SimpleNamespace(max_num_seqs=2),
-        stats=lambda: {"spec": {"mean_acceptance_length": 1.0}},
-    )
-    run = soak.Soak(finished={"a": ([1], 3, [4, 5, 6])}, seconds=4.0, output_tokens=10)
-    assert soak.summary(run, {"a": [4, 5, 6]}, engine)["output_tokens_per_s"] == 2.5
-    assert soak.summary(soak.Soak(), {}, engine)["output_tokens_per_s"] == 0.0
 
 
 def test_the_soak_reference_decodes_a_prompt_once_for_its_longest_request(tiny_checkpoint) -> None:

@@ -258,6 +258,9 @@ def test_the_last_layer_feature_is_a_setting_that_the_draft_config_records() -> 
 
 
 # ------------------------------------------------------------------ training/recipe.py: train and main
+EOS_ID = 2  # the stand-in tokenizer's end-of-sequence token
+
+
 @pytest.fixture
 def stages(monkeypatch: pytest.MonkeyPatch) -> list:
     """`train`'s stages replaced by stand-ins that write what a finished stage leaves and
@@ -267,10 +270,15 @@ def stages(monkeypatch: pytest.MonkeyPatch) -> list:
 
     def read_corpus(run, cache, lock):
         calls.append(("corpus", lock))
-        return SimpleNamespace(corpus=SimpleNamespace(train=(), heldout=()), stream=(), heldout_stream=())
+        tokenizer = SimpleNamespace(token_to_id=lambda token: EOS_ID)
+        return SimpleNamespace(
+            corpus=SimpleNamespace(train=(), heldout=()), stream=(), heldout_stream=(), tokenizer=tokenizer
+        )
 
     def train_target(run, data):
         calls.append(("target", run.deadline))
+        run.target_dir.mkdir(parents=True, exist_ok=True)
+        (run.target_dir / "config.json").write_text(json.dumps(run.recipe.target_config(EOS_ID)))
         (run.work / "target.json").write_text('{"stage": "target"}')
 
     def load_target(folder, dtype, device):

@@ -39,9 +39,7 @@ def adopt_pair(pair: Path, out: Path, recipe: Recipe, log: Callable[[str], None]
     results = json.loads(results_file.read_text())
     if not (work / "target.json").exists():
         tokenizer = Tokenizer.from_file(str(pair / "target" / "tokenizer.json"))
-        have = json.loads((pair / "target" / "config.json").read_text())
-        want = recipe.target_config(tokenizer.token_to_id(EOS_TOKEN))
-        differ = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+        differ = target_differences(pair / "target", recipe, tokenizer.token_to_id(EOS_TOKEN))
         if differ:
             raise CheckpointError(
                 f"--from-pair {pair}: its target is not the one this recipe trains "
@@ -57,3 +55,11 @@ def adopt_pair(pair: Path, out: Path, recipe: Recipe, log: Callable[[str], None]
         summary = {**results["draft"], "parameters": results["parameters"]["draft_own"]}
         (work / "draft.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(f"draft (DFlash): taken from {pair}")
+
+
+def target_differences(folder: Path, recipe: Recipe, eos_id: int) -> list[str]:
+    """The keys in which the target config.json in `folder` differs from the one `recipe`
+    writes (none: it is the target this recipe trains)."""
+    have = json.loads((folder / "config.json").read_text())
+    want = recipe.target_config(eos_id)
+    return sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))

@@ -34,10 +34,11 @@ import torch
 from ..checkpoint import load_target
 from ..config.draft import LAST_LAYER_FEATURES
 from ..demo import DEMO_DIR
-from ..errors import exit_with
+from ..errors import CheckpointError, exit_with
+from ..tokenizer import EOS_TOKEN
 from .corpus import LOCK, fetch, read_lock
 from .loops import Interrupted
-from .pair import adopt_pair
+from .pair import adopt_pair, target_differences
 from .settings import DRAFT_ARCHS, Recipe
 from .stages import (
     Run,
@@ -52,6 +53,24 @@ from .stages import (
 __all__ = ["Recipe", "draw_block_lengths", "main", "parse", "train"]
 
 STAGES = ("target", "draft")  # "draft": the draft of the recipe's draft_arch
+
+
+def check_finished_target(run: Run, eos_id: int) -> None:
+    """A run resumed in a folder whose target is finished goes on only with the recipe that
+    trained it: the draft is trained against it and the results name the recipe."""
+    config = run.target_dir / "config.json"
+    if not config.is_file():
+        raise CheckpointError(
+            f"{run.out}: work/target.json says the target is finished but {config} is missing; "
+            "remove work/target.json to train it again"
+        )
+    differ = target_differences(run.target_dir, run.recipe, eos_id)
+    if differ:
+        raise CheckpointError(
+            f"{run.out}: its finished target is not the one this recipe trains (config.json "
+            f"differs in {', '.join(differ)}); resume with the recipe that trained it, or give "
+            "another --out"
+        )
 
 
 def train(
@@ -91,6 +110,8 @@ def train(
 
     if not (run.work / "target.json").exists():
         train_target(run, data)
+    else:  # a finished target: the one this recipe trains, or the run stops here
+        check_finished_target(run, data.tokenizer.token_to_id(EOS_TOKEN))
     target_summary = json.loads((run.work / "target.json").read_text())
     if stop_after == "target":
         log(f"target done ({run.target_dir}); stopping as asked")

@@ -15,6 +15,33 @@ DRAFT_ARCHS = ("dflash", "dflash2")
 DFLASH2_WINDOW = 2048  # the published draft's sliding window, longer than any demo context
 
 
+# the settings that count something (steps, sizes, intervals): 0 or fewer cannot train
+POSITIVE_COUNTS = (
+    "vocab_size",
+    "tokenizer_chars",
+    "hidden_size",
+    "target_layers",
+    "draft_layers",
+    "block_size",
+    "seq_len",
+    "target_steps",
+    "validate_every",
+    "target_batch",
+    "prompt_len",
+    "continuations",
+    "draft_steps",
+    "draft_batch",
+    "anchors_per_seq",
+    "checkpoint_every",
+    "eval_prompts",
+    "eval_max_tokens",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+)
+LEARNING_RATES = ("target_lr", "draft_lr")
+
+
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 0
@@ -87,6 +114,22 @@ class Recipe:
         )
 
     def __post_init__(self) -> None:
+        for name in POSITIVE_COUNTS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in LEARNING_RATES:  # 0 trains nothing: the initial weights are written
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.position_decay > 0:
+            raise ValueError(f"position_decay must be > 0, got {self.position_decay!r}")
+        if not self.train_block_sizes or min(self.train_block_sizes) < 2:
+            raise ValueError(
+                f"train_block_sizes must be 2 or more each (a block of one has no slot to "
+                f"predict), got {list(self.train_block_sizes)}"
+            )
+        if not self.eval_block_sizes or min(self.eval_block_sizes) < 1:
+            raise ValueError(f"eval_block_sizes must be 1 or more each, got {list(self.eval_block_sizes)}")
         if self.max_files is not None and self.max_files < 2:
             raise ValueError(f"max_files must be at least 2, got {self.max_files}")
         if self.prompt_len + self.block_size > self.seq_len:

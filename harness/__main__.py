@@ -222,7 +222,13 @@ def _compare_parser(sub) -> None:
     )
     c.add_argument("--policy", default="tie-tolerant", choices=["strict", "tie-tolerant"])
     c.add_argument("--tie-threshold", type=float, default=0.1)
-    c.add_argument("--max-tie-rate", type=float, default=0.05)
+    c.add_argument(
+        "--max-tie-rate",
+        type=rate,
+        default=0.05,
+        help="tie-tolerant policy: fail when a level's ties per compared prompt pass this "
+        "fraction in [0, 1] (default 0.05)",
+    )
     c.add_argument("--max-divergences", type=positive_int, default=5)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument(
@@ -391,16 +397,19 @@ def client_processes(args, concurrency: int) -> int:
     return args.client_processes or client_processes_for(concurrency)
 
 
-def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of, loads: list[dict]) -> list[dict]:
-    """Measure every planned run not already done; `loads` gets each run's machine load
-    before and after it (meta.json's `machine_load`)."""
+def run(
+    args, servers: dict[str, ManagedServer], out: Path, endpoint_of, loads: list[dict], prompts: list
+) -> list[dict]:
+    """Measure every planned run not already done, each sending `prompts` (the warm-up's
+    first, then the measured ones: the same for every server and level); `loads` gets each
+    run's machine load before and after it (meta.json's `machine_load`)."""
     concurrencies = args.concurrency
     slo = {
         k: v
         for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms), ("e2e", args.slo_e2e_ms))
         if v is not None
     }
-    count = measured_count(args)
+    count = len(prompts) - args.warmup
     planned = {(label, c, r): count for c in concurrencies for r in range(args.repeats) for label in servers}
     skip: set = set()
     if args.resume:
@@ -418,7 +427,6 @@ def run(args, servers: dict[str, ManagedServer], out: Path, endpoint_of, loads: 
     trim_torn_tail(out / "requests.jsonl")
     summaries = []
     for c in concurrencies:
-        prompts = prompts_for(args, args.warmup + count)  # the same for A and B
         spec = LoadSpec(
             concurrency=c,
             num_prompts=count,
@@ -490,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:  # so is a workload that cannot be built
+        prompts = prompts_for(args, args.warmup + measured_count(args))
+    except (WorkloadError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     fresh = not out.exists()
     try:
@@ -536,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["tokenizer"] = args.tokenizer
         write_meta(out, meta)
         meta["machine_load"] = []
-        summaries = run(args, servers, out, endpoint_of, meta["machine_load"])
+        summaries = run(args, servers, out, endpoint_of, meta["machine_load"], prompts)
         if endpoints:
             meta["server_kinds"] = {label: e.accepts.as_dict() for label, e in endpoints.items()}
         write_meta(out, meta)

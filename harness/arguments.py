@@ -47,6 +47,8 @@ def concurrency_list(text: str) -> list[int]:
             ) from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"concurrency must be >= 1, got {value}")
+        if value in levels:  # two runs of one level would share a run's name
+            raise argparse.ArgumentTypeError(f"level {value} is named twice in {text!r}")
         levels.append(value)
     return levels
 

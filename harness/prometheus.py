@@ -125,6 +125,8 @@ def acceptance_from_counters(before: Snapshot | None, after: Snapshot | None) ->
     if before is None or after is None:
         return {}
     d = _differences(before, after)
+    if any(v < 0 for v in d.values()):  # a counter that fell started again: a restart
+        return {}
     drafts = d.get("drafts", 0.0)
     if drafts > 0:
         positions = sorted(int(k[4:]) for k in d if k.startswith("pos:"))
@@ -151,7 +153,7 @@ def counter_contradictions(
         return ""
     d = _differences(before, after)
     drafts, accepted, draft_tokens = d.get("drafts", 0.0), d.get("accepted", 0.0), d.get("draft_tokens")
-    if drafts <= 0:
+    if drafts <= 0 or any(v < 0 for v in d.values()):  # none, or a restart (acceptance_from_counters)
         return ""
     found = []
     if draft_tokens is not None and accepted > draft_tokens:

@@ -96,6 +96,16 @@ OWNERS = {"reference_engine": "ours", "vllm": "vllm", "sglang": "sglang", "lmdep
 METRIC_PREFIXES = {"dflash:": "ours", "vllm:": "vllm", "sglang:": "sglang", "lmdeploy:": "lmdeploy"}
 
 
+def _metric_names(page: str) -> set[str]:
+    """The metric names of a Prometheus text page's samples (comments are not samples)."""
+    names = set()
+    for line in page.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            names.add(line.split("{", 1)[0].split(None, 1)[0])
+    return names
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     kind: ServerKind
@@ -141,7 +151,10 @@ def probe(
             notes.append(f"/v1/models: {'no answer' if r is None else r.status_code}")
         r = _get(client, base + "/metrics", headers)
         if r is not None and r.status_code == 200:
-            prefix = next((k for p, k in METRIC_PREFIXES.items() if p in r.text), None)
+            names = _metric_names(r.text)
+            prefix = next(
+                (k for p, k in METRIC_PREFIXES.items() if any(n.startswith(p) for n in names)), None
+            )
             notes.append(f"/metrics: {prefix or 'no known prefix'}")
             guess = guess or prefix
         else:

@@ -13,7 +13,7 @@
   already there keeps it and what it held.
 - the command line (harness/__main__.py, harness/arguments.py): defaults, and the measured
   requests a level, as the docs give them; a refusal names its flag; a level named twice in
-  --concurrency is not measured twice under one run's name; a workload that cannot be built
+  --concurrency is refused (it would be measured twice under one run's name); a workload that cannot be built
   is refused before a server is started or a folder made; --max-tie-rate is a fraction.
 """
 
@@ -168,14 +168,6 @@ def test_a_page_in_the_full_text_format_reads_as_its_counts() -> None:
     assert got["acceptance_per_position"] == pytest.approx([0.9, 0.8])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/prometheus.py acceptance_from_counters() takes a fall only of the drafts "
-    "counter for a restarted server: when drafts rose past their earlier value but the "
-    "accepted tokens fell, it reports acceptance length 1 + (negative) / drafts (here -1.0) "
-    "and a negative rate; a counter that fell means the server counted from zero again, so "
-    "the run should get no counter acceptance ({})",
-)
 def test_a_server_restarted_between_the_scrapes_gives_no_acceptance_whichever_counter_fell() -> None:
     """The server restarted during the run and has drafted more since than it had before the
     run, but accepted fewer tokens: a counter that fell is a counter that started again."""
@@ -232,13 +224,6 @@ def test_the_api_key_goes_with_every_probe_request() -> None:
     assert asked["/v1/models"] == asked["/metrics"] == asked["/v1/completions"] == "Bearer sk-test"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/server_kind.py probe() looks for a metric prefix anywhere in the /metrics "
-    "text (`p in r.text`), so a page whose samples are all `sglang:` but whose HELP comment "
-    "names a `vllm:` metric is probed as vLLM; only the start of a sample's metric name "
-    "should say which server it is",
-)
 def test_a_prefix_named_in_a_help_comment_does_not_decide_the_kind() -> None:
     """An SGLang page whose HELP text mentions a vLLM metric (the metric it mirrors) is still
     SGLang's: comments are not metric names."""
@@ -285,38 +270,27 @@ def test_the_defaults_are_the_documented_ones() -> None:
     assert compare.policy == "tie-tolerant" and compare.tie_threshold == 0.1 and compare.max_tie_rate == 0.05
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/__main__.py run() loops over --concurrency as given, so `--concurrency 2,2` "
-    "measures level 2 twice under the same (label, concurrency, repeat): requests.jsonl holds "
-    "each (label, concurrency, repeat, index) twice and summary.csv two rows of one run; a "
-    "level named twice should be refused (exit 2 naming --concurrency) or measured once",
-)
-def test_a_level_named_twice_is_not_measured_twice_under_one_runs_name(tmp_path, capsys) -> None:
+def test_a_level_named_twice_is_refused_naming_the_flag(tmp_path, capsys) -> None:
+    """`--concurrency 2,2` would measure level 2 twice under one run's name (label, level,
+    repeat): it is refused, naming the flag and the level, before a folder is made; the same
+    levels once each are measured, each request once."""
     out = tmp_path / "twice"
     server, url = serve(Script([(0.0, [1]), (0.0, [2])]))
     try:
         argv = ["bench", "--base-url", url, *RUN, "--out", str(out)]
-        status = main([*argv, "--concurrency", "2,2"])
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--concurrency", "2,2"])
+        assert exit_.value.code == 2 and not out.exists()
+        err = capsys.readouterr().err
+        assert "--concurrency" in err and "level 2 is named twice" in err
+        assert main([*argv, "--concurrency", "2"]) == 0
     finally:
         server.shutdown()
-    err = capsys.readouterr().err
-    if status == 2:
-        assert "--concurrency" in err
-        return
     rows, _ = read_request_rows(out / "requests.jsonl")
     repeated = Counter((r["label"], r["concurrency"], r["repeat"], r["index"]) for r in rows)
-    assert max(repeated.values()) == 1, repeated
+    assert rows and max(repeated.values()) == 1, repeated
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/__main__.py main() builds the workload (prompts_for, in run()) only after it "
-    "has made the output folder and started the --a-cmd/--b-cmd servers, so an unknown "
-    "--builtin set starts (and waits on) a server before it is refused, and leaves a folder "
-    "of meta.json and bench_run.json; the workload should be checked first, like the other "
-    "bad arguments (exit 2, nothing started, no folder)",
-)
 def test_a_workload_that_cannot_be_built_is_refused_before_a_server_starts(tmp_path, capsys) -> None:
     marker = tmp_path / "started"
     script = tmp_path / "server.py"
@@ -329,12 +303,6 @@ def test_a_workload_that_cannot_be_built_is_refused_before_a_server_starts(tmp_p
     assert not marker.exists() and not out.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="harness/__main__.py declares compare's --max-tie-rate as a plain float, so a value "
-    "outside [0, 1] or nan is taken (nan lets every tie pass, since no rate is above it); it "
-    "should be refused like --max-failure-rate (arguments.rate: exit 2 naming the flag)",
-)
 @pytest.mark.parametrize("value", ["nan", "1.5", "-0.1"])
 def test_the_tie_rate_allowed_is_a_fraction(value: str, capsys) -> None:
     argv = ["compare", "--baseline", "http://h:1", "--candidate", "http://h:2", "--max-tie-rate", value]

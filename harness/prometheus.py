@@ -102,9 +102,11 @@ class MetricsPageError(ValueError):
 
 def scrape(metrics_url: str, timeout: float = 10.0) -> Snapshot | None:
     """Snapshot a server's /metrics; None when it has none (no answer, or not HTTP 200).
-    A page that is not Prometheus text raises MetricsPageError naming the URL and the fault."""
+    A page that is not Prometheus text raises MetricsPageError naming the URL and the fault.
+    Redirects are followed: a Prometheus app mounted at /metrics under Starlette (vLLM's,
+    SGLang's) answers `GET /metrics` with a 307 to `/metrics/`."""
     try:
-        response = httpx.get(metrics_url, timeout=timeout)
+        response = httpx.get(metrics_url, timeout=timeout, follow_redirects=True)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:

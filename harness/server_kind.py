@@ -113,8 +113,10 @@ class ProbeResult:
 
 
 def _get(client: httpx.Client, url: str, headers: dict) -> httpx.Response | None:
+    """A GET, following redirects (a Prometheus app mounted at /metrics answers with a 307 to
+    /metrics/); None when there is no answer."""
     try:
-        return client.get(url, headers=headers)
+        return client.get(url, headers=headers, follow_redirects=True)
     except httpx.HTTPError:
         return None
 

@@ -8,7 +8,8 @@
 - the probe (harness/server_kind.py): our server's page with vLLM's names beside its own is
   ours; what /v1/models says of its owner wins over the names on /metrics; a server of no
   known kind whose probe answer carries token ids is read by them; an API key goes with
-  every probe request; only a metric's name says which server it is, not a comment.
+  every probe request; only a metric's name says which server it is, not a comment; a page
+  behind a redirect (a Prometheus app mounted at /metrics) is read by the probe and the scrape.
 - the output folder (harness/__main__.py): a dead server's run into a folder that was
   already there keeps it and what it held.
 - the command line (harness/__main__.py, harness/arguments.py): defaults, and the measured
@@ -30,7 +31,7 @@ import pytest
 
 from harness.__main__ import main, measured_count, parser
 from harness.ab import free_port
-from harness.prometheus import acceptance_from_counters, parse
+from harness.prometheus import acceptance_from_counters, parse, scrape
 from harness.resume import read_request_rows
 from harness.server_kind import probe
 
@@ -45,10 +46,17 @@ COMPLETION = {
 class Site:
     """A loopback HTTP server answering GET /v1/models and /metrics with fixed bodies (None:
     404) and POST /v1/completions with `answer`; with `key`, every path wants it as a
-    bearer token (401 otherwise). It keeps the paths it was asked for and their headers."""
+    bearer token (401 otherwise); with `mounted`, the page is at /metrics/ and /metrics redirects
+    there, as a Prometheus app mounted under Starlette answers. It keeps the paths it was asked
+    for and their headers."""
 
     def __init__(
-        self, models: dict | None, metrics: str | None, key: str | None = None, answer: dict = COMPLETION
+        self,
+        models: dict | None,
+        metrics: str | None,
+        key: str | None = None,
+        answer: dict = COMPLETION,
+        mounted: bool = False,
     ) -> None:
         self.asked: list[tuple[str, str | None]] = []
         site = self
@@ -79,7 +87,12 @@ class Site:
                     return
                 if self.path == "/v1/models" and models is not None:
                     self.send(200, json.dumps(models).encode())
-                elif self.path == "/metrics" and metrics is not None:
+                elif self.path == "/metrics" and metrics is not None and mounted:
+                    self.send_response(307)
+                    self.send_header("Location", "/metrics/")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif self.path == ("/metrics/" if mounted else "/metrics") and metrics is not None:
                     self.send(200, metrics.encode(), "text/plain; version=0.0.4")
                 else:
                     self.send(404, b'{"detail": "Not Found"}')
@@ -222,6 +235,17 @@ def test_the_api_key_goes_with_every_probe_request() -> None:
         asked = dict(site.asked)
     assert found.kind.name == "sglang", found.kind.evidence
     assert asked["/v1/models"] == asked["/metrics"] == asked["/v1/completions"] == "Bearer sk-test"
+
+
+def test_a_metrics_page_behind_a_redirect_is_read_by_the_probe_and_the_scrape() -> None:
+    """A Prometheus app mounted at /metrics under Starlette answers `GET /metrics` with a 307 to
+    /metrics/: the probe still reads its names and the scrape its counters."""
+    page = spec_page("vllm:", 10, 70, 4, 0)
+    with Site({"object": "list", "data": []}, page, mounted=True) as site:
+        found = probe(site.url)
+        snapshot = scrape(site.url + "/metrics")
+    assert found.kind.name == "vllm", found.kind.evidence
+    assert snapshot is not None and snapshot["drafts"] == 10.0
 
 
 def test_a_prefix_named_in_a_help_comment_does_not_decide_the_kind() -> None:

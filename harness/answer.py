@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .client import Endpoint
+from .client import REASONING_FIELDS, Endpoint
 from .sse import event_data, server_error
 
 # error class -> (exit status of `harness compare`, what it means); 0 is a pass, 1 a
@@ -84,11 +84,6 @@ class Ask:
 
     def key(self) -> str:
         return json.dumps([self.max_tokens, self.prompt, self.messages], sort_keys=True)
-
-
-# the fields of a chat message (or delta) that carry generated reasoning text besides
-# `content`: `reasoning_content` (vLLM, SGLang, DeepSeek) and `reasoning` (vLLM's newer name)
-REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 @dataclass

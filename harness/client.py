@@ -158,8 +158,9 @@ def _flatten(messages) -> str:
     return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in messages or ())
 
 
-# where a chat delta carries a reasoning model's reasoning text (vLLM, SGLang: `reasoning_content`;
-# newer vLLM: `reasoning`), before its answer's `content`
+# the fields of a chat message (or delta) that carry generated reasoning text besides
+# `content`: `reasoning_content` (vLLM, SGLang, DeepSeek) and `reasoning` (vLLM's newer name;
+# a server moving between the names may send both, the same text)
 REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
@@ -266,7 +267,8 @@ class _Counter:
         text = choice.get("text")
         if text is None:  # a chat delta: a reasoning model's reasoning text is tokens too
             delta = choice.get("delta") or {}
-            text = "".join(delta.get(k) or "" for k in REASONING_FIELDS + ("content",))
+            reasoning = next((delta[k] for k in REASONING_FIELDS if delta.get(k)), "")
+            text = reasoning + (delta.get("content") or "")
         return self._from_text(text, record)
 
     def _from_text(self, text, record: RequestRecord) -> int:

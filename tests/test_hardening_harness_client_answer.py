@@ -308,6 +308,21 @@ def test_a_chat_streams_reasoning_deltas_carry_tokens() -> None:
     assert record.success and record.ttft_s == 0.1 and record.output_tokens == 3
 
 
+def test_a_chat_delta_with_its_reasoning_under_both_names_counts_it_once(tokenizer) -> None:
+    """A server moving between the field names sends a delta's reasoning as both
+    `reasoning_content` and `reasoning`, the same text: the tokens are counted once."""
+    endpoint = Endpoint("http://127.0.0.1:9", kind="chat", server=KNOWN["openai"], tokenizer=tokenizer)
+    reader = StreamReader(endpoint, RequestRecord(0, 0.0))
+    for now, delta, finish in [
+        (0.1, {"role": "assistant", "reasoning_content": "Let me", "reasoning": "Let me"}, None),
+        (0.2, {"content": " see"}, "stop"),
+    ]:
+        reader.event(json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}), now)
+    reader.event("[DONE]", 0.3)
+    record = reader.finish()
+    assert record.success and record.output_tokens == len(tokenizer.encode("Let me see"))
+
+
 # ----------------------------------------------------------------------------- answers compared
 def test_a_compared_request_never_asks_the_server_to_ignore_its_end_of_sequence() -> None:
     """`harness compare` checks answers as the server ends them: its requests carry no

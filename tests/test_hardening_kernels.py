@@ -80,12 +80,6 @@ def test_swiglu_over_rows_longer_than_one_column_block() -> None:
     assert_rows_close(got[..., 1024:], ref.silu_mul(gate[..., 1024:], up[..., 1024:]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/norms.py:80 `_row_view` reshapes to (-1, 0), which PyTorch cannot infer, so "
-    "silu_mul raises on rows of no columns before its own `if rows and n` guard (norms.py:143); "
-    "the reference returns the empty [rows, 0] result",
-)
 def test_swiglu_over_rows_of_no_columns_gives_an_empty_result() -> None:
     from reference_engine.kernels.norms import silu_mul
 
@@ -152,12 +146,6 @@ def test_a_query_of_a_group_that_does_not_divide_a_tile_gets_the_same_bits_alone
         assert torch.equal(block[0, 5], chunk[0, 30]), split
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/reference.py:210 (attention) takes visible_to.amax(1) over the query axis "
-    "(and, non-causal, positions[:, 0] or positions[:, -1:]), which raises for a step of no "
-    "queries; the Triton kernel returns the empty [batch, 0, heads, head_dim] result",
-)
 @pytest.mark.parametrize(("causal", "valid"), [(True, None), (False, None), (False, [1])])
 def test_attention_over_no_queries_gives_an_empty_result(causal: bool, valid) -> None:
     from reference_engine.kernels.attention import attention
@@ -210,13 +198,6 @@ def test_the_gated_delta_rule_with_a_key_dim_that_is_not_a_power_of_two() -> Non
     assert torch.equal(held[[0, 2]], before[[0, 2]])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/reference.py:464 (gated_delta_chunked, every block of 2 or more tokens) "
-    "reshapes its outputs to (batch, T, heads, -1), which PyTorch cannot infer for a batch of "
-    "0 rows, so the reference gated_delta raises on an empty batch; the Triton kernel returns "
-    "empty outputs and an empty final state",
-)
 @pytest.mark.parametrize("T", [2, 5])
 def test_the_gated_delta_rule_over_no_rows_gives_empty_results(T: int) -> None:
     from reference_engine.kernels.gated_delta import gated_delta
@@ -257,13 +238,6 @@ def test_gated_delta_inputs_with_a_key_dim_that_is_not_a_power_of_two() -> None:
         assert_rows_close(x, w)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/gated_delta.py:367 (_inputs_kernel) computes softplus(x) as log(1 + exp(x)) "
-    "in float32, where 1 + exp(x) rounds exp(x) off: a relative error in g of about 1e-4 at "
-    "x = -8 and 1e-2 at -12, and g exactly 0 below about -16.6; the reference's F.softplus is "
-    "log1p(exp(x)), exact to float32 there",
-)
 def test_the_decay_keeps_float32_precision_where_a_plus_dt_bias_is_very_negative() -> None:
     """g = -exp(A_log) * softplus(a + dt_bias): for a + dt_bias of -8, -12 and -20 softplus is
     e^x to float32 precision, not 0 or e^x with a few digits."""

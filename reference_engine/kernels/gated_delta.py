@@ -364,7 +364,12 @@ def _inputs_kernel(
     tl.store(k_ptr + out * DK + ks, k, mask=k_ok)
     tl.store(v_ptr + out * DV + vs, v, mask=v_ok)
     a = tl.load(a_ptr + bi * s_ab + t * s_at + h).to(tl.float32) + tl.load(dt_ptr + h).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # F.softplus's threshold
+    # F.softplus: log1p(e^a), to float32 precision where e^a is small (1 + e^a rounds it off:
+    # log(u) * y / (u - 1) is log1p(y) whichever way u rounded), a past its threshold of 20
+    y = tl.exp(a)
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    softplus = tl.where(a > 20.0, a, log1p)
     tl.store(g_ptr + out, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
     x = tl.load(b_ptr + bi * s_bb + t * s_bt + h)
     sig = 1.0 / (1.0 + tl.exp(-x.to(tl.float32)))

@@ -9,6 +9,8 @@ the Triton kernels promise invariance.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -77,7 +79,7 @@ def _row_view(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last] with contiguous rows, a view when x's rows are evenly strided (the
     column ranges of one fused projection are), else a copy."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n) if x.dim() > 1 else x.reshape(1, n)
+    rows = x.reshape(math.prod(x.shape[:-1]), n) if x.dim() > 1 else x.reshape(1, n)  # no -1: n may be 0
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 

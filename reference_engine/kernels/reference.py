@@ -193,6 +193,8 @@ def attention(
     block), every row up to the last real token of its row; a sliding window also hides rows
     w or more positions away. Returns [batch, T, heads, head_dim].
     """
+    if q.shape[1] == 0:  # a step with no queries (the masks below read a first position)
+        return torch.empty_like(q)
     keys = k_cache[:, :kv_len].index_select(0, slots)  # [batch, kv_len, kv_heads, head_dim]
     values = v_cache[:, :kv_len].index_select(0, slots)
     key_pos = torch.arange(kv_len, device=q.device)[None, None, :]
@@ -461,7 +463,7 @@ def gated_delta_chunked(
             carried = k[:, :, c] * (last - G[:, :, c]).exp()[..., None]
             state = last.exp()[..., None] * state + carried.transpose(-1, -2) @ u
     out = torch.stack(outputs, 2)  # [batch, heads, n, C, v_dim]
-    out = out.movedim(1, 3).reshape(batch, n * chunk, heads, -1)
+    out = out.movedim(1, 3).reshape(batch, n * chunk, heads, out.shape[-1])  # no -1: batch may be 0
     return out[:, :T], state
 
 

@@ -17,8 +17,8 @@ each against its PyTorch reference (kernels/reference.py) or against its own bit
 - greedy argmax over vocabularies smaller than one block, of one whole block, and of whole
   first-pass chunks, with the maximum at a chunk's last id and ties across a chunk edge;
 - empty inputs the kernels return empty results for, which the references and SwiGLU must
-  take as well: the gated delta rule over no rows, attention over no queries, SwiGLU over
-  rows of no columns.
+  take as well: the gated delta rule over no rows and over no tokens, attention over no
+  queries, SwiGLU over rows of no columns.
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
 they are imported), in float32 where they multiply tiles, with `tl.dot` row by row as on the
@@ -211,6 +211,24 @@ def test_the_gated_delta_rule_over_no_rows_gives_empty_results(T: int) -> None:
         out, none = kernel(q, k, v, g, beta, held, slots=torch.zeros(0, dtype=torch.int64, device=DEVICE))
         assert out.shape == (0, T, 2, 8) and none is None
         assert torch.equal(held, before)
+
+
+def test_the_gated_delta_rule_over_no_tokens_leaves_every_state_as_it_was() -> None:
+    """A block of no tokens: no outputs, and the final state is the state given (the kernel
+    launches nothing, where its first-token index would be -1); with slots, the slot states
+    are untouched."""
+    from reference_engine.kernels.gated_delta import gated_delta
+
+    q, k, v, g, beta, state = odd_delta_inputs(2, 0, 2, 16, 8)
+    state = rand(2, 2, 16, 8, seed=27)
+    for kernel in (gated_delta, ref.gated_delta):
+        out, final = kernel(q, k, v, g, beta, state)
+        assert out.shape == (2, 0, 2, 8) and torch.equal(final, state)
+        held = rand(3, 2, 16, 8, seed=28)
+        before = held.clone()
+        slots = torch.tensor([2, 0], device=DEVICE)
+        out, none = kernel(q, k, v, g, beta, held, slots=slots)
+        assert out.shape == (2, 0, 2, 8) and none is None and torch.equal(held, before)
 
 
 def delta_layer_inputs(batch: int, T: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int):

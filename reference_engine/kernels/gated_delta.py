@@ -194,7 +194,9 @@ def gated_delta(
                 f"expected ({batch}, {kept})"
             )
     result = (out, None) if slots is not None else (out, final)
-    if batch == 0:
+    if batch == 0 or T == 0:  # no tokens: every state is as it was (a launch would read token -1)
+        if slots is None:
+            final.copy_(state)
         return result
     _launch(
         (q, k, v, g, beta),

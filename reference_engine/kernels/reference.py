@@ -289,6 +289,9 @@ def gated_delta(
     `gated_delta_after` makes the state after any token of the block."""
     if states_out is not None and every < 1:
         raise ValueError(f"gated_delta: every must be >= 1 with states_out, got {every}")
+    if q.shape[1] == 0:  # no tokens: every state is as it was
+        out = v.new_empty(v.shape)
+        return (out, None) if slots is not None else (out, state.clone())
     if slots is not None:
         start = state.index_select(0, slots)
         if written_out is not None:  # nothing carried: the commit makes the state it needs

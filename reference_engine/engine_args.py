@@ -220,7 +220,8 @@ def resolve_device(name: str) -> torch.device:
 def checkpoint_dtype(config: dict) -> str | None:
     """The dtype a Hugging Face config.json names (`torch_dtype`, or transformers 5's `dtype`;
     a multimodal wrapper's from its `text_config` when the top level has none)."""
-    for source in (config, config.get("text_config") or {}):
+    text_config = config.get("text_config")
+    for source in (config, text_config if isinstance(text_config, dict) else {}):
         for key in ("torch_dtype", "dtype"):
             if isinstance(source.get(key), str):
                 return source[key]

@@ -89,7 +89,11 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
         raise CheckpointError(
             f"{model_dir}: no tokenizer.json; pass token ids (--prompt-ids) instead of text"
         )
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot read
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read ({reason})") from None
 
 
 def _byte_level_bytes() -> dict[str, int]:

@@ -18,10 +18,11 @@ serving/engine_build.py, generate.py, demo.py, errors.py), where the existing te
   `--numerics` the plain loop and the speculative engine; `--top-k 1` sampling is greedy.
 - `demo_prompts` reads one prompt a line and skips blank lines; the demo pair's paths hold a
   target, both drafts and the prompts.
-- known bugs, pinned as strict xfails: a `--max-model-len` past the target's
-  max_position_embeddings is cut to it without a word (vLLM refuses it), a tokenizer.json the
-  tokenizers library cannot read ends `generate` and `serve` with a traceback, and a config
-  whose `text_config` is not an object ends `--dtype auto` with a traceback.
+- refusals in one line, never a cut or a traceback: a `--max-model-len` past the target's
+  max_position_embeddings is refused naming the flag (vLLM refuses it; it was cut to the
+  positions without a word), a tokenizer.json the tokenizers library cannot read ends
+  `generate` and `serve` with one error line, and a config whose `text_config` is not an
+  object is no trouble for `--dtype auto`.
 
 The tiny dense Qwen3 pair of block size 4 (`served_pair`), on the CPU; no server listens.
 """
@@ -304,12 +305,6 @@ def test_the_demo_pair_paths_hold_a_target_both_drafts_and_the_prompts() -> None
 
 
 # ------------------------------------------------------------------ known bugs
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/decode.py:33 context_length takes min(max_position_embeddings, "
-    "max_model_len): a --max-model-len past the target's max_position_embeddings (4096 here) "
-    "is cut to it without a word, where vLLM refuses it and the help promises that context",
-)
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_a_max_model_len_past_the_targets_positions_is_refused(served_pair, capsys, command: str) -> None:
     target, _ = served_pair
@@ -337,12 +332,6 @@ def broken_tokenizer(copy_checkpoint, target: str) -> Path:
     return path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tokenizer.py:92 load_tokenizer lets the tokenizers library's bare Exception for a "
-    "tokenizer.json it cannot read escape, and generate.py:169 catches only "
-    "ReferenceEngineError: a traceback and exit 1, not one error line and exit 2",
-)
 def test_generate_refuses_a_tokenizer_it_cannot_read_with_one_line(
     served_pair, copy_checkpoint, capsys
 ) -> None:
@@ -351,12 +340,6 @@ def test_generate_refuses_a_tokenizer_it_cannot_read_with_one_line(
     one_error_line(code, out, err, "tokenizer.json")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serving/service.py:48 calls load_tokenizer, whose tokenizer.json the tokenizers "
-    "library cannot read raises a bare Exception, and serving/server.py:50 catches only "
-    "ReferenceEngineError: the server's start ends with a traceback, not one error line and exit 2",
-)
 def test_serve_refuses_a_tokenizer_it_cannot_read_with_one_line(
     served_pair, copy_checkpoint, capsys, monkeypatch
 ) -> None:
@@ -366,12 +349,6 @@ def test_serve_refuses_a_tokenizer_it_cannot_read_with_one_line(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine_args.py:225 checkpoint_dtype calls .get on config.json's text_config without "
-    "checking that it is an object: `--dtype auto` on a config whose text_config is a string ends "
-    "generate with an AttributeError traceback (the target's loader ignores the field)",
-)
 def test_dtype_auto_on_a_text_config_that_is_not_an_object_is_no_traceback(
     served_pair, copy_checkpoint, capsys
 ) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import RequestError
+from ..errors import ConfigError, RequestError
 from ..kernels import TORCH, Kernels, select
 from ..models import CausalLM
 from .request import SamplingParams, new_generator, validate_prompt
@@ -29,8 +29,16 @@ class GenerationResult:
 
 
 def context_length(model: CausalLM, max_model_len: int | None = None) -> int:
+    """The context a request may fill: `max_model_len`, at most the target's positions (the
+    default). A length past them is refused, as vLLM refuses it: the model was not trained
+    there, and cutting it without a word would break what the user asked for."""
     limit = model.config.max_position_embeddings
-    return limit if max_model_len is None else min(limit, max_model_len)
+    if max_model_len is not None and max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len {max_model_len} is past the target's max_position_embeddings "
+            f"({limit}): give --max-model-len {limit} or less"
+        )
+    return limit if max_model_len is None else max_model_len
 
 
 def stop_ids(model: CausalLM, params: SamplingParams) -> frozenset[int]:

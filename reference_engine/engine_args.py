@@ -77,7 +77,8 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
     ),
     "max_model_len": EngineOption(
         ("--max-model-len",),
-        "context length (default: the target's max_position_embeddings)",
+        "context length (default, and most: the target's max_position_embeddings; a longer one is "
+        "refused, as vLLM refuses it)",
         {"type": int, "default": None},
     ),
     "prefill_chunk": EngineOption(

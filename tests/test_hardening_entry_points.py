@@ -304,7 +304,7 @@ def test_the_demo_pair_paths_hold_a_target_both_drafts_and_the_prompts() -> None
     assert all(row["prompt"] and row["prompt_ids"] for row in prompts)
 
 
-# ------------------------------------------------------------------ known bugs
+# ------------------------------------------------------------------ refusals in one line
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_a_max_model_len_past_the_targets_positions_is_refused(served_pair, capsys, command: str) -> None:
     target, _ = served_pair

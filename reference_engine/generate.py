@@ -35,8 +35,11 @@ from .tokenizer import load_tokenizer
 
 
 def parse_id_list(text: str, what: str) -> list[int]:
+    """ "1,2,3" -> [1, 2, 3]; an empty text is no ids, an empty entry ("1,,3") a mistake."""
+    if not text.strip():
+        return []
     try:
-        return [int(part) for part in text.split(",") if part.strip() != ""]
+        return [int(part) for part in text.split(",")]
     except ValueError:
         raise RequestError(f"{what} must be comma-separated integers, got {text!r}") from None
 

@@ -190,7 +190,13 @@ def engine_config(args: Any, **settings: Any) -> EngineConfig:
     a command decides itself, or replace a given one."""
     names = {f.name for f in fields(EngineConfig)}
     given = {name: getattr(args, name) for name in ENGINE_OPTIONS if name in names and hasattr(args, name)}
-    return EngineConfig(**{**given, **settings})
+    try:
+        return EngineConfig(**{**given, **settings})
+    except ConfigError as exc:  # named by its flag, the name the user gave it by
+        flag = next((ENGINE_OPTIONS[n].flags[0] for n in given if str(exc).startswith(f"{n} ")), None)
+        if flag is None:
+            raise
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 HALF_PRECISION = ("bfloat16", "float16")

@@ -144,17 +144,29 @@ def test_dtype_auto_reads_a_wrappers_text_config_only_when_the_top_level_names_n
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1], got 1.5"),
-        (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be in (0, 1], got 0.0"),
-        (["--gpu-memory-utilization", "-0.5"], "gpu_memory_utilization must be in (0, 1], got -0.5"),
-        (["--gpu-memory-utilization", "nan"], "gpu_memory_utilization must be in (0, 1], got nan"),
-        (["--max-num-seqs", "0"], "max_num_seqs must be positive, got 0"),
+        (
+            ["--gpu-memory-utilization", "1.5"],
+            "--gpu-memory-utilization: gpu_memory_utilization must be in (0, 1], got 1.5",
+        ),
+        (
+            ["--gpu-memory-utilization", "0"],
+            "--gpu-memory-utilization: gpu_memory_utilization must be in (0, 1], got 0.0",
+        ),
+        (
+            ["--gpu-memory-utilization", "-0.5"],
+            "--gpu-memory-utilization: gpu_memory_utilization must be in (0, 1], got -0.5",
+        ),
+        (
+            ["--gpu-memory-utilization", "nan"],
+            "--gpu-memory-utilization: gpu_memory_utilization must be in (0, 1], got nan",
+        ),
+        (["--max-num-seqs", "0"], "--max-num-seqs: max_num_seqs must be positive, got 0"),
         (
             ["--prefill-chunk", "64", "--max-num-batched-tokens", "32"],
-            "max_num_batched_tokens must be at least",
+            "--max-num-batched-tokens: max_num_batched_tokens must be at least",
         ),
-        (["--max-model-len", "1"], "max_model_len must be >= 2, got 1"),
-        (["--steps-per-turn", "0"], "steps_per_turn must be >= 1, got 0"),
+        (["--max-model-len", "1"], "--max-model-len: max_model_len must be >= 2, got 1"),
+        (["--steps-per-turn", "0"], "--steps-per-turn: steps_per_turn must be >= 1, got 0"),
     ],
     ids=[
         "share-above-1",
@@ -170,6 +182,7 @@ def test_dtype_auto_reads_a_wrappers_text_config_only_when_the_top_level_names_n
 def test_serve_refuses_an_engine_option_out_of_range_at_start_with_one_line(
     served_pair, capsys, monkeypatch, argv: list[str], message: str
 ) -> None:
+    """One line naming the flag the user gave, then what is wrong with its value."""
     target, _ = served_pair
     one_error_line(*start_serve(monkeypatch, capsys, "--model", target, "--device", "cpu", *argv), message)
 
@@ -357,9 +370,7 @@ def test_dtype_auto_on_a_text_config_that_is_not_an_object_is_no_traceback(
     del config["torch_dtype"]
     (path / "config.json").write_text(json.dumps({**config, "text_config": "qwen3"}))
     code, out, err = run_generate(capsys, "--model", str(path), "--prompt-ids", PROMPT, "--max-tokens", "2")
-    assert code in (0, 2) and "Traceback" not in err
-    if code == 2:
-        one_error_line(code, out, err, "text_config")
+    assert code == 0 and "Traceback" not in err, err  # the loader ignores the field; so does auto
 
 
 def test_errors_are_printed_as_one_line_with_status_2(capsys) -> None:

@@ -45,6 +45,7 @@ from reference_engine.serving.args import ServeArgs
 from reference_engine.serving.engine_build import build_engine, engine_loop_mode
 from reference_engine.serving.lifecycle import Lifecycle
 from reference_engine.serving.server import main as serve_main
+from tests.test_engine_args import GIVEN
 
 PROMPT = "3,17,101,44,9"
 
@@ -215,23 +216,10 @@ def test_a_block_size_past_the_drafts_is_refused_by_serve_and_generate_and_the_d
 
 
 # ------------------------------------------------------------------ serve's options reach its engine
-SERVED = {
-    "block_size": 3,
-    "commit_strategy": "per_token",
-    "gpu_memory_utilization": 0.5,
-    "max_num_seqs": 3,
-    "max_model_len": 300,
-    "prefill_chunk": 64,
-    "max_num_batched_tokens": 96,
-    "verify_width": "fixed",
-    "kv_cache_tokens": 4096,
-    "kv_cell_tokens": 128,
-    "numerics": "fast",
-    "enforce_eager": True,
-    "device_phase_times": True,
-    "steps_per_turn": 3,
-    "draft_span": "verify",
-}
+# every engine option serve offers, given a value other than its default (tests/test_engine_args.py's;
+# checkpoint_every is the engine benchmark's alone), the block size below the draft's 4 and the
+# numerics other than the default
+SERVED = {**{k: v for k, v in GIVEN.items() if k != "checkpoint_every"}, "block_size": 3, "numerics": "fast"}
 
 
 def test_every_engine_option_serve_is_given_reaches_the_engine_it_builds(served_pair) -> None:

@@ -39,7 +39,7 @@ triton = pytest.importorskip("triton")
 
 from reference_engine.kernels import reference as ref  # noqa: E402
 from tests.interpreter import row_invariant_dots  # noqa: E402
-from tests.kernel_inputs import DEVICE, rand  # noqa: E402
+from tests.kernel_inputs import DEVICE, delta_inputs, rand  # noqa: E402
 
 pytestmark = [
     pytest.mark.kernels,
@@ -161,16 +161,6 @@ def test_attention_over_no_queries_gives_an_empty_result(causal: bool, valid) ->
 
 
 # ----------------------------------------------------------------------------- gated delta rule
-def odd_delta_inputs(batch: int, T: int, heads: int, dk: int, dv: int):
-    q = torch.nn.functional.normalize(rand(batch, T, heads, dk, seed=21), dim=-1) * dk**-0.5
-    k = torch.nn.functional.normalize(rand(batch, T, heads, dk, seed=22), dim=-1)
-    v = rand(batch, T, heads, dv, seed=23)
-    g = -rand(batch, T, heads, seed=24).abs()
-    beta = torch.sigmoid(rand(batch, T, heads, seed=25))
-    state = rand(batch, heads, dk, dv, seed=26)
-    return q, k, v, g, beta, state
-
-
 def test_the_gated_delta_rule_with_a_key_dim_that_is_not_a_power_of_two() -> None:
     """k_dim 24 (a state tile of 32 rows, 8 of them masked) and v_dim 20 (one value block of
     32, 12 columns masked), over 3 heads: outputs, the state after every token and the final
@@ -179,7 +169,7 @@ def test_the_gated_delta_rule_with_a_key_dim_that_is_not_a_power_of_two() -> Non
     from reference_engine.kernels.gated_delta import gated_delta
 
     batch, T, heads, dk, dv = 2, 5, 3, 24, 20
-    q, k, v, g, beta, state = odd_delta_inputs(batch, T, heads, dk, dv)
+    q, k, v, g, beta, state = delta_inputs(batch, T, heads, dk, dv)
     valid = torch.tensor([3, 5], device=DEVICE)
     got_states = torch.full((batch, T, heads, dk, dv), float("nan"), device=DEVICE)
     want_states = torch.zeros_like(got_states)
@@ -202,7 +192,7 @@ def test_the_gated_delta_rule_with_a_key_dim_that_is_not_a_power_of_two() -> Non
 def test_the_gated_delta_rule_over_no_rows_gives_empty_results(T: int) -> None:
     from reference_engine.kernels.gated_delta import gated_delta
 
-    q, k, v, g, beta, state = odd_delta_inputs(0, T, 2, 16, 8)
+    q, k, v, g, beta, state = delta_inputs(0, T, 2, 16, 8)
     for kernel in (gated_delta, ref.gated_delta):
         out, final = kernel(q, k, v, g, beta, state)
         assert out.shape == (0, T, 2, 8) and final.shape == (0, 2, 16, 8)
@@ -219,7 +209,7 @@ def test_the_gated_delta_rule_over_no_tokens_leaves_every_state_as_it_was() -> N
     are untouched."""
     from reference_engine.kernels.gated_delta import gated_delta
 
-    q, k, v, g, beta, state = odd_delta_inputs(2, 0, 2, 16, 8)
+    q, k, v, g, beta, state = delta_inputs(2, 0, 2, 16, 8)
     state = rand(2, 2, 16, 8, seed=27)
     for kernel in (gated_delta, ref.gated_delta):
         out, final = kernel(q, k, v, g, beta, state)

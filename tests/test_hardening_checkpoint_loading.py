@@ -5,7 +5,7 @@ and its gate, Gated DeltaNet key and value head dims that differ, an explicit he
 is not hidden / heads, `mtp.*` and `model.visual.*` beside them) loads every tensor into the
 parameter of its name; bfloat16 tensors outside float16's range widen exactly; a tensor
 stored under both its wrapper name and its text-only name is refused, not picked by name
-order.
+order, and so are experts stored one tensor per expert under both prefixes.
 
 Also pinned: the shard index's refusals name the file (the last shard missing, a shard
 that lacks the tensor the index maps to it); the defaults of an absent field as
@@ -223,13 +223,6 @@ def test_bfloat16_tensors_outside_float16s_range_widen_exactly(tmp_path: Path) -
     assert torch.isfinite(loaded).all() and (loaded[0, :2] != 0).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoint/__init__.py _sources (by_canonical[canonical] = name) keeps the last of two "
-    "checkpoint names that map to one parameter: a wrapper checkpoint holding model.norm.weight "
-    "beside model.language_model.norm.weight loads the stray text-only one (the later name) without "
-    "a word, where it should refuse the ambiguity naming both",
-)
 def test_a_wrapper_tensor_also_stored_under_its_text_only_name_is_refused(
     tiny_checkpoint: TinyCheckpoint, copy_checkpoint: CopyCheckpoint
 ) -> None:
@@ -239,6 +232,22 @@ def test_a_wrapper_tensor_also_stored_under_its_text_only_name_is_refused(
     save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.language_model\.norm\.weight.*model\.norm\.weight"):
         load_target(path)
+
+
+def test_experts_stored_one_per_expert_under_both_prefixes_are_refused(tmp_path: Path) -> None:
+    """The per-expert tensors of one layer under the wrapper's prefix and again under the
+    text-only one are two copies of the experts: refused naming both, not the last read."""
+    tensors = literal_wrapper_tensors()
+    for e in range(EXPERTS):
+        for proj in ("gate", "up", "down"):
+            name = f"model.language_model.layers.1.mlp.experts.{e}.{proj}_proj.weight"
+            tensors[name.replace("language_model.", "")] = torch.zeros_like(tensors[name])
+    write_literal_wrapper(tmp_path / "twice", tensors, shards=2)
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.language_model\.layers\.1\.mlp\.experts and under model\.layers\.1\.mlp\.experts",
+    ):
+        load_target(tmp_path / "twice")
 
 
 # ----------------------------------------------------------------------------- the shard index

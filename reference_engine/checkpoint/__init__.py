@@ -164,12 +164,19 @@ def _sources(
             continue
         match = PER_EXPERT.fullmatch(canonical)
         if match and f"{match['experts']}.down_proj" in expected:
-            per_expert[match["experts"]] = name[: name.rindex(f".{match['id']}.{match['proj']}_proj.weight")]
+            prefix = name[: name.rindex(f".{match['id']}.{match['proj']}_proj.weight")]
+            if per_expert.setdefault(match["experts"], prefix) != prefix:
+                raise CheckpointError(
+                    f"{path}: per-expert tensors under {per_expert[match['experts']]} and under {prefix} "
+                    f"are both the experts {match['experts']}; expected one of them"
+                )
             per_expert_names.append(name)
             continue
         if canonical not in expected:
             unexpected.append(name)
-        by_canonical[canonical] = name
+        if by_canonical.setdefault(canonical, name) != name:
+            first, second = sorted((by_canonical[canonical], name))
+            raise CheckpointError(f"{path}: {first} and {second} are both {canonical}; expected one of them")
     present = set(names)
     sources: dict[str, Source] = {}
     missing = []

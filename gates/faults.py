@@ -21,7 +21,8 @@ import torch
 
 from reference_engine.kernels import TORCH
 from reference_engine.models import dflash2 as dflash2_module
-from reference_engine.models.dflash import DFlashDraft
+from reference_engine.models.dflash import DFlashDraft, DraftState
+from reference_engine.models.dflash2 import GroupedDynamicConv
 from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime import speculative_step as speculative_step_module
@@ -34,6 +35,7 @@ from reference_engine.runtime.scheduler import Scheduler
 from reference_engine.runtime.sequence import Phase, Sequence
 from reference_engine.runtime.speculative_step import SpeculativeStep
 from reference_engine.runtime.stats import SpecCounters
+from reference_engine.serving import stop_strings as stop_strings_module
 from reference_engine.serving.async_engine import AsyncEngine
 from reference_engine.serving.engine_process import ProcessEngine
 from reference_engine.serving.generation import Generation
@@ -660,6 +662,48 @@ def _turn_positions_one_behind(correct):
     return next_positions
 
 
+def _conv_drops_last_tap(correct):
+    def grouped_conv(x, base, delta):
+        base, delta = base.clone(), delta.clone()
+        base[-1] = 0
+        delta[:, :, -1] = 0
+        return correct(x, base, delta)
+
+    return grouped_conv
+
+
+def _after_conv_reads_before_side(correct):
+    def forward(self, x, delta, side):
+        return correct(self, x, delta, 0)
+
+    return forward
+
+
+def _first_listed_stop_cuts(correct):
+    def earliest(text, stops, start):
+        for stop in stops:
+            at = text.find(stop, start)
+            if at >= 0:
+                return at  # the first stop string listed, not the one that begins first
+        return None
+
+    return earliest
+
+
+def _logit_bias_from_second_token(correct):
+    def apply_penalties(logits, output_ids, params):
+        return correct(logits, output_ids, params if output_ids else replace(params, logit_bias=()))
+
+    return apply_penalties
+
+
+def _draft_rows_are_slots(correct):
+    def cache_rows(self, slots):
+        return slots
+
+    return cache_rows
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault(
         "hybrid: keep the Gated DeltaNet state of the whole verified block",
@@ -1009,6 +1053,40 @@ FAULTS: dict[str, Fault] = {
         "before where the step before it left the row",
         "next_positions",
         _turn_positions_one_behind,
+    ),
+    "dflash2_conv_drops_last_tap": Fault(
+        "DFlash2: the grouped convolution leaves out its last tap (lossless: costs acceptance only)",
+        "grouped_conv",
+        _conv_drops_last_tap,
+        dflash2_module,
+    ),
+    "dflash2_after_conv_reads_before_side": Fault(
+        "DFlash2: the convolution after each sublayer runs the before side's tap table (lossless: "
+        "costs acceptance only)",
+        "forward",
+        _after_conv_reads_before_side,
+        GroupedDynamicConv,
+    ),
+    "stop_string_first_listed_cuts": Fault(
+        "server: when a token completes two stop strings, the text is cut at the first one listed, "
+        "not at the one that begins first",
+        "earliest",
+        _first_listed_stop_cuts,
+        stop_strings_module,
+    ),
+    "logit_bias_from_second_token": Fault(
+        "token choice: a request's logit bias applies from its second token on (the first, chosen "
+        "from the prefill's logits, goes unbiased)",
+        "apply_penalties",
+        _logit_bias_from_second_token,
+        token_choice_module,
+    ),
+    "pooled_draft_rows_are_slots": Fault(
+        "pooled KV cache: the draft's context keys and values go to the rows of the slot ids, not "
+        "to the request's cells (lossless: costs acceptance only)",
+        "cache_rows",
+        _draft_rows_are_slots,
+        DraftState,
     ),
 }
 

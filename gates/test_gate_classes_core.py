@@ -33,9 +33,17 @@ from reference_engine.serving.stop_strings import StopStringText
 
 from . import test_kv_pool as pool_gate
 from .checks import Pair, require_block
+from .faults import planted
 from .hooks import hooked
 
 BLOCK = 8
+CATCHES = (
+    "dflash2_conv_drops_last_tap",
+    "dflash2_after_conv_reads_before_side",
+    "logit_bias_from_second_token",
+    "pooled_draft_rows_are_slots",
+    "stop_string_first_listed_cuts",
+)
 
 
 def dflash2_only(pair: Pair) -> None:
@@ -75,6 +83,26 @@ def conv_by_definition(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor)
 def test_dflash2_convolution_in_the_engine_equals_its_definition(pair: Pair) -> None:
     dflash2_only(pair)
     require_block(pair, BLOCK)
+    check_dflash2_convolution(pair)
+
+
+@pytest.mark.parametrize(
+    ("fault", "caught"),
+    [
+        ("dflash2_conv_drops_last_tap", "differs from its definition"),
+        ("dflash2_after_conv_reads_before_side", "another tap table"),
+    ],
+)
+def test_the_convolution_gate_catches_a_dropped_tap_and_a_swapped_side(
+    pair: Pair, fault: str, caught: str
+) -> None:
+    dflash2_only(pair)
+    require_block(pair, BLOCK)
+    with planted(fault), pytest.raises(AssertionError, match=caught):
+        check_dflash2_convolution(pair)
+
+
+def check_dflash2_convolution(pair: Pair) -> None:
     seen: list[tuple[torch.Tensor, ...]] = []
 
     def recording(correct):
@@ -155,6 +183,17 @@ def test_logit_bias_applies_to_the_first_token_too(pair: Pair, speculative: bool
     """A bias large enough to decide every token: the output is that token from the first on,
     in a batch beside an unbiased request that decodes as plain greedy alone."""
     require_block(pair, BLOCK)
+    check_logit_bias(pair, speculative)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+def test_the_logit_bias_gate_catches_a_bias_that_skips_the_first_token(pair: Pair, speculative: bool) -> None:
+    require_block(pair, BLOCK)
+    with planted("logit_bias_from_second_token"), pytest.raises(AssertionError, match="did not decide"):
+        check_logit_bias(pair, speculative)
+
+
+def check_logit_bias(pair: Pair, speculative: bool) -> None:
     free = SamplingParams(max_tokens=6, ignore_eos=True)
     first = generate_plain(pair.target, list(pair.prompts[0]), free).output_ids[0]
     favoured = (first + 1) % pair.target.config.vocab_size  # never the unbiased first token
@@ -165,9 +204,9 @@ def test_logit_bias_applies_to_the_first_token_too(pair: Pair, speculative: bool
     engine.add_request("free", list(pair.prompts[1]), free)
     while engine.has_unfinished():
         engine.step()
-    assert engine.collect("biased").output_ids == [favoured] * 6, (
-        f"{pair.name}: a logit bias of 100 on {favoured} did not decide every token: "
-        f"{engine.collect('biased').output_ids}"
+    biased_ids = engine.collect("biased").output_ids
+    assert biased_ids == [favoured] * 6, (
+        f"{pair.name}: a logit bias of 100 on {favoured} did not decide every token: {biased_ids}"
     )
     want = generate_plain(pair.target, list(pair.prompts[1]), free).output_ids
     assert engine.collect("free").output_ids == want
@@ -200,6 +239,16 @@ def test_a_pooled_cache_changes_no_draft_proposal(pair: Pair) -> None:
     drafts on a cache of one room per slot (the draft is batch-invariant, and the default
     verify width is the whole block, so the steps are the same ones)."""
     require_block(pair, pool_gate.BLOCK)
+    check_pooled_drafts(pair)
+
+
+def test_the_pooled_draft_gate_catches_draft_rows_that_ignore_the_cells(pair: Pair) -> None:
+    require_block(pair, pool_gate.BLOCK)
+    with planted("pooled_draft_rows_are_slots"), pytest.raises(AssertionError, match="pooled KV cache"):
+        check_pooled_drafts(pair)
+
+
+def check_pooled_drafts(pair: Pair) -> None:
     pooled, slots = drafted_by_request(pair, True), drafted_by_request(pair, False)
     assert sum(len(steps) for steps in slots.values()) > 10
     for rid, want in slots.items():
@@ -231,6 +280,18 @@ def test_stop_strings_cut_by_their_definition_for_every_chunking() -> None:
     cut from the text itself or absent, each output pushed in chunks of 1, 2, 3 and 8
     tokens: the text and ids are the definition's, and the streamed text never holds a part
     of a stop string that the output's end then completes."""
+    check_stop_strings()
+
+
+def test_the_stop_string_gate_catches_a_cut_at_the_first_listed_stop() -> None:
+    with (
+        planted("stop_string_first_listed_cuts"),
+        pytest.raises(AssertionError, match="the definition gives"),
+    ):
+        check_stop_strings()
+
+
+def check_stop_strings() -> None:
     rng = random.Random(5)
     cases = 0
     for _ in range(150):

@@ -40,6 +40,7 @@ BLOCK = 8
 CATCHES = (
     "dflash2_conv_drops_last_tap",
     "dflash2_after_conv_reads_before_side",
+    "dflash2_sampled_walk_ignores_predecessor",
     "logit_bias_from_second_token",
     "pooled_draft_rows_are_slots",
     "stop_string_first_listed_cuts",
@@ -142,6 +143,20 @@ TEMPERATURE = 0.7
 def test_a_sampled_dflash2_walk_draws_from_the_edges_of_the_candidate_drawn_before(pair: Pair) -> None:
     dflash2_only(pair)
     require_block(pair, BLOCK)
+    check_sampled_walk(pair)
+
+
+def test_the_walk_gate_catches_a_walk_from_the_first_candidate(pair: Pair) -> None:
+    dflash2_only(pair)
+    require_block(pair, BLOCK)
+    with (
+        planted("dflash2_sampled_walk_ignores_predecessor"),
+        pytest.raises(AssertionError, match="drawn before"),
+    ):
+        check_sampled_walk(pair)
+
+
+def check_sampled_walk(pair: Pair) -> None:
     seen: list[tuple[torch.Tensor, ...]] = []
 
     def recording(correct):

@@ -197,14 +197,25 @@ def _repeat_spread(results: ResultSet, agg: pd.DataFrame) -> str | None:
     )
 
 
+def _load_reading(run) -> dict | None:
+    """A machine_load entry's `before` reading ({"load": [1-, 5-, 15-minute], "cpus": n}),
+    or None where the entry does not hold one in that shape (a hand-edited meta.json)."""
+    before = run.get("before") if isinstance(run, dict) else None
+    if not isinstance(before, dict):
+        return None
+    load, cpus = before.get("load"), before.get("cpus")
+    numbers = isinstance(load, list) and load and all(isinstance(x, int | float) for x in load)
+    return before if numbers and isinstance(cpus, int | float) else None
+
+
 def _busy_machine(results: ResultSet) -> str | None:
     """Runs before which the 1-minute load average exceeded the CPU count (meta.json's
     `machine_load`): more runnable tasks than cores, so something, the benchmark's own
     client and server included, waited for a core."""
     busy = [
-        (run["before"]["load"][0], run)
+        (before["load"][0], run)
         for run in results.meta.get("machine_load") or []
-        if run["before"]["load"][0] > run["before"]["cpus"]
+        if (before := _load_reading(run)) and before["load"][0] > before["cpus"]
     ]
     if not busy:
         return None

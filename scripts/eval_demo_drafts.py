@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--block-sizes must be comma-separated integers, got {args.block_sizes!r}")
     if min(block_sizes) < 2:
         p.error(f"--block-sizes must each be at least 2, got {args.block_sizes!r}")
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be positive, got {args.max_tokens}")
     torch.backends.cuda.matmul.allow_tf32 = False  # true float32 on a GPU too
     try:
         target = load_target(args.target, torch.float32, args.device)

@@ -229,6 +229,8 @@ class BenchArgs:
             p.error(f"--concurrency must be comma-separated integers, got {ns.concurrency!r}")
         if any(c <= 0 for c in ns.concurrency) or ns.repeats <= 0:
             p.error("--concurrency values and --repeats must be positive")
+        if ns.num_prompts is not None and ns.num_prompts <= 0:
+            p.error(f"--num-prompts must be positive, got {ns.num_prompts}")
         modes = tuple(m.strip() for m in ns.modes.split(","))
         if not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
             p.error(f"--modes must be distinct values of {', '.join(MODES)}, got {ns.modes!r}")

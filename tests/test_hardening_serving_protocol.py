@@ -18,9 +18,9 @@ behaviour and docs/engine.md:
   logprobs ranked most likely first, a completion's `text_offset` continuing over a stream's
   chunks, fields outside OpenAI's ignored while unimplemented ones are refused;
 - malformed bodies and missing prompts answered with OpenAI's error body and a client status.
-Known gaps against OpenAI's documented objects are marked xfail: a stream's chunks do not share
-one `created`, the chunks before include_usage's last carry no `usage: null`, and a
-/v1/models entry has no `created`.
+OpenAI's documented objects: every chunk of a stream has the same `created`, with
+include_usage the chunks before the last carry `usage: null`, and a /v1/models entry has a
+`created` (an integer).
 """
 
 from __future__ import annotations
@@ -125,11 +125,6 @@ def test_models_lists_the_served_name_and_replies_carry_it(server) -> None:
         assert {e["model"] for e in stream(server, path)} == {NAME}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app.py's /v1/models entry is {id, object, owned_by}: OpenAI's Model object also has "
-    "`created` (the Unix time, an integer), which vLLM's /v1/models gives too",
-)
 def test_a_models_entry_has_openais_fields(server) -> None:
     [entry] = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert {"id", "object", "created", "owned_by"} <= set(entry) and isinstance(entry["created"], int)
@@ -229,12 +224,6 @@ def test_continuous_usage_counts_the_tokens_streamed_so_far(server, path: str) -
     assert streamed == BUDGET == last["usage"]["completion_tokens"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.chunk stamps each chunk with its own int(time.time()) (protocol.py `chunk`): a "
-    "stream that crosses a second boundary changes `created` mid-stream; OpenAI's chunk object: "
-    "'Each chunk has the same timestamp'",
-)
 def test_every_chunk_of_a_stream_has_the_same_created(model_dir, monkeypatch) -> None:
     """In process, with a clock that moves a second at each reading: the stream's `created` is
     its request's, not each chunk's."""
@@ -260,12 +249,6 @@ def test_every_chunk_of_a_stream_has_the_same_created(model_dir, monkeypatch) ->
     assert len({e["created"] for e in events}) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replies.sse_reply puts `usage` only on the last chunk: with stream_options.include_usage "
-    "OpenAI's chunk object has `usage` on every chunk, null except on the last ('When present, it "
-    "contains a null value except for the last chunk'); here the other chunks have no `usage` key",
-)
 def test_with_include_usage_every_other_chunk_carries_usage_null(server) -> None:
     *chunks, _ = stream(server, CHAT, stream_options={"include_usage": True})
     assert chunks and all("usage" in e and e["usage"] is None for e in chunks)

@@ -46,6 +46,7 @@ def create_app(server: Server) -> FastAPI:
     # the routes that each --api-key-scope protects
     scope_api = [] if server.api_key is None else [Depends(api_key_check(server.api_key))]
     scope_all = scope_api if server.api_key_scope == "all" else []
+    served_since = int(time.time())  # /v1/models' `created`: when this server took its model
 
     async def admitted() -> None:
         server.lifecycle.admit()
@@ -79,7 +80,14 @@ def create_app(server: Server) -> FastAPI:
     async def models():
         return {
             "object": "list",
-            "data": [{"id": server.name, "object": "model", "owned_by": "reference_engine"}],
+            "data": [
+                {
+                    "id": server.name,
+                    "object": "model",
+                    "created": served_since,
+                    "owned_by": "reference_engine",
+                }
+            ],
         }
 
     @app.get("/metrics", dependencies=scope_all)

@@ -463,8 +463,11 @@ def chunk(
     finish_reason: str | None,
     logprobs: dict | None = None,
     role: bool = False,
+    created: int | None = None,
 ) -> dict:
-    created = int(time.time())
+    """One stream chunk; `created` is the stream's (every chunk of a stream carries the same
+    one, its first chunk's time by default)."""
+    created = int(time.time()) if created is None else created
     if chat:
         delta: dict[str, Any] = {"content": text}
         if role:

@@ -42,6 +42,7 @@ async def sse_reply(server: Server, generation: Generation) -> AsyncIterator[str
     request_id, parsed = generation.request_id, generation.parsed
     prompt_tokens, emitted, first = len(parsed.prompt_ids), 0, True
     text_offset = 0  # characters of the token texts streamed so far (completions' text_offset)
+    created = None  # the first chunk's time, which every later chunk repeats (OpenAI's chunk object)
     async for event in generation.events():
         if isinstance(event, Tokens):
             emitted += len(event.ids)
@@ -58,15 +59,18 @@ async def sse_reply(server: Server, generation: Generation) -> AsyncIterator[str
                 event.finish_reason,
                 lp,
                 role=first,
+                created=created,
             )
-            first = False
+            first, created = False, body["created"]
             if parsed.continuous_usage:
                 body["usage"] = usage(prompt_tokens, emitted)
+            elif parsed.include_usage:
+                body["usage"] = None  # OpenAI: null on every chunk but the last
             yield _sse(body)
         elif isinstance(event, Failed):
             yield _sse(error_json(event.error))
         elif parsed.include_usage:
-            body = chunk(request_id, server.name, parsed.chat, "", [], None)
+            body = chunk(request_id, server.name, parsed.chat, "", [], None, created=created)
             body["choices"] = []
             body["usage"] = usage(prompt_tokens, emitted)
             spec = spec_summary(event.sequence)

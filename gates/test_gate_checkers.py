@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from gates import checks, exact, sampling_checks
-from gates.sampling_reference import Cell, Rate
+from gates.sampling_reference import Cell
+from tests.test_gate_helpers import _passing_draws as passing_draws
 
 
 # ------------------------------------------------------------------ state equality
@@ -119,17 +120,8 @@ def test_verify_gaps_compare_a_row_up_to_its_last_scored_position() -> None:
 
 
 # ------------------------------------------------------------------ sampling
-def _one_hot_draws() -> sampling_checks.CellDraws:
-    one = [[1.0, 0.0, 0.0]]
-    draws = sampling_checks.CellDraws(full_blocks=100)
-    for part in (draws.outputs, draws.bonuses, draws.residuals):
-        part.add(torch.tensor(one * 3, dtype=torch.float64), [0, 0, 0], "here")
-    draws.acceptance = Rate(expected=50.0, variance=25.0, observed=50)
-    return draws
-
-
 def _sampling_verdict(monkeypatch, q_error: float = 0.0, output=None, finish: str = "length") -> None:
-    monkeypatch.setattr(sampling_checks, "cell_draws", lambda run: _one_hot_draws())
+    monkeypatch.setattr(sampling_checks, "cell_draws", lambda run: passing_draws())
     run = sampling_checks.CellRun(Cell(1.0, 0, 1.0), 4, 4, reference=None, q_error=q_error)
     run.draft_q.add(torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64), [0], "here")
     run.requests.append(

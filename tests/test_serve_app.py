@@ -437,8 +437,8 @@ def test_a_request_the_engine_loop_cannot_take_is_a_500_counted_as_a_failure() -
 
 def test_a_streamed_chat_reply_names_the_role_once_and_carries_usage_only_as_asked() -> None:
     """A chat stream's first chunk carries the role, the others only content; each chunk
-    carries the running usage only with continuous_usage_stats, and the usage chunk at the
-    end comes with include_usage."""
+    carries the running usage with continuous_usage_stats, else `usage: null` (OpenAI's chunk
+    object with include_usage), and the usage chunk at the end comes with include_usage."""
     turns = [[([0, 1], None, 1.0)], [([2], None, 2.0)], [([3], "length", 3.0)]]
     for continuous in (False, True):
         parsed = parsed_request(chat=True, stream=True, include_usage=True, continuous_usage=continuous)
@@ -448,7 +448,7 @@ def test_a_streamed_chat_reply_names_the_role_once_and_carries_usage_only_as_ask
         if continuous:
             assert [c["usage"]["completion_tokens"] for c in chunks] == [2, 3, 4]
         else:
-            assert not any("usage" in c for c in chunks)
+            assert all("usage" in c and c["usage"] is None for c in chunks)
         assert reply[-2]["choices"] == [] and reply[-2]["usage"]["completion_tokens"] == 4
 
 

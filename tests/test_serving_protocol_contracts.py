@@ -352,13 +352,15 @@ def test_a_stop_string_that_a_rewrite_makes_inside_text_already_sent_emits_nothi
 
 # ------------------------------------------------------------------ the routes
 def test_models_lists_the_served_model_by_its_served_name(loopback) -> None:
-    """/v1/models is OpenAI's list of one model: the name the server serves under."""
+    """/v1/models is OpenAI's list of one model: the name the server serves under, and when
+    the server took it (`created`, Unix seconds)."""
     r = httpx.get(loopback.url + "/v1/models", timeout=TIMEOUT)
     assert r.status_code == 200
-    assert r.json() == {
-        "object": "list",
-        "data": [{"id": SERVED, "object": "model", "owned_by": "reference_engine"}],
-    }
+    [entry] = r.json()["data"]
+    created = entry.pop("created")
+    assert isinstance(created, int) and created <= time.time()
+    assert r.json()["object"] == "list"
+    assert entry == {"id": SERVED, "object": "model", "owned_by": "reference_engine"}
     assert SERVED != TITLE
     ok = post(loopback, {**GREEDY, "prompt": PROMPT, "model": r.json()["data"][0]["id"]})
     assert ok.status_code == 200 and ok.json()["model"] == SERVED

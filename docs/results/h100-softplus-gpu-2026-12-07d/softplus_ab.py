@@ -2,17 +2,25 @@
 Qwen3.5-4B linear-attention heads (16 key / 32 value heads of 128), bf16 inputs: bits of every
 output against each other and of g against the float32 reference; do_bench medians of 3
 alternating rounds."""
-import shutil, statistics, sys
-import torch, triton
+
+import shutil
+import statistics
+
+import torch
+import triton
+
 shutil.copy(".prof/dev/gd_before.py", "reference_engine/kernels/gated_delta_before.py")
-from reference_engine.kernels import gated_delta as after
-from reference_engine.kernels import gated_delta_before as before
-from reference_engine.kernels import reference as ref
+from reference_engine.kernels import gated_delta as after  # noqa: E402
+from reference_engine.kernels import gated_delta_before as before  # noqa: E402
+from reference_engine.kernels import reference as ref  # noqa: E402
 
 KH, VH, DK, DV = 16, 32, 128, 128
 gen = torch.Generator(device="cuda").manual_seed(0)
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
-print("case | outputs equal q,k,v,beta | g elems differing before/after | g != ref before | g != ref after | ms before | ms after | after/before")
+print(
+    "case | outputs equal q,k,v,beta | g elems differing before/after | g != ref before"
+    " | g != ref after | ms before | ms after | after/before"
+)
 for name, batch, T in (("decode b16", 16, 1), ("verify b16 T16", 16, 16), ("prefill 4096", 1, 4096)):
     mixed = torch.randn(batch, 2 * KH * DK + VH * DV, T, device="cuda", generator=gen).bfloat16()
     fused = (torch.randn(batch, T, 2 * VH, device="cuda", generator=gen) * 4).bfloat16()
@@ -27,7 +35,7 @@ for name, batch, T in (("decode b16", 16, 1), ("verify b16 T16", 16, 16), ("pref
     rb, ra = int((o_b[3] != want).sum()), int((o_a[3] != want).sum())
     tb, ta = [], []
     for _ in range(3):
-        tb.append(triton.testing.do_bench(lambda: before.gated_delta_inputs(*args)))
-        ta.append(triton.testing.do_bench(lambda: after.gated_delta_inputs(*args)))
+        tb.append(triton.testing.do_bench(lambda args=args: before.gated_delta_inputs(*args)))
+        ta.append(triton.testing.do_bench(lambda args=args: after.gated_delta_inputs(*args)))
     mb, ma = statistics.median(tb), statistics.median(ta)
     print(f"{name} | {same} | {diff} of {o_a[3].numel()} | {rb} | {ra} | {mb:.4f} | {ma:.4f} | {ma / mb:.3f}")

@@ -29,6 +29,8 @@ from .arguments import (
     auto_or_positive_int,
     base_url,
     concurrency_list,
+    finite_non_negative_float,
+    finite_positive_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -111,7 +113,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         default=math.inf,
         help="arrivals per second (default: all at once)",
     )
-    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--burstiness", type=finite_positive_float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument(
         "--client-processes",
         type=auto_or_positive_int,
@@ -135,9 +137,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         "(default 0: any failed request fails the benchmark)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--slo-e2e-ms", type=float, default=None)
+    p.add_argument("--slo-ttft-ms", type=finite_positive_float, default=None)
+    p.add_argument("--slo-tpot-ms", type=finite_positive_float, default=None)
+    p.add_argument("--slo-e2e-ms", type=finite_positive_float, default=None)
     p.add_argument(
         "--resume",
         action="store_true",
@@ -221,7 +223,7 @@ def _compare_parser(sub) -> None:
         help="per request, seconds: bounds the whole request, sending to its stream's end",
     )
     c.add_argument("--policy", default="tie-tolerant", choices=["strict", "tie-tolerant"])
-    c.add_argument("--tie-threshold", type=float, default=0.1)
+    c.add_argument("--tie-threshold", type=finite_non_negative_float, default=0.1)
     c.add_argument(
         "--max-tie-rate",
         type=rate,

@@ -4,6 +4,7 @@ and what was expected (argparse prints it after the usage line and exits 2)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import httpx
 
@@ -25,7 +26,9 @@ def _checked(parse, ok, expected: str):
 
 positive_int = _checked(int, lambda v: v >= 1, "a whole number >= 1")
 non_negative_int = _checked(int, lambda v: v >= 0, "a whole number >= 0")
-positive_float = _checked(float, lambda v: v > 0, "a number > 0")
+positive_float = _checked(float, lambda v: v > 0, "a number > 0")  # inf allowed (a rate: all at once)
+finite_positive_float = _checked(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+finite_non_negative_float = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 rate = _checked(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")  # a failure-rate threshold
 # "auto" (kept as None) or a whole number >= 1
 auto_or_positive_int = _checked(

@@ -61,7 +61,12 @@ class OutputLock:
 def claim(out: Path, min_free_bytes: int = MIN_FREE_BYTES) -> OutputLock:
     """`check` the folder, then lock it for this process; OutputError when another holds it."""
     check(out, min_free_bytes)
-    file = (out / LOCK).open("a+")
+    try:
+        file = (out / LOCK).open("a+")
+    except OSError as exc:
+        raise OutputError(
+            f"cannot open the output folder's lock {out / LOCK}: {exc.strerror or exc}"
+        ) from None
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -101,8 +101,9 @@ def _metric_names(page: str) -> set[str]:
     names = set()
     for line in page.splitlines():
         line = line.strip()
-        if line and not line.startswith("#"):
-            names.add(line.split("{", 1)[0].split(None, 1)[0])
+        words = line.split("{", 1)[0].split(None, 1) if not line.startswith("#") else []
+        if words:  # a line with no name before its labels (not Prometheus text) names nothing
+            names.add(words[0])
     return names
 
 
@@ -144,6 +145,8 @@ def probe(
             try:
                 data = r.json().get("data") or []
             except (json.JSONDecodeError, AttributeError):
+                data = []
+            if not isinstance(data, list):  # a models list that is not one names no models
                 data = []
             models = tuple(str(m.get("id")) for m in data if isinstance(m, dict))
             owners = {str(m.get("owned_by")) for m in data if isinstance(m, dict)}

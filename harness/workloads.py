@@ -104,9 +104,14 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise WorkloadError(f"dataset {path} does not exist")
     prompts = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise WorkloadError(f"{path}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     # rows end at a line feed only: str.splitlines would also cut a row at U+2028, U+2029 or
     # U+0085, which JSON carries raw inside a string
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -2,7 +2,7 @@
 small CPU shapes:
 
 - request checks (runtime/request.py): the repetition penalty takes both ends of its range;
-  a temperature must be finite; a greedy request with a repetition penalty is not served by
+  a temperature must be finite; a sampling value that is not a number is a RequestError; a greedy request with a repetition penalty is not served by
   the device argmax alone.
 - token choice (runtime/token_choice.py, penalties.py): presence and frequency penalties count
   generated tokens only; the repetition penalty leaves the step's logits alone; zero top
@@ -84,6 +84,25 @@ def test_a_greedy_request_with_a_repetition_penalty_decodes_as_one_asking_for_lo
     with_logprobs = run_alone(target, SamplingParams(repetition_penalty=100.0, logprobs=0, **params))
     assert penalised == with_logprobs.output_ids
     assert penalised != plain
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        {"temperature": "1"},
+        {"top_p": None},
+        {"repetition_penalty": "1.1"},
+        {"presence_penalty": True},
+        {"logit_bias": ((3, "5"),)},
+        {"logit_bias": (3,)},
+    ],
+    ids=["temperature", "top_p", "repetition", "presence", "bias-value", "bias-pair"],
+)
+def test_a_sampling_value_that_is_not_a_number_is_a_request_error(asked: dict) -> None:
+    """The Python API's callers get the RequestError the server turns into a 400, not a
+    TypeError from a comparison."""
+    with pytest.raises(RequestError, match="number"):
+        SamplingParams(**asked)
 
 
 @pytest.mark.parametrize("value", [float("inf"), 1e400])
@@ -208,10 +227,6 @@ def test_a_row_with_no_mass_draws_not_a_distribution_and_the_other_rows_still_dr
     assert drawn.tolist() == [NOT_A_DISTRIBUTION, 2, NOT_A_DISTRIBUTION]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a top_p that float32 rounds to 0 (1e-46) masks every token in probabilities(): no distribution",
-)
 def test_a_top_p_float32_rounds_to_zero_still_keeps_the_most_likely_token() -> None:
     """top_p is taken in (0, 1]; the nucleus keeps the token that crosses the threshold, so the
     smallest top_p keeps the most likely token alone, also where float32 rounds it to 0."""
@@ -220,10 +235,6 @@ def test_a_top_p_float32_rounds_to_zero_still_keeps_the_most_likely_token() -> N
     assert probs.tolist() == [0.0, 1.0, 0.0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SamplingParams takes top_p=1e-46 but a float32 engine then fails the request as not finite",
-)
 def test_a_sampled_request_with_the_smallest_top_p_decodes_greedily(target: CausalLM) -> None:
     """A sampled request whose top_p keeps the most likely token alone decodes as greedy does
     on a float32 target, rather than failing as a numerical failure."""
@@ -287,10 +298,6 @@ def test_each_engine_setting_takes_its_edge_and_refuses_one_step_past_it(
         EngineConfig(**past)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="EngineConfig takes fractional counts (prefill_chunk=2.5: every request fails with TypeError)",
-)
 @pytest.mark.parametrize("field", ["max_num_seqs", "prefill_chunk", "kv_cell_tokens", "steps_per_turn"])
 def test_a_count_in_the_engine_settings_that_is_not_a_whole_number_is_refused(field: str) -> None:
     with pytest.raises(ConfigError, match=field):

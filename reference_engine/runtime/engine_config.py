@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 from ..errors import ConfigError
 from ..kernels import NUMERICS
@@ -13,6 +14,22 @@ from .verify_width import VERIFY_WIDTHS
 
 ADMISSION_POLICIES = ("wait", "reject")
 DRAFT_SPANS = ("block", "verify")
+
+
+# the settings that count something: whole numbers (or None where None is allowed)
+_COUNTS = (
+    "max_num_seqs",
+    "prefill_chunk",
+    "max_num_batched_tokens",
+    "block_size",
+    "fallback_after_steps",
+    "max_waiting",
+    "kv_cache_tokens",
+    "kv_cell_tokens",
+    "checkpoint_every",
+    "steps_per_turn",
+    "max_model_len",
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,10 @@ class EngineConfig:
     draft_span: str = "block"
 
     def __post_init__(self) -> None:
+        for name in _COUNTS:  # a fraction would fail later, inside a step, as a slice's TypeError
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.prefill_chunk <= 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from numbers import Real
 
 import torch
 
@@ -40,6 +41,14 @@ class SamplingParams:
         for name in ("max_tokens", "top_k"):
             if not _integer(getattr(self, name)):
                 raise RequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not _number(getattr(self, name)):
+                raise RequestError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not all(
+            isinstance(pair, (tuple, list)) and len(pair) == 2 and _number(pair[1])
+            for pair in self.logit_bias
+        ):
+            raise RequestError(f"logit_bias needs (token id, number) pairs, got {list(self.logit_bias)[:5]}")
         if self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be positive, got {self.max_tokens}")
         if not self.temperature >= 0:
@@ -143,3 +152,8 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
     except (RuntimeError, OverflowError) as exc:
         raise RequestError(f"seed {seed} is outside the generator's range: {exc}") from None
     return generator
+
+
+def _number(value) -> bool:
+    """A real number that is not a bool (a string or None is not one)."""
+    return isinstance(value, Real) and not isinstance(value, bool)

@@ -44,7 +44,9 @@ def probabilities(
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        drop = mass_before >= top_p
+        drop[..., 0] = False  # the most likely token always stays, also where top_p rounds to 0
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

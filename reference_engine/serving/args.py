@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from ..engine_args import add_engine_options
@@ -121,7 +122,7 @@ class ServeArgs:
         )
         p.add_argument(
             "--max-body-mb",
-            type=_positive_float,
+            type=_body_mib,
             default=4.0,
             help="largest request body in MiB; a larger one gets HTTP 413",
         )
@@ -221,6 +222,13 @@ _positive_int = _bounded(int, "an integer", lambda v: v >= 1, ">= 1")
 # seconds or MiB: 0 or less would refuse or close every request
 _positive_float = _bounded(_finite_float, "a finite number", lambda v: v > 0, "> 0")
 _non_negative_float = _bounded(_finite_float, "a finite number", lambda v: v >= 0, ">= 0")
+# a body limit in MiB: at least one byte, and finite once counted in bytes
+_body_mib = _bounded(
+    _finite_float,
+    "a finite number",
+    lambda v: 1 <= v * 1024 * 1024 < math.inf,
+    f"at least one byte ({1 / 1024 / 1024:.3g} MiB) and finite in bytes",
+)
 
 
 def _port(text: str) -> int:

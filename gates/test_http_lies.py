@@ -11,7 +11,8 @@ server, whole and streamed where the lie applies:
 - an answer that ignores max_tokens, ends early with `stop`, finishes with another reason,
   echoes another prompt or volunteers logprobs naming other ids;
 - a chat reply whose tool call has other arguments, name or type, or none, or that
-  sends another reasoning text under the second field name beside the right one;
+  sends another reasoning text under the second field name beside the right one, or leaves
+  out a second field the baseline fills with another text;
 - an HTTP 200 whose body is an error.
 
 What a real client never sees is not a difference: events after `data: [DONE]`, and one
@@ -608,11 +609,6 @@ def one_reasoning_field(data: dict) -> dict:
     return data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="divergence._reasoning_pairs compares only the fields the candidate sends: a baseline "
-    "field with its own text that the candidate leaves out is never compared",
-)
 def test_a_candidate_that_drops_a_reasoning_field_the_baseline_fills_differently_fails(
     prompts_file, tmp_path
 ) -> None:

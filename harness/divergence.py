@@ -150,14 +150,20 @@ def _reasoning_pairs(base: Answer, cand: Answer) -> list[tuple[str, str, str]]:
     """(field, baseline text, candidate text) to compare. Servers name one reasoning text
     differently (`reasoning_content`, vLLM's newer `reasoning`, some both), so the texts a
     client reads are compared first (`reasoning_seen`, under the first name either side
-    used), then every field the candidate sent, each against the baseline's field of that
-    name or, where the baseline has none, the baseline's text: a field a client may read
-    instead must say the same."""
+    used), then every field either side sent, each side's field of that name or, where that
+    side has none, its text: a field a client may read instead must say the same, whichever
+    side sent it."""
     fields = base.reasoning.keys() | cand.reasoning.keys()
     name = next((n for n in REASONING_FIELDS if n in fields), REASONING_FIELDS[0])
     pairs = [(name, base.reasoning_seen, cand.reasoning_seen)]
-    for field, text in sorted(cand.reasoning.items()):
-        pairs.append((field, base.reasoning.get(field, base.reasoning_seen), text))
+    for field in sorted(fields):
+        pairs.append(
+            (
+                field,
+                base.reasoning.get(field, base.reasoning_seen),
+                cand.reasoning.get(field, cand.reasoning_seen),
+            )
+        )
     return pairs
 
 

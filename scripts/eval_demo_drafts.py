@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from reference_engine.checkpoint import load_draft, load_target  # noqa: E402
 from reference_engine.demo import DEMO_PROMPTS, DEMO_TARGET, demo_prompts  # noqa: E402
+from reference_engine.engine_args import resolve_device  # noqa: E402
 from reference_engine.errors import ReferenceEngineError  # noqa: E402
 from reference_engine.training.evaluation import evaluate  # noqa: E402
 
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-tokens must be positive, got {args.max_tokens}")
     torch.backends.cuda.matmul.allow_tf32 = False  # true float32 on a GPU too
     try:
-        target = load_target(args.target, torch.float32, args.device)
+        if args.out is not None and not args.out.resolve().parent.is_dir():  # before the evaluation
+            raise ReferenceEngineError(f"--out {args.out}: no folder {args.out.parent} to write it in")
+        target = load_target(args.target, torch.float32, resolve_device(args.device))
         prompts = [row["prompt_ids"] for row in demo_prompts(args.prompts)]
         drafts = [(folder, load_draft(folder, target)) for folder in args.drafts]
     except (ReferenceEngineError, OSError, KeyError, ValueError) as e:  # ValueError: a line not JSON

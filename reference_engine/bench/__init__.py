@@ -308,10 +308,17 @@ def read_prompts(path: str, model_dir: str | None, count: int) -> list[list[int]
         raise ReferenceEngineError(f"{path}: no prompts")
     tokenizer = None
     prompts = []
-    for row in rows:
+    for n, row in enumerate(rows, 1):
         if "prompt_ids" in row:
-            prompts.append(list(row["prompt_ids"]))
+            ids = row["prompt_ids"]
+            if not (isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)):
+                raise ReferenceEngineError(
+                    f"{path}: row {n}: prompt_ids must be a non-empty list of token ids"
+                )
+            prompts.append(list(ids))
         elif "prompt" in row:
+            if not isinstance(row["prompt"], str):
+                raise ReferenceEngineError(f"{path}: row {n}: prompt must be a text")
             if tokenizer is None:
                 if model_dir is None:
                     raise ReferenceEngineError(f"{path}: text prompts need --model's tokenizer")
@@ -708,6 +715,8 @@ def _figure(row: dict, col: str, digits: int = 1) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = BenchArgs.parse(argv)
     try:
+        if args.out and not Path(args.out).resolve().parent.is_dir():  # before measuring, not after
+            raise ReferenceEngineError(f"--out {args.out}: no folder {Path(args.out).parent} to write it in")
         rows = benchmark(args)
     except ReferenceEngineError as exc:
         return exit_with(exc)

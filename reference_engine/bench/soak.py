@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -238,12 +239,29 @@ def random_prompts(rng: random.Random, vocab: int, longest: int) -> list[list[in
     return [[rng.randrange(vocab) for _ in range(rng.randint(SHORTEST, longest))] for _ in range(256)]
 
 
+def check_load(args: argparse.Namespace) -> None:
+    """Refuse a soak that would check nothing or not what was named."""
+    if args.random_shape and (args.model or args.draft):
+        raise ReferenceEngineError(
+            "--random-shape makes its own target and draft: give it without --model or --draft"
+        )
+    if args.concurrency < 1:
+        raise ReferenceEngineError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        raise ReferenceEngineError(f"--duration must be a finite number of seconds > 0, got {args.duration}")
+    if args.requests is not None and args.requests < 1:
+        raise ReferenceEngineError(f"--requests must be at least 1, got {args.requests}")
+    if not 0.0 <= args.abort_share <= 1.0:
+        raise ReferenceEngineError(f"--abort-share must be in [0, 1], got {args.abort_share}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         for flag, value in (("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
             if value < SHORTEST:
                 raise ReferenceEngineError(f"{flag} must be at least {SHORTEST}, got {value}")
+        check_load(args)
         target, draft, pool = load(args)
         context = max(map(len, pool)) + args.max_tokens
         engine = Engine(target, draft, engine_config(args, context, True))

@@ -300,9 +300,6 @@ def test_llama_refuses_rope_types_other_than_llama3_by_name(rope: dict[str, Any]
         TargetConfig.from_hf({**LLAMA_RAW, **rope})
 
 
-@pytest.mark.xfail(
-    strict=True, reason="attention_bias and mlp_bias are read with bool(): the string 'false' reads as true"
-)
 @pytest.mark.parametrize("field", ["attention_bias", "mlp_bias"])
 def test_a_bias_flag_that_is_not_a_json_boolean_is_refused_naming_the_field(field: str) -> None:
     """attention_bias and mlp_bias are JSON booleans, read like tie_word_embeddings and

@@ -282,7 +282,7 @@ class TargetConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=tie,
             partial_rotary_factor=float(partial),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            attention_bias=_bool(raw, "attention_bias", where, False),
             eos_token_ids=_eos_ids(raw, outer, where),
             **_mixer_fields(family, raw, num_layers, where),
             **_mlp_fields(family, raw, num_layers, where),
@@ -320,7 +320,7 @@ def _mlp_fields(family: str, raw: dict[str, Any], num_layers: int, where: str) -
     if family not in MOE_FAMILIES:
         return dict(
             intermediate_size=_positive_int(raw, "intermediate_size", where),
-            mlp_bias=bool(raw.get("mlp_bias", False)) if family == LLAMA else False,
+            mlp_bias=_bool(raw, "mlp_bias", where, False) if family == LLAMA else False,
         )
     experts = dict(
         num_experts=_positive_int(raw, "num_experts", where),

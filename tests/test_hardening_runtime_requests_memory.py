@@ -2,8 +2,8 @@
 small CPU shapes:
 
 - request checks (runtime/request.py): the repetition penalty takes both ends of its range;
-  a temperature must be finite; a sampling value that is not a number is a RequestError; a greedy request with a repetition penalty is not served by
-  the device argmax alone.
+  a temperature must be finite; a sampling value that is not a number is a RequestError; a
+  greedy request with a repetition penalty is not served by the device argmax alone.
 - token choice (runtime/token_choice.py, penalties.py): presence and frequency penalties count
   generated tokens only; the repetition penalty leaves the step's logits alone; zero top
   logprobs still report the chosen token.

@@ -274,6 +274,11 @@ def _read_requests(
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 bad += 1  # a run killed mid-write leaves a torn last line
                 continue
+            times = record.get("chunk_times_s") or []
+            tokens = record.get("chunk_tokens") or []
+            if not (_numbers(times, int | float) and _numbers(tokens, int)):  # a hand-edited or foreign line
+                bad += 1
+                continue
             rows.append(
                 {
                     "label": key[0],
@@ -292,8 +297,6 @@ def _read_requests(
                 outputs[(*key, record["repeat"], record["index"])] = (
                     tuple(ids) if isinstance(ids, list) else None
                 )
-            times = record.get("chunk_times_s") or []
-            tokens = record.get("chunk_tokens") or []
             if record.get("success") and len(times) == len(tokens):
                 # the definitions of harness/metrics.py: gaps between token-bearing chunks,
                 # each split evenly among the tokens of the later chunk
@@ -309,6 +312,13 @@ def _read_requests(
         for key, gaps in chunk_ms.items()
     }
     return (pd.DataFrame(rows) if rows else None), itl, outputs
+
+
+def _numbers(values, kind) -> bool:
+    """A JSON list of finite numbers of `kind` (true and false are not numbers here)."""
+    return isinstance(values, list) and all(
+        isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) for v in values
+    )
 
 
 def _read_text(path: Path, problems: list[str]) -> str:

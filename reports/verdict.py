@@ -221,10 +221,15 @@ def _busy_machine(results: ResultSet) -> str | None:
         return None
     load, worst = max(busy, key=lambda item: item[0])
     runs = len(results.meta["machine_load"])
+    named = all(k in worst for k in ("label", "concurrency", "repeat"))  # a hand-edited entry may not say
+    where = (
+        f", before {results.name(str(worst['label']))} c={worst['concurrency']} repeat {worst['repeat']}"
+        if named
+        else ""
+    )
     return (
         f"**Warning: the machine was busy.** Before {len(busy)} of {runs} runs the 1-minute "
-        f"load average was above the {worst['before']['cpus']} CPUs (highest {load:g}, before "
-        f"{results.name(worst['label'])} c={worst['concurrency']} repeat {worst['repeat']}): "
+        f"load average was above the {worst['before']['cpus']} CPUs (highest {load:g}{where}): "
         "other work competed for the cores, and a busy machine can hide or invent a speed-up. "
         "Measure again on an otherwise idle machine."
     )

@@ -4,7 +4,9 @@ split among a chunk's tokens, per-position and histogram acceptance over repeats
 column and its digits, escaped labels, the min-max range only over several repeats, error
 lists, metadata cells, included headings, nsys units, header aliases, thousands
 separators, per-phase sums over domains, kernel shares, token counts of a capture and the
-profile's per-token tables. Inputs are small hand-made files with figures worked out by hand.
+profile's per-token tables; a requests line whose chunk times are not numbers is skipped and
+counted, and a busy-machine entry that does not name its run is still warned about. Inputs are
+small hand-made files with figures worked out by hand.
 """
 
 from __future__ import annotations
@@ -269,10 +271,6 @@ def test_a_single_server_run_does_not_list_ab_csv_as_missing(tmp_path: Path) -> 
     assert "- `meta.json`: no run metadata" in text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="results._read_requests subtracts chunk_times_s entries unchecked: a null one raises TypeError",
-)
 def test_a_requests_line_with_a_null_chunk_time_does_not_stop_the_report(tmp_path: Path, capsys) -> None:
     """An unreadable part of an optional file is an input problem, not a traceback."""
     write_csv(tmp_path / "summary.csv", [{"label": "A", "concurrency": 1, "repeat": 0}])
@@ -391,10 +389,6 @@ def test_a_kernel_name_past_90_characters_is_cut_with_an_ellipsis() -> None:
     assert f"`{'k' * 89}…`" in table
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verdict._busy_machine reads the entry's label, concurrency and repeat unchecked: KeyError",
-)
 def test_a_busy_machine_entry_without_its_runs_name_is_still_warned_about(tmp_path: Path) -> None:
     """A machine_load entry holding only its `before` reading (a hand-edited meta.json) still
     gives the busy-machine warning instead of a traceback."""

@@ -239,8 +239,11 @@ def random_prompts(rng: random.Random, vocab: int, longest: int) -> list[list[in
     return [[rng.randrange(vocab) for _ in range(rng.randint(SHORTEST, longest))] for _ in range(256)]
 
 
-def check_load(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
     """Refuse a soak that would check nothing or not what was named."""
+    for flag, value in (("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
+        if value < SHORTEST:
+            raise ReferenceEngineError(f"{flag} must be at least {SHORTEST}, got {value}")
     if args.random_shape and (args.model or args.draft):
         raise ReferenceEngineError(
             "--random-shape makes its own target and draft: give it without --model or --draft"
@@ -258,10 +261,7 @@ def check_load(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        for flag, value in (("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
-            if value < SHORTEST:
-                raise ReferenceEngineError(f"{flag} must be at least {SHORTEST}, got {value}")
-        check_load(args)
+        check_args(args)
         target, draft, pool = load(args)
         context = max(map(len, pool)) + args.max_tokens
         engine = Engine(target, draft, engine_config(args, context, True))

@@ -8,8 +8,8 @@ and its dense last layer, Llama's RoPE scaling active at short positions, the wr
 embeddings); the per-expert layout's gate and up halves; the draft's fields taken from its
 target (RoPE scaling, positions, the mask token beside the end-of-sequence token, layer ids
 spread over the target) and DFlash2's published fields; the shard index and the safetensors
-metadata; the make-tiny options reaching the files; and bad options refused with one
-`error:` line and exit status 2.
+metadata; the make-tiny options reaching the files; and bad options (a shard count below one,
+an `--out` that is a file) refused with one `error:` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -297,6 +297,13 @@ def test_tiny_draft_fits_its_target(tmp_path: Path) -> None:
     assert draft.num_attention_heads * draft.head_dim == 96
 
 
+def test_a_tiny_draft_takes_its_targets_context_length(tmp_path: Path) -> None:
+    overrides = (("max_position_embeddings", 1536),)
+    target = make_tiny_target(tmp_path / "t", layers=2, config_overrides=overrides)
+    draft = draft_config(make_tiny_draft(tmp_path / "d", target))
+    assert target_config(target).max_position_embeddings == draft.max_position_embeddings == 1536
+
+
 def test_a_llama_targets_draft_rotates_as_its_target_does(tmp_path: Path) -> None:
     target = make_tiny_target(tmp_path / "t", arch="llama", layers=2, vocab=300)
     draft = draft_config(make_tiny_draft(tmp_path / "d", target))
@@ -413,9 +420,6 @@ def test_make_tiny_draft_refuses_a_missing_target_with_one_error_line(tmp_path: 
 
 
 # ----------------------------------------------------------------------------- refused input
-@pytest.mark.xfail(
-    strict=True, reason="make-tiny writes one file for --shards 0 or below instead of refusing it"
-)
 @pytest.mark.parametrize("shards", ["0", "-2"])
 def test_make_tiny_refuses_a_shard_count_below_one(tmp_path: Path, capsys, shards: str) -> None:
     out = tmp_path / "tiny"
@@ -425,11 +429,21 @@ def test_make_tiny_refuses_a_shard_count_below_one(tmp_path: Path, capsys, shard
     assert not (out / "config.json").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="make-tiny raises FileExistsError when --out names an existing file")
 def test_make_tiny_refuses_an_out_path_that_is_a_file(tmp_path: Path, capsys) -> None:
     out = tmp_path / "a-file"
     out.write_text("not a folder\n")
     argv = ["make-tiny", "--arch", "qwen3", "--out", str(out), "--layers", "1"]
+    assert checkpoint_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(out) in err
+    assert out.read_text() == "not a folder\n"
+
+
+def test_make_tiny_draft_refuses_an_out_path_that_is_a_file(tmp_path: Path, capsys) -> None:
+    target = make_tiny_target(tmp_path / "t", layers=2)
+    out = tmp_path / "a-file"
+    out.write_text("not a folder\n")
+    argv = ["make-tiny", "--arch", "dflash", "--target", str(target), "--out", str(out)]
     assert checkpoint_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(out) in err

@@ -215,6 +215,12 @@ def per_expert_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def check_out_dir(out: Path) -> None:
+    """A checkpoint is a folder: refuse an `out` that is something else before writing."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out} exists and is not a folder")
+
+
 def make_tiny_target(
     out: str | Path,
     arch: str = "qwen3",
@@ -250,6 +256,9 @@ def make_tiny_target(
         )
     if layers <= 0 or vocab <= 0:
         raise ConfigError(f"--layers and --vocab must be positive, got {layers} and {vocab}")
+    if shards < 1:
+        raise ConfigError(f"--shards must be >= 1, got {shards}")
+    check_out_dir(out)
     tokenizer = build_tiny_tokenizer(vocab) if with_tokenizer else None
     eos_id = tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else vocab - 2
     raw = tiny_target_config(arch, layers, hidden, vocab, tie_word_embeddings, eos_id)
@@ -317,6 +326,7 @@ def make_tiny_draft(
         raise ConfigError(f"--block-size must be >= 2, got {block_size}")
     if layers <= 0:
         raise ConfigError(f"--layers must be positive, got {layers}")
+    check_out_dir(out)
     target_config = TargetConfig.from_hf(read_config(target))
     try:
         mask = load_tokenizer(target).token_to_id(MASK_TOKEN)

@@ -27,7 +27,10 @@ where the existing tests leave room:
   draft starts from the weights of seed + 1;
 - the evaluation measures a DFlash draft beside a DFlash2 one only when there is one, names
   the held-out packages in order, and a card of a recipe without last_layer_feature says raw;
-- settings and inputs that should be refused and are not yet are marked xfail.
+- a pair whose results lack the figures adopting it copies, a time budget that is negative
+  or not a number, a learning rate or selector weight that is not finite, an evaluation block
+  size the engine cannot draft, and a corpus without a held-out file long enough for a prompt
+  are each refused with one error, before anything is trained or copied.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from reference_engine.tokenizer import EOS_TOKEN, MASK_TOKEN, train_byte_level_b
 from reference_engine.training import loops
 from reference_engine.training import recipe as recipe_module
 from reference_engine.training import stages as stages_module
-from reference_engine.training.corpus import Corpus, token_stream
+from reference_engine.training.corpus import Corpus, CorpusError, token_stream
 from reference_engine.training.loops import (
     Checkpoint,
     Interrupted,
@@ -392,7 +395,7 @@ def test_every_count_of_the_recipe_is_refused_at_zero_or_as_a_boolean(name: str)
 
 
 def test_a_recipe_without_evaluation_block_sizes_is_refused_naming_them() -> None:
-    with pytest.raises(ValueError, match=r"eval_block_sizes must be 1 or more each, got \[\]"):
+    with pytest.raises(ValueError, match=r"eval_block_sizes must be whole numbers .* got \[\]"):
         dataclasses.replace(Recipe(), eval_block_sizes=())
 
 
@@ -461,10 +464,6 @@ def test_an_adopted_pair_leaves_the_stages_a_resumed_run_reads(tmp_path: Path, t
     assert (out / "draft" / "config.json").is_file()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a --from-pair folder whose training.json lacks its figures ends in a KeyError traceback",
-)
 def test_a_pair_without_its_figures_is_one_error_line_with_code_2(tmp_path: Path, tokenizer, capsys) -> None:
     pair = finished_pair(tmp_path / "pair", Recipe.smoke(0), tokenizer)
     (pair / "training.json").write_text('{"target": {"kept_step": 1}}')
@@ -472,10 +471,11 @@ def test_a_pair_without_its_figures_is_one_error_line_with_code_2(tmp_path: Path
         ["--smoke", "--device", "cpu", "--out", str(tmp_path / "out"), "--from-pair", str(pair)]
     )
     assert code == 2
-    assert capsys.readouterr().err.startswith("error: ")
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "parameters.target" in err
+    assert not (tmp_path / "out" / "target").exists()  # refused before anything is copied
 
 
-@pytest.mark.xfail(strict=True, reason="--max-minutes takes a negative or NaN budget instead of refusing it")
 @pytest.mark.parametrize("minutes", ["nan", "-1"])
 def test_a_time_budget_that_is_not_one_is_refused_on_the_command_line(minutes: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -484,9 +484,6 @@ def test_a_time_budget_that_is_not_one_is_refused_on_the_command_line(minutes: s
     assert "max-minutes" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a NaN or infinite learning rate or selector weight is taken and trains NaN weights"
-)
 @pytest.mark.parametrize(
     "change",
     [{"target_lr": math.inf}, {"draft_lr": math.inf}, {"selector_loss_weight": math.nan}],
@@ -497,10 +494,6 @@ def test_a_learning_rate_or_weight_that_is_not_finite_is_refused(change: dict) -
         dataclasses.replace(Recipe(), **change)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="eval_block_sizes takes 1, which the engine refuses only after both models are trained",
-)
 def test_an_evaluation_block_size_the_engine_cannot_draft_is_refused_when_built() -> None:
     from reference_engine.runtime.engine import EngineConfig
 
@@ -508,6 +501,11 @@ def test_an_evaluation_block_size_the_engine_cannot_draft_is_refused_when_built(
         EngineConfig(block_size=1)  # what the evaluation would meet
     with pytest.raises(ValueError, match="eval_block_sizes"):
         dataclasses.replace(Recipe(), eval_block_sizes=(1, 4))
+    for sizes in ((2.5,), (True, 4), ()):
+        with pytest.raises(ValueError, match="eval_block_sizes"):
+            dataclasses.replace(Recipe(), eval_block_sizes=sizes)
+    with pytest.raises(ValueError, match="max_files"):
+        dataclasses.replace(Recipe(), max_files=2.5)
 
 
 # ------------------------------------------------------------------ the corpus
@@ -712,16 +710,23 @@ def test_the_results_name_the_held_out_packages_in_order(monkeypatch, tmp_path: 
     assert "alpha, zeta are held out" in (tmp_path / stages_module.CARD_FILE).read_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no held-out file long enough for a prompt ends a trained run in 'max() arg is an empty sequence'",
-)
-def test_a_run_without_a_held_out_prompt_is_told_so(monkeypatch, tmp_path: Path, tokenizer) -> None:
+def test_a_corpus_without_a_held_out_prompt_is_told_so(tmp_path: Path, tokenizer) -> None:
+    """Held-out prompts are read before training (read_corpus asks for them): a corpus whose
+    held-out files are all shorter than two prompts fails there, naming prompt_len, and the
+    evaluation refuses an empty prompt list rather than failing inside the engine."""
     from reference_engine.training import evaluation
 
-    monkeypatch.setattr(stages_module, "evaluate", evaluation.evaluate)
-    with pytest.raises(ValueError, match="held-out"):
-        measured_run(monkeypatch, tmp_path, RECIPE, prompts=[])
+    with zipfile.ZipFile(tmp_path / "h.whl", "w") as archive:
+        archive.writestr("pkg/short.py", "x = 1\n")
+        archive.writestr("pkg/long.py", TEXT * 8)
+    short = Corpus(tmp_path, ("h.whl:pkg/long.py",), ("h.whl:pkg/short.py",))
+    with pytest.raises(CorpusError, match=f"held-out .* prompt_len {RECIPE.prompt_len}"):
+        evaluation.heldout_prompts(short, tokenizer, RECIPE)
+    enough = Corpus(tmp_path, ("h.whl:pkg/short.py",), ("h.whl:pkg/short.py", "h.whl:pkg/long.py"))
+    (prompt,) = evaluation.heldout_prompts(enough, tokenizer, RECIPE)
+    assert prompt["file"] == "h.whl:pkg/long.py" and len(prompt["prompt_ids"]) == RECIPE.prompt_len
+    with pytest.raises(CorpusError, match="held-out"):
+        evaluation.evaluate(None, None, [], RECIPE.eval_block_sizes, 4)
 
 
 def test_a_card_of_a_recipe_that_predates_the_last_layer_setting_says_raw() -> None:

@@ -7,14 +7,14 @@ import random
 from ..demo import DEMO_PROMPTS
 from ..runtime.engine import Engine, EngineConfig
 from ..runtime.request import SamplingParams
-from .corpus import Corpus
+from .corpus import Corpus, CorpusError
 
 PROMPTS_FILE = DEMO_PROMPTS.name
 
 
 def heldout_prompts(corpus: Corpus, tokenizer, recipe) -> list[dict]:
     """One prompt per held-out file (files in a seeded order): `prompt_len` tokens from a
-    seeded offset, as ids and as decoded text."""
+    seeded offset, as ids and as decoded text. None at all is a CorpusError."""
     rng = random.Random(recipe.seed)
     files = list(corpus.heldout)
     rng.shuffle(files)
@@ -28,6 +28,11 @@ def heldout_prompts(corpus: Corpus, tokenizer, recipe) -> list[dict]:
         prompts.append({"file": path, "prompt_ids": window, "prompt": tokenizer.decode(window)})
         if len(prompts) == recipe.eval_prompts:
             break
+    if not prompts:
+        raise CorpusError(
+            f"no held-out prompt: none of the {len(files)} held-out files is {2 * recipe.prompt_len} "
+            f"tokens long (twice prompt_len {recipe.prompt_len}); lower prompt_len or hold out more files"
+        )
     return prompts
 
 
@@ -35,6 +40,8 @@ def evaluate(target, draft, prompts: list[list[int]], block_sizes, max_tokens: i
     """Greedy outputs of plain and DFlash decode on all prompts at once (continuous batch);
     per block size: mean acceptance length, acceptance rate, and how many requests differ
     from plain decode."""
+    if not prompts:
+        raise CorpusError("no held-out prompt to evaluate the draft on")
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
     def run(with_draft, block_size=None):

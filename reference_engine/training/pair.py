@@ -36,7 +36,7 @@ def adopt_pair(pair: Path, out: Path, recipe: Recipe, log: Callable[[str], None]
             raise CheckpointError(
                 f"--from-pair {pair}: no {needed.relative_to(pair)}; expected a finished pair's folder"
             )
-    results = json.loads(results_file.read_text())
+    results = pair_results(results_file, with_draft=(pair / "draft").is_dir())
     if not (work / "target.json").exists():
         tokenizer = Tokenizer.from_file(str(pair / "target" / "tokenizer.json"))
         differ = target_differences(pair / "target", recipe, tokenizer.token_to_id(EOS_TOKEN))
@@ -55,6 +55,28 @@ def adopt_pair(pair: Path, out: Path, recipe: Recipe, log: Callable[[str], None]
         summary = {**results["draft"], "parameters": results["parameters"]["draft_own"]}
         (work / "draft.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(f"draft (DFlash): taken from {pair}")
+
+
+def pair_results(results_file: Path, with_draft: bool) -> dict:
+    """The finished pair's `training.json`, checked for the figures adopting it copies (the
+    target's and, `with_draft`, the draft's summary and parameter count) before anything is
+    copied."""
+    try:
+        results = json.loads(results_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"--from-pair: {results_file} is not JSON ({exc})") from None
+    needed = [("target",), ("parameters", "target")]
+    if with_draft:
+        needed += [("draft",), ("parameters", "draft_own")]
+    for path in needed:
+        value = results
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None or (len(path) == 1 and not isinstance(value, dict)):
+            raise CheckpointError(
+                f"--from-pair: {results_file} has no {'.'.join(path)}; expected a finished pair's results"
+            )
+    return results
 
 
 def target_differences(folder: Path, recipe: Recipe, eos_id: int) -> list[str]:

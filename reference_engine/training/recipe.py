@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -208,6 +209,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 help=f"default {field.default}",
             )
     ns = p.parse_args(argv)
+    if ns.max_minutes is not None and not (math.isfinite(ns.max_minutes) and ns.max_minutes >= 0):
+        p.error(f"--max-minutes must be a finite number of minutes >= 0, got {ns.max_minutes}")
     base = Recipe.smoke(ns.seed if ns.seed is not None else 0) if ns.smoke else Recipe()
     overrides = {
         f.name: getattr(ns, f.name)

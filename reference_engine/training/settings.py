@@ -5,6 +5,7 @@ is the seconds-long CPU run. Every int and float field is a flag of the command 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config.draft import FINAL_NORM, LAST_LAYER_FEATURES, RAW
@@ -40,6 +41,17 @@ POSITIVE_COUNTS = (
     "selector_rank",
 )
 LEARNING_RATES = ("target_lr", "draft_lr")
+
+
+def finite_at_least(value: object, low: float) -> bool:
+    """A real number (not a bool), finite and >= `low`."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value >= low
+
+
+def whole_numbers_from(values: tuple, low: int) -> bool:
+    """One or more whole numbers (not bools), each >= `low`."""
+    return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values)
 
 
 @dataclass(frozen=True)
@@ -116,22 +128,25 @@ class Recipe:
     def __post_init__(self) -> None:
         for name in POSITIVE_COUNTS:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not whole_numbers_from((value,), 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in LEARNING_RATES:  # 0 trains nothing: the initial weights are written
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.position_decay > 0:
-            raise ValueError(f"position_decay must be > 0, got {self.position_decay!r}")
-        if not self.train_block_sizes or min(self.train_block_sizes) < 2:
+            if not finite_at_least(getattr(self, name), 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if not finite_at_least(self.position_decay, 0) or self.position_decay == 0:
+            raise ValueError(f"position_decay must be a finite number > 0, got {self.position_decay!r}")
+        if not whole_numbers_from(self.train_block_sizes, 2):
             raise ValueError(
-                f"train_block_sizes must be 2 or more each (a block of one has no slot to "
-                f"predict), got {list(self.train_block_sizes)}"
+                f"train_block_sizes must be whole numbers of 2 or more each (a block of one has no "
+                f"slot to predict), got {list(self.train_block_sizes)}"
             )
-        if not self.eval_block_sizes or min(self.eval_block_sizes) < 1:
-            raise ValueError(f"eval_block_sizes must be 1 or more each, got {list(self.eval_block_sizes)}")
-        if self.max_files is not None and self.max_files < 2:
-            raise ValueError(f"max_files must be at least 2, got {self.max_files}")
+        if not whole_numbers_from(self.eval_block_sizes, 2):
+            raise ValueError(
+                f"eval_block_sizes must be whole numbers of 2 or more each (the engine drafts blocks "
+                f"of two or more), got {list(self.eval_block_sizes)}"
+            )
+        if self.max_files is not None and not whole_numbers_from((self.max_files,), 2):
+            raise ValueError(f"max_files must be a whole number of at least 2, got {self.max_files!r}")
         if self.prompt_len + self.block_size > self.seq_len:
             raise ValueError("seq_len must hold a prompt and one block")
         outside = [i for i in self.target_layer_ids if not 0 <= i < self.target_layers]
@@ -157,8 +172,10 @@ class Recipe:
             )
         if not 0 < self.selector_top_k <= self.vocab_size:
             raise ValueError(f"selector_top_k must be in [1, {self.vocab_size}], got {self.selector_top_k}")
-        if self.selector_loss_weight < 0:
-            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+        if not finite_at_least(self.selector_loss_weight, 0):
+            raise ValueError(
+                f"selector_loss_weight must be a finite number >= 0, got {self.selector_loss_weight!r}"
+            )
 
     @property
     def raw_last_layer(self) -> bool:

@@ -117,6 +117,7 @@ def read_corpus(run: Run, corpus_cache: Path, lock: Path) -> TrainingData:
         tokenizer.save(str(tokenizer_file))
     stream = token_stream(tokenizer, train_texts)
     heldout_stream = token_stream(tokenizer, corpus.texts(corpus.heldout))
+    heldout_prompts(corpus, tokenizer, recipe)  # a corpus without one fails before training
     return TrainingData(corpus, lock, tokenizer, stream, heldout_stream)
 
 

@@ -82,7 +82,10 @@ def divergences(
 ) -> list[Divergence]:
     found = []
     for rid, want in references.items():
-        got = outputs[rid]
+        got = outputs.get(rid)
+        if got is None:  # the engine lost the request: a divergence at its first output
+            found.append(Divergence(rid, 0, want[0] if want else -1, -1, float("nan")))
+            continue
         for k, (a, b) in enumerate(zip(want, got)):
             if a != b:
                 top = logits[rid][k].float().topk(2).values

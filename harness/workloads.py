@@ -13,7 +13,7 @@ import json
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -96,14 +96,12 @@ def row_max_tokens(row: dict, source: str) -> int | None:
     return None
 
 
-def load_jsonl(path: str | Path) -> list[Prompt]:
-    """Rows with `prompt` (text, or a list of token ids: the OpenAI API's other prompt form)
-    or `messages` (chat), optionally `max_tokens` / `output_len`: the custom-dataset format of
-    vLLM's and SGLang's benchmark clients."""
+def jsonl_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """The JSON objects of a JSON-lines file, each with its `path:line`; blank lines are
+    skipped and anything else that is not an object is a WorkloadError naming its line."""
     path = Path(path)
     if not path.is_file():
         raise WorkloadError(f"dataset {path} does not exist")
-    prompts = []
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -121,28 +119,44 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
         source = f"{path}:{n}"
         if not isinstance(row, dict):
             raise WorkloadError(f"{source}: a JSON object per line, got {type(row).__name__}")
-        max_tokens = row_max_tokens(row, source)
-        if isinstance(row.get("prompt"), str):
-            prompts.append(Prompt(text=row["prompt"], max_tokens=max_tokens, source=source))
-        elif (
-            isinstance(row.get("prompt"), list)
-            and row["prompt"]
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in row["prompt"])
-        ):
-            prompts.append(Prompt(token_ids=tuple(row["prompt"]), max_tokens=max_tokens, source=source))
-        elif isinstance(row.get("messages"), list):
-            bad = [m for m in row["messages"] if not _is_message(m)]
-            if bad:  # an empty list is a prompt the comparison counts unusable
-                raise WorkloadError(
-                    f"{source}: 'messages' must be a list of message objects with a string 'role', "
-                    f"got {bad[0]!r:.80}"
-                )
-            prompts.append(Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens, source=source))
-        else:
+        yield source, row
+
+
+def is_token_ids(value) -> bool:
+    """A non-empty list of token ids: integers (not bools) from 0 below 2**31."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
+    )
+
+
+def prompt_from_row(row: dict, source: str) -> Prompt:
+    """One dataset row as a prompt: `prompt` (text or token ids) or chat `messages`."""
+    max_tokens = row_max_tokens(row, source)
+    if isinstance(row.get("prompt"), str):
+        return Prompt(text=row["prompt"], max_tokens=max_tokens, source=source)
+    if is_token_ids(row.get("prompt")):
+        return Prompt(token_ids=tuple(row["prompt"]), max_tokens=max_tokens, source=source)
+    if isinstance(row.get("messages"), list):
+        bad = [m for m in row["messages"] if not _is_message(m)]
+        if bad:  # an empty list is a prompt the comparison counts unusable
             raise WorkloadError(
-                f"{path}:{n}: needs a 'prompt' string or a non-empty list of token ids (integers "
-                "from 0), or a 'messages' list"
+                f"{source}: 'messages' must be a list of message objects with a string 'role', "
+                f"got {bad[0]!r:.80}"
             )
+        return Prompt(messages=tuple(row["messages"]), max_tokens=max_tokens, source=source)
+    raise WorkloadError(
+        f"{source}: needs a 'prompt' string or a non-empty list of token ids (integers "
+        "from 0), or a 'messages' list"
+    )
+
+
+def load_jsonl(path: str | Path) -> list[Prompt]:
+    """Rows with `prompt` (text, or a list of token ids: the OpenAI API's other prompt form)
+    or `messages` (chat), optionally `max_tokens` / `output_len`: the custom-dataset format of
+    vLLM's and SGLang's benchmark clients."""
+    prompts = [prompt_from_row(row, source) for source, row in jsonl_rows(path)]
     if not prompts:
         raise WorkloadError(f"{path}: no prompts")
     return prompts

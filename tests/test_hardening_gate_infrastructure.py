@@ -472,9 +472,6 @@ def test_a_prompts_file_is_taken_whole_whatever_the_count(tmp_path) -> None:
     assert got == [list(range(i, i + 5)) for i in range(3)]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a prompts file mixing prompt_ids rows with text rows silently drops the text rows"
-)
 def test_a_prompts_file_mixing_ids_and_text_keeps_every_row(tiny_checkpoint, tmp_path) -> None:
     from gates.prompts import gate_prompt_ids
     from reference_engine.tokenizer import load_tokenizer
@@ -774,10 +771,6 @@ def test_the_kv_pool_faults_misplace_runs() -> None:
 
 
 # ------------------------------------------------------------------ inputs the gates are handed
-@pytest.mark.xfail(
-    strict=True,
-    reason="gate_prompt_ids takes a prompt_ids string as a list of its characters",
-)
 def test_prompt_ids_that_are_not_token_ids_are_refused(tmp_path) -> None:
     from gates.prompts import gate_prompt_ids
 
@@ -787,10 +780,6 @@ def test_prompt_ids_that_are_not_token_ids_are_refused(tmp_path) -> None:
         gate_prompt_ids(Options(**{"--gate-prompts": str(rows)}), None, 32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="divergences raises KeyError for a request missing from the outputs instead of reporting it",
-)
 def test_divergences_report_a_request_missing_from_the_outputs() -> None:
     logits = torch.tensor([[3.0, 1.0]], dtype=torch.float64)
     found = exact.divergences({"a": [0], "b": [0]}, {"a": logits, "b": logits}, {"a": [0]})

@@ -174,9 +174,12 @@ def _shape_error(event, kind: str) -> str | None:
         meta = event.get("meta_info")
         if meta is not None and not isinstance(meta, dict):
             return "meta_info is not an object"
-        if meta and "completion_tokens" in meta and not _is_int(meta["completion_tokens"]):
-            return "meta_info.completion_tokens is not an integer"
+        for name in ("completion_tokens", "spec_verify_ct"):
+            if meta and name in meta and not _is_int(meta[name]):
+                return f"meta_info.{name} is not an integer"
         return None if event.get("text") is None or isinstance(event["text"], str) else "text is not a string"
+    if "spec_decode" in event and _spec_decode_error(event["spec_decode"]):
+        return f"spec_decode {_spec_decode_error(event['spec_decode'])}"
     usage = event.get("usage")
     if usage is not None:
         if not isinstance(usage, dict):
@@ -199,6 +202,20 @@ def _shape_error(event, kind: str) -> str | None:
         texts = [choice.get("text")] + [(delta or {}).get(k) for k in REASONING_FIELDS + ("content",)]
         if any(t is not None and not isinstance(t, str) for t in texts):
             return "a text is not a string"
+    return None
+
+
+def _spec_decode_error(stats) -> str | None:
+    """What makes a per-request `spec_decode` other than its shape, or None: an object with
+    integer `steps`, `proposed` and `accepted` and `acceptance_lengths` a list of integers."""
+    if not isinstance(stats, dict):
+        return "is not an object"
+    for name in ("steps", "proposed", "accepted"):
+        if not _is_int(stats.get(name)):
+            return f"has no integer {name}"
+    lengths = stats.get("acceptance_lengths")
+    if not (isinstance(lengths, list) and all(_is_int(n) for n in lengths)):
+        return "has no list of integer acceptance_lengths"
     return None
 
 

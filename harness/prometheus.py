@@ -194,10 +194,10 @@ def server_cpu(before: Snapshot | None, after: Snapshot | None, duration_s: floa
     if before is None or after is None or duration_s <= 0:
         return {}
     names = {"cpu:server": "server_cpu", "cpu:engine": "engine_cpu"}
-    return {
+    return {  # a counter that fell started again (a restarted server): no share from it
         column: round((after[key] - before[key]) / duration_s, 3)
         for key, column in names.items()
-        if key in before and key in after
+        if key in before and key in after and after[key] >= before[key]
     }
 
 

@@ -64,45 +64,10 @@ from harness.prometheus import counter_contradictions, parse, server_cpu
 from harness.workloads import Prompt, synthetic
 
 from .sse_stub import Script, serve
+from .test_hardening_harness_client_answer import Replies
 
 
 # ----------------------------------------------------------------------------- a loopback server
-class Replies:
-    """A server on loopback that answers every POST with (status, body) as an event stream
-    and keeps each request's JSON body."""
-
-    def __init__(self, body: bytes, status: int = 200) -> None:
-        self.bodies: list[dict] = []
-        replies = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                replies.bodies.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def __enter__(self) -> Replies:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def sse(*events: dict | str, done: bool = True) -> bytes:
     """Each event as one `data:` line, then [DONE]."""
     lines = [e if isinstance(e, str) else json.dumps(e) for e in events]
@@ -161,7 +126,7 @@ def test_the_token_ids_of_every_chunk_are_kept_in_order() -> None:
     """A record keeps all the token ids the stream sent, chunk after chunk, not the last
     chunk's alone, and counts each chunk's ids."""
     body = sse(chunk("ab", [1, 2]), chunk("c", [3]), chunk("de", [4, 5], "length"))
-    with Replies(body) as server:
+    with Replies(200, body) as server:
         record = bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 5})
     assert record.success, record.error
     assert record.token_ids == [1, 2, 3, 4, 5]
@@ -172,7 +137,7 @@ def test_the_token_ids_of_every_chunk_are_kept_in_order() -> None:
 def test_a_request_that_streams_exactly_max_tokens_tokens_passes() -> None:
     """`max_tokens` is the most a request may stream: exactly that many passes, one more
     fails as inconsistent."""
-    with Replies(sse(chunk("ab", [1, 2]), chunk("c", [3], "length"))) as server:
+    with Replies(200, sse(chunk("ab", [1, 2]), chunk("c", [3], "length"))) as server:
         assert bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 3}).success
         over = bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 2})
     assert not over.success and over.error.startswith("inconsistent token counts: 3 tokens")
@@ -189,7 +154,7 @@ def test_a_request_that_streams_exactly_max_tokens_tokens_passes() -> None:
 )
 def test_a_count_or_id_that_is_json_true_or_false_is_no_number(event: dict) -> None:
     """JSON `true` is no token id and no count: the request fails as a malformed event."""
-    with Replies(sse(event)) as server:
+    with Replies(200, sse(event)) as server:
         record = bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 4})
     assert not record.success and record.error.startswith("malformed SSE event (")
 
@@ -199,7 +164,7 @@ def test_an_sglang_count_that_is_not_an_integer_fails_the_request(name: str) -> 
     """SGLang's `meta_info.completion_tokens` and `spec_verify_ct` (its verify steps, read as
     acceptance) are counts: a string there is a malformed event, never a count."""
     meta = {"completion_tokens": 1, "finish_reason": {"type": "length"}, name: "1"}
-    with Replies(sse({"text": "a", "meta_info": meta})) as server:
+    with Replies(200, sse({"text": "a", "meta_info": meta})) as server:
         record = bench(Endpoint(server.url, kind="sglang"), {"text": "x"})
     assert not record.success
     assert record.error.startswith(f"malformed SSE event (meta_info.{name} is not an integer)")
@@ -212,7 +177,7 @@ def test_sglangs_prompt_tokens_once_reported_stay_when_later_chunks_omit_them() 
         {"text": "a", "meta_info": {"completion_tokens": 1, "prompt_tokens": 5}},
         {"text": "b", "meta_info": {"completion_tokens": 2, "finish_reason": {"type": "length"}}},
     )
-    with Replies(sse(*events)) as server:
+    with Replies(200, sse(*events)) as server:
         record = bench(Endpoint(server.url, kind="sglang"), {"text": "x"})
     assert record.success, record.error
     assert record.prompt_tokens == 5 and record.output_tokens == 2 and record.count_source == "meta_info"
@@ -221,7 +186,7 @@ def test_sglangs_prompt_tokens_once_reported_stay_when_later_chunks_omit_them() 
 def test_a_request_counted_by_the_estimate_is_flagged_as_estimated() -> None:
     """A stream without ids or counts, read without a tokenizer, counts a chunk with text as
     one token, and the record says its counts are estimated."""
-    with Replies(sse(chunk("ab", None), chunk("cd", None, "length"))) as server:
+    with Replies(200, sse(chunk("ab", None), chunk("cd", None, "length"))) as server:
         record = bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 9})
     assert record.success, record.error
     assert record.estimated_counts and record.count_source == "estimated" and record.output_tokens == 2
@@ -230,7 +195,7 @@ def test_a_request_counted_by_the_estimate_is_flagged_as_estimated() -> None:
 def test_an_error_status_is_recorded_with_its_body() -> None:
     """A reply of HTTP 503 fails the request; the error quotes the body, where the server
     says why."""
-    with Replies(b'{"error": "the queue is full"}', status=503) as server:
+    with Replies(503, b'{"error": "the queue is full"}') as server:
         record = bench(Endpoint(server.url), {"prompt": "x", "max_tokens": 2})
     assert not record.success and record.error == 'HTTP 503: {"error": "the queue is full"}'
 
@@ -445,7 +410,7 @@ def test_a_per_request_statistics_object_missing_a_field_does_not_lose_the_runs_
     malformed reply, failing that request by name: the run still ends with its summary row
     written, and the statistics are not read as acceptance."""
     events = [chunk("a", [1]), {**chunk("b", [2], "length"), "spec_decode": {"steps": 1}}]
-    with Replies(sse(*events)) as server:
+    with Replies(200, sse(*events)) as server:
         spec = LoadSpec(concurrency=1, num_prompts=1, output_len=2, warmup=0, timeout_s=5.0)
         summary = measure(Endpoint(server.url), synthetic(1, 4, 0), spec, tmp_path, {"label": "A"}, None)
     assert (summary["completed"], summary["failed"]) == (0, 1)

@@ -2,16 +2,17 @@
 
 - the pooled KV cache's runs of cells (runtime/kv_pool.py) and the memory plan
   (runtime/memory.py): a state of exactly the budget, the numbers a refusal names when
-  even one request does not fit, the weights' bytes with their buffers, and a state that
-  costs nothing per token.
+  even one request does not fit (a pooled refusal advising whole cells), the weights' bytes
+  with their buffers, a state that costs nothing per token, and a run of no cells refused.
 - host memory (runtime/host_memory.py): every malloc setting of the environment is the
   user's, both thresholds must be taken, and only Linux's C library is asked.
 - CUDA-graph bookkeeping (runtime/graphs.py): the batch buckets of a few slots, a last
   chunk that fills its token bucket exactly, the padding rows of a batched prefill, the
   draft head after an eager draft, and the garbage collector around a capture. Stand-in
   graphs record their replays, as in test_graphs.py.
-- tensor parallelism (runtime/tensor_parallel.py): a group of one process, the process
-  that leads, the device of a rank off CUDA, and which size a plan names first.
+- tensor parallelism (runtime/tensor_parallel.py): a group of one process, a launch
+  without torchrun's RANK (or with one that is not a number) refused in one line, the
+  process that leads, the device of a rank off CUDA, and which size a plan names first.
 - the host-to-device copies (runtime/transfer.py) and the per-slot state
   (runtime/state.py): the dtype asked for, numbers past int64, and a slot placed in a
   pooled cache.
@@ -119,21 +120,20 @@ def test_the_weights_bytes_count_the_modules_buffers_beside_their_parameters() -
     assert weight_bytes(None, module) == weight_bytes(module)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the pooled refusal advises --kv-cache-tokens not rounded down to whole cells"
-)
 def test_the_kv_cache_tokens_a_pooled_refusal_advises_fit() -> None:
     """Taking the refusal's advice (at most N tokens, laid out in whole cells of 256) gives a
     pool that fits the budget."""
     big = PoolLayout.for_tokens(10**8, 256, 1000)
-    message = refusal(pool_rows=big.rows)
+    message = refusal(pool_rows=big.rows, cell_tokens=256)
     advised = int(re.search(r"at most (\d+) fits", message).group(1))
+    assert advised > 0 and advised % 256 == 0
     layout = PoolLayout.for_tokens(advised, 256, 1000)
-    plan(pool_rows=layout.rows)
+    plan(pool_rows=layout.rows, cell_tokens=256)
+    # a cell more than the advice does not fit
+    refusal(pool_rows=PoolLayout.for_tokens(advised + 1, 256, 1000).rows, cell_tokens=256)
 
 
 # ----------------------------------------------------------------------------- KV pool
-@pytest.mark.xfail(strict=True, reason="CellAllocator.allocate(0) records an empty run over a live one")
 def test_a_run_of_no_cells_is_refused_and_leaves_the_live_runs_alone() -> None:
     cells = CellAllocator(8)
     assert cells.allocate(4) == 0
@@ -295,14 +295,19 @@ def test_a_size_of_one_in_a_group_of_several_processes_is_refused(monkeypatch: p
     assert init_tensor_parallel(1, torch.device("cpu"), "exact", "generate") is None
 
 
-@pytest.mark.xfail(strict=True, reason="init_tensor_parallel reads RANK unchecked: a KeyError, not one line")
 def test_a_group_without_a_rank_in_the_environment_is_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    with pytest.raises(RequestError, match="RANK"):
+    with pytest.raises(RequestError, match="RANK is not set in the environment; launch with `torchrun"):
+        init_tensor_parallel(2, torch.device("cpu"), "exact", "generate")
+    monkeypatch.setenv("RANK", "first")
+    with pytest.raises(RequestError, match="RANK is 'first', not a whole number"):
+        init_tensor_parallel(2, torch.device("cpu"), "exact", "generate")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(RequestError, match="WORLD_SIZE is 'two'"):
         init_tensor_parallel(2, torch.device("cpu"), "exact", "generate")
 
 

@@ -274,6 +274,7 @@ class Engine:
             config.max_num_seqs,
             self.context_len,
             self.pool.rows if self.pool is not None else None,
+            self.pool.cell_tokens if self.pool is not None else 1,
         )
 
     @property

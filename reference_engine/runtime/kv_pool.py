@@ -89,7 +89,10 @@ class CellAllocator:
         self.runs: dict[int, int] = {}  # first cell -> cells of a live run
 
     def allocate(self, count: int) -> int | None:
-        """The first cell of `count` free consecutive cells, now taken; None if no run is free."""
+        """The first cell of `count` free consecutive cells, now taken; None if no run is free.
+        A run holds at least one cell."""
+        if count < 1:
+            raise ValueError(f"a run of cells holds at least one cell, asked for {count}")
         start = 0
         for first, length in sorted(self.runs.items()):
             if first - start >= count:

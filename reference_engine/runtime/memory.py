@@ -119,10 +119,12 @@ def plan_memory(
     max_num_seqs: int,
     max_model_len: int,
     pool_rows: int | None = None,
+    cell_tokens: int = 1,
 ) -> MemoryPlan:
     """The plan of an engine whose state needs `slots` x `room` tokens (`max_num_seqs` and
-    `max_model_len` as the user gave them, for the message); ConfigError, one line with the
-    numbers, when it does not fit the budget."""
+    `max_model_len` as the user gave them, for the message), or, pooled, `pool_rows` tokens
+    in cells of `cell_tokens`; ConfigError, one line with the numbers, when it does not fit
+    the budget (advising a --kv-cache-tokens of whole cells, which the pool rounds up to)."""
     if not 0 < utilization <= 1:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     plan = MemoryPlan(total, utilization, weights, activations, cost, slots, room, pool_rows)
@@ -140,7 +142,8 @@ def plan_memory(
             f"(+ {cost.per_slot} per slot for {slots} slots) exceeds the budget of {plan.budget / GiB:.2f} "
             f"GiB ({utilization:g} x {total / GiB:.2f} GiB - weights {weights / GiB:.2f} GiB - activations "
             f"{activations / GiB:.2f} GiB), which holds {fit} tokens; lower --kv-cache-tokens (at most "
-            f"{max(0, fit - room)} fits with the spare room of {room}) or raise --gpu-memory-utilization"
+            f"{max(0, (fit - room) // cell_tokens * cell_tokens)} fits with the spare room of {room}) "
+            "or raise --gpu-memory-utilization"
         )
     if plan.state > plan.budget:
         fit = plan.tokens_that_fit

@@ -101,6 +101,18 @@ class TensorParallel:
         return self.rank * share, share
 
 
+def _launch_number(name: str, default: str | None, size: int, launch: str) -> int:
+    """The whole number torchrun sets in the environment variable `name` (`default` when it
+    is not set); one line naming it and the launch when it is missing or not a number."""
+    text = os.environ.get(name, default)
+    if text is None or not text.strip().isdigit():
+        found = "not set" if text is None else f"{text!r}, not a whole number"
+        raise RequestError(
+            f"--tensor-parallel-size {size}: {name} is {found} in the environment; launch with `{launch}`"
+        )
+    return int(text)
+
+
 def init_tensor_parallel(
     size: int, device: torch.device, numerics: str, command: str
 ) -> TensorParallel | None:
@@ -109,15 +121,17 @@ def init_tensor_parallel(
     the rank's device is cuda:LOCAL_RANK (read it back with `rank_device`)."""
     if size < 1:
         raise RequestError(f"--tensor-parallel-size must be at least 1, got {size}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = LAUNCH.format(n=size, command=command)
+    world = _launch_number("WORLD_SIZE", "1", size, launch)
     if size == 1 and world == 1:
         return None
     if world != size:
         raise RequestError(
             f"--tensor-parallel-size {size} needs {size} processes, one per device, but this one "
-            f"runs in a group of {world}: launch with `{LAUNCH.format(n=size, command=command)}`"
+            f"runs in a group of {world}: launch with `{launch}`"
         )
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    rank = _launch_number("RANK", None, size, launch)
+    local_rank = _launch_number("LOCAL_RANK", str(rank), size, launch)
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RequestError(

@@ -13,7 +13,8 @@ and the table and tile choices, each kernel against its PyTorch reference (kerne
   alignment rule, and the shapes it refuses;
 - the experts' tiles and grouping at their bounds, routing over strided logits;
 - the gated delta rule, its resume and its inputs refusing what they cannot take;
-- the kernel switch (`select`, `default_numerics`) and the fast table's entries.
+- the kernel switch (`select`, `default_numerics`; an empty numerics name is refused, not
+  taken for the default) and the fast table's entries.
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
 they are imported), in float32, with `tl.dot` row by row as on the device
@@ -453,9 +454,6 @@ def test_the_fast_table_takes_argmax_and_products_from_pytorch_and_is_capturable
     assert TRITON.capturable and VENDOR.capturable
 
 
-@pytest.mark.xfail(
-    strict=True, reason="select() takes an empty numerics name for the default, as it takes None"
-)
 def test_the_switch_refuses_an_empty_numerics_name() -> None:
     """None asks for the default; an empty name is no numerics and is refused by name."""
     from reference_engine import kernels

@@ -37,7 +37,7 @@ def default_numerics(device: torch.device | str, dtype: torch.dtype = torch.bflo
 
 def select(numerics: str | None, device: torch.device | str, dtype: torch.dtype) -> Kernels:
     """The kernels for a model on `device` in `dtype` (numerics None: the default for both)."""
-    numerics = numerics or default_numerics(device, dtype)
+    numerics = default_numerics(device, dtype) if numerics is None else numerics
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     if torch.device(device).type != "cuda":

@@ -168,6 +168,64 @@ def _abort_keeps_cells(correct):
     return release
 
 
+# ------------------------------------------------------------------ stops, streams, seeds, fall backs
+def _eos_despite_ignore_eos(correct):
+    def stop_ids(model, params):
+        return correct(model, replace(params, ignore_eos=False))  # the model's EOS always stops
+
+    return stop_ids
+
+
+def _finished_rows_keep_decoding(correct):
+    def running(self):
+        # a request its prefill's first token ended (a stop) runs the step's decode anyway
+        return [s for s in self.active.values() if s.phase is Phase.RUNNING]
+
+    return running
+
+
+def _rows_draw_from_the_first_rows_generator(correct):
+    def accept(self, rows, proposals, draft_probs, logits, target_tokens=None):
+        generators = [seq.generator for seq in rows.seqs]
+        first = next((g for g in generators if g is not None), None)
+        for seq in rows.seqs:
+            if seq.generator is not None:
+                seq.generator = first  # every sampled row's acceptance draws from one stream
+        try:
+            return correct(self, rows, proposals, draft_probs, logits, target_tokens)
+        finally:
+            for seq, generator in zip(rows.seqs, generators):
+                seq.generator = generator
+
+    return accept
+
+
+def _low_acceptance_judged_a_step_early(correct):
+    def check_low_acceptance(self, seq):
+        after = self.fallback_after_steps
+        self.fallback_after_steps = max(after - 1, 1)  # the mean taken one step before the rule's
+        try:
+            return correct(self, seq)
+        finally:
+            self.fallback_after_steps = after
+
+    return check_low_acceptance
+
+
+def _forced_schedule_ignored(correct):
+    def accept(self, rows, proposals, draft_probs, logits, target_tokens=None):
+        oracles = [seq.oracle for seq in rows.seqs if seq.oracle is not None and seq.oracle.forced]
+        for oracle in oracles:
+            oracle.forced = False  # the scheduled counts compared, not taken
+        try:
+            return correct(self, rows, proposals, draft_probs, logits, target_tokens)
+        finally:
+            for oracle in oracles:
+                oracle.forced = True
+
+    return accept
+
+
 @dataclass(frozen=True)
 class Fault:
     description: str
@@ -1087,6 +1145,38 @@ FAULTS: dict[str, Fault] = {
         "cache_rows",
         _draft_rows_are_slots,
         DraftState,
+    ),
+    "eos_ends_an_output_that_ignores_eos": Fault(
+        "stops: the model's EOS ends a request that asks to ignore EOS (plain decode, which shares "
+        "the stop set, ends there too)",
+        "stop_ids",
+        _eos_despite_ignore_eos,
+        engine_module,
+    ),
+    "finished_rows_keep_decoding": Fault(
+        "scheduling: a request whose first token (from its prefill) is a stop still decodes in that "
+        "step, and streams a token after its finished output",
+        "running",
+        _finished_rows_keep_decoding,
+        Scheduler,
+    ),
+    "sampled_rows_draw_from_the_first_rows_generator": Fault(
+        "sampling: every sampled row's acceptance draws from the first sampled row's generator (the "
+        "distribution stays right; a seeded request's tokens depend on its batch neighbours)",
+        "accept",
+        _rows_draw_from_the_first_rows_generator,
+    ),
+    "low_acceptance_judged_a_step_early": Fault(
+        "fall back: a request's low acceptance is judged one step before fallback_after_steps",
+        "check_low_acceptance",
+        _low_acceptance_judged_a_step_early,
+        Scheduler,
+    ),
+    "forced_schedule_ignored": Fault(
+        "benchmarks: a forced oracle's scheduled counts are compared with the target's choices, not "
+        "taken (on random weights nothing is accepted; the benchmark measures another acceptance)",
+        "accept",
+        _forced_schedule_ignored,
     ),
 }
 

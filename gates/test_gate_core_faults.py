@@ -262,11 +262,13 @@ def test_the_seeded_sampling_gate_catches_rows_that_draw_from_a_neighbours_gener
 AFTER_STEPS = 3
 THRESHOLD = 2.0
 # accepted draft tokens per step -> acceptance lengths; the first AFTER_STEPS steps' mean
-# decides: below THRESHOLD falls back after exactly AFTER_STEPS steps, at or above never
-# (max_tokens ends each request at the end of a whole step: a last step cut by max_tokens
-# commits fewer tokens than it accepted)
+# decides: below THRESHOLD falls back after exactly AFTER_STEPS steps, at or above never,
+# nor when the deciding step ends the request (nothing is left to decode plainly); max_tokens
+# ends each request at the end of a whole step: a last step cut by max_tokens commits fewer
+# tokens than it accepted
 FALLBACK_SCHEDULES = {
     "below": ((1, 0, 0), 20, True),  # lengths 2, 1, 1: mean 4/3; after two steps 1.5
+    "below, ending on the deciding step": ((1, 0, 0), 5, False),  # the first token and 2 + 1 + 1
     "at": ((1, 1, 1), 21, False),  # lengths 2, 2, 2: mean 2.0
     "above after a slow start": ((0, 0, 5), 25, False),  # lengths 1, 1, 6: mean 8/3; after two steps 1.0
 }

@@ -232,8 +232,11 @@ class Scheduler:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     def check_low_acceptance(self, seq: Sequence) -> None:
+        """Move `seq` to plain decode once its first `fallback_after_steps` speculative steps
+        (or more) accept below the threshold on average; a request that has just finished
+        has nothing left to decode and is not counted as falling back."""
         threshold = self.fallback_min_acceptance
-        if threshold is None or seq.spec.steps < self.fallback_after_steps:
+        if threshold is None or seq.finish_reason is not None or seq.spec.steps < self.fallback_after_steps:
             return
         if seq.spec.mean_acceptance_length < threshold:
             self.fall_back(seq, FALLBACK_LOW_ACCEPTANCE)

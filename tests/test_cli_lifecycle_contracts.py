@@ -673,7 +673,7 @@ def test_make_tiny_refuses_zero_layers_instead_of_writing_its_default(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"max_files": 1}, "max_files must be at least 2, got 1"),
+        ({"max_files": 1}, "max_files must be a whole number of at least 2, got 1"),
         ({"seq_len": 79}, "seq_len must hold a prompt and one block"),  # 64 + 16 > 79
         (
             {"target_layer_ids": (0, 6)},
@@ -685,7 +685,7 @@ def test_make_tiny_refuses_zero_layers_instead_of_writing_its_default(
         ({"short_block_share": -0.1}, r"short_block_share must be in \[0, 1\], got -0.1"),
         ({"selector_top_k": 0}, r"selector_top_k must be in \[1, 4096\], got 0"),
         ({"selector_top_k": 4097}, r"selector_top_k must be in \[1, 4096\], got 4097"),
-        ({"selector_loss_weight": -1.0}, "selector_loss_weight must be >= 0, got -1.0"),
+        ({"selector_loss_weight": -1.0}, "selector_loss_weight must be a finite number >= 0, got -1.0"),
         ({"conv_group_size": 24}, "conv_group_size 24 does not divide hidden_size 256"),
         ({"draft_arch": "eagle"}, "draft_arch must be one of dflash, dflash2, got 'eagle'"),
     ],

@@ -23,6 +23,7 @@ from reference_engine.kernels import TORCH
 from reference_engine.models import dflash2 as dflash2_module
 from reference_engine.models.dflash import DFlashDraft, DraftState
 from reference_engine.models.dflash2 import GroupedDynamicConv
+from reference_engine.models.layers import SelfAttention
 from reference_engine.runtime import decode as decode_module
 from reference_engine.runtime import engine as engine_module
 from reference_engine.runtime import speculative_step as speculative_step_module
@@ -762,6 +763,21 @@ def _draft_rows_are_slots(correct):
     return cache_rows
 
 
+# ------------------------------------------------------------------ model forwards
+def _window_one_wide_past_the_prefix(correct):
+    def forward(self, x, ctx, layer):
+        if self.sliding_window is None or x.shape[1] == 1 or int(ctx.positions.min()) == 0:
+            return correct(self, x, ctx, layer)
+        window = self.sliding_window
+        self.sliding_window = window + 1  # one key older than the window stays visible
+        try:
+            return correct(self, x, ctx, layer)
+        finally:
+            self.sliding_window = window
+
+    return forward
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault(
         "hybrid: keep the Gated DeltaNet state of the whole verified block",
@@ -1177,6 +1193,13 @@ FAULTS: dict[str, Fault] = {
         "taken (on random weights nothing is accepted; the benchmark measures another acceptance)",
         "accept",
         _forced_schedule_ignored,
+    ),
+    "sliding_window_one_wide_past_the_prefix": Fault(
+        "models: a forward of several tokens after a cached prefix (a verify, a later prompt chunk) "
+        "sees one key past a sliding layer's window (prefill from the start and decode steps do not)",
+        "forward",
+        _window_one_wide_past_the_prefix,
+        SelfAttention,
     ),
 }
 

@@ -36,12 +36,14 @@ from reference_engine.errors import RequestError
 from reference_engine.models import CausalLM
 from reference_engine.models.dflash import DFlashDraft
 from reference_engine.runtime.decode import generate_plain, new_state
-from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError, StepOutput
+from reference_engine.runtime.engine import Engine, EngineConfig, EngineFullError
 from reference_engine.runtime.oracle import OracleProposer
 from reference_engine.runtime.request import SamplingParams
 from reference_engine.runtime.sequence import Sequence
 from reference_engine.runtime.stats import SpecCounters
 from reference_engine.runtime.verify_width import StepCosts
+
+from .test_engine import drain, greedy, reference
 
 TinyCheckpoint = Callable[..., Path]
 TinyPair = Callable[..., tuple[Path, Path]]
@@ -65,23 +67,6 @@ def target(tiny_checkpoint: TinyCheckpoint) -> CausalLM:
 def draft(tiny_pair: TinyPair, target: CausalLM) -> DFlashDraft:
     _, draft_dir = tiny_pair("qwen3", block_size=BLOCK)
     return load_draft(draft_dir, target)
-
-
-def greedy(max_tokens: int, **options) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **options)
-
-
-def reference(target: CausalLM, prompt: list[int], params: SamplingParams) -> list[int]:
-    return generate_plain(target, prompt, params).output_ids
-
-
-def drain(engine: Engine, limit: int = 500) -> list[StepOutput]:
-    outputs = []
-    for _ in range(limit):
-        if not engine.has_unfinished():
-            return outputs
-        outputs += engine.step()
-    raise AssertionError(f"engine still busy after {limit} steps")
 
 
 def counters_of(*seqs: Sequence) -> SpecCounters:

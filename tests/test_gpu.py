@@ -458,3 +458,55 @@ def test_captured_forwards_hand_the_draft_its_last_layer_as_its_config_says(feat
     captured = histogram(feature, eager=False)
     assert captured == histogram(feature, eager=True)
     assert captured != histogram(other, eager=False)
+
+
+@pytest.mark.parametrize("steps_per_turn", [1, 3], ids=["draft-ahead", "turns"])
+def test_a_row_whose_logits_turn_nan_fails_alone_on_captured_graphs(tiny_pair, steps_per_turn: int) -> None:
+    """A request whose token X (mid-output) has NaN embeddings: the logits after it are NaN,
+    the device's greedy gives `vocab`, and that bonus feeds the next draft queued ahead from
+    captured inputs (one step a turn) or the next step of the turn. Neither may index the
+    embeddings with it (on the GPU an out-of-range index is a device assert that ends the
+    process): the request ends in error after X, as plain decode's tokens up to it, and the
+    requests beside it, which never see X in their prompts or outputs, give plain greedy's;
+    so do the requests that take the slots next, the failed one's too."""
+    target, draft = capture_pair(tiny_pair)
+    rng = random.Random(11)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(5, 30))] for i in range(4)}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = {rid: generate_plain(target, p, params).output_ids for rid, p in prompts.items()}
+    others = {t for rid, p in prompts.items() if rid != "r0" for t in p + plain[rid]}
+    out = plain["r0"]
+    own = [g for g in range(8, 30) if out[g] not in others and out[g] not in prompts["r0"] + out[:g]]
+    at = next((g for g in own if out[g] != draft.config.mask_token_id), None)  # every draft reads it
+    assert at is not None, "no token of r0's output is its own"
+    assert not target.config.tie_word_embeddings  # the output head keeps its own weights
+    embeddings = target.model.embed_tokens.weight
+    kept = embeddings[out[at]].clone()
+    with torch.no_grad():
+        embeddings[out[at]] = float("nan")
+    config = EngineConfig(max_num_seqs=4, max_model_len=160, block_size=8, steps_per_turn=steps_per_turn)
+    engine = Engine(target, draft, config)
+    assert engine.runner.graphs is not None
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    bad = engine.collect("r0")
+    assert bad.finish_reason == "error" and "not finite" in bad.error, bad.error
+    assert bad.output_ids == out[: at + 1]
+    assert {rid: engine.collect(rid).output_ids for rid in prompts if rid != "r0"} == {
+        rid: plain[rid] for rid in prompts if rid != "r0"
+    }
+    torch.cuda.synchronize()  # an out-of-range index would surface here at the latest
+    # the failed request's cells hold NaN keys, values and states past where the requests
+    # that take its slot next write: none of it may reach them
+    with torch.no_grad():
+        embeddings[out[at]] = kept
+    short = {f"n{i}": prompt[:4] for i, prompt in enumerate(prompts.values())}
+    for rid, prompt in short.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert {rid: engine.collect(rid).output_ids for rid in short} == {
+        rid: generate_plain(target, p, params).output_ids for rid, p in short.items()
+    }

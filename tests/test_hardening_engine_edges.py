@@ -227,6 +227,14 @@ def one_nan(row: torch.Tensor) -> None:
     row[7] = float("nan")
 
 
+def plus_inf(row: torch.Tensor) -> None:
+    row[7] = float("inf")
+
+
+def all_minus_inf(row: torch.Tensor) -> None:
+    row.fill_(float("-inf"))
+
+
 @contextmanager
 def nan_at(
     monkeypatch: pytest.MonkeyPatch,
@@ -267,29 +275,42 @@ def nan_at(
         monkeypatch.setattr(CausalLM, "forward", forward)
 
 
-@pytest.mark.parametrize("mode", ["plain", "dflash", "dflash-turns", "dflash-plain-steps"])
+@pytest.mark.parametrize(
+    "mode", ["plain", "dflash", "dflash-turns", "dflash-drafted-turns", "dflash-plain-steps"]
+)
 @pytest.mark.parametrize("good", [0, 4, 9])
+@pytest.mark.parametrize(
+    "spoil", [one_nan, plus_inf, all_minus_inf], ids=["nan", "inf-entry", "all-minus-inf"]
+)
 def test_a_nan_in_a_rows_logits_commits_the_tokens_before_it_and_fails_that_request_alone(
-    target: CausalLM, draft: DFlashDraft, monkeypatch: pytest.MonkeyPatch, mode: str, good: int
+    target: CausalLM,
+    draft: DFlashDraft,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    good: int,
+    spoil: Callable,
 ) -> None:
-    """Request `bad`'s logits that choose its output token `good` hold a NaN (one entry of the
-    row). Its output is the `good` tokens plain decode gives before it (on a DFlash engine that
-    accepts every draft token they sit inside a verify block: the first at 0, the fifth
-    mid-block, the tenth in a second block; also in turns of three steps, and in plain steps of
-    verify width 0), then finish_reason "error" with a numerical-failure reason, once, in the
+    """Request `bad`'s logits that choose its output token `good` are not a distribution (a NaN
+    in one entry of the row, a +inf in one, or -inf throughout). Its output is the `good`
+    tokens plain decode gives before it (on a DFlash engine that accepts every draft token
+    they sit inside a verify block: the first at 0, the fifth mid-block, the tenth in a second
+    block; also in turns of three steps; in turns of three steps drafted by the real draft,
+    where a later step of the turn starts from the failed row's bonus, not a token; and in
+    plain steps of verify width 0), then finish_reason "error" with a numerical-failure reason, once, in the
     step outputs; the requests beside it in every batch produce what they produce alone."""
     speculative = mode != "plain"
-    turn = 3 if mode == "dflash-turns" else 1
+    turn = 3 if mode.endswith("turns") else 1
     config = EngineConfig(max_num_seqs=3, block_size=BLOCK if speculative else None, steps_per_turn=turn)
     costs = PLAIN_ALWAYS if mode == "dflash-plain-steps" else None
     engine = Engine(target, draft if speculative else None, config, step_costs=costs)
     bad_prompt = PROMPTS[2]
     truth = reference(target, bad_prompt, greedy(16 + BLOCK))
-    oracle = OracleProposer(truth, [BLOCK - 1], VOCAB) if speculative else None
+    drafted = mode in ("dflash", "dflash-turns", "dflash-plain-steps")
+    oracle = OracleProposer(truth, [BLOCK - 1], VOCAB) if drafted else None
     engine.add_request("bad", bad_prompt, greedy(16), oracle=oracle)
     for i in (0, 1):
         engine.add_request(f"n{i}", PROMPTS[i], greedy(16))
-    with nan_at(monkeypatch, engine, "bad", len(bad_prompt) - 1 + good):
+    with nan_at(monkeypatch, engine, "bad", len(bad_prompt) - 1 + good, spoil):
         outputs = drain(engine)
     bad = engine.collect("bad")
     assert bad.output_ids == truth[:good]
@@ -341,22 +362,9 @@ def test_a_nan_past_a_requests_last_token_in_its_verify_block_ends_nothing(
     assert totals == clean_totals and seq.spec.as_dict() == totals
 
 
-def plus_inf(row: torch.Tensor) -> None:
-    row[7] = float("inf")
-
-
-def all_minus_inf(row: torch.Tensor) -> None:
-    row.fill_(float("-inf"))
-
-
-GREEDY_TAKES_INF = pytest.mark.xfail(
-    strict=True, reason="a greedy row takes the argmax of infinite logits (+inf's token, or token 0)"
-)
-
-
 @pytest.mark.parametrize(
     "temperature",
-    [pytest.param(0.8, id="sampled"), pytest.param(0.0, id="greedy", marks=GREEDY_TAKES_INF)],
+    [pytest.param(0.8, id="sampled"), pytest.param(0.0, id="greedy")],
 )
 @pytest.mark.parametrize("spoil", [plus_inf, all_minus_inf], ids=["inf-entry", "all-minus-inf"])
 def test_a_row_with_infinite_logits_fails_its_request_however_it_samples(
@@ -380,9 +388,6 @@ def test_a_row_with_infinite_logits_fails_its_request_however_it_samples(
     assert engine.collect("n").output_ids == reference(target, PROMPTS[1], greedy(8))
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a greedy row with an inf logit commits its token with NaN logprobs, not an error"
-)
 def test_logprobs_are_never_nan_a_greedy_row_with_an_infinite_logit_fails_instead(
     target: CausalLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -85,17 +85,22 @@ def nan_rows() -> torch.Tensor:
 
 def test_greedy_gives_vocab_for_a_row_holding_a_nan() -> None:
     """The engine fails a request whose token is `vocab` (runtime/outputs.py): a NaN row must
-    not come back as a token id."""
+    not come back as a token id, nor a row of +inf or of -inf throughout."""
     got = ref.greedy(nan_rows())
     assert got.tolist()[:2] == [5000, 5000]
     assert got[2] == nan_rows()[2].argmax()
+    infinite = rand(3, 5000)
+    infinite[0, 4000] = float("inf")
+    infinite[1] = float("-inf")
+    infinite[2, :100] = float("-inf")
+    assert ref.greedy(infinite).tolist() == [5000, 5000, int(infinite[2].argmax())]
 
 
 def first_maximal(logits: torch.Tensor) -> torch.Tensor:
     """greedy's contract read off torch.max over the whole row: its first maximal index, or
-    `vocab` for a row holding a NaN."""
+    `vocab` where that maximum is not finite (a NaN or +inf in the row, or -inf throughout)."""
     best, ids = logits.max(dim=-1)
-    return torch.where(best.isnan(), logits.shape[-1], ids)
+    return torch.where(best.isfinite(), ids, logits.shape[-1])
 
 
 def awkward_logits(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -163,6 +168,27 @@ def test_the_triton_greedy_gives_vocab_for_a_row_holding_a_nan(triton_dots) -> N
     wide[1, 2 * CHUNK_V + 2] = 100.0
     wide[1, 3] = float("nan")
     assert greedy(wide).tolist() == [V, V, int(wide[2].argmax())]
+
+
+@kernel_test
+def test_the_triton_greedy_gives_vocab_for_a_row_whose_maximum_is_infinite(triton_dots) -> None:
+    """A +inf in the first chunk, in a later one, beside a NaN, and a row of -inf throughout
+    (the masked tail of the last block is -inf too): each gives `vocab`, as the reference's
+    greedy; a row with some -inf entries but a finite maximum gives its argmax."""
+    from reference_engine.kernels.argmax import CHUNK_V, greedy
+
+    V = 2 * CHUNK_V + 5
+    wide = rand(6, V)
+    wide[0, 9] = float("inf")
+    wide[1, 2 * CHUNK_V + 1] = float("inf")
+    wide[2, 5] = float("inf")
+    wide[2, CHUNK_V + 5] = float("nan")
+    wide[3] = float("-inf")
+    wide[4, : CHUNK_V + 3] = float("-inf")  # a finite maximum after a chunk of -inf
+    got = greedy(wide)
+    assert got.tolist()[:4] == [V] * 4
+    assert got[4] == wide[4].argmax() and got[5] == wide[5].argmax()
+    assert torch.equal(got, ref.greedy(wide))
 
 
 # ----------------------------------------------------------------------------- gated norm

@@ -3,9 +3,10 @@ one program per (row, chunk) finds the chunk's maximum, and one program per row 
 the chunks in order. A decode step's one row thus reads its logits with many programs, not
 one. On an exact tie the lowest token id wins: inside a block by `tie_break_left`, across
 blocks and chunks because only a strictly greater maximum replaces the best so far, and the
-chunks are visited in ascending order. A row of -inf gives id 0. A row holding a NaN gives
-`vocab`, as the reference's greedy (the step then fails that request, runtime/outputs.py): a
-chunk with a NaN reports the id `vocab`, which the second pass keeps over any maximum."""
+chunks are visited in ascending order. A row whose maximum is not finite gives `vocab`, as
+the reference's greedy (the step then fails that request, runtime/outputs.py): a chunk with a
+NaN reports the id `vocab`, which the second pass keeps over any maximum, and the second pass
+gives `vocab` where the row's maximum is +inf or -inf (a +inf entry, or -inf throughout)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def _pick_kernel(best_ptr, id_ptr, out_ptr, V, chunks):
         take = m > best
         best_id = tl.where(take, i, best_id)
         best = tl.where(take, m, best)
-    tl.store(out_ptr + row, tl.where(nan, V, best_id))
+    infinite = (best == float("inf")) | (best == float("-inf"))
+    tl.store(out_ptr + row, tl.where(nan | infinite, V, best_id))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -573,7 +573,8 @@ def gated_delta_after(
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last axis; on an exact tie the lowest token id wins, on every backend
-    (torch.max's index is the first maximal one); a row holding a NaN gives `vocab`.
+    (torch.max's index is the first maximal one); a row whose maximum is not finite (it holds
+    a NaN or +inf, or is -inf throughout: no distribution) gives `vocab`.
 
     logits: [..., vocab] -> [...] (int64). No host synchronisation. On the CPU, where
     torch.max's index-keeping reduction is several times slower than a plain maximum, a
@@ -583,7 +584,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and vocab > GREEDY_CHUNK and vocab % GREEDY_CHUNK == 0:
         return _greedy_by_chunks(logits)
     best, ids = logits.max(dim=-1)
-    return torch.where(best.isnan(), vocab, ids)
+    return torch.where(best.isfinite(), ids, vocab)
 
 
 GREEDY_CHUNK = 64
@@ -611,7 +612,7 @@ def _greedy_by_chunks(logits: torch.Tensor) -> torch.Tensor:
         best, chunk = chunks.amax(dim=-1).max(dim=-1)
         rows = torch.arange(chunks.shape[0], device=logits.device)
         _, inside = chunks[rows, chunk].max(dim=-1)
-    ids = torch.where(best.isnan(), vocab, chunk * GREEDY_CHUNK + inside)
+    ids = torch.where(best.isfinite(), chunk * GREEDY_CHUNK + inside, vocab)
     return ids.reshape(logits.shape[:-1])
 
 

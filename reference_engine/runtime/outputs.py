@@ -43,10 +43,11 @@ class StepOutputs:
 
     def emit(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None) -> bool:
         """Commit a request's new tokens; False (and the request failed) when one of them is
-        not a token: its row's distribution was not finite (greedy gives `vocab` for a NaN
-        row, sampling NOT_A_DISTRIBUTION). The tokens before that one are committed first, as
-        plain decode would have produced them before it failed: one of them may end the
-        request (a stop token, max_tokens), and then it ends so, not in error."""
+        not a token: its row's distribution was not finite (greedy gives `vocab` for a row
+        holding a NaN or +inf or -inf throughout, sampling NOT_A_DISTRIBUTION). The tokens
+        before that one are committed first, as plain decode would have produced them before
+        it failed: one of them may end the request (a stop token, max_tokens), and then it
+        ends so, not in error."""
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
             good = next(i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size)
             if good:

@@ -778,6 +778,27 @@ def _window_one_wide_past_the_prefix(correct):
     return forward
 
 
+# ------------------------------------------------------------------ numerical failure
+def _greedy_takes_an_infinite_maximum(correct):
+    def select(numerics, device, dtype):
+        ops = correct(numerics, device, dtype)
+
+        def greedy(logits):
+            best, ids = logits.max(dim=-1)
+            return torch.where(best.isnan(), logits.shape[-1], ids)  # +inf's id, or 0 for -inf
+
+        return replace(ops, greedy=greedy)
+
+    return select
+
+
+def _failed_bonus_drafts_as_a_token(correct):
+    def anchor_ids(self, bonus):
+        return bonus  # a failed row's `vocab` goes on to index the embeddings
+
+    return anchor_ids
+
+
 FAULTS: dict[str, Fault] = {
     "skip_state_rollback": Fault(
         "hybrid: keep the Gated DeltaNet state of the whole verified block",
@@ -1200,6 +1221,19 @@ FAULTS: dict[str, Fault] = {
         "forward",
         _window_one_wide_past_the_prefix,
         SelfAttention,
+    ),
+    "greedy_takes_an_infinite_maximum": Fault(
+        "numerical failure: the engine's greedy fails a row holding a NaN only; a row whose maximum "
+        "is +inf commits that token, a row of -inf throughout token 0",
+        "select",
+        _greedy_takes_an_infinite_maximum,
+        engine_module,
+    ),
+    "failed_bonus_drafts_as_a_token": Fault(
+        "numerical failure: a failed row's bonus (`vocab`, not a token) anchors the next step of a "
+        "turn and the draft queued ahead, an embedding index out of range",
+        "anchor_ids",
+        _failed_bonus_drafts_as_a_token,
     ),
 }
 

@@ -401,9 +401,7 @@ class SpeculativeStep:
         wrong, change its proposals and so acceptance, never output."""
         N = W if self.span_verify else self.block_size - 1
         vocab = self.target.config.vocab_size
-        # a row whose bonus is not a token (its logits were not finite, greedy gave `vocab`)
-        # has failed; it runs on to the turn's end, as a row that ended does, from a valid id
-        bonus, processed = table[:, 1].clamp(0, vocab - 1), table[:, 2]
+        bonus, processed = self.anchor_ids(table[:, 1]), table[:, 2]
         n = self.next_draft_tokens(rows.remaining_t, processed).clamp(max=N)
         positions = self.next_positions(processed, rows.positions[:, 0], N, n)
         # what an eager forward reads: the turn's rows move at most a block a step
@@ -579,11 +577,16 @@ class SpeculativeStep:
         each row's bonus as its anchor, at its anchor position `anchors_at` + processed. A row
         with no draft tokens left (`n`, next_draft_tokens, is 0: this step used up its
         max_tokens) stays where it is: nothing takes its block, and it then writes only the
-        positions this step's block wrote, inside the request's cells. A bonus that is not a
-        token (the row failed: greedy gave `vocab` for logits that were not finite) drafts from
-        a valid id; what that row drafts is never committed."""
-        anchors = bonus.clamp(0, self.target.config.vocab_size - 1)
-        return self.block_of(anchors, N), self.next_positions(processed, anchors_at, N, n)
+        positions this step's block wrote, inside the request's cells."""
+        return self.block_of(self.anchor_ids(bonus), N), self.next_positions(processed, anchors_at, N, n)
+
+    def anchor_ids(self, bonus: torch.Tensor) -> torch.Tensor:
+        """Each row's bonus as the anchor a next step drafts and verifies from, on the device.
+        A row whose bonus is not a token (its logits were not finite: greedy gave `vocab`) has
+        failed; it runs on to the end of a turn or a queued draft, as a row that ended does,
+        from a valid id (an out-of-range one would index the embeddings out of bounds: a
+        device assert on the GPU), and what it commits after its failure is dropped."""
+        return bonus.clamp(0, self.target.config.vocab_size - 1)
 
     def next_positions(
         self, processed: torch.Tensor, anchors_at: torch.Tensor, N: int, n: torch.Tensor

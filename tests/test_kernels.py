@@ -306,10 +306,10 @@ def test_greedy_takes_the_lowest_id_on_a_tie_within_and_across_blocks() -> None:
     logits = rand(5, 40000)  # three first-pass chunks of 16384
     logits[0, 4000] = logits[0, 100] = 50.0  # tie across vocabulary blocks
     logits[1, 3] = logits[1, 7] = 50.0  # tie inside one block
-    logits[2] = float("-inf")
+    logits[2] = float("-inf")  # no distribution: `vocab`, as a NaN row
     logits[4, 39999] = logits[4, 20000] = 50.0  # tie across chunks
     got = greedy(logits)
-    assert got.tolist()[:3] == [100, 3, 0] and got[4] == 20000
+    assert got.tolist()[:3] == [100, 3, 40000] and got[4] == 20000
     assert torch.equal(got, ref.greedy(logits))
     assert greedy(logits[:4].reshape(2, 2, 40000)).shape == (2, 2)
 

@@ -10,7 +10,9 @@ on the CPU:
 - the strategies themselves: which names are accepted, which need the state saved before the
   verify, and what the verify keeps (nothing on a dense target, nothing for `replay`).
 - `TargetState`: the checkpoint spacing it is built with, the views a `per_token` verify
-  writes, save / restore / rollback / reset of some slots and not others, and slot checks.
+  writes, save / restore / rollback / reset of some slots and not others, and slot checks
+  (restoring a slot outside the state is refused by name, as saving one is); a state for a
+  commit strategy that does not exist is refused when it is built.
 - the engine: several hybrid requests of one batch, under each strategy and an oracle that makes
   rows accept different counts, give plain greedy decode and, after every commit, the state of a
   fresh prefill of the committed tokens; the dense target's lengths after each commit are the
@@ -443,8 +445,7 @@ def test_batched_dense_requests_move_to_the_committed_length(
         assert lengths == expected[: len(lengths)] and lengths[-1] == expected[-1], (i, lengths)
 
 
-# ------------------------------------------------------------------ refusals still missing
-@pytest.mark.xfail(strict=True, reason="restore_saved indexes with an unchecked slot: IndexError")
+# ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("slot", [2, -1])
 def test_restoring_a_slot_outside_the_state_is_refused_by_name(hybrid: CausalLM, slot: int) -> None:
     state = new_state(hybrid, MAX_LEN, num_slots=2)
@@ -452,7 +453,6 @@ def test_restoring_a_slot_outside_the_state_is_refused_by_name(hybrid: CausalLM,
         state.restore_saved(slot)
 
 
-@pytest.mark.xfail(strict=True, reason="TargetState takes any commit strategy name and keeps nothing for it")
 def test_a_state_for_an_unknown_commit_strategy_is_refused(hybrid: CausalLM) -> None:
     with pytest.raises(ConfigError, match="unknown commit strategy 'per-token'"):
         TargetState(hybrid.config, 2, MAX_LEN, F64, "cpu", 4, "per-token")

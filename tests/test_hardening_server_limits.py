@@ -2,7 +2,8 @@
 (serving/limits.py, serving/connections.py, and how server.py and service.py wire them in):
 only a body declared as application/json itself is read, --max-body-mb is a fraction of a
 mebibyte counted to the byte, decoded JSON is plain data at every depth (nesting in objects as
-in arrays, strings in nested containers, keys given twice with any value, no byte order mark),
+in arrays, strings in nested containers, keys given twice with any value, no byte order mark,
+no number too large for a float),
 --timeout-keep-alive closes an idle kept-alive connection, and a chunked body the client ends
 without its last chunk gets 400 at once. Checked through the modules' own functions and on a
 real server on 127.0.0.1 with short deadlines."""
@@ -128,6 +129,16 @@ def test_a_key_given_twice_is_refused_whatever_its_values(raw: bytes) -> None:
 
 def test_keys_that_differ_only_in_case_are_two_keys() -> None:
     assert decode_json(b'{"a": 1, "A": 2}', BodyLimits()) == {"a": 1, "A": 2}
+
+
+@pytest.mark.parametrize("literal", ["1e999", "-1e400", "1.5e309"])
+def test_a_number_too_large_for_a_float_is_refused_not_read_as_infinity(literal: str) -> None:
+    """JSON has no infinity (Infinity and NaN are refused by name); a literal that overflows a
+    float must not become one either, in a field or nested."""
+    for raw in (f'{{"top_p": {literal}}}', f'{{"a": [{{"b": {literal}}}]}}'):
+        with pytest.raises(ProtocolError, match=f"the number {literal} is out of range"):
+            decode_json(raw.encode(), BodyLimits())
+    assert decode_json(b'{"a": 1.7e308, "b": -4.9e-324}', BodyLimits()) == {"a": 1.7e308, "b": -4.9e-324}
 
 
 def test_a_byte_order_mark_is_not_json() -> None:

@@ -135,6 +135,10 @@ class TargetState:
         self.verify_q, self.verify_k, self.verify_v = none, none, none
         self.verify_g, self.verify_beta = none, none
         self.every = checkpoint_every(device, dtype) if every is None else every
+        if commit_strategy is not None:
+            from .commit import check_strategy  # commit.py reads this module
+
+            check_strategy(commit_strategy)
         if config.is_hybrid and commit_strategy in ("per_token", "recompute") and verify_len:
             K, T = config.linear_conv_kernel_dim, verify_len
             hv, dk, dv = rec_shape[1:]
@@ -313,6 +317,7 @@ class TargetState:
 
     def restore_saved(self, slot: int) -> None:
         """Copy the saved Gated DeltaNet state back into the live one (lengths untouched)."""
+        self._check_slot(slot)
         self.restore_rows([slot])
 
     def slot_rows(self, slots: list[int] | torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What the server accepts from an untrusted client before any parsing: a body declared as
-JSON, bounded, and JSON that is plain data (bounded nesting, bounded integers, valid Unicode,
-no key twice in one object).
+JSON, bounded, and JSON that is plain data (bounded nesting, bounded integers, finite numbers,
+valid Unicode, no key twice in one object).
 
 Each refusal is a ProtocolError the server turns into an OpenAI-style error body: 415 for a
 body not declared as JSON, 413 for a body over the limit, 400 for the rest. Decoding runs off
@@ -11,6 +11,7 @@ stalls other streams.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,12 @@ def decode_json(raw: bytes, limits: BodyLimits) -> Any:
     def parse_constant(name: str) -> float:
         raise ProtocolError(f"{name} is not valid JSON")
 
+    def parse_float(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):  # 1e999: a number JSON can write but no float holds
+            raise ProtocolError(f"the number {literal[:32]} is out of range")
+        return value
+
     def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
         # json.loads keeps the last of two equal keys: which one the client meant is a guess
         body = {}
@@ -105,7 +112,11 @@ def decode_json(raw: bytes, limits: BodyLimits) -> Any:
 
     try:
         body = json.loads(
-            text, parse_int=parse_int, parse_constant=parse_constant, object_pairs_hook=unique_keys
+            text,
+            parse_int=parse_int,
+            parse_float=parse_float,
+            parse_constant=parse_constant,
+            object_pairs_hook=unique_keys,
         )
     except RecursionError:
         raise _too_deep(limits) from None

@@ -16,14 +16,23 @@ INF = float("inf")
         ([1.0, 3.0, 0.0, 3.0], 1),
         ([3.0, 3.0, 3.0, 3.0], 0),
         ([0.0, -1.0, 2.5, 2.5, 2.5], 2),
-        ([-INF, -INF, -INF], 0),
-        ([-INF, INF, 0.0, INF], 1),
         ([-5.0, -2.0, -2.0], 1),
         ([0.0, 1.0, 2.0, 7.0], 3),
     ],
 )
 def test_greedy_picks_the_lowest_id_among_exact_ties(logits: list[float], expected: int) -> None:
     assert int(greedy(torch.tensor(logits))) == expected
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [[-INF, -INF, -INF], [-INF, INF, 0.0, INF], [1.0, float("nan"), 2.0]],
+    ids=["-inf", "inf", "nan"],
+)
+def test_greedy_gives_no_token_for_a_row_whose_maximum_is_not_finite(logits: list[float]) -> None:
+    """A row of -inf throughout, one whose maximum is +inf (tied or not) and one holding a NaN
+    are no distribution: greedy gives `vocab`, which the engine fails the request on."""
+    assert int(greedy(torch.tensor(logits))) == len(logits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])

@@ -30,19 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
 from ..kernels import TORCH, Kernels
 from ..kernels.reference import gated_delta_after
 from ..models import CausalLM
-from .state import TargetState, kept_states
+from .state import COMMIT_STRATEGIES, TargetState, check_strategy, kept_states
 
-COMMIT_STRATEGIES = ("replay", "per_token", "recompute")
-
-
-def check_strategy(name: str) -> str:
-    if name not in COMMIT_STRATEGIES:
-        raise ConfigError(f"unknown commit strategy '{name}', expected one of {', '.join(COMMIT_STRATEGIES)}")
-    return name
+# the strategies' names live beside the state that keeps what each needs (state.py)
+__all__ = ["COMMIT_STRATEGIES", "check_strategy", "commit_hybrid", "needs_snapshot", "verify_record"]
 
 
 def needs_snapshot(strategy: str) -> bool:

@@ -16,11 +16,21 @@ import math
 import torch
 
 from ..config import TargetConfig
-from ..errors import RequestError
+from ..errors import ConfigError, RequestError
 from ..kernels import EXACT_DTYPES
 from ..kernels.reference import accumulation_dtype
 from .kv_pool import PoolLayout
 from .transfer import to_device
+
+# how a verified block reaches a hybrid target's state (commit.py)
+COMMIT_STRATEGIES = ("replay", "per_token", "recompute")
+
+
+def check_strategy(name: str) -> str:
+    if name not in COMMIT_STRATEGIES:
+        raise ConfigError(f"unknown commit strategy '{name}', expected one of {', '.join(COMMIT_STRATEGIES)}")
+    return name
+
 
 # The `per_token` commit's checkpoints: a verify keeps the Gated DeltaNet state after block
 # tokens 0, EVERY, 2 * EVERY, ... and its recurrence inputs; the commit runs a row on from the
@@ -136,8 +146,6 @@ class TargetState:
         self.verify_g, self.verify_beta = none, none
         self.every = checkpoint_every(device, dtype) if every is None else every
         if commit_strategy is not None:
-            from .commit import check_strategy  # commit.py reads this module
-
             check_strategy(commit_strategy)
         if config.is_hybrid and commit_strategy in ("per_token", "recompute") and verify_len:
             K, T = config.linear_conv_kernel_dim, verify_len

@@ -23,6 +23,7 @@ from reference_engine.serving.limits import BodyLimits, decode_json, read_body
 from reference_engine.serving.protocol import ProtocolError
 
 from .server_process import ServerProcess
+from .test_serve_connections import response
 
 MAX_BODY_MB = 0.001  # 1048 bytes: int(0.001 * 2**20)
 MAX_BODY_BYTES = 1048
@@ -249,15 +250,6 @@ def test_an_idle_kept_alive_connection_closes_at_the_keep_alive_timeout(server) 
         except ConnectionResetError:
             pass
         assert time.monotonic() - start < KEEP_ALIVE_S + 2.5
-
-
-def response(sock: socket.socket) -> tuple[int, dict]:
-    """Status and JSON body of the one response on `sock`, read until the server closes."""
-    data = b""
-    while chunk := sock.recv(4096):
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(body)
 
 
 def test_a_chunked_body_without_its_last_chunk_gets_400_at_once(server) -> None:

@@ -243,11 +243,6 @@ def loopback_port() -> Iterator[int]:
     thread.join(30)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a client that half-closes after a complete request gets no response: eof_received "
-    "lets asyncio close the transport while the response is still owed",
-)
 def test_a_complete_request_whose_client_half_closes_is_still_answered(loopback_port) -> None:
     """A body cut short by the client's half-close gets 400 at once; a request complete to its
     Content-Length before the half-close is a whole request and gets its route's answer."""

@@ -10,7 +10,8 @@ A client that is slow or broken, on purpose or not, must not hold the server's s
   between bytes: a chunked body trickled at one byte per two seconds never goes idle.
 - A body cut short: a client that closes its side before the body that Content-Length
   announced (or before the last chunk) gets 400 at once instead of waiting for the body
-  timeout.
+  timeout. A client that closes its side after a whole request still gets its response;
+  the connection closes once it is written.
 - Connection cap: past `max_connections` open connections, a new connection's request gets
   503 with a JSON error naming the limit, and the connection closes.
 
@@ -60,6 +61,7 @@ def connection_policy_protocol(
             super().connection_made(transport)
             self._due, self._timer = None, None
             self._closing = False  # answered by _answer: only lingering until closed
+            self._half_closed = False  # the client sent its request whole, then closed its side
             if len(self.connections) > max_connections:  # this one included
                 self.app = refuse_over_cap
             self._wait_for("headers")
@@ -124,7 +126,7 @@ def connection_policy_protocol(
             state = self.conn.their_state
             self._wait_for("body" if state is h11.SEND_BODY else "headers" if state is h11.IDLE else None)
 
-        def eof_received(self) -> None:
+        def eof_received(self) -> bool | None:
             if self._closing:
                 self.transport.close()
             elif self.conn.their_state is h11.SEND_BODY:
@@ -133,10 +135,18 @@ def connection_policy_protocol(
                     "the client closed its side of the connection before the request body was "
                     "complete (shorter than its Content-Length, or no last chunk)",
                 )
+            elif self.conn.their_state is h11.DONE and self.conn.our_state is not h11.DONE:
+                # a whole request, then a half-close: the response is still owed, so the
+                # transport stays open for writing (True) and closes once it is written
+                self._half_closed = True
+                return True
+            return None
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            if self._half_closed:
+                self.transport.close()
+            elif not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self._wait_for("headers")
 
         def connection_lost(self, exc) -> None:

@@ -11,6 +11,7 @@ run as `__main__` with its arguments, as `python -m` runs it. DFLASH_TEST_FRESH_
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import multiprocessing
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -245,3 +247,27 @@ def start_servers(*launches: tuple[str, ...] | dict) -> list[ServerProcess]:
             server.stop()
         raise
     return servers
+
+
+@contextlib.contextmanager
+def uvicorn_in_thread(app, port: int, http) -> Iterator[int]:
+    """`app` served by uvicorn on 127.0.0.1:`port` with the protocol class `http` (the
+    server's connection policy), in a thread of this process, until the block ends."""
+    import threading
+
+    import uvicorn
+
+    options = dict(log_level="warning", lifespan="off", http=http, timeout_keep_alive=60)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, **options)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(30)

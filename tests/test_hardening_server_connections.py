@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import h11
@@ -24,6 +22,7 @@ from uvicorn.server import ServerState
 
 from reference_engine.serving.connections import LINGER_S, connection_policy_protocol
 
+from .server_process import free_port, uvicorn_in_thread
 from .test_cli_lifecycle_contracts import POST_HEAD, Transport, opened, run_for
 from .test_server_metrics_limits_contracts import answer_of
 
@@ -219,28 +218,8 @@ async def generates(scope, receive, send) -> None:
 @pytest.fixture
 def loopback_port() -> Iterator[int]:
     """uvicorn on 127.0.0.1 with the server's connection policy."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(
-        generates,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        lifespan="off",
-        http=connection_policy_protocol(5.0, 5.0, 8),
-        timeout_keep_alive=60,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield port
-    server.should_exit = True
-    thread.join(30)
+    with uvicorn_in_thread(generates, free_port(), connection_policy_protocol(5.0, 5.0, 8)) as port:
+        yield port
 
 
 def test_a_complete_request_whose_client_half_closes_is_still_answered(loopback_port) -> None:

@@ -18,12 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from tokenizers import Tokenizer, decoders, models, processors
 
 from reference_engine.errors import CheckpointError
@@ -38,7 +36,7 @@ from reference_engine.serving.connections import connection_policy_protocol
 from reference_engine.serving.service import Server
 from reference_engine.tokenizer import TokenBytes, load_tokenizer
 
-from .server_process import free_port
+from .server_process import free_port, uvicorn_in_thread
 from .test_serve_app import answered, metrics_page, parsed_request
 from .test_serve_metrics import value
 
@@ -234,26 +232,9 @@ async def hello(scope, receive, send) -> None:
 def policy_server():
     """uvicorn on loopback with the server's connection policy (a short header timeout, a
     keep-alive timeout far longer, so only the header deadline can close a connection)."""
-    port = free_port()
-    config = uvicorn.Config(
-        hello,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        lifespan="off",
-        http=connection_policy_protocol(HEADER_TIMEOUT_S, 30.0, 16),
-        timeout_keep_alive=60,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield port
-    server.should_exit = True
-    thread.join(30)
+    policy = connection_policy_protocol(HEADER_TIMEOUT_S, 30.0, 16)
+    with uvicorn_in_thread(hello, free_port(), policy) as port:
+        yield port
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:

@@ -63,6 +63,7 @@ def spoiled_after(target: CausalLM, token: int, spoil: Callable) -> Iterator[Non
     CUDA graph captured inside the block spoils its rows too."""
     owner = type(target)
     forward = owner.forward
+    own = "forward" in vars(owner)  # else inherited: put back by deleting the override
 
     def spoiled(self, input_ids, positions, slots, state, kv_len, *args, **kwargs):
         out = forward(self, input_ids, positions, slots, state, kv_len, *args, **kwargs)
@@ -78,7 +79,10 @@ def spoiled_after(target: CausalLM, token: int, spoil: Callable) -> Iterator[Non
     try:
         yield
     finally:
-        owner.forward = forward
+        if own:
+            owner.forward = forward
+        else:
+            del owner.forward
 
 
 def requests_for(pair: Pair, sampled: bool) -> dict[str, tuple[list[int], SamplingParams]]:
